@@ -1,1 +1,46 @@
-"""kthena_comm."""
+"""kthena_comm: how ranks talk and how KV moves.
+
+* process groups from a parallel layout (``init_parallel_groups``), backend chosen by device;
+* collectives, sync or async, and a bucketed all-reduce (``kthena_comm.collectives``);
+* one-sided transfer (``kthena_comm.transfer``): ``TransferEngine`` with local, shm, mooncake
+  and torch backends.
+
+Names are imported lazily so that ``import kthena_comm.transfer`` does not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CommError": "errors", "EngineClosedError": "errors", "InitError": "errors",
+    "LayoutError": "errors", "PeerUnreachableError": "errors", "RankEnvError": "errors",
+    "TransferError": "errors", "TransferTimeoutError": "errors",
+    "UnknownBackendError": "errors", "UnregisteredRangeError": "errors",
+    "ParallelConfig": "layout", "ParallelLayout": "layout", "Rank": "layout",
+    "group_ranks": "layout", "RankEnv": "env",
+    "DeviceBackend": "device", "backend_for_device": "device",
+    "register_device_backend": "device",
+    "CommGroup": "groups", "GroupConfig": "groups", "ParallelGroups": "groups",
+    "init_parallel_groups": "groups",
+    "Handle": "collectives", "all_gather": "collectives", "all_reduce": "collectives",
+    "all_to_all": "collectives", "barrier": "collectives", "broadcast": "collectives",
+    "recv": "collectives", "reduce_scatter": "collectives", "send": "collectives",
+    "bucketed_all_reduce": "bucketing", "plan_buckets": "bucketing",
+    "MemoryHandle": "transfer", "TransferEngine": "transfer", "TransferFuture": "transfer",
+    "TransferOp": "transfer", "create_engine": "transfer", "available_backends": "transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kthena_comm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kthena_comm.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,75 @@
+"""Exceptions raised by kthena_comm.
+
+Every failure that crosses the library boundary is one of these. Each subclasses the builtin that
+fits it (``ValueError`` for misuse, ``ConnectionError`` for an unreachable peer, ``TimeoutError``
+for a deadline) so callers can catch either the specific class or the builtin. Foreign return
+codes (torch.distributed, Mooncake) become these exceptions once, where the foreign call is made.
+"""
+
+from __future__ import annotations
+
+
+class CommError(RuntimeError):
+    """Base class of every kthena_comm runtime failure."""
+
+
+class LayoutError(ValueError):
+    """A parallel layout is inconsistent (sizes, world size, SP vs TP)."""
+
+
+class RankEnvError(ValueError):
+    """A rank's environment (RANK, WORLD_SIZE, ...) is missing or malformed."""
+
+    def __init__(self, variable: str, value: str | None, allowed: str) -> None:
+        self.variable = variable
+        self.value = value
+        shown = "unset" if value is None else repr(value)
+        super().__init__(f"{variable} is {shown}; expected {allowed}")
+
+
+class UnknownBackendError(LookupError):
+    """A backend name (collective or transfer) is not in its registry."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"unknown {kind} backend {name!r}; registered: {', '.join(sorted(known))}")
+
+
+class InitError(CommError):
+    """Process-group initialisation failed; names the rank, the address and the variable."""
+
+    def __init__(self, rank: int, address: str, variable: str, reason: str) -> None:
+        self.rank = rank
+        self.address = address
+        self.variable = variable
+        super().__init__(f"rank {rank}: cannot initialise process group at {address} "
+                         f"(check {variable}): {reason}")
+
+
+class TransferError(CommError):
+    """A one-sided transfer failed; names the backend, the peer and the operation."""
+
+    def __init__(self, backend: str, peer: str, op: str, reason: str) -> None:
+        self.backend = backend
+        self.peer = peer
+        self.op = op
+        super().__init__(f"{backend}: {op} with peer {peer} failed: {reason}")
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not complete within its deadline."""
+
+
+class PeerUnreachableError(TransferError, ConnectionError):
+    """The peer process is dead or cannot be reached."""
+
+
+class UnregisteredRangeError(TransferError, ValueError):
+    """A local or remote byte range is not inside memory registered for transfer."""
+
+
+class EngineClosedError(CommError, ValueError):
+    """An operation was attempted on a closed transfer engine."""
+
+    def __init__(self, backend: str, op: str) -> None:
+        super().__init__(f"{backend}: {op} called after close(); create a new engine")

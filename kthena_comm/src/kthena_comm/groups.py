@@ -1,0 +1,165 @@
+"""Process groups from a parallel layout and a rank's environment.
+
+``init_parallel_groups`` rendezvouses over a TCPStore at MASTER_ADDR:MASTER_PORT, initialises the
+world group with the device's backend (gloo / nccl / hccl, overridable), then creates every TP, PP,
+DP and SP group in the same order on every rank, as torch.distributed requires. Each failure
+(unreachable master, port taken, ranks missing, world size not matching the layout) raises within
+``timeout_s`` with the rank, the address and the variable to check.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+from kthena_comm.device import backend_for_device, device_backend
+from kthena_comm.env import RankEnv
+from kthena_comm.errors import InitError, LayoutError
+from kthena_comm.layout import (
+    GroupKind,
+    ParallelLayout,
+    Rank,
+    check_layout,
+    group_ranks,
+    world_size_of,
+)
+
+_JOIN_KEY = "kthena_comm/joined"
+
+
+@attrs.frozen
+class GroupConfig:
+    """How to initialise groups: device type, optional backend override, deadline."""
+
+    device_type: str = "cpu"
+    backend: str | None = None
+    timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+
+
+@attrs.frozen
+class CommGroup:
+    """One process group seen from one rank: its kind, members and torch handle.
+
+    ``process_group`` is ``None`` for a single-rank group (collectives on it are local no-ops).
+    """
+
+    kind: str
+    ranks: tuple[Rank, ...]
+    rank: Rank
+    process_group: Any = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's index inside the group."""
+        return self.ranks.index(self.rank)
+
+
+@attrs.frozen
+class ParallelGroups:
+    """The world plus this rank's TP, PP, DP and SP groups."""
+
+    backend: str
+    world: CommGroup
+    tp: CommGroup
+    pp: CommGroup
+    dp: CommGroup
+    sp: CommGroup
+
+    def destroy(self) -> None:
+        """Tear down every group (safe to call twice)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
+                         config: GroupConfig | None = None) -> ParallelGroups:
+    """Initialise torch.distributed and build this rank's groups.
+
+    Args:
+        layout: sizes of TP / PP / DP / SP (a kthena_core ``Plan`` or a ``ParallelConfig``).
+        env: this rank's launch environment (see ``RankEnv.from_env``).
+        config: device type, backend override and deadline.
+
+    Raises:
+        LayoutError: the layout is invalid or needs a different WORLD_SIZE.
+        InitError: rendezvous or backend init failed or ran past ``config.timeout_s``.
+    """
+    config = config or GroupConfig()
+    check_layout(layout)
+    if world_size_of(layout) != env.world_size:
+        raise LayoutError(f"rank {env.rank}: layout tp={layout.tp_size} × pp={layout.pp_size} × "
+                          f"dp={layout.dp_size} needs {world_size_of(layout)} ranks but "
+                          f"WORLD_SIZE={env.world_size}; launch that many ranks or change the plan")
+    device_backend(config.device_type).prepare(env.local_rank)
+    backend = backend_for_device(config.device_type, config.backend)
+    store = connect_store(env, config.timeout_s)
+    _init_world(store, env, backend, config.timeout_s)
+    world = CommGroup("world", tuple(Rank(r) for r in range(env.world_size)), Rank(env.rank),
+                      dist.group.WORLD)
+    kinds = {kind: _build_kind(layout, kind, world) for kind in ("tp", "pp", "dp")}
+    sp = kinds["tp"] if layout.sp_size > 1 else _single(world, "sp")
+    return ParallelGroups(backend, world, kinds["tp"], kinds["pp"], kinds["dp"],
+                          attrs.evolve(sp, kind="sp"))
+
+
+def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
+    """Open the rendezvous store and wait until all WORLD_SIZE ranks have joined it."""
+    is_master = env.rank == 0
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as exc:  # torch raises DistNetworkError / RuntimeError variants
+        variable = "MASTER_PORT" if is_master else "MASTER_ADDR/MASTER_PORT"
+        what = "cannot listen" if is_master else "master unreachable"
+        raise InitError(env.rank, env.address, variable, f"{what}: {exc}") from exc
+    _await_ranks(store, env, timeout_s)
+    return store
+
+
+def _await_ranks(store: dist.TCPStore, env: RankEnv, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    joined = store.add(_JOIN_KEY, 1)
+    while joined < env.world_size:
+        if time.monotonic() > deadline:
+            raise InitError(env.rank, env.address, "WORLD_SIZE",
+                            f"only {joined} of {env.world_size} ranks joined within {timeout_s}s")
+        time.sleep(0.02)
+        joined = store.add(_JOIN_KEY, 0)
+
+
+def _init_world(store: dist.TCPStore, env: RankEnv, backend: str, timeout_s: float) -> None:
+    try:
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise InitError(env.rank, env.address, "RANK/WORLD_SIZE",
+                        f"{backend} init failed: {exc}") from exc
+
+
+def _build_kind(layout: ParallelLayout, kind: GroupKind, world: CommGroup) -> CommGroup:
+    mine = _single(world, kind)
+    for ranks in group_ranks(layout, kind):
+        group = _new_group(ranks, world, kind)  # every rank must call new_group for every group
+        if world.rank in ranks:
+            mine = group
+    return mine
+
+
+def _new_group(ranks: tuple[Rank, ...], world: CommGroup, kind: str) -> CommGroup:
+    if len(ranks) == 1:
+        return CommGroup(kind, ranks, world.rank)
+    if len(ranks) == world.size:
+        return attrs.evolve(world, kind=kind)
+    return CommGroup(kind, ranks, world.rank, dist.new_group(list(ranks)))
+
+
+def _single(world: CommGroup, kind: str) -> CommGroup:
+    return CommGroup(kind, (world.rank,), world.rank)

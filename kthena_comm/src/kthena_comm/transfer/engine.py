@@ -1,0 +1,129 @@
+"""The one-sided ``TransferEngine`` protocol (the HIXL / Mooncake model) and its registry.
+
+An engine registers memory (→ ``MemoryHandle``), then moves bytes with ``batch_put`` (local →
+remote) and ``batch_get`` (remote → local) without the peer's CPU taking part. The async variants
+return a ``TransferFuture``; ``wait`` blocks for futures with a deadline. Every failure is an
+exception naming the backend, the peer and the op; nothing blocks past ``timeout_s``.
+
+Backends register a factory by name (``local``, ``shm``, ``mooncake``, ``torch``), so callers
+pick one with ``create_engine(name, config)`` and no code branches on the backend.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from kthena_comm.errors import TransferError, TransferTimeoutError, UnknownBackendError
+from kthena_comm.transfer.handle import MemoryHandle, TransferOp
+
+
+class TransferFuture:
+    """An in-flight batch. ``wait`` returns when it is done or raises its error."""
+
+    def __init__(self, inner: cf.Future, backend: str, peer: str, op: str,
+                 timeout_s: float) -> None:
+        self._inner = inner
+        self._context = (backend, peer, op)
+        self._timeout_s = timeout_s
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the batch completes.
+
+        Raises:
+            TransferTimeoutError: not done within ``timeout_s`` (default: the engine's).
+            TransferError: the batch failed (a subclass says why).
+        """
+        limit = self._timeout_s if timeout_s is None else timeout_s
+        try:
+            self._inner.result(timeout=limit)
+        except cf.TimeoutError:
+            raise TransferTimeoutError(*self._context, f"not complete after {limit}s") from None
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """One-sided transfer between registered memories."""
+
+    backend: str
+
+    @property
+    def address(self) -> str:
+        """This engine's peer address, as it appears in its handles' ``peer``."""
+
+    def register(self, memory: Any, layout_id: str | None = None) -> MemoryHandle:
+        """Register a contiguous CPU tensor or writable buffer; returns its handle."""
+
+    def unregister(self, handle: MemoryHandle) -> None:
+        """Stop serving ``handle``'s memory (idempotent)."""
+
+    def batch_put(self, ops: Sequence[TransferOp]) -> None:
+        """Copy each op's local range into its remote range; returns when all landed."""
+
+    def batch_get(self, ops: Sequence[TransferOp]) -> None:
+        """Copy each op's remote range into its local range."""
+
+    def batch_put_async(self, ops: Sequence[TransferOp]) -> TransferFuture:
+        """Start ``batch_put``; the future completes when all bytes landed."""
+
+    def batch_get_async(self, ops: Sequence[TransferOp]) -> TransferFuture:
+        """Start ``batch_get``."""
+
+    def wait(self, futures: Iterable[TransferFuture], timeout_s: float | None = None) -> None:
+        """Wait for every future; raises the first error."""
+
+    def close(self) -> None:
+        """Release memory, connections and threads; a second call does nothing."""
+
+
+@attrs.frozen
+class BackendEntry:
+    """How to build one backend, and whether it can run on this machine."""
+
+    name: str
+    factory: Callable[..., TransferEngine] = attrs.field(eq=False)
+    is_available: Callable[[], bool] = attrs.field(eq=False, default=lambda: True)
+
+
+_BACKENDS: dict[str, BackendEntry] = {}
+
+
+def register_backend(entry: BackendEntry) -> None:
+    """Add or replace a transfer backend."""
+    _BACKENDS[entry.name] = entry
+
+
+def create_engine(name: str, config: Any = None) -> TransferEngine:
+    """Build an engine of backend ``name`` with its config object (``None``: its defaults).
+
+    Raises:
+        UnknownBackendError: no backend of that name is registered.
+    """
+    try:
+        entry = _BACKENDS[name]
+    except KeyError:
+        raise UnknownBackendError("transfer", name, list(_BACKENDS)) from None
+    return entry.factory() if config is None else entry.factory(config)
+
+
+def available_backends() -> list[str]:
+    """Registered backends that can run here (their library is importable)."""
+    return [name for name, entry in _BACKENDS.items() if entry.is_available()]
+
+
+def wait_all(futures: Iterable[TransferFuture], timeout_s: float | None = None) -> None:
+    """Wait for every future in turn; re-raises the first failure."""
+    errors: list[TransferError] = []
+    for future in futures:
+        try:
+            future.wait(timeout_s)
+        except TransferError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]

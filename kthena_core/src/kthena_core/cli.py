@@ -1,0 +1,110 @@
+"""The ``kthena`` command: ``plan`` and ``topo`` here; other layers add subcommands.
+
+This module is the command-line shell of kthena_core: it is the one place in the layer that reads
+argv. Installed layers register more subcommands (``serve``, ``bench`` ...) through the entry-point
+group ``kthena.commands``; each entry point is a callable taking the argparse subparsers object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from kthena_core.known_models import load_model_spec
+from kthena_core.topology import Topology
+
+
+def resolve_topology(spec: str) -> Topology:
+    """'auto' (discover this machine), a YAML file, or a catalog node name with ':N' nodes."""
+    from kthena_core import topology as topo
+
+    if spec == "auto":
+        from kthena_core.discovery import discover
+
+        return discover()
+    if spec.endswith((".yaml", ".yml")):
+        return topo.Topology.from_yaml(spec)
+    name, _, count = spec.partition(":")
+    try:
+        num_nodes = int(count) if count else 1
+    except ValueError:
+        raise topo.TopologyError(f"--topology {spec!r}: node count {count!r} is not an integer") from None
+    return topo.from_catalog(name, num_nodes)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kthena_core.planner import Planner
+    from kthena_core.report import format_plan
+    from kthena_core.workload import Workload
+
+    model = load_model_spec(args.model)
+    topology = resolve_topology(args.topology)
+    workload = Workload.parse(args.workload) if args.workload else Workload()
+    overrides = {k: v for k, v in (("mode", args.mode), ("objective", args.objective)) if v}
+    if overrides:
+        workload = Workload(**{**workload.to_dict(), **overrides})
+    plan = Planner().plan(model, topology, workload)
+    if args.json:
+        print(json.dumps(plan.to_dict(args.candidates)))
+    else:
+        print(format_plan(plan, args.candidates))
+    return 0
+
+
+def _cmd_topo(args: argparse.Namespace) -> int:
+    from kthena_core.discovery import describe, discover_all
+
+    if args.topology != "auto":
+        topology = resolve_topology(args.topology)
+        print(json.dumps(topology.to_dict()) if args.json else describe(topology))
+        return 0
+    report = discover_all()
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(report.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kthena", description="Kthena x Mooncake SDK command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="choose TP x PP x SP x DP for a model on a topology")
+    plan.add_argument("--model", default="default",
+                      help="'default' (SmolLM2-135M-Instruct), a known name, a config.json, folder or .gguf")
+    plan.add_argument("--topology", default="auto",
+                      help="'auto' (discover this machine), a YAML file, or a catalog node name[:nodes]")
+    plan.add_argument("--workload", default="",
+                      help="e.g. prompt_len=1024,output_len=256,concurrency=32,dtype=bf16,objective=latency")
+    plan.add_argument("--mode", choices=("colocated", "pd"), help="override the workload's serving mode")
+    plan.add_argument("--objective", choices=("throughput", "latency"), help="override the objective")
+    plan.add_argument("--candidates", type=int, default=8, help="runner-up candidates to show")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_cmd_plan)
+
+    topo = sub.add_parser("topo", help="print what topology discovery sees")
+    topo.add_argument("--topology", default="auto", help="'auto', a YAML file or a catalog node name[:nodes]")
+    topo.add_argument("--json", action="store_true")
+    topo.set_defaults(func=_cmd_topo)
+
+    for ep in entry_points(group="kthena.commands"):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        # Our errors subclass these builtins and carry a full message; no traceback for bad input.
+        print(f"kthena {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

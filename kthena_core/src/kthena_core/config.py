@@ -1,0 +1,241 @@
+"""Typed configuration: the ``kthena_config.yaml`` format of the source article, validated.
+
+```yaml
+cluster:      {master_addr: 127.0.0.1, master_port: 29500, world_size: 8, local_rank: 0}
+parallelism:  {strategy: tp_pp, tensor_parallel_size: 4, pipeline_parallel_size: 2}
+model:        {checkpoint_path: /models/llama-2-70b, dtype: float16}
+service:      {api_type: http, host: 0.0.0.0, port: 8000, max_batch_size: 32, kv_cache_reuse: true}
+kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: int8, group_size: 128}}
+```
+
+Every section loads into a frozen attrs class. A bad file raises `ConfigError` whose message
+names the key path, the value and what is allowed; unknown keys are errors (with the nearest
+known key suggested), because a typo silently ignored is a misconfigured cluster.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import yaml
+
+from kthena_core.dtypes import canonical_dtype
+from kthena_core.model_spec import ModelSpec
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: got {value!r}; allowed: {allowed}")
+
+
+@attrs.frozen
+class ClusterConfig:
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    world_size: int = 1
+    local_rank: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+
+
+@attrs.frozen
+class ParallelismConfig:
+    strategy: str = "tp_pp"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel_enabled: bool = False
+    sequence_parallel_group_size: int = 1
+    fused_communication: bool = True
+    bucket_size_mb: float = 25.0
+
+
+@attrs.frozen
+class ModelConfig:
+    checkpoint_path: str = "default"
+    dtype: str = "bf16"
+    compute_dtype: str | None = None
+    parameter_dtype: str | None = None
+    attention_kernel: str = "flash"
+
+
+@attrs.frozen
+class CompressionConfig:
+    method: str = "none"
+    group_size: int = 128
+
+
+@attrs.frozen
+class KVCacheConfig:
+    max_tokens: int | None = None
+    memory_pool_size: str | None = None
+    reuse_bucket_size: int = 16
+    sharing_granularity: str = "block"
+    compression: CompressionConfig = CompressionConfig()
+
+
+@attrs.frozen
+class ServiceConfig:
+    api_type: str = "http"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch_size: int = 32
+    kv_cache_reuse: bool = True
+
+
+@attrs.frozen
+class KthenaConfig:
+    cluster: ClusterConfig = ClusterConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    model: ModelConfig = ModelConfig()
+    service: ServiceConfig = ServiceConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+
+    def validate_against(self, model: ModelSpec) -> None:
+        """Check the parallel sizes against a model's heads and layers.
+
+        Raises:
+            ConfigError: tp does not divide the attention heads, or pp the layers, etc.
+        """
+        tp = self.parallelism.tensor_parallel_size
+        pp = self.parallelism.pipeline_parallel_size
+        _check(model.num_attention_heads % tp == 0, "parallelism.tensor_parallel_size", tp,
+               f"a divisor of {model.name}'s {model.num_attention_heads} attention heads")
+        nkv = model.num_key_value_heads
+        _check(model.is_mla or nkv % tp == 0 or tp % nkv == 0, "parallelism.tensor_parallel_size", tp,
+               f"a divisor or multiple of {model.name}'s {nkv} KV heads")
+        _check(model.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
+               f"a divisor of {model.name}'s {model.num_layers} layers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "parallelism": ParallelismConfig,
+    "model": ModelConfig,
+    "service": ServiceConfig,
+    "kv_cache": KVCacheConfig,
+}
+_CHOICES = {
+    "parallelism.strategy": ("tp", "pp", "tp_pp", "tp_pp_dp", "dp", "auto"),
+    "service.api_type": ("http", "grpc"),
+    "model.attention_kernel": ("flash", "memory_efficient", "high_throughput"),
+    "kv_cache.sharing_granularity": ("block",),
+    "kv_cache.compression.method": ("none", "int8"),
+}
+_POSITIVE = {
+    "cluster.world_size", "cluster.nnodes", "parallelism.tensor_parallel_size",
+    "parallelism.pipeline_parallel_size", "parallelism.data_parallel_size",
+    "parallelism.sequence_parallel_group_size", "parallelism.bucket_size_mb", "service.max_batch_size",
+    "kv_cache.max_tokens", "kv_cache.reuse_bucket_size", "kv_cache.compression.group_size",
+}
+_NON_NEGATIVE = {"cluster.local_rank", "cluster.node_rank"}
+_PORTS = {"cluster.master_port", "service.port"}
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Turn a mapping into `cls`, checking keys and value types field by field."""
+    if data is None:
+        data = {}
+    _check(isinstance(data, Mapping), path, data, "a mapping of keys to values")
+    fields = {f.name: f for f in attrs.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{key_path}: unknown key{hint}; allowed keys: {', '.join(fields)}")
+        values[key] = _field_value(fields[key], value, key_path)
+    return cls(**values)
+
+
+def _field_value(field: attrs.Attribute, value: Any, path: str) -> Any:
+    default = field.default
+    if attrs.has(type(default)):
+        return _build(type(default), value, path)
+    kind = field.type if isinstance(field.type, str) else ""
+    if kind.startswith("bool"):
+        _check(isinstance(value, bool), path, value, "true or false")
+    elif kind.startswith(("int", "float")):
+        number = (int, float) if kind.startswith("float") else (int,)
+        ok = isinstance(value, number) and not isinstance(value, bool)
+        _check(ok or (value is None and "None" in kind), path, value, "a number" if "float" in kind else "an integer")
+        _check_range(path, value)
+    elif kind.startswith("str"):
+        _check(isinstance(value, str) or (value is None and "None" in kind), path, value, "a string")
+        if path in _CHOICES:
+            _check(value in _CHOICES[path], path, value, ", ".join(_CHOICES[path]))
+        if path.endswith("dtype") and value is not None:
+            try:
+                value = canonical_dtype(value)
+            except ValueError as e:
+                raise ConfigError(f"{path}: {e}") from None
+    return value
+
+
+def _check_range(path: str, value: Any) -> None:
+    if value is None:
+        return
+    if path in _POSITIVE:
+        _check(value > 0, path, value, "a number > 0")
+    if path in _NON_NEGATIVE:
+        _check(value >= 0, path, value, "a number >= 0")
+    if path in _PORTS:
+        _check(0 < value < 65536, path, value, "a TCP port in 1..65535")
+
+
+def _cross_checks(cfg: KthenaConfig, base_dir: str | None) -> None:
+    par, cl = cfg.parallelism, cfg.cluster
+    used = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    _check(used == cl.world_size, "cluster.world_size", cl.world_size,
+           f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = "
+           f"{par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size} = {used}")
+    _check(cl.local_rank < cl.world_size, "cluster.local_rank", cl.local_rank, f"0..{cl.world_size - 1}")
+    _check(cl.node_rank < cl.nnodes, "cluster.node_rank", cl.node_rank, f"0..{cl.nnodes - 1}")
+    if par.sequence_parallel_enabled:
+        sp = par.sequence_parallel_group_size
+        _check(sp in (1, par.tensor_parallel_size), "parallelism.sequence_parallel_group_size", sp,
+               f"1 or tensor_parallel_size ({par.tensor_parallel_size}); SP shares the TP group")
+    path = cfg.model.checkpoint_path
+    if path != "default":
+        full = os.path.join(base_dir or "", os.path.expanduser(path))
+        _check(os.path.exists(full), "model.checkpoint_path", path,
+               "an existing checkpoint folder, config.json or .gguf file, or 'default'")
+
+
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> KthenaConfig:
+    """Load and validate a config from a YAML file path or an already-parsed mapping.
+
+    Relative checkpoint paths resolve against the YAML file's folder.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, unknown key, wrong type or inconsistent sizes.
+    """
+    base_dir = None
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = os.fspath(source)
+        base_dir = os.path.dirname(os.path.abspath(path))
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    _check(isinstance(data, Mapping), "<top level>", data, f"a mapping with sections {', '.join(_SECTIONS)}")
+    cfg = _build(KthenaConfig, data, "")
+    _cross_checks(cfg, base_dir)
+    return cfg

@@ -1,0 +1,142 @@
+"""``kthena-run``: a thin wrapper over ``torch.distributed.run`` (torchrun) driven by a config.
+
+It reads a ``kthena_config.yaml`` (or flags), fills torchrun's rendezvous arguments from the
+``cluster`` section, and exports the environment every rank needs before torchrun forks them:
+the parallel sizes (``KTHENA_TP_SIZE`` ...), the collective backend (``KTHENA_DIST_BACKEND``:
+hccl | nccl | gloo), and on CPU one OpenMP thread pool per rank sized to its share of the cores
+with ``OMP_WAIT_POLICY=PASSIVE`` (spin-waiting pools on shared cores collapse throughput).
+torchrun itself sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT per rank.
+
+torch is imported lazily, only to hand over to torchrun, so kthena_core stays torch-free.
+
+Example::
+
+    kthena-run --config kthena_config.yaml --nproc_per_node 4 serve.py --port 8000
+    kthena-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr 10.0.0.1 \\
+               --master_port 29500 serve.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+
+from kthena_core.config import ConfigError, KthenaConfig, load_config
+
+BACKENDS = ("auto", "hccl", "nccl", "gloo")
+
+
+def detect_backend() -> str:
+    """hccl when an Ascend runtime is visible, nccl when an NVIDIA driver is, else gloo.
+
+    Looks for the vendor tools/devices only; imports neither torch_npu nor CUDA.
+    """
+    if shutil.which("npu-smi") or os.path.exists("/dev/davinci_manager"):
+        return "hccl"
+    if shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl"):
+        return "nccl"
+    return "gloo"
+
+
+def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
+                     num_cpus: int | None = None) -> dict[str, str]:
+    """Environment variables common to every rank this launcher starts."""
+    par = cfg.parallelism
+    env = {
+        "KTHENA_TP_SIZE": str(par.tensor_parallel_size),
+        "KTHENA_PP_SIZE": str(par.pipeline_parallel_size),
+        "KTHENA_DP_SIZE": str(par.data_parallel_size),
+        "KTHENA_SP_SIZE": str(par.sequence_parallel_group_size if par.sequence_parallel_enabled else 1),
+        "KTHENA_DIST_BACKEND": backend,
+    }
+    if backend == "gloo":
+        cores = num_cpus or os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, nproc_per_node)))
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if backend == "hccl":
+        # HCCL reads its own variables (HCCL_IF_IP, HCCL_CONNECT_TIMEOUT ...); keep a user's values.
+        env.setdefault("HCCL_CONNECT_TIMEOUT", os.environ.get("HCCL_CONNECT_TIMEOUT", "600"))
+    return env
+
+
+def torchrun_argv(cfg: KthenaConfig, args: argparse.Namespace) -> list[str]:
+    """The argument list handed to torch.distributed.run."""
+    cl = cfg.cluster
+    nnodes = args.nnodes or cl.nnodes
+    nproc = args.nproc_per_node or max(1, cl.world_size // nnodes)
+    if nnodes * nproc != cl.world_size and args.config:
+        raise ConfigError(
+            f"--nnodes {nnodes} x --nproc_per_node {nproc} = {nnodes * nproc} ranks, but "
+            f"cluster.world_size is {cl.world_size}; make them agree"
+        )
+    return [
+        f"--nnodes={nnodes}",
+        f"--node_rank={args.node_rank if args.node_rank is not None else cl.node_rank}",
+        f"--nproc_per_node={nproc}",
+        f"--master_addr={args.master_addr or cl.master_addr}",
+        f"--master_port={args.master_port or cl.master_port}",
+        args.script,
+        *args.script_args,
+    ]
+
+
+def _config_from_args(args: argparse.Namespace) -> KthenaConfig:
+    if args.config:
+        return load_config(args.config)
+    nnodes = args.nnodes or 1
+    world = nnodes * (args.nproc_per_node or 1)
+    data: Mapping[str, object] = {
+        "cluster": {"world_size": world, "nnodes": nnodes},
+        "parallelism": {"tensor_parallel_size": args.tp or world // (args.pp or 1), "pipeline_parallel_size": args.pp or 1},
+    }
+    return load_config(data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kthena-run", description="torchrun with Kthena's per-rank environment")
+    p.add_argument("--config", help="kthena_config.yaml (cluster + parallelism sections)")
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--node_rank", type=int)
+    p.add_argument("--nproc_per_node", type=int)
+    p.add_argument("--master_addr")
+    p.add_argument("--master_port", type=int)
+    p.add_argument("--tp", type=int, help="tensor-parallel size without a config file")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size without a config file")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--dry-run", action="store_true", help="print the environment and torchrun argv, run nothing")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = _config_from_args(args)
+        run_argv = torchrun_argv(cfg, args)
+    except ConfigError as e:
+        print(f"kthena-run: error: {e}", file=sys.stderr)
+        return 2
+    backend = detect_backend() if args.backend == "auto" else args.backend
+    nproc = int(run_argv[2].split("=")[1])
+    env = rank_environment(cfg, backend, nproc)
+    if args.dry_run:
+        for k, v in sorted(env.items()):
+            print(f"{k}={v}")
+        print("torchrun " + " ".join(run_argv))
+        return 0
+    os.environ.update(env)
+    try:
+        from torch.distributed import run as torchrun
+    except ImportError:
+        print("kthena-run: error: torch is not installed (pip install 'kthena-core[launch]')", file=sys.stderr)
+        return 2
+    torchrun.main(run_argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""ModelSpec: the architecture facts the planner needs (sizes, FLOPs, weight and KV bytes).
+
+Built from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral, Mixtral-style MoE, DeepSeek
+MLA) or from GGUF metadata. KV bytes use ``num_key_value_heads`` (GQA), never the number of
+attention heads::
+
+    kv_bytes/token = 2 (K and V) x num_layers x num_kv_heads x head_dim x bytes/element
+    Llama-2-70B, bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB   (not 2.5 MB)
+
+MLA (DeepSeek-V2/V3) caches one compressed latent per token and layer instead:
+``num_layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, the same on every TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kthena_core.dtypes import canonical_dtype, dtype_bytes
+
+
+class ModelSpecError(ValueError):
+    """A model description is missing a field or holds an impossible value."""
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value <= 0:
+        raise ModelSpecError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 0:
+        raise ModelSpecError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class ModelSpec:
+    """Architecture of a decoder-only transformer, as far as sizing and planning need it."""
+
+    name: str
+    architecture: str
+    num_layers: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
+    num_attention_heads: int = attrs.field(validator=_positive)
+    num_key_value_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    vocab_size: int = attrs.field(validator=_positive)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    # Mixture of experts (0 = dense). Layers before `first_dense_layers` are dense.
+    num_experts: int = attrs.field(default=0, validator=_non_negative)
+    num_experts_per_tok: int = attrs.field(default=0, validator=_non_negative)
+    num_shared_experts: int = attrs.field(default=0, validator=_non_negative)
+    moe_intermediate_size: int = attrs.field(default=0, validator=_non_negative)
+    first_dense_layers: int = attrs.field(default=0, validator=_non_negative)
+    # Multi-head latent attention (DeepSeek); 0 = ordinary multi-head / grouped-query attention.
+    kv_lora_rank: int = attrs.field(default=0, validator=_non_negative)
+    q_lora_rank: int = attrs.field(default=0, validator=_non_negative)
+    qk_rope_head_dim: int = attrs.field(default=0, validator=_non_negative)
+    qk_nope_head_dim: int = attrs.field(default=0, validator=_non_negative)
+    v_head_dim: int = attrs.field(default=0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelSpecError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelSpecError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..{self.num_experts}"
+            )
+
+    # ---- structure -------------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def _attention_params(self) -> int:
+        h, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * nh * qk if self.q_lora_rank else h * nh * qk
+            kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            kv_b = self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv_a + kv_b + nh * self.v_head_dim * h
+        params = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+        if self.attention_bias:
+            params += nh * hd + 2 * nkv * hd
+        return params
+
+    def _mlp_params(self, layer: int, active: bool) -> int:
+        h = self.hidden_size
+        if not self.is_moe or layer < self.first_dense_layers:
+            return 3 * h * self.intermediate_size
+        inter = self.moe_intermediate_size or self.intermediate_size
+        routed = self.num_experts_per_tok if active else self.num_experts
+        return (routed + self.num_shared_experts) * 3 * h * inter + h * self.num_experts
+
+    def _layer_params(self, layer: int, active: bool) -> int:
+        return self._attention_params() + self._mlp_params(layer, active) + 2 * self.hidden_size
+
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameter count; `active=True` counts only the experts a token is routed to."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        layers = sum(self._layer_params(i, active) for i in range(self.num_layers))
+        return embed + head + layers + self.hidden_size
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    def _attn_qk_dim(self) -> tuple[int, int]:
+        if self.is_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
+    def matmul_flops_per_token(self) -> float:
+        """FLOPs of the weight matmuls for one token (2 per active weight; no embedding lookup)."""
+        embed_lookup = self.vocab_size * self.hidden_size
+        return 2.0 * (self.num_params(active=True) - embed_lookup * (0 if self.tie_word_embeddings else 1))
+
+    def attention_flops(self, num_queries: int, context_len: int) -> float:
+        """FLOPs of QK^T and PV for `num_queries` tokens that each attend to `context_len` keys."""
+        qk, v = self._attn_qk_dim()
+        return 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * num_queries * context_len
+
+    def prefill_flops(self, prompt_len: int, cached_len: int = 0) -> float:
+        """FLOPs to prefill `prompt_len` new tokens after `cached_len` cached ones (causal)."""
+        n = prompt_len
+        # Token i (0-based among new tokens) attends to cached_len + i + 1 keys.
+        attended = n * cached_len + n * (n + 1) / 2
+        qk, v = self._attn_qk_dim()
+        attn = 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * attended
+        return self.matmul_flops_per_token() * n + attn
+
+    def decode_flops(self, context_len: int) -> float:
+        """FLOPs to generate one token with `context_len` tokens already in the KV cache."""
+        return self.matmul_flops_per_token() + self.attention_flops(1, context_len + 1)
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def weight_bytes(self, dtype: str = "bf16") -> float:
+        """Bytes of all weights stored in `dtype` (int4/int8 add one fp16 scale per 128 weights)."""
+        key = canonical_dtype(dtype)
+        per = dtype_bytes(key)
+        if key in ("int4", "int8"):
+            per += 2.0 / 128
+        return self.num_params() * per
+
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """KV heads one TP rank holds: kv_heads/tp, or 1 (replicated) when tp > kv_heads.
+
+        Raises:
+            ModelSpecError: tp is not positive, or neither divides the other.
+        """
+        nkv = self.num_key_value_heads
+        if tp <= 0:
+            raise ModelSpecError(f"tp must be > 0, got {tp}")
+        if tp <= nkv:
+            if nkv % tp:
+                raise ModelSpecError(f"tp={tp} does not divide num_key_value_heads={nkv}")
+            return nkv // tp
+        if tp % nkv:
+            raise ModelSpecError(f"tp={tp} is not a multiple of num_key_value_heads={nkv}")
+        return 1
+
+    def kv_bytes_per_token(self, dtype: str = "bf16", tp: int = 1) -> float:
+        """KV-cache bytes one token occupies on one TP rank (all layers, K and V)."""
+        per = dtype_bytes(dtype)
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per
+        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * per
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], name: str | None = None) -> ModelSpec:
+        """Build from a Hugging Face config (a dict, a config.json path, or a checkpoint folder)."""
+        path = None
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            config = _read_json(path)
+        return _spec_from_hf(config, name or _name_from(config, path))
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], name: str | None = None) -> ModelSpec:
+        """Build from the metadata of a GGUF file (needs the `gguf` package: extra [gguf])."""
+        from kthena_core._gguf import read_gguf_config
+
+        config = read_gguf_config(os.fspath(path))
+        return _spec_from_hf(config, name or config.get("_name_or_path", os.path.basename(path)))
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelSpecError(f"model config not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelSpecError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _name_from(config: Mapping[str, Any], path: str | None) -> str:
+    if config.get("_name_or_path"):
+        return str(config["_name_or_path"])
+    if path:
+        return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return str(config.get("model_type", "model"))
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if key not in config:
+        raise ModelSpecError(f"model config lacks required key {key!r}")
+    return config[key]
+
+
+def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Map the HF field names of the supported families onto ModelSpec."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):  # multimodal wrappers keep the LM under text_config
+        config = {**config, **text}
+    heads = int(_require(config, "num_attention_heads"))
+    hidden = int(_require(config, "hidden_size"))
+    kv_lora = int(config.get("kv_lora_rank") or 0)
+    head_dim = config.get("head_dim") or (config.get("v_head_dim") if kv_lora else None) or hidden // heads
+    num_experts = int(config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0)
+    arch = config.get("architectures") or [config.get("model_type", "unknown")]
+    return ModelSpec(
+        name=name,
+        architecture=str(arch[0]),
+        num_layers=int(_require(config, "num_hidden_layers")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(config, "intermediate_size")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        vocab_size=int(_require(config, "vocab_size")),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        rope_theta=float(config.get("rope_theta") or 10000.0),
+        num_experts=num_experts,
+        num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
+        num_shared_experts=int(config.get("n_shared_experts") or 0),
+        moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
+        first_dense_layers=int(config.get("first_k_dense_replace") or 0),
+        kv_lora_rank=kv_lora,
+        q_lora_rank=int(config.get("q_lora_rank") or 0),
+        qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0) if kv_lora else 0,
+        qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0) if kv_lora else 0,
+        v_head_dim=int(config.get("v_head_dim") or 0) if kv_lora else 0,
+    )
+
+
+def human_bytes(num: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    if num < 1024:
+        return f"{num:.0f} B"
+    exp = min(int(math.log(num, 1024)), 5)
+    return f"{num / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'][exp]}"

@@ -1,0 +1,341 @@
+"""Planner: choose TP x PP x SP x DP (and the PD split) for a model on a topology.
+
+``Planner().plan(model, topology, workload) -> Plan`` is a pure function. It enumerates every
+layout that uses at most the topology's devices, rejects those that break divisibility (heads,
+KV heads, layers) or memory, scores the rest with the roofline model in `cost_model`, and keeps
+the whole table so a plan can say why each rival lost.
+
+Ranks are numbered with TP innermost (Megatron order) and laid onto devices domain by domain, so
+a TP group stays inside one fast link domain (an HCCS mesh, an NVLink island) whenever it fits::
+
+    rank = (dp_index x pp + pp_index) x tp + tp_index
+    devices: [domain 0: d0 d1 ... d7][domain 1: d8 ... d15] ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from kthena_core.cost_model import (
+    CostParams,
+    DeviceFigures,
+    Estimate,
+    Layout,
+    Links,
+    Memory,
+    estimate_colocated,
+    estimate_pd,
+    memory,
+)
+from kthena_core.hardware import DeviceSpec
+from kthena_core.model_spec import ModelSpec, human_bytes
+from kthena_core.topology import Topology
+from kthena_core.workload import Workload
+
+
+class NoFeasiblePlanError(ValueError):
+    """No layout fits; the message lists the most common reasons."""
+
+
+@attrs.frozen
+class Evaluation:
+    """One candidate layout, judged: feasible or not (with reasons), its memory and estimate."""
+
+    layout: Layout
+    reasons: tuple[str, ...] = ()
+    memory: Memory | None = None
+    estimate: Estimate | None = None
+    cost: float = math.inf
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    def sort_key(self) -> tuple[float, int, int, int, int]:
+        """Cost, then fewer devices, smaller TP, smaller PP, no SP: the tie-break order."""
+        lay = self.layout
+        return (self.cost, lay.num_devices, lay.tp, lay.pp, lay.sp)
+
+
+@attrs.frozen
+class Plan:
+    """The chosen layout, where each rank runs, and every candidate considered."""
+
+    model: ModelSpec
+    topology_name: str
+    workload: Workload
+    chosen: Evaluation
+    device_ids: tuple[int, ...]        # rank -> global device index
+    evaluations: tuple[Evaluation, ...]  # all candidates, best first
+
+    @property
+    def tp_size(self) -> int:
+        return self.chosen.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.chosen.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.chosen.layout.dp
+
+    @property
+    def sp_size(self) -> int:
+        return self.chosen.layout.sp
+
+    @property
+    def world_size(self) -> int:
+        return self.chosen.layout.num_devices
+
+    def tp_groups(self) -> list[list[int]]:
+        """Ranks of each TP group (consecutive ranks)."""
+        tp = self.tp_size
+        return [list(range(s, s + tp)) for s in range(0, self.world_size, tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Ranks of each pipeline (one per replica and TP index), stage order."""
+        tp, pp = self.tp_size, self.pp_size
+        return [[(d * pp + p) * tp + t for p in range(pp)] for d in range(self.dp_size) for t in range(tp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same shard in each replica."""
+        tp, pp = self.tp_size, self.pp_size
+        return [[(d * pp + p) * tp + t for d in range(self.dp_size)] for p in range(pp) for t in range(tp)]
+
+    def runner_ups(self, k: int = 5) -> list[tuple[Evaluation, str]]:
+        """The next `k` candidates with one line each on why they lost to the chosen one."""
+        rest = [e for e in self.evaluations if e is not self.chosen][:k]
+        return [(e, why_lost(e, self.chosen, self.workload)) for e in rest]
+
+    def to_dict(self, num_candidates: int = 10) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "topology": self.topology_name,
+            "workload": self.workload.to_dict(),
+            "layout": attrs.asdict(self.chosen.layout),
+            "world_size": self.world_size,
+            "device_ids": list(self.device_ids),
+            "memory_per_device": _memory_dict(self.chosen.memory),
+            "estimate": attrs.asdict(self.chosen.estimate) if self.chosen.estimate else None,
+            "candidates": [
+                {"layout": attrs.asdict(e.layout), "feasible": e.feasible, "cost": _finite(e.cost),
+                 "estimate": attrs.asdict(e.estimate) if e.estimate else None,
+                 "why_lost": why_lost(e, self.chosen, self.workload)}
+                for e in self.evaluations[: num_candidates + 1] if e is not self.chosen
+            ],
+            "num_candidates_considered": len(self.evaluations),
+        }
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x
+
+
+def _memory_dict(mem: Memory | None) -> dict[str, float] | None:
+    if mem is None:
+        return None
+    return {"weights": mem.weights, "kv_cache": mem.kv_cache, "activations": mem.activations,
+            "reserve": mem.reserve, "total": mem.total, "capacity": mem.capacity}
+
+
+def why_lost(e: Evaluation, best: Evaluation, wl: Workload) -> str:
+    """One line on why `e` ranks below `best`."""
+    if not e.feasible:
+        return "; ".join(e.reasons)
+    assert e.estimate is not None and best.estimate is not None
+    a, b = e.estimate, best.estimate
+    if wl.objective == "throughput":
+        if math.isclose(a.throughput_tok_s, b.throughput_tok_s, rel_tol=1e-9):
+            return "ties on throughput; loses the tie-break (more devices, larger tp/pp, or sp)"
+        head = f"throughput {a.throughput_tok_s:.1f} vs {b.throughput_tok_s:.1f} tok/s"
+    else:
+        head = f"latency {e.cost * 1e3:.1f} vs {best.cost * 1e3:.1f} ms"
+    detail = [f"TPOT {a.tpot_s * 1e3:.2f} ms", f"TTFT {a.ttft_s * 1e3:.1f} ms"]
+    if a.comm_fraction > 0.05:
+        detail.append(f"comm {a.comm_fraction:.0%} of step")
+    if a.bubble_fraction > 0.05:
+        detail.append(f"pipeline bubble {a.bubble_fraction:.0%}")
+    return f"{head} ({', '.join(detail)})"
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+class Planner:
+    """Enumerates, filters and scores layouts. Stateless apart from its cost parameters."""
+
+    def __init__(self, params: CostParams | None = None) -> None:
+        self.params = params or CostParams()
+
+    # ---- enumeration ---------------------------------------------------------------------
+
+    def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
+        """Every (tp, pp, dp, sp) with tp*pp*dp <= devices; divisibility is judged later."""
+        n = topology.num_devices
+        for tp in range(1, n + 1):
+            for pp in range(1, n // tp + 1):
+                for dp in range(1, n // (tp * pp) + 1):
+                    if workload.mode == "pd" and dp < 2:
+                        continue
+                    for sp in (1, tp) if tp > 1 else (1,):
+                        yield Layout(tp, pp, dp, sp)
+
+    def structural_reasons(self, model: ModelSpec, layout: Layout) -> list[str]:
+        """Why `layout` cannot shard `model` at all (empty if it can)."""
+        reasons = []
+        if model.num_attention_heads % layout.tp:
+            reasons.append(f"tp={layout.tp} does not divide {model.num_attention_heads} attention heads")
+        nkv = model.num_key_value_heads
+        if not model.is_mla and nkv % layout.tp and layout.tp % nkv:
+            reasons.append(f"tp={layout.tp} and {nkv} KV heads: neither divides the other")
+        if model.num_layers % layout.pp:
+            reasons.append(f"pp={layout.pp} does not divide {model.num_layers} layers")
+        return reasons
+
+    # ---- scoring -------------------------------------------------------------------------
+
+    def evaluate(self, model: ModelSpec, topology: Topology, workload: Workload, layout: Layout,
+                 ctx: _TopologyView | None = None) -> Evaluation:
+        """Judge one layout: structure, memory, SLOs, then cost."""
+        reasons = self.structural_reasons(model, layout)
+        if reasons:
+            return Evaluation(layout, tuple(reasons))
+        ctx = ctx or _TopologyView(topology, self.params)
+        dev = ctx.figures
+        seqs = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
+        mem = memory(model, workload, layout, dev, self.params, seqs)
+        if not mem.fits:
+            reasons.append(
+                f"needs {human_bytes(mem.total)} per device > {human_bytes(mem.capacity)} usable "
+                f"(weights {human_bytes(mem.weights)}, KV {human_bytes(mem.kv_cache)})"
+            )
+            return Evaluation(layout, tuple(reasons), mem)
+        links = ctx.links(layout.tp, layout.pp, layout.dp)
+        estimate = estimate_pd if workload.mode == "pd" else estimate_colocated
+        est = estimate(model, workload, layout, dev, links)
+        reasons += _slo_reasons(workload, est)
+        if workload.objective == "throughput":
+            cost = -est.throughput_tok_s
+        else:
+            cost = est.ttft_s + workload.output_len * est.tpot_s
+        return Evaluation(layout, tuple(reasons), mem, est, math.inf if reasons else cost)
+
+    def plan(self, model: ModelSpec, topology: Topology, workload: Workload | None = None) -> Plan:
+        """Choose the best layout.
+
+        Raises:
+            NoFeasiblePlanError: nothing fits; the message summarises the reasons.
+        """
+        workload = workload or Workload()
+        ctx = _TopologyView(topology, self.params)
+        evals = sorted(
+            (self.evaluate(model, topology, workload, lay, ctx) for lay in self.layouts(model, topology, workload)),
+            key=Evaluation.sort_key,
+        )
+        if not evals or not evals[0].feasible:
+            raise NoFeasiblePlanError(_no_plan_message(model, topology, workload, evals))
+        best = evals[0]
+        return Plan(model, topology.name or topology.source, workload, best,
+                    tuple(ctx.order[: best.layout.num_devices]), tuple(evals))
+
+
+def _decode_replicas(workload: Workload, layout: Layout) -> int:
+    # In PD mode at least one replica prefills; the decode replicas hold the sequences.
+    return max(1, layout.dp - 1) if workload.mode == "pd" else layout.dp
+
+
+def _slo_reasons(workload: Workload, est: Estimate) -> list[str]:
+    reasons = []
+    if workload.ttft_slo_s is not None and est.ttft_s > workload.ttft_slo_s:
+        reasons.append(f"TTFT {est.ttft_s * 1e3:.1f} ms misses the {workload.ttft_slo_s * 1e3:.0f} ms SLO")
+    if workload.tpot_slo_s is not None and est.tpot_s > workload.tpot_slo_s:
+        reasons.append(f"TPOT {est.tpot_s * 1e3:.2f} ms misses the {workload.tpot_slo_s * 1e3:.0f} ms SLO")
+    return reasons
+
+
+class _TopologyView:
+    """What the cost model reads from a topology, computed once per plan() call."""
+
+    def __init__(self, topology: Topology, params: CostParams) -> None:
+        self.topology = topology
+        self.eff = params.link_efficiency
+        # Homogeneous devices are assumed; otherwise the slowest device sets the pace.
+        specs = [d.spec for d in topology.devices]
+        if not specs:
+            raise NoFeasiblePlanError(f"topology {topology.name or topology.source!r} has no devices")
+        self.figures = DeviceFigures(
+            flops=min(_dense_flops(s) for s in specs) * params.compute_efficiency,
+            memory_bw=min(s.memory_bw for s in specs) * params.memory_efficiency,
+            # memory_bytes == 0 means "the host's RAM, size unknown": no memory limit is applied.
+            capacity=min(s.memory_bytes or math.inf for s in specs) * params.memory_utilization,
+        )
+        self.order = _device_order(topology)
+        self._links: dict[tuple[int, int, int], Links] = {}
+
+    def links(self, tp: int, pp: int, dp: int) -> Links:
+        key = (tp, pp, dp)
+        if key not in self._links:
+            self._links[key] = self._compute_links(tp, pp, dp)
+        return self._links[key]
+
+    def _compute_links(self, tp: int, pp: int, dp: int) -> Links:
+        """Bottleneck bandwidths of the first replica's TP group, its pipeline, and the PD hop."""
+        topo, order = self.topology, self.order
+        tp_devs = order[:tp]
+        tp_bw = topo.group_bandwidth(tp_devs) if tp > 1 else math.inf
+        tp_lat = max((topo.latency(tp_devs[0], b) for b in tp_devs[1:]), default=0.0)
+        hops = [(order[p * tp], order[(p + 1) * tp]) for p in range(pp - 1)]
+        pp_bw = min((topo.bandwidth(a, b) for a, b in hops), default=math.inf)
+        pp_lat = max((topo.latency(a, b) for a, b in hops), default=0.0)
+        last = order[(dp - 1) * tp * pp]
+        pd_bw = topo.bandwidth(order[0], last) if last != order[0] else math.inf
+        return Links(tp_bw * self.eff, tp_lat, pp_bw * self.eff, pp_lat, pd_bw * self.eff)
+
+
+def _dense_flops(spec: DeviceSpec) -> float:
+    for key in ("bf16", "fp16", "fp32"):
+        if spec.peak_flops.get(key):
+            return float(spec.peak_flops[key])
+    raise NoFeasiblePlanError(f"device {spec.name} lists no bf16/fp16/fp32 peak FLOP/s")
+
+
+def _device_order(topology: Topology) -> list[int]:
+    """Devices listed link domain by link domain, so consecutive ranks share the fastest fabric."""
+    order: list[int] = []
+    seen: set[int] = set()
+    for domain in topology.link_domains():
+        for i in sorted(domain):
+            if i not in seen:
+                order.append(i)
+                seen.add(i)
+    order.extend(d.index for d in topology.devices if d.index not in seen)
+    return order
+
+
+def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: list[Evaluation]) -> str:
+    """Summarise why nothing fits, by kind: SLO misses, memory, divisibility."""
+    slo = [e for e in evals if e.estimate is not None]
+    mem = [e for e in evals if e.estimate is None and e.memory is not None]
+    shape = [e for e in evals if e.memory is None]
+    parts = []
+    if slo:
+        parts.append(f"{len(slo)} layout(s) miss an SLO, e.g. {_layout_name(slo[0])}: {slo[0].reasons[0]}")
+    if mem:
+        least = min(mem, key=lambda e: e.memory.total / e.memory.capacity if e.memory else math.inf)
+        parts.append(f"{len(mem)} exceed device memory, the closest {_layout_name(least)}: {least.reasons[0]}")
+    if shape:
+        parts.append(f"{len(shape)} break divisibility, e.g. {shape[0].reasons[0]}")
+    where = topology.name or topology.source
+    return (f"no layout of {model.name} fits {topology.num_devices} device(s) of {where} for "
+            f"{wl.concurrency} x {wl.context_len} tokens: " + "; ".join(parts or ["no candidate layouts"]))
+
+
+def _layout_name(e: Evaluation) -> str:
+    lay = e.layout
+    return f"TP{lay.tp}xPP{lay.pp}xDP{lay.dp}" + (f"(SP{lay.sp})" if lay.sp > 1 else "")

@@ -1,0 +1,55 @@
+"""Human-readable rendering of a Plan: the choice, memory per device, predictions, rivals."""
+
+from __future__ import annotations
+
+from kthena_core.model_spec import human_bytes
+from kthena_core.planner import Evaluation, Plan, why_lost
+
+
+def _layout_text(e: Evaluation) -> str:
+    lay = e.layout
+    text = f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}"
+    return text + (f" (SP{lay.sp})" if lay.sp > 1 else "")
+
+
+def format_plan(plan: Plan, num_candidates: int = 8) -> str:
+    """Multi-line explanation of `plan` for a terminal."""
+    wl, best = plan.workload, plan.chosen
+    mem, est = best.memory, best.estimate
+    assert mem is not None and est is not None
+    lines = [
+        f"model     {plan.model.name}: {plan.model.num_params() / 1e9:.2f} B params, "
+        f"{plan.model.num_layers} layers, {plan.model.num_attention_heads} heads / "
+        f"{plan.model.num_key_value_heads} KV heads, KV {human_bytes(plan.model.kv_bytes_per_token(wl.kv_dtype))}/token ({wl.kv_dtype})",
+        f"topology  {plan.topology_name}",
+        f"workload  prompt {wl.prompt_len}, output {wl.output_len}, concurrency {wl.concurrency}, "
+        f"{wl.dtype}, mode {wl.mode}, objective {wl.objective}",
+        "",
+        f"plan      {_layout_text(best)} on {plan.world_size} device(s): {list(plan.device_ids)}",
+    ]
+    if wl.mode == "pd":
+        lines.append(f"          PD split: {est.prefill_replicas} prefill + {est.decode_replicas} decode instance(s), "
+                     f"KV handoff {est.kv_transfer_s * 1e3:.2f} ms")
+    lines += [
+        f"memory    per device: weights {human_bytes(mem.weights)} + KV {human_bytes(mem.kv_cache)} + "
+        f"activations {human_bytes(mem.activations)} + reserve {human_bytes(mem.reserve)} = "
+        f"{human_bytes(mem.total)} of {human_bytes(mem.capacity)} usable",
+        f"predicted TTFT {est.ttft_s * 1e3:.1f} ms, TPOT {est.tpot_s * 1e3:.2f} ms, "
+        f"throughput {est.throughput_tok_s:.1f} tok/s, comm {est.comm_fraction:.0%} of a decode step, "
+        f"pipeline bubble {est.bubble_fraction:.0%}",
+        "",
+        f"runner-up candidates ({len(plan.evaluations)} considered):",
+        f"  {'layout':<22} {'dev':>4} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>10}  why it lost",
+    ]
+    for e in [e for e in plan.evaluations if e is not best][:num_candidates]:
+        lines.append(_row(e, why_lost(e, best, wl)))
+    return "\n".join(lines)
+
+
+def _row(e: Evaluation, why: str) -> str:
+    est = e.estimate
+    if est is None:
+        nums = f"{'-':>9} {'-':>9} {'-':>10}"
+    else:
+        nums = f"{est.ttft_s * 1e3:>9.1f} {est.tpot_s * 1e3:>9.2f} {est.throughput_tok_s:>10.1f}"
+    return f"  {_layout_text(e):<22} {e.layout.num_devices:>4} {nums}  {why}"

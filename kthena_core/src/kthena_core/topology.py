@@ -1,0 +1,333 @@
+"""Topology: the devices a plan can use, how they are grouped into nodes, and the links between them.
+
+A Topology is a frozen value. Discovery (``kthena_core.discovery``), the catalog
+(``from_catalog``) and hand-written YAML (``Topology.from_yaml``) all produce one.
+
+Bandwidth model (all figures unidirectional, bytes/s):
+
+* same device: ``inf``;
+* same node, with an explicit ``Link``: the link's bandwidth;
+* same node, without one: the smaller ``link_bw`` of the two device specs (the fabric's
+  per-device aggregate, e.g. HCCS 196 GB/s on a 910B; see hardware.py);
+* different nodes: ``inter_node_bw`` (per device, e.g. one 200 Gb/s RoCE port per NPU).
+
+``link_domains()`` groups each node's devices into the connected components of its fastest links:
+one 8-NPU HCCS mesh per Atlas 800T A2, one NVLink island per NVSwitch board, or the GPUs under one
+PCIe switch on a PCIe box that ``nvidia-smi topo -m`` shows as PIX/PXB vs SYS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kthena_core.hardware import DeviceSpec, get_device, get_node
+
+__all__ = [
+    "HEALTH_STATES",
+    "Device",
+    "Link",
+    "Topology",
+    "TopologyError",
+    "from_catalog",
+]
+
+HEALTH_STATES = ("ok", "busy", "unhealthy")
+
+# Two bandwidths closer than this (relative) belong to the same fabric class in link_domains().
+_SAME_CLASS_RTOL = 1e-6
+
+
+class TopologyError(ValueError):
+    """A malformed topology (file, dict or constructor arguments).
+
+    Messages name the key path, the offending value and what is allowed.
+    """
+
+
+@attrs.frozen
+class Device:
+    """One device of a topology.
+
+    Attributes:
+        index: global index 0..N-1 across the topology.
+        node: node index.
+        local_index: index within its node (the local rank / ASCEND_RT_VISIBLE_DEVICES slot).
+        spec: hardware figures.
+        numa_node: host NUMA node the device is attached to, when known.
+        health: "ok" | "busy" | "unhealthy".
+    """
+
+    index: int
+    node: int
+    local_index: int
+    spec: DeviceSpec
+    numa_node: int | None = None
+    health: str = "ok"
+
+
+@attrs.frozen
+class Link:
+    """An explicit intra-node link between two devices (global indices, ``a < b``).
+
+    Attributes:
+        kind: "hccs" | "nvlink" | "pcie" | "sys" | "sio" | "memory" | ...
+        bandwidth: unidirectional bytes/s.
+        latency: seconds.
+        via: the raw relation the link was built from ("NV18", "PIX", "HCCS"), for display.
+    """
+
+    a: int
+    b: int
+    kind: str
+    bandwidth: float
+    latency: float
+    via: str = ""
+
+
+def _index_links(devices: tuple[Device, ...], links: tuple[Link, ...]) -> dict[tuple[int, int], Link]:
+    table: dict[tuple[int, int], Link] = {}
+    n = len(devices)
+    for i, link in enumerate(links):
+        where = f"links[{i}]"
+        if not (0 <= link.a < n and 0 <= link.b < n):
+            raise TopologyError(f"{where}: device index out of range ({link.a}, {link.b}); allowed 0..{n - 1}")
+        if link.a >= link.b:
+            raise TopologyError(f"{where}: needs a < b, got a={link.a}, b={link.b}")
+        if devices[link.a].node != devices[link.b].node:
+            raise TopologyError(
+                f"{where}: devices {link.a} and {link.b} are on different nodes; explicit links are "
+                "intra-node only (inter-node traffic uses inter_node_bw)"
+            )
+        if not link.bandwidth > 0 or not link.latency >= 0:
+            raise TopologyError(f"{where}: bandwidth must be > 0 and latency >= 0, got {link}")
+        if (link.a, link.b) in table:
+            raise TopologyError(f"{where}: duplicate link between {link.a} and {link.b}")
+        table[(link.a, link.b)] = link
+    return table
+
+
+def _check_devices(devices: tuple[Device, ...]) -> None:
+    if not devices:
+        raise TopologyError("devices: a topology needs at least one device")
+    expected_node, expected_local = 0, 0
+    for i, dev in enumerate(devices):
+        where = f"devices[{i}]"
+        if dev.index != i:
+            raise TopologyError(f"{where}: index must equal its position {i}, got {dev.index}")
+        if dev.health not in HEALTH_STATES:
+            raise TopologyError(f"{where}.health: got {dev.health!r}; allowed: {', '.join(HEALTH_STATES)}")
+        if dev.node == expected_node and dev.local_index == expected_local:
+            expected_local += 1
+        elif dev.node == expected_node + 1 and dev.local_index == 0 and i > 0:
+            expected_node, expected_local = dev.node, 1
+        else:
+            raise TopologyError(
+                f"{where}: devices must be grouped by node 0..M-1 with local indices 0..k-1 in order; "
+                f"got node={dev.node}, local_index={dev.local_index}"
+            )
+
+
+@attrs.frozen
+class Topology:
+    """Nodes, devices and links, with the bandwidth/latency queries the planner needs.
+
+    Attributes:
+        devices: all devices, ordered by (node, local_index); ``devices[i].index == i``.
+        links: explicit intra-node links; pairs on one node without a link fall back to the
+            device specs' ``link_bw``.
+        inter_node_bw: per-device bytes/s between nodes.
+        inter_node_latency: seconds.
+        name: display name.
+        source: where it came from: "discovered:cpu", "yaml:/path", "catalog:atlas-800t-a2x2", ...
+    """
+
+    devices: tuple[Device, ...] = attrs.field(converter=tuple)
+    links: tuple[Link, ...] = attrs.field(default=(), converter=tuple)
+    inter_node_bw: float = 25e9
+    inter_node_latency: float = 10e-6
+    name: str = ""
+    source: str = ""
+    _link_table: dict[tuple[int, int], Link] = attrs.field(init=False, repr=False, eq=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_devices(self.devices)
+        if not self.inter_node_bw > 0:
+            raise TopologyError(f"inter_node_bw: must be > 0 bytes/s, got {self.inter_node_bw}")
+        if not self.inter_node_latency >= 0:
+            raise TopologyError(f"inter_node_latency: must be >= 0 s, got {self.inter_node_latency}")
+        object.__setattr__(self, "_link_table", _index_links(self.devices, self.links))
+
+    # -- shape ---------------------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return self.devices[-1].node + 1
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def devices_on_node(self, node: int) -> tuple[Device, ...]:
+        """The devices of node ``node``, in local order.
+
+        Raises:
+            TopologyError: no such node.
+        """
+        if not 0 <= node < self.num_nodes:
+            raise TopologyError(f"node {node} out of range; this topology has nodes 0..{self.num_nodes - 1}")
+        return tuple(d for d in self.devices if d.node == node)
+
+    def _device(self, index: int) -> Device:
+        if not 0 <= index < len(self.devices):
+            raise TopologyError(f"device {index} out of range; allowed 0..{len(self.devices) - 1}")
+        return self.devices[index]
+
+    def link(self, a: int, b: int) -> Link | None:
+        """The explicit link between ``a`` and ``b`` (in either order), if any."""
+        return self._link_table.get((min(a, b), max(a, b)))
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def bandwidth(self, a: int, b: int) -> float:
+        """Effective unidirectional bytes/s between devices ``a`` and ``b`` (inf when a == b)."""
+        da, db = self._device(a), self._device(b)
+        if a == b:
+            return math.inf
+        if da.node != db.node:
+            return self.inter_node_bw
+        link = self.link(a, b)
+        if link is not None:
+            return link.bandwidth
+        return min(da.spec.link_bw, db.spec.link_bw)
+
+    def latency(self, a: int, b: int) -> float:
+        """One-hop latency between devices ``a`` and ``b`` in seconds (0 when a == b)."""
+        da, db = self._device(a), self._device(b)
+        if a == b:
+            return 0.0
+        if da.node != db.node:
+            return self.inter_node_latency
+        link = self.link(a, b)
+        if link is not None:
+            return link.latency
+        return max(da.spec.link_latency, db.spec.link_latency)
+
+    def group_bandwidth(self, indices: Sequence[int]) -> float:
+        """Bottleneck (minimum pairwise) bandwidth of a device group; inf for a single device.
+
+        Raises:
+            TopologyError: an empty group, a repeated or out-of-range index.
+        """
+        group = list(indices)
+        if not group:
+            raise TopologyError("group_bandwidth: the group is empty")
+        if len(set(group)) != len(group):
+            raise TopologyError(f"group_bandwidth: repeated device index in {group}")
+        for i in group:
+            self._device(i)
+        best = math.inf
+        if len({self.devices[i].node for i in group}) > 1:
+            best = self.inter_node_bw
+        for x, a in enumerate(group):
+            for b in group[x + 1:]:
+                if self.devices[a].node == self.devices[b].node:
+                    best = min(best, self.bandwidth(a, b))
+        return best
+
+    def link_domains(self) -> tuple[tuple[int, ...], ...]:
+        """Groups of devices joined by their node's fastest intra-node fabric.
+
+        For each node, take the pairs whose bandwidth equals the node's best pairwise bandwidth
+        and return the connected components of that graph, in device order (a device with no
+        such pair is a domain of its own). Domains never span nodes.
+        """
+        domains: list[tuple[int, ...]] = []
+        for node in range(self.num_nodes):
+            domains.extend(self._node_domains([d.index for d in self.devices_on_node(node)]))
+        return tuple(domains)
+
+    def _node_domains(self, members: list[int]) -> list[tuple[int, ...]]:
+        if len(members) == 1:
+            return [(members[0],)]
+        pairs = [(a, b, self.bandwidth(a, b)) for x, a in enumerate(members) for b in members[x + 1:]]
+        fastest = max(bw for _, _, bw in pairs)
+        parent = {m: m for m in members}
+
+        def find(m: int) -> int:
+            while parent[m] != m:
+                parent[m] = parent[parent[m]]
+                m = parent[m]
+            return m
+
+        for a, b, bw in pairs:
+            if bw >= fastest * (1 - _SAME_CLASS_RTOL):
+                parent[find(a)] = find(b)
+        groups: dict[int, list[int]] = {}
+        for m in members:
+            groups.setdefault(find(m), []).append(m)
+        return sorted(tuple(g) for g in groups.values())
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, origin: str = "topology") -> Topology:
+        """Build a topology from the YAML/dict format documented in docs (kthena_core guide).
+
+        Raises:
+            TopologyError: naming the key path, the value and what is allowed.
+        """
+        from kthena_core._topology_io import topology_from_dict
+
+        return topology_from_dict(data, origin=origin)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Topology:
+        """Load a hand-written topology file.
+
+        Raises:
+            TopologyError: unreadable file, invalid YAML, or any schema problem (key path named).
+        """
+        from kthena_core._topology_io import topology_from_yaml
+
+        return topology_from_yaml(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict in the same format ``from_dict`` reads (round-trips exactly)."""
+        from kthena_core._topology_io import topology_to_dict
+
+        return topology_to_dict(self)
+
+
+def from_catalog(node_name: str, num_nodes: int = 1, *, device: str | None = None) -> Topology:
+    """``num_nodes`` identical catalog nodes, e.g. ``from_catalog("atlas-800t-a2", 2)`` = 16 x 910B.
+
+    Args:
+        node_name: a catalog node (``hardware.list_nodes()``).
+        num_nodes: how many such nodes.
+        device: optionally replace the node's device with another catalog device (same count).
+
+    Raises:
+        UnknownHardwareError: unknown node or device name (a KeyError listing the known ones).
+        TopologyError: num_nodes < 1.
+    """
+    if num_nodes < 1:
+        raise TopologyError(f"num_nodes: must be >= 1, got {num_nodes}")
+    node = get_node(node_name)
+    spec = get_device(device if device is not None else node.device)
+    devices = tuple(
+        Device(index=n * node.num_devices + i, node=n, local_index=i, spec=spec)
+        for n in range(num_nodes)
+        for i in range(node.num_devices)
+    )
+    return Topology(
+        devices=devices,
+        inter_node_bw=node.nic_bw,
+        inter_node_latency=node.nic_latency,
+        name=f"{num_nodes}x{node_name}" if num_nodes > 1 else node_name,
+        source=f"catalog:{node_name}x{num_nodes}",
+    )

@@ -1,0 +1,108 @@
+"""ModelSpec: known answers (with sources), loaders, and the TP split of KV heads."""
+
+import json
+
+import pytest
+
+from kthena_core.known_models import KNOWN_CONFIGS, default_gguf_path, load_model_spec
+from kthena_core.model_spec import ModelSpec, ModelSpecError
+
+
+def test_llama2_70b_kv_bytes_per_token_is_320_kib():
+    # DESIGN.md / SOURCES.md correction: 2 x 80 layers x 8 KV heads x 128 dims x 2 bytes.
+    spec = load_model_spec("llama-2-70b")
+    assert spec.kv_bytes_per_token("bf16") == 327_680
+    assert spec.kv_bytes_per_token("bf16") * 128 == 40 * 1024**2  # 128 tokens = 40 MiB, not 587 MB
+
+
+def test_known_parameter_counts():
+    # Published sizes: Llama-2-70B 69.0 B, Llama-3-8B 8.03 B, Mixtral-8x7B 46.7 B total / 12.9 B
+    # active, DeepSeek-V3 671 B total / 37 B active, Qwen2-7B 7.6 B.
+    assert load_model_spec("llama-2-70b").num_params() / 1e9 == pytest.approx(68.98, abs=0.05)
+    assert load_model_spec("llama-3-8b").num_params() / 1e9 == pytest.approx(8.03, abs=0.01)
+    mixtral = load_model_spec("mixtral-8x7b")
+    assert mixtral.num_params() / 1e9 == pytest.approx(46.7, abs=0.1)
+    assert mixtral.num_params(active=True) / 1e9 == pytest.approx(12.9, abs=0.1)
+    dsv3 = load_model_spec("deepseek-v3")
+    assert dsv3.num_params() / 1e9 == pytest.approx(671, abs=1)
+    assert dsv3.num_params(active=True) / 1e9 == pytest.approx(37.5, abs=0.5)
+    assert load_model_spec("qwen2-7b").num_params() / 1e9 == pytest.approx(7.62, abs=0.02)
+
+
+def test_llama2_70b_fp16_weights_do_not_fit_64_gb():
+    spec = load_model_spec("llama-2-70b")
+    assert spec.weight_bytes("fp16") > 64e9 * 2  # ~138 GB
+
+
+def test_mla_kv_is_latent_and_not_split_by_tp():
+    dsv3 = load_model_spec("deepseek-v3")
+    assert dsv3.kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2
+    assert dsv3.kv_bytes_per_token("bf16", tp=8) == dsv3.kv_bytes_per_token("bf16")
+
+
+@pytest.mark.parametrize(("tp", "heads"), [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1), (64, 1)])
+def test_kv_heads_split_and_replication(tp, heads):
+    assert load_model_spec("llama-2-70b").kv_heads_per_rank(tp) == heads
+
+
+def test_kv_heads_bad_tp():
+    spec = load_model_spec("qwen2-7b")  # 4 KV heads
+    with pytest.raises(ModelSpecError, match="tp=3"):
+        spec.kv_heads_per_rank(3)
+    with pytest.raises(ModelSpecError, match="tp=6"):
+        spec.kv_heads_per_rank(6)
+
+
+def test_flops_match_brute_force_sum():
+    spec = load_model_spec("default")
+    n, cached = 37, 11
+    per_token = [spec.matmul_flops_per_token() + spec.attention_flops(1, cached + i + 1) for i in range(n)]
+    assert spec.prefill_flops(n, cached) == pytest.approx(sum(per_token), rel=1e-12)
+    assert spec.decode_flops(100) == pytest.approx(per_token[0] - spec.attention_flops(1, cached + 1)
+                                                   + spec.attention_flops(1, 101))
+
+
+def test_default_model_from_gguf_metadata():
+    path = default_gguf_path()
+    spec = ModelSpec.from_gguf(path)
+    assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads) == (30, 576, 9, 3)
+    assert spec.head_dim == 64 and spec.vocab_size == 49152 and spec.tie_word_embeddings
+    assert spec.num_params() / 1e6 == pytest.approx(134.5, abs=0.5)
+    # The GGUF file and the built-in config agree.
+    builtin = ModelSpec.from_hf_config(KNOWN_CONFIGS["smollm2-135m-instruct"])
+    assert spec.kv_bytes_per_token() == builtin.kv_bytes_per_token() == 23_040
+
+
+def test_from_hf_config_file_and_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KNOWN_CONFIGS["mistral-7b"]))
+    assert ModelSpec.from_hf_config(tmp_path).num_key_value_heads == 8
+    assert ModelSpec.from_hf_config(tmp_path / "config.json").num_layers == 32
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
+        (lambda c: c.update(num_key_value_heads=5), "not a multiple"),
+        (lambda c: c.update(hidden_size=-1), "hidden_size"),
+    ],
+)
+def test_bad_configs_name_the_field(mutate, message):
+    cfg = dict(KNOWN_CONFIGS["llama-3-8b"])
+    mutate(cfg)
+    with pytest.raises(ModelSpecError, match=message):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ModelSpecError, match="not found"):
+        ModelSpec.from_hf_config(tmp_path / "missing.json")
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(ModelSpecError, match="not valid JSON"):
+        ModelSpec.from_hf_config(tmp_path)
+    with pytest.raises(ModelSpecError, match="unknown model"):
+        load_model_spec("no-such-model")
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not gguf at all")
+    with pytest.raises(ValueError, match="GGUF"):
+        ModelSpec.from_gguf(bad)

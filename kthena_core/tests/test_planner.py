@@ -1,0 +1,149 @@
+"""Planner: brute-force properties on small spaces, and known answers."""
+
+import itertools
+import math
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kthena_core.cost_model import Layout
+from kthena_core.hardware import cpu_host_spec, get_device
+from kthena_core.known_models import load_model_spec
+from kthena_core.model_spec import ModelSpec
+from kthena_core.planner import NoFeasiblePlanError, Planner
+from kthena_core.topology import Device, Topology, from_catalog
+from kthena_core.workload import Workload
+
+GiB = 1024**3
+
+
+def small_topology(num_devices: int, device: str = "ascend-910b3", nodes: int = 1) -> Topology:
+    spec = get_device(device)
+    per = math.ceil(num_devices / nodes)
+    devs = [Device(index=i, node=i // per, local_index=i % per, spec=spec) for i in range(num_devices)]
+    return Topology(devices=tuple(devs), name=f"{num_devices}x{device}")
+
+
+@st.composite
+def models(draw):
+    kv = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    heads = kv * draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([64, 128]))
+    return ModelSpec(
+        name="random", architecture="LlamaForCausalLM",
+        num_layers=draw(st.sampled_from([2, 3, 4, 6, 8, 12, 30])),
+        hidden_size=heads * head_dim,
+        intermediate_size=draw(st.sampled_from([2, 3, 4])) * heads * head_dim,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        vocab_size=draw(st.sampled_from([1000, 32000])),
+        tie_word_embeddings=draw(st.booleans()),
+    )
+
+
+workloads = st.builds(
+    Workload,
+    prompt_len=st.integers(1, 8192), output_len=st.integers(1, 2048), concurrency=st.integers(1, 512),
+    mode=st.sampled_from(["colocated", "pd"]), objective=st.sampled_from(["throughput", "latency"]),
+)
+
+
+def brute_force_layouts(num_devices: int, mode: str):
+    for tp, pp, dp in itertools.product(range(1, num_devices + 1), repeat=3):
+        if tp * pp * dp <= num_devices and (mode != "pd" or dp >= 2):
+            for sp in sorted({1, tp}):
+                yield Layout(tp, pp, dp, sp)
+
+
+@given(model=models(), n=st.integers(1, 8), wl=workloads,
+       device=st.sampled_from(["ascend-910b3", "nvidia-rtx-4090", "ascend-910b4"]))
+def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
+    topo = small_topology(n, device)
+    planner = Planner()
+    evals = [planner.evaluate(model, topo, wl, lay) for lay in brute_force_layouts(n, wl.mode)]
+    assert {e.layout for e in evals} == set(planner.layouts(model, topo, wl))
+    feasible = [e for e in evals if e.feasible]
+    if not feasible:
+        with pytest.raises(NoFeasiblePlanError):
+            planner.plan(model, topo, wl)
+        return
+    plan = planner.plan(model, topo, wl)
+    best = min(feasible, key=lambda e: e.sort_key())
+    assert plan.chosen.layout == best.layout
+    assert plan.chosen.cost == min(e.cost for e in feasible)
+    # every plan fits memory, uses tp*pp*dp devices, and never splits a head
+    lay = plan.chosen.layout
+    assert plan.chosen.memory.total <= plan.chosen.memory.capacity
+    assert len(plan.device_ids) == len(set(plan.device_ids)) == lay.tp * lay.pp * lay.dp == plan.world_size
+    assert model.num_attention_heads % lay.tp == 0
+    assert model.num_key_value_heads % lay.tp == 0 or lay.tp % model.num_key_value_heads == 0
+    assert model.num_layers % lay.pp == 0
+    # independent memory check: at least the weight shard must fit
+    assert model.weight_bytes(wl.dtype) / (lay.tp * lay.pp) <= get_device(device).memory_bytes
+    # groups partition the ranks
+    for groups in (plan.tp_groups(), plan.pp_groups(), plan.dp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(plan.world_size))
+
+
+def test_llama2_70b_never_tp1_on_64gb_devices():
+    model = load_model_spec("llama-2-70b")
+    topo = from_catalog("atlas-800t-a2")  # 8 x 910B, 64 GB each
+    plan = Planner().plan(model, topo, Workload(dtype="fp16"))
+    for e in plan.evaluations:
+        if e.layout.tp * e.layout.pp == 1:
+            assert not e.feasible and "needs" in e.reasons[0]
+    assert plan.tp_size * plan.pp_size >= 3
+    # One device alone cannot hold it at all.
+    with pytest.raises(NoFeasiblePlanError, match="needs"):
+        Planner().plan(model, small_topology(1), Workload(dtype="fp16"))
+
+
+def test_small_model_on_one_cpu_host_is_tp1():
+    spec = cpu_host_spec(2, 24 * GiB, flags={"avx512f", "amx_bf16"}, arch="x86_64")
+    topo = Topology(devices=(Device(0, 0, 0, spec),), name="this-host")
+    plan = Planner().plan(load_model_spec("default"), topo, Workload(concurrency=8))
+    assert (plan.tp_size, plan.pp_size, plan.dp_size) == (1, 1, 1)
+
+
+def test_tp_stays_inside_a_node_on_two_nodes():
+    topo = from_catalog("atlas-800t-a2", 2)
+    plan = Planner().plan(load_model_spec("llama-2-70b"), topo, Workload(concurrency=64))
+    nodes = {d.index: d.node for d in topo.devices}
+    for group in plan.tp_groups():
+        assert len({nodes[plan.device_ids[r]] for r in group}) == 1
+
+
+def test_pd_mode_splits_replicas():
+    topo = from_catalog("atlas-800t-a2", 2)
+    plan = Planner().plan(load_model_spec("llama-2-70b"), topo, Workload(mode="pd", concurrency=64))
+    est = plan.chosen.estimate
+    assert est.prefill_replicas >= 1 and est.decode_replicas >= 1
+    assert est.prefill_replicas + est.decode_replicas == plan.dp_size
+    assert est.kv_transfer_s > 0
+
+
+def test_plan_explains_itself():
+    plan = Planner().plan(load_model_spec("llama-2-70b"), from_catalog("atlas-800t-a2"), Workload())
+    ups = plan.runner_ups(5)
+    assert len(ups) == 5 and all(why for _, why in ups)
+    d = plan.to_dict()
+    assert d["memory_per_device"]["total"] <= d["memory_per_device"]["capacity"]
+    assert d["estimate"]["tpot_s"] > 0 and d["candidates"]
+    infeasible = [e for e in plan.evaluations if not e.feasible]
+    assert any("does not divide" in r for e in infeasible for r in e.reasons)
+
+
+def test_slo_makes_candidates_infeasible():
+    model, topo = load_model_spec("llama-2-70b"), from_catalog("atlas-800t-a2")
+    with pytest.raises(NoFeasiblePlanError, match="SLO"):
+        Planner().plan(model, topo, Workload(tpot_slo_s=1e-6))
+
+
+def test_70b_on_64_devices_is_fast():
+    # Not a timed assertion on the machine's speed: a generous bound against accidental blow-up.
+    topo = from_catalog("atlas-800t-a2", 8)
+    start = time.process_time()
+    plan = Planner().plan(load_model_spec("llama-2-70b"), topo, Workload(concurrency=256))
+    assert plan.world_size <= 64
+    assert time.process_time() - start < 10
