@@ -218,7 +218,7 @@ class BlockChain:
     (``RadixIndex``, via ``page_key``).
     """
 
-    __slots__ = ("_hasher", "data", "extras", "hashes", "root")
+    __slots__ = ("_hasher", "data", "extras", "hashes", "page_bytes", "root")
 
     def __init__(
         self,
@@ -227,6 +227,7 @@ class BlockChain:
         extra_keys: ExtraKeys | None = None,
     ) -> None:
         self._hasher = hasher
+        self.page_bytes = 4 * hasher.block_size
         self.root = hasher.root(extra_keys)
         has_inputs = extra_keys is not None and extra_keys.input_hashes
         self.extras = extra_keys.block_extras(hasher.block_size) if has_inputs else None
@@ -260,8 +261,15 @@ class BlockChain:
 
     def page_key(self, index: int) -> bytes:
         """Bytes identifying block ``index`` under its parent: its packed tokens (+ extras)."""
-        step = 4 * self._hasher.block_size
+        step = self.page_bytes
         key = self.data[index * step : (index + 1) * step]
         if self.extras and index in self.extras:
             key += self.extras[index]
         return key
+
+    def page_keys(self, start: int, stop: int) -> list[bytes]:
+        """``page_key(i)`` for ``start <= i < stop``."""
+        if self.extras:
+            return [self.page_key(i) for i in range(start, stop)]
+        data, step = self.data, self.page_bytes
+        return [data[i * step : i * step + step] for i in range(start, stop)]

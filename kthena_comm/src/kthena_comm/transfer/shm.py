@@ -55,6 +55,8 @@ class _Segment:
         self.addr = ctypes.addressof(self._anchor)
 
     def close(self) -> None:
+        # mmap holds a dup of fd, so drop the lock explicitly: peers must see us go now.
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
         del self._anchor
         try:
             self.mm.close()

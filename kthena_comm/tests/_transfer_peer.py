@@ -1,0 +1,53 @@
+"""A transfer peer in its own process, driven by JSON lines on stdin (run by path, not imported).
+
+Usage: python _transfer_peer.py BACKEND NBYTES SEED SHM_PREFIX
+
+Registers NBYTES of memory filled with seeded random bytes, prints its handle as one JSON line,
+then answers commands: {"cmd": "read", "offset": o, "length": n} -> {"data": hex},
+{"cmd": "unregister"} -> {"ok": true}, {"cmd": "exit"} -> closes the engine and exits.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json  # noqa: E402
+import mmap  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+
+from kthena_comm.transfer import ShmConfig, create_engine  # noqa: E402
+
+
+def make_memory(backend: str, nbytes: int, prefix: str):
+    if backend == "shm":
+        engine = create_engine("shm", ShmConfig(prefix=prefix))
+        handle = engine.allocate(nbytes)
+        return engine, handle, engine.buffer(handle)
+    engine = create_engine(backend)
+    memory = mmap.mmap(-1, nbytes)
+    return engine, engine.register(memory), memoryview(memory)
+
+
+def main() -> None:
+    backend, nbytes, seed, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    engine, handle, view = make_memory(backend, nbytes, prefix)
+    view[:] = random.Random(seed).randbytes(nbytes)
+    print(json.dumps({"handle": handle.to_dict(), "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "read":
+            data = bytes(view[cmd["offset"]: cmd["offset"] + cmd["length"]])
+            print(json.dumps({"data": data.hex()}), flush=True)
+        elif cmd["cmd"] == "unregister":
+            engine.unregister(handle)
+            print(json.dumps({"ok": True}), flush=True)
+        else:
+            break
+    view.release()
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

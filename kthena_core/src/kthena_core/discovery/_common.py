@@ -1,0 +1,177 @@
+"""Shared pieces of discovery: the "not present" result, running a probe command, and the
+device-relation matrix that both ``nvidia-smi topo -m`` and ``npu-smi info -t topo`` print."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+__all__ = [
+    "NotPresent",
+    "ParseError",
+    "Runner",
+    "TopoMatrix",
+    "parse_cpulist",
+    "parse_topo_matrix",
+    "run_command",
+]
+
+# A runner takes argv and returns stdout, or NotPresent when the command is missing or fails.
+# Tests substitute one that replays recorded outputs.
+Runner = Callable[[Sequence[str]], "str | NotPresent"]
+
+
+class ParseError(ValueError):
+    """A probe's output does not have the expected shape; the message says what was expected."""
+
+
+@attrs.frozen
+class NotPresent:
+    """The result of probing for hardware that is not there (or could not be read).
+
+    It is falsy, so ``if topo := discover_nvidia():`` works.
+
+    Attributes:
+        kind: "npu" | "gpu" | "cpu".
+        reason: why, in words a user can act on ("npu-smi not found on PATH").
+    """
+
+    kind: str
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.kind}: not present ({self.reason})"
+
+
+def run_command(argv: Sequence[str], timeout: float = 15.0) -> str | NotPresent:
+    """Run a probe command; return its stdout, or NotPresent naming what went wrong. Never raises."""
+    exe = shutil.which(argv[0])
+    if exe is None:
+        return NotPresent("?", f"{argv[0]} not found on PATH")
+    try:
+        proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return NotPresent("?", f"{' '.join(argv)} failed: {exc}")
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        return NotPresent("?", f"{' '.join(argv)} exited with {proc.returncode}: {tail[0]}")
+    return proc.stdout
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """'0-23,48-71' or '0,1' -> sorted CPU ids.
+
+    Raises:
+        ParseError: not a cpulist.
+    """
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ParseError(f"not a CPU list: {text!r} (expected e.g. '0-23,48-71')")
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
+
+
+@attrs.frozen
+class TopoMatrix:
+    """The device x device relation table of ``nvidia-smi topo -m`` / ``npu-smi info -t topo``.
+
+    Attributes:
+        devices: row labels in order ("GPU0", "GPU1", ... or "NPU0", ...).
+        relations: relations[i][j] is the cell for devices i, j ("X" on the diagonal, "NV18", "PIX",
+            "HCCS", "SYS", ...).
+        cpu_affinity: the "CPU Affinity" cell per device (e.g. "0-47,96-143"), or None.
+        numa_affinity: the "NUMA Affinity" cell per device as an int, or None.
+        nics: NIC column labels ("NIC0", ...); nic_relations[i][k] relates device i to NIC k.
+        nic_names: "NIC0" -> "mlx5_0" from the NIC legend, when printed.
+    """
+
+    devices: tuple[str, ...]
+    relations: tuple[tuple[str, ...], ...]
+    cpu_affinity: tuple[str | None, ...]
+    numa_affinity: tuple[int | None, ...]
+    nics: tuple[str, ...] = ()
+    nic_relations: tuple[tuple[str, ...], ...] = ()
+    nic_names: Mapping[str, str] = attrs.field(factory=dict, eq=False, hash=False)
+
+    def relation(self, i: int, j: int) -> str:
+        return self.relations[i][j]
+
+
+def parse_topo_matrix(text: str, device_prefix: str) -> TopoMatrix:
+    """Parse a relation matrix whose device rows and columns are ``<prefix><n>``.
+
+    Tolerates tabs or spaces, a leading tab on the header, ' X ' cells, an empty column before
+    'N/A', trailing spaces, and the Legend / NIC Legend sections (which are skipped, except that
+    NIC names are collected).
+
+    Raises:
+        ParseError: no header line, or rows that do not match the header.
+    """
+    dev_re = re.compile(rf"^{device_prefix}\d+$")
+    col_re = re.compile(rf"^(?:{device_prefix}|NIC)\d+$")
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    nic_names: dict[str, str] = {}
+    for line in text.splitlines():
+        tokens = line.split()
+        if not tokens:
+            continue
+        legend = re.fullmatch(r"(NIC\d+):\s*(\S+)", line.strip())
+        if legend:
+            nic_names[legend[1]] = legend[2]
+            continue
+        is_header = len(tokens) == 1 or col_re.match(tokens[1]) or tokens[1] == "CPU"
+        if header is None and dev_re.match(tokens[0]) and is_header:
+            header = [t for t in tokens if col_re.match(t)]
+            continue
+        if header is not None and dev_re.match(tokens[0]):
+            rows.append(tokens)
+    if header is None:
+        raise ParseError(f"no header line with {device_prefix}0 {device_prefix}1 ... columns found")
+    dev_cols = [c for c in header if dev_re.match(c)]
+    nic_cols = [c for c in header if c.startswith("NIC")]
+    if [r[0] for r in rows] != dev_cols:
+        raise ParseError(f"row labels {[r[0] for r in rows]} do not match the header columns {dev_cols}")
+    relations, nic_rel, cpu_aff, numa_aff = [], [], [], []
+    ncols = len(header)
+    for row in rows:
+        cells = row[1:1 + ncols]
+        if len(cells) < ncols:
+            raise ParseError(f"row {row[0]} has {len(cells)} cells, expected {ncols}")
+        by_col = dict(zip(header, cells, strict=True))
+        relations.append(tuple(by_col[c] for c in dev_cols))
+        nic_rel.append(tuple(by_col[c] for c in nic_cols))
+        rest = row[1 + ncols:]
+        cpu_aff.append(rest[0] if rest and rest[0] != "N/A" else None)
+        numa_aff.append(int(rest[1]) if len(rest) > 1 and rest[1].isdigit() else None)
+    for i, rel in enumerate(relations):
+        if rel[i] != "X":
+            raise ParseError(f"row {dev_cols[i]}: expected 'X' on the diagonal, got {rel[i]!r}")
+    return TopoMatrix(devices=tuple(dev_cols), relations=tuple(relations),
+                      cpu_affinity=tuple(cpu_aff), numa_affinity=tuple(numa_aff),
+                      nics=tuple(nic_cols), nic_relations=tuple(nic_rel), nic_names=nic_names)
+
+
+def numa_of_cpus(cpus: Sequence[int], numa_cpus: Mapping[int, Sequence[int]]) -> int | None:
+    """The NUMA node holding most of ``cpus``, or None when unknown."""
+    best, best_hits = None, 0
+    wanted = set(cpus)
+    for node, members in sorted(numa_cpus.items()):
+        hits = len(wanted.intersection(members))
+        if hits > best_hits:
+            best, best_hits = node, hits
+    return best

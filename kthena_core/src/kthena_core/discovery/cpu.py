@@ -1,0 +1,344 @@
+"""CPU discovery: sockets, cores, NUMA nodes, memory and ISA flags of this host.
+
+Sources, in order: /proc/cpuinfo (flags, sockets, cores), /sys/devices/system/node (NUMA nodes,
+their CPUs and memory), /proc/meminfo and the cgroup memory limit (usable RAM), and
+``os.sched_getaffinity`` (the CPUs this process may use, which is what a container grants).
+``parse_lscpu`` and ``parse_numactl_hardware`` read the same facts from recorded command output.
+
+The host becomes **one cpu device** by default. The CPU backend runs one process per host that
+uses every core through torch's intra-op threads, and splitting a small model across NUMA halves
+with gloo costs more than it saves. ``per_numa=True`` gives one device per NUMA node, which
+some experiments need.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from kthena_core.discovery._common import ParseError, parse_cpulist
+from kthena_core.hardware import cpu_host_spec
+from kthena_core.topology import Device, Link, Topology
+
+__all__ = [
+    "CpuFacts",
+    "NumaNode",
+    "NumactlInfo",
+    "cpu_topology",
+    "discover_cpu",
+    "parse_cpuinfo",
+    "parse_lscpu",
+    "parse_numactl_hardware",
+    "read_cpu_facts",
+]
+
+
+@attrs.frozen
+class NumaNode:
+    """One NUMA node: its id, CPUs and memory (None when the source does not say)."""
+
+    id: int
+    cpus: tuple[int, ...]
+    memory_bytes: int | None = None
+
+
+@attrs.frozen
+class CpuFacts:
+    """What discovery learnt about the host CPU.
+
+    Attributes:
+        model_name: e.g. "Intel(R) Xeon(R) Gold 6348 CPU @ 2.60GHz", "Kunpeng-920".
+        arch: "x86_64", "aarch64", ...
+        vendor: "GenuineIntel", "HiSilicon", ...
+        num_cpus: usable logical CPUs.
+        num_cores: usable physical cores (logical CPUs / threads per core when known).
+        num_sockets: None when the source cannot be trusted (lscpu prints "-" on some ARM hosts).
+        threads_per_core: None when unknown.
+        numa_nodes: NUMA nodes in id order (empty when unknown).
+        memory_bytes: usable RAM (0 when unknown).
+        flags: ISA feature flags (x86 "flags", aarch64 "Features").
+        clock_hz: max or nominal clock, None when unknown.
+    """
+
+    model_name: str = ""
+    arch: str = ""
+    vendor: str = ""
+    num_cpus: int = 1
+    num_cores: int = 1
+    num_sockets: int | None = None
+    threads_per_core: int | None = None
+    numa_nodes: tuple[NumaNode, ...] = ()
+    memory_bytes: int = 0
+    flags: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    clock_hz: float | None = None
+
+
+@attrs.frozen
+class NumactlInfo:
+    """``numactl --hardware``: nodes (with memory) and the distance matrix."""
+
+    nodes: tuple[NumaNode, ...]
+    distances: tuple[tuple[int, ...], ...]
+
+
+# -- lscpu ---------------------------------------------------------------------------------------
+
+
+def _lscpu_fields(text: str) -> dict[str, str]:
+    """Key -> value for flat and hierarchical lscpu output, joining a wrapped Flags value."""
+    fields: dict[str, str] = {}
+    last_key, value_col = None, 0
+    for line in text.splitlines():
+        m = re.match(r"^(\s*)([^:]+?):(\s*)(.*?)\s*$", line)
+        if m and not (last_key == "Flags" and not re.match(r"^\s*[A-Z]", line)):
+            key, value = m[2].strip(), m[4]
+            fields[key] = value
+            last_key, value_col = key, len(m[1]) + len(m[2]) + 1 + len(m[3])
+            continue
+        if last_key == "Flags" and line.strip():
+            # Terminal wrapping cuts words anywhere: a continuation that starts exactly at the
+            # value column continues the previous word ("rep_go" + "od"); one that starts after a
+            # space begins a new word.
+            glue = " " if len(line) > value_col and line[value_col] == " " else ""
+            fields["Flags"] += glue + line.strip()
+    return fields
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isdigit() or int(value) == 0:
+        return None  # lscpu prints "-" or "0" when it does not know
+    return int(value)
+
+
+def parse_lscpu(text: str) -> CpuFacts:
+    """Parse ``lscpu`` output (flat layout, or the hierarchical one of util-linux >= 2.38).
+
+    Socket(s) and Thread(s) per core of "-" or "0" (seen on Kunpeng hosts) become None, and NUMA
+    comes from the "NUMA nodeN CPU(s)" lines. Memory is unknown to lscpu, so memory_bytes is 0.
+
+    Raises:
+        ParseError: no "CPU(s)" line.
+    """
+    fields = _lscpu_fields(text)
+    if "CPU(s)" not in fields or not fields["CPU(s)"].strip().isdigit():
+        raise ParseError("lscpu output has no 'CPU(s): <n>' line")
+    num_cpus = int(fields["CPU(s)"])
+    tpc = _int_or_none(fields.get("Thread(s) per core"))
+    sockets = _int_or_none(fields.get("Socket(s)"))
+    numa = []
+    for key, value in fields.items():
+        m = re.fullmatch(r"NUMA node(\d+) CPU\(s\)", key)
+        if m:
+            numa.append(NumaNode(id=int(m[1]), cpus=parse_cpulist(value)))
+    clock = None
+    for key in ("CPU max MHz", "CPU MHz"):
+        if key in fields:
+            try:
+                clock = float(fields[key]) * 1e6
+                break
+            except ValueError:
+                pass
+    return CpuFacts(
+        model_name=fields.get("Model name", ""), arch=fields.get("Architecture", ""),
+        vendor=fields.get("Vendor ID", ""), num_cpus=num_cpus,
+        num_cores=max(1, num_cpus // tpc) if tpc else num_cpus, num_sockets=sockets,
+        threads_per_core=tpc, numa_nodes=tuple(sorted(numa, key=lambda n: n.id)),
+        flags=frozenset(fields.get("Flags", "").split()), clock_hz=clock,
+    )
+
+
+# -- numactl --hardware -------------------------------------------------------------------------
+
+
+def parse_numactl_hardware(text: str) -> NumactlInfo:
+    """Parse ``numactl --hardware``: per-node CPUs and size, and the distance matrix.
+
+    Raises:
+        ParseError: no "available: N nodes" line, or a node count that does not match.
+    """
+    m = re.search(r"^available:\s*(\d+)\s+nodes?", text, re.M)
+    if not m:
+        raise ParseError("numactl output has no 'available: N nodes' line")
+    count = int(m[1])
+    cpus: dict[int, tuple[int, ...]] = {}
+    sizes: dict[int, int] = {}
+    for line in text.splitlines():
+        if c := re.match(r"^node (\d+) cpus:\s*(.*)$", line):
+            cpus[int(c[1])] = tuple(sorted(int(x) for x in c[2].split()))
+        elif s := re.match(r"^node (\d+) size:\s*(\d+)\s*MB", line):
+            sizes[int(s[1])] = int(s[2]) * 2**20
+    if len(cpus) != count:
+        raise ParseError(f"numactl says {count} nodes but lists cpus for {len(cpus)}")
+    distances = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("node distances:"):
+            for row in lines[i + 2:i + 2 + count]:
+                distances.append(tuple(int(x) for x in row.split(":", 1)[1].split()))
+            break
+    nodes = tuple(NumaNode(id=n, cpus=cpus[n], memory_bytes=sizes.get(n)) for n in sorted(cpus))
+    return NumactlInfo(nodes=nodes, distances=tuple(distances))
+
+
+# -- /proc and /sys ---------------------------------------------------------------------------
+
+
+def parse_cpuinfo(text: str) -> dict[str, object]:
+    """The few /proc/cpuinfo facts discovery needs: model, vendor, flags, sockets, cores, MHz."""
+    model = vendor = ""
+    flags: set[str] = set()
+    sockets: set[str] = set()
+    cores: set[tuple[str, str]] = set()
+    mhz: float | None = None
+    physical = "0"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "model name" and not model:
+            model = value
+        elif key == "vendor_id" and not vendor:
+            vendor = value
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+        elif key == "physical id":
+            physical = value
+            sockets.add(value)
+        elif key == "core id":
+            cores.add((physical, value))
+        elif key == "cpu MHz" and mhz is None:
+            try:
+                mhz = float(value)
+            except ValueError:
+                pass
+    return {"model_name": model, "vendor": vendor, "flags": frozenset(flags),
+            "num_sockets": len(sockets) or None, "num_physical_cores": len(cores) or None,
+            "num_logical": text.count("\nprocessor") + text.startswith("processor"), "mhz": mhz}
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _meminfo_bytes(text: str | None, key: str = "MemTotal") -> int:
+    if not text:
+        return 0
+    m = re.search(rf"{key}:\s*(\d+)\s*kB", text)
+    return int(m[1]) * 1024 if m else 0
+
+
+def _cgroup_limit(root: Path) -> int | None:
+    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = _read(root / rel)
+        if text and text.strip().isdigit():
+            limit = int(text.strip())
+            if limit < 1 << 60:  # cgroup v1 prints a huge number for "no limit"
+                return limit
+    return None
+
+
+def _sys_numa_nodes(root: Path) -> tuple[NumaNode, ...]:
+    base = root / "sys/devices/system/node"
+    nodes = []
+    for entry in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        cpulist = _read(entry / "cpulist")
+        if cpulist is None:
+            continue
+        try:
+            cpus = parse_cpulist(cpulist)
+        except ParseError:
+            continue
+        meminfo = _read(entry / "meminfo")
+        nodes.append(NumaNode(id=int(entry.name[4:]), cpus=cpus,
+                              memory_bytes=_meminfo_bytes(meminfo) or None))
+    return tuple(nodes)
+
+
+def read_cpu_facts(root: str | Path = "/", *, usable_cpus: set[int] | None = None) -> CpuFacts:
+    """Read CpuFacts from /proc and /sys under ``root`` (tests pass a fake tree).
+
+    Args:
+        root: filesystem root.
+        usable_cpus: CPUs this process may run on; default ``os.sched_getaffinity(0)`` when
+            ``root`` is "/", else every CPU the tree lists.
+    """
+    root = Path(root)
+    info = parse_cpuinfo(_read(root / "proc/cpuinfo") or "")
+    numa = _sys_numa_nodes(root)
+    all_cpus = {c for n in numa for c in n.cpus} or set(range(int(info["num_logical"]) or 1))
+    if usable_cpus is None:
+        usable_cpus = set(os.sched_getaffinity(0)) if str(root) == "/" and hasattr(os, "sched_getaffinity") else all_cpus
+    num_cpus = len(usable_cpus) or 1
+    logical = int(info["num_logical"]) or len(all_cpus)
+    physical = info["num_physical_cores"]
+    tpc = max(1, round(logical / physical)) if isinstance(physical, int) and physical else None
+    memory = _meminfo_bytes(_read(root / "proc/meminfo")) or sum(n.memory_bytes or 0 for n in numa)
+    limit = _cgroup_limit(root)
+    if limit is not None and (memory == 0 or limit < memory):
+        memory = limit
+    numa = tuple(attrs.evolve(n, cpus=tuple(c for c in n.cpus if c in usable_cpus)) for n in numa)
+    max_khz = _read(root / "sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    clock = int(max_khz) * 1e3 if max_khz and max_khz.strip().isdigit() else (
+        info["mhz"] * 1e6 if isinstance(info["mhz"], float) else None)
+    return CpuFacts(
+        model_name=str(info["model_name"]), arch=platform.machine() if str(root) == "/" else "",
+        vendor=str(info["vendor"]), num_cpus=num_cpus,
+        num_cores=max(1, math.ceil(num_cpus / tpc)) if tpc else num_cpus,
+        num_sockets=info["num_sockets"] if isinstance(info["num_sockets"], int) else None,
+        threads_per_core=tpc, numa_nodes=tuple(n for n in numa if n.cpus), memory_bytes=memory,
+        flags=info["flags"], clock_hz=clock,
+    )
+
+
+# -- topology -----------------------------------------------------------------------------------
+
+
+def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, name: str = "",
+                 source: str = "discovered:cpu") -> Topology:
+    """A single-node topology of the host: one cpu device, or one per NUMA node.
+
+    With ``per_numa``, each NUMA node gets the share of cores and the memory it holds, and the
+    nodes are joined by "sys" links at half a node's memory bandwidth. That is a rough stand-in for
+    UPI/QPI or the Kunpeng die interconnect; lscpu and numactl give no bandwidth.
+    """
+    label = name or (facts.model_name or "cpu host")
+    if not per_numa or len(facts.numa_nodes) < 2:
+        spec = cpu_host_spec(facts.num_cores, facts.memory_bytes, flags=facts.flags, arch=facts.arch,
+                             clock_hz=facts.clock_hz, name="cpu-host", vendor=facts.vendor or "generic")
+        numa = facts.numa_nodes[0].id if len(facts.numa_nodes) == 1 else None
+        return Topology(devices=(Device(0, 0, 0, spec, numa_node=numa),), name=label, source=source)
+    devices, total_cpus = [], sum(len(n.cpus) for n in facts.numa_nodes)
+    for i, node in enumerate(facts.numa_nodes):
+        cores = max(1, round(facts.num_cores * len(node.cpus) / total_cpus))
+        memory = node.memory_bytes or facts.memory_bytes // len(facts.numa_nodes)
+        spec = cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch, clock_hz=facts.clock_hz,
+                             name=f"cpu-numa{node.id}", vendor=facts.vendor or "generic")
+        devices.append(Device(i, 0, i, spec, numa_node=node.id))
+    links = tuple(
+        Link(a=a.index, b=b.index, kind="sys", latency=2e-6, via="NUMA",
+             bandwidth=min(a.spec.memory_bw, b.spec.memory_bw) / 2)
+        for x, a in enumerate(devices) for b in devices[x + 1:]
+    )
+    return Topology(devices=tuple(devices), links=links, name=label, source=source + ":per-numa")
+
+
+def discover_cpu(*, per_numa: bool = False, root: str | Path = "/",
+                 usable_cpus: set[int] | None = None) -> Topology:
+    """This host's CPU as a Topology (always succeeds; missing files just mean fewer facts)."""
+    return cpu_topology(read_cpu_facts(root, usable_cpus=usable_cpus), per_numa=per_numa)
+
+
+def numa_cpu_map(facts: CpuFacts) -> Mapping[int, tuple[int, ...]]:
+    """NUMA node id -> CPU ids, for mapping a device's CPU affinity to its NUMA node."""
+    return {n.id: n.cpus for n in facts.numa_nodes}

@@ -1,0 +1,38 @@
+"""Each layer installs alone: pip install ./kthena_core and ./mooncake_kv into an empty venv.
+
+Neither may pull torch or another of our layers; both must import afterwards. This is the slow
+end-to-end check behind the README's claim (about a minute, mostly pip).
+"""
+
+import json
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def installed(python: Path) -> set[str]:
+    out = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True,
+                         text=True, check=True).stdout
+    return {p["name"].lower().replace("_", "-") for p in json.loads(out)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", ["kthena_core", "mooncake_kv"])
+def test_layer_installs_alone_without_torch(tmp_path, layer):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", str(ROOT / layer)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = installed(python)
+    assert layer.replace("_", "-") in names
+    others = {"kthena-core", "kthena-comm", "mooncake-kv", "mooncake-ops", "kthena-serve", "torch"}
+    assert not (names & others - {layer.replace("_", "-")}), names
+    check = subprocess.run([str(python), "-c", f"import {layer}; print({layer}.__name__)"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert check.returncode == 0, check.stderr[-3000:]
