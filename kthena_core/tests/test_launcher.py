@@ -6,8 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from kthena_core.launcher import main
 
 SCRIPT = """

@@ -19,8 +19,13 @@ from kthena_comm.groups import CommGroup
 
 T = TypeVar("T")
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-        "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "avg": dist.ReduceOp.SUM,
+}
 # avg is sum then divide: gloo has no native AVG on every torch version.
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,54 +59,92 @@ def _reduce_op(op: str) -> Any:
         raise ValueError(f"unknown reduce op {op!r}; allowed: {', '.join(_OPS)}") from None
 
 
-def _launch(group: CommGroup, start: Callable[[], Any], finish: Callable[[], T],
-            async_op: bool) -> T | Handle[T]:
+def _launch(
+    group: CommGroup, start: Callable[[], Any], finish: Callable[[], T], async_op: bool
+) -> T | Handle[T]:
     works = [] if group.size == 1 else [start()]
     handle = Handle([w for w in works if w is not None], finish)
     return handle if async_op else handle.wait()
 
 
-def all_reduce(tensor: torch.Tensor, group: CommGroup, op: str = "sum",
-               async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def all_reduce(
+    tensor: torch.Tensor, group: CommGroup, op: str = "sum", async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduce ``tensor`` in place across ``group`` (ops: sum, avg, max, min, product)."""
     reduce_op = _reduce_op(op)
 
     def finish() -> torch.Tensor:
         return tensor.div_(group.size) if op == "avg" else tensor
 
-    return _launch(group, lambda: dist.all_reduce(tensor, reduce_op, group.process_group, async_op=True),
-                   finish, async_op)
+    return _launch(
+        group,
+        lambda: dist.all_reduce(tensor, reduce_op, group.process_group, async_op=True),
+        finish,
+        async_op,
+    )
 
 
-def all_gather(tensor: torch.Tensor, group: CommGroup,
-               async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def all_gather(
+    tensor: torch.Tensor, group: CommGroup, async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Concatenate every rank's ``tensor`` along dim 0, in group-rank order."""
-    out = torch.empty((group.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device) if group.size > 1 else tensor.clone()
-    return _launch(group, lambda: _all_gather_single(out, tensor.contiguous(), group.process_group, True),
-                   lambda: out, async_op)
+    out = (
+        torch.empty(
+            (group.size * tensor.shape[0], *tensor.shape[1:]),
+            dtype=tensor.dtype,
+            device=tensor.device,
+        )
+        if group.size > 1
+        else tensor.clone()
+    )
+    return _launch(
+        group,
+        lambda: _all_gather_single(out, tensor.contiguous(), group.process_group, True),
+        lambda: out,
+        async_op,
+    )
 
 
-def reduce_scatter(tensor: torch.Tensor, group: CommGroup, op: str = "sum",
-                   async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def reduce_scatter(
+    tensor: torch.Tensor, group: CommGroup, op: str = "sum", async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduce ``tensor`` across ranks; rank i keeps the i-th of ``group.size`` dim-0 chunks."""
     if tensor.shape[0] % group.size:
-        raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the "
-                         f"group size ({group.size}); pad the input")
+        raise ValueError(
+            f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the "
+            f"group size ({group.size}); pad the input"
+        )
     reduce_op = _reduce_op(op)
-    out = torch.empty((tensor.shape[0] // group.size, *tensor.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device) if group.size > 1 else tensor.clone()
+    out = (
+        torch.empty(
+            (tensor.shape[0] // group.size, *tensor.shape[1:]),
+            dtype=tensor.dtype,
+            device=tensor.device,
+        )
+        if group.size > 1
+        else tensor.clone()
+    )
 
     def finish() -> torch.Tensor:
         return out.div_(group.size) if op == "avg" else out
 
-    return _launch(group, lambda: _reduce_scatter_single(out, tensor.contiguous(), reduce_op, group.process_group, True),
-                   finish, async_op)
+    return _launch(
+        group,
+        lambda: _reduce_scatter_single(
+            out, tensor.contiguous(), reduce_op, group.process_group, True
+        ),
+        finish,
+        async_op,
+    )
 
 
-def all_to_all(tensor: torch.Tensor, group: CommGroup, input_splits: list[int] | None = None,
-               output_splits: list[int] | None = None,
-               async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def all_to_all(
+    tensor: torch.Tensor,
+    group: CommGroup,
+    input_splits: list[int] | None = None,
+    output_splits: list[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Send dim-0 chunk i of ``tensor`` to group rank i; receive theirs, concatenated.
 
     Even split when both split lists are ``None``. With only ``input_splits`` the output sizes
@@ -116,15 +159,28 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, input_splits: list[int] |
     out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     if group.size == 1:
         out.copy_(tensor)
-    return _launch(group, lambda: dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group.process_group, async_op=True),
-                   lambda: out, async_op)
+    return _launch(
+        group,
+        lambda: dist.all_to_all_single(
+            out,
+            tensor.contiguous(),
+            output_splits,
+            input_splits,
+            group.process_group,
+            async_op=True,
+        ),
+        lambda: out,
+        async_op,
+    )
 
 
 def exchange_splits(input_splits: list[int], group: CommGroup) -> list[int]:
     """Tell every rank how many rows it will receive from each peer."""
     if len(input_splits) != group.size:
-        raise ValueError(f"input_splits has {len(input_splits)} entries; the group has "
-                         f"{group.size} ranks, one entry per rank is required")
+        raise ValueError(
+            f"input_splits has {len(input_splits)} entries; the group has "
+            f"{group.size} ranks, one entry per rank is required"
+        )
     if group.size == 1:
         return list(input_splits)
     counts = torch.tensor(input_splits, dtype=torch.int64)
@@ -133,44 +189,60 @@ def exchange_splits(input_splits: list[int], group: CommGroup) -> list[int]:
     return received.tolist()
 
 
-def broadcast(tensor: torch.Tensor, group: CommGroup, src: int,
-              async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def broadcast(
+    tensor: torch.Tensor, group: CommGroup, src: int, async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Copy global rank ``src``'s ``tensor`` into every member's ``tensor`` (in place)."""
     _require_member(group, src, "src")
-    return _launch(group, lambda: dist.broadcast(tensor, src, group.process_group, async_op=True),
-                   lambda: tensor, async_op)
+    return _launch(
+        group,
+        lambda: dist.broadcast(tensor, src, group.process_group, async_op=True),
+        lambda: tensor,
+        async_op,
+    )
 
 
-def send(tensor: torch.Tensor, group: CommGroup, dst: int,
-         async_op: bool = False) -> None | Handle[None]:
+def send(
+    tensor: torch.Tensor, group: CommGroup, dst: int, async_op: bool = False
+) -> None | Handle[None]:
     """Send ``tensor`` to global rank ``dst`` (must be another member of ``group``)."""
     _require_peer(group, dst, "dst")
-    return _launch(group, lambda: dist.isend(tensor.contiguous(), dst, group.process_group),
-                   lambda: None, async_op)
+    return _launch(
+        group,
+        lambda: dist.isend(tensor.contiguous(), dst, group.process_group),
+        lambda: None,
+        async_op,
+    )
 
 
-def recv(tensor: torch.Tensor, group: CommGroup, src: int,
-         async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+def recv(
+    tensor: torch.Tensor, group: CommGroup, src: int, async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Receive into ``tensor`` from global rank ``src``."""
     _require_peer(group, src, "src")
-    return _launch(group, lambda: dist.irecv(tensor, src, group.process_group),
-                   lambda: tensor, async_op)
+    return _launch(
+        group, lambda: dist.irecv(tensor, src, group.process_group), lambda: tensor, async_op
+    )
 
 
 def barrier(group: CommGroup, async_op: bool = False) -> None | Handle[None]:
     """Wait until every member reaches the barrier."""
-    return _launch(group, lambda: dist.barrier(group.process_group, async_op=True),
-                   lambda: None, async_op)
+    return _launch(
+        group, lambda: dist.barrier(group.process_group, async_op=True), lambda: None, async_op
+    )
 
 
 def _require_member(group: CommGroup, rank: int, name: str) -> None:
     if rank not in group.ranks:
-        raise ValueError(f"{name}={rank} is not in the {group.kind} group {list(group.ranks)}; "
-                         "pass a global rank that is a member")
+        raise ValueError(
+            f"{name}={rank} is not in the {group.kind} group {list(group.ranks)}; "
+            "pass a global rank that is a member"
+        )
 
 
 def _require_peer(group: CommGroup, rank: int, name: str) -> None:
     _require_member(group, rank, name)
     if rank == group.rank:
-        raise ValueError(f"{name}={rank} is this rank; send/recv need another member of "
-                         f"{list(group.ranks)}")
+        raise ValueError(
+            f"{name}={rank} is this rank; send/recv need another member of {list(group.ranks)}"
+        )

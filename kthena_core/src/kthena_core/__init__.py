@@ -1,1 +1,51 @@
-"""kthena_core."""
+"""kthena_core: model spec, hardware catalog, topology discovery, parallel planner, config, launcher.
+
+Depends on attrs, numpy and pyyaml only; torch is imported lazily by the launcher alone.
+"""
+
+from kthena_core.config import ConfigError, KthenaConfig, load_config
+from kthena_core.cost_model import CostParams, Estimate, Layout, Memory
+from kthena_core.hardware import (
+    DeviceSpec,
+    NodeSpec,
+    get_device,
+    get_node,
+    list_devices,
+    list_nodes,
+)
+from kthena_core.known_models import default_gguf_path, load_model_spec
+from kthena_core.model_spec import ModelSpec, ModelSpecError
+from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
+from kthena_core.topology import Device, Link, Topology, TopologyError, from_catalog
+from kthena_core.workload import Workload, WorkloadError
+
+__all__ = [
+    "ConfigError",
+    "CostParams",
+    "Device",
+    "DeviceSpec",
+    "Estimate",
+    "Evaluation",
+    "KthenaConfig",
+    "Layout",
+    "Link",
+    "Memory",
+    "ModelSpec",
+    "ModelSpecError",
+    "NoFeasiblePlanError",
+    "NodeSpec",
+    "Plan",
+    "Planner",
+    "Topology",
+    "TopologyError",
+    "Workload",
+    "WorkloadError",
+    "default_gguf_path",
+    "from_catalog",
+    "get_device",
+    "get_node",
+    "list_devices",
+    "list_nodes",
+    "load_config",
+    "load_model_spec",
+]

@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Our errors subclass these builtins and carry a full message; no traceback for bad input.
         print(f"kthena {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `kthena plan | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,14 @@ from typing import Any
 
 import attrs
 
-from kthena_core.hardware import DeviceSpec, get_device, get_node
+from kthena_core.hardware import (
+    DeviceSpec,
+    UnknownHardwareError,
+    get_device,
+    get_node,
+    list_devices,
+    list_nodes,
+)
 
 __all__ = [
     "HEALTH_STATES",
@@ -307,27 +314,40 @@ def from_catalog(node_name: str, num_nodes: int = 1, *, device: str | None = Non
     """``num_nodes`` identical catalog nodes, e.g. ``from_catalog("atlas-800t-a2", 2)`` = 16 x 910B.
 
     Args:
-        node_name: a catalog node (``hardware.list_nodes()``).
+        node_name: a catalog node (``hardware.list_nodes()``), or a catalog device name
+            (``hardware.list_devices()``), which means one such device per node, with the default
+            inter-node network (25 GB/s per device, 10 us).
         num_nodes: how many such nodes.
         device: optionally replace the node's device with another catalog device (same count).
 
     Raises:
-        UnknownHardwareError: unknown node or device name (a KeyError listing the known ones).
+        UnknownHardwareError: the name is neither a catalog node nor a catalog device, or
+            ``device`` is unknown (a KeyError listing the known names).
         TopologyError: num_nodes < 1.
     """
     if num_nodes < 1:
         raise TopologyError(f"num_nodes: must be >= 1, got {num_nodes}")
-    node = get_node(node_name)
-    spec = get_device(device if device is not None else node.device)
+    if node_name in list_nodes():
+        node = get_node(node_name)
+        per_node, nic_bw, nic_latency = node.num_devices, node.nic_bw, node.nic_latency
+        spec = get_device(device if device is not None else node.device)
+    elif node_name in list_devices():
+        per_node, nic_bw, nic_latency = 1, 25e9, 10e-6
+        spec = get_device(device if device is not None else node_name)
+    else:
+        raise UnknownHardwareError(
+            f"unknown node or device {node_name!r}; known nodes: {', '.join(list_nodes())}; "
+            f"known devices: {', '.join(list_devices())}"
+        )
     devices = tuple(
-        Device(index=n * node.num_devices + i, node=n, local_index=i, spec=spec)
+        Device(index=n * per_node + i, node=n, local_index=i, spec=spec)
         for n in range(num_nodes)
-        for i in range(node.num_devices)
+        for i in range(per_node)
     )
     return Topology(
         devices=devices,
-        inter_node_bw=node.nic_bw,
-        inter_node_latency=node.nic_latency,
+        inter_node_bw=nic_bw,
+        inter_node_latency=nic_latency,
         name=f"{num_nodes}x{node_name}" if num_nodes > 1 else node_name,
         source=f"catalog:{node_name}x{num_nodes}",
     )

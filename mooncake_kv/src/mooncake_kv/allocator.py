@@ -143,6 +143,7 @@ class BlockAllocator:
                 uncached.append(block_id)
             else:
                 lru[block_id] = None
+                lru.move_to_end(block_id, last=False)
                 if released is not None:
                     released.append(block_id)
         if released and self.watcher is not None:
@@ -151,7 +152,7 @@ class BlockAllocator:
     def set_hashes(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
         """Mark referenced, uncached blocks as holding the blocks named by ``block_hashes``."""
         hashes = self._hash
-        for block_id, block_hash in zip(block_ids, block_hashes):
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
             assert hashes[block_id] is None and self._ref[block_id] > 0
             hashes[block_id] = block_hash
 

@@ -53,6 +53,7 @@ HashFn = Callable[[bytes], bytes]
 DEFAULT_HASH_ALGO = "xxh3_128"
 _VERSION_TAG = b"mooncake_kv/v1\x00"
 _BIG_ENDIAN = sys.byteorder == "big"
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
 
 
 def _sha256(data: bytes) -> bytes:
@@ -83,18 +84,21 @@ def get_hash_fn(name: str) -> HashFn:
         raise UnknownIndexError(f"unknown hash algorithm {name!r}; use one of: {known}") from None
 
 
-def pack_tokens(token_ids: Sequence[int]) -> bytes:
+def pack_tokens(token_ids: Sequence[int], count: int | None = None) -> bytes:
     """Pack token ids as little-endian uint32 bytes (the hash input format).
+
+    Args:
+        count: pack only the first ``count`` ids (default: all).
 
     Raises:
         ValueError: a token id is outside ``[0, 2**32)``.
     """
     try:
-        packed = array("I", token_ids)
-    except OverflowError:
+        packed = array(_UINT32, token_ids)
+    except (OverflowError, TypeError):
         raise ValueError("token ids must be integers in [0, 2**32)") from None
-    if packed.itemsize != 4:  # pragma: no cover - exotic platforms
-        packed = array("L", token_ids)
+    if count is not None:
+        del packed[count:]
     if _BIG_ENDIAN:  # pragma: no cover - keys are little-endian everywhere
         packed.byteswap()
     return packed.tobytes()
@@ -145,7 +149,7 @@ class ExtraKeys:
 class BlockHasher:
     """Hashes full blocks of ``block_size`` tokens with one algorithm."""
 
-    __slots__ = ("_fn", "algo", "block_size")
+    __slots__ = ("_fn", "_plain_root", "algo", "block_size")
 
     def __init__(self, block_size: int, algo: str = DEFAULT_HASH_ALGO) -> None:
         if block_size < 1:
@@ -153,9 +157,15 @@ class BlockHasher:
         self.block_size = block_size
         self.algo = algo
         self._fn = get_hash_fn(algo)
+        self._plain_root = self._root(None)
 
     def root(self, extra_keys: ExtraKeys | None = None) -> BlockHash:
         """The parent of block 0: digests the block size, cache salt and adapter id."""
+        if extra_keys is None:
+            return self._plain_root
+        return self._root(extra_keys)
+
+    def _root(self, extra_keys: ExtraKeys | None) -> BlockHash:
         salt = extra_keys.cache_salt if extra_keys else None
         adapter = extra_keys.adapter_id if extra_keys else None
         head = _VERSION_TAG + struct.pack("<I", self.block_size)
@@ -207,7 +217,7 @@ class BlockHasher:
         """Hashes of all full blocks of ``token_ids`` (what a router or store computes)."""
         extras = extra_keys.block_extras(self.block_size) if extra_keys else None
         full = len(token_ids) - len(token_ids) % self.block_size
-        return self.chain(pack_tokens(token_ids[:full]), self.root(extra_keys), 0, extras)
+        return self.chain(pack_tokens(token_ids, full), self.root(extra_keys), 0, extras)
 
 
 class BlockChain:
@@ -232,7 +242,7 @@ class BlockChain:
         has_inputs = extra_keys is not None and extra_keys.input_hashes
         self.extras = extra_keys.block_extras(hasher.block_size) if has_inputs else None
         full = len(token_ids) - len(token_ids) % hasher.block_size
-        self.data = pack_tokens(token_ids[:full])
+        self.data = pack_tokens(token_ids, full)
         self.hashes = hasher.chain(self.data, self.root, 0, self.extras)
 
     def __len__(self) -> int:

@@ -106,9 +106,10 @@ class RadixIndex:
             node = self._where[parent_block]
             ids = node.block_ids
             pos = len(ids) if ids[-1] == parent_block else ids.index(parent_block) + 1
-        keys = chain.page_keys(start, start + len(block_ids))
+        stop = start + len(block_ids)
+        keys = chain.page_keys(start, stop)
         held: list[BlockId] = []
-        for key, block_id, block_hash in zip(keys, block_ids, chain.hashes[start:]):
+        for key, block_id, block_hash in zip(keys, block_ids, chain.hashes[start:stop], strict=True):
             node, pos, holder = self._insert_page(node, pos, key, block_id, block_hash)
             held.append(holder)
         return held
@@ -202,7 +203,7 @@ class RadixIndex:
             stack.extend(node.children.values())
 
     def entries(self) -> Iterator[tuple[BlockHash, BlockId]]:
-        pairs = [p for n in self._nodes() for p in zip(n.hashes, n.block_ids)]
+        pairs = [p for n in self._nodes() for p in zip(n.hashes, n.block_ids, strict=True)]
         return iter(pairs)
 
     def check_invariants(self, ref_counts: Sequence[int]) -> None:
@@ -223,7 +224,9 @@ class RadixIndex:
         assert node.parent.children[node.keys[0]] is node, "child keyed by its first page"
         locked = [ref_counts[b] > 0 for b in node.block_ids]
         assert all(self._where[b] is node for b in node.block_ids)
-        assert locked == [b in self._protected for b in node.block_ids]
+        assert locked == [b in self._protected for b in node.block_ids], (
+            "protected pages disagree with the blocks' ref counts"
+        )
         assert node.lock_ref == sum(locked), "lock_ref counts the node's referenced pages"
         # referenced pages are prefix-closed: a locked page's parent page is locked too
         assert locked == sorted(locked, reverse=True), "unlocked page before a locked one"

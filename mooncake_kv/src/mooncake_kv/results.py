@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import attrs
 
-from mooncake_kv.types import BlockId
+from mooncake_kv.types import BlockHash, BlockId
 
-__all__ = ["KVCacheBlocks", "KVCacheStats", "PrefixMatch"]
+__all__ = ["CacheSnapshot", "KVCacheBlocks", "KVCacheStats", "PrefixMatch"]
 
 
 @attrs.frozen(slots=True)
@@ -79,3 +79,18 @@ class KVCacheStats:
     def usage(self) -> float:
         """Fraction of blocks referenced by requests."""
         return self.num_used_blocks / self.num_blocks
+
+
+@attrs.frozen(slots=True)
+class CacheSnapshot:
+    """Every block's state at one moment (``KVCacheManager.snapshot()``; for tests, debugging).
+
+    Attributes:
+        ref_counts: ``ref_counts[b]`` for every block id ``b``.
+        free_queue: free blocks in allocation/eviction order (uncached first, then LRU).
+        cached: ``(hash, block_id)`` of every cached block, sorted by block id.
+    """
+
+    ref_counts: tuple[int, ...]
+    free_queue: tuple[BlockId, ...]
+    cached: tuple[tuple[BlockHash, BlockId], ...]

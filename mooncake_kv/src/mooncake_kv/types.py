@@ -23,6 +23,7 @@ __all__ = [
     "RequestStateError",
     "TokenCountError",
     "UnknownIndexError",
+    "UnknownInstanceError",
     "UnknownRequestError",
 ]
 
@@ -84,3 +85,7 @@ class OwnerThreadError(KVCacheError, RuntimeError):
 
 class UnknownIndexError(KVCacheError, ValueError):
     """A prefix index or hash algorithm name is not registered."""
+
+
+class UnknownInstanceError(KVCacheError, KeyError):
+    """An instance id is not known to the cluster index."""

@@ -1,1 +1,63 @@
-"""mooncake_ops."""
+"""mooncake_ops: the compute that touches the paged KV cache, and MC2 fused matmul+collective.
+
+Functional ops over tensors and int block tables, dispatched per device type (`dispatch`):
+
+* `write_kv`, `gather_blocks`, `scatter_blocks`      paged KV writes, block packing (kv_cache)
+* `paged_decode_attention`, `paged_prefill_attention`  paged attention, GQA, int8 KV (attention)
+* `rms_norm`, `rotary_embedding`, `silu_and_mul`, `build_rope_cache`           (layers, rope)
+* `matmul_all_reduce`, `all_gather_matmul`, `matmul_reduce_scatter`              (mc2)
+* `capabilities()`: what runs where, and what is verified (npu: unverified on hardware)
+"""
+
+from mooncake_ops.attention import paged_decode_attention, paged_prefill_attention
+from mooncake_ops.dispatch import (
+    Capability,
+    capabilities,
+    implementation_name,
+    native_enabled,
+    use_native,
+)
+from mooncake_ops.errors import (
+    BlockTableError,
+    NativeUnavailableError,
+    OpsDeviceError,
+    OpsDTypeError,
+    OpsShapeError,
+    RopeScalingError,
+    UnsupportedDeviceError,
+)
+from mooncake_ops.kv_cache import block_nbytes, gather_blocks, scatter_blocks, write_kv
+from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
+from mooncake_ops.mc2 import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from mooncake_ops.quant import dequantize_int8, quantize_int8
+from mooncake_ops.rope import build_rope_cache
+
+__all__ = [
+    "BlockTableError",
+    "Capability",
+    "NativeUnavailableError",
+    "OpsDTypeError",
+    "OpsDeviceError",
+    "OpsShapeError",
+    "RopeScalingError",
+    "UnsupportedDeviceError",
+    "all_gather_matmul",
+    "block_nbytes",
+    "build_rope_cache",
+    "capabilities",
+    "dequantize_int8",
+    "gather_blocks",
+    "implementation_name",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "native_enabled",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quantize_int8",
+    "rms_norm",
+    "rotary_embedding",
+    "scatter_blocks",
+    "silu_and_mul",
+    "use_native",
+    "write_kv",
+]

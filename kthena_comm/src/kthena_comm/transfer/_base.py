@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kthena_comm.errors import EngineClosedError, TransferTimeoutError, UnregisteredRangeError
+from kthena_comm.errors import EngineClosedError, UnregisteredRangeError
 from kthena_comm.transfer._memory import RawBuffer, raw_buffer
 from kthena_comm.transfer.engine import TransferFuture, wait_all
 from kthena_comm.transfer.handle import MemoryHandle, TransferOp
@@ -119,34 +119,33 @@ class BaseEngine:
     def _validated(self, op: str, ops: Sequence[TransferOp]) -> list[TransferOp]:
         self._check_open(op)
         ops = list(ops)
+        for handle in {o.local for o in ops}:  # distinct handles once, ranges per op
+            self._check_local_handle(op, handle)
+        for remote in {o.remote for o in ops}:
+            _check_remote_handle(self.backend, op, remote)
         for item in ops:
-            self._check_local(op, item)
-            _check_remote(self.backend, op, item)
+            _check_range(self.backend, op, item, item.local, item.local_offset, "local")
+            _check_range(self.backend, op, item, item.remote, item.remote_offset, "remote")
         return ops
 
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise EngineClosedError(self.backend, op)
 
-    def _check_local(self, op: str, item: TransferOp) -> None:
-        entry = self._registered.get(item.local.base_addr)
-        if entry is None or entry[0] != item.local:
-            raise UnregisteredRangeError(self.backend, item.remote.peer, op,
+    def _check_local_handle(self, op: str, handle: MemoryHandle) -> None:
+        entry = self._registered.get(handle.base_addr)
+        if entry is None or entry[0] != handle:
+            raise UnregisteredRangeError(self.backend, "-", op,
                                          "local handle is not registered with this engine; "
                                          "call register() on this engine first")
-        _check_range(self.backend, op, item, item.local, item.local_offset, "local")
-
-    def _deadline_error(self, op: str, ops: Sequence[TransferOp]) -> TransferTimeoutError:
-        return TransferTimeoutError(self.backend, peers_of(ops), op,
-                                    f"not complete after {self.timeout_s}s")
 
 
-def _check_remote(backend: str, op: str, item: TransferOp) -> None:
-    if item.remote.backend != backend:
-        raise UnregisteredRangeError(backend, item.remote.peer, op,
-                                     f"remote handle belongs to backend {item.remote.backend!r}; "
+
+def _check_remote_handle(backend: str, op: str, remote: MemoryHandle) -> None:
+    if remote.backend != backend:
+        raise UnregisteredRangeError(backend, remote.peer, op,
+                                     f"remote handle belongs to backend {remote.backend!r}; "
                                      f"use a handle registered with a {backend!r} engine")
-    _check_range(backend, op, item, item.remote, item.remote_offset, "remote")
 
 
 def _check_range(backend: str, op: str, item: TransferOp, handle: MemoryHandle, offset: int,

@@ -39,6 +39,8 @@ class MooncakeConfig:
     protocol: str = "tcp"
     device_name: str = ""
     timeout_s: float = 10.0
+    max_batch_ops: int = 512
+    """Ranges per Mooncake call: its TCP lanes reject slices beyond their queue depth."""
 
 
 def is_available() -> bool:
@@ -78,12 +80,16 @@ class MooncakeEngine(BaseEngine):
         self._check(self._engine.unregister_memory(handle.base_addr), self.address, "unregister")
 
     def _transfer(self, op: str, ops: Sequence[TransferOp]) -> None:
+        call = (self._engine.batch_transfer_sync_write if op == "put"
+                else self._engine.batch_transfer_sync_read)
         for peer, batch in _by_peer(ops):
-            call = (self._engine.batch_transfer_sync_write if op == "put"
-                    else self._engine.batch_transfer_sync_read)
-            self._check_transfer(call(peer, *_columns(batch)), peer, op)
+            for start in range(0, len(batch), self.config.max_batch_ops):
+                chunk = batch[start: start + self.config.max_batch_ops]
+                self._check_transfer(call(peer, *_columns(chunk)), peer, op)
 
     def _submit_validated(self, op: str, ops: list[TransferOp]) -> TransferFuture:
+        if len(ops) > self.config.max_batch_ops:  # too big for one submission: chunk on a worker
+            return super()._submit_validated(op, ops)
         # Submit each peer's batch now (Mooncake's own async path), wait on a worker thread.
         call = (self._engine.batch_transfer_async_write if op == "put"
                 else self._engine.batch_transfer_async_read)
@@ -108,8 +114,9 @@ class MooncakeEngine(BaseEngine):
             raise PeerUnreachableError(self.backend, peer, op,
                                        f"Mooncake returned {rc} and the peer does not answer")
         raise UnregisteredRangeError(self.backend, peer, op,
-                                     f"Mooncake returned {rc}; the peer is up, so it rejected a "
-                                     "range it has not registered")
+                                     f"Mooncake returned {rc} while the peer answers probes: it "
+                                     "rejected a range it has not registered (or the local "
+                                     "transport queue overflowed; see Mooncake's log)")
 
     def _check(self, rc: int, peer: str, op: str) -> None:
         if rc != 0:

@@ -23,6 +23,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 import attrs
@@ -77,6 +78,7 @@ class ShmEngine(BaseEngine):
         self._names = itertools.count()
         self._own: dict[str, _Segment] = {}
         self._mapped: dict[str, _Segment] = {}
+        self._map_lock = threading.Lock()  # async batches map from worker threads
         self._janitor = subprocess.Popen(
             [sys.executable, "-I", "-S", _JANITOR, self.config.directory],
             stdin=subprocess.PIPE, start_new_session=True)
@@ -135,10 +137,11 @@ class ShmEngine(BaseEngine):
         return self._own.get(handle.segment) or self._map(op, handle)
 
     def _map(self, op: str, handle: MemoryHandle) -> _Segment:
-        segment = self._mapped.get(handle.segment)
-        if segment is None:
-            segment = _open_segment(self.config.directory, op, handle)
-            self._mapped[handle.segment] = segment
+        with self._map_lock:
+            segment = self._mapped.get(handle.segment)
+            if segment is None:
+                segment = _open_segment(self.config.directory, op, handle)
+                self._mapped[handle.segment] = segment
         if segment.nbytes < handle.length:
             raise UnregisteredRangeError(self.backend, handle.peer, op,
                                          f"handle claims {handle.length} bytes but segment "

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 
 from kthena_core.discovery._common import ParseError, parse_cpulist
-from kthena_core.hardware import cpu_host_spec
+from kthena_core.hardware import cpu_host_spec, get_node
 from kthena_core.topology import Device, Link, Topology
 
 __all__ = [
@@ -313,11 +313,13 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, name: str = "",
     UPI/QPI or the Kunpeng die interconnect; lscpu and numactl give no bandwidth.
     """
     label = name or (facts.model_name or "cpu host")
+    nic = get_node("cpu-host")  # discovery cannot see the NIC speed; assume the catalog's host NIC
+    net = {"inter_node_bw": nic.nic_bw, "inter_node_latency": nic.nic_latency}
     if not per_numa or len(facts.numa_nodes) < 2:
         spec = cpu_host_spec(facts.num_cores, facts.memory_bytes, flags=facts.flags, arch=facts.arch,
                              clock_hz=facts.clock_hz, name="cpu-host", vendor=facts.vendor or "generic")
         numa = facts.numa_nodes[0].id if len(facts.numa_nodes) == 1 else None
-        return Topology(devices=(Device(0, 0, 0, spec, numa_node=numa),), name=label, source=source)
+        return Topology(devices=(Device(0, 0, 0, spec, numa_node=numa),), name=label, source=source, **net)
     devices, total_cpus = [], sum(len(n.cpus) for n in facts.numa_nodes)
     for i, node in enumerate(facts.numa_nodes):
         cores = max(1, round(facts.num_cores * len(node.cpus) / total_cpus))
@@ -330,7 +332,7 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, name: str = "",
              bandwidth=min(a.spec.memory_bw, b.spec.memory_bw) / 2)
         for x, a in enumerate(devices) for b in devices[x + 1:]
     )
-    return Topology(devices=tuple(devices), links=links, name=label, source=source + ":per-numa")
+    return Topology(devices=tuple(devices), links=links, name=label, source=source + ":per-numa", **net)
 
 
 def discover_cpu(*, per_numa: bool = False, root: str | Path = "/",

@@ -30,7 +30,14 @@ from collections.abc import Sequence
 
 import attrs
 
-from kthena_core.discovery._common import NotPresent, ParseError, Runner, TopoMatrix, parse_topo_matrix, run_command
+from kthena_core.discovery._common import (
+    NotPresent,
+    ParseError,
+    Runner,
+    TopoMatrix,
+    parse_topo_matrix,
+    run_command,
+)
 from kthena_core.hardware import DeviceSpec, get_device
 from kthena_core.topology import Device, Link, Topology
 

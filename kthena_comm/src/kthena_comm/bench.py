@@ -1,0 +1,231 @@
+"""Benchmark: ``python -m kthena_comm.bench`` prints one JSON line per case.
+
+Cases: the machine; in-process memcpy at each size (the reference, measured in the same run);
+put / get, sync / async, contiguous / KV-block batches for every available transfer backend;
+per-range vs batched submission of 1,000 block ranges; shm zero-copy handoff cost per size; and
+bucketed vs unbucketed all-reduce of 100 small tensors over 2 gloo ranks. Fixed seeds, one
+warm-up, medians of ``--repeat`` runs. A/B switch: ``--backends`` picks what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from kthena_comm.transfer import (
+    LocalConfig,
+    LocalFabric,
+    MemoryHandle,
+    ShmConfig,
+    TransferOp,
+    available_backends,
+    create_engine,
+)
+
+MIB = 1 << 20
+BLOCK_BYTES = 64 * 1024  # a KV block of a small model: 16 tokens × all layers of one rank
+SMALL_RANGE = 4096  # a per-token-sized range for the submission comparison
+
+
+def emit(case: str, **fields: object) -> None:
+    print(json.dumps({"case": case, **fields, "load_avg": os.getloadavg()[0]}), flush=True)
+
+
+def median_s(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def filled(nbytes: int, seed: int) -> mmap.mmap:
+    memory = mmap.mmap(-1, nbytes)
+    memory.write(os.urandom(min(nbytes, MIB)) * max(1, nbytes // MIB))  # touches every page
+    return memory
+
+
+def bench_memcpy(sizes: list[int], repeat: int) -> dict[int, float]:
+    src, dst = filled(max(sizes), 1), filled(max(sizes), 2)
+    a = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    b = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    rates = {}
+    for size in sizes:
+        t = median_s(lambda n=size: ctypes.memmove(b, a, n), repeat)
+        rates[size] = size / t / 1e9
+        emit("memcpy", bytes=size, median_s=t, gbps=rates[size])
+    src.close()
+    dst.close()
+    return rates
+
+
+class Remote:
+    """Memory in another process (shm, mooncake) or on an in-process fabric (local)."""
+
+    def __init__(self, backend: str, nbytes: int) -> None:
+        self.proc = None
+        if backend == "local":
+            fabric = LocalFabric()
+            self.owner = create_engine("local", LocalConfig(fabric))
+            self.memory = filled(nbytes, 3)
+            self.handle = self.owner.register(self.memory)
+            self.engine = create_engine("local", LocalConfig(fabric))
+            return
+        self.proc = subprocess.Popen([sys.executable, "-m", "kthena_comm.bench", "--serve",
+                                      backend, str(nbytes)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.handle = MemoryHandle.from_json(self.proc.stdout.readline())
+        self.engine = create_engine(backend)
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.proc is None:
+            self.owner.close()
+            return
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def serve(backend: str, nbytes: int) -> None:
+    """Peer side: register ``nbytes``, print the handle, wait for stdin to close."""
+    engine = create_engine(backend, ShmConfig(prefix="kthena-bench") if backend == "shm" else None)
+    if backend == "shm":
+        handle = engine.allocate(nbytes)
+        engine.buffer(handle)[:] = b"\1" * nbytes
+    else:
+        memory = filled(nbytes, 4)
+        handle = engine.register(memory)
+    print(handle.to_json(), flush=True)
+    sys.stdin.read()
+    engine.close()
+
+
+def bench_backend(backend: str, sizes: list[int], repeat: int, memcpy: dict[int, float]) -> None:
+    remote = Remote(backend, max(sizes))
+    engine = remote.engine
+    local = engine.register(filled(max(sizes), 5))
+    for size in sizes:
+        contiguous = [TransferOp(local, 0, remote.handle, 0, size)]
+        blocks = block_ops(local, remote.handle, size)
+        for layout, ops in (("contiguous", contiguous), ("blocks", blocks)):
+            for op, mode, fn in transfer_calls(engine, ops):
+                t = median_s(fn, repeat)
+                emit("transfer", backend=backend, op=op, mode=mode, layout=layout, bytes=size,
+                     num_ranges=len(ops), median_s=t, gbps=size / t / 1e9,
+                     memcpy_gbps=memcpy[size], vs_memcpy=(size / t / 1e9) / memcpy[size])
+    bench_submission(backend, engine, local, remote.handle, repeat)
+    remote.close()
+
+
+def block_ops(local: MemoryHandle, remote: MemoryHandle, size: int) -> list[TransferOp]:
+    """``size`` bytes as KV-block ranges, scattered (reversed order) on the remote side."""
+    n = max(1, size // BLOCK_BYTES)
+    return [TransferOp(local, i * BLOCK_BYTES, remote, (n - 1 - i) * BLOCK_BYTES, BLOCK_BYTES)
+            for i in range(n)]
+
+
+def transfer_calls(engine, ops):
+    yield "put", "sync", lambda: engine.batch_put(ops)
+    yield "get", "sync", lambda: engine.batch_get(ops)
+    yield "put", "async", lambda: engine.batch_put_async(ops).wait()
+    yield "get", "async", lambda: engine.batch_get_async(ops).wait()
+
+
+def bench_submission(backend, engine, local, remote, repeat) -> None:
+    ops = [TransferOp(local, i * SMALL_RANGE, remote, i * SMALL_RANGE, SMALL_RANGE)
+           for i in range(1000)]
+    batched = median_s(lambda: engine.batch_put(ops), repeat)
+
+    def per_range() -> None:
+        for op in ops:
+            engine.batch_put([op])
+
+    single = median_s(per_range, max(1, repeat // 2))
+    emit("submission", backend=backend, num_ranges=len(ops), range_bytes=SMALL_RANGE,
+         batched_s=batched, per_range_s=single, speedup=single / batched)
+
+
+def bench_zero_copy(sizes: list[int], repeat: int) -> None:
+    """Cost for a producer to get a writable tensor on a peer's fresh shm pool, per size.
+
+    It maps the pages and writes one byte; no byte of the pool is copied, so it should not grow
+    with the pool size.
+    """
+    import torch
+
+    owner = create_engine("shm", ShmConfig(prefix="kthena-bench"))
+    producer = create_engine("shm", ShmConfig(prefix="kthena-bench"))
+    for size in sizes:
+        handles = iter([owner.allocate(size) for _ in range(repeat + 1)])
+
+        def handoff(handles=handles) -> None:
+            view = torch.frombuffer(producer.buffer(next(handles)), dtype=torch.uint8)
+            view[0] = 1
+
+        emit("zero_copy_handoff", backend="shm", bytes=size, median_s=median_s(handoff, repeat))
+    producer.close()
+    owner.close()
+
+
+def bench_allreduce(repeat: int) -> None:
+    from kthena_comm.groups import GroupConfig  # noqa: F401  (fail early without torch)
+
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "kthena_comm._bench_allreduce", str(repeat)],
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port),
+                                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    for line in out[0].splitlines():
+        emit("allreduce", **json.loads(line))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kthena_comm.bench", description=__doc__)
+    parser.add_argument("--sizes-mib", default="1,16,64,256")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--backends", default=",".join(available_backends()))
+    parser.add_argument("--serve", nargs=2, metavar=("BACKEND", "NBYTES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args.serve[0], int(args.serve[1]))
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every batch at INFO
+    sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
+    emit("machine", **machine(), sizes_mib=args.sizes_mib, repeat=args.repeat)
+    for backend in args.backends.split(","):
+        memcpy = bench_memcpy(sizes, 2 * args.repeat)  # re-measured next to each backend
+        bench_backend(backend, sizes, args.repeat, memcpy)
+    bench_zero_copy(sizes, args.repeat)
+    bench_allreduce(args.repeat)
+
+
+if __name__ == "__main__":
+    main()

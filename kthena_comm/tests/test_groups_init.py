@@ -1,0 +1,122 @@
+"""Layout arithmetic, rank environment parsing, backend choice and bounded init failures."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kthena_comm.device import backend_for_device, device_backend
+from kthena_comm.env import RankEnv
+from kthena_comm.errors import InitError, LayoutError, RankEnvError, UnknownBackendError
+from kthena_comm.groups import GroupConfig, connect_store, init_parallel_groups
+from kthena_comm.layout import (
+    ParallelConfig,
+    ParallelLayout,
+    coords_of,
+    global_rank,
+    group_of,
+    group_ranks,
+    world_size_of,
+)
+
+sizes = st.integers(1, 4)
+
+
+@given(tp=sizes, pp=sizes, dp=sizes, use_sp=st.booleans())
+def test_every_rank_is_in_exactly_one_group_of_each_kind(tp, pp, dp, use_sp):
+    layout = ParallelConfig(tp, pp, dp, tp if use_sp else 1)
+    world = world_size_of(layout)
+    expected = {"tp": tp, "pp": pp, "dp": dp, "sp": tp if use_sp else 1}
+    for kind, size in expected.items():
+        groups = group_ranks(layout, kind)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(world))
+        assert all(len(g) == size for g in groups)
+    for rank in range(world):
+        assert global_rank(layout, coords_of(layout, rank)) == rank
+        c = coords_of(layout, rank)
+        assert all(coords_of(layout, r).tp_idx == c.tp_idx for r in group_of(layout, "dp", rank))
+
+
+def test_tp_is_innermost_in_rank_order():
+    layout = ParallelConfig(tp_size=2, pp_size=2, dp_size=2)
+    assert group_ranks(layout, "tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert group_ranks(layout, "pp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert group_ranks(layout, "dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+def test_config_satisfies_layout_protocol_and_validates():
+    assert isinstance(ParallelConfig(2), ParallelLayout)
+    with pytest.raises(LayoutError, match="tp_size must be a positive int"):
+        ParallelConfig(0)
+    with pytest.raises(LayoutError, match="must be 1 or equal tp_size"):
+        group_ranks(ParallelConfig(tp_size=2, sp_size=4), "sp")
+
+
+def test_rank_env_from_env_reads_torchrun_variables():
+    env = RankEnv.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert env == RankEnv(3, 4, 1, "10.0.0.1", 1234)
+    assert env.address == "10.0.0.1:1234"
+
+
+@pytest.mark.parametrize("environ, variable", [
+    ({"WORLD_SIZE": "2"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "WORLD_SIZE"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+])
+def test_bad_rank_env_names_the_variable(environ, variable):
+    with pytest.raises(RankEnvError, match=variable):
+        RankEnv.from_env(environ)
+
+
+def test_backend_follows_device_and_can_be_overridden():
+    assert [backend_for_device(d) for d in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
+    assert backend_for_device("cpu", override="mpi") == "mpi"
+    with pytest.raises(UnknownBackendError, match="registered: cpu, cuda, npu"):
+        device_backend("tpu")
+
+
+def test_layout_needing_another_world_size_is_rejected():
+    env = RankEnv(0, 2, master_port=_free_port())
+    with pytest.raises(LayoutError, match="needs 4 ranks but WORLD_SIZE=2"):
+        init_parallel_groups(ParallelConfig(tp_size=2, dp_size=2), env)
+
+
+def test_unreachable_master_fails_in_bounded_time_naming_rank_and_address():
+    env = RankEnv(1, 2, master_port=_free_port())
+    start = time.monotonic()
+    with pytest.raises(InitError) as info:
+        connect_store(env, timeout_s=2)
+    assert time.monotonic() - start < 15
+    message = str(info.value)
+    assert "rank 1" in message and env.address in message and "MASTER_ADDR" in message
+
+
+def test_missing_ranks_fail_in_bounded_time_naming_world_size():
+    env = RankEnv(0, 2, master_port=_free_port())
+    start = time.monotonic()
+    with pytest.raises(InitError, match="only 1 of 2 ranks joined") as info:
+        connect_store(env, timeout_s=1.5)
+    assert time.monotonic() - start < 10
+    assert "WORLD_SIZE" in str(info.value)
+
+
+def test_taken_master_port_names_master_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        env = RankEnv(0, 1, master_port=s.getsockname()[1])
+        with pytest.raises(InitError, match="MASTER_PORT"):
+            init_parallel_groups(ParallelConfig(1), env, GroupConfig(timeout_s=2))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

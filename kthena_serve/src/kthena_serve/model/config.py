@@ -1,0 +1,143 @@
+"""`ModelConfig`: the Hugging Face `config.json` fields a Llama-family decoder needs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
+
+# Llama-family architectures whose checkpoints share the Llama tensor names and maths (Qwen2 adds
+# q/k/v biases, which `attention_bias` covers).
+SUPPORTED_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+})
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value <= 0:
+        raise UnsupportedModelError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _eos_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class ModelConfig:
+    """Architecture of a Llama-family decoder, as read from a checkpoint's ``config.json``.
+
+    ``eos_token_id`` keeps the form of the file (an int or a tuple of ints); use ``eos_token_ids``
+    for the set. ``rope_scaling`` is the HF dict (or None) and is passed to the RoPE cache builder.
+    """
+
+    vocab_size: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
+    num_hidden_layers: int = attrs.field(validator=_positive)
+    num_attention_heads: int = attrs.field(validator=_positive)
+    num_key_value_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = attrs.field(default=2048, validator=_positive)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    torch_dtype: str = "bfloat16"
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(_eos_tuple(self.eos_token_id))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's declared dtype (bfloat16 when the name is unknown)."""
+        return _DTYPES.get(self.torch_dtype, torch.bfloat16)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
+        """Build from a parsed ``config.json``.
+
+        Raises:
+            UnsupportedModelError: the architecture is not Llama-family, or a size is invalid.
+            CheckpointError: a required key is missing.
+        """
+        _check_architecture(config)
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            fields = dict(
+                vocab_size=int(config["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
+        return cls(**fields, **_optional_fields(config))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``folder/config.json``.
+
+        Raises:
+            CheckpointError: the folder or its config.json is missing or not valid JSON.
+        """
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{folder} is not a checkpoint folder: {path.name} is missing")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _check_architecture(config: Mapping[str, Any]) -> None:
+    archs = config.get("architectures") or ["LlamaForCausalLM"]
+    if not SUPPORTED_ARCHITECTURES.intersection(archs):
+        raise UnsupportedModelError(
+            f"architecture {archs} is not supported; allowed: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
+
+
+def _optional_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta here
+    archs = config.get("architectures") or []
+    eos = config.get("eos_token_id")
+    return dict(
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling(config.get("rope_scaling")),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=eos if eos is None or isinstance(eos, int) else tuple(eos),
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+    )
+
+
+def _rope_scaling(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    if not value or value.get("rope_type", value.get("type")) == "default":
+        return None
+    return dict(value)

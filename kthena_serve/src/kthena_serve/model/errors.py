@@ -1,0 +1,31 @@
+"""The model package's exceptions: each names what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+
+class ModelError(Exception):
+    """Base class of every error raised by `kthena_serve.model`."""
+
+
+class CheckpointError(ModelError, ValueError):
+    """A checkpoint folder is missing a file, or a file does not describe a supported model."""
+
+
+class UnsupportedModelError(ModelError, ValueError):
+    """The checkpoint is readable but its architecture or an option is not supported."""
+
+
+class ConversionError(ModelError, RuntimeError):
+    """Converting the default GGUF file into a checkpoint folder failed."""
+
+
+class TensorParallelError(ModelError, ValueError):
+    """A tensor-parallel plan does not fit the model (sizes not divisible, bad rank)."""
+
+
+class BatchError(ModelError, ValueError):
+    """An `AttentionBatch` or forward input is inconsistent (shapes, dtypes, lengths)."""
+
+
+class ChatTemplateError(ModelError, ValueError):
+    """The tokenizer has no chat template, or the messages do not fit it."""

@@ -1,0 +1,175 @@
+"""`LlamaForCausalLM`: a Llama-family decoder over a paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+One forward takes the packed new tokens of a step (see `AttentionBatch`) and returns the logits of
+each sequence's last new token. Attention, norms, RoPE and the KV write go through mooncake_ops.
+Q/K/V and gate/up are fused into one weight each (one matmul instead of three / two), the
+residual add is fused into RMSNorm, and nothing in the forward reads a tensor's value back on the
+host, so a decode step is ~10 kernel launches per layer and no synchronisation.
+
+The model holds only its own rank's shard (`plan_shards`); the two row-parallel matmuls hand
+their partial sums to ``tp.all_reduce``. Nothing here knows about process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kthena_serve.model.batch import AttentionBatch
+from kthena_serve.model.config import ModelConfig
+from kthena_serve.model.errors import BatchError
+from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
+from mooncake_ops import (
+    build_rope_cache,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    write_kv,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer, for this rank's heads."""
+
+    def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_weight = _empty(config.hidden_size, self.q_size)
+        self.tp = tp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
+                kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary_embedding(positions, q, k, rope, is_neox=True)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if context_lens is not None:  # decode only: K/V of the new token are in the cache now
+            out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, context_lens, self.scale)
+        else:
+            out = paged_prefill_attention(q, k, v, k_cache, v_cache, batch.block_tables,
+                                          batch.cached_lens, batch.query_lens, self.scale)
+        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
+        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward for this rank's intermediate columns: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
+        super().__init__()
+        width = len(plan.intermediate)
+        self.gate_up_weight = _empty(2 * width, config.hidden_size)
+        self.down_weight = _empty(config.hidden_size, width)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_norm = _empty(config.hidden_size)
+        self.post_attention_norm = _empty(config.hidden_size)
+        self.self_attn = Attention(config, plan, tp)
+        self.mlp = MLP(config, plan, tp)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: AttentionBatch, kv_cache: KVCache, rope: torch.Tensor,
+                context_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, rms_norm(x, self.input_norm, self.eps)
+        else:
+            x, residual = rms_norm(x, self.input_norm, self.eps, residual)
+        x = self.self_attn(positions, x, batch, kv_cache, rope, context_lens)
+        x, residual = rms_norm(x, self.post_attention_norm, self.eps, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache; holds rank ``tp.rank``'s shard only.
+
+    Args:
+        config: the architecture.
+        tp: this rank's tensor-parallel place; None means a single rank.
+
+    Parameters are created empty; `kthena_serve.model.load_model` fills them.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.plan = plan_shards(config, self.tp)
+        self.embed_weight = _empty(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.plan, self.tp)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = _empty(config.hidden_size)
+        self.lm_head_weight = self.embed_weight if config.tie_word_embeddings else _empty(
+            config.vocab_size, config.hidden_size)
+        self.register_buffer("rope_cache", torch.empty(0), persistent=False)
+        self.reset_rope_cache()
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return len(self.plan.kv_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def reset_rope_cache(self) -> None:
+        """(Re)build the float32 RoPE cos/sin table on the model's device."""
+        c = self.config
+        table = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, rope_scaling=c.rope_scaling)
+        self.rope_cache = table.to(device=self.embed_weight.device, dtype=torch.float32)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_caches: Sequence[KVCache]) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_seqs, vocab] at ``batch.logits_indices``.
+
+        Raises:
+            BatchError: the token count or the number of KV caches does not match.
+        """
+        self._check_inputs(input_ids, positions, batch, kv_caches)
+        context_lens = batch.cached_lens + 1 if batch.is_decode_only else None
+        x, residual = F.embedding(input_ids, self.embed_weight), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache, context_lens)
+        index = batch.logits_indices
+        x, _ = rms_norm(x[index], self.norm, self.config.rms_norm_eps, residual[index])
+        return F.linear(x, self.lm_head_weight).float()
+
+    def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: AttentionBatch, kv_caches: Sequence[KVCache]) -> None:
+        if input_ids.shape != positions.shape or input_ids.shape[0] != batch.num_tokens:
+            raise BatchError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} "
+                             f"and slot_mapping ({batch.num_tokens},) must all be [num_tokens]")
+        if len(kv_caches) != len(self.layers):
+            raise BatchError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers; "
+                             f"pass one (k_cache, v_cache) pair per layer")

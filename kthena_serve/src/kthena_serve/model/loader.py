@@ -1,0 +1,167 @@
+"""Load a Hugging Face checkpoint folder into `LlamaForCausalLM`, sharded for this TP rank.
+
+Each HF tensor is read (a slice of it, under TP) straight from the memory-mapped safetensors file
+into its place in a fused parameter::
+
+    qkv_weight     [ q rows of my q heads | k rows of my kv heads | v rows of my kv heads ]
+    gate_up_weight [ gate rows of my columns | up rows of my columns ]
+    o_weight, down_weight: the matching input columns (row-parallel)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kthena_serve.model.config import ModelConfig
+from kthena_serve.model.convert import ensure_default_checkpoint
+from kthena_serve.model.errors import CheckpointError
+from kthena_serve.model.llama import LlamaForCausalLM
+from kthena_serve.model.tokenizer import Tokenizer
+from kthena_serve.model.tp import TensorParallel
+
+# (destination tensor, dim the source is sliced on (None: whole), source range on that dim)
+_Target = tuple[torch.Tensor, int | None, range | None]
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LAYER_KINDS = (*_QKV, "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "input_layernorm", "post_attention_layernorm")
+
+
+def resolve_checkpoint(path_or_default: str | os.PathLike[str] = "default") -> Path:
+    """The checkpoint folder for ``"default"`` (converted on first use) or a local folder.
+
+    Raises:
+        CheckpointError: the folder lacks config.json, tokenizer.json or *.safetensors.
+    """
+    if str(path_or_default) == "default":
+        return ensure_default_checkpoint()
+    folder = Path(path_or_default)
+    missing = [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
+    if not folder.is_dir() or missing or not any(folder.glob("*.safetensors")):
+        what = ", ".join(missing + ([] if any(folder.glob("*.safetensors")) else ["*.safetensors"]))
+        raise CheckpointError(f"{folder} is not a Hugging Face checkpoint folder (missing: {what}); "
+                              f"pass 'default' or a folder with config.json, *.safetensors and tokenizer.json")
+    return folder
+
+
+def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: torch.dtype = torch.bfloat16,
+               device: str | torch.device = "cpu",
+               tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
+
+    Args:
+        path_or_default: ``"default"`` (SmolLM2-135M-Instruct, converted once from the embedded
+            GGUF) or a local Hugging Face checkpoint folder.
+        dtype: weight dtype (the checkpoint's values are cast to it).
+        device: where the weights live.
+        tp: this rank's tensor-parallel place; None means one rank.
+
+    Raises:
+        CheckpointError: the folder is incomplete, or a weight is missing or mis-shaped.
+        UnsupportedModelError: the architecture is not Llama-family.
+    """
+    folder = resolve_checkpoint(path_or_default)
+    config = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head_weight = model.embed_weight
+    load_weights(model, folder)
+    model.reset_rope_cache()
+    return model.eval(), Tokenizer.from_pretrained(folder)
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike[str]) -> None:
+    """Copy every checkpoint tensor's shard for this rank into `model`.
+
+    Raises:
+        CheckpointError: a tensor has the wrong shape, or a model weight is absent from the files.
+    """
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target = _target(model, name)
+                if target is not None:
+                    _copy(*target, f.get_slice(name), name)
+                    seen.add(name)
+    missing = sorted(expected_weight_names(model.config) - seen)
+    if missing:
+        raise CheckpointError(f"the checkpoint in {folder} lacks {len(missing)} weights the model "
+                              f"needs, e.g. {', '.join(missing[:3])}")
+
+
+def expected_weight_names(config: ModelConfig) -> set[str]:
+    """The HF tensor names a checkpoint of `config` must contain."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [f"{kind}.weight" for kind in _LAYER_KINDS]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    return names | {f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer}
+
+
+def _copy(dest: torch.Tensor, dim: int | None, src: range | None, source: Any, name: str) -> None:
+    if dim is None:
+        value = source[:]
+    elif dim == 0:
+        value = source[src.start:src.stop]
+    else:
+        value = source[:, src.start:src.stop]
+    if tuple(value.shape) != tuple(dest.shape):
+        raise CheckpointError(f"checkpoint tensor {name} gives shape {tuple(value.shape)} but the "
+                              f"model expects {tuple(dest.shape)}; does config.json match the weights?")
+    dest.copy_(value)
+
+
+def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
+    if name == "model.embed_tokens.weight":
+        return model.embed_weight, None, None
+    if name == "lm_head.weight" and not model.config.tie_word_embeddings:
+        return model.lm_head_weight, None, None
+    if name == "model.norm.weight":
+        return model.norm, None, None
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    kind, _, suffix = match.group(2).rpartition(".")
+    layer = model.layers[int(match.group(1))]
+    if suffix == "bias" and kind in _QKV and layer.self_attn.qkv_bias is not None:
+        return _qkv_target(model, layer.self_attn.qkv_bias, kind)
+    if suffix != "weight" or kind not in _LAYER_KINDS:
+        return None
+    if kind in _QKV:
+        return _qkv_target(model, layer.self_attn.qkv_weight, kind)
+    return _other_target(model, layer, kind)
+
+
+def _qkv_target(model: LlamaForCausalLM, fused: torch.Tensor, kind: str) -> _Target:
+    plan, hd = model.plan, model.config.head_dim
+    q, kv = len(plan.q_heads) * hd, len(plan.kv_heads) * hd
+    if kind == "self_attn.q_proj":
+        return fused[:q], 0, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+    rows = range(plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
+    return (fused[q:q + kv] if kind == "self_attn.k_proj" else fused[q + kv:]), 0, rows
+
+
+def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target:
+    plan, hd = model.plan, model.config.head_dim
+    width, gate_up = len(plan.intermediate), layer.mlp.gate_up_weight
+    return {
+        "input_layernorm": (layer.input_norm, None, None),
+        "post_attention_layernorm": (layer.post_attention_norm, None, None),
+        "self_attn.o_proj": (layer.self_attn.o_weight, 1, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)),
+        "mlp.gate_proj": (gate_up[:width], 0, plan.intermediate),
+        "mlp.up_proj": (gate_up[width:], 0, plan.intermediate),
+        "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate),
+    }[kind]

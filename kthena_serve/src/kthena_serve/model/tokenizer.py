@@ -1,0 +1,165 @@
+"""`Tokenizer` (tokenizers + a jinja2 chat template) and `IncrementalDetokenizer` for streaming.
+
+A checkpoint folder supplies ``tokenizer.json`` (the `tokenizers` model), ``tokenizer_config.json``
+(special tokens, BOS flag, usually the chat template), optionally ``chat_template.jinja`` and
+``generation_config.json`` (extra end-of-sequence ids).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from kthena_serve.model.errors import ChatTemplateError, CheckpointError
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_REPLACEMENT = "\ufffd"  # what a decode of incomplete UTF-8 bytes ends with
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config spells a special token as a string or as an AddedToken dict.
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template rejected the messages: {message}")
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _pick_template(value: str | list[dict[str, str]] | None) -> str | None:
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {item.get("name"): item.get("template") for item in value}
+        return named.get("default") or next(iter(named.values()), None)
+    return value
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, plus its chat template.
+
+    Attributes:
+        eos_token_ids: ids that end generation (tokenizer EOS and generation_config's).
+        bos_token_id: the BOS id, or None.
+        vocab_size: number of ids, added tokens included.
+    """
+
+    def __init__(self, backend: _HFTokenizer, config: Mapping[str, Any],
+                 extra_eos_ids: Sequence[int] = (), chat_template: str | None = None) -> None:
+        self._backend = backend
+        self._special = {name: _token_text(config.get(name)) for name in _SPECIAL_NAMES}
+        self._add_bos = bool(config.get("add_bos_token", False))
+        self.bos_token_id = self.token_to_id(self._special["bos_token"])
+        eos = self.token_to_id(self._special["eos_token"])
+        self.eos_token_ids = frozenset({*extra_eos_ids, *([eos] if eos is not None else [])})
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        """Read ``tokenizer.json`` and its companions from a checkpoint folder.
+
+        Raises:
+            CheckpointError: ``tokenizer.json`` is missing or a JSON file is malformed.
+        """
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise CheckpointError(f"{folder} has no tokenizer.json; a checkpoint folder needs one")
+        config = _read_json(folder / "tokenizer_config.json")
+        template = _pick_template(config.get("chat_template"))
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return cls(_HFTokenizer.from_file(str(folder / "tokenizer.json")), config, extra, template)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised as such.
+
+        With `add_special_tokens`, the checkpoint's BOS is prepended if it asks for one.
+        """
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render `messages` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        Raises:
+            ChatTemplateError: there is no template, a message lacks role/content, or the template
+                rejects the conversation.
+        """
+        if self._template is None:
+            raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json "
+                                    "'chat_template' or chat_template.jinja); send a plain prompt")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise ChatTemplateError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
+        return self._template.render(messages=[dict(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{k: v for k, v in self._special.items() if v is not None}, **extra)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text one id at a time, never emitting broken UTF-8.
+
+    Byte-level tokens can end in the middle of a multi-byte character (a Chinese character is often
+    two or three tokens). Each step decodes a short window of ids before and after the new one and
+    emits only the new suffix, holding it back while it ends in U+FFFD (incomplete bytes). The
+    window starts a few tokens back so that spacing rules of the decoder see their context.
+    """
+
+    _CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids)
+        self._read = len(self._ids)
+        self._prefix = max(self._read - self._CONTEXT, 0)
+        self.text = ""
+
+    def step(self, new_id: int) -> str:
+        """Append `new_id`; returns the newly completed text (possibly empty)."""
+        self._ids.append(int(new_id))
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read], self._skip)
+        after = decode(self._ids[self._prefix:], self._skip)
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+            return ""
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,117 @@
+"""Tensor parallelism as a plan applied from outside the model (gpt-fast style).
+
+`TensorParallel` says who this process is (rank, world size) and how to sum partial results
+(``all_reduce``). `plan_shards` is a pure function from the config and the rank to the slice of
+heads and MLP columns the rank holds; the loader slices the weights with it and the model sizes
+its layers with it. The model itself never calls a collective: its row-parallel layers (o_proj,
+down_proj) just call ``tp.all_reduce`` when the world is larger than one.
+
+    q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
+    o, down          row-parallel: each rank holds the matching input columns; outputs summed
+
+KV heads per rank follow kthena_core's rule (``ModelSpec.kv_heads_per_rank``): ``kv_heads / tp``,
+and one replicated head when ``tp`` is a multiple of ``kv_heads``. When ``tp < kv_heads`` does
+not divide them (SmolLM2's 3 KV heads over 2 ranks), the heads are split as evenly as whole
+KV-head groups allow (2 + 1) instead of refusing; each rank's query heads are those of its
+KV heads, so attention stays local and the summed o_proj outputs are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from kthena_serve.model.config import ModelConfig
+from kthena_serve.model.errors import TensorParallelError
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@attrs.frozen
+class TensorParallel:
+    """This process's place in a tensor-parallel group and the reduction its row layers use.
+
+    Attributes:
+        rank: 0 .. world_size - 1.
+        world_size: number of ranks sharing each layer.
+        all_reduce: sums a tensor over the group, in place, and returns it.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce: AllReduce = _no_reduce
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise TensorParallelError(f"rank {self.rank} of world_size {self.world_size} is invalid; "
+                                      f"need world_size >= 1 and 0 <= rank < world_size")
+
+    @classmethod
+    def from_comm_group(cls, group: Any) -> TensorParallel:
+        """Reduce with kthena_comm's all-reduce over a ``CommGroup`` (rank, size from the group)."""
+        from kthena_comm.collectives import all_reduce
+
+        return cls(group.rank, group.size, lambda t: all_reduce(t, group))
+
+    @classmethod
+    def from_torch_distributed(cls, group: Any = None) -> TensorParallel:
+        """Reduce with ``torch.distributed.all_reduce`` over `group` (the default group if None)."""
+        import torch.distributed as dist
+
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(tensor, group=group)
+            return tensor
+
+        return cls(dist.get_rank(group), dist.get_world_size(group), reduce)
+
+
+@attrs.frozen
+class ShardPlan:
+    """What one rank holds: ranges of query heads, KV heads and MLP intermediate columns."""
+
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+
+
+def _split(total: int, parts: int, index: int) -> range:
+    """Part `index` of `parts` contiguous, near-equal pieces of range(total) (larger ones first)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
+    """The slice of `config`'s model that rank ``tp.rank`` of ``tp.world_size`` holds.
+
+    Raises:
+        TensorParallelError: ``world_size`` exceeds the query heads, or exceeds the KV heads
+            without being a multiple of them.
+    """
+    rank, world = (tp.rank, tp.world_size) if tp else (0, 1)
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    group = nh // nkv
+    if world > nh:
+        raise TensorParallelError(f"tp={world} exceeds num_attention_heads={nh}; use tp <= {nh}")
+    if world <= nkv:
+        kv = _split(nkv, world, rank)
+        q = range(kv.start * group, kv.stop * group)
+    elif world % nkv:
+        raise TensorParallelError(f"tp={world} > num_key_value_heads={nkv} must be a multiple of it "
+                                  f"(each KV head is replicated on tp/kv_heads ranks)")
+    else:
+        per_head = world // nkv
+        kv = range(rank // per_head, rank // per_head + 1)
+        part = _split(group, per_head, rank % per_head)
+        q = range(kv.start * group + part.start, kv.start * group + part.stop)
+    if not len(q):
+        raise TensorParallelError(f"tp={world} leaves rank {rank} without a query head; use a tp "
+                                  f"that divides num_attention_heads={nh}")
+    return ShardPlan(q, kv, _split(config.intermediate_size, world, rank))

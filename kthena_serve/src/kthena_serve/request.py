@@ -1,0 +1,124 @@
+"""Request: one generation's mutable state inside the engine, and what the engine hands back.
+
+Token bookkeeping (``n`` = ``num_computed_tokens``)::
+
+    token_ids:  p0 p1 p2 ... p(P-1) | o0 o1 ... o(k-1)
+                └──── KV written: first n tokens ────┘└ not yet fed to the model
+    prefill: n < P     decode: n == len(token_ids) - 1 (the last sampled token is fed next)
+
+After a step feeds ``m`` tokens, ``n += m``; if then ``n == len(token_ids)`` the step's logits
+give the next token. Preemption sets ``n = 0`` and keeps the tokens: re-admission recomputes
+them (the prefix cache usually hands most of them back).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import attrs
+
+from kthena_serve.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller (or its client went away)
+
+
+@attrs.frozen
+class RequestOutput:
+    """What a request produced in one step (streaming) or in total (``LLM.generate``).
+
+    Attributes:
+        request_id: the caller's id.
+        new_token_ids, new_text: produced since the previous output of this request.
+        token_ids, text: everything produced so far (text minus any stop string).
+        finish_reason: None while running.
+        num_prompt_tokens, num_cached_tokens: prompt length and how much of it came from
+            the prefix cache at first admission.
+        arrival_time, first_token_time, finish_time: ``time.perf_counter`` stamps.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """Engine-side state of one request (owned by the engine thread)."""
+
+    __slots__ = (
+        "arrival_time", "block_ids", "cache_salt", "first_token_time", "finish_reason",
+        "finish_time", "num_cached_tokens", "num_committed_blocks", "num_computed_tokens",
+        "num_emitted_tokens", "num_preemptions", "num_prompt_tokens", "params", "request_id",
+        "status", "stream", "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # set at first admission
+        self.num_committed_blocks = 0
+        self.num_emitted_tokens = 0  # output tokens already handed to the caller
+        self.num_preemptions = 0
+        self.block_ids: tuple[int, ...] = ()
+        self.stream = None  # the OutputStream (detokenizer + stop checks), set by the engine
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until every token but the last sampled one has its KV written."""
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

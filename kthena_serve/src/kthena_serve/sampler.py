@@ -1,0 +1,95 @@
+"""Sampler: next tokens for a batch of logits rows, vectorised across requests.
+
+An all-greedy batch without penalties is one ``argmax``. Otherwise, row-wise: penalties on
+tokens already generated, temperature, top-k / top-p masking in sorted order, then a draw by
+the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
+A request with a seed draws its ``q`` from its own generator, so its tokens do not depend on
+what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kthena_serve.request import Request
+
+__all__ = ["Sampler"]
+
+
+class Sampler:
+    """Picks one token per logits row (see module docs)."""
+
+    def __init__(self) -> None:
+        self._generator = torch.Generator().manual_seed(torch.seed() % (2**63))
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
+        params = [r.params for r in requests]
+        if all(p.is_greedy and not p.has_penalties for p in params):
+            return logits.argmax(dim=-1).tolist()
+        logits = _apply_penalties(logits, requests)
+        greedy = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not rows:
+            return greedy.tolist()
+        picked = self._sample([requests[i] for i in rows], logits[rows])
+        greedy[rows] = picked
+        return greedy.tolist()
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's generator."""
+        self._seeded.pop(request_id, None)
+
+    def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temperature.unsqueeze(1)
+        order = None
+        if any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in requests):
+            logits, order = _top_k_top_p(logits, requests)
+        probs = torch.softmax(logits, dim=-1)
+        choice = (probs / self._exponential(requests, probs.shape)).argmax(dim=-1)
+        return choice if order is None else order.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    def _exponential(self, requests: Sequence[Request], shape: torch.Size) -> torch.Tensor:
+        noise = torch.empty(shape).exponential_(generator=self._generator)
+        for row, request in enumerate(requests):
+            seed = request.params.seed
+            if seed is None:
+                continue
+            generator = self._seeded.get(request.request_id)
+            if generator is None:
+                generator = self._seeded[request.request_id] = torch.Generator().manual_seed(seed)
+            noise[row].exponential_(generator=generator)
+        return noise
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties and r.num_output_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        params = requests[i].params
+        counts = torch.bincount(torch.tensor(requests[i].output_token_ids), minlength=vocab)
+        counts = counts[:vocab].to(logits.dtype)
+        logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, requests: Sequence[Request]):
+    """Mask all but the top-k / top-p tokens; returns (sorted masked logits, sort order)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests])
+    rank = torch.arange(vocab).unsqueeze(0)
+    mask = rank >= top_k.unsqueeze(1)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
+    if bool((top_p < 1.0).any()):
+        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        mask |= before > top_p.unsqueeze(1)  # the first token always survives (before = 0)
+    return sorted_logits.masked_fill(mask, float("-inf")), order

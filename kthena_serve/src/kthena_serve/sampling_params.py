@@ -1,0 +1,81 @@
+"""SamplingParams: how one request picks its tokens and when it stops (a frozen value)."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["SamplingParams"]
+
+
+def _check_range(low: float | None, high: float | None, *, low_open: bool = False):
+    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{attribute.name} must be a number, got {value!r}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            left = "(" if low_open else "["
+            raise ValueError(f"{attribute.name} must be in {left}{low}, {high}], got {value!r}")
+
+    return check
+
+
+def _check_max_tokens(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_tokens must be a positive int or None, got {value!r}")
+
+
+def _check_top_k(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ValueError(f"top_k must be -1 (off) or a positive int, got {value!r}")
+
+
+def _strings(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
+    return items
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    items = tuple(value or ())  # type: ignore[arg-type]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise ValueError(f"stop_token_ids must be non-negative ints, got {value!r}")
+    return items
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Attributes:
+        temperature: 0 is greedy; higher flattens the distribution.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
+        top_k: keep the ``top_k`` most likely tokens (-1: all).
+        seed: makes sampling reproducible for this request, whatever else is batched with it.
+        max_tokens: tokens to generate at most (None: up to the context length).
+        stop: strings that end generation; they are not part of the returned text.
+        stop_token_ids: token ids that end generation (besides the model's EOS).
+        ignore_eos: keep going past EOS (benchmarks).
+        presence_penalty, frequency_penalty: OpenAI's penalties on already generated tokens.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
+    top_p: float = attrs.field(default=1.0, validator=_check_range(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=-1, validator=_check_top_k)
+    seed: int | None = None
+    max_tokens: int | None = attrs.field(default=16, validator=_check_max_tokens)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    ignore_eos: bool = False
+    presence_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one server: latency histograms, queue and KV gauges, prefix-cache hits.
+
+Each app has its own registry (several servers can live in one process, as in tests). Gauges
+and counters that mirror engine state are read at scrape time from the engine's snapshot and
+the KV manager's thread-safe ``stats()``; the histograms are fed as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.request import RequestOutput
+
+__all__ = ["ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+
+class _EngineCollector:
+    """Reads engine state at scrape time."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        kv = self.engine.engine.kv.stats()
+        yield _gauge("kthena_num_requests_waiting", "Requests queued", stats.num_waiting)
+        yield _gauge("kthena_num_requests_running", "Requests running", stats.num_running)
+        yield _gauge("kthena_kv_blocks_used", "KV blocks referenced by requests", kv.num_used_blocks)
+        yield _gauge("kthena_kv_blocks_free", "KV blocks free (incl. cached, evictable)",
+                     kv.num_free_blocks)
+        yield _gauge("kthena_kv_blocks_cached", "KV blocks in the prefix cache", kv.num_cached_blocks)
+        yield _counter("kthena_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       kv.num_query_tokens)
+        yield _counter("kthena_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                       kv.num_hit_tokens)
+        yield _counter("kthena_computed_prompt_tokens", "Prompt tokens computed (not cached)",
+                       stats.num_computed_prompt_tokens)
+        yield _counter("kthena_generation_tokens", "Tokens generated", stats.num_generated_tokens)
+        yield _counter("kthena_preemptions", "Requests preempted for lack of KV blocks",
+                       stats.num_preemptions)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The metrics of one server (see module docs)."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("kthena_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kthena_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kthena_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("kthena_requests", "Finished requests by reason",
+                                ["finish_reason"], registry=self.registry)
+        self.hints = Counter("kthena_prefix_hints", "Client prefix hints (reuse_offset) and "
+                             "whether token matching agreed with them", ["agreed"],
+                             registry=self.registry)
+
+    def observe(self, out: RequestOutput, reuse_offset: int | None = None) -> None:
+        """Record a finished request."""
+        self.finished.labels(out.finish_reason.value if out.finish_reason else "none").inc()
+        if out.first_token_time is None or out.finish_time is None:
+            return
+        self.ttft.observe(out.first_token_time - out.arrival_time)
+        self.e2e.observe(out.finish_time - out.arrival_time)
+        if len(out.token_ids) > 1:
+            self.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+        if reuse_offset is not None:
+            self.hints.labels(str(reuse_offset == out.num_cached_tokens).lower()).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,75 @@
+"""ASGI middleware: a request-body size cap and the API key check (everything but /health)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+__all__ = ["ApiKeyMiddleware", "BodyLimitMiddleware"]
+
+
+async def _send_error(send, status: int, message: str, kind: str, code: str | None) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to a body over ``max_bytes`` (declared or streamed) before the app sees it.
+
+    The body is read here and replayed to the app; later ``receive`` calls go to the server,
+    so the app still learns when the client disconnects.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._too_large(send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        await _send_error(send, 413, f"request body exceeds {self.max_bytes} bytes",
+                          "invalid_request_error", "request_too_large")
+
+
+class ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on every path except ``/health``."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", ())).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            return await _send_error(send, 401, "missing or wrong API key; send "
+                                     "'Authorization: Bearer <key>'", "authentication_error",
+                                     "invalid_api_key")
+        return await self.app(scope, receive, send)

@@ -1,0 +1,494 @@
+"""KVCacheManager: the only object a scheduler talks to about KV blocks.
+
+Verb flow for one request (``rid``)::
+
+    m = mgr.match_prefix(rid, prompt_ids)        registers rid; refs the cached prefix
+    b = mgr.try_allocate(rid, n)                 prefill (repeat per chunk); None = wait
+    mgr.commit(rid, token_ids_so_far)            after KV is written: cache filled blocks
+    b = mgr.try_append(rid)                      decode: one more slot; None = preempt
+    mgr.commit(rid, token_ids_so_far)            ... generated blocks become matchable too
+    mgr.free(rid)                                finished or preempted (tail first)
+
+* ``match_prefix`` hashes the prompt's full blocks, finds the longest cached prefix (never
+  the whole prompt: at least one token is always computed) and takes a ref on those
+  blocks at once, so nothing can evict them before ``try_allocate``. Its hit counts feed
+  ``stats().hit_rate``. ``num_cached_tokens`` says where computing starts.
+* ``try_allocate(rid, n)`` reserves slots for ``n`` more tokens after those already
+  reserved (the cached ones first), allocating blocks as needed; it returns the whole
+  block table or ``None`` when out of blocks, and then changes nothing.
+  ``try_append`` does the same for decode (default one token) once prefill has started.
+* ``commit(rid, token_ids)`` takes the request's tokens whose KV is now written (the
+  whole sequence so far, prompt and generated) and caches every block that filled since
+  the last commit, so a later turn of the conversation matches the previous answer. If
+  an identical block was cached meanwhile by another request, the request's own block
+  stays a private duplicate and it holds a ref on the cached one, so the cached chain
+  stays prefix-closed (a block is cached only under a cached parent).
+* ``free(rid)`` drops the request's refs, tail first: cached blocks join the LRU end of
+  the free queue, so a chain's tail is evicted before its head. Preemption is ``free``
+  then, later, ``match_prefix`` again (recompute what is no longer cached).
+* ``evict(n)`` trims cached free blocks (for a cache capped below the pool size);
+  ``reset_prefix_cache`` drops them all.
+
+Misuse raises an error naming the request: ``UnknownRequestError`` (never matched),
+``RequestFinishedError`` (verb after ``free``), ``DoubleFreeError``,
+``DuplicateRequestError`` (``match_prefix`` twice), ``RequestStateError`` (``try_append``
+before prefill), ``TokenCountError``; the manager's state is unchanged by a failed verb.
+
+Threading contract: one *owner* thread (the scheduler) calls the mutating verbs above;
+the owner is the first thread that calls one, and ``release_owner`` hands it over. A
+mutating verb from another thread raises ``OwnerThreadError``. ``stats()``, the read-only
+properties, ``subscribe``/``unsubscribe`` and ``EventQueue.drain`` may be called from any
+thread: verbs hold an internal lock, so ``stats()`` always sees the state between verbs.
+Event callbacks run on the owner thread, inside the verb.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from mooncake_kv._invariants import check_consistency
+from mooncake_kv.allocator import BlockAllocator
+from mooncake_kv.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBus,
+    EventQueue,
+    KVEventCallback,
+)
+from mooncake_kv.hashing import DEFAULT_HASH_ALGO, BlockChain, BlockHasher, ExtraKeys
+from mooncake_kv.index import PrefixIndex, create_index
+from mooncake_kv.results import CacheSnapshot, KVCacheBlocks, KVCacheStats, PrefixMatch
+from mooncake_kv.types import (
+    BlockHash,
+    BlockId,
+    DoubleFreeError,
+    DuplicateRequestError,
+    OwnerThreadError,
+    RequestFinishedError,
+    RequestStateError,
+    TokenCountError,
+    UnknownRequestError,
+)
+
+__all__ = ["KVCacheManager"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Request:
+    """What the manager remembers about one live request."""
+
+    __slots__ = (
+        "block_ids", "chain", "is_allocated", "last_holder", "num_committed", "num_tokens",
+        "pinned",
+    )
+
+    def __init__(self, chain: BlockChain | None, matched: list[BlockId], block_size: int) -> None:
+        self.chain = chain
+        self.block_ids = matched  # the block table, in token order
+        self.num_tokens = len(matched) * block_size  # slots reserved
+        self.num_committed = len(matched)  # full blocks already offered to the index
+        self.last_holder: BlockId | None = matched[-1] if matched else None
+        self.pinned: dict[int, BlockId] | None = None  # position -> cached twin we hold
+        self.is_allocated = False
+
+    def release_order(self) -> list[BlockId]:
+        """Every block the request holds a ref on, chain tail first."""
+        if not self.pinned:
+            return self.block_ids[::-1]
+        order: list[BlockId] = []
+        for position in range(len(self.block_ids) - 1, -1, -1):
+            order.append(self.block_ids[position])
+            twin = self.pinned.get(position)
+            if twin is not None:
+                order.append(twin)
+        return order
+
+
+def _mutating(verb: _F) -> _F:
+    """Run ``verb`` under the manager lock, on the owner thread, then self-check if asked."""
+
+    @functools.wraps(verb)
+    def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._owner != threading.get_ident():
+                self._claim_owner()
+            result = verb(self, *args, **kwargs)
+            if self._self_check:
+                self.check_invariants()
+            return result
+
+    return wrapper  # type: ignore[return-value]
+
+
+class KVCacheManager:
+    """Ref-counted paged KV blocks with prefix caching, for one instance.
+
+    Args:
+        num_blocks: blocks in the pool (ids ``0 .. num_blocks-1``).
+        block_size: tokens per block.
+        index: registered prefix index name: ``"hash"`` (default) or ``"radix"``.
+        hash_algo: ``"xxh3_128"`` (default) or ``"sha256"``.
+        enable_prefix_caching: if False, nothing is ever matched or cached.
+        max_finished_ids: how many freed request ids are remembered to tell a double
+            free from an unknown id.
+        check_invariants: run the full consistency check after every mutating verb
+            (slow; tests switch it on).
+    """
+
+    __slots__ = (
+        "_allocator", "_block_size", "_bus", "_caching", "_finished", "_hasher", "_index",
+        "_index_name", "_lock", "_max_finished", "_num_evicted", "_num_hit_tokens",
+        "_num_queries", "_num_query_tokens", "_owner", "_requests", "_self_check",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        index: str = "hash",
+        hash_algo: str = DEFAULT_HASH_ALGO,
+        enable_prefix_caching: bool = True,
+        max_finished_ids: int = 65536,
+        check_invariants: bool = False,
+    ) -> None:
+        self._hasher = BlockHasher(block_size, hash_algo)
+        self._block_size = block_size
+        self._index_name = index
+        self._index = create_index(index)
+        watcher = self._index if self._index.tracks_refs else None
+        self._allocator = BlockAllocator(num_blocks, watcher)
+        self._caching = enable_prefix_caching
+        self._bus = EventBus()
+        self._requests: dict[str, _Request] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._max_finished = max_finished_ids
+        self._lock = threading.RLock()
+        self._owner: int | None = None
+        self._self_check = check_invariants
+        self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
+        self._num_evicted = 0
+
+    # ---- read-only properties (any thread) --------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._allocator.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def hasher(self) -> BlockHasher:
+        """The block hasher, for computing the same keys elsewhere (router, cluster index)."""
+        return self._hasher
+
+    @property
+    def index_name(self) -> str:
+        return self._index_name
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index, for inspection only (e.g. radix sizes); never mutate it."""
+        return self._index
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._allocator.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    # ---- scheduler verbs (owner thread) -----------------------------------------------
+    @_mutating
+    def match_prefix(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys | None = None,
+    ) -> PrefixMatch:
+        """Register ``request_id`` and ref the longest cached prefix of its prompt.
+
+        Args:
+            token_ids: the prompt.
+            extra_keys: cache salt, adapter id, non-token input digests (see hashing).
+
+        Returns:
+            The matched blocks and ``num_cached_tokens`` (< ``len(token_ids)``).
+
+        Raises:
+            DuplicateRequestError: ``request_id`` is live (free it first).
+        """
+        if request_id in self._requests:
+            raise DuplicateRequestError(
+                request_id,
+                f"request {request_id!r} is already live; free it before matching it again",
+            )
+        chain = BlockChain(self._hasher, token_ids, extra_keys) if self._caching else None
+        matched: list[BlockId] = []
+        if chain is not None:
+            matched = self._index.match(chain, (len(token_ids) - 1) // self._block_size)
+            self._allocator.take_refs(matched)
+        self._finished.pop(request_id, None)
+        self._requests[request_id] = _Request(chain, matched, self._block_size)
+        num_cached = len(matched) * self._block_size
+        self._num_queries += 1
+        self._num_query_tokens += len(token_ids)
+        self._num_hit_tokens += num_cached
+        return PrefixMatch(tuple(matched), num_cached)
+
+    @_mutating
+    def try_allocate(self, request_id: str, num_new_tokens: int) -> KVCacheBlocks | None:
+        """Reserve slots for ``num_new_tokens`` more tokens (prefill, or one prefill chunk).
+
+        Returns:
+            The request's block table, or None when too few blocks are free (no change).
+
+        Raises:
+            UnknownRequestError, RequestFinishedError, TokenCountError.
+        """
+        return self._grow(self._live(request_id), request_id, num_new_tokens)
+
+    @_mutating
+    def try_append(self, request_id: str, num_tokens: int = 1) -> KVCacheBlocks | None:
+        """Reserve slots for ``num_tokens`` decoded tokens; None = out of blocks (preempt).
+
+        Raises:
+            UnknownRequestError, RequestFinishedError, TokenCountError,
+            RequestStateError: the request's prefill was never allocated.
+        """
+        request = self._live(request_id)
+        if not request.is_allocated:
+            raise RequestStateError(
+                request_id,
+                f"request {request_id!r} has no prefill allocation; call try_allocate first",
+            )
+        return self._grow(request, request_id, num_tokens)
+
+    @_mutating
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Cache the blocks of ``token_ids`` (the request's sequence so far) that filled.
+
+        The KV of these tokens must be written; earlier tokens must be unchanged.
+        Returns the number of blocks that became matchable.
+
+        Raises:
+            UnknownRequestError, RequestFinishedError,
+            TokenCountError: more tokens than slots reserved.
+        """
+        request = self._live(request_id)
+        if len(token_ids) > request.num_tokens:
+            raise TokenCountError(
+                request_id,
+                f"commit of {len(token_ids)} tokens for request {request_id!r} exceeds its "
+                f"{request.num_tokens} reserved slots; reserve them with try_allocate/try_append",
+            )
+        chain = request.chain
+        full = len(token_ids) // self._block_size
+        start = request.num_committed
+        if chain is None or full <= start:
+            return 0
+        if full > len(chain):
+            chain.extend(token_ids)
+        own = request.block_ids[start:full]
+        holders = self._index.insert(chain, start, own, request.last_holder)
+        if holders == own:
+            self._allocator.set_hashes(own, chain.hashes[start:full])
+            runs = [(start, full)]
+        else:
+            runs = self._adopt_holders(request, start, own, holders)
+        request.last_holder = holders[-1]
+        request.num_committed = full
+        if self._bus.has_subscribers:
+            self._emit_stored(request, token_ids, runs)
+        return sum(stop - first for first, stop in runs)
+
+    @_mutating
+    def free(self, request_id: str) -> None:
+        """Release every block of the request, chain tail first; the id is finished.
+
+        Raises:
+            DoubleFreeError: already freed.  UnknownRequestError: never registered.
+        """
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            if request_id in self._finished:
+                raise DoubleFreeError(
+                    request_id, f"request {request_id!r} was already freed; free it only once"
+                )
+            raise UnknownRequestError(
+                request_id, f"unknown request {request_id!r}; only live requests can be freed"
+            )
+        self._allocator.release(request.release_order())
+        self._finished[request_id] = None
+        if len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+
+    @_mutating
+    def evict(self, num_blocks: int) -> int:
+        """Uncache up to ``num_blocks`` least recently used free blocks; returns how many."""
+        evicted = self._allocator.evict(num_blocks)
+        if evicted:
+            self._forget(evicted)
+        return len(evicted)
+
+    @_mutating
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and emit ``AllCleared``; False if any block is in use."""
+        if self._allocator.num_free_blocks != self._allocator.num_blocks:
+            return False
+        self._num_evicted += len(self._allocator.evict(self._allocator.num_evictable_blocks))
+        self._index.clear()
+        if self._bus.has_subscribers:
+            self._bus.emit(AllCleared())
+        return True
+
+    @_mutating
+    def release_owner(self) -> None:
+        """Let another thread become the owner with its next mutating verb."""
+        self._owner = None
+
+    # ---- any thread ----------------------------------------------------------------------
+    def stats(self) -> KVCacheStats:
+        """A consistent snapshot of usage and hit counters (thread-safe)."""
+        with self._lock:
+            num_free = self._allocator.num_free_blocks
+            return KVCacheStats(
+                num_blocks=self._allocator.num_blocks,
+                block_size=self._block_size,
+                num_used_blocks=self._allocator.num_blocks - num_free,
+                num_free_blocks=num_free,
+                num_cached_blocks=len(self._index),
+                num_running_requests=len(self._requests),
+                num_queries=self._num_queries,
+                num_query_tokens=self._num_query_tokens,
+                num_hit_tokens=self._num_hit_tokens,
+                num_evicted_blocks=self._num_evicted,
+            )
+
+    def snapshot(self) -> CacheSnapshot:
+        """Ref counts, free queue order and cached blocks, consistently (thread-safe)."""
+        with self._lock:
+            cached = sorted(self._index.entries(), key=lambda entry: entry[1])
+            return CacheSnapshot(
+                ref_counts=tuple(self._allocator.ref_counts()),
+                free_queue=tuple(self._allocator.free_queue()),
+                cached=tuple(cached),
+            )
+
+    def subscribe(self, callback: KVEventCallback) -> None:
+        """Call ``callback(event)`` for every later KV event (thread-safe)."""
+        self._bus.subscribe(callback)
+
+    def unsubscribe(self, callback: KVEventCallback) -> None:
+        """Stop calling ``callback``; ValueError if it is not subscribed (thread-safe)."""
+        self._bus.unsubscribe(callback)
+
+    def open_event_queue(self) -> EventQueue:
+        """Subscribe a thread-safe queue of events; ``drain()`` it from any thread."""
+        return self._bus.open_queue()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if refs, free queue, index and requests disagree."""
+        with self._lock:
+            holders = {rid: r.release_order() for rid, r in self._requests.items()}
+            check_consistency(self._allocator, self._index, holders)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _claim_owner(self) -> None:
+        if self._owner is not None:
+            raise OwnerThreadError(
+                f"KVCacheManager is owned by thread {self._owner}, called from "
+                f"{threading.get_ident()}; mutate it from one thread (release_owner hands over)"
+            )
+        self._owner = threading.get_ident()
+
+    def _live(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is not None:
+            return request
+        if request_id in self._finished:
+            raise RequestFinishedError(
+                request_id,
+                f"request {request_id!r} was freed; register it again with match_prefix",
+            )
+        raise UnknownRequestError(
+            request_id, f"unknown request {request_id!r}; call match_prefix first"
+        )
+
+    def _grow(self, request: _Request, request_id: str, num_tokens: int) -> KVCacheBlocks | None:
+        if num_tokens < 0:
+            raise TokenCountError(
+                request_id, f"request {request_id!r}: token count must be >= 0, got {num_tokens}"
+            )
+        total = request.num_tokens + num_tokens
+        needed = -(-total // self._block_size) - len(request.block_ids)
+        if needed <= 0:
+            request.num_tokens = total
+            request.is_allocated = True
+            return KVCacheBlocks(tuple(request.block_ids), 0)
+        got = self._allocator.try_allocate(needed)
+        if got is None:
+            return None
+        new_blocks, evicted = got
+        request.block_ids += new_blocks
+        request.num_tokens = total
+        request.is_allocated = True
+        if evicted:  # announced before the caller can hand the blocks to a worker
+            self._forget(evicted)
+        return KVCacheBlocks(tuple(request.block_ids), needed)
+
+    def _forget(self, evicted: list[tuple[BlockId, BlockHash]]) -> None:
+        remove = self._index.remove
+        for block_id, block_hash in evicted:
+            remove(block_id, block_hash)
+        self._num_evicted += len(evicted)
+        if self._bus.has_subscribers:
+            hashes = tuple(h for _, h in evicted)
+            self._bus.emit(BlockRemoved(hashes, tuple(b for b, _ in evicted)))
+
+    def _adopt_holders(
+        self, request: _Request, start: int, own: list[BlockId], holders: list[BlockId]
+    ) -> list[tuple[int, int]]:
+        """Cache the inserted blocks; ref the already-cached twins of the others.
+
+        Returns the ``[first, stop)`` position runs that became cached.
+        """
+        hashes = request.chain.hashes  # type: ignore[union-attr]
+        runs: list[tuple[int, int]] = []
+        for position, (block_id, holder) in enumerate(zip(own, holders, strict=True), start):
+            if block_id == holder:
+                self._allocator.set_hashes([block_id], [hashes[position]])
+                if runs and runs[-1][1] == position:
+                    runs[-1] = (runs[-1][0], position + 1)
+                else:
+                    runs.append((position, position + 1))
+                continue
+            self._allocator.take_refs([holder])
+            if request.pinned is None:
+                request.pinned = {}
+            request.pinned[position] = holder
+        return runs
+
+    def _emit_stored(
+        self, request: _Request, token_ids: Sequence[int], runs: list[tuple[int, int]]
+    ) -> None:
+        hashes = request.chain.hashes  # type: ignore[union-attr]
+        size = self._block_size
+        for first, stop in runs:
+            self._bus.emit(
+                BlockStored(
+                    block_hashes=tuple(hashes[first:stop]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=tuple(token_ids[first * size : stop * size]),
+                    block_size=size,
+                    block_ids=tuple(request.block_ids[first:stop]),
+                )
+            )

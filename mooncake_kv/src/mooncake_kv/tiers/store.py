@@ -1,0 +1,152 @@
+"""Mooncake Store tier: block values in a Mooncake distributed store, shared across hosts.
+
+Needs the optional extra `mooncake-kv[store]` (the `mooncake-transfer-engine-non-cuda` wheel,
+which links the Debian package libibverbs1 even for TCP) and a running `mooncake_master`.
+`MooncakeDistributedStore.setup` waits about 90 s when no master answers, so the master's
+port is probed first and an unreachable store fails fast with `TierUnavailableError`.
+Mooncake's integer return codes become `TierError`s here, once.
+
+This client also contributes `global_segment_size` bytes of its own RAM to the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Any, ClassVar
+
+import attrs
+
+from mooncake_kv.tiers.base import TierError, TierUnavailableError, register_tier
+
+__all__ = ["MooncakeStoreTier", "StoreTierConfig"]
+
+_MiB = 1 << 20
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"master_address must be 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def _check_address(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    _host_port(value)
+
+
+@attrs.frozen
+class StoreTierConfig:
+    """Open with `open_tier`. Only ever point it at addresses you mean to reach.
+
+    Attributes:
+        master_address: 'host:port' of mooncake_master's RPC port.
+        local_hostname: address this client's transfer engine serves from.
+        metadata_server: 'P2PHANDSHAKE' (no metadata service) or an etcd/HTTP URL.
+        global_segment_size: bytes of this process's RAM lent to the store.
+        local_buffer_size: bytes of client-side transfer buffer.
+        protocol: 'tcp' or 'rdma'.
+        namespace: prefix of every key, so several caches can share one store.
+        connect_timeout_s: how long to wait for the master's port before giving up.
+    """
+
+    kind: ClassVar[str] = "mooncake_store"
+    master_address: str = attrs.field(default="127.0.0.1:50051", validator=_check_address)
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    global_segment_size: int = 64 * _MiB
+    local_buffer_size: int = 16 * _MiB
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    namespace: str = "mooncake_kv"
+    connect_timeout_s: float = 2.0
+    name: str = "mooncake_store"
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    host, port = _host_port(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise TierUnavailableError(
+            f"Mooncake master at {address} does not answer ({exc}); start mooncake_master "
+            "there or leave the store tier out"
+        ) from None
+
+
+def _new_client() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise TierUnavailableError(
+            f"the Mooncake Store client cannot be imported ({exc}); install "
+            "'mooncake-kv[store]' and the Debian package libibverbs1"
+        ) from None
+    return MooncakeDistributedStore()
+
+
+class MooncakeStoreTier:
+    """A `KVTier` over `MooncakeDistributedStore` (put / get / is_exist / remove).
+
+    The store evicts by itself; `put` never reports evictions.
+    """
+
+    def __init__(self, config: StoreTierConfig) -> None:
+        _probe(config.master_address, config.connect_timeout_s)
+        client = _new_client()
+        code = client.setup(
+            config.local_hostname, config.metadata_server, config.global_segment_size,
+            config.local_buffer_size, config.protocol, config.rdma_devices,
+            config.master_address,
+        )
+        if code != 0:
+            with contextlib.suppress(Exception):
+                client.close()
+            raise TierUnavailableError(
+                f"Mooncake Store setup against {config.master_address} failed with code {code}"
+            )
+        self.name = config.name
+        self.config = config
+        self._client: Any = client
+
+    def _key(self, key: str) -> str:
+        return f"{self.config.namespace}/{key}"
+
+    def _live(self) -> Any:
+        if self._client is None:
+            raise TierError(f"store tier {self.name!r} is closed")
+        return self._client
+
+    def contains(self, key: str) -> bool:
+        code = self._live().is_exist(self._key(key))
+        if code < 0:
+            raise TierError(f"Mooncake Store is_exist({key!r}) failed with code {code}")
+        return code == 1
+
+    def get(self, key: str) -> bytes | None:
+        value = self._live().get(self._key(key))
+        if value:
+            return value
+        # Mooncake answers b"" both for a miss and for a failed query: tell them apart
+        if self._live().is_exist(self._key(key)) < 0:
+            raise TierError(f"Mooncake Store get({key!r}) failed: the master does not answer")
+        return None
+
+    def put(self, key: str, value: bytes) -> list[tuple[str, bytes]]:
+        code = self._live().put(self._key(key), value)
+        if code != 0:
+            raise TierError(f"Mooncake Store put({key!r}, {len(value)} bytes) failed with code {code}")
+        return []
+
+    def remove(self, key: str) -> None:
+        code = self._live().remove(self._key(key), True)
+        if code < 0 and self._live().is_exist(self._key(key)) == 1:
+            raise TierError(f"Mooncake Store remove({key!r}) failed with code {code}")
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+register_tier(StoreTierConfig.kind, MooncakeStoreTier)

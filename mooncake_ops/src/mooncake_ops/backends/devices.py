@@ -1,0 +1,64 @@
+"""The cpu and cuda backends: which implementation each op runs on that device type.
+
+The npu backend lives in `npu.py` (imported only for npu tensors); `NPU_OPS` names what it
+calls so the capability report can list it without importing torch_npu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mooncake_ops.backends import mc2_tiled, sdpa
+from mooncake_ops.backends import reference as ref
+from mooncake_ops.dispatch import MC2_OPS, OP_NAMES, OpImpl
+
+REFERENCE = "torch-reference"
+SDPA = "torch-sdpa"
+TILED = "torch-tiled (kthena_comm async collectives)"
+NATIVE = "native-cpp"
+
+NPU_OPS: Mapping[str, str] = {
+    "write_kv": "torch_npu.npu_scatter_pa_kv_cache (int8: torch-reference)",
+    "paged_decode_attention": "torch_npu.npu_fused_infer_attention_score (block_table)",
+    "paged_prefill_attention": "torch_npu.npu_fused_infer_attention_score (block_table, causal)",
+    "rms_norm": "torch_npu.npu_rms_norm / npu_add_rms_norm",
+    "rotary_embedding": REFERENCE,
+    "silu_and_mul": "torch_npu.npu_swiglu",
+    "gather_blocks": REFERENCE,
+    "scatter_blocks": REFERENCE,
+    "matmul_all_reduce": "torch_npu.npu_mm_all_reduce_base",
+    "all_gather_matmul": "torch_npu.npu_all_gather_base_mm",
+    "matmul_reduce_scatter": "torch_npu.npu_mm_reduce_scatter_base",
+}
+
+
+def reference_table() -> dict[str, OpImpl]:
+    table = {op: OpImpl(getattr(ref, op), REFERENCE) for op in OP_NAMES if op not in MC2_OPS}
+    return table | {op: OpImpl(getattr(mc2_tiled, op), TILED) for op in MC2_OPS}
+
+
+class CpuBackend:
+    """Native C++ kernels where built (and the call fits them), else PyTorch."""
+
+    device_type = "cpu"
+
+    def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]:
+        table = reference_table()
+        table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, SDPA)
+        if allow_native:
+            from mooncake_ops.backends import native
+            if native.is_available():
+                table.update({op: OpImpl(fn, NATIVE) for op, fn in native.ops().items()})
+        return table
+
+
+class CudaBackend:
+    """SDPA-based attention; PyTorch for the rest (Triton kernels may replace these later)."""
+
+    device_type = "cuda"
+
+    def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]:
+        table = reference_table()
+        table["paged_decode_attention"] = OpImpl(sdpa.paged_decode_attention, SDPA)
+        table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, SDPA)
+        return table
