@@ -43,15 +43,30 @@ def free_port() -> int:
 class Peer:
     """A transfer peer process (see _transfer_peer.py)."""
 
-    def __init__(self, backend: str, nbytes: int, seed: int, shm_prefix: str) -> None:
+    def __init__(self, backend: str, nbytes: int, seed: int, shm_prefix: str,
+                 *extra: str) -> None:
         self.seed, self.nbytes = seed, nbytes
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), backend, str(nbytes), str(seed), shm_prefix],
+            [sys.executable, str(PEER_SCRIPT), backend, str(nbytes), str(seed), shm_prefix,
+             *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env=quiet_env())
-        hello = self._reply(timeout=60)
-        self.handle = MemoryHandle.from_dict(hello["handle"])
+        self._hello: dict | None = None
+
+    def hello(self) -> dict:
+        """The peer's first line (its handle); read lazily so a torch peer can rendezvous first."""
+        if self._hello is None:
+            self._hello = self._reply(timeout=60)
+        return self._hello
+
+    @property
+    def handle(self) -> MemoryHandle:
+        return MemoryHandle.from_dict(self.hello()["handle"])
+
+    @property
+    def address(self) -> str:
+        return self.hello()["address"]
 
     def _reply(self, timeout: float = 20) -> dict:
         with selectors.DefaultSelector() as sel:
@@ -92,6 +107,10 @@ class Peer:
         self.proc.stdout.close()
         self.log.close()
 
+    def notifies(self, timeout_s: float) -> list[tuple[str, bytes]]:
+        got = self.call(cmd="notifies", timeout_s=timeout_s)["messages"]
+        return [(sender, bytes.fromhex(data)) for sender, data in got]
+
 
 @pytest.fixture(scope="session")
 def shm_prefix() -> str:
@@ -103,8 +122,8 @@ def peer_factory(shm_prefix: str):
     """Start peers; at teardown stop them and check no process or shm segment is left."""
     peers: list[Peer] = []
 
-    def start(backend: str, nbytes: int = 1 << 22, seed: int = 7) -> Peer:
-        peer = Peer(backend, nbytes, seed, shm_prefix)
+    def start(backend: str, nbytes: int = 1 << 22, seed: int = 7, *extra: str) -> Peer:
+        peer = Peer(backend, nbytes, seed, shm_prefix, *extra)
         peers.append(peer)
         return peer
 

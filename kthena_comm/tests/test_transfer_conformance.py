@@ -1,9 +1,11 @@
 """Conformance suite every available transfer backend must pass.
 
-``local`` runs in-process (two engines on one fabric); ``shm`` and ``mooncake`` run against a peer
-in a real second process. Checks: exact byte round-trips with random data, unaligned offsets and
-scattered block batches; async completion; clear errors (never hangs) for out-of-range, forged
-and unregistered remote memory and for a peer killed with SIGKILL mid-transfer; double close.
+``local`` runs in-process (two engines on one fabric); ``shm``, ``mooncake`` and ``torch`` (gloo
+send/recv, the test process is rank 0) run against a peer in a real second process. Checks: exact
+byte round-trips with random data, unaligned offsets and scattered block batches, as op lists and
+as columnar ``TransferBatch``; async completion; notify after a put, both ways; clear errors
+(never hangs) for out-of-range, forged and unregistered remote memory and for a peer killed with
+SIGKILL mid-transfer; double close.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import glob
 import mmap
 import random
+import socket
 import time
 
 import attrs
@@ -25,12 +28,15 @@ from kthena_comm.errors import (
 from kthena_comm.transfer import (
     LocalConfig,
     LocalFabric,
+    Notification,
+    TorchConfig,
+    TransferBatch,
     TransferOp,
     available_backends,
     create_engine,
 )
 
-BACKENDS = ["local", "shm", "mooncake"]
+BACKENDS = ["local", "shm", "mooncake", "torch"]
 REMOTE_BYTES = 1 << 22
 DEADLINE_S = 15.0
 
@@ -43,8 +49,18 @@ class InProcessRemote:
         self.memory = bytearray(random.Random(seed).randbytes(nbytes))
         self.handle = self.engine.register(self.memory)
 
+    @property
+    def address(self) -> str:
+        return self.engine.address
+
     def read(self, offset: int, length: int) -> bytes:
         return bytes(self.memory[offset: offset + length])
+
+    def notifies(self, timeout_s: float) -> list[tuple[str, bytes]]:
+        return [(n.sender, n.message) for n in self.engine.poll_notifies(timeout_s)]
+
+    def notify(self, address: str, message: bytes) -> None:
+        self.engine.notify(address, message)
 
     def unregister(self) -> None:
         self.engine.unregister(self.handle)
@@ -62,9 +78,16 @@ class ProcessRemote:
     def __init__(self, peer) -> None:
         self.peer = peer
         self.handle = peer.handle
+        self.address = peer.address
 
     def read(self, offset: int, length: int) -> bytes:
         return self.peer.read(offset, length)
+
+    def notifies(self, timeout_s: float) -> list[tuple[str, bytes]]:
+        return self.peer.notifies(timeout_s)
+
+    def notify(self, address: str, message: bytes) -> None:
+        self.peer.call(cmd="notify", peer=address, data=message.hex())
 
     def unregister(self) -> None:
         self.peer.call(cmd="unregister")
@@ -82,7 +105,18 @@ def _make_pair(backend: str, peer_factory, seed: int = 7):
     if backend == "local":
         fabric = LocalFabric()
         return create_engine("local", LocalConfig(fabric)), InProcessRemote(fabric, REMOTE_BYTES, seed)
+    if backend == "torch":  # the peer waits for us (rank 0 hosts the store) before saying hello
+        port = _free_port()
+        peer = peer_factory("torch", REMOTE_BYTES, seed, str(port))
+        config = TorchConfig(rank=0, world_size=2, master_port=port, connect_timeout_s=60)
+        return create_engine("torch", config), ProcessRemote(peer)
     return create_engine(backend), ProcessRemote(peer_factory(backend, REMOTE_BYTES, seed))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -145,6 +179,51 @@ def test_scattered_get_reads_exactly(pair, seed):
         got = memory[op.local_offset: op.local_offset + op.length]
         assert got == remote.read(op.remote_offset, op.length)
     engine.unregister(local)
+
+
+def test_columnar_batch_of_scattered_blocks_round_trips(pair):
+    engine, remote = pair
+    block = 4096 + 3  # unaligned block size: every block starts at an odd offset
+    memory, local = _local(engine, 64 * block, 12)
+    rng = random.Random(12)
+    remote_ids = rng.sample(range(remote.handle.length // block), 64)
+    batch = TransferBatch.from_blocks(local, remote.handle, list(range(64)), remote_ids, block)
+    engine.batch_put(batch)
+    for i, rid in enumerate(remote_ids):
+        assert remote.read(rid * block, block) == memory[i * block: (i + 1) * block]
+    back, back_handle = _local(engine, 64 * block, 13)
+    engine.batch_get(TransferBatch.from_blocks(back_handle, remote.handle, list(range(64))[::-1],
+                                               remote_ids[::-1], block))
+    assert back[:] == memory[:]
+
+
+def test_notify_after_put_arrives_after_the_bytes(pair):
+    engine, remote = pair
+    memory, local = _local(engine, 1 << 16, 14)
+    engine.batch_put([TransferOp(local, 0, remote.handle, 0, 1 << 16)])
+    engine.notify(remote.handle, b"req-7:blocks-landed")
+    engine.notify(remote.handle, bytes(range(256)))  # any bytes, in order
+    got = _collect(remote.notifies, 2)
+    assert got == [(engine.address, b"req-7:blocks-landed"), (engine.address, bytes(range(256)))]
+    assert remote.read(0, 1 << 16) == memory[:]
+
+
+def test_notify_reaches_the_initiator_too(pair):
+    engine, remote = pair
+    if remote.handle.backend == "mooncake":  # rides a transfer: needs memory of the target
+        with pytest.raises(TransferError, match="pass a MemoryHandle"):
+            engine.notify("127.0.0.1:1", b"x")
+        return
+    remote.notify(engine.address, b"ack")
+    assert _collect(engine.poll_notifies, 1) == [Notification(remote.address, b"ack")]
+
+
+def _collect(poll, count: int) -> list:
+    got: list = []
+    deadline = time.monotonic() + DEADLINE_S
+    while len(got) < count and time.monotonic() < deadline:
+        got += poll(1.0)
+    return got
 
 
 def test_contiguous_round_trip(pair):
@@ -223,6 +302,9 @@ def test_peer_killed_mid_transfer_raises_not_hangs(fresh_pair, shm_prefix):
             engine.batch_put([op])
     assert time.monotonic() - start < DEADLINE_S + 1
     assert remote.handle.peer in str(info.value)
+    with pytest.raises((PeerUnreachableError, TransferError)):
+        engine.notify(remote.handle, b"are you there?")
+    assert time.monotonic() - start < DEADLINE_S + 5
     assert _eventually(lambda: not glob.glob(f"/dev/shm/{shm_prefix}*"), 5)
 
 

@@ -81,10 +81,9 @@ def test_removing_tails_shrinks_the_match(index: PrefixIndex) -> None:
     whole = chain([1, 1, 2, 2, 3, 3])
     index.insert(whole, 0, [0, 1, 2], None)
     index.unprotect([2, 1, 0])
-    index.remove(2, whole.hashes[2])
+    index.remove([(2, whole.hashes[2])])
     assert index.match(whole, 3) == [0, 1]
-    index.remove(1, whole.hashes[1])
-    index.remove(0, whole.hashes[0])
+    index.remove([(1, whole.hashes[1]), (0, whole.hashes[0])])
     assert index.match(whole, 3) == [] and len(index) == 0
     index.check_invariants(refs_for(index, set()))
 
@@ -106,7 +105,10 @@ def test_clear_forgets_everything(index: PrefixIndex) -> None:
 def test_entries_pair_hashes_with_blocks(index: PrefixIndex) -> None:
     whole = chain([5, 5, 6, 6])
     index.insert(whole, 0, [3, 7], None)
-    assert sorted(index.entries(), key=lambda e: e[1]) == [(whole.hashes[0], 3), (whole.hashes[1], 7)]
+    assert sorted(index.entries(), key=lambda e: e[1]) == [
+        (whole.hashes[0], 3),
+        (whole.hashes[1], 7),
+    ]
 
 
 def test_radix_lock_ref_accounting() -> None:

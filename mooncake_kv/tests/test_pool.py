@@ -233,3 +233,20 @@ def test_view_misuse():
             pool.k_cache(3)
         with pytest.raises(TypeError, match="only int8"):
             pool.k_scale(0)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_block_payload_is_the_same_in_both_layouts(dtype):
+    """read_block orders bytes (layer, k|v) then scales in either layout, so tiers and
+    peers can exchange blocks between pools of different physical order."""
+    shape = small_shape(dtype)
+    with KVPool.create(KVLayout(shape, 4, LayoutKind.BLOCK_MAJOR)) as src, \
+            KVPool.create(KVLayout(shape, 3, LayoutKind.PER_LAYER)) as dst:
+        src.buffer.random_(0, 256)
+        dst.write_block(2, src.read_block(1))
+        for layer in range(3):
+            for src_view, dst_view in ((src.k_cache(layer), dst.k_cache(layer)),
+                                       (src.v_cache(layer), dst.v_cache(layer))):
+                assert view_bytes(src_view[1]) == view_bytes(dst_view[2])
+            if dtype == "int8":
+                assert view_bytes(src.v_scale(layer)[1]) == view_bytes(dst.v_scale(layer)[2])

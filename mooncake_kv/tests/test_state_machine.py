@@ -137,7 +137,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert list(match.block_ids) == expected
         assert match.num_cached_tokens == len(expected) * BS < max(1, len(tokens))
         self.model.refs.update(expected)
-        self.model.live[rid] = ModelRequest(list(tokens), expected, len(expected) * BS, len(expected))
+        self.model.live[rid] = ModelRequest(
+            list(tokens), expected, len(expected) * BS, len(expected)
+        )
 
     # ---- normal verbs ---------------------------------------------------------------------
     @rule(base=st.integers(0, 2), keep=st.integers(0, 16), suffix=small_tokens)

@@ -105,10 +105,20 @@ def test_too_few_free_blocks_restores_fewer():
     h = Harness(4, [HostMemoryTier(capacity_bytes=1 << 20)])
     h.serve("a1", PROMPT_A)
     h.serve("b1", PROMPT_B)
-    h.manager.match_prefix("hog", PROMPT_B)  # refs 3 of B's cached blocks: 1 block free
-    assert h.manager.try_allocate("hog", 16 - 12) is not None
+    h.manager.match_prefix("hog", PROMPT_B[:9])  # refs B's first 2 blocks
+    assert h.manager.try_allocate("hog", 1) is not None  # and takes a third: 1 block free
     match = h.cache.match_prefix("a2", PROMPT_A)
-    assert match.num_cached_tokens == 0  # the request may not even have room: recompute
+    assert match.num_cached_tokens == 4  # one of A's three blocks fit; the rest is computed
+    assert h.pool.read_block(match.block_ids[0]) == h.expected(PROMPT_A)[0]
+
+
+def test_no_free_blocks_restores_none():
+    h = Harness(4, [HostMemoryTier(capacity_bytes=1 << 20)])
+    h.serve("a1", PROMPT_A)
+    h.serve("b1", PROMPT_B)
+    h.manager.match_prefix("hog", PROMPT_B)
+    assert h.manager.try_allocate("hog", 4) is not None  # every block referenced
+    assert h.cache.match_prefix("a2", PROMPT_A).num_cached_tokens == 0
 
 
 class ExplodingTier:
@@ -137,7 +147,7 @@ def test_a_failing_tier_degrades_to_recompute_and_is_skipped_for_a_while(caplog)
         assert cached == 0 and seen == h.expected(PROMPT_A)  # recomputed
         assert tier.calls == 1  # skipped after the first failure
         now[0] = 6.0
-        h.serve("a3", PROMPT_A)
+        h.serve("b2", PROMPT_B)  # B was evicted by a2: looked up below again
     assert tier.calls == 2  # tried again once the pause was over, failed, paused again
     warnings = [r for r in caplog.records if "exploding failed" in r.getMessage()]
     assert len(warnings) == 1  # logged once while it keeps failing

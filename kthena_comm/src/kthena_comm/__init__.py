@@ -30,6 +30,7 @@ _EXPORTS = {
     "bucketed_all_reduce": "bucketing", "plan_buckets": "bucketing",
     "MemoryHandle": "transfer", "TransferEngine": "transfer", "TransferFuture": "transfer",
     "TransferOp": "transfer", "create_engine": "transfer", "available_backends": "transfer",
+    "TransferBatch": "transfer", "Notification": "transfer", "Notifier": "transfer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,8 @@
 
 Cases: the machine; in-process memcpy at each size (the reference, measured in the same run);
 put / get, sync / async, contiguous / KV-block batches for every available transfer backend;
-per-range vs batched submission of 1,000 block ranges; shm zero-copy handoff cost per size; and
+per-range vs batched submission of 1,000 block ranges (as a list of ``TransferOp`` and as one
+columnar ``TransferBatch``, next to a memmove of the same bytes: the floor of any batch); shm zero-copy handoff cost per size; and
 bucketed vs unbucketed all-reduce of 100 small tensors over 2 gloo ranks. Fixed seeds, one
 warm-up, medians of ``--repeat`` runs. A/B switch: ``--backends`` picks what to compare.
 """
@@ -26,6 +27,8 @@ from kthena_comm.transfer import (
     LocalFabric,
     MemoryHandle,
     ShmConfig,
+    TorchConfig,
+    TransferBatch,
     TransferOp,
     available_backends,
     create_engine,
@@ -90,11 +93,14 @@ class Remote:
             self.handle = self.owner.register(self.memory)
             self.engine = create_engine("local", LocalConfig(fabric))
             return
+        port = _free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "kthena_comm.bench", "--serve",
-                                      backend, str(nbytes)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                      backend, str(nbytes), str(port)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1",
+                                              OMP_WAIT_POLICY="PASSIVE"))
+        self.engine = create_engine(backend, _config(backend, 0, port))  # torch: rendezvous first
         self.handle = MemoryHandle.from_json(self.proc.stdout.readline())
-        self.engine = create_engine(backend)
 
     def close(self) -> None:
         self.engine.close()
@@ -105,9 +111,15 @@ class Remote:
         self.proc.wait(timeout=30)
 
 
-def serve(backend: str, nbytes: int) -> None:
+def _config(backend: str, rank: int, port: int) -> object:
+    if backend == "torch":
+        return TorchConfig(rank=rank, world_size=2, master_port=port, timeout_s=60)
+    return ShmConfig(prefix="kthena-bench") if backend == "shm" else None
+
+
+def serve(backend: str, nbytes: int, port: int) -> None:
     """Peer side: register ``nbytes``, print the handle, wait for stdin to close."""
-    engine = create_engine(backend, ShmConfig(prefix="kthena-bench") if backend == "shm" else None)
+    engine = create_engine(backend, _config(backend, 1, port))
     if backend == "shm":
         handle = engine.allocate(nbytes)
         engine.buffer(handle)[:] = b"\1" * nbytes
@@ -151,17 +163,38 @@ def transfer_calls(engine, ops):
 
 
 def bench_submission(backend, engine, local, remote, repeat) -> None:
+    """1,000 ranges of 4 KiB: one call per range vs one batch (op list / columnar)."""
     ops = [TransferOp(local, i * SMALL_RANGE, remote, i * SMALL_RANGE, SMALL_RANGE)
            for i in range(1000)]
-    batched = median_s(lambda: engine.batch_put(ops), repeat)
+    ids = list(range(1000))
+    columnar = TransferBatch.from_blocks(local, remote, ids, ids, SMALL_RANGE)
+    floor = _memmove_s(len(ops) * SMALL_RANGE, repeat)
 
     def per_range() -> None:
         for op in ops:
             engine.batch_put([op])
 
-    single = median_s(per_range, max(1, repeat // 2))
+    # Interleave the three so load changes on a shared machine hit them alike.
+    times: dict[str, list[float]] = {"batched": [], "columnar": [], "per_range": []}
+    for _ in range(max(3, repeat)):
+        times["batched"].append(median_s(lambda: engine.batch_put(ops), 3))
+        times["columnar"].append(median_s(lambda: engine.batch_put(columnar), 3))
+        times["per_range"].append(median_s(per_range, 1))
+    t = {k: statistics.median(v) for k, v in times.items()}
     emit("submission", backend=backend, num_ranges=len(ops), range_bytes=SMALL_RANGE,
-         batched_s=batched, per_range_s=single, speedup=single / batched)
+         batched_s=t["batched"], columnar_s=t["columnar"], per_range_s=t["per_range"],
+         memmove_same_bytes_s=floor, speedup=t["per_range"] / t["batched"],
+         speedup_columnar=t["per_range"] / t["columnar"])
+
+
+def _memmove_s(nbytes: int, repeat: int) -> float:
+    src, dst = filled(nbytes, 6), filled(nbytes, 7)
+    a = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    b = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    t = median_s(lambda: ctypes.memmove(b, a, nbytes), 4 * repeat)
+    src.close()
+    dst.close()
+    return t
 
 
 def bench_zero_copy(sizes: list[int], repeat: int) -> None:
@@ -213,10 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes-mib", default="1,16,64,256")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--backends", default=",".join(available_backends()))
-    parser.add_argument("--serve", nargs=2, metavar=("BACKEND", "NBYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, metavar=("BACKEND", "NBYTES", "PORT"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        return serve(args.serve[0], int(args.serve[1]))
+        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every batch at INFO
     sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
     emit("machine", **machine(), sizes_mib=args.sizes_mib, repeat=args.repeat)

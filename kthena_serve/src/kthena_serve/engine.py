@@ -11,17 +11,17 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from mooncake_kv import KVCacheManager, KVCacheStats
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.model_runner import ModelRunner
 from kthena_serve.output_stream import OutputStream
-from kthena_serve.request import FinishReason, Request, RequestOutput
+from kthena_serve.request import Request, RequestOutput
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import ScheduledBatch, Scheduler
 from kthena_serve.threads import configure_threads
+from mooncake_kv import KVCacheManager, KVCacheStats
 
 __all__ = ["EngineStats", "LLMEngine"]
 
@@ -148,13 +148,13 @@ class LLMEngine:
         self._count(batch)
         self.scheduler.update(batch)
         outputs = [self._finish_output(r) for r in batch.rejected]
-        sampled = [r for r, s in zip(batch.requests, batch.is_sampled) if s]
+        sampled = [r for r, s in zip(batch.requests, batch.is_sampled, strict=True) if s]
         if not sampled:
             return outputs
         if len(sampled) < len(batch.requests):
             logits = logits[[i for i, s in enumerate(batch.is_sampled) if s]]
         now = time.perf_counter()
-        for request, token_id in zip(sampled, self.sampler(logits, sampled)):
+        for request, token_id in zip(sampled, self.sampler(logits, sampled), strict=True):
             request.token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -171,7 +171,7 @@ class LLMEngine:
         self._num_preemptions += len(batch.preempted)
         self._num_generated += sum(batch.is_sampled)
         self._num_prompt_computed += sum(
-            n for r, n in zip(batch.requests, batch.num_new_tokens) if r.is_prefill)
+            n for r, n in zip(batch.requests, batch.num_new_tokens, strict=True) if r.is_prefill)
 
     def _finish_output(self, request: Request) -> RequestOutput:
         self._requests.pop(request.request_id, None)

@@ -55,7 +55,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(request_id, prompt, p)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

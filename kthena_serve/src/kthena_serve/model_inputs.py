@@ -34,7 +34,7 @@ def build_inputs(batch: ScheduledBatch, block_size: int) -> ModelInputs:
     cached: list[int] = []
     width = max(len(r.block_ids) for r in batch.requests)
     table: list[int] = []
-    for request, num_new in zip(batch.requests, batch.num_new_tokens):
+    for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
         start = request.num_computed_tokens
         tokens += request.token_ids[start : start + num_new]
         cached.append(start)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from mooncake_kv.layout import KVLayout, LayoutKind
-from mooncake_kv.pool import KVPool
-from mooncake_kv.sizing import KVShape
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.model_inputs import build_inputs
 from kthena_serve.scheduler import ScheduledBatch
+from mooncake_kv.layout import KVLayout, LayoutKind
+from mooncake_kv.pool import KVPool
+from mooncake_kv.sizing import KVShape
 
 __all__ = ["ModelRunner", "kv_layout_for"]
 

@@ -19,9 +19,9 @@ import time
 from collections import deque
 
 import attrs
-from mooncake_kv import ExtraKeys, KVCacheManager
 
 from kthena_serve.request import FinishReason, Request, RequestStatus
+from mooncake_kv import ExtraKeys, KVCacheManager
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -123,7 +123,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch) -> None:
         """After the model ran: advance computed counts and cache the blocks that filled."""
         size = self.block_size
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
             request.num_computed_tokens += num_new
             num_full = request.num_computed_tokens // size
             if num_full > request.num_committed_blocks:

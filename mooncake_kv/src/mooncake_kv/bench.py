@@ -9,7 +9,8 @@ sequence, ``free``, then ``evict`` down to ``--capacity`` cached tokens when ove
 Only the cache operations are timed (workload generation is not). A throwaway run of
 ``--warmup`` requests on a separate manager comes first. Prints one JSON line: requests/s,
 hit rate (matched prompt tokens / prompt tokens), microseconds per verb, eviction cost,
-the config and the machine.
+``cpu_share`` (the fraction of the timed loop's wall time the process was on a CPU: below
+1 the machine was busy and the figures are pessimistic), the config and the machine.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
 def _workload(args: argparse.Namespace, seed: int) -> Iterator[tuple[list[int], list[int]]]:
     """Yield ``(prompt, full_sequence)`` per request, forever."""
     rng = random.Random(seed)
-    prompts = [_tokens(rng, rng.randint(args.sys_min, args.sys_max)) for _ in range(args.num_prompts)]
+    prompts = [
+        _tokens(rng, rng.randint(args.sys_min, args.sys_max)) for _ in range(args.num_prompts)
+    ]
     weights = list(itertools.accumulate(1.0 / (k + 1) ** args.zipf for k in range(len(prompts))))
     choices = range(len(prompts))
     while True:
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace, num_requests: int, seed: int) -> dict[str, flo
     t_match = t_alloc = t_free = t_evict = 0.0
     evicted = 0
     workload = _workload(args, seed)
+    wall0, cpu0 = clock(), time.thread_time()
     for i in range(num_requests):
         prompt, full = next(workload)
         request_id = f"r{i}"
@@ -84,6 +88,8 @@ def run(args: argparse.Namespace, num_requests: int, seed: int) -> dict[str, flo
         t_alloc += t2 - t1
         t_free += t3 - t2
         t_evict += t4 - t3
+    # share of the loop's wall time this thread was on a CPU: < 1 means other load
+    cpu_share = (time.thread_time() - cpu0) / (clock() - wall0)
     total = t_match + t_alloc + t_free + t_evict
     evicted_tokens = evicted * args.block_size
     return {
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace, num_requests: int, seed: int) -> dict[str, flo
         "evicted_tokens_per_request": round(evicted_tokens / num_requests, 1),
         "ns_per_evicted_token": round(1e9 * t_evict / evicted_tokens, 1) if evicted_tokens else 0.0,
         "cache_seconds": round(total, 4),
+        "cpu_share": round(cpu_share, 3),
     }
 
 
@@ -123,7 +130,9 @@ def describe_machine() -> dict[str, object]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mooncake_kv.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mooncake_kv.bench", description=__doc__.split("\n")[0]
+    )
     add = parser.add_argument
     add("--num-prompts", type=int, default=200, help="distinct system prompts")
     add("--sys-min", type=int, default=256, help="shortest system prompt (tokens)")
@@ -147,11 +156,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    load_before = [round(x, 2) for x in os.getloadavg()]
     if args.warmup:
         run(args, args.warmup, args.seed + 1)
     result = run(args, args.requests, args.seed)
-    config = {k: v for k, v in vars(args).items()}
-    line = {"bench": "mooncake_kv.cache_ops", **result, "config": config, "machine": describe_machine()}
+    machine = {**describe_machine(), "load_avg_before": load_before}
+    line = {"bench": "mooncake_kv.cache_ops", **result, "config": vars(args), "machine": machine}
     print(json.dumps(line), flush=True)
     return 0
 

@@ -65,8 +65,11 @@ class PrefixIndex(Protocol):
         """
         ...
 
-    def remove(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        """Forget an evicted block; it has no cached children (it is a chain's tail)."""
+    def remove(self, evicted: Sequence[tuple[BlockId, BlockHash]]) -> None:
+        """Forget evicted ``(block_id, hash)`` pairs, in eviction order.
+
+        Each is a chain's tail (has no cached children) when its turn comes.
+        """
         ...
 
     def clear(self) -> None:
@@ -103,14 +106,11 @@ class HashChainIndex:
         return len(self._blocks)
 
     def match(self, chain: BlockChain, max_blocks: int) -> list[BlockId]:
-        get = self._blocks.get
-        found: list[BlockId] = []
-        for block_hash in chain.hashes[:max_blocks]:
-            block_id = get(block_hash)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
+        # one C-level pass of lookups, then cut at the first miss
+        found: list[BlockId | None] = list(map(self._blocks.get, chain.hashes[:max_blocks]))
+        if None in found:
+            del found[found.index(None) :]
+        return found  # type: ignore[return-value]
 
     def insert(
         self,
@@ -123,9 +123,11 @@ class HashChainIndex:
         hashes = chain.hashes
         return [setdefault(hashes[i], b) for i, b in enumerate(block_ids, start)]
 
-    def remove(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        held = self._blocks.pop(block_hash)
-        assert held == block_id, f"hash of block {block_id} was held by block {held}"
+    def remove(self, evicted: Sequence[tuple[BlockId, BlockHash]]) -> None:
+        pop = self._blocks.pop
+        for block_id, block_hash in evicted:
+            held = pop(block_hash)
+            assert held == block_id, f"hash of block {block_id} was held by block {held}"
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -36,10 +36,11 @@ before prefill), ``TokenCountError``; the manager's state is unchanged by a fail
 
 Threading contract: one *owner* thread (the scheduler) calls the mutating verbs above;
 the owner is the first thread that calls one, and ``release_owner`` hands it over. A
-mutating verb from another thread raises ``OwnerThreadError``. ``stats()``, the read-only
-properties, ``subscribe``/``unsubscribe`` and ``EventQueue.drain`` may be called from any
-thread: verbs hold an internal lock, so ``stats()`` always sees the state between verbs.
-Event callbacks run on the owner thread, inside the verb.
+mutating verb from another thread raises ``OwnerThreadError``. ``stats()``,
+``snapshot()``, ``subscribe``/``unsubscribe`` and ``EventQueue.drain`` may be called from
+any thread: verbs hold an internal lock, so ``stats()`` and ``snapshot()`` always see the
+state between two verbs (single-value properties are plain, unsynchronised reads). Event
+callbacks run on the owner thread, inside the verb, and must not call mutating verbs.
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ class _Request:
     """What the manager remembers about one live request."""
 
     __slots__ = (
-        "block_ids", "chain", "is_allocated", "last_holder", "num_committed", "num_tokens",
+        "block_ids",
+        "chain",
+        "is_allocated",
+        "last_holder",
+        "num_committed",
+        "num_tokens",
         "pinned",
     )
 
@@ -142,9 +148,23 @@ class KVCacheManager:
     """
 
     __slots__ = (
-        "_allocator", "_block_size", "_bus", "_caching", "_finished", "_hasher", "_index",
-        "_index_name", "_lock", "_max_finished", "_num_evicted", "_num_hit_tokens",
-        "_num_queries", "_num_query_tokens", "_owner", "_requests", "_self_check",
+        "_allocator",
+        "_block_size",
+        "_bus",
+        "_caching",
+        "_finished",
+        "_hasher",
+        "_index",
+        "_index_name",
+        "_lock",
+        "_max_finished",
+        "_num_evicted",
+        "_num_hit_tokens",
+        "_num_queries",
+        "_num_query_tokens",
+        "_owner",
+        "_requests",
+        "_self_check",
     )
 
     def __init__(
@@ -446,9 +466,7 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(request.block_ids), needed)
 
     def _forget(self, evicted: list[tuple[BlockId, BlockHash]]) -> None:
-        remove = self._index.remove
-        for block_id, block_hash in evicted:
-            remove(block_id, block_hash)
+        self._index.remove(evicted)
         self._num_evicted += len(evicted)
         if self._bus.has_subscribers:
             hashes = tuple(h for _, h in evicted)

@@ -109,7 +109,9 @@ class RadixIndex:
         stop = start + len(block_ids)
         keys = chain.page_keys(start, stop)
         held: list[BlockId] = []
-        for key, block_id, block_hash in zip(keys, block_ids, chain.hashes[start:stop], strict=True):
+        for key, block_id, block_hash in zip(
+            keys, block_ids, chain.hashes[start:stop], strict=True
+        ):
             node, pos, holder = self._insert_page(node, pos, key, block_id, block_hash)
             held.append(holder)
         return held
@@ -153,7 +155,11 @@ class RadixIndex:
         node.children = {tail.keys[0]: tail}
 
     # ---- removal and ref accounting -----------------------------------------------------
-    def remove(self, block_id: BlockId, block_hash: BlockHash) -> None:
+    def remove(self, evicted: Sequence[tuple[BlockId, BlockHash]]) -> None:
+        for block_id, block_hash in evicted:
+            self._remove_tail(block_id, block_hash)
+
+    def _remove_tail(self, block_id: BlockId, block_hash: BlockHash) -> None:
         node = self._where.pop(block_id)
         assert node.block_ids[-1] == block_id and not node.children, (
             f"block {block_id} is not the tail of a leaf; evict chain tails first"

@@ -37,7 +37,8 @@ __all__ = ["paged_decode_attention", "paged_prefill_attention"]
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     Args:
@@ -48,9 +49,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             (already written with `write_kv`). A length of 0 yields zeros.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         k_scale, v_scale: float32 [num_blocks, block_size, num_kv_heads] for int8 caches.
+        out: optional contiguous buffer shaped and typed like q to write the result into.
 
     Returns:
-        [batch, num_heads, head_dim] in q's dtype.
+        [batch, num_heads, head_dim] in q's dtype (``out`` when given).
 
     Raises:
         OpsShapeError, OpsDTypeError, OpsDeviceError: inconsistent arguments.
@@ -65,9 +67,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_lens("context_lens", context_lens, q.shape[0])
     check_same_device(("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                       ("block_tables", block_tables), ("context_lens", context_lens),
-                      ("k_scale", k_scale), ("v_scale", v_scale))
+                      ("k_scale", k_scale), ("v_scale", v_scale), ("out", out))
+    if out is not None:
+        _check_out(out, q)
     return impl("paged_decode_attention", q.device.type)(
-        q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out)
 
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,7 +79,8 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_tables: torch.Tensor, cached_lens: torch.Tensor,
                             query_lens: torch.Tensor, scale: float, *,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a packed varlen batch of new tokens over cached prefix + themselves.
 
     Args:
@@ -86,9 +91,10 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cached_lens: int32 [batch], tokens already in the cache (read from it).
         query_lens: int32 [batch], new tokens per sequence, summing to total_q.
         scale: softmax scale.
+        out: optional contiguous buffer shaped and typed like q to write the result into.
 
     Returns:
-        [total_q, num_heads, head_dim] in q's dtype. The cache is not written (call
+        [total_q, num_heads, head_dim] in q's dtype (``out`` when given). The cache is not written (call
         `write_kv` too).
 
     Raises:
@@ -107,9 +113,20 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check_lens("query_lens", query_lens, batch)
     check_same_device(("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
                       ("block_tables", block_tables), ("cached_lens", cached_lens),
-                      ("query_lens", query_lens), ("k_scale", k_scale), ("v_scale", v_scale))
+                      ("query_lens", query_lens), ("k_scale", k_scale), ("v_scale", v_scale),
+                      ("out", out))
+    if out is not None:
+        _check_out(out, q)
     return impl("paged_prefill_attention", q.device.type)(
-        q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale, k_scale, v_scale)
+        q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale, k_scale, v_scale,
+        out)
+
+
+def _check_out(out, q) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise OpsShapeError(f"out must be contiguous {tuple(q.shape)} {q.dtype} like q; got "
+                            f"{tuple(out.shape)} {out.dtype}"
+                            f"{'' if out.is_contiguous() else ' (non-contiguous)'}")
 
 
 def _check_new_kv(q, k, v, k_cache) -> None:

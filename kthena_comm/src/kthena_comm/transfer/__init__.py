@@ -1,11 +1,15 @@
 """One-sided transfer: the ``TransferEngine`` protocol, its value types and its backends.
 
-Importing this package needs neither torch nor Mooncake; the mooncake backend imports its wheel
-when an engine is created.
+Importing this package needs neither torch nor Mooncake; the mooncake and torch backends import
+their libraries when an engine is created.
 """
 
+from kthena_comm.transfer.batch import TransferBatch
 from kthena_comm.transfer.engine import (
+    MAX_NOTIFY_BYTES,
     BackendEntry,
+    Notification,
+    Notifier,
     TransferEngine,
     TransferFuture,
     available_backends,
@@ -17,10 +21,12 @@ from kthena_comm.transfer.handle import MemoryHandle, TransferOp
 from kthena_comm.transfer.local import LocalConfig, LocalEngine, LocalFabric
 from kthena_comm.transfer.mooncake import MooncakeConfig, MooncakeEngine
 from kthena_comm.transfer.shm import ShmConfig, ShmEngine
+from kthena_comm.transfer.torch_p2p import TorchConfig, TorchEngine
 
 __all__ = [
-    "BackendEntry", "LocalConfig", "LocalEngine", "LocalFabric", "MemoryHandle",
-    "MooncakeConfig", "MooncakeEngine", "ShmConfig", "ShmEngine", "TransferEngine",
+    "MAX_NOTIFY_BYTES", "BackendEntry", "LocalConfig", "LocalEngine", "LocalFabric",
+    "MemoryHandle", "MooncakeConfig", "MooncakeEngine", "Notification", "Notifier", "ShmConfig",
+    "ShmEngine", "TorchConfig", "TorchEngine", "TransferBatch", "TransferEngine",
     "TransferFuture", "TransferOp", "available_backends", "create_engine", "register_backend",
     "wait_all",
 ]

@@ -3,7 +3,11 @@
 An engine registers memory (→ ``MemoryHandle``), then moves bytes with ``batch_put`` (local →
 remote) and ``batch_get`` (remote → local) without the peer's CPU taking part. The async variants
 return a ``TransferFuture``; ``wait`` blocks for futures with a deadline. Every failure is an
-exception naming the backend, the peer and the op; nothing blocks past ``timeout_s``.
+exception naming the backend, the peer and the op; nothing blocks past ``timeout_s``. A batch is a
+list of ``TransferOp`` or, for many ranges, one columnar ``TransferBatch``.
+
+``Notifier`` is the optional half (HIXL / Mooncake notify): a small message sent after a put, so
+the target learns that a request's blocks have landed without polling its memory.
 
 Backends register a factory by name (``local``, ``shm``, ``mooncake``, ``torch``), so callers
 pick one with ``create_engine(name, config)`` and no code branches on the backend.
@@ -18,7 +22,14 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from kthena_comm.errors import TransferError, TransferTimeoutError, UnknownBackendError
+from kthena_comm.transfer.batch import TransferBatch
 from kthena_comm.transfer.handle import MemoryHandle, TransferOp
+
+Batch = Sequence[TransferOp] | TransferBatch
+"""What the batch verbs accept: ``TransferOp`` values, or one columnar ``TransferBatch``."""
+
+MAX_NOTIFY_BYTES = 64 * 1024
+"""Largest ``notify`` message: control data (request id, block ids), never KV bytes."""
 
 
 class TransferFuture:
@@ -63,16 +74,16 @@ class TransferEngine(Protocol):
     def unregister(self, handle: MemoryHandle) -> None:
         """Stop serving ``handle``'s memory (idempotent)."""
 
-    def batch_put(self, ops: Sequence[TransferOp]) -> None:
+    def batch_put(self, ops: Batch) -> None:
         """Copy each op's local range into its remote range; returns when all landed."""
 
-    def batch_get(self, ops: Sequence[TransferOp]) -> None:
+    def batch_get(self, ops: Batch) -> None:
         """Copy each op's remote range into its local range."""
 
-    def batch_put_async(self, ops: Sequence[TransferOp]) -> TransferFuture:
+    def batch_put_async(self, ops: Batch) -> TransferFuture:
         """Start ``batch_put``; the future completes when all bytes landed."""
 
-    def batch_get_async(self, ops: Sequence[TransferOp]) -> TransferFuture:
+    def batch_get_async(self, ops: Batch) -> TransferFuture:
         """Start ``batch_get``."""
 
     def wait(self, futures: Iterable[TransferFuture], timeout_s: float | None = None) -> None:
@@ -80,6 +91,27 @@ class TransferEngine(Protocol):
 
     def close(self) -> None:
         """Release memory, connections and threads; a second call does nothing."""
+
+
+@attrs.frozen
+class Notification:
+    """A small message from ``sender`` (its engine address)."""
+
+    sender: str
+    message: bytes
+
+
+@runtime_checkable
+class Notifier(Protocol):
+    """Engines that can send a small control message to a peer (all built-in backends)."""
+
+    def notify(self, peer: MemoryHandle | str, message: bytes) -> None:
+        """Send ``message`` (at most ``MAX_NOTIFY_BYTES``) to ``peer`` (a handle it owns, or its
+        address). Messages from one sender arrive in order, after the puts it waited for."""
+
+    def poll_notifies(self, timeout_s: float = 0.0) -> list[Notification]:
+        """Messages received so far, oldest first; waits up to ``timeout_s`` for the first one
+        and returns ``[]`` if none came."""
 
 
 @attrs.frozen

@@ -5,6 +5,11 @@ This module is the binding boundary: Mooncake's integer return codes become kthe
 exceptions here and nowhere else. Every blocking Mooncake call runs on a worker thread with a
 deadline, so a hung peer yields ``TransferTimeoutError`` rather than a hang.
 
+Notify: Mooncake attaches a ``TransferNotify`` to a transfer and delivers it to the target's
+``get_notifies`` after the bytes (it rejects an empty batch), so ``notify`` reads one byte of
+memory the peer registered — a handle given to ``notify``, or the last one this engine moved
+bytes to — with the message attached. Payloads travel base64-encoded (Mooncake takes text).
+
 Note: with the P2PHANDSHAKE metadata mode Mooncake's RPC and data sockets listen on all
 interfaces (0.0.0.0), whatever ``host`` says; ``host`` is only the address advertised to peers.
 Firewall the port range on multi-tenant hosts.
@@ -12,12 +17,16 @@ Firewall the port range on multi-tenant hosts.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import ctypes
 import importlib.util
 from collections.abc import Sequence
 from itertools import groupby
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kthena_comm.errors import (
     PeerUnreachableError,
@@ -26,8 +35,9 @@ from kthena_comm.errors import (
 )
 from kthena_comm.transfer._base import BaseEngine
 from kthena_comm.transfer._memory import RawBuffer
+from kthena_comm.transfer.batch import Column, Ranges
 from kthena_comm.transfer.engine import BackendEntry, TransferFuture, register_backend
-from kthena_comm.transfer.handle import MemoryHandle, TransferOp
+from kthena_comm.transfer.handle import MemoryHandle
 
 
 @attrs.frozen
@@ -67,6 +77,12 @@ class MooncakeEngine(BaseEngine):
         rc = self._engine.initialize(c.host, c.metadata_server, c.protocol, c.device_name)
         self._check(rc, c.metadata_server, "initialize")
         self._address = f"{c.host}:{self._engine.get_rpc_port()}"
+        self._known_remote: dict[str, MemoryHandle] = {}  # peer -> a handle it registered
+        self._notify_target: dict[str, MemoryHandle] = {}
+        self._scratch = ctypes.create_string_buffer(64)  # local side of a notify's 1-byte read
+        self._scratch_addr = ctypes.addressof(self._scratch)
+        self._check(self._engine.register_memory(self._scratch_addr, 64), self.address,
+                    "register")
 
     @property
     def address(self) -> str:
@@ -79,29 +95,58 @@ class MooncakeEngine(BaseEngine):
     def _unregister_raw(self, handle: MemoryHandle, raw: RawBuffer) -> None:
         self._check(self._engine.unregister_memory(handle.base_addr), self.address, "unregister")
 
-    def _transfer(self, op: str, ops: Sequence[TransferOp]) -> None:
+    def _transfer(self, op: str, batches: Sequence[Ranges]) -> None:
         call = (self._engine.batch_transfer_sync_write if op == "put"
                 else self._engine.batch_transfer_sync_read)
-        for peer, batch in _by_peer(ops):
-            for start in range(0, len(batch), self.config.max_batch_ops):
-                chunk = batch[start: start + self.config.max_batch_ops]
-                self._check_transfer(call(peer, *_columns(chunk)), peer, op)
+        for peer, columns in _by_peer(batches):
+            self._known_remote[peer] = columns.handle
+            for start in range(0, len(columns.lengths), self.config.max_batch_ops):
+                chunk = columns.slice(start, start + self.config.max_batch_ops)
+                self._check_transfer(call(peer, *chunk), peer, op)
 
-    def _submit_validated(self, op: str, ops: list[TransferOp]) -> TransferFuture:
-        if len(ops) > self.config.max_batch_ops:  # too big for one submission: chunk on a worker
-            return super()._submit_validated(op, ops)
+    def _submit_validated(self, op: str, batches: list[Ranges]) -> TransferFuture:
+        if sum(len(b) for b in batches) > self.config.max_batch_ops:  # chunk on a worker
+            return super()._submit_validated(op, batches)
         # Submit each peer's batch now (Mooncake's own async path), wait on a worker thread.
         call = (self._engine.batch_transfer_async_write if op == "put"
                 else self._engine.batch_transfer_async_read)
         batch_ids = []
-        for peer, batch in _by_peer(ops):
-            batch_id = call(peer, *_columns(batch))
+        for peer, columns in _by_peer(batches):
+            self._known_remote[peer] = columns.handle
+            batch_id = call(peer, *columns.slice(0, len(columns.lengths)))
             if batch_id == 0:
                 self._check_transfer(-1, peer, op)
             batch_ids.append((peer, batch_id))
         inner = self._executor.submit(self._await_batches, op, batch_ids)
         return TransferFuture(inner, self.backend, ",".join(p for p, _ in batch_ids), op,
                               self.timeout_s)
+
+    def _send_notify(self, peer: str, message: bytes) -> None:
+        handle = self._notify_target.pop(peer, None) or self._known_remote.get(peer)
+        if handle is None:
+            raise TransferError(self.backend, peer, "notify",
+                                "Mooncake sends a notify with a transfer: pass a MemoryHandle "
+                                "the peer registered, or move bytes to that peer first")
+        from mooncake.engine import TransferNotify, TransferOpcode
+
+        note = TransferNotify(self.address, base64.b64encode(message).decode("ascii"))
+        rc = self._engine.batch_transfer_sync(peer, [self._scratch_addr], [handle.base_addr], [1],
+                                              TransferOpcode.Read, note)
+        self._check_transfer(rc, peer, "notify")
+
+    def notify(self, peer: MemoryHandle | str, message: bytes) -> None:
+        if isinstance(peer, MemoryHandle):  # remember which of its memories to ride on
+            self._notify_target[peer.peer] = peer
+        super().notify(peer, message)
+
+    def _pull_notifies(self) -> None:
+        engine = self._engine
+        for note in engine.get_notifies() if engine is not None else ():
+            try:
+                message = base64.b64decode(note.msg, validate=True)
+            except (binascii.Error, ValueError):
+                message = note.msg.encode()  # a sender that is not kthena_comm
+            self._deliver(note.name, message)
 
     def _await_batches(self, op: str, batch_ids: list[tuple[str, int]]) -> None:
         for peer, batch_id in batch_ids:
@@ -123,18 +168,32 @@ class MooncakeEngine(BaseEngine):
             raise TransferError(self.backend, peer, op, f"Mooncake returned {rc}")
 
     def _close_backend(self) -> None:
+        self._engine.unregister_memory(self._scratch_addr)
         self._engine = None  # the binding's destructor stops Mooncake's threads and sockets
 
 
-def _by_peer(ops: Sequence[TransferOp]) -> list[tuple[str, list[TransferOp]]]:
-    ordered = sorted(ops, key=lambda o: o.remote.peer)
-    return [(peer, list(batch)) for peer, batch in groupby(ordered, key=lambda o: o.remote.peer)]
+class _PeerColumns:
+    """Absolute address columns of every range going to one peer."""
+
+    def __init__(self, batches: list[Ranges]) -> None:
+        self.handle = batches[-1].remote
+        self.local = np.concatenate([_addrs(b.local, b.local_offsets) for b in batches])
+        self.remote = np.concatenate([_addrs(b.remote, b.remote_offsets) for b in batches])
+        self.lengths = np.concatenate([np.asarray(b.lengths, dtype=np.int64) for b in batches])
+
+    def slice(self, start: int, stop: int) -> tuple[list[int], list[int], list[int]]:
+        return (self.local[start:stop].tolist(), self.remote[start:stop].tolist(),
+                self.lengths[start:stop].tolist())
 
 
-def _columns(batch: Sequence[TransferOp]) -> tuple[list[int], list[int], list[int]]:
-    return ([o.local.base_addr + o.local_offset for o in batch],
-            [o.remote.base_addr + o.remote_offset for o in batch],
-            [o.length for o in batch])
+def _addrs(handle: MemoryHandle, offsets: Column) -> np.ndarray:
+    return handle.base_addr + np.asarray(offsets, dtype=np.int64)
+
+
+def _by_peer(batches: Sequence[Ranges]) -> list[tuple[str, _PeerColumns]]:
+    ordered = sorted(batches, key=lambda b: b.remote.peer)
+    return [(peer, _PeerColumns(list(group)))
+            for peer, group in groupby(ordered, key=lambda b: b.remote.peer)]
 
 
 register_backend(BackendEntry("mooncake", MooncakeEngine, is_available))

@@ -7,6 +7,10 @@ copy), and a producer that computes straight into ``buffer(handle)`` needs no pu
 copy). Memory registered with ``register()`` stays private: it can be the local side of an op,
 never the remote side.
 
+Notify: each engine binds a Unix datagram socket ``<prefix>-<pid>-inbox-<random>`` in the same
+directory (mode 0600, removed by the janitor like a segment); its name is part of the engine's
+address ``shm:<pid>:<inbox>``, so a handle says where to send the "blocks landed" message.
+
 Liveness: the owner holds a shared ``flock`` on each segment; a peer that can take the lock
 exclusively knows the owner is gone (checked before and after each batch, so a put into an
 orphaned segment raises ``PeerUnreachableError`` instead of silently succeeding). Clean-up: a
@@ -21,6 +25,7 @@ import itertools
 import mmap
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -28,11 +33,17 @@ from collections.abc import Sequence
 
 import attrs
 
-from kthena_comm.errors import CommError, PeerUnreachableError, UnregisteredRangeError
+from kthena_comm.errors import (
+    CommError,
+    PeerUnreachableError,
+    TransferTimeoutError,
+    UnregisteredRangeError,
+)
 from kthena_comm.transfer._base import BaseEngine
-from kthena_comm.transfer._memory import RawBuffer, memcpy
-from kthena_comm.transfer.engine import BackendEntry, register_backend
-from kthena_comm.transfer.handle import MemoryHandle, TransferOp
+from kthena_comm.transfer._memory import RawBuffer
+from kthena_comm.transfer.batch import Ranges, copy_batch
+from kthena_comm.transfer.engine import MAX_NOTIFY_BYTES, BackendEntry, register_backend
+from kthena_comm.transfer.handle import MemoryHandle
 
 _JANITOR = os.path.join(os.path.dirname(__file__), "_shm_janitor.py")
 
@@ -41,7 +52,14 @@ _JANITOR = os.path.join(os.path.dirname(__file__), "_shm_janitor.py")
 class ShmConfig:
     """Segment name prefix, directory (tmpfs) and per-batch deadline."""
 
-    prefix: str = "kthena"
+    prefix: str = attrs.field(default="kthena")
+
+    @prefix.validator
+    def _plain_name(self, attribute: attrs.Attribute, value: str) -> None:
+        if not value or "/" in value or ":" in value:
+            raise ValueError(f"prefix must be a non-empty file name without '/' or ':', "
+                             f"got {value!r}")
+
     directory: str = "/dev/shm"
     timeout_s: float = 10.0
 
@@ -74,7 +92,6 @@ class ShmEngine(BaseEngine):
     def __init__(self, config: ShmConfig | None = None) -> None:
         self.config = config or ShmConfig()
         super().__init__(self.config.timeout_s)
-        self._address = f"shm:{os.getpid()}"
         self._names = itertools.count()
         self._own: dict[str, _Segment] = {}
         self._mapped: dict[str, _Segment] = {}
@@ -82,6 +99,10 @@ class ShmEngine(BaseEngine):
         self._janitor = subprocess.Popen(
             [sys.executable, "-I", "-S", _JANITOR, self.config.directory],
             stdin=subprocess.PIPE, start_new_session=True)
+        self._inbox_name = self._new_name("inbox")
+        self._inbox_sock = self._bind_inbox(self._inbox_name)
+        self._outbox_sock: socket.socket | None = None
+        self._address = f"shm:{os.getpid()}:{self._inbox_name}"
 
     @property
     def address(self) -> str:
@@ -92,8 +113,7 @@ class ShmEngine(BaseEngine):
         self._check_open("allocate")
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        name = f"{self.config.prefix}-{os.getpid()}-{next(self._names)}-{secrets.token_hex(4)}"
-        self._tell_janitor(f"+{name}")
+        name = self._new_name(str(next(self._names)))
         path = os.path.join(self.config.directory, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, nbytes)
@@ -101,6 +121,20 @@ class ShmEngine(BaseEngine):
         segment = _Segment(path, fd, nbytes)
         self._own[name] = segment
         return self._remember(RawBuffer(segment.addr, nbytes, name), layout_id)
+
+    def _new_name(self, kind: str) -> str:
+        """A fresh file name in the directory, announced to the janitor before it exists."""
+        name = f"{self.config.prefix}-{os.getpid()}-{kind}-{secrets.token_hex(4)}"
+        self._tell_janitor(f"+{name}")
+        return name
+
+    def _bind_inbox(self, name: str) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path = os.path.join(self.config.directory, name)
+        sock.bind(path)
+        os.chmod(path, 0o600)  # only our user may send us messages
+        sock.setblocking(False)
+        return sock
 
     def buffer(self, handle: MemoryHandle) -> memoryview:
         """Writable view of a segment (own or a peer's): the zero-copy path."""
@@ -119,15 +153,12 @@ class ShmEngine(BaseEngine):
             segment.close()
             self._tell_janitor(f"-{handle.segment}")
 
-    def _transfer(self, op: str, ops: Sequence[TransferOp]) -> None:
-        targets = {o.remote.segment: self._target(op, o.remote) for o in ops}
-        self._check_alive(op, ops)
-        for item in ops:
-            remote = targets[item.remote.segment].addr + item.remote_offset
-            local = item.local.base_addr + item.local_offset
-            dst, src = (remote, local) if op == "put" else (local, remote)
-            memcpy(dst, src, item.length)
-        self._check_alive(op, ops)  # a peer that died mid-batch never saw the bytes
+    def _transfer(self, op: str, batches: Sequence[Ranges]) -> None:
+        targets = {b.remote.segment: self._target(op, b.remote) for b in batches}
+        self._check_alive(op, batches)
+        for batch in batches:
+            copy_batch(op, batch, batch.local.base_addr, targets[batch.remote.segment].addr)
+        self._check_alive(op, batches)  # a peer that died mid-batch never saw the bytes
 
     def _target(self, op: str, handle: MemoryHandle) -> _Segment:
         if not handle.segment:
@@ -148,8 +179,32 @@ class ShmEngine(BaseEngine):
                                          f"{handle.segment} has {segment.nbytes}")
         return segment
 
-    def _check_alive(self, op: str, ops: Sequence[TransferOp]) -> None:
-        for handle in {o.remote for o in ops if o.remote.segment in self._mapped}:
+    def _send_notify(self, peer: str, message: bytes) -> None:
+        inbox = _inbox_of(peer)
+        if self._outbox_sock is None:
+            self._outbox_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._outbox_sock.settimeout(self.timeout_s)  # a full inbox blocks, never forever
+        try:
+            self._outbox_sock.sendto(self.address.encode() + b"\0" + message,
+                                     os.path.join(self.config.directory, inbox))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise PeerUnreachableError(self.backend, peer, "notify",
+                                       "its inbox is gone: the engine closed or exited") from None
+        except TimeoutError:
+            raise TransferTimeoutError(self.backend, peer, "notify",
+                                       f"inbox full for {self.timeout_s}s") from None
+
+    def _pull_notifies(self) -> None:
+        while True:
+            try:
+                datagram = self._inbox_sock.recv(MAX_NOTIFY_BYTES + 4096)
+            except (BlockingIOError, OSError):
+                return
+            sender, _, message = datagram.partition(b"\0")
+            self._deliver(sender.decode(errors="replace"), message)
+
+    def _check_alive(self, op: str, batches: Sequence[Ranges]) -> None:
+        for handle in {b.remote for b in batches if b.remote.segment in self._mapped}:
             if _is_lock_free(self._mapped[handle.segment].fd):
                 self._mapped.pop(handle.segment).close()
                 raise _gone_error(self.backend, op, handle)
@@ -166,6 +221,11 @@ class ShmEngine(BaseEngine):
         for segment in self._mapped.values():
             segment.close()
         self._mapped.clear()
+        self._inbox_sock.close()
+        if self._outbox_sock is not None:
+            self._outbox_sock.close()
+        _unlink(os.path.join(self.config.directory, self._inbox_name))
+        self._tell_janitor(f"-{self._inbox_name}")
         self._janitor.stdin.close()  # type: ignore[union-attr]
         try:
             self._janitor.wait(timeout=5)
@@ -196,8 +256,24 @@ def _is_lock_free(fd: int) -> bool:
     return True
 
 
+def _inbox_of(peer: str) -> str:
+    kind, _, rest = peer.partition(":")
+    inbox = rest.partition(":")[2]
+    if kind != "shm" or not inbox or "/" in inbox:
+        raise ValueError(f"{peer!r} is not an shm engine address (shm:<pid>:<inbox>)")
+    return inbox
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _gone_error(backend: str, op: str, handle: MemoryHandle) -> Exception:
-    pid = int(handle.peer.rpartition(":")[2] or 0)
+    pid_text = handle.peer.split(":")[1] if handle.peer.count(":") >= 1 else ""
+    pid = int(pid_text) if pid_text.isdigit() else 0
     if _pid_alive(pid):
         return UnregisteredRangeError(backend, handle.peer, op,
                                       f"peer unregistered segment {handle.segment}")

@@ -52,10 +52,11 @@ class Attention(nn.Module):
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_weight = _empty(config.hidden_size, self.q_size)
         self.tp = tp
+        self.matmul = F.linear  # replaced by a packed kernel on CPU (see _cpu_linear)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
                 kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+        q, k, v = self.matmul(x, self.qkv_weight, self.qkv_bias).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         else:
             out = paged_prefill_attention(q, k, v, k_cache, v_cache, batch.block_tables,
                                           batch.cached_lens, batch.query_lens, self.scale)
-        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
+        out = self.matmul(out.reshape(num_tokens, self.q_size), self.o_weight)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
@@ -82,9 +83,10 @@ class MLP(nn.Module):
         self.gate_up_weight = _empty(2 * width, config.hidden_size)
         self.down_weight = _empty(config.hidden_size, width)
         self.tp = tp
+        self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        out = self.matmul(silu_and_mul(self.matmul(x, self.gate_up_weight)), self.down_weight)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
@@ -132,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _empty(config.hidden_size)
         self.lm_head_weight = self.embed_weight if config.tie_word_embeddings else _empty(
             config.vocab_size, config.hidden_size)
+        self.matmul = F.linear
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
         self.reset_rope_cache()
 
@@ -163,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache, context_lens)
         index = batch.logits_indices
         x, _ = rms_norm(x[index], self.norm, self.config.rms_norm_eps, residual[index])
-        return F.linear(x, self.lm_head_weight).float()
+        return self.matmul(x, self.lm_head_weight).float()
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: AttentionBatch, kv_caches: Sequence[KVCache]) -> None:

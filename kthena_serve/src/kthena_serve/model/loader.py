@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kthena_serve.model._cpu_linear import pack_linear_weights
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.convert import ensure_default_checkpoint
 from kthena_serve.model.errors import CheckpointError
@@ -24,8 +25,9 @@ from kthena_serve.model.llama import LlamaForCausalLM
 from kthena_serve.model.tokenizer import Tokenizer
 from kthena_serve.model.tp import TensorParallel
 
-# (destination tensor, dim the source is sliced on (None: whole), source range on that dim)
-_Target = tuple[torch.Tensor, int | None, range | None]
+# (destination tensor, dim the source is sliced on (None: whole), source range on that dim,
+#  the source's full size on that dim)
+_Target = tuple[torch.Tensor, int | None, range | None, int | None]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LAYER_KINDS = (*_QKV, "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -51,7 +53,8 @@ def resolve_checkpoint(path_or_default: str | os.PathLike[str] = "default") -> P
 
 def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: torch.dtype = torch.bfloat16,
                device: str | torch.device = "cpu",
-               tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
+               tp: TensorParallel | None = None,
+               pack_weights: bool = True) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
 
     Args:
@@ -60,6 +63,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         dtype: weight dtype (the checkpoint's values are cast to it).
         device: where the weights live.
         tp: this rank's tensor-parallel place; None means one rank.
+        pack_weights: on CPU with bf16, pre-pack matmul weights for oneDNN (3-4x faster decode
+            matmuls; the packed model has no dense matmul weights left to save or slice).
 
     Raises:
         CheckpointError: the folder is incomplete, or a weight is missing or mis-shaped.
@@ -74,6 +79,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         model.lm_head_weight = model.embed_weight
     load_weights(model, folder)
     model.reset_rope_cache()
+    if pack_weights:
+        pack_linear_weights(model)
     return model.eval(), Tokenizer.from_pretrained(folder)
 
 
@@ -111,7 +118,11 @@ def expected_weight_names(config: ModelConfig) -> set[str]:
     return names | {f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer}
 
 
-def _copy(dest: torch.Tensor, dim: int | None, src: range | None, source: Any, name: str) -> None:
+def _copy(dest: torch.Tensor, dim: int | None, src: range | None, full: int | None,
+          source: Any, name: str) -> None:
+    if dim is not None and source.get_shape()[dim] != full:
+        raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(source.get_shape())} but the "
+                              f"model expects {full} along dim {dim}; does config.json match the weights?")
     if dim is None:
         value = source[:]
     elif dim == 0:
@@ -126,11 +137,11 @@ def _copy(dest: torch.Tensor, dim: int | None, src: range | None, source: Any, n
 
 def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
     if name == "model.embed_tokens.weight":
-        return model.embed_weight, None, None
+        return model.embed_weight, None, None, None
     if name == "lm_head.weight" and not model.config.tie_word_embeddings:
-        return model.lm_head_weight, None, None
+        return model.lm_head_weight, None, None, None
     if name == "model.norm.weight":
-        return model.norm, None, None
+        return model.norm, None, None, None
     match = _LAYER.match(name)
     if match is None:
         return None
@@ -148,20 +159,23 @@ def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
 def _qkv_target(model: LlamaForCausalLM, fused: torch.Tensor, kind: str) -> _Target:
     plan, hd = model.plan, model.config.head_dim
     q, kv = len(plan.q_heads) * hd, len(plan.kv_heads) * hd
+    config = model.config
     if kind == "self_attn.q_proj":
-        return fused[:q], 0, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+        return fused[:q], 0, range(plan.q_heads.start * hd, plan.q_heads.stop * hd), config.num_attention_heads * hd
     rows = range(plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
-    return (fused[q:q + kv] if kind == "self_attn.k_proj" else fused[q + kv:]), 0, rows
+    dest = fused[q:q + kv] if kind == "self_attn.k_proj" else fused[q + kv:]
+    return dest, 0, rows, config.num_key_value_heads * hd
 
 
 def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target:
     plan, hd = model.plan, model.config.head_dim
     width, gate_up = len(plan.intermediate), layer.mlp.gate_up_weight
+    inter, q_cols = model.config.intermediate_size, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
     return {
-        "input_layernorm": (layer.input_norm, None, None),
-        "post_attention_layernorm": (layer.post_attention_norm, None, None),
-        "self_attn.o_proj": (layer.self_attn.o_weight, 1, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)),
-        "mlp.gate_proj": (gate_up[:width], 0, plan.intermediate),
-        "mlp.up_proj": (gate_up[width:], 0, plan.intermediate),
-        "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate),
+        "input_layernorm": (layer.input_norm, None, None, None),
+        "post_attention_layernorm": (layer.post_attention_norm, None, None, None),
+        "self_attn.o_proj": (layer.self_attn.o_weight, 1, q_cols, model.config.num_attention_heads * hd),
+        "mlp.gate_proj": (gate_up[:width], 0, plan.intermediate, inter),
+        "mlp.up_proj": (gate_up[width:], 0, plan.intermediate, inter),
+        "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate, inter),
     }[kind]

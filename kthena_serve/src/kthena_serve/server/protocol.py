@@ -104,7 +104,7 @@ def new_id(prefix: str) -> str:
 def usage(outputs: list[RequestOutput], prompt_indices: list[int]) -> dict[str, Any]:
     """OpenAI usage over a request's choices; each prompt is counted once, not once per choice."""
     firsts: dict[int, RequestOutput] = {}
-    for index, out in zip(prompt_indices, outputs):
+    for index, out in zip(prompt_indices, outputs, strict=True):
         firsts.setdefault(index, out)
     prompt_tokens = sum(o.num_prompt_tokens for o in firsts.values())
     completion_tokens = sum(len(o.token_ids) for o in outputs)

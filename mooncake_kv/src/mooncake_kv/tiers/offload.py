@@ -81,7 +81,13 @@ class TierStats:
 
 @attrs.frozen
 class OffloadStats:
-    """Snapshot of a `TieredKVCache`: per-tier counters and blocks moved."""
+    """Snapshot of a `TieredKVCache`.
+
+    Attributes:
+        tiers: per-tier counters, fastest tier first.
+        num_offloaded_blocks: evicted blocks copied out of the pool towards tier 0.
+        num_restored_blocks: blocks copied back into the pool and committed.
+    """
 
     tiers: tuple[TierStats, ...]
     num_offloaded_blocks: int
@@ -163,6 +169,9 @@ class TieredKVCache:
 
     def offload(self, block_hash: BlockHash, block_id: BlockId) -> None:
         """Copy one block (still holding `block_hash`'s KV) into the first tier."""
+        if self._is_paused(0):
+            self._counters[0].skipped += 1
+            return  # do not even copy the block out while the tier is down
         key = self._key(block_hash)
         if self._call(0, "contains", key):
             return  # already below: the pool copy came from there, or was offloaded before
@@ -272,10 +281,10 @@ class TieredKVCache:
         """Run a tier op. A raising tier counts an error, warns once, reads as a miss, and
         is skipped (None) until `retry_after_s` has passed."""
         tier, counters = self.tiers[level], self._counters[level]
-        was_down = level in self._down_until
-        if was_down and self._clock() < self._down_until[level]:
+        if self._is_paused(level):
             counters.skipped += 1
             return None
+        was_down = level in self._down_until
         try:
             result = getattr(tier, op)(*args)
         except Exception as exc:
@@ -289,6 +298,9 @@ class TieredKVCache:
             del self._down_until[level]
             _log.warning("KV tier %s works again", tier.name)
         return result
+
+    def _is_paused(self, level: int) -> bool:
+        return level in self._down_until and self._clock() < self._down_until[level]
 
     def _key(self, block_hash: BlockHash) -> str:
         return f"{self._fingerprint}/{block_hash.hex()}"

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from mooncake_ops.backends import reference as ref
+from mooncake_ops.errors import BlockTableError
+
 _log = logging.getLogger("mooncake_ops")
 _state: dict[str, Any] = {"module": None, "reason": None, "loaded": False}
 
@@ -50,4 +53,56 @@ def unavailable_reason() -> str | None:
 
 def ops() -> dict[str, Callable[..., Any]]:
     """The ops this build implements natively (adapters that fall back when a call doesn't fit)."""
-    return {}
+    return {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
+            "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
+            "silu_and_mul": silu_and_mul}
+
+
+# The kernels return None / False for calls they do not cover (head_dim not 64/128/256, a
+# hidden size not a multiple of 16, odd strides, GPT-J RoPE): those run the reference.
+# They raise ValueError for bad values, which becomes the same error the reference raises.
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                           k_scale=None, v_scale=None, out=None):
+    try:
+        result = _state["module"].paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out)
+    except ValueError as exc:
+        raise BlockTableError(str(exc)) from None
+    if result is None:
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          k_scale, v_scale, out)
+    return result
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    try:
+        done = _state["module"].write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale,
+                                         v_scale)
+    except ValueError as exc:
+        raise BlockTableError(str(exc)) from None
+    if not done:
+        ref.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    out = _state["module"].rms_norm(x, weight, eps, residual)
+    if out is None:
+        return ref.rms_norm(x, weight, eps, residual)
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
+    out = None
+    if is_neox:
+        try:
+            out = _state["module"].rotary_embedding(positions, q, k, cos_sin_cache)
+        except ValueError as exc:
+            raise BlockTableError(str(exc)) from None
+    if out is None:
+        return ref.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    return out[0], out[1]
+
+
+def silu_and_mul(x):
+    out = _state["module"].silu_and_mul(x)
+    return ref.silu_and_mul(x) if out is None else out

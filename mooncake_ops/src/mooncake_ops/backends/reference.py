@@ -88,14 +88,14 @@ def used_block_ids(block_tables: torch.Tensor, lens: torch.Tensor, num_cols: int
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           k_scale=None, v_scale=None) -> torch.Tensor:
+                           k_scale=None, v_scale=None, out=None) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = check_lengths("context_lens", context_lens, block_tables, block_size,
                             k_cache.shape[0])
     num_cols = max(1, math.ceil(max_len / block_size))
     if batch == 0 or block_tables.shape[1] == 0:
-        return torch.zeros_like(q)
+        return into(out, torch.zeros_like(q))
     ids = used_block_ids(block_tables, context_lens, min(num_cols, block_tables.shape[1]),
                          block_size)
     k, v = (gather_tokens(c, s, ids) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
@@ -105,8 +105,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
     scores.masked_fill_(masked[:, None, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # context 0 -> zeros
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    result = torch.einsum("bhgt,bthd->bhgd", probs, v).reshape(batch, num_heads, head_dim)
+    return into(out, result.to(q.dtype))
+
+
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` when the caller gave a buffer."""
+    return result if out is None else out.copy_(result)
 
 
 def prefill_lens(q, block_tables, cached_lens, query_lens, k_cache) -> tuple[list[int], list[int]]:
@@ -120,9 +125,9 @@ def prefill_lens(q, block_tables, cached_lens, query_lens, k_cache) -> tuple[lis
 
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
-                            scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                            scale, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
     cached, queries = prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     start = 0
     for seq, (num_cached, num_new) in enumerate(zip(cached, queries)):
         end = start + num_new

@@ -16,24 +16,26 @@ from mooncake_ops.backends import reference as ref
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           k_scale=None, v_scale=None) -> torch.Tensor:
+                           k_scale=None, v_scale=None, out=None) -> torch.Tensor:
     block_size = k_cache.shape[1]
     max_len = check_lengths("context_lens", context_lens, block_tables, block_size,
                             k_cache.shape[0])
     if q.shape[0] == 0 or max_len == 0:
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                          k_scale, v_scale)
+                                          k_scale, v_scale, out)
     ids = ref.used_block_ids(block_tables, context_lens, math.ceil(max_len / block_size),
                              block_size)
     visible = torch.arange(ids.shape[1] * block_size, device=q.device) < context_lens[:, None]
     hidden = ~visible[:, :, None, None]  # rows past the context may hold anything, even NaN
     k = _tokens(k_cache, k_scale, ids, q.dtype).masked_fill_(hidden, 0).transpose(1, 2)
     v = _tokens(v_cache, v_scale, ids, q.dtype).masked_fill_(hidden, 0).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None],
-                                         scale=scale, enable_gqa=True)
-    out = out[:, :, 0, :]
+    result = F.scaled_dot_product_attention(q[:, :, None, :], k, v,
+                                            attn_mask=visible[:, None, None], scale=scale,
+                                            enable_gqa=True)[:, :, 0, :]
     empty = context_lens == 0  # SDPA gives NaN for a fully masked row; the contract is zeros
-    return out.masked_fill_(empty[:, None, None], 0.0) if bool(empty.any()) else out
+    if bool(empty.any()):
+        result = result.masked_fill(empty[:, None, None], 0.0)
+    return ref.into(out, result)
 
 
 def _tokens(cache, scale, ids, dtype) -> torch.Tensor:
@@ -43,9 +45,9 @@ def _tokens(cache, scale, ids, dtype) -> torch.Tensor:
 
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
-                            scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                            scale, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
     cached, queries = ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     start = 0
     for seq, (num_cached, num_new) in enumerate(zip(cached, queries)):
         end = start + num_new

@@ -1,0 +1,101 @@
+"""A reference greedy loop over `LlamaForCausalLM`, for parity tests and examples (not the engine).
+
+`GreedyRunner` owns a KV cache and hands out blocks from a bump allocator that never frees. It
+can prefill in chunks (so later chunks read earlier ones from the cache) and reuse full blocks of
+earlier prompts (so a shared prefix is read, not recomputed): both must leave the generated tokens
+unchanged. The serving engine (kthena_serve's scheduler) is the real thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kthena_serve.model.batch import AttentionBatch
+from kthena_serve.model.llama import LlamaForCausalLM
+
+
+class GreedyRunner:
+    """Greedy generation over a private paged KV cache (see the module docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM, *, block_size: int = 16, num_blocks: int = 128,
+                 dtype: torch.dtype | None = None) -> None:
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        dtype = dtype or model.embed_weight.dtype
+        shape = (num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(model.config.num_hidden_layers)]
+        self._next_block = 0
+        self._prefix_blocks: dict[tuple[int, ...], int] = {}  # full-block token prefix -> block id
+        self.num_computed_prompt_tokens = 0
+
+    def _allocate(self, count: int) -> list[int]:
+        if self._next_block + count > self.num_blocks:
+            raise RuntimeError(f"GreedyRunner ran out of KV blocks ({self.num_blocks}); give it more")
+        self._next_block += count
+        return list(range(self._next_block - count, self._next_block))
+
+    def _table_for(self, prompt: Sequence[int], total_len: int, reuse: bool) -> tuple[list[int], int]:
+        """Block ids for a sequence of `total_len` tokens, and how many prompt tokens are cached."""
+        bs, table = self.block_size, []
+        while reuse and (len(table) + 1) * bs < len(prompt):  # keep >= 1 prompt token to compute
+            block = self._prefix_blocks.get(tuple(prompt[:(len(table) + 1) * bs]))
+            if block is None:
+                break
+            table.append(block)
+        cached = len(table) * bs
+        table += self._allocate(-(-total_len // bs) - len(table))
+        for i in range(len(prompt) // bs):
+            self._prefix_blocks.setdefault(tuple(prompt[:(i + 1) * bs]), table[i])
+        return table, cached
+
+    @torch.inference_mode()
+    def step(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> torch.Tensor:
+        """One forward over ``(new_tokens, num_cached, block_table)`` per sequence -> logits."""
+        bs, width = self.block_size, max(len(t) for _, _, t in seqs)
+        ids, positions, slots = [], [], []
+        for new, cached, table in seqs:
+            ids += new
+            for pos in range(cached, cached + len(new)):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+        query_lens = torch.tensor([len(new) for new, _, _ in seqs], dtype=torch.int32)
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for _, _, t in seqs], dtype=torch.int32),
+            cached_lens=torch.tensor([c for _, c, _ in seqs], dtype=torch.int32), query_lens=query_lens,
+            logits_indices=query_lens.cumsum(0).to(torch.int64) - 1,
+            is_decode_only=all(len(new) == 1 for new, _, _ in seqs))
+        return self.model(torch.tensor(ids), torch.tensor(positions), batch, self.kv_caches)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 prefill_chunk: int | None = None, reuse_prefix: bool = False,
+                 eos_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Greedy-decode every prompt together; each stops at an EOS id or `max_new_tokens`."""
+        tables, cached = zip(*(self._table_for(p, len(p) + max_new_tokens, reuse_prefix) for p in prompts), strict=True)
+        self.num_computed_prompt_tokens += sum(len(p) - c for p, c in zip(prompts, cached, strict=True))
+        last = self._prefill(prompts, list(cached), tables, prefill_chunk)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        while live:
+            for i, token in zip(live, last.argmax(-1).tolist(), strict=True):
+                outputs[i].append(token)
+            live = [i for i in live if outputs[i][-1] not in eos_token_ids and len(outputs[i]) < max_new_tokens]
+            if live:
+                last = self.step([([outputs[i][-1]], len(prompts[i]) + len(outputs[i]) - 1, tables[i]) for i in live])
+        return outputs
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], done: list[int], tables: Sequence[list[int]],
+                 chunk: int | None) -> torch.Tensor:
+        """Feed the uncached prompt tokens, `chunk` per sequence per step; each prompt's last logits."""
+        last: dict[int, torch.Tensor] = {}
+        while len(last) < len(prompts):
+            todo = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            ends = [min(len(prompts[i]), done[i] + (chunk or len(prompts[i]))) for i in todo]
+            logits = self.step([(prompts[i][done[i]:end], done[i], tables[i]) for i, end in zip(todo, ends, strict=True)])
+            for row, (i, end) in enumerate(zip(todo, ends, strict=True)):
+                done[i] = end
+                if end == len(prompts[i]):
+                    last[i] = logits[row]
+        return torch.stack([last[i] for i in range(len(prompts))])

@@ -1,0 +1,192 @@
+"""The OpenAI-compatible HTTP app: routes over an ``AsyncLLM`` (FastAPI).
+
+    POST /v1/completions, /v1/chat/completions   (SSE when ``stream``; ends with [DONE])
+    GET  /v1/models, /health, /metrics
+
+Requests are validated, tokenised and length-checked before anything streams, so every bad
+input is a 4xx with an OpenAI error body. ``prefix_hash`` / ``reuse_offset`` are accepted and
+only compared with what token matching found (a metric); ``cache_salt`` keys the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.request import RequestOutput
+from kthena_serve.server import protocol as p
+from kthena_serve.server.errors import ApiError, error_body, install_handlers
+from kthena_serve.server.generation import Job, collect, stream_choices
+from kthena_serve.server.metrics import ServerMetrics
+from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+
+__all__ = ["build_app"]
+
+MAX_PROMPTS = 64
+
+
+class _Api:
+    """Route bodies; one per app."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, aliases: set[str]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.names = {model_name} | aliases
+        self.metrics = ServerMetrics(engine)
+
+    # ---- preparing a job --------------------------------------------------------------------
+    def _check_common(self, body: p._Common) -> None:
+        if body.model not in self.names:
+            raise ApiError(404, f"model {body.model!r} is not served here; use "
+                           f"{self.model_name!r}", "model", "model_not_found")
+        limit = self.engine.engine.config.max_n
+        if body.n > limit:
+            raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
+
+    def _job(self, body: p._Common, prompts: list[list[int]], max_tokens: int | None) -> Job:
+        try:
+            params = body.sampling_params(max_tokens)
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
+        for ids in prompts:
+            self.engine.check(ids, params)  # InvalidRequestError -> 400
+        return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), params, body.n,
+                   body.cache_salt)
+
+    def _completion_prompts(self, body: p.CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[list-item]
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [self.engine.encode(text) for text in prompt]
+
+    def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
+        tokenizer = self.engine.engine.tokenizer
+        text = tokenizer.apply_chat_template(body.plain_messages(), add_generation_prompt=True)
+        return [self.engine.encode(text)]
+
+    # ---- routes -----------------------------------------------------------------------------
+    async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
+        self._check_common(body)
+        job = self._job(body, self._completion_prompts(body), body.max_tokens)
+        rid = p.new_id("cmpl")
+        if body.stream:
+            chunks = self._completion_chunks(rid, body, job)
+            return _sse(chunks)
+        finals = await self._collect(job, request, body.reuse_offset)
+        usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
+        return JSONResponse(p.completion_response(rid, self.model_name, finals, usage))
+
+    async def chat(self, body: p.ChatCompletionRequest, request: Request) -> Response:
+        self._check_common(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = self._job(body, self._chat_prompt(body), max_tokens)
+        rid = p.new_id("chatcmpl")
+        if body.stream:
+            return _sse(self._chat_chunks(rid, body, job))
+        finals = await self._collect(job, request, body.reuse_offset)
+        usage = p.usage(finals, [0] * len(finals))
+        return JSONResponse(p.chat_response(rid, self.model_name, finals, usage))
+
+    async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
+        """Generate to the end, cancelling (and so aborting) if the client goes away."""
+        task = asyncio.ensure_future(collect(self.engine, job))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        finals = task.result()
+        for out in finals:
+            self.metrics.observe(out, hint)
+        return finals
+
+    async def _completion_chunks(self, rid: str, body: p._Common, job: Job):
+        finals: dict[int, RequestOutput] = {}
+        async for choice, out in stream_choices(self.engine, job):
+            if out.finished:
+                finals[choice] = out
+                self.metrics.observe(out, body.reuse_offset)
+            if out.new_text or out.finished:
+                yield p.completion_chunk(rid, self.model_name, choice, out)
+        if body.include_usage:
+            outs = [finals[c] for c in sorted(finals)]
+            usage = p.usage(outs, [job.prompt_index(c) for c in sorted(finals)])
+            yield p.usage_chunk(rid, "text_completion", self.model_name, usage)
+
+    async def _chat_chunks(self, rid: str, body: p._Common, job: Job):
+        for choice in range(job.num_choices):
+            yield p.chat_chunk(rid, self.model_name, choice,
+                               {"role": "assistant", "content": ""}, None)
+        finals: dict[int, RequestOutput] = {}
+        async for choice, out in stream_choices(self.engine, job):
+            reason = out.finish_reason.value if out.finish_reason else None
+            if out.finished:
+                finals[choice] = out
+                self.metrics.observe(out, body.reuse_offset)
+            if out.new_text or out.finished:
+                delta = {"content": out.new_text} if out.new_text else {}
+                yield p.chat_chunk(rid, self.model_name, choice, delta, reason)
+        if body.include_usage:
+            usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
+            yield p.usage_chunk(rid, "chat.completion.chunk", self.model_name, usage)
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "kthena", "max_model_len": self.engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except Exception as error:  # headers are gone: report in-band, then end the stream
+            status = error.status if isinstance(error, ApiError) else 500
+            yield f"data: {json.dumps(error_body(status, str(error)))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def build_app(engine: AsyncLLM, *, model_name: str, aliases: set[str] | None = None,
+              api_key: str | None = None, max_request_bytes: int = 1 << 20) -> FastAPI:
+    """The HTTP app over a started ``AsyncLLM``.
+
+    Args:
+        model_name: the id clients send as ``model`` and /v1/models lists.
+        aliases: other accepted ``model`` values (e.g. ``"default"``).
+        api_key: if set, every path but /health needs ``Authorization: Bearer <api_key>``.
+        max_request_bytes: bodies above this get 413.
+    """
+    api = _Api(engine, model_name, aliases or set())
+    app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api = api
+    install_handlers(app)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat)
+    app.get("/v1/models")(api.models)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return JSONResponse(error_body(503, "engine is not running"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,62 @@
+"""Test helpers: a tiny random-weight Llama and engines built on it (fast, deterministic).
+
+Used by kthena_serve's tests and handy for anyone testing a scheduler change without the real
+checkpoint. The tokenizer is the default checkpoint's (converted once, then cached).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.engine import LLMEngine
+
+__all__ = ["default_tokenizer", "tiny_engine", "tiny_llama"]
+
+_TOKENIZER = None
+
+
+def default_tokenizer():  # noqa: ANN201
+    """The default checkpoint's Tokenizer (cached for the process)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from kthena_serve.model import Tokenizer, resolve_checkpoint
+
+        _TOKENIZER = Tokenizer.from_pretrained(resolve_checkpoint("default"))
+    return _TOKENIZER
+
+
+def tiny_llama(vocab_size: int = 49152, *, num_layers: int = 2, hidden_size: int = 64,
+               num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 4096, seed: int = 0,
+               dtype: torch.dtype = torch.float32):  # noqa: ANN201
+    """A randomly initialised ``LlamaForCausalLM`` with well-separated logits (few argmax ties)."""
+    from kthena_serve.model import LlamaForCausalLM, ModelConfig
+
+    config = ModelConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_len, tie_word_embeddings=False, eos_token_id=2,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                scale = 1.0 if "embed" in name or "lm_head" in name else param.shape[1] ** -0.5
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    model.reset_rope_cache()
+    return model.to(dtype).eval()
+
+
+def tiny_engine(**config) -> LLMEngine:
+    """An engine over ``tiny_llama()`` in fp32 with the default tokenizer; ``config`` overrides."""
+    options = {"dtype": "float32", "num_kv_blocks": 256, "block_size": 4,
+               "max_num_batched_tokens": 64, "max_num_seqs": 8, "check_invariants": True,
+               "num_threads": 1}
+    options.update(config)
+    return LLMEngine(EngineConfig(**options), tiny_llama(), default_tokenizer())

@@ -1,0 +1,154 @@
+"""Engine behaviour on a tiny random-weight Llama (fp32): same greedy tokens whatever the
+batching, chunking, prefix caching or preemption; aborts free blocks; shared prefixes are reused.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kthena_serve.request import FinishReason
+from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.testing import tiny_engine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 40000) for _ in range(shared)]
+    return [prefix + [rng.randrange(3, 40000) for _ in range(rng.randrange(1, 40))]
+            for _ in range(count)]
+
+
+def _run(engine, prompts, params=GREEDY):
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[f"r{i}"] for i in range(len(prompts))]
+
+
+def _tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each prompt alone, one at a time, no prefix cache, no chunking."""
+    prompts = _prompts(6, shared=9) + _prompts(4, seed=1)
+    solo = []
+    for prompt in prompts:
+        engine = tiny_engine(enable_prefix_caching=False, max_num_batched_tokens=512)
+        solo += _tokens(_run(engine, [prompt]))
+    return prompts, solo
+
+
+@pytest.mark.parametrize("options", [
+    {"enable_prefix_caching": True},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 7},  # chunked prefill mixed with decodes
+    {"max_num_seqs": 2},
+    {"block_size": 16, "max_num_batched_tokens": 33},
+])
+def test_batched_greedy_equals_batch_one(reference, options):
+    prompts, solo = reference
+    engine = tiny_engine(**options)
+    assert _tokens(_run(engine, prompts)) == solo
+    assert engine.kv.stats().num_used_blocks == 0
+
+
+def test_preemption_recomputes_identical_tokens(reference):
+    prompts, solo = reference
+    engine = tiny_engine(num_kv_blocks=24, max_num_seqs=8)  # 96 slots for ~10 x 40 tokens
+    outs = _run(engine, prompts)
+    assert engine.stats().num_preemptions > 0
+    assert _tokens(outs) == solo
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+    assert engine.kv.stats().num_used_blocks == 0
+
+
+def test_shared_prefix_is_cached_and_not_recomputed():
+    prompts = _prompts(5, seed=3, shared=32)
+    engine = tiny_engine()
+    _run(engine, prompts[:1])
+    computed_before = engine.stats().num_computed_prompt_tokens
+    outs = _run(engine, prompts[1:])
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+    computed = engine.stats().num_computed_prompt_tokens - computed_before
+    assert computed == sum(len(p) - o.num_cached_tokens for p, o in zip(prompts[1:], outs, strict=True))
+    assert computed < sum(len(p) for p in prompts[1:]) - 4 * 32 + 4 * 4  # at most a block short
+
+
+def test_concurrent_shared_prefix_waits_for_one_prefill():
+    """Arriving together, the followers wait a step and reuse the leader's prefix."""
+    prompts = _prompts(4, seed=4, shared=64)
+    engine = tiny_engine(max_num_batched_tokens=512)
+    outs = _run(engine, prompts)
+    assert sorted(o.num_cached_tokens for o in outs)[1:] == [64, 64, 64]
+
+
+def test_cache_salt_isolates_tenants():
+    prompt = _prompts(1, seed=5, shared=32)[0]
+    engine = tiny_engine()
+    engine.add_request("a", prompt, GREEDY, cache_salt="tenant-a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid, salt, hit in (("b", "tenant-b", False), ("c", "tenant-a", True), ("d", None, False)):
+        request = engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert (request.num_cached_tokens > 0) is hit, rid
+
+
+def test_abort_frees_blocks_and_reports_abort():
+    engine = tiny_engine()
+    engine.add_request("x", _prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("y", _prompts(1, seed=9)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.kv.stats().num_used_blocks > 0
+    out = engine.abort_request("x")
+    assert out.finish_reason is FinishReason.ABORT
+    assert engine.abort_request("x") is None
+    engine.abort_request("y")
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.stats().num_used_blocks == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10,
+                            ignore_eos=True)
+    prompt = _prompts(1, seed=6)[0]
+    alone = _run(tiny_engine(), [prompt], params)[0].token_ids
+    others = _prompts(3, seed=7)
+    mixed = _run(tiny_engine(), [*others, prompt],
+                 [SamplingParams(temperature=0.8, max_tokens=10)] * 3 + [params])
+    assert mixed[-1].token_ids == alone
+
+
+def test_stop_token_ids_and_max_tokens():
+    prompt = _prompts(1, seed=8)[0]
+    tokens = _run(tiny_engine(), [prompt])[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]],
+                            ignore_eos=True)
+    out = _run(tiny_engine(), [prompt], params)[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids == tokens[: tokens.index(tokens[3]) + 1]
+
+
+def test_too_long_requests_are_refused():
+    from kthena_serve.errors import InvalidRequestError
+
+    engine = tiny_engine(num_kv_blocks=8)  # 32 slots
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.add_request("a", list(range(3, 40)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.add_request("b", list(range(3, 25)), GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("c", [], GREEDY)

@@ -1,0 +1,231 @@
+"""The model on tiny random checkpoints: maths against transformers, paged paths, TP plan, errors.
+
+Fast (no real model): transformers builds a random Llama / Qwen2 of a few thousand weights and
+saves it as a checkpoint; our model loads the folder and must give the same logits (float32).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from kthena_serve.model import (
+    AttentionBatch,
+    BatchError,
+    CheckpointError,
+    LlamaForCausalLM,
+    ModelConfig,
+    TensorParallel,
+    TensorParallelError,
+    UnsupportedModelError,
+    load_weights,
+    plan_shards,
+)
+from kthena_serve.model.testing import GreedyRunner
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=256,
+            rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def _save_hf(folder, arch: str, **overrides):
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**{**TINY, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**{**TINY, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # random norms, so a wrong norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(folder)
+    return model
+
+
+def _ours(folder, tp=None) -> LlamaForCausalLM:
+    config = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head_weight = model.embed_weight
+    load_weights(model, folder)
+    model.reset_rope_cache()
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama-tied", "llama-untied", "qwen2-bias"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    arch, tied = request.param.split("-")[0], request.param.endswith("tied") and "untied" not in request.param
+    hf = _save_hf(folder, arch, tie_word_embeddings=tied)
+    return folder, hf
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                      pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 40, 41, 42, 11, 3, 60, 61, 62, 63, 1, 7, 8, 9, 22, 23],
+           [70, 71, 72], [5, 17, 33, 2, 9, 40, 41, 42, 11, 3, 60, 61, 62, 63, 1, 7, 8, 9, 90, 91, 92, 93]]
+
+
+def test_prefill_logits_match_transformers(tiny):
+    folder, hf = tiny
+    model = _ours(folder)
+    runner = GreedyRunner(model, block_size=4, num_blocks=64)
+    ours = runner.step([(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)])
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny):
+    folder, hf = tiny
+    model = _ours(folder)
+    expected = [_hf_greedy(hf, p, 12) for p in PROMPTS]
+    assert [GreedyRunner(model, block_size=4).generate([p], 12)[0] for p in PROMPTS] == expected
+    assert GreedyRunner(model, block_size=4).generate(PROMPTS, 12) == expected
+    assert GreedyRunner(model, block_size=4).generate(PROMPTS, 12, prefill_chunk=3) == expected
+    runner = GreedyRunner(model, block_size=4)
+    runner.generate(PROMPTS[:1], 12)
+    before = runner.num_computed_prompt_tokens
+    assert runner.generate(PROMPTS, 12, reuse_prefix=True) == expected
+    # prompt 0 again: 16 of 20 cached; prompt 2 shares 16 tokens with it; prompt 1 is 3 tokens.
+    assert runner.num_computed_prompt_tokens - before == 4 + 3 + (22 - 16)
+
+
+class _ThreadAllReduce:
+    """all_reduce across threads, summing in rank order so every rank gets identical bits."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier, self.parts = threading.Barrier(world, timeout=60), [None] * world
+
+    def for_rank(self, rank: int):
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = tensor.clone()
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()
+            return tensor.copy_(total)
+        return reduce
+
+
+@pytest.mark.parametrize("world", [2, 3, 6])
+def test_tensor_parallel_shards_sum_to_the_full_model(tiny, world):
+    """3 KV heads over 2 ranks (uneven), 3 (one each) and 6 (each KV head on two ranks)."""
+    folder, _ = tiny
+    expected = GreedyRunner(_ours(folder), block_size=4).generate(PROMPTS, 8)
+    reduce = _ThreadAllReduce(world)
+    results, errors = [None] * world, []
+
+    def run(rank: int) -> None:
+        try:
+            model = _ours(folder, TensorParallel(rank, world, reduce.for_rank(rank)))
+            results[rank] = GreedyRunner(model, block_size=4).generate(PROMPTS, 8)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            reduce.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results == [expected] * world
+
+
+def test_plan_matches_kthena_core_rule_and_covers_every_head_once():
+    from kthena_core.model_spec import ModelSpec
+
+    for heads, kv, inter in [(32, 8, 11008), (9, 3, 1536), (28, 4, 18944), (64, 8, 28672)]:
+        config = ModelConfig(vocab_size=8, hidden_size=heads * 4, intermediate_size=inter, num_hidden_layers=1,
+                             num_attention_heads=heads, num_key_value_heads=kv, head_dim=4)
+        spec = ModelSpec.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": heads * 4,
+                                         "intermediate_size": inter, "num_hidden_layers": 1, "vocab_size": 8,
+                                         "num_attention_heads": heads, "num_key_value_heads": kv})
+        for world in range(1, heads + 1):
+            try:
+                plans = [plan_shards(config, TensorParallel(r, world)) for r in range(world)]
+            except TensorParallelError:
+                assert world > kv and world % kv
+                continue
+            assert sorted(h for p in plans for h in p.q_heads) == list(range(heads))
+            assert sorted(c for p in plans for c in p.intermediate) == list(range(inter))
+            for p in plans:  # a rank's q heads all read one of its own KV heads
+                assert {h // (heads // kv) for h in p.q_heads} <= set(p.kv_heads)
+            if kv % world == 0 or world % kv == 0:
+                assert {len(p.kv_heads) for p in plans} == {spec.kv_heads_per_rank(world)}
+
+
+def test_tensor_parallel_and_plan_errors():
+    config = ModelConfig(**TINY)
+    with pytest.raises(TensorParallelError, match="rank 2 of world_size 2"):
+        TensorParallel(2, 2)
+    with pytest.raises(TensorParallelError, match="multiple of it"):
+        plan_shards(config, TensorParallel(0, 4))
+    with pytest.raises(TensorParallelError, match="exceeds num_attention_heads"):
+        plan_shards(config, TensorParallel(0, 7))
+
+
+def test_config_from_dict_and_errors(tmp_path):
+    config = ModelConfig.from_dict({**TINY, "architectures": ["LlamaForCausalLM"], "eos_token_id": [2, 7],
+                                    "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"},
+                                    "rope_theta": None} | {"rope_theta": 5e5})
+    assert config.eos_token_ids == {2, 7} and config.rope_theta == 5e5 and config.rope_scaling is None
+    assert ModelConfig.from_dict({**TINY, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
+    with pytest.raises(UnsupportedModelError, match="allowed: LlamaForCausalLM"):
+        ModelConfig.from_dict({**TINY, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(CheckpointError, match="'hidden_size'"):
+        ModelConfig.from_dict({k: v for k, v in TINY.items() if k != "hidden_size"})
+    with pytest.raises(UnsupportedModelError, match="multiple of num_key_value_heads"):
+        ModelConfig.from_dict({**TINY, "num_key_value_heads": 4})
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_load_errors_name_the_problem(tmp_path, tiny):
+    from kthena_serve.model import load_model
+
+    with pytest.raises(CheckpointError, match="missing: config.json, tokenizer.json, \\*.safetensors"):
+        load_model(tmp_path)
+    folder, _ = tiny
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    (bad / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="does config.json match the weights"):
+        _ours(bad)
+
+
+def test_attention_batch_and_forward_input_errors(tiny):
+    i32, i64 = torch.int32, torch.int64
+    ok = dict(slot_mapping=torch.zeros(3, dtype=i64), block_tables=torch.zeros(2, 4, dtype=i32),
+              cached_lens=torch.zeros(2, dtype=i32), query_lens=torch.tensor([2, 1], dtype=i32),
+              logits_indices=torch.tensor([1, 2]))
+    AttentionBatch(**ok)
+    with pytest.raises(BatchError, match="slot_mapping must be a torch.int64"):
+        AttentionBatch(**{**ok, "slot_mapping": torch.zeros(3, dtype=i32)})
+    with pytest.raises(BatchError, match="query_lens must have shape \\(2,\\)"):
+        AttentionBatch(**{**ok, "query_lens": torch.ones(3, dtype=i32)})
+    with pytest.raises(BatchError, match="decode-only batch has one token per sequence"):
+        AttentionBatch(**ok, is_decode_only=True)
+    model = _ours(tiny[0])
+    with pytest.raises(BatchError, match="one \\(k_cache, v_cache\\) pair per layer"):
+        model(torch.zeros(3, dtype=i64), torch.zeros(3, dtype=i64), AttentionBatch(**ok), [])
+    with pytest.raises(BatchError, match="must all be \\[num_tokens\\]"):
+        model(torch.zeros(2, dtype=i64), torch.zeros(2, dtype=i64), AttentionBatch(**ok), [])

@@ -1,0 +1,101 @@
+"""SamplingParams validation, the vectorised sampler, and stop handling on the text stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kthena_serve.output_stream import OutputStream
+from kthena_serve.request import FinishReason, Request
+from kthena_serve.sampler import Sampler
+from kthena_serve.sampling_params import SamplingParams
+
+
+def _req(rid: str, params: SamplingParams, outputs=()) -> Request:
+    request = Request(rid, [1, 2, 3], params)
+    request.token_ids += list(outputs)
+    return request
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2},
+    {"max_tokens": 0}, {"max_tokens": -3}, {"presence_penalty": 3.0}, {"stop": [""]},
+    {"stop_token_ids": [-1]}, {"temperature": "hot"},
+])
+def test_bad_params_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_greedy_is_argmax_and_top_k_one_matches_it():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler()
+    greedy = sampler(logits, [_req(str(i), SamplingParams(temperature=0)) for i in range(4)])
+    assert greedy == logits.argmax(-1).tolist()
+    top1 = sampler(logits, [_req(str(i), SamplingParams(temperature=1.5, top_k=1)) for i in range(4)])
+    assert top1 == greedy
+    tiny_p = sampler(logits, [_req(str(i), SamplingParams(top_p=1e-6)) for i in range(4)])
+    assert tiny_p == greedy
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]]))
+    sampler = Sampler()
+    draws = [sampler(logits, [_req("a", SamplingParams())])[0] for _ in range(2000)]
+    counts = [draws.count(i) / len(draws) for i in range(4)]
+    assert abs(counts[0] - 0.7) < 0.05 and abs(counts[2] - 0.1) < 0.03 and counts[3] == 0
+    top_p = [sampler(logits, [_req("b", SamplingParams(top_p=0.75))])[0] for _ in range(300)]
+    assert set(top_p) == {0, 1}  # 0.7 alone is short of 0.75; 0.7 + 0.2 covers it
+
+
+def test_seed_reproduces_tokens_whatever_the_batch():
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=7)
+    first = [Sampler()(logits[2:], [_req("s", params)])[0] for _ in range(1)]
+    sampler = Sampler()
+    batch = [_req("x", SamplingParams()), _req("y", SamplingParams()), _req("s", params)]
+    assert sampler(logits, batch)[2] == first[0]
+
+
+def test_penalties_push_away_repeated_tokens():
+    logits = torch.tensor([[5.0, 4.9, 0.0]])
+    sampler = Sampler()
+    plain = _req("a", SamplingParams(temperature=0), outputs=[0, 0])
+    penalised = _req("b", SamplingParams(temperature=0, frequency_penalty=0.5), outputs=[0, 0])
+    assert sampler(logits.repeat(2, 1), [plain, penalised]) == [0, 1]
+    present = _req("c", SamplingParams(temperature=0, presence_penalty=0.2), outputs=[0])
+    assert sampler(logits, [present]) == [1]
+
+
+class _Detok:
+    """Each token id is the code point of one character."""
+
+    def step(self, token_id: int) -> str:
+        return chr(token_id)
+
+
+def _stream(params: SamplingParams, eos=(0,), max_tokens=100) -> OutputStream:
+    return OutputStream(_Detok(), params, eos, max_tokens)
+
+
+def test_stop_string_is_cut_and_never_streamed():
+    stream = _stream(SamplingParams(stop=["END", "!!"]))
+    sent = ""
+    for ch in "hello EN":
+        assert stream.append(ord(ch)) is None
+        sent += stream.take_new_text(False)
+    assert sent == "hello "  # "EN" held back: it may start "END"
+    assert stream.append(ord("D")) is FinishReason.STOP
+    assert stream.text == "hello "
+    assert sent + stream.take_new_text(True) == "hello "
+
+
+def test_eos_stop_ids_and_length():
+    stream = _stream(SamplingParams(stop_token_ids=[5]), max_tokens=3)
+    assert stream.append(ord("a")) is None
+    assert stream.append(5) is FinishReason.STOP
+    assert _stream(SamplingParams()).append(0) is FinishReason.STOP
+    assert _stream(SamplingParams(ignore_eos=True)).append(0) is None
+    stream = _stream(SamplingParams(), max_tokens=2)
+    assert stream.append(ord("a")) is None and stream.append(ord("b")) is FinishReason.LENGTH
+    assert stream.take_new_text(True) == "ab"

@@ -1,0 +1,105 @@
+"""Scheduler invariants under random traffic (Hypothesis state machine, no model needed).
+
+A fake "model" samples a token for every request whose prompt is fully computed. After every
+step: blocks in use never exceed the pool, only running requests hold blocks, every running
+request's block table covers its computed tokens. At the end every request finishes or is
+aborted and no block is left referenced.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kthena_serve.request import FinishReason, Request, RequestStatus
+from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.scheduler import Scheduler
+from mooncake_kv import KVCacheManager
+
+BLOCK_SIZE = 4
+SYSTEM = list(range(100, 124))  # a shared 24-token prefix
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(12, 48), budget=st.integers(1, 40),
+                seats=st.integers(1, 6), caching=st.booleans())
+    def setup(self, num_blocks: int, budget: int, seats: int, caching: bool) -> None:
+        self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=caching,
+                                 check_invariants=True)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=seats, max_num_batched_tokens=budget,
+                                   enable_prefix_caching=caching)
+        self.capacity = num_blocks * BLOCK_SIZE
+        self.requests: dict[str, Request] = {}
+        self.max_tokens: dict[str, int] = {}
+        self.next_id = 0
+        self.rng = random.Random(0)
+
+    @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.booleans(),
+          salt=st.sampled_from([None, "a"]))
+    def add(self, length: int, max_tokens: int, shared: bool, salt: str | None) -> None:
+        prompt = (SYSTEM if shared else []) + [self.rng.randrange(1000) for _ in range(length)]
+        if len(prompt) + max_tokens > self.capacity:  # the engine refuses these up front
+            return
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
+        self.requests[rid] = request
+        self.max_tokens[rid] = max_tokens
+        self.scheduler.add(request)
+
+    @precondition(lambda self: self.scheduler.has_work())
+    @rule()
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        assert sum(batch.num_new_tokens) <= self.scheduler.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+            assert num_new >= 1
+            reserved = len(request.block_ids) * BLOCK_SIZE
+            assert request.num_computed_tokens + num_new <= reserved
+        self.scheduler.update(batch)
+        for request, sampled in zip(batch.requests, batch.is_sampled, strict=True):
+            if not sampled:
+                continue
+            request.token_ids.append(self.rng.randrange(1000))
+            if request.num_output_tokens >= self.max_tokens[request.request_id]:
+                self.scheduler.finish(request, FinishReason.LENGTH)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self.scheduler.abort(rid)
+
+    @invariant()
+    def blocks_within_capacity(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        stats = self.kv.stats()
+        assert stats.num_used_blocks <= stats.num_blocks
+        assert stats.num_running_requests == len(self.scheduler.running)
+        held = {b for r in self.scheduler.running for b in r.block_ids}  # shared prefixes once
+        assert len(held) <= stats.num_used_blocks
+        for request in self.scheduler.waiting:
+            assert request.status is RequestStatus.WAITING and not request.block_ids
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for _ in range(2000):  # everything admitted must finish: no livelock
+            if not self.scheduler.has_work():
+                break
+            self.step()
+        assert not self.scheduler.has_work()
+        for request in self.requests.values():
+            assert request.status is RequestStatus.FINISHED
+            if request.finish_reason is FinishReason.LENGTH:
+                assert request.num_output_tokens in (0, self.max_tokens[request.request_id])
+        stats = self.kv.stats()
+        assert stats.num_used_blocks == 0 and stats.num_running_requests == 0
+        self.kv.check_invariants()
+
+
+TestScheduler = SchedulerMachine.TestCase

@@ -1,0 +1,235 @@
+"""The HTTP server through real HTTP on 127.0.0.1 (uvicorn on a thread, httpx client).
+
+The engine runs a tiny random-weight model with the default tokenizer, so these tests check
+the protocol, validation, streaming and cancellation quickly; test_server_real.py covers the
+real model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.server import BackgroundServer, build_app
+from kthena_serve.testing import tiny_engine
+
+MODEL = "tiny"
+KEY = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=512, max_num_batched_tokens=256,
+                                        max_num_seqs=16, max_n=4)).start()
+    yield async_engine
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    app = build_app(engine, model_name=MODEL, max_request_bytes=64 * 1024)
+    with BackgroundServer(app) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with httpx.Client(base_url=url, timeout=60) as http:
+        yield http
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True, **fields}
+
+
+def _events(response: httpx.Response) -> list:
+    lines = [line for line in response.text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def _wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = engine.engine.kv.stats()
+        if kv.num_used_blocks == 0 and kv.num_running_requests == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"blocks still referenced: {engine.engine.kv.stats()}")
+
+
+def test_health_models_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 2048
+    client.post("/v1/completions", json=_completion())
+    text = client.get("/metrics").text
+    for name in ("kthena_time_to_first_token_seconds_bucket", "kthena_time_per_output_token",
+                 "kthena_num_requests_waiting", "kthena_num_requests_running",
+                 "kthena_kv_blocks_used", "kthena_kv_blocks_free",
+                 "kthena_prefix_cache_queries_total", "kthena_prefix_cache_hits_total"):
+        assert name in text, name
+
+
+def test_completion_and_its_stream_agree(client):
+    body = client.post("/v1/completions", json=_completion()).json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    stream = client.post("/v1/completions",
+                         json=_completion(stream=True, stream_options={"include_usage": True}))
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    events = _events(stream)
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == choice["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_chat_and_its_stream_agree(client):
+    body = client.post("/v1/chat/completions", json=_chat()).json()
+    message = body["choices"][0]["message"]
+    assert body["object"] == "chat.completion" and message["role"] == "assistant"
+    events = _events(client.post("/v1/chat/completions", json=_chat(stream=True)))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == message["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+
+
+def test_n_choices_and_token_prompts(client):
+    body = client.post("/v1/completions", json=_completion(
+        n=3, temperature=1.0, seed=5, prompt=[101, 102, 103])).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 24
+    again = client.post("/v1/completions", json=_completion(
+        n=3, temperature=1.0, seed=5, prompt=[101, 102, 103])).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in body["choices"]]
+    events = _events(client.post("/v1/completions", json=_completion(n=2, stream=True)))
+    assert {e["choices"][0]["index"] for e in events} == {0, 1}
+
+
+def test_shared_prefix_reports_cached_tokens_and_salt_isolates(client):
+    prompt = "The system prompt that every tenant shares. " * 8
+    first = client.post("/v1/completions", json=_completion(prompt=prompt + "One?")).json()
+    second = client.post("/v1/completions", json=_completion(prompt=prompt + "Two?")).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 8
+    salted = client.post("/v1/completions",
+                         json=_completion(prompt=prompt + "Two?", cache_salt="tenant-b")).json()
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_prefix_hints_are_never_trusted(client):
+    plain = client.post("/v1/completions", json=_completion(prompt="A hint test")).json()
+    hinted = client.post("/v1/completions", json=_completion(
+        prompt="A hint test", prefix_hash="deadbeef", reuse_offset=4096)).json()
+    assert hinted["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert 'kthena_prefix_hints_total{agreed="false"}' in client.get("/metrics").text
+
+
+BAD_INPUTS = [
+    ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("mistyped max_tokens", "/v1/completions", _completion(max_tokens="5"), 400, "max_tokens"),
+    ("mistyped temperature", "/v1/completions", _completion(temperature="hot"), 400,
+     "temperature"),
+    ("unknown model", "/v1/completions", _completion(model="gpt-9"), 404, "model"),
+    ("max_tokens zero", "/v1/completions", _completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", _completion(max_tokens=-1), 400, "max_tokens"),
+    ("max_tokens past context", "/v1/completions", _completion(max_tokens=5000), 400,
+     "max_tokens"),
+    ("prompt past context", "/v1/completions", _completion(prompt=[100] * 2100), 400, "prompt"),
+    ("empty prompt", "/v1/completions", _completion(prompt=""), 400, "prompt"),
+    ("token out of vocab", "/v1/completions", _completion(prompt=[10**7]), 400, "prompt"),
+    ("negative temperature", "/v1/completions", _completion(temperature=-0.5), 400,
+     "temperature"),
+    ("n over limit", "/v1/completions", _completion(n=5), 400, "n"),
+    ("top_p zero", "/v1/completions", _completion(top_p=0.0), 400, "top_p"),
+    ("chat without messages", "/v1/chat/completions", _chat(messages=[]), 400, "messages"),
+    ("chat bad role", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    ("chat max_tokens zero", "/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_error(client, name, path, body, status, param):
+    if isinstance(body, bytes):
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_oversized_body_is_413(client):
+    response = client.post("/v1/completions", json=_completion(prompt="x" * 70_000))
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    chunked = client.post("/v1/completions", content=iter([b"{" + b" " * 70_000 + b"}"]),
+                          headers={"content-type": "application/json"})
+    assert chunked.status_code == 413
+
+
+def test_unknown_path_and_method(client):
+    assert client.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert client.get("/v1/completions").status_code == 405
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, url):
+    before = engine.engine.stats().num_generated_tokens
+    body = _completion(max_tokens=1500, stream=True, prompt="Tell me a long story " * 10)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+            assert engine.engine.kv.stats().num_used_blocks > 0
+    _wait_idle(engine)
+    generated = engine.engine.stats().num_generated_tokens - before
+    assert generated < 1500  # stopped early, not run to max_tokens
+    engine.engine.kv.check_invariants()
+
+
+def test_disconnect_without_streaming_aborts_too(engine, url):
+    body = _completion(max_tokens=1500, prompt="Another long story " * 10)
+    with httpx.Client(base_url=url, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body)
+    _wait_idle(engine)
+
+
+def test_api_key_guards_all_but_health(engine):
+    app = build_app(engine, model_name=MODEL, api_key=KEY)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url) as http:
+        assert http.get("/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            denied = http.get(path)
+            assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert http.post("/v1/completions", json=_completion()).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert http.get("/v1/models", headers=wrong).status_code == 401
+        ok = {"Authorization": f"Bearer {KEY}"}
+        assert http.get("/v1/models", headers=ok).status_code == 200
+        assert http.post("/v1/completions", json=_completion(), headers=ok).status_code == 200

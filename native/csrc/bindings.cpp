@@ -1,0 +1,31 @@
+// Python module mooncake_ops_native: the CPU kernels mooncake_ops loads when present.
+// Every entry returns None / False when a call does not fit the kernel, so the Python adapter
+// runs the PyTorch reference instead; bad values raise ValueError (std::invalid_argument).
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace mops {
+std::optional<at::Tensor> paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, double,
+                                                 const std::optional<at::Tensor>&,
+                                                 const std::optional<at::Tensor>&,
+                                                 const std::optional<at::Tensor>&);
+bool write_kv(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+std::optional<std::vector<at::Tensor>> rms_norm(const at::Tensor&, const at::Tensor&, double,
+                                                const std::optional<at::Tensor>&);
+std::optional<std::vector<at::Tensor>> rotary_embedding(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&);
+std::optional<at::Tensor> silu_and_mul(const at::Tensor&);
+}  // namespace mops
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mooncake_ops native CPU kernels (AVX-512)";
+  m.def("paged_decode_attention", &mops::paged_decode_attention);
+  m.def("write_kv", &mops::write_kv);
+  m.def("rms_norm", &mops::rms_norm);
+  m.def("rotary_embedding", &mops::rotary_embedding);
+  m.def("silu_and_mul", &mops::silu_and_mul);
+}

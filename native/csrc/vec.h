@@ -1,0 +1,70 @@
+// AVX-512 helpers shared by the kernels: 16-lane loads of fp32 / bf16 / fp16 / int8 as fp32,
+// stores with round-to-nearest-even, and a vector exp. Needs AVX512F/BW/VL/DQ only (no
+// AVX512_BF16), so any AVX-512 x86 CPU that torch runs at "AVX512" capability can use it.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace mops {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 load16(const int8_t* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// fp32 -> bf16, round to nearest even, NaN kept quiet (as c10::BFloat16 does).
+inline void store16(c10::BFloat16* p, __m512 v) {
+  __m512i x = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x) = 2^n * e^f, n = round(x log2 e), f = x - n ln2 (Cody-Waite, |f| <= ln2 / 2);
+// degree-6 Taylor of e^f (relative error ~1.2e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below: exp underflows to 0 anyway
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+}  // namespace mops
