@@ -33,7 +33,7 @@ def test_handle_rejects_bad_sizes(field, value):
 
 
 def test_registry_lists_backends_and_rejects_unknown():
-    assert {"local", "shm"} <= set(available_backends())
+    assert {"local", "shm", "torch"} <= set(available_backends())
     with pytest.raises(UnknownBackendError, match="unknown transfer backend 'hixl'"):
         create_engine("hixl")
 
@@ -60,6 +60,15 @@ def test_shm_segments_are_owner_only_and_removed_on_close(shm_prefix):
     engine = create_engine("shm", ShmConfig(prefix=shm_prefix))
     handle = engine.allocate(1 << 16)
     path = f"/dev/shm/{handle.segment}"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    engine.close()
+    assert not os.path.exists(path)
+
+
+def test_shm_inbox_is_owner_only_and_removed_on_close(shm_prefix):
+    engine = create_engine("shm", ShmConfig(prefix=shm_prefix))
+    path = f"/dev/shm/{engine.address.split(':')[2]}"
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     engine.close()
     assert not os.path.exists(path)

@@ -1,7 +1,8 @@
 """Benchmark: ``python -m kthena_comm.bench`` prints one JSON line per case.
 
 Cases: the machine; in-process memcpy at each size (the reference, measured in the same run);
-put / get, sync / async, contiguous / KV-block batches for every available transfer backend;
+put / get, sync / async, contiguous / KV-block batches for every available transfer backend,
+each run paired with a memcpy of the same size right after it (``vs_memcpy`` is a same-run ratio);
 per-range vs batched submission of 1,000 block ranges (as a list of ``TransferOp`` and as one
 columnar ``TransferBatch``, next to a memmove of the same bytes: the floor of any batch); shm zero-copy handoff cost per size; and
 bucketed vs unbucketed all-reduce of 100 small tensors over 2 gloo ranks. Fixed seeds, one
@@ -135,17 +136,40 @@ def bench_backend(backend: str, sizes: list[int], repeat: int, memcpy: dict[int,
     remote = Remote(backend, max(sizes))
     engine = remote.engine
     local = engine.register(filled(max(sizes), 5))
+    ref_src, ref_dst = filled(max(sizes), 8), filled(max(sizes), 9)
+    ref_a = ctypes.addressof(ctypes.c_char.from_buffer(ref_src))
+    ref_b = ctypes.addressof(ctypes.c_char.from_buffer(ref_dst))
     for size in sizes:
         contiguous = [TransferOp(local, 0, remote.handle, 0, size)]
         blocks = block_ops(local, remote.handle, size)
         for layout, ops in (("contiguous", contiguous), ("blocks", blocks)):
             for op, mode, fn in transfer_calls(engine, ops):
-                t = median_s(fn, repeat)
+                t, ref = paired_median_s(fn, lambda n=size: ctypes.memmove(ref_b, ref_a, n),
+                                         repeat)
                 emit("transfer", backend=backend, op=op, mode=mode, layout=layout, bytes=size,
                      num_ranges=len(ops), median_s=t, gbps=size / t / 1e9,
-                     memcpy_gbps=memcpy[size], vs_memcpy=(size / t / 1e9) / memcpy[size])
+                     memcpy_gbps=size / ref / 1e9, vs_memcpy=ref / t)
     bench_submission(backend, engine, local, remote.handle, repeat)
     remote.close()
+    ref_src.close()
+    ref_dst.close()
+
+
+def paired_median_s(fn: Callable[[], object], ref: Callable[[], object],
+                    repeat: int) -> tuple[float, float]:
+    """Medians of ``fn`` and of a reference run right after each ``fn`` run (same-run ratio:
+    load changes on a shared machine hit both alike)."""
+    fn()
+    ref()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        middle = time.perf_counter()
+        ref()
+        times[0].append(middle - start)
+        times[1].append(time.perf_counter() - middle)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def block_ops(local: MemoryHandle, remote: MemoryHandle, size: int) -> list[TransferOp]:

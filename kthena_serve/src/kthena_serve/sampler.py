@@ -29,9 +29,9 @@ class Sampler:
         """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
         params = [r.params for r in requests]
         if all(p.is_greedy and not p.has_penalties for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits).tolist()
         logits = _apply_penalties(logits, requests)
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
             return greedy.tolist()
@@ -64,6 +64,11 @@ class Sampler:
                 generator = self._seeded[request.request_id] = torch.Generator().manual_seed(seed)
             noise[row].exponential_(generator=generator)
         return noise
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # max(dim).indices: same first-maximum answer as argmax, several times faster on CPU.
+    return logits.max(dim=-1).indices
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -71,6 +71,7 @@ from mooncake_kv.types import (
     DuplicateRequestError,
     OwnerThreadError,
     RequestFinishedError,
+    RequestId,
     RequestStateError,
     TokenCountError,
     UnknownRequestError,
@@ -186,8 +187,8 @@ class KVCacheManager:
         self._allocator = BlockAllocator(num_blocks, watcher)
         self._caching = enable_prefix_caching
         self._bus = EventBus()
-        self._requests: dict[str, _Request] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._requests: dict[RequestId, _Request] = {}
+        self._finished: OrderedDict[RequestId, None] = OrderedDict()
         self._max_finished = max_finished_ids
         self._lock = threading.RLock()
         self._owner: int | None = None
@@ -230,7 +231,7 @@ class KVCacheManager:
     @_mutating
     def match_prefix(
         self,
-        request_id: str,
+        request_id: RequestId,
         token_ids: Sequence[int],
         extra_keys: ExtraKeys | None = None,
     ) -> PrefixMatch:
@@ -265,7 +266,7 @@ class KVCacheManager:
         return PrefixMatch(tuple(matched), num_cached)
 
     @_mutating
-    def try_allocate(self, request_id: str, num_new_tokens: int) -> KVCacheBlocks | None:
+    def try_allocate(self, request_id: RequestId, num_new_tokens: int) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens (prefill, or one prefill chunk).
 
         Returns:
@@ -277,7 +278,7 @@ class KVCacheManager:
         return self._grow(self._live(request_id), request_id, num_new_tokens)
 
     @_mutating
-    def try_append(self, request_id: str, num_tokens: int = 1) -> KVCacheBlocks | None:
+    def try_append(self, request_id: RequestId, num_tokens: int = 1) -> KVCacheBlocks | None:
         """Reserve slots for ``num_tokens`` decoded tokens; None = out of blocks (preempt).
 
         Raises:
@@ -293,7 +294,7 @@ class KVCacheManager:
         return self._grow(request, request_id, num_tokens)
 
     @_mutating
-    def commit(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def commit(self, request_id: RequestId, token_ids: Sequence[int]) -> int:
         """Cache the blocks of ``token_ids`` (the request's sequence so far) that filled.
 
         The KV of these tokens must be written; earlier tokens must be unchanged.
@@ -331,7 +332,7 @@ class KVCacheManager:
         return sum(stop - first for first, stop in runs)
 
     @_mutating
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: RequestId) -> None:
         """Release every block of the request, chain tail first; the id is finished.
 
         Raises:
@@ -430,7 +431,7 @@ class KVCacheManager:
             )
         self._owner = threading.get_ident()
 
-    def _live(self, request_id: str) -> _Request:
+    def _live(self, request_id: RequestId) -> _Request:
         request = self._requests.get(request_id)
         if request is not None:
             return request
@@ -443,7 +444,9 @@ class KVCacheManager:
             request_id, f"unknown request {request_id!r}; call match_prefix first"
         )
 
-    def _grow(self, request: _Request, request_id: str, num_tokens: int) -> KVCacheBlocks | None:
+    def _grow(
+        self, request: _Request, request_id: RequestId, num_tokens: int
+    ) -> KVCacheBlocks | None:
         if num_tokens < 0:
             raise TokenCountError(
                 request_id, f"request {request_id!r}: token count must be >= 0, got {num_tokens}"

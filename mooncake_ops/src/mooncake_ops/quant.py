@@ -23,7 +23,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     absmax = xf.abs().amax(dim=-1)
-    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    # tensor / tensor is an IEEE division; ``127.0 / absmax`` would be reciprocal-then-multiply
+    # in torch, which rounds differently from the native kernel's division.
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
     q = torch.round(xf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, absmax / 127.0
 

@@ -1,4 +1,4 @@
-"""Raw memory helpers: the address of a tensor or buffer, and a GIL-free memcpy."""
+"""Raw memory helpers: the address and size of a tensor or buffer (copies live in batch.py)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,3 @@ def _tensor_buffer(tensor: Any) -> RawBuffer:
     if not tensor.is_contiguous() or tensor.numel() == 0:
         raise ValueError("cannot register a non-contiguous or empty tensor; call .contiguous()")
     return RawBuffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor)
-
-
-def memcpy(dst: int, src: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from address ``src`` to ``dst`` (ctypes releases the GIL)."""
-    ctypes.memmove(dst, src, nbytes)

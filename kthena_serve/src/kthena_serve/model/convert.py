@@ -9,7 +9,8 @@ Weights are stored in float32: the dequantised values (``d * q + m`` from fp16 `
 exact there, and exact weights are what make greedy output token-identical to transformers loading
 the same GGUF in float32. The file is ~540 MB; loading casts to the requested dtype (bf16 by
 default). The folder is written into a temporary sibling and renamed into place, so a folder that
-exists is complete, and two processes converting at once both end up with the same result.
+exists is complete, and two processes converting at once both end up with the same result; a
+damaged folder (a file deleted by hand) is converted again and replaced.
 """
 
 from __future__ import annotations
@@ -86,11 +87,14 @@ def _publish(tmp: Path, target: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
     try:
         os.rename(tmp, target)
-    except OSError:
-        if not is_complete(target):  # not a concurrent winner: a stale or foreign folder
-            raise ConversionError(f"{target} exists but is not a complete checkpoint; "
-                                  f"remove it and retry") from None
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:  # the target exists: a concurrent conversion won, or a damaged folder
+        if is_complete(target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
+        os.rename(target, stale / target.name)
+        os.rename(tmp, target)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_checkpoint(gguf_path: Path, out: Path, progress: bool) -> None:

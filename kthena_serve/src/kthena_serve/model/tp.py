@@ -58,7 +58,7 @@ class TensorParallel:
         """Reduce with kthena_comm's all-reduce over a ``CommGroup`` (rank, size from the group)."""
         from kthena_comm.collectives import all_reduce
 
-        return cls(group.rank, group.size, lambda t: all_reduce(t, group))
+        return cls(group.group_rank, group.size, lambda t: all_reduce(t, group))
 
     @classmethod
     def from_torch_distributed(cls, group: Any = None) -> TensorParallel:

@@ -20,7 +20,7 @@ NATIVE = "native-cpp"
 NPU_OPS: Mapping[str, str] = {
     "write_kv": "torch_npu.npu_scatter_pa_kv_cache (int8: torch-reference)",
     "paged_decode_attention": "torch_npu.npu_fused_infer_attention_score (block_table)",
-    "paged_prefill_attention": "torch_npu.npu_fused_infer_attention_score (block_table, causal)",
+    "paged_prefill_attention": SDPA,
     "rms_norm": "torch_npu.npu_rms_norm / npu_add_rms_norm",
     "rotary_embedding": REFERENCE,
     "silu_and_mul": "torch_npu.npu_swiglu",

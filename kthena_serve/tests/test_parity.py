@@ -1,0 +1,166 @@
+"""Greedy parity with Hugging Face transformers on the default model (SmolLM2-135M-Instruct).
+
+transformers loads the same GGUF file itself (``from_pretrained(folder, gguf_file=...)``); both
+sides run in **float32**, where the dequantised weights are exact, so greedy tokens must be
+identical: batch 1, batched, chunked prefill with a prefix already in the cache, and TP=2 over two
+gloo processes. bf16 (the serving dtype) is checked for closeness, not identity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kthena_serve.model import ensure_default_checkpoint, load_model
+from kthena_serve.model.testing import GreedyRunner
+
+transformers = pytest.importorskip("transformers")
+kthena_known = pytest.importorskip("kthena_core.known_models")
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 20
+LONG_EN = ("Summarise the following in one sentence. The printing press, invented by Johannes Gutenberg "
+           "around 1440, used movable metal type and an oil-based ink. It made books far cheaper to "
+           "produce, which spread literacy across Europe, helped the Reformation and the Scientific "
+           "Revolution travel quickly, and standardised spelling in many languages. Within fifty years "
+           "presses were running in more than two hundred cities, and millions of volumes had been printed.")
+LONG_ZH = ("请用一句话总结下面这段话。长城是中国古代的军事防御工程，修筑历史可上溯到西周时期。"
+           "秦始皇统一六国后，把各国的长城连接起来，形成了万里长城。明朝又对长城进行了大规模的修建，"
+           "今天我们看到的长城大多是明长城。长城不仅是世界上最伟大的建筑之一，也是中华民族的象征。")
+QUESTIONS = ["What is the capital of France?", LONG_EN, "请用中文介绍一下你自己。", LONG_ZH,
+             "List three prime numbers greater than 100."]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return ensure_default_checkpoint(progress=False)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return load_model(checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(ours):
+    tokenizer = ours[1]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    """transformers' greedy tokens (stopping at EOS) and first-step logits, float32."""
+    folder, name = os.path.split(kthena_known.default_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True, pad_token_id=2)
+            tokens.append(out.sequences[0, len(prompt):].tolist())
+            logits.append(out.logits[0][0].float())
+    return tokens, torch.stack(logits)
+
+
+def _generate(model, prompts, eos, **kwargs):
+    return GreedyRunner(model, num_blocks=96).generate(prompts, NEW_TOKENS, eos_token_ids=eos, **kwargs)
+
+
+def test_prompts_cover_languages_and_lengths(ours, prompts):
+    assert min(map(len, prompts)) < 40 < 100 < max(map(len, prompts))
+    assert LONG_ZH in ours[1].decode(prompts[3])
+
+
+def test_batch1_greedy_is_token_identical(ours, prompts, expected):
+    model, tokenizer = ours
+    got = [_generate(model, [p], tokenizer.eos_token_ids)[0] for p in prompts]
+    assert got == expected[0]
+    assert "Paris" in tokenizer.decode(got[0])
+
+
+def test_batched_greedy_is_token_identical(ours, prompts, expected):
+    model, tokenizer = ours
+    assert _generate(model, prompts, tokenizer.eos_token_ids) == expected[0]
+
+
+def test_cached_prefix_and_chunked_prefill_are_token_identical(ours, prompts, expected):
+    """Each prompt's system-prompt blocks are already cached; the rest is prefilled in chunks."""
+    model, tokenizer = ours
+    runner = GreedyRunner(model, num_blocks=128)
+    runner.generate([prompts[0]], 1)  # caches the shared system-prompt blocks
+    before = runner.num_computed_prompt_tokens
+    got = runner.generate(prompts, NEW_TOKENS, reuse_prefix=True, prefill_chunk=24,
+                          eos_token_ids=tokenizer.eos_token_ids)
+    assert got == expected[0]
+    assert runner.num_computed_prompt_tokens - before < sum(map(len, prompts)) - 16 * len(prompts)
+
+
+def test_bf16_logits_are_close(checkpoint, prompts, expected):
+    model, _ = load_model(checkpoint, dtype=torch.bfloat16)
+    runner = GreedyRunner(model, num_blocks=96)
+    logits = runner.step([(p, 0, runner._allocate(-(-len(p) // 16))) for p in prompts])
+    ref = expected[1]
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    cosine = torch.nn.functional.cosine_similarity(logits, ref, dim=-1)
+    assert cosine.min() > 0.995, cosine
+    assert ((logits - ref).abs().max(-1).values / ref.abs().max(-1).values).max() < 0.1
+
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, port, checkpoint, prompts_file, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        from kthena_comm.groups import CommGroup
+        from kthena_serve.model import TensorParallel, load_model
+        from kthena_serve.model.testing import GreedyRunner
+        tp = TensorParallel.from_comm_group(CommGroup("tp", (0, 1), rank, dist.group.WORLD))
+        model, tokenizer = load_model(checkpoint, dtype=torch.float32, tp=tp)
+        prompts = json.load(open(prompts_file))
+        tokens = GreedyRunner(model, num_blocks=64).generate(prompts, 16, eos_token_ids=tokenizer.eos_token_ids)
+        json.dump({"tokens": tokens, "kv_heads": model.num_kv_heads_per_rank}, open(out, "w"))
+    finally:
+        dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_over_gloo_matches_tp1(checkpoint, ours, prompts, tmp_path):
+    chosen = [prompts[0], prompts[2], prompts[4]]
+    expected = _generate(ours[0], chosen, ours[1].eos_token_ids)
+    expected = [t[:16] for t in expected]
+    (tmp_path / "worker.py").write_text(_WORKER)
+    (tmp_path / "prompts.json").write_text(json.dumps(chosen))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(rank), port, str(checkpoint),
+                               str(tmp_path / "prompts.json"), str(tmp_path / f"out{rank}.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    results = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2)]
+    assert [r["kv_heads"] for r in results] == [2, 1]  # 3 KV heads over 2 ranks
+    assert [r["tokens"] for r in results] == [expected, expected]

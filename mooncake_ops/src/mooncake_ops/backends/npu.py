@@ -1,0 +1,118 @@
+"""Ascend adapter: thin calls into torch_npu's fused ops. UNVERIFIED ON HARDWARE.
+
+Imported by the dispatch registry only when the first npu tensor arrives (importing torch_npu
+without CANN breaks ``import torch``). Nothing here has run on an NPU: signatures follow the
+torch_npu API reference (Ascend Extension for PyTorch 6.0 / 7.0 API lists). Calls outside the
+documented constraints run the portable path instead:
+
+    op                        torch_npu call                          falls back when
+    write_kv                  npu_scatter_pa_kv_cache (in place)      int8 cache
+    paged_decode_attention    npu_fused_infer_attention_score         int8 cache, float32
+                              (BSH, block_table, actual_seq_lengths_kv)
+    paged_prefill_attention   SDPA over gathered K/V (portable path)  always
+    rms_norm                  npu_rms_norm / npu_add_rms_norm
+    silu_and_mul              npu_swiglu
+    matmul_all_reduce         npu_mm_all_reduce_base(x, w, hcom)      float32
+    all_gather_matmul         npu_all_gather_base_mm(x, w, hcom, W)   float32, bias, K outside
+    matmul_reduce_scatter     npu_mm_reduce_scatter_base(x, w, hcom, W)  [256, 65535), W not 2/4/8
+
+``hcom`` is the group's HCCL communicator name:
+``process_group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (only ever imported on npu)
+
+from mooncake_ops.backends import mc2_tiled, sdpa
+from mooncake_ops.backends import reference as ref
+from mooncake_ops.backends.devices import NPU_OPS, reference_table
+from mooncake_ops.dispatch import OpImpl
+
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    if k_scale is not None:
+        return ref.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    torch_npu.npu_scatter_pa_kv_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int32))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                           k_scale=None, v_scale=None, out=None):
+    if k_scale is not None or q.dtype not in HALF_TYPES:
+        return sdpa.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                           scale, k_scale, v_scale, out)
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    result, _ = torch_npu.npu_fused_infer_attention_score(
+        q.reshape(batch, 1, num_heads * head_dim),
+        k_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim),
+        v_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim),
+        block_table=block_tables.to(torch.int32), actual_seq_lengths_kv=context_lens.tolist(),
+        num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
+        input_layout="BSH", block_size=block_size)
+    return ref.into(out, result.view(batch, num_heads, head_dim))
+
+
+def rms_norm(x, weight, eps, residual=None):
+    if residual is None:
+        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+    y, _, summed = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+    return y, summed
+
+
+def silu_and_mul(x):
+    return torch_npu.npu_swiglu(x, dim=-1)
+
+
+def _hcom(comm) -> str:
+    backend = comm.process_group._get_backend(torch.device("npu"))
+    return backend.get_hccl_comm_name(comm.rank)
+
+
+def _mc2_fits(x, w, comm, bias=None, need_world=False) -> bool:
+    return (comm.size > 1 and x.dtype in HALF_TYPES and w.dtype == x.dtype
+            and 256 <= x.shape[1] < 65535 and (not need_world or comm.size in (2, 4, 8))
+            and (bias is None or not need_world))
+
+
+def matmul_all_reduce(x, w, comm, num_tiles, bias=None, timeout_s=None):
+    if not _mc2_fits(x, w, comm):
+        return mc2_tiled.matmul_all_reduce(x, w, comm, num_tiles, bias, timeout_s)
+    return torch_npu.npu_mm_all_reduce_base(x, w, _hcom(comm), reduce_op="sum", bias=bias)
+
+
+def all_gather_matmul(x, w, comm, num_tiles, bias=None, timeout_s=None, return_gathered=False):
+    if not _mc2_fits(x, w, comm, bias, need_world=True):
+        return mc2_tiled.all_gather_matmul(x, w, comm, num_tiles, bias, timeout_s,
+                                           return_gathered)
+    out, gathered = torch_npu.npu_all_gather_base_mm(x, w, _hcom(comm), comm.size,
+                                                     gather_output=return_gathered)
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_reduce_scatter(x, w, comm, num_tiles, bias=None, timeout_s=None):
+    if not _mc2_fits(x, w, comm, bias, need_world=True):
+        return mc2_tiled.matmul_reduce_scatter(x, w, comm, num_tiles, bias, timeout_s)
+    return torch_npu.npu_mm_reduce_scatter_base(x, w, _hcom(comm), comm.size, reduce_op="sum")
+
+
+class NpuBackend:
+    """torch_npu fused ops where documented, the portable paths elsewhere (see module doc)."""
+
+    device_type = "npu"
+
+    def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]:
+        table = reference_table()
+        table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, "torch-sdpa")
+        for fn in (write_kv, paged_decode_attention, rms_norm, silu_and_mul, matmul_all_reduce,
+                   all_gather_matmul, matmul_reduce_scatter):
+            table[fn.__name__] = OpImpl(fn, NPU_OPS[fn.__name__])
+        return table

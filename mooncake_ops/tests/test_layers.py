@@ -1,0 +1,132 @@
+"""rms_norm, rotary_embedding, build_rope_cache and silu_and_mul against float64 definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _support import DTYPES, IMPLS, assert_close, using
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mooncake_ops as mo
+
+EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // 4))
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@EXAMPLES
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 9),
+       hidden=st.sampled_from([64, 576, 100]), fused=st.booleans(), seed=st.integers(0, 999))
+def test_rms_norm(name, dtype, rows, hidden, fused, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype) if fused else None
+    weight = torch.rand(hidden, generator=gen).to(dtype)
+    with using(name):
+        got = mo.rms_norm(x, weight, 1e-6, residual)
+    h = x.double() + residual.double() if fused else x.double()
+    if fused:
+        got, new_residual = got
+        assert_close(new_residual, h, dtype)
+        h = new_residual.double()  # the normalised value is the rounded residual stream
+    expected = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert_close(got, expected, dtype)
+
+
+def rope64(positions, x, theta, is_neox, rot):
+    """Rotation by definition: pair (i, i + rot/2) or (2i, 2i + 1) turned by pos * theta^(-2i/rot)."""
+    out = x.double().clone()
+    half = rot // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rot)
+    angle = positions.double()[:, None, None] * freq
+    i = torch.arange(half)
+    a, b = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
+    xa, xb = x.double()[..., a], x.double()[..., b]
+    out[..., a] = xa * angle.cos() - xb * angle.sin()
+    out[..., b] = xb * angle.cos() + xa * angle.sin()
+    return out
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@EXAMPLES
+@given(dtype=st.sampled_from(DTYPES), tokens=st.integers(1, 7), head_dim=st.sampled_from([64, 128]),
+       partial=st.booleans(), is_neox=st.booleans(), seed=st.integers(0, 999))
+def test_rotary_embedding(name, dtype, tokens, head_dim, partial, is_neox, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rot = head_dim // 2 if partial else head_dim
+    cache = mo.build_rope_cache(head_dim, 4096, 10000.0, rotary_dim=rot)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q = torch.randn(tokens, 6, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, 2, head_dim, generator=gen).to(dtype)
+    with using(name):
+        q2, k2 = mo.rotary_embedding(positions, q, k, cache, is_neox=is_neox)
+    assert_close(q2, rope64(positions, q, 10000.0, is_neox, rot), dtype)
+    assert_close(k2, rope64(positions, k, 10000.0, is_neox, rot), dtype)
+    assert q2.data_ptr() != q.data_ptr()  # inputs are not modified in place
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_rotary_embedding_rejects_positions_past_the_cache(name):
+    cache = mo.build_rope_cache(64, 16, 10000.0)
+    q = torch.zeros(1, 1, 64)
+    with using(name), pytest.raises(mo.BlockTableError, match="16"):
+        mo.rotary_embedding(torch.tensor([16]), q, q, cache)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(name, dtype):
+    x = (torch.randn(3, 5, 2 * 96) * 4).to(dtype)
+    with using(name):
+        got = mo.silu_and_mul(x)
+    a, b = x.double().chunk(2, dim=-1)
+    assert_close(got, a / (1 + torch.exp(-a)) * b, dtype)
+
+
+SCALINGS = [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    {"rope_type": "dynamic", "factor": 2.0},
+]
+
+
+def hf_inv_freq(scaling, head_dim, theta, max_position):
+    """transformers' own rope initialisation for the same config (the reference we follow)."""
+    utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+    params = dict(scaling, rope_theta=theta)
+    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=max_position, rope_parameters=params)
+    kind = scaling["rope_type"]
+    kwargs = {"seq_len": max_position} if kind == "dynamic" else {}
+    inv_freq, factor = utils.ROPE_INIT_FUNCTIONS[kind](config, "cpu", **kwargs)
+    return inv_freq.double(), factor
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
+def test_rope_scaling_matches_transformers(scaling):
+    head_dim, theta, max_position = 128, 500000.0, 16384
+    try:
+        inv_freq, factor = hf_inv_freq(scaling, head_dim, theta, max_position)
+    except (TypeError, ValueError, KeyError) as exc:  # config API drift across versions
+        pytest.skip(f"transformers config API differs: {exc}")
+    cache = mo.build_rope_cache(head_dim, max_position, theta, rope_scaling=scaling,
+                                dtype=torch.float64)
+    pos = 1000
+    expected = torch.cat([torch.cos(pos * inv_freq), torch.sin(pos * inv_freq)]) * factor
+    torch.testing.assert_close(cache[pos], expected, atol=2e-4, rtol=1e-4)
+
+
+def test_rope_cache_layout_and_errors():
+    cache = mo.build_rope_cache(64, 8, 10000.0)
+    assert cache.shape == (8, 64) and cache.dtype == torch.float32
+    assert torch.allclose(cache[0], torch.cat([torch.ones(32), torch.zeros(32)]))
+    assert math.isclose(float(cache[1, 0]), math.cos(1.0), rel_tol=1e-6)
+    with pytest.raises(mo.RopeScalingError, match="supported"):
+        mo.build_rope_cache(64, 8, 10000.0, rope_scaling={"rope_type": "su"})
+    with pytest.raises(mo.RopeScalingError, match="low_freq_factor"):
+        mo.build_rope_cache(64, 8, 10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0})
