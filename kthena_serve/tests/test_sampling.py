@@ -99,3 +99,21 @@ def test_eos_stop_ids_and_length():
     stream = _stream(SamplingParams(), max_tokens=2)
     assert stream.append(ord("a")) is None and stream.append(ord("b")) is FinishReason.LENGTH
     assert stream.take_new_text(True) == "ab"
+
+
+def test_chinese_text_streams_as_whole_characters():
+    from kthena_serve.model import IncrementalDetokenizer
+    from kthena_serve.testing import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    text = "长城是中国古代的军事防御工程。Hello, 世界！"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text) // 2  # several tokens per character: the case that breaks
+    stream = OutputStream(IncrementalDetokenizer(tokenizer, []), SamplingParams(), (), 1000)
+    pieces = []
+    for token_id in ids:
+        stream.append(token_id)
+        pieces.append(stream.take_new_text(False))
+    pieces.append(stream.take_new_text(True))
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == text

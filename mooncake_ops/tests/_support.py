@@ -74,7 +74,7 @@ def oracle_prefill(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_l
                    k_scale=None, v_scale=None):
     out = torch.empty(q.shape, dtype=torch.float64)
     start = 0
-    for b, (c, n) in enumerate(zip(cached_lens.tolist(), query_lens.tolist())):
+    for b, (c, n) in enumerate(zip(cached_lens.tolist(), query_lens.tolist(), strict=True)):
         keys = torch.cat([tokens64(k_cache, k_scale, block_tables[b], c), k[start:start + n].double()])
         values = torch.cat([tokens64(v_cache, v_scale, block_tables[b], c), v[start:start + n].double()])
         for i in range(n):

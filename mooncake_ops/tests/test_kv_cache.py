@@ -100,7 +100,7 @@ def test_gather_then_scatter_restores_blocks(strided):
     dst = PagedCache(g, [60])
     targets = [dst.k_cache, dst.v_cache, dst.k_scale, dst.v_scale]
     mo.scatter_blocks(staging, targets, [1, 4, 0])
-    for a, b in zip(caches, targets):
+    for a, b in zip(caches, targets, strict=True):
         assert same_bits(a[torch.tensor(ids)], b[torch.tensor([1, 4, 0])])
     out = torch.empty(staging.numel(), dtype=torch.uint8)
     assert torch.equal(mo.gather_blocks(caches, torch.tensor(ids), out=out).view(3, -1), staging)

@@ -4,9 +4,10 @@
 // Work item = (sequence b, KV head h, split s). Item covers the sequence's blocks
 // [s * bps, (s + 1) * bps) and the G = num_heads / num_kv_heads query heads that share h:
 //
-//   for each block:  scores[g][t] = (q[g] * scale) . k[t]      (int8: times k_scale[t])
+//   for each block:  K, V rows -> fp32 scratch (int8: times k_scale[t] / v_scale[t])
+//                    scores[g][t] = (q[g] * scale) . k[t]        16 tokens per step
 //                    online softmax: m, l rescaled by exp(m_old - m_new)
-//                    acc[g] += exp(scores[g][t] - m) * v[t]     (int8: times v_scale[t])
+//                    acc[g] += exp(scores[g][t] - m) * v[t]       acc in registers
 //
 // With one split the item writes acc / l straight to out; with several (short batches on
 // many threads) each writes (m, l, acc) and a combine pass merges them:
@@ -51,25 +52,33 @@ struct State {  // running softmax state of one item: m[G], l[G], acc[G][D]
   float* acc;
 };
 
+// Block rows as fp32 (int8: times their scale) into `dst` [rows16][D]; rows n..rows16-1 zeroed.
 template <int NC, typename CT>
-inline void load_row(const CT* p, __m512 (&r)[NC]) {
-  for (int c = 0; c < NC; ++c) r[c] = load16(p + 16 * c);
-}
-
-template <int NC, typename CT>
-void block_scores(const DecodeArgs& a, const CT* kb, const float* ksc, int64_t n, int G,
-                  const float* qf, float* sc) {
+void to_fp32(const CT* src, int64_t stride, const float* scale, int64_t scale_stride, int64_t n,
+             int64_t rows16, float* dst) {
   constexpr int D = 16 * NC;
   for (int64_t t = 0; t < n; ++t) {
-    __m512 kr[NC];
-    load_row<NC>(kb + t * a.k.st, kr);
-    const float ks = ksc ? ksc[t * a.k.sst] : 1.0f;
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
-      for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], s);
-      sc[g * a.block_size + t] = _mm512_reduce_add_ps(s) * ks;
+    const __m512 s = _mm512_set1_ps(scale ? scale[t * scale_stride] : 1.0f);
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + t * D + 16 * c, _mm512_mul_ps(load16(src + t * stride + 16 * c), s));
+  }
+  std::fill(dst + n * D, dst + rows16 * D, 0.0f);
+}
+
+// sc[t] = qg . kf[t] for t < rows16, 16 tokens per step (independent FMA chains, one
+// transpose-add per 16 tokens instead of a horizontal sum per token).
+template <int NC>
+void block_scores(const float* qg, const float* kf, int64_t rows16, float* sc) {
+  constexpr int D = 16 * NC;
+  __m512 q[NC];
+  for (int c = 0; c < NC; ++c) q[c] = _mm512_loadu_ps(qg + 16 * c);
+  for (int64_t t0 = 0; t0 < rows16; t0 += 16) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) {
+      const float* k = kf + (t0 + t) * D;
+      acc[t] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+      for (int c = 1; c < NC; ++c) acc[t] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), acc[t]);
     }
+    _mm512_storeu_ps(sc + t0, sum16x16(acc));
   }
 }
 
@@ -99,32 +108,36 @@ void softmax_update(float* sg, int64_t n, float& m, float& l, float* acc) {
   m = m_new;
 }
 
-template <int NC, typename CT>
-void block_values(const DecodeArgs& a, const CT* vb, const float* vsc, int64_t n, int G,
-                  const float* p, float* acc) {
+// acc += sum_t p[t] * vf[t], the accumulator held in registers across the block.
+template <int NC>
+void block_values(const float* p, const float* vf, int64_t n, float* acc) {
   constexpr int D = 16 * NC;
+  __m512 a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
-    __m512 vr[NC];
-    load_row<NC>(vb + t * a.v.st, vr);
-    const float vs = vsc ? vsc[t * a.v.sst] : 1.0f;
-    for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * a.block_size + t] * vs);
-      float* ag = acc + g * D;
-      for (int c = 0; c < NC; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vr[c], _mm512_loadu_ps(ag + 16 * c)));
-    }
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf + t * D + 16 * c), a[c]);
   }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
+
+struct Scratch {  // per thread: q [G][D], scores [G][B16], K and V block rows [B16][D] (fp32)
+  float* qf;
+  float* sc;
+  float* kf;
+  float* vf;
+};
 
 template <int NC, typename QT, typename CT>
 void attend(const DecodeArgs& a, const QT* q, int64_t b, int64_t h, int64_t j0, int64_t j1,
-            State st, float* qf, float* sc) {
+            State st, Scratch w) {
   constexpr int D = 16 * NC;
   const int G = static_cast<int>(a.group);
+  const int64_t b16 = (a.block_size + 15) / 16 * 16;
   const __m512 vscale = _mm512_set1_ps(a.scale);
   for (int g = 0; g < G; ++g) {
     const QT* qg = q + (b * a.num_kv_heads * G + h * G + g) * D;
-    for (int c = 0; c < D; c += 16) _mm512_storeu_ps(qf + g * D + c, _mm512_mul_ps(load16(qg + c), vscale));
+    for (int c = 0; c < D; c += 16) _mm512_storeu_ps(w.qf + g * D + c, _mm512_mul_ps(load16(qg + c), vscale));
     st.m[g] = kNegInf;
     st.l[g] = 0.0f;
     std::fill(st.acc + g * D, st.acc + (g + 1) * D, 0.0f);
@@ -134,13 +147,17 @@ void attend(const DecodeArgs& a, const QT* q, int64_t b, int64_t h, int64_t j0, 
   const CT* vbase = static_cast<const CT*>(a.v.data);
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t blk = a.block_tables[b * a.max_blocks + j];
-    const int64_t n = std::min(a.block_size, ctx - j * a.block_size);
+    const int64_t n = std::min(a.block_size, ctx - j * a.block_size), n16 = (n + 15) / 16 * 16;
     const float* ksc = a.k.scale ? a.k.scale + blk * a.k.ssb + h * a.k.ssh : nullptr;
     const float* vsc = a.v.scale ? a.v.scale + blk * a.v.ssb + h * a.v.ssh : nullptr;
-    block_scores<NC>(a, kbase + blk * a.k.sb + h * a.k.sh, ksc, n, G, qf, sc);
-    for (int g = 0; g < G; ++g)
-      softmax_update<NC>(sc + g * a.block_size, n, st.m[g], st.l[g], st.acc + g * D);
-    block_values<NC>(a, vbase + blk * a.v.sb + h * a.v.sh, vsc, n, G, sc, st.acc);
+    to_fp32<NC>(kbase + blk * a.k.sb + h * a.k.sh, a.k.st, ksc, a.k.sst, n, n16, w.kf);
+    to_fp32<NC>(vbase + blk * a.v.sb + h * a.v.sh, a.v.st, vsc, a.v.sst, n, n, w.vf);
+    for (int g = 0; g < G; ++g) {
+      float* sg = w.sc + g * b16;
+      block_scores<NC>(w.qf + g * D, w.kf, n16, sg);
+      softmax_update<NC>(sg, n, st.m[g], st.l[g], st.acc + g * D);
+      block_values<NC>(sg, w.vf, n, st.acc + g * D);
+    }
   }
 }
 
@@ -182,16 +199,17 @@ void run(const DecodeArgs& a, const QT* q, QT* out, int64_t nsplit, int64_t bps,
   constexpr int D = 16 * NC;
   const int64_t G = a.group, items = a.batch * a.num_kv_heads * nsplit, stride = G * (D + 2);
   std::vector<float> part(nsplit > 1 ? items * stride : 0);
+  const int64_t b16 = (a.block_size + 15) / 16 * 16;
   at::parallel_for(0, items, parallel ? 1 : items, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(G * (2 * D + a.block_size + 2));
-    float* qf = buf.data();
-    float* sc = qf + G * D;
+    std::vector<float> buf(G * (D + b16) + 2 * b16 * D + stride);
+    Scratch w{buf.data(), buf.data() + G * D, buf.data() + G * (D + b16), buf.data() + G * (D + b16) + b16 * D};
+    float* own = w.vf + b16 * D;  // this item's state when there is a single split
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i % nsplit, bh = i / nsplit, h = bh % a.num_kv_heads, b = bh / a.num_kv_heads;
       const int64_t nblk = (a.context_lens[b] + a.block_size - 1) / a.block_size;
-      float* base = nsplit > 1 ? part.data() + i * stride : sc + G * a.block_size;
+      float* base = nsplit > 1 ? part.data() + i * stride : own;
       State st{base, base + G, base + 2 * G};
-      attend<NC, QT, CT>(a, q, b, h, s * bps, std::min(nblk, (s + 1) * bps), st, qf, sc);
+      attend<NC, QT, CT>(a, q, b, h, s * bps, std::min(nblk, (s + 1) * bps), st, w);
       if (nsplit == 1)
         for (int64_t g = 0; g < G; ++g) finish_row<NC>(st.acc + g * D, st.l[g], out + (bh * G + g) * D);
     }
@@ -211,7 +229,7 @@ Extent check_tables(const DecodeArgs& a, int64_t num_blocks) {
     if (ctx < 0 || ctx > a.max_blocks * a.block_size)
       throw std::invalid_argument("context_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) +
                                   " does not fit block_tables' " + std::to_string(a.max_blocks) + " blocks x " +
-                                  std::to_string(a.block_size) + " tokens; lengths must be in [0, capacity]");
+                                  std::to_string(a.block_size) + " tokens; lengths must be >= 0 and fit the table");
     for (int64_t j = 0; j * a.block_size < ctx; ++j) {
       const int64_t id = a.block_tables[b * a.max_blocks + j];
       if (id < 0 || id >= num_blocks)

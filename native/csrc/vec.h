@@ -63,6 +63,22 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Sums of 16 vectors at once: result lane i = sum of a[i]'s 16 lanes (a transpose-and-add tree:
+// ~3 instructions per vector instead of ~10 for a horizontal reduction each).
+inline __m512 sum16x16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i: lanes 0,2 | a2i+1: lanes 1,3] partials
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: lane-local sums of a4i .. a4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Across 128-bit lanes: pair lanes (0,1) and (2,3), twice.
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }

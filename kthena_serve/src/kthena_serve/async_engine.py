@@ -127,6 +127,7 @@ class AsyncLLM:
             self._stats = engine.stats()
             self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        self.engine.close()  # on the owner thread: the KV manager allows no other
 
     def _drain_inbox(self) -> None:
         while self._inbox:

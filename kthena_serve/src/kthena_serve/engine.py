@@ -48,14 +48,20 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
-        configure_threads(config.num_threads)
-        if model is None:
-            from kthena_serve.model import load_model
+        if config.tp > 1:
+            from kthena_serve.tp_runner import TPModelRunner
 
-            model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
+            self.runner = TPModelRunner(config)  # pins this process to one core
+            model, tokenizer = self.runner.model, self.runner.tokenizer
+        else:
+            configure_threads(config.num_threads)
+            if model is None:
+                from kthena_serve.model import load_model
+
+                model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
+            self.runner = ModelRunner(model, config)
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  check_invariants=config.check_invariants)
@@ -130,6 +136,12 @@ class LLMEngine:
         if request is None:
             return None
         return self._finish_output(request)
+
+    def close(self) -> None:
+        """Abort what is left and release the pool (and TP workers)."""
+        for request_id in self.live_request_ids():
+            self.abort_request(request_id)
+        self.runner.close()
 
     def live_request_ids(self) -> list[str]:
         return list(self._requests)

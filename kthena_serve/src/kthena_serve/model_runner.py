@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kthena_serve.config import EngineConfig
-from kthena_serve.model_inputs import build_inputs
+from kthena_serve.model_inputs import ModelInputs, build_inputs
 from kthena_serve.scheduler import ScheduledBatch
 from mooncake_kv.layout import KVLayout, LayoutKind
 from mooncake_kv.pool import KVPool
@@ -16,7 +16,8 @@ __all__ = ["ModelRunner", "kv_layout_for"]
 _KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def kv_layout_for(model: torch.nn.Module, config: EngineConfig) -> KVLayout:
+def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
+                  config: EngineConfig) -> KVLayout:
     """The pool layout: ``num_kv_blocks`` exactly, or as many blocks as ``kv_cache_memory`` holds.
 
     PER_LAYER order keeps each layer's cache one contiguous [blocks, block_size, heads, dim]
@@ -26,9 +27,9 @@ def kv_layout_for(model: torch.nn.Module, config: EngineConfig) -> KVLayout:
         ValueError: the memory budget holds no block at all.
     """
     shape = KVShape(
-        num_layers=model.config.num_hidden_layers,
-        num_kv_heads=model.num_kv_heads_per_rank,
-        head_dim=model.head_dim,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         block_size=config.block_size,
         dtype=_KV_DTYPES[config.torch_dtype],
     )
@@ -52,16 +53,22 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.model = model
         self.block_size = config.block_size
-        self.pool = KVPool.create(kv_layout_for(model, config))
         num_layers = model.config.num_hidden_layers
+        layout = kv_layout_for(num_layers, model.num_kv_heads_per_rank, model.head_dim, config)
+        self.pool = KVPool.create(layout)
         self.kv_caches = [(self.pool.k_cache(i), self.pool.v_cache(i)) for i in range(num_layers)]
 
     @property
     def num_blocks(self) -> int:
         return self.pool.layout.num_blocks
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward ``batch``; returns fp32 logits [num_requests, vocab] (last new token each)."""
-        inputs = build_inputs(batch, self.block_size)
+        return self.forward(build_inputs(batch, self.block_size))
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches)
+
+    def close(self) -> None:
+        self.pool.close()

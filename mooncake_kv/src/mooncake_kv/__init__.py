@@ -72,3 +72,68 @@ __all__ = [
 ]
 
 # Pool, layout and tiers (torch for the pool): exports are added below this line.
+from mooncake_kv.layout import (  # noqa: E402
+    DEFAULT_LAYOUT,
+    BlockIdError,
+    ByteRange,
+    KVLayout,
+    KVPart,
+    LayerIndexError,
+    LayoutError,
+    LayoutKind,
+    LayoutMismatchError,
+    RangePair,
+)
+from mooncake_kv.sizing import (  # noqa: E402
+    KVDtype,
+    KVShape,
+    SizingError,
+    kv_cache_max_tokens,
+    kv_heads_per_rank,
+    max_num_blocks,
+    max_num_tokens,
+)
+from mooncake_kv.tiers import (  # noqa: E402
+    BlockStorage,
+    CorruptBlockError,
+    HostMemoryTier,
+    HostTierConfig,
+    KVTier,
+    MooncakeStoreTier,
+    OffloadStats,
+    StoreTierConfig,
+    TierConfig,
+    TieredKVCache,
+    TierError,
+    TierStats,
+    TierUnavailableError,
+    UnknownTierError,
+    available_tiers,
+    open_tier,
+    register_tier,
+)
+
+__all__ += [
+    "DEFAULT_LAYOUT", "BlockIdError", "ByteRange", "KVLayout", "KVPart", "LayerIndexError", "LayoutError",
+    "LayoutKind", "LayoutMismatchError", "RangePair",
+    "KVDtype", "KVShape", "SizingError", "kv_cache_max_tokens", "kv_heads_per_rank", "max_num_blocks",
+    "max_num_tokens",
+    "BlockStorage", "CorruptBlockError", "HostMemoryTier", "HostTierConfig", "KVTier", "MooncakeStoreTier",
+    "OffloadStats", "StoreTierConfig", "TierConfig", "TieredKVCache", "TierError", "TierStats",
+    "TierUnavailableError", "UnknownTierError", "available_tiers", "open_tier", "register_tier",
+    # torch-backed pool, loaded on first access
+    "KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError", "PoolNotFoundError",
+    "PoolMismatchError", "BlockPayloadError",
+]
+
+_POOL_NAMES = frozenset({"KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError",
+                         "PoolNotFoundError", "PoolMismatchError", "BlockPayloadError"})
+
+
+def __getattr__(name: str):
+    """Load the torch-backed pool only when one of its names is first used."""
+    if name in _POOL_NAMES:
+        from mooncake_kv import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module 'mooncake_kv' has no attribute {name!r}")

@@ -26,7 +26,7 @@ def tiles(num_rows: int, num_tiles: int) -> list[tuple[int, int]]:
     """Near-equal row ranges; never more tiles than rows, at least one."""
     k = max(1, min(num_tiles, num_rows))
     cuts = [num_rows * i // k for i in range(k + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 def matmul_all_reduce(x, w, comm, num_tiles, bias=None, timeout_s=None):
@@ -48,7 +48,7 @@ def all_gather_matmul(x, w, comm, num_tiles, bias=None, timeout_s=None,
     out = torch.empty(world, m, w.shape[1], dtype=torch.result_type(x, w), device=x.device)
     gathered = torch.empty(world, m, x.shape[1], dtype=x.dtype, device=x.device) \
         if return_gathered else None
-    for (a, b), h in zip(spans, handles):
+    for (a, b), h in zip(spans, handles, strict=True):
         part = h.wait(timeout_s).view(world, b - a, x.shape[1])
         out[:, a:b] = torch.matmul(part, w)
         if gathered is not None:

@@ -49,7 +49,7 @@ def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens
     cached, queries = ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)
     out = torch.empty_like(q) if out is None else out
     start = 0
-    for seq, (num_cached, num_new) in enumerate(zip(cached, queries)):
+    for seq, (num_cached, num_new) in enumerate(zip(cached, queries, strict=True)):
         end = start + num_new
         if num_new:
             out[start:end] = _sequence(seq, num_cached, q[start:end], k[start:end], v[start:end],

@@ -1,0 +1,150 @@
+"""Tensor parallelism for the engine: rank 0 schedules and samples, ranks 1.. mirror its forwards.
+
+    engine process (rank 0)                      worker process (rank r)
+    build inputs ── broadcast_object_list ─────▶ same inputs
+    forward (my heads) ◀──── all_reduce ───────▶ forward (its heads)
+    logits → sampler                              (logits dropped)
+
+Each rank is pinned to one core and runs one torch thread, with ``OMP_WAIT_POLICY=PASSIVE`` in
+its environment before torch loads, so two ranks on two cores never spin against each other.
+Every rank holds its own KV pool for its own KV heads with the same number of blocks, so the
+scheduler's block ids mean the same slots everywhere. Groups come from kthena_comm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+
+import attrs
+import torch
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.model_inputs import build_inputs
+from kthena_serve.model_runner import ModelRunner, kv_layout_for
+from kthena_serve.scheduler import ScheduledBatch
+from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
+
+__all__ = ["TPModelRunner"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pin(rank: int) -> None:
+    cores = owned_cores()
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    configure_threads()  # one thread: the affinity mask now holds one core
+
+
+def _join(config: EngineConfig, rank: int, port: int):  # noqa: ANN202
+    """Join the groups and load this rank's shard; returns (groups, model, tokenizer)."""
+    from kthena_comm.env import RankEnv
+    from kthena_comm.groups import init_parallel_groups
+    from kthena_comm.layout import ParallelConfig
+
+    from kthena_serve.model import TensorParallel, load_model
+
+    _pin(rank)
+    layout = ParallelConfig(tp_size=config.tp, pp_size=1, dp_size=1, sp_size=1)
+    groups = init_parallel_groups(layout, RankEnv(rank=rank, world_size=config.tp,
+                                                  master_port=port))
+    tp = TensorParallel.from_comm_group(groups.tp)
+    model, tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp)
+    return groups, model, tokenizer
+
+
+def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    groups, model, _ = _join(config, rank, port)
+    runner = ModelRunner(model, config)
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            runner.forward(box[0])
+    finally:
+        runner.close()
+        groups.destroy()
+
+
+@contextlib.contextmanager
+def _worker_environment():
+    """Children inherit os.environ at spawn: give them PASSIVE OpenMP and one thread."""
+    saved = dict(os.environ)
+    prepare_worker_env(os.environ, 1)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class TPModelRunner:
+    """A ModelRunner spread over ``config.tp`` processes (this one is rank 0).
+
+    Attributes:
+        model, tokenizer: rank 0's shard and the tokenizer.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        port = _free_port()
+        context = mp.get_context("spawn")
+        self._config = self._fixed_pool_size(config)
+        self._workers = []
+        with _worker_environment():
+            for rank in range(1, config.tp):
+                worker = context.Process(target=_worker_main, args=(self._config, rank, port),
+                                         name=f"kthena-tp{rank}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+        self._groups, self.model, self.tokenizer = _join(self._config, 0, port)
+        self._inner = ModelRunner(self.model, self._config)
+        self.block_size = config.block_size
+
+    @staticmethod
+    def _fixed_pool_size(config: EngineConfig) -> EngineConfig:
+        """Ranks may hold different KV head counts (3 heads over 2 ranks: 2 + 1); all need the
+        same block count, sized here by the largest shard so every rank fits the budget."""
+        if config.num_kv_blocks is not None:
+            return config
+        from kthena_serve.model import ModelConfig, resolve_checkpoint
+
+        model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
+        heads = -(-model.num_key_value_heads // config.tp)
+        layout = kv_layout_for(model.num_hidden_layers, heads, model.head_dim, config)
+        return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._inner.num_blocks
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        import torch.distributed as dist
+
+        inputs = build_inputs(batch, self.block_size)
+        dist.broadcast_object_list([inputs], src=0)
+        return self._inner.forward(inputs)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if not self._workers:
+            return
+        with contextlib.suppress(Exception):
+            dist.broadcast_object_list([None], src=0)
+        for worker in self._workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+        self._workers = []
+        self._inner.close()
+        self._groups.destroy()
