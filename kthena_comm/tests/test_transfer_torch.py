@@ -56,6 +56,7 @@ def test_stopped_peer_times_out_then_engine_refuses_quickly(peer_factory):
     engine.batch_put([TransferOp(local, 0, handle, 0, 4096)])
     peer.proc.send_signal(signal.SIGSTOP)
     try:
+        assert _eventually_stopped(peer.proc.pid), "SIGSTOP did not take effect"
         start = time.monotonic()
         with pytest.raises(TransferTimeoutError, match=handle.peer):
             engine.batch_put([TransferOp(local, 0, handle, 0, 1 << 20)])
@@ -68,6 +69,16 @@ def test_stopped_peer_times_out_then_engine_refuses_quickly(peer_factory):
         peer.proc.send_signal(signal.SIGCONT)
         engine.close()
     assert not _service_threads()
+
+
+def _eventually_stopped(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # delivery can lag on a loaded machine
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return True
+        time.sleep(0.02)
+    return False
 
 
 def test_close_stops_service_threads_and_peer_sees_us_gone(peer_factory):

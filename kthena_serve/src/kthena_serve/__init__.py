@@ -1,1 +1,35 @@
-"""kthena_serve."""
+"""kthena_serve: the reference engine and OpenAI-compatible server over the other four layers.
+
+* ``LLM(model=..., **engine_config).generate(prompts, SamplingParams(...))``: offline Python API;
+* ``AsyncLLM``: the engine on a background thread with per-request async streams (the server's);
+* ``LLMEngine``: ``step()`` = schedule -> run -> postprocess, continuous batching with chunked
+  prefill, prefix reuse and preemption through mooncake_kv;
+* ``kthena serve`` / ``kthena bench serve``: the command line (see docs/kthena_serve.md).
+
+Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",
+    "EngineConfig": "config", "SamplingParams": "sampling_params",
+    "RequestOutput": "request", "FinishReason": "request",
+    "InvalidRequestError": "errors", "EngineDeadError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kthena_serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kthena_serve.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

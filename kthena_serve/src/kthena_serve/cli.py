@@ -62,8 +62,8 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
     """A chat request that works against the server just started."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    body = {"model": model_name, "max_tokens": 64,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    body = {"model": model_name, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
     auth = ' -H "Authorization: Bearer $KTHENA_API_KEY"' if with_key else ""
     return (f"curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
             f"{auth} -d {shlex.quote(json.dumps(body))}")

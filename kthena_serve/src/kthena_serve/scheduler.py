@@ -25,6 +25,8 @@ from mooncake_kv import ExtraKeys, KVCacheManager
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
+_Picked = list[tuple[Request, int]]  # (request, tokens it feeds this step)
+
 
 @attrs.frozen
 class ScheduledBatch:
@@ -106,7 +108,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts, reserving their KV slots."""
-        picked: list[tuple[Request, int]] = []
+        picked: _Picked = []
         preempted: list[Request] = []
         rejected: list[Request] = []
         budget = self._schedule_running(picked, preempted, rejected)
@@ -132,7 +134,8 @@ class Scheduler:
                 request.num_committed_blocks = num_full
 
     # ---- internals ---------------------------------------------------------------------------
-    def _schedule_running(self, picked, preempted, rejected) -> int:
+    def _schedule_running(self, picked: _Picked, preempted: list[Request],
+                          rejected: list[Request]) -> int:
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -144,7 +147,8 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _reserve(self, request: Request, num_new: int, preempted, rejected) -> bool:
+    def _reserve(self, request: Request, num_new: int, preempted: list[Request],
+                 rejected: list[Request]) -> bool:
         """Reserve slots, preempting the newest running requests; False if ``request`` lost."""
         rid = request.request_id
         while True:
@@ -175,7 +179,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, picked, budget: int, rejected) -> None:
+    def _admit_waiting(self, picked: _Picked, budget: int, rejected: list[Request]) -> None:
         prefilling = [r for r, _ in picked if r.is_prefill]
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:

@@ -47,7 +47,6 @@ def _join(config: EngineConfig, rank: int, port: int):  # noqa: ANN202
     from kthena_comm.env import RankEnv
     from kthena_comm.groups import init_parallel_groups
     from kthena_comm.layout import ParallelConfig
-
     from kthena_serve.model import TensorParallel, load_model
 
     _pin(rank)
