@@ -136,4 +136,5 @@ def test_incremental_detokenizer_streams_valid_utf8(tokenizer, text):
     pieces = [detok.step(i) for i in ids]
     assert "".join(pieces) == tokenizer.decode(ids) == detok.text
     assert not any("\ufffd" in piece for piece in pieces)
-    assert any(piece == "" for piece in pieces) == any(len(tokenizer.decode([i])) == 0 or "\ufffd" in tokenizer.decode([i]) for i in ids)
+    if any("\ufffd" in tokenizer.decode([i]) for i in ids):  # a character split across tokens
+        assert "" in pieces  # ... was held back until complete

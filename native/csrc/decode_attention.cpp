@@ -13,7 +13,7 @@
 // many threads) each writes (m, l, acc) and a combine pass merges them:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,  M = max_s m_s.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
@@ -64,6 +64,15 @@ void to_fp32(const CT* src, int64_t stride, const float* scale, int64_t scale_st
   std::fill(dst + n * D, dst + rows16 * D, 0.0f);
 }
 
+// Asks for a block's rows of one head ahead of use: blocks are scattered, so the hardware
+// prefetcher cannot guess the next one.
+template <typename CT>
+inline void prefetch_rows(const CT* rows, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * stride) + off, _MM_HINT_T0);
+}
+
 // sc[t] = qg . kf[t] for t < rows16, 16 tokens per step (independent FMA chains, one
 // transpose-add per 16 tokens instead of a horizontal sum per token).
 template <int NC>
@@ -90,8 +99,8 @@ void softmax_update(float* sg, int64_t n, float& m, float& l, float* acc) {
   for (int64_t t = 0; t < n; t += 16)
     vmax = _mm512_mask_max_ps(vmax, tail_mask(n - t), vmax, _mm512_maskz_loadu_ps(tail_mask(n - t), sg + t));
   const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const float alpha = std::exp(m - m_new);
-  if (alpha != 1.0f) {
+  if (m_new > m) {  // the running max moved: rescale what was accumulated under the old one
+    const float alpha = std::exp(m - m_new);
     l *= alpha;
     for (int c = 0; c < D; c += 16)
       _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha)));
@@ -150,6 +159,12 @@ void attend(const DecodeArgs& a, const QT* q, int64_t b, int64_t h, int64_t j0, 
     const int64_t n = std::min(a.block_size, ctx - j * a.block_size), n16 = (n + 15) / 16 * 16;
     const float* ksc = a.k.scale ? a.k.scale + blk * a.k.ssb + h * a.k.ssh : nullptr;
     const float* vsc = a.v.scale ? a.v.scale + blk * a.v.ssb + h * a.v.ssh : nullptr;
+    if (j + 1 < j1) {
+      const int64_t next = a.block_tables[b * a.max_blocks + j + 1];
+      const int64_t rows = std::min(a.block_size, ctx - (j + 1) * a.block_size);
+      prefetch_rows(kbase + next * a.k.sb + h * a.k.sh, a.k.st, rows, D * sizeof(CT));
+      prefetch_rows(vbase + next * a.v.sb + h * a.v.sh, a.v.st, rows, D * sizeof(CT));
+    }
     to_fp32<NC>(kbase + blk * a.k.sb + h * a.k.sh, a.k.st, ksc, a.k.sst, n, n16, w.kf);
     to_fp32<NC>(vbase + blk * a.v.sb + h * a.v.sh, a.v.st, vsc, a.v.sst, n, n, w.vf);
     for (int g = 0; g < G; ++g) {

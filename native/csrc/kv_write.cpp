@@ -7,7 +7,7 @@
 // The int8 arithmetic is the float32 sequence of mooncake_ops.quant.quantize_int8, so both
 // paths store identical bytes.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstring>
 #include <optional>

@@ -1,7 +1,7 @@
 // Per-token layer ops in one pass each: RMSNorm (+ fused residual add), NeoX RoPE, SiLU-and-mul.
 // All compute in fp32 and round once to the input dtype. Rows are contiguous [rows, hidden].
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <optional>

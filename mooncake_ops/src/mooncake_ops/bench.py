@@ -8,6 +8,7 @@
   Llama-70B per TP-8 rank} in bf16 (and int8 KV): native vs reference vs contiguous SDPA on the
   same data; GB/s achieved and the bandwidth floor (bytes / measured bandwidth).
 * ``layer``: per-call cost of write_kv, rms_norm, rotary_embedding, silu_and_mul (decode shape).
+* ``int8_accuracy``: decode output error of bf16 vs int8 KV against float64 (realistic K/V).
 * ``mc2``: matmul_all_reduce tiled vs unfused over 2 gloo ranks, with the overlap ratio.
 
 Fixed seed, warm-up, medians over repeats. Timed numbers never go into tests.
@@ -156,6 +157,50 @@ def bench_layers() -> None:
         emit(row)
 
 
+def realistic_kv(ctx: int, shape, seed: int = 0):
+    """Activations shaped like a Llama layer's: K with a few outlier channels (x8) and RoPE
+    applied, V plain Gaussian, queries aligned with some keys so attention is peaked."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    channel = torch.ones(dim)
+    channel[torch.randperm(dim, generator=gen)[:4]] = 8.0
+    k = torch.randn(ctx, kv_heads, dim, generator=gen) * channel
+    v = torch.randn(ctx, kv_heads, dim, generator=gen)
+    q = torch.randn(1, heads, dim, generator=gen) * channel
+    q += 0.5 * k[torch.randint(0, ctx, (heads,), generator=gen), torch.arange(heads) // (heads // kv_heads)]
+    rope = mo.build_rope_cache(dim, ctx, 10000.0)
+    q, k = mo.rotary_embedding(torch.arange(ctx), q.expand(ctx, -1, -1).contiguous(), k, rope)
+    return q[-1:], k, v
+
+
+def int8_error(ctx: int = 1024, shape=SHAPES["smollm2-135m"], seed: int = 0) -> dict:
+    """Decode attention output error of bf16 and int8 KV against float64 on `realistic_kv`."""
+    q, k, v = realistic_kv(ctx, shape, seed)
+    heads, kv_heads, dim = shape
+    scale = dim ** -0.5
+    table = torch.arange(-(-ctx // BLOCK_SIZE), dtype=torch.int32)[None]
+    lens = torch.tensor([ctx], dtype=torch.int32)
+    slots = torch.arange(ctx)
+    exact = F.scaled_dot_product_attention(q.double()[:, :, None], k.double().transpose(0, 1)[None],
+                                           v.double().transpose(0, 1)[None], scale=scale,
+                                           enable_gqa=True)[:, :, 0]
+    row = {"bench": "int8_accuracy", "context": ctx, "shape": shape}
+    for name, cache_dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+        kc = torch.zeros(table.shape[1], BLOCK_SIZE, kv_heads, dim, dtype=cache_dtype)
+        vc = torch.zeros_like(kc)
+        scales = {}
+        if cache_dtype == torch.int8:
+            scales = {n: torch.zeros(kc.shape[:3]) for n in ("k_scale", "v_scale")}
+        mo.write_kv(k.bfloat16(), v.bfloat16(), kc, vc, slots, **scales)
+        out = mo.paged_decode_attention(q.bfloat16(), kc, vc, table, lens, scale, **scales)
+        err = out.double() - exact
+        row[f"{name}_rel_l2"] = float(err.norm() / exact.norm())
+        row[f"{name}_max_abs"] = float(err.abs().max())
+    row["kv_bytes_per_token_bf16"] = 2 * kv_heads * dim * 2
+    row["kv_bytes_per_token_int8"] = 2 * kv_heads * (dim + 4)
+    return row
+
+
 def bench_mc2(quick: bool) -> None:
     from mooncake_ops import _mc2_worker
     env = {"MC2_BENCH_REPEATS": "5" if quick else "15"}
@@ -180,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_decode(bandwidth_gbs(), args.quick)
     if "layers" in sections:
         bench_layers()
+        for ctx in (256, 2048):
+            emit(int8_error(ctx))
     if "mc2" in sections:
         bench_mc2(args.quick)
     emit({"bench": "end", "loadavg": os.getloadavg()})

@@ -2,6 +2,8 @@
 
 Prints one JSON line: median / p10 / p90 step time and tokens/s for a decode step at a given
 context length, the dtype, threads, whether matmul weights are pre-packed, and the machine.
+``cpu_median_ms`` is the process CPU time per step: on a busy shared machine, with one thread,
+it is what the step would take on a core of its own (``load_avg_1m`` says how busy it was).
 """
 
 from __future__ import annotations
@@ -40,21 +42,24 @@ def measure(model: str, dtype: torch.dtype, context: int, steps: int, pack: bool
     prefill = AttentionBatch(
         slot_mapping=torch.arange(context), block_tables=table, cached_lens=torch.zeros(1, dtype=torch.int32),
         query_lens=torch.tensor([context], dtype=torch.int32), logits_indices=torch.tensor([context - 1]))
-    times = []
+    times, cpu_times = [], []
     with torch.inference_mode():
         token = llm(prompt, torch.arange(context), prefill, caches).argmax(-1)
         for position in range(context, context + steps):
             batch = _decode_batch(position, block_size, table)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             token = llm(token, torch.tensor([position]), batch, caches).argmax(-1)
             times.append(time.perf_counter() - start)
-    times = times[5:]  # warm-up
+            cpu_times.append(time.process_time() - cpu_start)
+    times, cpu_times = times[5:], cpu_times[5:]  # warm-up
     qs = statistics.quantiles(times, n=10)
     median = statistics.median(times)
     return {"bench": "model_decode_batch1", "model": model, "dtype": str(dtype).removeprefix("torch."),
             "context": context, "steps": len(times), "packed_weights": pack,
             "median_ms": round(median * 1e3, 2), "p10_ms": round(qs[0] * 1e3, 2),
             "p90_ms": round(qs[-1] * 1e3, 2), "tokens_per_s": round(1 / median, 1),
+            "cpu_median_ms": round(statistics.median(cpu_times) * 1e3, 2),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__}
 

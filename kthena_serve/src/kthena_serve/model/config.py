@@ -49,7 +49,7 @@ class ModelConfig:
     head_dim: int = attrs.field(validator=_positive)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None
+    rope_scaling: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
     max_position_embeddings: int = attrs.field(default=2048, validator=_positive)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
