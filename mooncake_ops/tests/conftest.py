@@ -1,5 +1,5 @@
 """mooncake_ops test set-up: one intra-op thread (two shared cores) and the shared helpers
-importable as ``_support``."""
+importable as ``_mops_support``."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from _support import (
+from _mops_support import (
     PagedCache,
     assert_close,
     geometry,
@@ -112,3 +112,22 @@ def test_prefill_then_decode_equals_one_long_prefill(name):
     tail = prefill(name, q[40:], k[40:], v[40:], cache, torch.tensor([40], dtype=torch.int32),
                    torch.tensor([1], dtype=torch.int32), None)
     assert_close(tail, whole[40:], torch.float32)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_decode_split_over_threads_matches_oracle(int8):
+    """Large calls split each sequence's blocks across threads and merge the partial softmaxes
+    (the tests otherwise run on one thread, which never splits)."""
+    g = dict(block_size=16, num_kv_heads=1, num_heads=16, head_dim=128, dtype=torch.bfloat16,
+             int8=int8, strided=True, seed=9)
+    cache = PagedCache(g, [1500, 37, 0])
+    cache.fill()
+    q = cache.randn(3, 16, 128)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = decode("native", q, cache, torch.full_like(q, math.nan))
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(got, oracle_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                    cache.lens, 128 ** -0.5, **cache.scales()), torch.bfloat16)

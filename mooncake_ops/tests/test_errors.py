@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _support import IMPLS, using
+from _mops_support import IMPLS, using
 
 import mooncake_ops as mo
 

@@ -9,7 +9,7 @@ per-rank shape ~8e-3 for both. The benchmark reports the same measure.
 from __future__ import annotations
 
 import pytest
-from _support import IMPLS, using
+from _mops_support import IMPLS, using
 
 from mooncake_ops.bench import SHAPES, int8_error
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _support import IMPLS, PagedCache, geometry, using
+from _mops_support import IMPLS, PagedCache, geometry, using
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _support import DTYPES, IMPLS, assert_close, using
+from _mops_support import DTYPES, IMPLS, assert_close, using
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

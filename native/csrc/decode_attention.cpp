@@ -289,8 +289,10 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::
                view_of(k_cache, k_scale), view_of(v_cache, v_scale)};
   const Extent e = check_tables(a, k_cache.size(0));
   auto out = out_buffer ? *out_buffer : at::empty_like(qc);  // caller checked shape, contiguity
-  // Below ~64k multiply-adds a parallel region costs more than it saves.
-  const bool parallel = e.total_tokens * q.size(1) * q.size(2) >= (1 << 16) && at::get_num_threads() > 1;
+  // A parallel region costs ~10 us on an idle machine but a whole scheduler slice (~8 ms,
+  // measured) when the other cores are busy; only calls of >= ~2M multiply-adds (~150 us on
+  // one core) are worth that risk.
+  const bool parallel = e.total_tokens * q.size(1) * q.size(2) >= (1 << 21) && at::get_num_threads() > 1;
   const int64_t base = a.batch * num_kv_heads, want = 2 * at::get_num_threads();
   const int64_t nsplit = parallel && base < want ? std::max<int64_t>(1, std::min(e.max_blocks, (want + base - 1) / base)) : 1;
   const int64_t bps = std::max<int64_t>(1, (e.max_blocks + nsplit - 1) / nsplit);

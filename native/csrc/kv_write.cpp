@@ -86,7 +86,7 @@ bool write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t n = key.size(0), heads = key.size(1), block_size = k_cache.size(1);
   check_slots(slots.data_ptr<int64_t>(), n, k_cache.size(0) * block_size);
-  const bool parallel = n * heads * d >= (1 << 16) && at::get_num_threads() > 1;
+  const bool parallel = n * heads * d >= (1 << 20) && at::get_num_threads() > 1;
   const auto kc = key.contiguous(), vc = value.contiguous();
   return with_float_type(key.scalar_type(), [&](auto st) {
     using ST = decltype(st);

@@ -15,7 +15,8 @@
 namespace mops {
 namespace {
 
-bool is_parallel(int64_t elements) { return elements >= (1 << 17) && at::get_num_threads() > 1; }
+// Threads only for prefill-sized calls: see decode_attention.cpp on the cost of a parallel region.
+bool is_parallel(int64_t elements) { return elements >= (1 << 20) && at::get_num_threads() > 1; }
 
 template <typename XT, typename WT>
 void rms_rows(const XT* x, const XT* res, const WT* w, XT* out, XT* res_out, int64_t rows,

@@ -17,6 +17,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -47,10 +48,12 @@ def _prompts(count: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def _median(fn: Callable[[], dict], runs: int) -> dict:
+def _median(name: str, fn: Callable[[], dict], runs: int) -> dict:
     fn()  # warm-up
     results = [fn() for _ in range(runs)]
-    return {k: round(statistics.median(r[k] for r in results), 4) for k in results[0]}
+    median = {k: round(statistics.median(r[k] for r in results), 4) for k in results[0]}
+    print(f"kthena bench serve: {name}: {median}", file=sys.stderr, flush=True)
+    return median
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -76,6 +79,7 @@ def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
 def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
     rng = random.Random(options.seed)
     out: dict = {}
+    label = "kthena"
     engines = {True: LLMEngine(config)}
     if "a" in options.cases:
         prompt = _prompts(1, 128, rng)
@@ -86,7 +90,7 @@ def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
             decode = (final.finish_time - final.first_token_time) / (len(final.token_ids) - 1)
             return {"ttft_s": run["mean_ttft_s"], "decode_tok_s": 1.0 / decode}
 
-        out["a_batch1"] = _median(case_a, options.runs)
+        out["a_batch1"] = _median(f"{label} a", case_a, options.runs)
     if "b" in options.cases:
         prompts = _prompts(32, 128, rng)
 
@@ -94,7 +98,7 @@ def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
             run = _engine_run(engines[True], prompts, 64)
             return {"total_s": run["total_s"], "output_tok_s": run["output_tok_s"]}
 
-        out["b_offline"] = _median(case_b, options.runs)
+        out["b_offline"] = _median(f"{label} b", case_b, options.runs)
     if "c" in options.cases:
         system = _prompts(1, 512, rng)[0]
         prompts = [system + q for q in _prompts(32, 32, rng)]
@@ -106,8 +110,8 @@ def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
                 run = _engine_run(engines[reuse], prompts, 16)
                 return {k: run[k] for k in ("total_s", "mean_ttft_s", "computed_prompt_tokens")}
 
-            out[f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"] = _median(case_c,
-                                                                                   options.runs)
+            name = f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"
+            out[name] = _median(f"kthena {name}", case_c, options.runs)
         on, off = out["c_shared_prefix_reuse"], out["c_shared_prefix_no_reuse"]
         out["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
     return out
@@ -142,6 +146,7 @@ def _hf_cases(config: EngineConfig, options: BenchOptions) -> dict:
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
     rng = random.Random(options.seed)
     out: dict = {}
+    label = "transformers"
     if "a" in options.cases:
         prompt = _prompts(1, 128, rng)
 
@@ -149,7 +154,7 @@ def _hf_cases(config: EngineConfig, options: BenchOptions) -> dict:
             total, first = _hf_generate(model, prompt, 64)
             return {"ttft_s": first, "decode_tok_s": 63 / max(total - first, 1e-9)}
 
-        out["a_batch1"] = _median(case_a, options.runs)
+        out["a_batch1"] = _median(f"{label} a", case_a, options.runs)
     if "b" in options.cases:
         prompts = _prompts(32, 128, rng)
 
@@ -157,7 +162,7 @@ def _hf_cases(config: EngineConfig, options: BenchOptions) -> dict:
             total, _ = _hf_generate(model, prompts, 64)
             return {"total_s": total, "output_tok_s": 32 * 64 / total}
 
-        out["b_offline"] = _median(case_b, options.runs)
+        out["b_offline"] = _median(f"{label} b", case_b, options.runs)
     if "c" in options.cases:
         system = _prompts(1, 512, rng)[0]
         prompts = [system + q for q in _prompts(32, 32, rng)]
@@ -166,7 +171,7 @@ def _hf_cases(config: EngineConfig, options: BenchOptions) -> dict:
             total, first = _hf_generate(model, prompts, 16)
             return {"total_s": total, "mean_ttft_s": first}
 
-        out["c_shared_prefix"] = _median(case_c, max(1, options.runs - 1))
+        out["c_shared_prefix"] = _median("transformers c", case_c, max(1, options.runs - 1))
     return out
 
 

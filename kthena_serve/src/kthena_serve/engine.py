@@ -221,3 +221,49 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             kv=self.kv.stats(),
         )
+
+    # ---- PD disaggregation hook (kthena_serve.pd) -------------------------------------------
+    def add_prefilled_request(self, request_id: str, prompt_ids: Sequence[int],
+                              params: SamplingParams, first_token_id: int, *,
+                              num_cached_tokens: int = 0, cache_salt: str | None = None,
+                              ) -> RequestOutput:
+        """Seat a request whose prompt KV another worker already wrote (PD handoff).
+
+        The caller reserved the blocks under ``request_id`` on this engine's thread
+        (``kv.match_prefix`` + ``kv.try_allocate`` for the whole prompt) and a prefill worker
+        filled them and sampled ``first_token_id``. The prompt blocks are committed (so later
+        requests hit them), the request joins the running set as a decoding request, and its
+        first output is returned (already finished if that token ends it).
+
+        Raises:
+            InvalidRequestError: a bad prompt or length (see ``resolve_max_tokens``).
+            ValueError: ``request_id`` is already live.
+        """
+        from kthena_serve.model import IncrementalDetokenizer
+        from kthena_serve.request import RequestStatus
+
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live; pick a unique id")
+        ids = list(prompt_ids)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        request = Request(request_id, ids, params, cache_salt=cache_salt)
+        request.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, ids), params,
+                                      self.eos_token_ids, max_tokens)
+        blocks = self.kv.try_allocate(request_id, 0)  # the reserved table, nothing new
+        assert blocks is not None, "reserved blocks vanished"
+        request.block_ids = blocks.block_ids
+        request.num_computed_tokens = len(ids)
+        request.num_cached_tokens = num_cached_tokens
+        self.kv.commit(request_id, ids)
+        request.num_committed_blocks = len(ids) // self.config.block_size
+        request.status = RequestStatus.RUNNING
+        self._requests[request_id] = request
+        self.scheduler.running.append(request)
+        request.token_ids.append(first_token_id)
+        request.first_token_time = time.perf_counter()
+        self._num_generated += 1
+        reason = request.stream.append(first_token_id)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            return self._finish_output(request)
+        return self._output(request)

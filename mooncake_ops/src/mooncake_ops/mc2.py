@@ -26,7 +26,19 @@ from mooncake_ops.errors import OpsShapeError
 
 __all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter", "resolve_group"]
 
+# Measured (docs/mooncake_ops.md): over gloo the collective runs on the same CPU cores as the
+# matmul, so tiling only adds per-tile latency; devices whose collectives are offloaded to DMA
+# engines (cuda, npu) overlap. ``num_tiles=None`` picks per device type.
+AUTO_TILES = {"cpu": 1}
 DEFAULT_TILES = 4
+
+
+def _tiles_for(x: torch.Tensor, num_tiles: int | None) -> int:
+    if num_tiles is None:
+        return AUTO_TILES.get(x.device.type, DEFAULT_TILES)
+    if num_tiles < 1:
+        raise OpsShapeError(f"num_tiles must be >= 1 (or None for the device default); got {num_tiles}")
+    return num_tiles
 
 
 def resolve_group(group: CommGroup | Any | None) -> CommGroup:
@@ -56,21 +68,25 @@ def _operands(x: torch.Tensor, w: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group: CommGroup | Any | None = None, *,
-                      num_tiles: int = DEFAULT_TILES, bias: torch.Tensor | None = None,
+                      num_tiles: int | None = None, bias: torch.Tensor | None = None,
                       timeout_s: float | None = None) -> torch.Tensor:
     """``all_reduce(x @ w) (+ bias)`` over ``group``; x [..., K_local] -> [..., N].
+
+    ``num_tiles``: row tiles whose collectives overlap the next tile's matmul; None picks the
+    device default (1 on cpu, where gloo shares the compute cores; 4 elsewhere).
 
     Raises:
         OpsShapeError, OpsDTypeError: operands that do not multiply.
     """
     x2 = _operands(x, w, "matmul_all_reduce")
     comm = resolve_group(group)
-    out = impl("matmul_all_reduce", x.device.type)(x2, w, comm, num_tiles, bias, timeout_s)
+    out = impl("matmul_all_reduce", x.device.type)(x2, w, comm, _tiles_for(x, num_tiles),
+                                                   bias, timeout_s)
     return out.view(*x.shape[:-1], w.shape[1])
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: CommGroup | Any | None = None, *,
-                      num_tiles: int = DEFAULT_TILES, bias: torch.Tensor | None = None,
+                      num_tiles: int | None = None, bias: torch.Tensor | None = None,
                       timeout_s: float | None = None, return_gathered: bool = False
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``all_gather(x) @ w (+ bias)``: x [m, K] on each rank -> [world * m, N] in rank order.
@@ -81,13 +97,13 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: CommGroup | Any |
         raise OpsShapeError(f"all_gather_matmul needs x [m, K]; got {tuple(x.shape)}")
     _operands(x, w, "all_gather_matmul")
     comm = resolve_group(group)
-    return impl("all_gather_matmul", x.device.type)(x, w, comm, num_tiles, bias, timeout_s,
-                                                    return_gathered)
+    return impl("all_gather_matmul", x.device.type)(x, w, comm, _tiles_for(x, num_tiles), bias,
+                                                    timeout_s, return_gathered)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor,
                           group: CommGroup | Any | None = None, *,
-                          num_tiles: int = DEFAULT_TILES, bias: torch.Tensor | None = None,
+                          num_tiles: int | None = None, bias: torch.Tensor | None = None,
                           timeout_s: float | None = None) -> torch.Tensor:
     """``reduce_scatter(x @ w) (+ bias)``: x [M, K_local] -> this rank's [M / world, N] rows.
 
@@ -101,4 +117,5 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor,
     if x.shape[0] % comm.size:
         raise OpsShapeError(f"matmul_reduce_scatter: M = {x.shape[0]} rows must be divisible by "
                             f"the group size {comm.size}; pad x")
-    return impl("matmul_reduce_scatter", x.device.type)(x, w, comm, num_tiles, bias, timeout_s)
+    return impl("matmul_reduce_scatter", x.device.type)(x, w, comm, _tiles_for(x, num_tiles), bias,
+                                                        timeout_s)

@@ -37,7 +37,7 @@ def _load() -> Any:
         else:
             _state["module"] = module
     if _state["module"] is None:
-        _log.info("mooncake_ops: native CPU kernels unavailable (%s); using the PyTorch "
+        _log.warning("mooncake_ops: native CPU kernels unavailable (%s); using the PyTorch "
                   "reference", _state["reason"])
     return _state["module"]
 

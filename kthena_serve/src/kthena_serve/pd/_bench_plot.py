@@ -1,0 +1,47 @@
+"""The PD benchmark's figure: handoff time vs KV bytes, and TPOT / TTFT per deployment."""
+
+from __future__ import annotations
+
+__all__ = ["plot"]
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = result["handoff"]
+    mib = [r["kv_bytes"] / 2**20 for r in rows]
+    ax = axes[0]
+    for key, label in (("zero_copy_s", "zero copy (control message only)"),
+                       ("host_copy_s", "copy through host memory"),
+                       ("mooncake_sync_s", "Mooncake put, batched, sync"),
+                       ("mooncake_async_s", "Mooncake put, batched, async+wait")):
+        ax.plot(mib, [r[key] * 1e3 for r in rows], marker="o", label=label)
+    per_token = [(m, r["mooncake_per_token_s"] * 1e3) for m, r in zip(mib, rows, strict=True)
+                 if "mooncake_per_token_s" in r]
+    if per_token:
+        ax.plot(*zip(*per_token, strict=True), marker="x", linestyle="--",
+                label="Mooncake put, one call per token")
+    ax.set(xscale="log", yscale="log", xlabel="KV bytes of the request (MiB)",
+           ylabel="handoff time (ms)", title="Handoff cost vs KV size (SmolLM2-135M, bf16)")
+    ax.legend(fontsize=8)
+    serving = result.get("serving")
+    ax = axes[1]
+    if serving:
+        names = list(serving)
+        x = range(len(names))
+        for offset, key, label in ((-0.2, "tpot_p50", "TPOT p50"), (0.0, "tpot_p99", "TPOT p99"),
+                                   (0.2, "itl_p99", "inter-token p99")):
+            ax.bar([i + offset for i in x], [(serving[n][key] or 0) * 1e3 for n in names],
+                   width=0.2, label=label)
+        ax.set_xticks(list(x), names)
+        ax.set(ylabel="ms", title="Decode streams while long prompts arrive")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kthena PD bench — {result['machine']['cores']} cores, "
+                 f"load {result['machine']['load_1min']:.1f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,98 @@
+"""PDCluster: launcher + router + OpenAI server in one object (tests, bench, embedding).
+
+Example::
+
+    with PDCluster({"num_kv_blocks": 256}, {"policy": "fail"}, num_prefill=1) as cluster:
+        httpx.post(f"{cluster.url}/v1/completions", json={...})
+"""
+
+from __future__ import annotations
+
+import glob
+
+import httpx
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd.config import PDConfig, RouterWeights
+from kthena_serve.pd.frontend import RemoteEngine, build_router_app
+from kthena_serve.pd.launcher import PDLauncher
+from kthena_serve.pd.router import Router
+from kthena_serve.server import BackgroundServer
+
+__all__ = ["PDCluster", "shm_pools"]
+
+
+def shm_pools() -> list[str]:
+    """KV pool files in /dev/shm (leak checks)."""
+    return sorted(glob.glob("/dev/shm/mooncake_kv.*"))
+
+
+def _pd_config(fields: dict) -> PDConfig:
+    fields = dict(fields)
+    if "weights" in fields:
+        fields["weights"] = RouterWeights(**fields["weights"])
+    return PDConfig(**fields)
+
+
+class PDCluster:
+    """Workers on split cores, a router, and the OpenAI app on a free local port."""
+
+    def __init__(self, engine_fields: dict, pd_fields: dict, *, num_prefill: int = 1,
+                 num_decode: int = 1, model_name: str = "default", tokenizer=None,  # noqa: ANN001
+                 **launcher_options) -> None:
+        self.engine_config = EngineConfig(**engine_fields)
+        self.pd_config = _pd_config(pd_fields)
+        self.launcher = PDLauncher(engine_fields, pd_fields, num_prefill, num_decode,
+                                   quiet=True, **launcher_options)
+        self.model_name = model_name
+        self._tokenizer = tokenizer
+        self.router: Router | None = None
+        self.server: BackgroundServer | None = None
+
+    def start(self) -> PDCluster:
+        from kthena_serve.model import Tokenizer, resolve_checkpoint
+
+        self.launcher.start()
+        try:
+            self.router = Router(self.launcher.endpoints(), self.pd_config,
+                                 self.engine_config.block_size).start()
+            self.launcher.on_restart = self.router.set_url
+            tokenizer = self._tokenizer or Tokenizer.from_pretrained(
+                resolve_checkpoint(self.engine_config.model))
+            remote = RemoteEngine(self.router, tokenizer, self.engine_config)
+            app = build_router_app(remote, model_name=self.model_name)
+            self.server = BackgroundServer(app).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.router is not None:
+            self.router.close()
+        self.launcher.stop()
+
+    def __enter__(self) -> PDCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def worker_state(self, name: str) -> dict:
+        return httpx.get(f"{self.launcher.url(name)}/pd/state", params={"since": 1 << 62},
+                         timeout=5).json()
+
+    def worker_metrics(self, name: str) -> str:
+        return httpx.get(f"{self.launcher.url(name)}/metrics", timeout=5).text
+
+    def complete(self, prompt, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:  # noqa: ANN001
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, **extra}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout)

@@ -1,0 +1,64 @@
+"""Roles and PD settings: frozen values the launcher, workers and router share."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["FailurePolicy", "PDConfig", "Role", "RouterWeights", "Transport"]
+
+
+class Role(str, enum.Enum):
+    COLOCATED = "colocated"  # prefill and decode in one engine (the plain server)
+    PREFILL = "prefill"  # computes prompt KV into blocks a decode worker owns
+    DECODE = "decode"  # owns the KV pool, admits prefilled requests, streams tokens
+
+
+class FailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
+    FAIL = "fail"  # the request fails with 503 and a body that says why
+
+
+class Transport(str, enum.Enum):
+    SHM = "shm"  # same host: prefill maps the decode pool and writes into it (zero copy)
+    MOONCAKE = "mooncake"  # across hosts: prefill computes locally, then one-sided put
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RouterWeights:
+    """Score = overlap * prefix blocks fraction - load * (running + waiting) - kv * usage.
+
+    Kthena's score-plugin idea: each term is normalised to [0, 1] before weighting.
+    """
+
+    overlap: float = attrs.field(default=1.0, validator=_non_negative)
+    load: float = attrs.field(default=0.5, validator=_non_negative)
+    kv_usage: float = attrs.field(default=0.25, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class PDConfig:
+    """How a PD deployment behaves.
+
+    Attributes:
+        policy: what a failed handoff does (``recompute`` or ``fail``).
+        transfer_timeout_s: a prefill + handoff not done by then has failed.
+        transport: ``shm`` (same host, zero copy) or ``mooncake`` (one-sided put).
+        pd_threshold_tokens: prompts whose uncached part is shorter skip disaggregation and
+            run on the decode worker (llm-d's threshold idea); 0 disaggregates everything.
+        weights: the router's score weights.
+        health_interval_s: how often the router polls each worker's state.
+    """
+
+    policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)
+    transfer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
+    transport: Transport = attrs.field(default=Transport.SHM, converter=Transport)
+    pd_threshold_tokens: int = attrs.field(default=32, validator=_non_negative)
+    weights: RouterWeights = attrs.field(factory=RouterWeights)
+    health_interval_s: float = attrs.field(default=0.5, validator=_non_negative)

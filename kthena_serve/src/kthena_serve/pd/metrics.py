@@ -1,0 +1,57 @@
+"""Prometheus metrics of PD workers and the router (one registry per process, like the server).
+
+* prefill: ``kthena_pd_prefill_seconds``, ``kthena_pd_handoff_seconds``,
+  ``kthena_pd_transferred_bytes`` and ``kthena_pd_prefill_cached_tokens``.
+* decode: ``kthena_pd_handoff_seconds`` (reserve to admit, as the decode worker sees it),
+  ``kthena_pd_transfer_failures{policy,reason}``, ``kthena_pd_requests{path}``.
+* router: ``kthena_pd_router_decisions{decision}``, ``kthena_pd_worker_up{worker}``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["PDMetrics"]
+
+_HANDOFF_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0)
+
+
+class PDMetrics:
+    """The PD metrics of one process, labelled with its role."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.handoff = Histogram("kthena_pd_handoff_seconds", "KV handoff time per request "
+                                 "(prefill: after compute; decode: reserve to admit)", ["role"],
+                                 buckets=_HANDOFF_BUCKETS, registry=r)
+        self.prefill = Histogram("kthena_pd_prefill_seconds", "Prefill compute per request",
+                                 ["role"], buckets=_HANDOFF_BUCKETS, registry=r)
+        self.bytes = Counter("kthena_pd_transferred_bytes", "KV bytes copied or sent in "
+                             "handoffs (0 for the zero-copy path)", ["role"], registry=r)
+        self.prefill_cached = Counter("kthena_pd_prefill_cached_tokens", "Prompt tokens the "
+                                      "prefill worker's own prefix cache supplied", ["role"],
+                                      registry=r)
+        self.failures = Counter("kthena_pd_transfer_failures", "Failed handoffs by policy and "
+                                "reason", ["role", "policy", "reason"], registry=r)
+        self.requests = Counter("kthena_pd_requests", "Requests by path (disaggregated, local)",
+                                ["role", "path"], registry=r)
+        self.decisions = Counter("kthena_pd_router_decisions", "Router decisions", ["role",
+                                 "decision"], registry=r)
+        self.worker_up = Gauge("kthena_pd_worker_up", "1 while a worker passes health checks",
+                               ["role", "worker"], registry=r)
+
+    def observe_handoff(self, seconds: float, num_bytes: int = 0) -> None:
+        self.handoff.labels(self.role).observe(seconds)
+        self.bytes.labels(self.role).inc(num_bytes)
+
+    def failure(self, policy: str, reason: str) -> None:
+        self.failures.labels(self.role, policy, reason).inc()
+
+    def decision(self, decision: str) -> None:
+        self.decisions.labels(self.role, decision).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,96 @@
+"""Control messages between router, decode and prefill workers (JSON; no KV bytes).
+
+::
+
+    router ──POST /pd/generate {request}──▶ decode
+                                             │ reserve blocks (own prefix cache honoured)
+    decode ──POST /pd/prefill {PrefillTask}──▶ prefill ── writes K/V into those blocks
+    decode ◀── {PrefillResult: first token} ──┘
+    router ◀── NDJSON lines of outputs ─────── decode
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kthena_serve.request import FinishReason, RequestOutput
+from kthena_serve.sampling_params import SamplingParams
+
+__all__ = ["PoolRef", "PrefillResult", "PrefillTask", "output_from_json", "output_to_json",
+           "params_from_json", "params_to_json"]
+
+
+@attrs.frozen
+class PoolRef:
+    """Where a decode worker's KV pool is: a shm name (same host) and/or a Mooncake handle."""
+
+    num_blocks: int
+    block_size: int
+    dtype: str
+    shm_name: str | None = None
+    mooncake_handle: str | None = None  # kthena_comm MemoryHandle.to_json()
+
+
+@attrs.frozen
+class PrefillTask:
+    """Compute ``token_ids[num_cached_tokens:]`` into ``block_ids`` of ``pool``; sample one."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int
+    block_ids: tuple[int, ...]
+    params: dict[str, Any]
+    pool: PoolRef
+    cache_salt: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PrefillTask:
+        data = dict(data)
+        data["pool"] = PoolRef(**data["pool"])
+        data["token_ids"] = tuple(data["token_ids"])
+        data["block_ids"] = tuple(data["block_ids"])
+        return cls(**data)
+
+
+@attrs.frozen
+class PrefillResult:
+    """The first token, and what the handoff cost (for metrics)."""
+
+    request_id: str
+    first_token_id: int
+    num_computed_tokens: int
+    compute_s: float
+    handoff_s: float  # after compute: nothing (shm) or the put + wait (mooncake)
+    handoff_bytes: int  # KV bytes that crossed a wire or a copy (0 for zero copy)
+    num_prefill_cached_tokens: int = 0  # tokens the prefill worker's own cache supplied
+
+
+def params_to_json(params: SamplingParams) -> dict[str, Any]:
+    data = attrs.asdict(params)
+    data["stop"] = list(params.stop)
+    data["stop_token_ids"] = list(params.stop_token_ids)
+    return data
+
+
+def params_from_json(data: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**data)
+
+
+def output_to_json(out: RequestOutput) -> dict[str, Any]:
+    data = attrs.asdict(out)
+    data["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+    return data
+
+
+def output_from_json(data: dict[str, Any]) -> RequestOutput:
+    data = dict(data)
+    reason = data.get("finish_reason")
+    data["finish_reason"] = FinishReason(reason) if reason else None
+    data["new_token_ids"] = tuple(data["new_token_ids"])
+    data["token_ids"] = tuple(data["token_ids"])
+    return RequestOutput(**data)

@@ -1,0 +1,171 @@
+"""The PD router: worker registry, health checks, KV-aware prefill pick, load-aware decode pick.
+
+::
+
+    score(prefill p) = w_overlap * cached_blocks(p) / prompt_blocks
+                     - w_load    * (running + waiting)(p) / max over prefill workers
+                     - w_kv      * kv_usage(p)
+    decode d         = argmin load, then KV usage (the same score with w_overlap = 0)
+    decider          : uncached tokens (prompt - decode's cached prefix) < threshold
+                       -> no prefill worker, the decode worker computes the prompt
+
+Cached-block counts come from a ``ClusterPrefixIndex`` fed by every worker's KV events, which
+the health loop polls (``/pd/state?since=seq``) with each worker's load. A worker that fails a
+poll or a request is marked down (no traffic) until a poll succeeds again; a restarted worker
+(new incarnation) is forgotten in the index and re-learned from its events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import attrs
+import httpx
+
+from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.server import event_from_json
+from mooncake_kv import ClusterPrefixIndex, ExtraKeys
+
+__all__ = ["Decision", "Router", "WorkerState"]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class WorkerState:
+    name: str
+    role: str
+    url: str
+    is_up: bool = False
+    incarnation: str | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    seq: int = 0
+    max_model_len: int | None = None
+    kv: dict = attrs.field(factory=dict)
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@attrs.frozen
+class Decision:
+    decode: WorkerState
+    prefill: WorkerState | None
+    reason: str  # disaggregated | short_prompt | no_prefill_worker
+    num_cached_blocks: int  # on the decode worker
+
+
+class Router:
+    """Chooses workers for each request (see module docs). Thread-safe."""
+
+    def __init__(self, workers: list[tuple[str, str, str]], config: PDConfig, block_size: int,
+                 metrics: PDMetrics | None = None) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.metrics = metrics or PDMetrics("router")
+        self.index = ClusterPrefixIndex(block_size)
+        self.workers = {name: WorkerState(name, role, url) for name, role, url in workers}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client = httpx.Client(timeout=2.0)
+
+    # ---- health loop ------------------------------------------------------------------------
+    def start(self) -> Router:
+        self.poll_all()
+        self._thread = threading.Thread(target=self._loop, name="kthena-pd-health", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._client.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            self.poll_all()
+
+    def poll_all(self) -> None:
+        for worker in list(self.workers.values()):
+            self.poll(worker)
+
+    def poll(self, worker: WorkerState) -> None:
+        try:
+            reply = self._client.get(f"{worker.url}/pd/state", params={"since": worker.seq})
+            reply.raise_for_status()
+            state = reply.json()
+        except (httpx.HTTPError, ValueError):
+            self.mark_down(worker.name)
+            return
+        with self._lock:
+            if state["incarnation"] != worker.incarnation or state["first_seq"] > worker.seq + 1:
+                if worker.name in self.index.instances():  # restarted, or events were lost
+                    self.index.remove_instance(worker.name)
+                worker.incarnation, worker.seq = state["incarnation"], 0
+                state["events"] = [] if state["first_seq"] > 1 else state["events"]
+            if worker.name not in self.index.instances():
+                self.index.add_instance(worker.name)
+            self.index.apply_all(worker.name, [event_from_json(e) for e in state["events"]])
+            worker.seq = state["last_seq"]
+            worker.num_running, worker.num_waiting = state["num_running"], state["num_waiting"]
+            kv = state.get("kv") or {}
+            worker.kv = kv
+            worker.kv_usage = kv.get("num_used_blocks", 0) / max(kv.get("num_blocks", 1), 1)
+            worker.max_model_len = state.get("max_model_len", worker.max_model_len)
+            worker.is_up = bool(state.get("alive", True))
+        self.metrics.worker_up.labels("router", worker.name).set(int(worker.is_up))
+
+    def mark_down(self, name: str) -> None:
+        with self._lock:
+            worker = self.workers[name]
+            if worker.is_up:
+                log.warning("worker %s is down", name)
+            worker.is_up = False
+        self.metrics.worker_up.labels("router", name).set(0)
+
+    def set_url(self, name: str, url: str) -> None:
+        with self._lock:
+            self.workers[name].url = url
+
+    # ---- choosing -----------------------------------------------------------------------------
+    def up(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role and w.is_up]
+
+    def choose(self, prompt_ids: list[int], cache_salt: str | None = None) -> Decision:
+        """Pick (decode, prefill or None) for a prompt.
+
+        Raises:
+            LookupError: no decode worker is up.
+        """
+        with self._lock:
+            decodes, prefills = self.up("decode"), self.up("prefill")
+            if not decodes:
+                raise LookupError("no decode worker is up")
+            salt = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
+            cached = self.index.match(prompt_ids, salt)
+            num_blocks = max(1, -(-len(prompt_ids) // self.block_size))
+            decode = max(decodes, key=lambda w: self._score(w, decodes, 0.0))
+            decode_cached = cached.get(decode.name, 0)
+            uncached = len(prompt_ids) - decode_cached * self.block_size
+            if not prefills:
+                reason, prefill = "no_prefill_worker", None
+            elif uncached < self.config.pd_threshold_tokens:
+                reason, prefill = "short_prompt", None
+            else:
+                reason = "disaggregated"
+                prefill = max(prefills, key=lambda w: self._score(
+                    w, prefills, cached.get(w.name, 0) / num_blocks))
+        self.metrics.decision(reason)
+        return Decision(decode, prefill, reason, decode_cached)
+
+    def _score(self, worker: WorkerState, peers: list[WorkerState], overlap: float) -> float:
+        w = self.config.weights
+        max_load = max(max(p.load for p in peers), 1)
+        return w.overlap * overlap - w.load * worker.load / max_load - w.kv_usage * worker.kv_usage

@@ -1,0 +1,104 @@
+"""``python -m kthena_serve.pd.serve`` / ``kthena serve --mode pd``: workers + router on one host.
+
+Starts ``--prefill N`` and ``--decode M`` worker processes (launcher.py) and serves the
+OpenAI API from the router in this process; clients see the same API as ``kthena serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["add_pd_args", "main", "run_pd"]
+
+
+def add_pd_args(parser: argparse.ArgumentParser) -> None:
+    """The PD flags (``kthena serve --mode pd`` shares them)."""
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (PD mode)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (PD mode)")
+    parser.add_argument("--pd-policy", default="recompute", choices=("recompute", "fail"),
+                        help="what a failed KV handoff does")
+    parser.add_argument("--pd-timeout", type=float, default=30.0,
+                        help="seconds a prefill + handoff may take")
+    parser.add_argument("--pd-transport", default="shm", choices=("shm", "mooncake"))
+    parser.add_argument("--pd-threshold", type=int, default=32,
+                        help="uncached prompt tokens below which the decode worker prefills")
+    parser.add_argument("--router-weights", default="1.0,0.5,0.25",
+                        help="overlap,load,kv_usage score weights")
+
+
+def _pd_fields(args: argparse.Namespace) -> dict:
+    overlap, load, kv = (float(x) for x in args.router_weights.split(","))
+    return {"policy": args.pd_policy, "transfer_timeout_s": args.pd_timeout,
+            "transport": args.pd_transport, "pd_threshold_tokens": args.pd_threshold,
+            "weights": {"overlap": overlap, "load": load, "kv_usage": kv}}
+
+
+def run_pd(args: argparse.Namespace, engine_fields: dict, model_name: str) -> int:
+    """Launch workers and serve the router until interrupted."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.model import Tokenizer, resolve_checkpoint
+    from kthena_serve.pd.config import PDConfig, RouterWeights
+    from kthena_serve.pd.frontend import RemoteEngine, build_router_app
+    from kthena_serve.pd.launcher import PDLauncher
+    from kthena_serve.pd.router import Router
+    from kthena_serve.server import run_server
+
+    pd_fields = _pd_fields(args)
+    pd_config = PDConfig(**{**pd_fields, "weights": RouterWeights(**pd_fields["weights"])})
+    config = EngineConfig(**engine_fields)
+    print(f"kthena serve --mode pd: starting {args.prefill} prefill + {args.decode} decode "
+          "workers ...", file=sys.stderr, flush=True)
+    launcher = PDLauncher(engine_fields, pd_fields, args.prefill, args.decode).start()
+    router = Router(launcher.endpoints(), pd_config, config.block_size).start()
+    launcher.on_restart = router.set_url
+    tokenizer = Tokenizer.from_pretrained(resolve_checkpoint(config.model))
+    remote = RemoteEngine(router, tokenizer, config)
+    app = build_router_app(remote, model_name=model_name,
+                           aliases={config.model, "default"} - {model_name},
+                           api_key=getattr(args, "api_key", None))
+
+    def ready(port: int) -> None:
+        from kthena_serve.cli import curl_line
+
+        workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
+        print(f"kthena serve --mode pd: {model_name} on http://{args.host}:{port} ({workers})."
+              " Try:", flush=True)
+        print(curl_line(args.host, port, model_name, bool(getattr(args, "api_key", None))),
+              flush=True)
+
+    try:
+        run_server(app, host=args.host, port=args.port, on_ready=ready)
+    finally:
+        router.close()
+        launcher.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kthena_serve.cli import _engine_args, _model_name
+
+    parser = argparse.ArgumentParser(prog="python -m kthena_serve.pd.serve")
+    _engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"))
+    parser.add_argument("--served-model-name", default=None)
+    add_pd_args(parser)
+    args = parser.parse_args(argv)
+    return run_pd(args, engine_fields(args), args.served_model_name or _model_name(args.model))
+
+
+def engine_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from ``kthena serve``'s engine flags (JSON-able, for the workers)."""
+    return {"model": args.model, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
+            "max_model_len": args.max_model_len,
+            "enable_prefix_caching": not args.no_prefix_caching}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The HTTP control apps of PD workers (decode and prefill); see worker.py for the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.pd.config import PDConfig, Transport
+from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
+from kthena_serve.server.errors import error_body
+from mooncake_kv import AllCleared, BlockRemoved, BlockStored, KVCacheManager
+
+__all__ = ["EventLog", "build_decode_app", "build_prefill_app", "event_from_json"]
+
+Closer = Callable[[], None]
+
+
+class EventLog:
+    """A worker's KV events with sequence numbers, for the router to poll (``since``)."""
+
+    def __init__(self, kv: KVCacheManager, maxlen: int = 50_000) -> None:
+        self._events: deque[tuple[int, dict]] = deque(maxlen=maxlen)
+        self._seq = 0
+        self._lock = threading.Lock()
+        kv.subscribe(self._on_event)
+
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, BlockStored):
+            data = {"type": "stored", "block_hashes": [h.hex() for h in event.block_hashes],
+                    "parent": event.parent_block_hash.hex() if event.parent_block_hash else None,
+                    "token_ids": list(event.token_ids), "block_size": event.block_size,
+                    "block_ids": list(event.block_ids)}
+        elif isinstance(event, BlockRemoved):
+            data = {"type": "removed", "block_hashes": [h.hex() for h in event.block_hashes],
+                    "block_ids": list(event.block_ids)}
+        else:
+            data = {"type": "cleared"}
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, data))
+
+    def since(self, seq: int) -> tuple[int, int, list[dict]]:
+        """(first seq still held, last seq, events after ``seq``)."""
+        with self._lock:
+            first = self._events[0][0] if self._events else self._seq + 1
+            return first, self._seq, [e for s, e in self._events if s > seq]
+
+
+def event_from_json(data: dict):  # noqa: ANN201
+    if data["type"] == "stored":
+        parent = bytes.fromhex(data["parent"]) if data["parent"] else None
+        return BlockStored(tuple(bytes.fromhex(h) for h in data["block_hashes"]), parent,
+                           tuple(data["token_ids"]), data["block_size"], tuple(data["block_ids"]))
+    if data["type"] == "removed":
+        return BlockRemoved(tuple(bytes.fromhex(h) for h in data["block_hashes"]),
+                            tuple(data["block_ids"]))
+    return AllCleared()
+
+
+def _incarnation() -> str:
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
+def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
+                   is_alive: Callable[[], bool]) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not is_alive():
+            return JSONResponse(error_body(503, "engine is not running"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- decode -----------------------------------------------------------------------------------
+def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
+                     mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
+    """The decode worker: engine with a shared pool, /pd/generate, /pd/state."""
+    from kthena_serve.engine import LLMEngine
+    from kthena_serve.pd.decode import DecodeEngine, DecodeService, share_pool
+    from kthena_serve.server.metrics import ServerMetrics
+
+    engine = LLMEngine(config)
+    pool = share_pool(engine)
+    te = handle = None
+    if pd.transport is Transport.MOONCAKE:
+        from kthena_serve.pd.transfer import register_pool
+
+        te, handle = register_pool(pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
+    ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype, pool.name,
+                  handle.to_json() if handle is not None else None)
+    events = EventLog(engine.kv)
+    async_engine = DecodeEngine(engine).start()
+    metrics = PDMetrics("decode")
+    server_metrics = ServerMetrics(async_engine)
+    service = DecodeService(async_engine, ref, pd, metrics)
+    incarnation = _incarnation()
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    _common_routes(app, lambda: server_metrics.render() + metrics.render(),
+                   lambda: async_engine.is_alive)
+
+    @app.get("/pd/state")
+    async def state(since: int = 0) -> dict:
+        stats = async_engine.stats()
+        kv = engine.kv.stats()
+        first, last, items = events.since(since)
+        return {"name": name, "role": "decode", "incarnation": incarnation,
+                "alive": async_engine.is_alive, "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting, "kv": attrs.asdict(kv),
+                "max_model_len": engine.max_model_len, "pool": attrs.asdict(ref),
+                "num_quarantined": service.num_quarantined, "first_seq": first,
+                "last_seq": last, "events": items}
+
+    @app.post("/pd/generate")
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        rid, ids = body["request_id"], list(body["prompt_ids"])
+        try:
+            params = params_from_json(body["params"])
+            async_engine.check(ids, params)
+        except InvalidRequestError as error:
+            return JSONResponse(error_body(400, str(error), error.param), status_code=400)
+        except (TypeError, ValueError) as error:
+            return JSONResponse(error_body(400, str(error)), status_code=400)
+        stream = service.generate(rid, ids, params, body.get("cache_salt"),
+                                  body.get("prefill_url"))
+        return StreamingResponse(_ndjson(rid, stream), media_type="application/x-ndjson")
+
+    def close() -> None:
+        async_engine.shutdown()  # closes the engine and with it the shared pool (unlinked)
+        if te is not None:
+            te.close()
+
+    return app, close
+
+
+async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
+    try:
+        async for out in stream:
+            data = output_to_json(out)
+            data["request_id"] = rid
+            yield json.dumps({"output": data}) + "\n"
+    except EngineDeadError as error:
+        yield json.dumps({"error": {"status": 503, "message": str(error)}}) + "\n"
+    except Exception as error:  # noqa: BLE001 - reported in-band, headers are gone
+        yield json.dumps({"error": {"status": 500, "message": f"{type(error).__name__}: "
+                                    f"{error}"}}) + "\n"
+    finally:
+        await stream.aclose()
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+class _Cancelled(Exception):
+    pass
+
+
+class _PrefillState:
+    """Which requests are queued or running on the compute thread (for /pd/cancel)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.running: str | None = None
+
+    def start(self, rid: str) -> None:
+        with self.lock:
+            self.queued.discard(rid)
+            if rid in self.cancelled:
+                self.cancelled.discard(rid)
+                raise _Cancelled(rid)
+            self.running = rid
+
+    def cancel(self, rid: str) -> bool:
+        """Drop ``rid`` if queued; True while it is being computed."""
+        with self.lock:
+            if self.running == rid:
+                return True
+            if rid in self.queued:
+                self.queued.discard(rid)
+                self.cancelled.add(rid)
+            return False
+
+
+def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *,
+                      mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
+    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel."""
+    from kthena_serve.model import load_model
+    from kthena_serve.pd.prefill import PrefillExecutor, check_task
+    from kthena_serve.threads import configure_threads
+
+    configure_threads(config.num_threads)
+    model, _ = load_model(config.model, dtype=config.torch_dtype)
+    own = pd.transport is Transport.MOONCAKE
+    executor = PrefillExecutor(model, config, own_pool=own)
+    putter = None
+    if own:
+        from kthena_serve.pd.transfer import BlockPutter
+
+        putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
+    events = EventLog(executor.kv) if executor.kv is not None else None
+    compute = ThreadPoolExecutor(1, thread_name_prefix="kthena-prefill")
+    state = _PrefillState()
+    metrics = PDMetrics("prefill")
+    incarnation = _incarnation()
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    _common_routes(app, metrics.render, lambda: True)
+
+    def run(task: PrefillTask):  # noqa: ANN202 - on the compute thread
+        state.start(task.request_id)
+        try:
+            if putter is None:
+                return executor.run_shared(task)
+            layout = executor.layout_for(task.pool.num_blocks, task.pool.block_size,
+                                         task.pool.dtype)
+            return executor.run_local(task, lambda src, dst: putter.put(
+                task.pool.mooncake_handle, layout, src, dst))
+        finally:
+            with state.lock:
+                state.running = None
+
+    @app.post("/pd/prefill")
+    async def prefill(request: Request) -> Response:
+        try:
+            task = PrefillTask.from_json(await request.json())
+            check_task(task)
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad prefill task: {error}"), status_code=400)
+        with state.lock:
+            state.queued.add(task.request_id)
+        try:
+            result = await asyncio.wrap_future(compute.submit(run, task))
+        except _Cancelled:
+            return JSONResponse(error_body(409, "cancelled"), status_code=409)
+        except Exception as error:  # noqa: BLE001 - the decode side applies its policy
+            return JSONResponse(error_body(503, f"prefill failed: {type(error).__name__}: "
+                                           f"{error}"), status_code=503)
+        metrics.prefill.labels("prefill").observe(result.compute_s)
+        metrics.observe_handoff(result.handoff_s, result.handoff_bytes)
+        metrics.prefill_cached.labels("prefill").inc(result.num_prefill_cached_tokens)
+        return JSONResponse(attrs.asdict(result))
+
+    @app.post("/pd/cancel")
+    async def cancel(request: Request) -> dict:
+        rid = (await request.json())["request_id"]
+        return {"busy": state.cancel(rid)}
+
+    @app.get("/pd/state")
+    async def pd_state(since: int = 0) -> dict:
+        with state.lock:
+            load = len(state.queued) + (state.running is not None)
+        first, last, items = events.since(since) if events else (1, 0, [])
+        kv = attrs.asdict(executor.kv.stats()) if executor.kv is not None else None
+        return {"name": name, "role": "prefill", "incarnation": incarnation, "alive": True,
+                "num_running": int(state.running is not None), "num_waiting": load
+                - int(state.running is not None), "kv": kv, "first_seq": first,
+                "last_seq": last, "events": items}
+
+    def close() -> None:
+        compute.shutdown(wait=True, cancel_futures=True)
+        if putter is not None:
+            putter.close()
+        executor.close()
+
+    return app, close

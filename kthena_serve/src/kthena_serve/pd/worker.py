@@ -1,0 +1,97 @@
+"""One PD worker process: ``python -m kthena_serve.pd.worker --role decode|prefill ...``.
+
+It pins itself to its cores and sets ``OMP_NUM_THREADS`` / ``OMP_WAIT_POLICY=PASSIVE``
+*before* torch is imported (OpenMP reads them once), loads the model, and serves a small
+control API on 127.0.0.1 (or ``--host``):
+
+    decode:  POST /pd/generate (NDJSON outputs)   prefill: POST /pd/prefill, POST /pd/cancel
+    both:    GET /pd/state (load, KV stats, KV events since a sequence number), /health, /metrics
+
+When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
+its parent (the launcher) dies, so no worker outlives a killed launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+__all__ = ["main"]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kthena_serve.pd.worker")
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--cores", default="", help="comma-separated CPU ids to pin to")
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
+    parser.add_argument("--pd-config", default="{}", help="PDConfig fields as JSON")
+    parser.add_argument("--mooncake-host", default=None, help="address Mooncake advertises")
+    return parser.parse_args(argv)
+
+
+def _pin(cores: str) -> int:
+    """Affinity and OpenMP settings; must run before torch is imported."""
+    ids = {int(c) for c in cores.split(",") if c.strip()}
+    if ids and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, ids)
+    count = len(ids) or len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(count)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return count
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    num_threads = _pin(args.cores)
+    _die_with_parent()
+    import json
+
+    import attrs
+
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.pd.config import PDConfig, RouterWeights
+    from kthena_serve.pd.server import build_decode_app, build_prefill_app
+    from kthena_serve.server import run_server
+
+    engine_config = EngineConfig(**{**json.loads(args.engine_config), "num_threads": num_threads})
+    pd_fields = json.loads(args.pd_config)
+    if "weights" in pd_fields:
+        pd_fields["weights"] = RouterWeights(**pd_fields["weights"])
+    pd_config = PDConfig(**pd_fields)
+    build = build_decode_app if args.role == "decode" else build_prefill_app
+    app, close = build(args.name, engine_config, pd_config, mooncake_host=args.mooncake_host)
+
+    def ready(port: int) -> None:
+        if args.ready_file:
+            tmp = f"{args.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(port))
+            os.replace(tmp, args.ready_file)
+        print(f"pd worker {args.name} ({args.role}) on {args.host}:{port}, "
+              f"{attrs.asdict(engine_config)['num_threads']} threads", file=sys.stderr, flush=True)
+
+    try:
+        run_server(app, host=args.host, port=args.port, on_ready=ready, log_level="warning")
+    finally:
+        close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

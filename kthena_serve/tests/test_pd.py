@@ -1,0 +1,129 @@
+"""PD mode end to end with real worker processes (same-host zero-copy path).
+
+One deployment (1 prefill + 1 decode worker, the default model) serves every test here; a
+colocated engine in this process gives the reference tokens.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd.cluster import PDCluster, shm_pools
+from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.testing import default_tokenizer
+
+ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
+PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
+TEXT = ("Paged attention stores the key and value cache in fixed-size blocks, so a scheduler "
+        "can share prefixes between requests and evict whole blocks when memory runs short. ")
+
+
+def prompt_ids(num_tokens: int, salt: str = "") -> list[int]:
+    ids = default_tokenizer().encode(salt + TEXT * (num_tokens // 20 + 2))
+    return ids[:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pd = PDCluster(ENGINE, PD, tokenizer=default_tokenizer()).start()
+    pids = [pd.launcher.pid(name) for name in pd.launcher.workers]
+    try:
+        yield pd
+    finally:
+        pd.stop()
+    assert not [p for p in shm_pools() for pid in pids if f".{pid}." in p]
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    from kthena_serve.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**ENGINE, num_threads=1))
+    yield engine
+    engine.close()
+
+
+def reference(engine, ids: list[int], max_tokens: int) -> str:  # noqa: ANN001
+    engine.add_request(f"ref-{time.monotonic_ns()}", ids,
+                       SamplingParams(temperature=0, max_tokens=max_tokens))
+    text = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                text = out.text
+    return text
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_greedy_tokens_match_colocated(cluster, colocated) -> None:  # noqa: ANN001
+    before = metric(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                    path="disaggregated")
+    for n in (40, 97, 150):
+        ids = prompt_ids(n, salt=f"case {n}: ")
+        reply = cluster.complete(ids, max_tokens=12)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == reference(colocated, ids, 12)
+    after = metric(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                   path="disaggregated")
+    assert after - before == 3  # all three went through the prefill worker
+
+
+def test_streaming_and_chat_unchanged_for_clients(cluster) -> None:  # noqa: ANN001
+    body = {"model": "default", "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Name a colour. " * 8}]}
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"] == "default"
+    bad = cluster.complete("hi", max_tokens=10**6)
+    assert bad.status_code == 400 and "max_tokens" in bad.text
+
+
+def test_shared_prefix_hits_on_the_decode_side(cluster, colocated) -> None:  # noqa: ANN001
+    base = prompt_ids(96, salt="shared prefix test. ")
+    first = cluster.complete(base + prompt_ids(20, "tail one "), max_tokens=4)
+    assert first.status_code == 200
+    second_ids = base + prompt_ids(40, "tail two ")
+    second = cluster.complete(second_ids, max_tokens=6)
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 80  # at least 5 of the 6 shared blocks: not recomputed, not moved
+    assert second.json()["choices"][0]["text"] == reference(colocated, second_ids, 6)
+    deadline = time.monotonic() + 5  # the router learns the decode worker's blocks
+    while cluster.router.index.match(base)["decode-0"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.router.index.match(base)["decode-0"] >= 5
+
+
+def test_short_uncached_part_runs_on_the_decode_worker(cluster) -> None:  # noqa: ANN001
+    router_metrics = httpx.get(f"{cluster.url}/metrics").text
+    before = metric(router_metrics, "kthena_pd_router_decisions_total", decision="short_prompt")
+    assert cluster.complete(prompt_ids(10, "short "), max_tokens=3).status_code == 200
+    after = metric(httpx.get(f"{cluster.url}/metrics").text, "kthena_pd_router_decisions_total",
+                   decision="short_prompt")
+    assert after == before + 1
+
+
+def test_metrics_and_no_blocks_left(cluster) -> None:  # noqa: ANN001
+    text = cluster.worker_metrics("prefill-0")
+    assert metric(text, "kthena_pd_prefill_seconds_count") >= 3
+    assert metric(text, "kthena_pd_transferred_bytes_total") == 0  # zero copy
+    decode = cluster.worker_metrics("decode-0")
+    assert metric(decode, "kthena_pd_handoff_seconds_count") >= 3
+    assert re.search(r"kthena_pd_router_decisions_total\{.*disaggregated",
+                     httpx.get(f"{cluster.url}/metrics").text)
+    state = cluster.worker_state("decode-0")
+    assert state["kv"]["num_used_blocks"] == 0 and state["num_quarantined"] == 0
+    decode_pid = cluster.launcher.pid("decode-0")
+    assert [p for p in shm_pools() if f".{decode_pid}." in p]  # the decode pool lives in shm

@@ -1,0 +1,146 @@
+"""PD failure semantics with real processes: SIGKILL / SIGSTOP of workers, both policies.
+
+After every case: the survivors hold no blocks (nothing leaked, quarantines settled), no
+shared-memory pool of a dead worker is left, the router stopped routing to the dead worker,
+and the restarted worker rejoins.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kthena_serve.pd.cluster import PDCluster, shm_pools
+from kthena_serve.testing import default_tokenizer
+
+ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
+TEXT = ("Disaggregated serving moves the key-value cache from the prefill instance to the "
+        "decode instance, and every transfer must have an explicit outcome. ")
+
+
+def long_prompt(num_tokens: int, salt: str) -> list[int]:
+    return default_tokenizer().encode(salt + TEXT * (num_tokens // 20 + 2))[:num_tokens]
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def in_background(fn):  # noqa: ANN001, ANN201
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def is_busy(cluster: PDCluster, name: str) -> bool:
+    try:
+        return cluster.worker_state(name)["num_running"] > 0
+    except httpx.HTTPError:
+        return False
+
+
+def assert_clean(cluster: PDCluster, dead_pids: list[int]) -> None:
+    wait_for(lambda: cluster.worker_state("decode-0")["kv"]["num_used_blocks"] == 0, 30,
+             "the decode worker to hold no blocks")
+    assert cluster.worker_state("decode-0")["num_quarantined"] == 0
+    for pid in dead_pids:
+        assert not [p for p in shm_pools() if f".{pid}." in p], f"pool of dead pid {pid} left"
+
+
+def rejoined(cluster: PDCluster, name: str) -> bool:
+    return cluster.router.workers[name].is_up
+
+
+@pytest.fixture(scope="module")
+def recompute_cluster():
+    pd = {"policy": "recompute", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
+          "health_interval_s": 0.2}
+    with PDCluster(ENGINE, pd, tokenizer=default_tokenizer()) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def fail_cluster():
+    pd = {"policy": "fail", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
+          "health_interval_s": 0.2}
+    with PDCluster(ENGINE, pd, tokenizer=default_tokenizer()) as cluster:
+        yield cluster
+
+
+def test_killed_prefill_recompute_gives_the_right_tokens(recompute_cluster) -> None:  # noqa: ANN001
+    cluster = recompute_cluster
+    ids = long_prompt(1200, "kill prefill. ")
+    cluster.router.config = cluster.pd_config  # (unchanged; documents the policy in use)
+    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=8))
+    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    old = cluster.launcher.kill("prefill-0", signal.SIGKILL)
+    thread.join(120)
+    reply = box["result"]
+    assert reply.status_code == 200, reply.text
+    # never wrong tokens: the same prompt served again after recovery gives the same text
+    wait_for(lambda: rejoined(cluster, "prefill-0") and cluster.launcher.pid("prefill-0") != old,
+             120, "the prefill worker to rejoin")
+    again = cluster.complete(ids, max_tokens=8)
+    assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]
+    decode = cluster.worker_metrics("decode-0")
+    assert 'kthena_pd_transfer_failures_total{policy="recompute"' in decode
+    assert_clean(cluster, [old])
+
+
+def test_hung_prefill_times_out_and_blocks_stay_quarantined(recompute_cluster) -> None:  # noqa: ANN001
+    cluster = recompute_cluster
+    ids = long_prompt(600, "stop prefill. ")
+    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=4))
+    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    cluster.launcher.kill("prefill-0", signal.SIGSTOP)
+    try:
+        thread.join(120)
+        assert box["result"].status_code == 200  # recomputed on the decode worker
+        # the stopped prefill may still write into its blocks: they must not be reused yet
+        assert cluster.worker_state("decode-0")["num_quarantined"] == 1
+    finally:
+        cluster.launcher.kill("prefill-0", signal.SIGCONT)
+    assert_clean(cluster, [])
+
+
+def test_killed_prefill_with_policy_fail_is_a_clear_503(fail_cluster) -> None:  # noqa: ANN001
+    cluster = fail_cluster
+    ids = long_prompt(1200, "fail policy. ")
+    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=8))
+    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    old = cluster.launcher.kill("prefill-0")
+    thread.join(120)
+    reply = box["result"]
+    assert reply.status_code == 503
+    assert "handoff failed" in reply.json()["error"]["message"]
+    wait_for(lambda: not rejoined(cluster, "prefill-0") or cluster.launcher.pid("prefill-0")
+             != old, 10, "the router to notice")
+    wait_for(lambda: rejoined(cluster, "prefill-0"), 120, "the prefill worker to rejoin")
+    assert cluster.complete(ids[:100], max_tokens=2).status_code == 200
+    assert_clean(cluster, [old])
+
+
+def test_killed_decode_fails_in_flight_and_rejoins(fail_cluster) -> None:  # noqa: ANN001
+    cluster = fail_cluster
+    ids = long_prompt(64, "kill decode. ")
+    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=400, ignore_eos=True))
+    wait_for(lambda: cluster.worker_state("decode-0")["num_running"] > 0, 60, "decoding")
+    old = cluster.launcher.kill("decode-0")
+    thread.join(60)
+    assert box["result"].status_code == 503
+    assert "decode worker" in box["result"].json()["error"]["message"]
+    assert not cluster.router.workers["decode-0"].is_up  # no more traffic to it
+    wait_for(lambda: rejoined(cluster, "decode-0") and cluster.launcher.pid("decode-0") != old,
+             120, "the decode worker to rejoin")
+    reply = cluster.complete(ids, max_tokens=4)
+    assert reply.status_code == 200, reply.text
+    assert_clean(cluster, [old])

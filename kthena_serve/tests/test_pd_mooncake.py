@@ -1,0 +1,134 @@
+"""Cross-host PD handoff over the kthena_comm ``mooncake`` backend (TCP).
+
+Two worker processes over 127.0.0.1, then two network namespaces joined by a veth pair
+(addresses of this test's own, 10.213.<n>.1/30 and .2/30, inside the namespaces only) acting
+as two hosts; that case is skipped, with the reason, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd.cluster import PDCluster
+from kthena_serve.testing import default_tokenizer
+
+pytest.importorskip("mooncake.engine", reason="the mooncake wheel (and libibverbs1) is missing")
+
+ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
+TEXT = "One-sided writes move finished blocks into memory the decode worker registered. "
+
+
+def prompt(num_tokens: int, salt: str) -> list[int]:
+    return default_tokenizer().encode(salt + TEXT * (num_tokens // 15 + 2))[:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    from kthena_serve.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**ENGINE, num_threads=1))
+    yield engine
+    engine.close()
+
+
+def reference(engine, ids: list[int], max_tokens: int = 8) -> str:  # noqa: ANN001
+    from kthena_serve.sampling_params import SamplingParams
+
+    engine.add_request(f"ref-{os.urandom(4).hex()}", ids,
+                       SamplingParams(temperature=0, max_tokens=max_tokens))
+    text = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.text if out.finished else text
+    return text
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
+    pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
+    base = prompt(96, "loopback. ")
+    with PDCluster(ENGINE, pd, tokenizer=default_tokenizer()) as cluster:
+        first = base + prompt(30, "first ")
+        reply = cluster.complete(first, max_tokens=8)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == reference(colocated, first)
+        moved_first = _metric(cluster.worker_metrics("prefill-0"),
+                              "kthena_pd_transferred_bytes_total")
+        assert moved_first > 0
+        second = base + prompt(40, "second ")
+        reply = cluster.complete(second, max_tokens=8)
+        assert reply.json()["choices"][0]["text"] == reference(colocated, second)
+        prefill = cluster.worker_metrics("prefill-0")
+        assert _metric(prefill, "kthena_pd_prefill_cached_tokens_total") >= 80  # prefill-side hit
+        # the decode worker already held the shared blocks: only the new tail crossed the wire
+        assert _metric(prefill, "kthena_pd_transferred_bytes_total") - moved_first < moved_first
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
+
+
+def _netns_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the iproute2 'ip' command is missing"
+    probe = f"kthena-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def two_hosts():
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    n = os.getpid() % 250 + 1
+    ns_a, ns_b = f"kthena-pd-a-{os.getpid()}", f"kthena-pd-b-{os.getpid()}"
+    veth_a, veth_b = f"kpa{n}", f"kpb{n}"
+    addr_a, addr_b = f"10.213.{n}.1", f"10.213.{n}.2"
+    steps = [["ip", "netns", "add", ns_a], ["ip", "netns", "add", ns_b],
+             ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b],
+             ["ip", "link", "set", veth_a, "netns", ns_a],
+             ["ip", "link", "set", veth_b, "netns", ns_b],
+             ["ip", "-n", ns_a, "addr", "add", f"{addr_a}/30", "dev", veth_a],
+             ["ip", "-n", ns_b, "addr", "add", f"{addr_b}/30", "dev", veth_b],
+             ["ip", "-n", ns_a, "link", "set", veth_a, "up"],
+             ["ip", "-n", ns_b, "link", "set", veth_b, "up"],
+             ["ip", "-n", ns_a, "link", "set", "lo", "up"],
+             ["ip", "-n", ns_b, "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot build the two-host network ({' '.join(step)}): "
+                            f"{done.stderr.strip()}")
+        yield ns_a, ns_b, addr_a, addr_b
+    finally:
+        subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)  # veth goes with it
+        subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)
+
+
+def test_mooncake_handoff_between_two_network_namespaces(two_hosts, colocated) -> None:  # noqa: ANN001
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    prompts = [prompt(70, "namespaces one. "), prompt(110, "namespaces two. ")]
+    helper = Path(__file__).with_name("pd_netns_helper.py")
+    done = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, str(helper), ns_b,
+                           addr_a, addr_b, json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["texts"] == [reference(colocated, ids) for ids in prompts]
+    assert result["transferred_bytes"] > 0
