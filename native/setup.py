@@ -17,5 +17,5 @@ FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl
 setup(
     ext_modules=[CppExtension("mooncake_ops_native", SOURCES, extra_compile_args=FLAGS,
                               extra_link_args=["-fopenmp"])],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

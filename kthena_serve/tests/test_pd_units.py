@@ -6,8 +6,14 @@ import pytest
 
 from kthena_serve.pd.config import PDConfig, RouterWeights
 from kthena_serve.pd.launcher import split_cores
-from kthena_serve.pd.protocol import (PoolRef, PrefillTask, output_from_json, output_to_json,
-                                      params_from_json, params_to_json)
+from kthena_serve.pd.protocol import (
+    PoolRef,
+    PrefillTask,
+    output_from_json,
+    output_to_json,
+    params_from_json,
+    params_to_json,
+)
 from kthena_serve.pd.router import Router
 from kthena_serve.pd.server import event_from_json
 from kthena_serve.request import FinishReason, RequestOutput

@@ -56,6 +56,11 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default $KTHENA_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
+                        help="pd: separate prefill and decode worker processes behind a router")
+    from kthena_serve.pd.serve import add_pd_args
+
+    add_pd_args(parser)
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -71,6 +76,10 @@ def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
+    if getattr(args, "mode", "colocated") == "pd":
+        from kthena_serve.pd.serve import engine_fields, run_pd
+
+        return run_pd(args, engine_fields(args), args.served_model_name or _model_name(args.model))
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.server import build_app, run_server
 

@@ -14,6 +14,7 @@ import torch
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import InvalidRequestError
+from kthena_serve.model import IncrementalDetokenizer
 from kthena_serve.model_runner import ModelRunner
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.request import Request, RequestOutput
@@ -39,6 +40,21 @@ class EngineStats:
     kv: KVCacheStats
 
 
+def _make_runner(config: EngineConfig, model, tokenizer):  # noqa: ANN202
+    """(runner, tokenizer): TP workers for ``tp > 1``, else the given or loaded model."""
+    if config.tp > 1:
+        from kthena_serve.tp_runner import TPModelRunner
+
+        runner = TPModelRunner(config)  # pins this process to one core
+        return runner, runner.tokenizer
+    configure_threads(config.num_threads)
+    if model is None:
+        from kthena_serve.model import load_model
+
+        model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
+    return ModelRunner(model, config), tokenizer
+
+
 class LLMEngine:
     """Continuous-batching engine over one model and one KV pool.
 
@@ -48,20 +64,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
-        if config.tp > 1:
-            from kthena_serve.tp_runner import TPModelRunner
-
-            self.runner = TPModelRunner(config)  # pins this process to one core
-            model, tokenizer = self.runner.model, self.runner.tokenizer
-        else:
-            configure_threads(config.num_threads)
-            if model is None:
-                from kthena_serve.model import load_model
-
-                model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
-            self.runner = ModelRunner(model, config)
+        self.runner, self.tokenizer = _make_runner(config, model, tokenizer)
         self.config = config
-        self.tokenizer = tokenizer
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  check_invariants=config.check_invariants)
@@ -69,9 +73,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.sampler = Sampler()
-        self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
-                                 self.runner.num_blocks * config.block_size)
-        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self.max_model_len = min(
+            config.max_model_len or self.runner.model.config.max_position_embeddings,
+            self.runner.num_blocks * config.block_size)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
@@ -122,8 +127,6 @@ class LLMEngine:
         ids = self.encode(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params)
         request = Request(request_id, ids, params, cache_salt=cache_salt)
-        from kthena_serve.model import IncrementalDetokenizer
-
         request.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, ids), params,
                                       self.eos_token_ids, max_tokens)
         self._requests[request_id] = request

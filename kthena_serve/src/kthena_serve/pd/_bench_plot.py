@@ -10,6 +10,7 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = result["handoff"]
@@ -25,8 +26,10 @@ def plot(result: dict, path: str) -> None:
     if per_token:
         ax.plot(*zip(*per_token, strict=True), marker="x", linestyle="--",
                 label="Mooncake put, one call per token")
-    ax.set(xscale="log", yscale="log", xlabel="KV bytes of the request (MiB)",
+    ax.set(xscale="log", yscale="log", xlabel="KV bytes of the request (MiB; 64-2048 tokens)",
            ylabel="handoff time (ms)", title="Handoff cost vs KV size (SmolLM2-135M, bf16)")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
     serving = result.get("serving")
     ax = axes[1]
@@ -38,7 +41,7 @@ def plot(result: dict, path: str) -> None:
             ax.bar([i + offset for i in x], [(serving[n][key] or 0) * 1e3 for n in names],
                    width=0.2, label=label)
         ax.set_xticks(list(x), names)
-        ax.set(ylabel="ms", title="Decode streams while long prompts arrive")
+        ax.set(yscale="log", ylabel="ms (log)", title="Decode streams while long prompts arrive")
         ax.legend(fontsize=8)
     fig.suptitle(f"kthena PD bench — {result['machine']['cores']} cores, "
                  f"load {result['machine']['load_1min']:.1f}")

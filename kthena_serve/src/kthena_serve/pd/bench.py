@@ -1,8 +1,9 @@
 """``python -m kthena_serve.pd.bench``: PD vs colocated serving, and handoff cost vs KV bytes.
 
 Part 1 (handoff, in one process, SmolLM2-135M KV geometry, bf16, 16-token blocks):
-  zero_copy      what crosses in the same-host path: the control message (encode + decode
-                 JSON of the task and the result); the KV is already in the decode pool
+  zero_copy      what the same-host handoff adds: the control message (request id, block ids,
+                 sampling state; first token back) encoded and decoded; the KV is already
+                 in the decode pool
   host_copy      the alternative: prefill into a private pool, then copy the request's
                  blocks into the decode pool through host memory (one memcpy per range)
   mooncake_*     kthena_comm mooncake (TCP loopback) put of the blocks into a registered
@@ -46,7 +47,8 @@ def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
     from kthena_serve.model import resolve_checkpoint
     from kthena_serve.model.config import ModelConfig
     from kthena_serve.model_runner import kv_layout_for
-    from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask
+    from kthena_serve.pd.protocol import PoolRef, PrefillResult, params_to_json
+    from kthena_serve.sampling_params import SamplingParams
     from mooncake_kv.pool import KVPool
 
     model = ModelConfig.from_pretrained(resolve_checkpoint("default"))
@@ -70,12 +72,16 @@ def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
             batch = TransferBatch(local, remote, [p.src_offset for p in pairs],
                                   [p.dst_offset for p in pairs], [p.length for p in pairs])
             ref = PoolRef(num_blocks, size, "bfloat16", decode_pool.name)
-            task = PrefillTask("req-1", tuple(range(tokens)), 0, tuple(dst), {}, ref)
 
             result = PrefillResult("req-1", 42, tokens, 0.0, 0.0, 0)
+            params = params_to_json(SamplingParams(temperature=0.7, seed=1))
 
-            def control(task=task, result=result) -> None:
-                PrefillTask.from_json(json.loads(json.dumps(task.to_json())))
+            def control(dst=dst, result=result, params=params, ref=ref) -> None:
+                # what the handoff adds to a request: block ids + sampling state out, the
+                # first token back (the prompt itself travels in any deployment)
+                message = {"request_id": "req-1", "block_ids": dst, "params": params,
+                           "num_cached_tokens": 0, "pool": ref.shm_name}
+                json.loads(json.dumps(message))
                 PrefillResult(**json.loads(json.dumps(attrs.asdict(result))))
 
             def host_copy(pairs=pairs) -> None:

@@ -69,8 +69,13 @@ def run_pd(args: argparse.Namespace, engine_fields: dict, model_name: str) -> in
         print(curl_line(args.host, port, model_name, bool(getattr(args, "api_key", None))),
               flush=True)
 
+    from kthena_serve.pd.worker import exit_on_sigterm
+
+    exit_on_sigterm()
     try:
         run_server(app, host=args.host, port=args.port, on_ready=ready)
+    except SystemExit:
+        pass
     finally:
         router.close()
         launcher.stop()

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-__all__ = ["main"]
+__all__ = ["exit_on_sigterm", "main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +56,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so ``finally`` clean-up (shm pools) runs.
+
+    uvicorn handles SIGTERM while it serves, then restores the previous handler and raises the
+    signal again; with the default handler the process would die before its ``finally``.
+    """
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     num_threads = _pin(args.cores)
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pd worker {args.name} ({args.role}) on {args.host}:{port}, "
               f"{attrs.asdict(engine_config)['num_threads']} threads", file=sys.stderr, flush=True)
 
+    exit_on_sigterm()
     try:
         run_server(app, host=args.host, port=args.port, on_ready=ready, log_level="warning")
     finally:

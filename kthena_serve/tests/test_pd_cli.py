@@ -1,0 +1,58 @@
+"""``kthena serve --mode pd`` end to end: starts, serves the OpenAI API, stops without leaks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kthena_serve.pd.cluster import shm_pools
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_kthena_serve_mode_pd() -> None:
+    kthena = Path(sys.executable).with_name("kthena")
+    proc = subprocess.Popen([str(kthena), "serve", "--mode", "pd", "--prefill", "1", "--decode",
+                             "1", "--port", "0", "--kv-cache-memory", "32MiB", "--pd-threshold",
+                             "8"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "kthena serve --mode pd exited"
+            match = re.search(r"on (http://\S+) \(", line)
+            url = match.group(1) if match else None
+        assert url, "no ready line"
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        body = {"model": "default", "max_tokens": 5, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        pools = [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
+        assert len(pools) == 1  # the decode worker's pool
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
