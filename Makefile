@@ -26,15 +26,19 @@ $(STAMP): $(DEPS)
 	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"
 	touch $(STAMP)
 
+# The main job: serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000; it prints a
+# curl line that works. `make run ARGS="--mode pd --prefill 1 --decode 1"` serves it disaggregated.
 run: $(STAMP)
-	$(BIN)/kthena plan --model default --topology auto
+	$(BIN)/kthena plan --model default --topology auto --candidates 3
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/kthena serve $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
 test: lint
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+	# OMP_WAIT_POLICY=PASSIVE: spin-waiting OpenMP pools collapse throughput on shared cores.
+	OMP_WAIT_POLICY=PASSIVE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
 
 clean:
 	rm -rf $(VENV)
