@@ -122,9 +122,11 @@ def test_killed_prefill_with_policy_fail_is_a_clear_503(fail_cluster) -> None:  
     reply = box["result"]
     assert reply.status_code == 503
     assert "handoff failed" in reply.json()["error"]["message"]
-    wait_for(lambda: not rejoined(cluster, "prefill-0") or cluster.launcher.pid("prefill-0")
-             != old, 10, "the router to notice")
-    wait_for(lambda: rejoined(cluster, "prefill-0"), 120, "the prefill worker to rejoin")
+    # the failed handoff marks the prefill worker down at once (passive health check) ...
+    assert not rejoined(cluster, "prefill-0")
+    # ... and only a poll of the restarted process brings it back
+    wait_for(lambda: cluster.launcher.pid("prefill-0") != old and rejoined(cluster, "prefill-0"),
+             120, "the prefill worker to rejoin")
     assert cluster.complete(ids[:100], max_tokens=2).status_code == 200
     assert_clean(cluster, [old])
 

@@ -131,3 +131,32 @@ def test_decode_split_over_threads_matches_oracle(int8):
         torch.set_num_threads(threads)
     assert_close(got, oracle_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                     cache.lens, 128 ** -0.5, **cache.scales()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "no-flash-op"])
+@pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False),
+                                             (torch.float16, False), (torch.bfloat16, True)])
+def test_cpu_prefill_groups_and_shared_prefix_match_oracle(dtype, int8, flash, monkeypatch):
+    """The CPU path batches sequences with equal (cached, new) lengths, consecutive or not, and
+    gathers a prefix shared by the same block ids once; query_len 0 / 1 and cached_len 0 mixed."""
+    if not flash:  # a torch without the flash CPU op: the per-sequence SDPA path
+        monkeypatch.setattr(sdpa, "_FLASH_CPU", None)
+    g = dict(block_size=16, num_kv_heads=2, num_heads=6, head_dim=64, dtype=dtype, int8=int8,
+             strided=True, seed=11)
+    cached = [40, 0, 40, 17, 0, 5, 40, 40, 17, 33, 33]
+    queries = [5, 7, 5, 1, 7, 0, 5, 3, 1, 4, 4]
+    cache = PagedCache(g, cached)
+    cache.fill()
+    for seq in (2, 6, 7):  # the same cached blocks as sequence 0 (a shared prompt prefix)
+        cache.block_tables[seq, :3] = cache.block_tables[0, :3]
+    total = sum(queries)
+    q = cache.randn(total, 6, 64)
+    k, v = (cache.randn(total, 2, 64) for _ in range(2))
+    queries_t = torch.tensor(queries, dtype=torch.int32)
+    args = (q, k, v, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens, queries_t,
+            64 ** -0.5)
+    got = sdpa.paged_prefill_attention_cpu(*args, cache.k_scale, cache.v_scale,
+                                           torch.full_like(q, math.nan))
+    assert_close(got, oracle_prefill(*args, **cache.scales()), dtype)
+    with using("reference"):  # what the cpu dispatch table runs
+        assert torch.equal(mo.paged_prefill_attention(*args, **cache.scales()), got)

@@ -1,12 +1,15 @@
 """Benchmark of the mooncake_ops hot path (a script, not a test): JSON lines on stdout.
 
-    python -m mooncake_ops.bench [--quick] [--only decode,layers,mc2] [--threads N]
+    python -m mooncake_ops.bench [--quick] [--only decode,prefill,layers,mc2] [--threads N]
 
 * ``machine``: CPU, cores, torch, native build, load average (again at the end).
 * ``bandwidth``: memory read bandwidth measured in this run (sum over a 512 MiB buffer).
 * ``decode``: paged decode attention, batch 1/8/32 x context 512/2048 x {SmolLM2-135M,
   Llama-70B per TP-8 rank} in bf16 (and int8 KV): native vs reference vs contiguous SDPA on the
   same data; GB/s achieved and the bandwidth floor (bytes / measured bandwidth).
+* ``prefill``: paged prefill attention, SmolLM2-135M in bf16: 1 x (512 cached + 32 new),
+  32 x (512 + 32) with private and with shared prefix blocks, 1 x 1024 new, 32 x 128 new; the
+  cpu path (flash kernel, cached/new split, batched by lengths) vs per-sequence masked SDPA.
 * ``layer``: per-call cost of write_kv, rms_norm, rotary_embedding, silu_and_mul (decode shape).
 * ``int8_accuracy``: decode output error of bf16 vs int8 KV against float64 (realistic K/V).
 * ``mc2``: matmul_all_reduce tiled vs unfused over 2 gloo ranks, with the overlap ratio.
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import mooncake_ops as mo
-from mooncake_ops.backends import native
+from mooncake_ops.backends import native, sdpa
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-70b-tp8-rank": (8, 1, 128)}  # heads, kv heads, dim
 BLOCK_SIZE = 16
@@ -128,6 +131,48 @@ def decode_row(name, shape, batch, ctx, int8, bw_gbs) -> None:
     emit(row)
 
 
+PREFILL_CASES = {  # name: (batch, cached, new, prefix blocks shared by all sequences)
+    "1x(512+32)": (1, 512, 32, False),
+    "32x(512+32)": (32, 512, 32, False),
+    "32x(512 shared+32)": (32, 512, 32, True),
+    "1x(0+1024)": (1, 0, 1024, False),
+    "32x(0+128)": (32, 0, 128, False),
+}
+
+
+def prefill_case(batch, cached, new, shared, shape, dtype, seed=0):
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = max(1, -(-cached // BLOCK_SIZE))
+    num_blocks = batch * per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).to(torch.int32)
+    if shared:
+        tables = tables[:1].expand(batch, -1).contiguous()
+    total = batch * new
+    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    return (q, k, v, k_cache, v_cache, tables, torch.full((batch,), cached, dtype=torch.int32),
+            torch.full((batch,), new, dtype=torch.int32), dim ** -0.5)
+
+
+def bench_prefill(quick: bool) -> None:
+    name = "smollm2-135m"
+    for case, (batch, cached, new, shared) in PREFILL_CASES.items():
+        if quick and batch > 1 and not shared:
+            continue
+        args = prefill_case(batch, cached, new, shared, SHAPES[name], torch.bfloat16)
+        row = {"bench": "prefill", "shape": name, "case": case, "batch": batch, "cached": cached,
+               "new": new, "shared_prefix": shared, "dtype": "bfloat16"}
+        row["cpu_us"] = median_us(lambda: mo.paged_prefill_attention(*args), min_repeats=5)  # noqa: B023
+        row["per_sequence_sdpa_us"] = median_us(
+            lambda: sdpa.paged_prefill_attention(*args), min_repeats=5)  # noqa: B023
+        row["cpu_vs_per_sequence"] = row["per_sequence_sdpa_us"] / row["cpu_us"]
+        emit(row)
+
+
 def bench_layers() -> None:
     heads, kv_heads, dim = SHAPES["smollm2-135m"]
     dtype = torch.bfloat16
@@ -213,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mooncake_ops.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    parser.add_argument("--only", default="decode,layers,mc2", help="comma-separated sections")
+    parser.add_argument("--only", default="decode,prefill,layers,mc2", help="comma-separated sections")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
     if args.threads:
@@ -223,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     emit(machine())
     if "decode" in sections:
         bench_decode(bandwidth_gbs(), args.quick)
+    if "prefill" in sections:
+        bench_prefill(args.quick)
     if "layers" in sections:
         bench_layers()
         for ctx in (256, 2048):

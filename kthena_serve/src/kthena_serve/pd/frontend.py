@@ -120,6 +120,10 @@ class RemoteEngine:
                         continue
                     item = json.loads(line)
                     if "error" in item:
+                        if item["error"].get("code") == "kv_handoff_failed" and decision.prefill:
+                            # Passive health: stop routing to the prefill worker until a poll
+                            # of its (possibly restarted) process says it is up again.
+                            self.router.mark_down(decision.prefill.name)
                         raise EngineDeadError(item["error"]["message"])
                     out = output_from_json(item["output"])
                     now = time.perf_counter()

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError
 from kthena_serve.pd.config import PDConfig, Transport
+from kthena_serve.pd.decode import HandoffError
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
@@ -157,7 +158,9 @@ async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
             data["request_id"] = rid
             yield json.dumps({"output": data}) + "\n"
     except EngineDeadError as error:
-        yield json.dumps({"error": {"status": 503, "message": str(error)}}) + "\n"
+        # `code` lets the front end tell a failed KV handoff (the prefill side) from the rest.
+        code = "kv_handoff_failed" if isinstance(error, HandoffError) else "engine_dead"
+        yield json.dumps({"error": {"status": 503, "code": code, "message": str(error)}}) + "\n"
     except Exception as error:  # noqa: BLE001 - reported in-band, headers are gone
         yield json.dumps({"error": {"status": 500, "message": f"{type(error).__name__}: "
                                     f"{error}"}}) + "\n"

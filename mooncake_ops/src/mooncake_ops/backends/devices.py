@@ -14,6 +14,7 @@ from mooncake_ops.dispatch import MC2_OPS, OP_NAMES, OpImpl
 
 REFERENCE = "torch-reference"
 SDPA = "torch-sdpa"
+SDPA_CPU = "torch-sdpa (flash cpu, cached/new split)"
 TILED = "torch-tiled (kthena_comm async collectives)"
 NATIVE = "native-cpp"
 
@@ -44,7 +45,7 @@ class CpuBackend:
 
     def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]:
         table = reference_table()
-        table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, SDPA)
+        table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention_cpu, SDPA_CPU)
         if allow_native:
             from mooncake_ops.backends import native
             if native.is_available():
