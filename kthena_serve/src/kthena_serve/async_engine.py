@@ -15,6 +15,7 @@ fails before any streaming starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -83,6 +84,13 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         self._submit(("add", request_id, prompt_ids, params, cache_salt))
+        # aclosing: a consumer that stops early (client gone) aborts the request right away.
+        async with contextlib.aclosing(self._stream(request_id, queue)) as stream:
+            async for item in stream:
+                yield item
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until it finishes; leaving early aborts it."""
         finished = False
         try:
             while not finished:

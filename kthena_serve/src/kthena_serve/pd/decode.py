@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections import deque
@@ -109,19 +110,10 @@ class DecodeEngine(AsyncLLM):
             self._dispatch([out])
 
         self._submit(("call", admit, concurrent.futures.Future()))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        # aclosing: a consumer that stops early (client gone) aborts the request right away.
+        async with contextlib.aclosing(self._stream(request_id, queue)) as stream:
+            async for item in stream:
                 yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
 
 
 def _reserve(engine: LLMEngine, rid: str, ids: list[int], salt: str | None):
