@@ -76,7 +76,7 @@ if __name__ == "__main__":
     params = SamplingParams(temperature=0, max_tokens=8)
     tokens = {}
     for tp in (2, 1):
-        llm = LLM(tp=tp, kv_cache_memory="32MiB")
+        llm = LLM(tp=tp, kv_cache_memory="32MiB", dtype="float32")
         tokens[tp] = [list(o.token_ids) for o in llm.generate(prompts, params)]
         llm.engine.close()
     print(json.dumps(tokens))
