@@ -10,12 +10,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from kthena_core.hardware import DeviceSpec
+from kthena_core.topology import Link
+
 __all__ = [
     "NotPresent",
     "ParseError",
     "Runner",
     "TopoMatrix",
     "parse_cpulist",
+    "pcie_link",
     "parse_topo_matrix",
     "run_command",
 ]
@@ -175,3 +179,23 @@ def numa_of_cpus(cpus: Sequence[int], numa_cpus: Mapping[int, Sequence[int]]) ->
         if hits > best_hits:
             best, best_hits = node, hits
     return best
+
+
+# PCIe-path relations shared by `nvidia-smi topo -m` and `npu-smi info -t topo`:
+# relation -> (link kind, fraction of the slower device's pcie_bw, latency). The fractions are a
+# ranking heuristic (same switch > across host bridges > across sockets), not measurements.
+_PCIE_CLASS = {
+    "PIX": ("pcie", 1.0, 5e-6),
+    "PXB": ("pcie", 1.0, 6e-6),
+    "PHB": ("pcie", 0.75, 8e-6),
+    "NODE": ("pcie", 0.75, 8e-6),
+    "SYS": ("sys", 0.5, 12e-6),
+}
+
+
+def pcie_link(rel: str, a: int, b: int, spec_a: DeviceSpec, spec_b: DeviceSpec) -> Link | None:
+    """The Link a PCIe-path relation implies, or None when `rel` is not one."""
+    if rel not in _PCIE_CLASS:
+        return None
+    kind, frac, lat = _PCIE_CLASS[rel]
+    return Link(a, b, kind, frac * min(spec_a.pcie_bw, spec_b.pcie_bw), lat, via=rel)

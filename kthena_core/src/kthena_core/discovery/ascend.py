@@ -31,6 +31,7 @@ from kthena_core.discovery._common import (
     numa_of_cpus,
     parse_cpulist,
     parse_topo_matrix,
+    pcie_link,
     run_command,
 )
 from kthena_core.hardware import DeviceSpec, UnknownHardwareError, get_device
@@ -47,14 +48,6 @@ __all__ = [
 ]
 
 _BUS_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
-_PCIE_CLASS = {  # same ranking heuristic as discovery.nvidia
-    "PIX": ("pcie", 1.0, 5e-6),
-    "PXB": ("pcie", 1.0, 6e-6),
-    "PHB": ("pcie", 0.75, 8e-6),
-    "SYS": ("sys", 0.5, 12e-6),
-}
-
-
 @attrs.frozen
 class NpuChip:
     """One chip (logical device) from ``npu-smi info``.
@@ -184,10 +177,7 @@ def _link(rel: str, a: int, b: int, sa: DeviceSpec, sb: DeviceSpec) -> Link | No
     if rel.startswith("HCCS") or rel in ("SIO", "UB"):
         kind = "hccs" if rel.startswith("HCCS") else rel.lower()
         return Link(a, b, kind, min(sa.link_bw, sb.link_bw), max(sa.link_latency, sb.link_latency), via=rel)
-    if rel in _PCIE_CLASS:
-        kind, frac, lat = _PCIE_CLASS[rel]
-        return Link(a, b, kind, frac * min(sa.pcie_bw, sb.pcie_bw), lat, via=rel)
-    return None  # X, NA (unknown relationship): fall back to the spec
+    return pcie_link(rel, a, b, sa, sb)  # None for X, N/A, unknown: the spec applies
 
 
 def build_ascend_topology(info: NpuSmiInfo, matrix: TopoMatrix | None = None, *,

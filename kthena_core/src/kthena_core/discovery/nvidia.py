@@ -36,6 +36,7 @@ from kthena_core.discovery._common import (
     Runner,
     TopoMatrix,
     parse_topo_matrix,
+    pcie_link,
     run_command,
 )
 from kthena_core.hardware import DeviceSpec, get_device
@@ -52,15 +53,6 @@ __all__ = [
 ]
 
 NVLINK_BW_PER_LINK = 25e9  # bytes/s per direction per NVLink 3/4 link (600 GB/s / 12 / 2 on A100)
-
-_PCIE_CLASS = {  # relation -> (link kind, fraction of pcie_bw, latency)
-    "PIX": ("pcie", 1.0, 5e-6),
-    "PXB": ("pcie", 1.0, 6e-6),
-    "PHB": ("pcie", 0.75, 8e-6),
-    "NODE": ("pcie", 0.75, 8e-6),
-    "SYS": ("sys", 0.5, 12e-6),
-}
-
 
 @attrs.frozen
 class GpuInfo:
@@ -146,10 +138,7 @@ def _link_from_relation(rel: str, a: int, b: int, spec_a: DeviceSpec, spec_b: De
         bw = int(m[1]) * NVLINK_BW_PER_LINK
         caps = [s.link_bw for s in (spec_a, spec_b) if s.link_kind == "nvlink"]
         return Link(a, b, "nvlink", min([bw, *caps]), 3e-6, via=rel)
-    if rel in _PCIE_CLASS:
-        kind, frac, lat = _PCIE_CLASS[rel]
-        return Link(a, b, kind, frac * min(spec_a.pcie_bw, spec_b.pcie_bw), lat, via=rel)
-    return None  # "X", "N/A", unknown: fall back to the spec
+    return pcie_link(rel, a, b, spec_a, spec_b)  # None for X, N/A, unknown: the spec applies
 
 
 def build_nvidia_topology(gpus: Sequence[GpuInfo], matrix: TopoMatrix | None = None, *,
