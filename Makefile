@@ -34,6 +34,8 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/lint-imports
+	# Any import cycle among our modules fails, function-level imports included (tools/ says why).
+	$(BIN)/python tools/check_import_cycles.py
 	$(BIN)/ruff check .
 
 test: lint

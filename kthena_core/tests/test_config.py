@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from kthena_core.config import ConfigError, KthenaConfig, load_config
+from kthena_core.config import ConfigError, KthenaConfig, ParallelismConfig, load_config
 from kthena_core.known_models import load_model_spec
 
 ARTICLE = """
@@ -75,11 +75,20 @@ def test_bad_values_name_key_value_and_allowed(tmp_path, old, new, pattern):
         load_config(write(tmp_path, ARTICLE.replace(old, new)))
 
 
-def test_tp_not_dividing_heads_is_reported_against_the_model(tmp_path):
-    text = ARTICLE.replace("tensor_parallel_size: 4", "tensor_parallel_size: 8").replace("pipeline_parallel_size: 2", "pipeline_parallel_size: 1")
-    cfg = load_config(write(tmp_path, text))
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size: got 8; allowed: a divisor of .* 9 attention heads"):
-        cfg.validate_against(load_model_spec("default"))
+def _with_tp(tmp_path, tp: int):
+    text = ARTICLE.replace("tensor_parallel_size: 4", f"tensor_parallel_size: {tp}")
+    return load_config(write(tmp_path, text.replace("pipeline_parallel_size: 2", "pipeline_parallel_size: 1")))
+
+
+def test_tp_the_engine_cannot_split_is_reported_against_the_model(tmp_path):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: got 8; allowed: one of 1, 2, 3, 6, 9 "
+                                          r"\(.* has 9 attention heads, 3 KV heads\)"):
+        _with_tp(tmp_path, 8).validate_against(load_model_spec("default"))
+
+
+def test_uneven_tp_the_engine_runs_is_accepted():
+    cfg = KthenaConfig(parallelism=ParallelismConfig(tensor_parallel_size=2))
+    cfg.validate_against(load_model_spec("default"))  # 9 heads / 3 KV heads as 6 + 3 / 2 + 1
 
 
 def test_unreadable_files(tmp_path):

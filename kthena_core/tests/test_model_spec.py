@@ -5,7 +5,8 @@ import json
 import pytest
 
 from kthena_core.known_models import KNOWN_CONFIGS, default_gguf_path, load_model_spec
-from kthena_core.model_spec import ModelSpec, ModelSpecError
+from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
+from kthena_core.shape import HeadSplitError, ModelShape
 
 
 def test_llama2_70b_kv_bytes_per_token_is_320_kib():
@@ -40,17 +41,49 @@ def test_mla_kv_is_latent_and_not_split_by_tp():
     assert dsv3.kv_bytes_per_token("bf16", tp=8) == dsv3.kv_bytes_per_token("bf16")
 
 
-@pytest.mark.parametrize(("tp", "heads"), [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1), (64, 1)])
+@pytest.mark.parametrize(("tp", "heads"), [(1, 8), (2, 4), (3, 3), (4, 2), (6, 2), (8, 1), (16, 1), (64, 1)])
 def test_kv_heads_split_and_replication(tp, heads):
+    # Largest share: 8 KV heads over tp=3 are 3 + 3 + 2, so each rank's pool is sized for 3.
     assert load_model_spec("llama-2-70b").kv_heads_per_rank(tp) == heads
 
 
+def test_kv_heads_uneven_split_per_rank():
+    spec = load_model_spec("default")  # 3 KV heads
+    assert [spec.kv_heads_per_rank(2, rank) for rank in (0, 1)] == [2, 1]
+    assert spec.kv_heads_per_rank(2) == 2
+    assert spec.kv_bytes_per_token("bf16", tp=2) == 2 * 30 * 2 * 64 * 2
+
+
 def test_kv_heads_bad_tp():
-    spec = load_model_spec("qwen2-7b")  # 4 KV heads
-    with pytest.raises(ModelSpecError, match="tp=3"):
-        spec.kv_heads_per_rank(3)
-    with pytest.raises(ModelSpecError, match="tp=6"):
+    spec = load_model_spec("qwen2-7b")  # 4 KV heads, 28 attention heads
+    with pytest.raises(HeadSplitError, match="tp=6 > num_kv_heads=4 must be a multiple"):
         spec.kv_heads_per_rank(6)
+    with pytest.raises(HeadSplitError, match="tp=0"):
+        spec.kv_heads_per_rank(0)
+    with pytest.raises(HeadSplitError, match="allowed tp: 1, 2, 3, 4, 8, 12, 16, 20, 24, 28"):
+        spec.check_tp(6)
+
+
+def test_mla_splits_only_query_heads():
+    dsv3 = load_model_spec("deepseek-v3")  # 128 heads; the latent is replicated
+    dsv3.check_tp(64)
+    with pytest.raises(HeadSplitError, match="exceeds num_attention_heads=128"):
+        dsv3.check_tp(256)
+
+
+def test_shape_and_checkpoint_dtype():
+    spec = ModelSpec.from_hf_config({**KNOWN_CONFIGS["smollm2-135m-instruct"], "torch_dtype": "bfloat16"})
+    assert spec.shape == ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
+                                    hidden_size=576, vocab_size=49152, dtype="bf16")
+    assert ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "dtype": "float16"}).dtype == "fp16"
+    with pytest.raises(ModelSpecError, match="dtype: unknown dtype 'float64'"):
+        ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "torch_dtype": "float64"})
+
+
+def test_transformers5_rope_and_qwen2_bias_by_architecture():
+    cfg = {k: v for k, v in KNOWN_CONFIGS["qwen2-7b"].items() if k not in ("model_type", "rope_theta")}
+    spec = ModelSpec.from_hf_config({**cfg, "rope_parameters": {"rope_theta": 5e5}})
+    assert spec.rope_theta == 5e5 and spec.attention_bias
 
 
 def test_flops_match_brute_force_sum():
@@ -92,6 +125,13 @@ def test_bad_configs_name_the_field(mutate, message):
     mutate(cfg)
     with pytest.raises(ModelSpecError, match=message):
         ModelSpec.from_hf_config(cfg)
+
+
+def test_missing_key_error_names_the_key():
+    cfg = {k: v for k, v in KNOWN_CONFIGS["llama-3-8b"].items() if k != "vocab_size"}
+    with pytest.raises(MissingKeyError, match="lacks required key 'vocab_size'") as info:
+        ModelSpec.from_hf_config(cfg)
+    assert info.value.key == "vocab_size"
 
 
 def test_bad_paths(tmp_path):

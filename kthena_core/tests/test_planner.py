@@ -72,18 +72,42 @@ def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
     best = min(feasible, key=lambda e: e.sort_key())
     assert plan.chosen.layout == best.layout
     assert plan.chosen.cost == min(e.cost for e in feasible)
-    # every plan fits memory, uses tp*pp*dp devices, and never splits a head
+    # every plan fits memory, uses tp*pp*dp devices, and gives every rank whole heads
     lay = plan.chosen.layout
     assert plan.chosen.memory.total <= plan.chosen.memory.capacity
     assert len(plan.device_ids) == len(set(plan.device_ids)) == lay.tp * lay.pp * lay.dp == plan.world_size
-    assert model.num_attention_heads % lay.tp == 0
-    assert model.num_key_value_heads % lay.tp == 0 or lay.tp % model.num_key_value_heads == 0
+    assert lay.tp <= model.num_attention_heads
+    assert lay.tp <= model.num_key_value_heads or lay.tp % model.num_key_value_heads == 0
     assert model.num_layers % lay.pp == 0
     # independent memory check: at least the weight shard must fit
     assert model.weight_bytes(wl.dtype) / (lay.tp * lay.pp) <= get_device(device).memory_bytes
     # groups partition the ranks
     for groups in (plan.tp_groups(), plan.pp_groups(), plan.dp_groups()):
         assert sorted(r for g in groups for r in g) == list(range(plan.world_size))
+
+
+def test_structural_check_is_the_engine_head_split_rule():
+    for heads, kv in [(9, 3), (64, 8), (28, 4), (8, 8), (4, 1)]:
+        model = ModelSpec(name="m", architecture="LlamaForCausalLM", num_layers=1, hidden_size=heads * 4,
+                          intermediate_size=8, num_attention_heads=heads, num_key_value_heads=kv,
+                          head_dim=4, vocab_size=8)
+        for tp in range(1, heads + 3):
+            engine_runs = tp <= heads and (tp <= kv or tp % kv == 0)
+            assert (Planner().structural_reasons(model, Layout(tp, 1, 1, 1)) == []) == engine_runs
+
+
+def test_default_model_accepts_tp2_and_sizes_kv_by_the_largest_share():
+    model = load_model_spec("default")  # SmolLM2-135M: 9 heads, 3 KV heads, 30 layers, head_dim 64
+    assert (model.num_attention_heads, model.num_key_value_heads) == (9, 3)
+    wl = Workload(concurrency=4, kv_dtype="bf16")
+    ev = Planner().evaluate(model, small_topology(2, "nvidia-rtx-4090"), wl, Layout(2, 1, 1, 1))
+    assert ev.feasible, ev.reasons
+    largest_share = 2  # rank 0 holds KV heads 0-1, rank 1 holds head 2; pools match the larger
+    per_token = 2 * 30 * largest_share * 64 * 2
+    assert model.kv_bytes_per_token("bf16", tp=2) == per_token
+    assert ev.memory.kv_cache == per_token * 4 * wl.context_len
+    reasons = Planner().structural_reasons(model, Layout(4, 1, 1, 1))
+    assert reasons and "allowed tp: 1, 2, 3, 6, 9" in reasons[0]
 
 
 def test_llama2_70b_never_tp1_on_64gb_devices():

@@ -55,6 +55,8 @@ def reference():
     {"max_num_batched_tokens": 7},  # chunked prefill mixed with decodes
     {"max_num_seqs": 2},
     {"block_size": 16, "max_num_batched_tokens": 33},
+    {"prefix_index": "radix"},  # the KV layer's parts, chosen from EngineConfig
+    {"hash_algorithm": "sha256", "max_num_batched_tokens": 7},
 ])
 def test_batched_greedy_equals_batch_one(reference, options):
     prompts, solo = reference
@@ -152,3 +154,57 @@ def test_too_long_requests_are_refused():
         engine.add_request("b", list(range(3, 25)), GREEDY)
     with pytest.raises(InvalidRequestError):
         engine.add_request("c", [], GREEDY)
+
+
+def test_engine_config_reaches_the_kv_layer_parts():
+    engine = tiny_engine(prefix_index="radix", hash_algorithm="sha256")
+    assert engine.kv.index_name == "radix"
+    assert engine.kv.hasher.algo == "sha256"
+    outs = _run(engine, _prompts(2, shared=9))
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+    assert engine.kv.stats().num_cached_blocks > 0  # the radix tree cached the prompts
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("prefix_index", "trie", "prefix_index='trie' is not a registered prefix index; use one of"),
+    ("hash_algorithm", "md5", "hash_algorithm='md5'"),
+    ("kv_cache_dtype", "int8", "kv_cache_dtype='int8' is not served yet"),
+    ("kv_cache_dtype", "float16", "differs from dtype='bfloat16'"),
+    ("dtype", "fp16", "dtype='fp16' is not supported; use one of 'bfloat16', 'float16'"),
+    ("device", "gpu", "device='gpu' is not a device; use 'cpu', 'cuda'"),
+])
+def test_engine_config_refuses_what_it_cannot_honour(field, value, message):
+    from kthena_serve.config import EngineConfig
+
+    with pytest.raises(ValueError) as caught:
+        EngineConfig(**{field: value})
+    assert message in str(caught.value)
+    assert "Attribute(" not in str(caught.value)  # no attrs internals in the message
+
+
+def test_scheduled_batch_is_plain_data():
+    """What crosses from the scheduler to the runner is ids and ints, never a live Request."""
+    engine = tiny_engine(max_num_batched_tokens=5)
+    engine.add_request("a", list(range(3, 12)), GREEDY)
+    batch = engine.scheduler.schedule()
+    (seq,) = batch.seqs
+    assert (seq.request_id, seq.token_ids, seq.start) == ("a", tuple(range(3, 8)), 0)
+    assert not seq.is_sampled and batch.sampled_rows == []
+    assert all(isinstance(b, int) for b in seq.block_ids)
+    engine.scheduler.update(batch)
+    (seq,) = engine.scheduler.schedule().seqs
+    assert (seq.token_ids, seq.start, seq.is_sampled) == (tuple(range(8, 12)), 5, True)
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="no CUDA device here"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_greedy_tokens_are_the_same_on_every_device(device, reference):
+    """The runner, pool and sampler follow ``config.device``; CPU is the reference."""
+    prompts, solo = reference
+    engine = tiny_engine(device=device)
+    assert engine.runner.device.type == device
+    assert engine.runner.pool.buffer.device.type == device
+    assert _tokens(_run(engine, prompts)) == solo

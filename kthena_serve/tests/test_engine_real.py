@@ -42,7 +42,7 @@ def _engine(loaded, **options) -> LLMEngine:
     model, tokenizer = loaded
     # One thread: robust when other test processes share the cores (no OpenMP barrier waits).
     config = EngineConfig(**{"kv_cache_memory": "64MiB", "num_threads": 1, "dtype": "float32", **options})
-    return LLMEngine(config, model, tokenizer)
+    return LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
 
 
 def _chat_ids(loaded, question: str) -> list[int]:

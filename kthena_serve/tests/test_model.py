@@ -104,6 +104,22 @@ def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny
     assert runner.num_computed_prompt_tokens - before == 4 + 3 + (22 - 16)
 
 
+def test_packed_bf16_matmuls_give_the_dense_logits(tiny):
+    folder, _ = tiny
+    dense, packed = (_ours(folder).to(torch.bfloat16) for _ in range(2))
+    for model in (dense, packed):
+        model.reset_rope_cache()  # .to() cast the float32 RoPE table too
+    if not packed.pack_linear_weights():
+        pytest.skip("no packed linear kernel for bf16 on this CPU (F.linear stays)")
+    weights = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
+    assert not [n for n, _ in packed.named_parameters() if n.endswith(weights)]
+    assert packed.embed_weight.shape == (TINY["vocab_size"], TINY["hidden_size"])  # stays dense
+    seqs = [(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)]
+    got = GreedyRunner(packed, block_size=4, num_blocks=64).step(seqs)
+    expected = GreedyRunner(dense, block_size=4, num_blocks=64).step(seqs)
+    torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
 class _ThreadAllReduce:
     """all_reduce across threads, summing in rank order so every rank gets identical bits."""
 
@@ -146,26 +162,24 @@ def test_tensor_parallel_shards_sum_to_the_full_model(tiny, world):
 
 
 def test_plan_matches_kthena_core_rule_and_covers_every_head_once():
-    from kthena_core.model_spec import ModelSpec
+    from kthena_core.shape import allowed_tp_sizes, kv_head_range, kv_heads_per_rank
 
     for heads, kv, inter in [(32, 8, 11008), (9, 3, 1536), (28, 4, 18944), (64, 8, 28672)]:
         config = ModelConfig(vocab_size=8, hidden_size=heads * 4, intermediate_size=inter, num_hidden_layers=1,
                              num_attention_heads=heads, num_key_value_heads=kv, head_dim=4)
-        spec = ModelSpec.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": heads * 4,
-                                         "intermediate_size": inter, "num_hidden_layers": 1, "vocab_size": 8,
-                                         "num_attention_heads": heads, "num_key_value_heads": kv})
         for world in range(1, heads + 1):
             try:
                 plans = [plan_shards(config, TensorParallel(r, world)) for r in range(world)]
             except TensorParallelError:
-                assert world > kv and world % kv
+                assert world > kv and world % kv and world not in allowed_tp_sizes(heads, kv)
                 continue
             assert sorted(h for p in plans for h in p.q_heads) == list(range(heads))
             assert sorted(c for p in plans for c in p.intermediate) == list(range(inter))
-            for p in plans:  # a rank's q heads all read one of its own KV heads
+            for r, p in enumerate(plans):  # a rank's q heads all read one of its own KV heads
                 assert {h // (heads // kv) for h in p.q_heads} <= set(p.kv_heads)
-            if kv % world == 0 or world % kv == 0:
-                assert {len(p.kv_heads) for p in plans} == {spec.kv_heads_per_rank(world)}
+                assert p.kv_heads == kv_head_range(kv, world, r)
+            # every rank's pool is sized for the largest share (3 KV heads over 2 ranks: 2)
+            assert max(len(p.kv_heads) for p in plans) == kv_heads_per_rank(kv, world)
 
 
 def test_tensor_parallel_and_plan_errors():
@@ -183,6 +197,11 @@ def test_config_from_dict_and_errors(tmp_path):
     config = ModelConfig.from_dict({**without_theta, "architectures": ["LlamaForCausalLM"], "eos_token_id": [2, 7],
                                     "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
     assert config.eos_token_ids == {2, 7} and config.rope_theta == 5e5 and config.rope_scaling is None
+    # the sizes come from kthena_core's parser; ModelConfig.shape is its ModelShape
+    assert (config.shape.num_layers, config.shape.num_kv_heads, config.shape.dtype) == (2, 3, "bf16")
+    assert ModelConfig.from_dict({**TINY, "torch_dtype": "float32"}).dtype == torch.float32
+    with pytest.raises(UnsupportedModelError, match="unknown dtype 'float64'"):
+        ModelConfig.from_dict({**TINY, "torch_dtype": "float64"})
     assert ModelConfig.from_dict({**TINY, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
     with pytest.raises(UnsupportedModelError, match="allowed: LlamaForCausalLM"):
         ModelConfig.from_dict({**TINY, "architectures": ["GPT2LMHeadModel"]})

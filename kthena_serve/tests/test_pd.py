@@ -43,7 +43,7 @@ def cluster():
 def colocated():
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
     yield engine
     engine.close()
 
@@ -127,3 +127,26 @@ def test_metrics_and_no_blocks_left(cluster) -> None:  # noqa: ANN001
     assert state["kv"]["num_used_blocks"] == 0 and state["num_quarantined"] == 0
     decode_pid = cluster.launcher.pid("decode-0")
     assert [p for p in shm_pools() if f".{decode_pid}." in p]  # the decode pool lives in shm
+
+
+def test_router_stats_are_the_workers_measured_stats(cluster) -> None:  # noqa: ANN001
+    """The router's /metrics report what the workers measured (no placeholder zeros)."""
+    assert cluster.complete(prompt_ids(48, "stats "), max_tokens=5).status_code == 200
+    time.sleep(3 * PD["health_interval_s"])  # the router's next polls see the new counters
+    states = [cluster.worker_state(name) for name in ("decode-0", "prefill-0")]
+    generated = sum(s["stats"]["num_generated_tokens"] for s in states)
+    computed = sum(s["stats"]["num_computed_prompt_tokens"] for s in states)
+    assert generated >= 5 and computed >= 48 - 16  # the decode side may hold a cached prefix
+    text = httpx.get(f"{cluster.url}/metrics").text
+    assert metric(text, "kthena_generation_tokens_total") == generated
+    assert metric(text, "kthena_computed_prompt_tokens_total") == computed
+    assert states[1]["stats"]["num_generated_tokens"] == 0  # the first token counts once
+    assert metric(text, "kthena_kv_blocks_free") == states[0]["kv"]["num_free_blocks"]
+
+
+def test_out_of_vocab_ids_get_400_like_colocated(cluster, colocated) -> None:  # noqa: ANN001
+    vocab = colocated.processor.limits.vocab_size
+    for bad in ([vocab], [1, 2, vocab + 5], [2**63]):
+        response = cluster.complete(bad, max_tokens=2)
+        assert response.status_code == 400, response.text
+        assert "vocabulary" in response.json()["error"]["message"]

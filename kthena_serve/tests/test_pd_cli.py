@@ -56,3 +56,23 @@ def test_kthena_serve_mode_pd() -> None:
     assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_pd_with_tensor_parallel_is_refused_clearly() -> None:
+    """PD + TP=2: a prefill worker writes one whole pool, a TP decode pool is split by heads."""
+    kthena = Path(sys.executable).with_name("kthena")
+    done = subprocess.run([str(kthena), "serve", "--mode", "pd", "--tp", "2", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--tp 2 is not supported in PD mode" in done.stderr
+    assert "Use --tp 1 with --mode pd" in done.stderr
+
+
+def test_shared_pool_with_tensor_parallel_is_refused() -> None:
+    import pytest
+
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine import build_runner
+
+    with pytest.raises(ValueError, match="shared KV pool with tp=2 is not supported"):
+        build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)

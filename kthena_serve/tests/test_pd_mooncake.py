@@ -34,7 +34,7 @@ def prompt(num_tokens: int, salt: str) -> list[int]:
 def colocated():
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
     yield engine
     engine.close()
 

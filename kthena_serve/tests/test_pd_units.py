@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kthena_serve.pd.config import PDConfig, RouterWeights
+from kthena_serve.pd.events import event_from_json
 from kthena_serve.pd.launcher import split_cores
 from kthena_serve.pd.protocol import (
     PoolRef,
@@ -15,7 +16,6 @@ from kthena_serve.pd.protocol import (
     params_to_json,
 )
 from kthena_serve.pd.router import Router
-from kthena_serve.pd.server import event_from_json
 from kthena_serve.request import FinishReason, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv import BlockHasher, BlockStored
@@ -94,7 +94,7 @@ def test_no_decode_worker_is_an_error_and_down_workers_get_nothing() -> None:
 
 
 def test_event_json_round_trip() -> None:
-    from kthena_serve.pd.server import EventLog
+    from kthena_serve.pd.events import EventLog
     from mooncake_kv import KVCacheManager
 
     kv = KVCacheManager(8, 4)

@@ -53,19 +53,48 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         batch = self.scheduler.schedule()
-        assert sum(batch.num_new_tokens) <= self.scheduler.max_num_batched_tokens
+        assert batch.num_tokens <= self.scheduler.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
-        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
-            assert num_new >= 1
-            reserved = len(request.block_ids) * BLOCK_SIZE
-            assert request.num_computed_tokens + num_new <= reserved
+        for seq in batch.seqs:  # plain data that agrees with the live request
+            request = self.requests[seq.request_id]
+            assert len(seq.token_ids) >= 1
+            assert seq.start == request.num_computed_tokens
+            assert list(seq.token_ids) == request.token_ids[seq.start : seq.start + len(seq.token_ids)]
+            assert seq.block_ids == request.block_ids
+            assert seq.start + len(seq.token_ids) <= len(seq.block_ids) * BLOCK_SIZE
+            assert seq.is_sampled == (seq.start + len(seq.token_ids) == request.num_tokens)
         self.scheduler.update(batch)
-        for request, sampled in zip(batch.requests, batch.is_sampled, strict=True):
-            if not sampled:
+        for seq in batch.seqs:
+            if not seq.is_sampled:
                 continue
+            request = self.requests[seq.request_id]
             request.token_ids.append(self.rng.randrange(1000))
             if request.num_output_tokens >= self.max_tokens[request.request_id]:
                 self.scheduler.finish(request, FinishReason.LENGTH)
+
+    @rule(length=st.integers(1, 40), admit=st.booleans(), salt=st.sampled_from([None, "a"]))
+    def pd_handoff(self, length: int, admit: bool, salt: str | None) -> None:
+        """PD decode: reserve blocks for a prompt, then admit it prefilled or release it."""
+        prompt = SYSTEM + [self.rng.randrange(1000) for _ in range(length)]
+        if len(prompt) + 4 > self.capacity:
+            return
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(rid, prompt, SamplingParams(max_tokens=4), cache_salt=salt)
+        reservation = self.scheduler.reserve(request)
+        if reservation is None:
+            assert rid not in self.scheduler.reserved
+            return
+        assert len(reservation.block_ids) * BLOCK_SIZE >= len(prompt)
+        assert reservation.num_cached_tokens % BLOCK_SIZE == 0
+        if not admit:
+            assert self.scheduler.release(rid)
+            return
+        self.scheduler.admit_prefilled(rid)
+        request.token_ids.append(self.rng.randrange(1000))  # the prefill worker's first token
+        self.requests[rid] = request
+        self.max_tokens[rid] = 4
+        assert not request.is_prefill
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())

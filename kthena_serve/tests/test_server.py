@@ -22,9 +22,14 @@ KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=512, max_num_batched_tokens=256,
-                                        max_num_seqs=16, max_n=4)).start()
+def core():
+    """The LLMEngine behind the server (the test inspects its KV manager directly)."""
+    return tiny_engine(num_kv_blocks=512, max_num_batched_tokens=256, max_num_seqs=16, max_n=4)
+
+
+@pytest.fixture(scope="module")
+def engine(core):
+    async_engine = AsyncLLM(core).start()
     yield async_engine
     async_engine.shutdown()
 
@@ -61,11 +66,11 @@ def _events(response: httpx.Response) -> list:
 def _wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kv = engine.engine.kv.stats()
+        kv = engine.stats().kv
         if kv.num_used_blocks == 0 and kv.num_running_requests == 0:
             return
         time.sleep(0.05)
-    raise AssertionError(f"blocks still referenced: {engine.engine.kv.stats()}")
+    raise AssertionError(f"blocks still referenced: {engine.stats().kv}")
 
 
 def test_health_models_metrics(client):
@@ -196,8 +201,9 @@ def test_unknown_path_and_method(client):
     assert client.get("/v1/completions").status_code == 405
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, url):
-    before = engine.engine.stats().num_generated_tokens
+def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, core, url):
+    _wait_idle(engine)
+    before = engine.stats().num_generated_tokens
     body = _completion(max_tokens=1500, stream=True, prompt="Tell me a long story " * 10)
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
@@ -206,11 +212,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, url):
                 seen += line.startswith("data: ")
                 if seen >= 3:
                     break
-            assert engine.engine.kv.stats().num_used_blocks > 0
+            assert engine.stats().kv.num_used_blocks > 0
     _wait_idle(engine)
-    generated = engine.engine.stats().num_generated_tokens - before
+    generated = engine.stats().num_generated_tokens - before
     assert generated < 1500  # stopped early, not run to max_tokens
-    engine.engine.kv.check_invariants()
+    core.kv.check_invariants()
 
 
 def test_disconnect_without_streaming_aborts_too(engine, url):

@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from mooncake_kv import shared_pool_paths  # noqa: E402
 from mooncake_kv.layout import KVLayout, KVPart, LayerIndexError, LayoutKind  # noqa: E402
 from mooncake_kv.pool import (  # noqa: E402
     SHM_DIR,
@@ -38,7 +39,7 @@ def small_shape(dtype="bf16") -> KVShape:
 
 
 def our_shm_files() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
+    return {path.name for path in shared_pool_paths(os.getpid())}
 
 
 @pytest.fixture(autouse=True)
@@ -146,6 +147,20 @@ def test_shared_pool_is_a_0600_file_unlinked_on_close():
     pool.close()  # harmless
     with pytest.raises(PoolClosedError, match="closed"):
         pool.k_cache(0)
+
+
+def test_shared_pool_paths_find_default_named_pools_by_creator():
+    layout = KVLayout(small_shape(), 4)
+    with KVPool.create(layout, shared=True) as pool, KVPool.create(
+        layout, shared=True, name=f"explicit-{os.getpid()}"
+    ) as named:
+        path = SHM_DIR / pool.name
+        assert path in shared_pool_paths(os.getpid()) and path in shared_pool_paths()
+        assert SHM_DIR / named.name not in shared_pool_paths()  # an explicit name is the caller's
+        other = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                               capture_output=True, text=True, check=True).stdout
+        assert path not in shared_pool_paths(int(other))
+    assert path not in shared_pool_paths(os.getpid())
 
 
 def test_context_manager_unlinks_even_on_error():

@@ -1,4 +1,4 @@
-"""Sizing: bytes per token with num_key_value_heads, known answers, TP split, budgets."""
+"""Sizing: bytes per token with num_key_value_heads, known answers, per-rank shapes, budgets."""
 
 import pytest
 from hypothesis import given
@@ -9,7 +9,6 @@ from mooncake_kv.sizing import (
     KVShape,
     SizingError,
     kv_cache_max_tokens,
-    kv_heads_per_rank,
     max_num_blocks,
     max_num_tokens,
 )
@@ -18,8 +17,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-def llama2_70b(**overrides) -> KVShape:
-    return KVShape.for_model(num_layers=80, num_key_value_heads=8, head_dim=128, **overrides)
+def llama2_70b(num_kv_heads: int = 8, **overrides) -> KVShape:
+    """Llama-2-70B's cache on one rank holding `num_kv_heads` of its 8 KV heads."""
+    return KVShape(num_layers=80, num_kv_heads=num_kv_heads, head_dim=128, **overrides)
 
 
 def test_llama2_70b_is_320_kib_per_token_in_bf16():
@@ -45,18 +45,19 @@ def test_smollm2_135m():
     assert shape.fingerprint() == "L30-H3-D64-B16-bf16"
 
 
-@pytest.mark.parametrize(
-    ("tp", "heads"), [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1), (32, 1)]
-)
-def test_tp_splits_or_replicates_kv_heads(tp, heads):
-    assert kv_heads_per_rank(8, tp) == heads
-    assert llama2_70b(tp=tp).bytes_per_token == 327_680 * heads // 8
+@pytest.mark.parametrize("heads", [8, 4, 3, 2, 1])
+def test_bytes_scale_with_the_heads_a_rank_holds(heads):
+    # The shape takes a per-rank head count; kthena_core owns the TP split (8 over tp=3: 3, 3, 2).
+    assert llama2_70b(heads).bytes_per_token == 327_680 * heads // 8
 
 
-@pytest.mark.parametrize("tp", [3, 5, 12])
-def test_uneven_tp_is_refused(tp):
-    with pytest.raises(SizingError, match="tp"):
-        kv_heads_per_rank(8, tp)
+def test_sizing_has_no_tp_rule_of_its_own():
+    import mooncake_kv
+    import mooncake_kv.sizing
+
+    assert not hasattr(mooncake_kv.sizing, "kv_heads_per_rank")
+    assert "kv_heads_per_rank" not in mooncake_kv.__all__
+    assert not hasattr(KVShape, "for_model")
 
 
 @pytest.mark.parametrize(("dtype", "per_token"), [("fp32", 655_360), ("fp16", 327_680),
@@ -87,7 +88,7 @@ def test_shape_fields_must_be_positive_ints(field, value):
 
 
 def test_kv_cache_max_tokens_for_a_70b_rank():
-    shape = llama2_70b(tp=8)  # 40 KiB per token per rank
+    shape = llama2_70b(1)  # tp=8: one KV head and 40 KiB per token per rank
     weights = 140 * GiB // 8
     tokens = kv_cache_max_tokens(shape, device_bytes=80 * GiB, weight_bytes=weights,
                                  memory_utilization=0.9, reserved_bytes=2 * GiB)

@@ -14,8 +14,18 @@ from kthena_core.hardware import (
     list_nodes,
 )
 from kthena_core.known_models import default_gguf_path, load_model_spec
-from kthena_core.model_spec import ModelSpec, ModelSpecError
+from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
+from kthena_core.shape import (
+    HeadSplitError,
+    ModelShape,
+    ModelShapeError,
+    allowed_tp_sizes,
+    attention_head_range,
+    check_tp,
+    kv_head_range,
+    kv_heads_per_rank,
+)
 from kthena_core.topology import Device, Link, Topology, TopologyError, from_catalog
 from kthena_core.workload import Workload, WorkloadError
 
@@ -26,10 +36,14 @@ __all__ = [
     "DeviceSpec",
     "Estimate",
     "Evaluation",
+    "HeadSplitError",
     "KthenaConfig",
     "Layout",
     "Link",
     "Memory",
+    "MissingKeyError",
+    "ModelShape",
+    "ModelShapeError",
     "ModelSpec",
     "ModelSpecError",
     "NoFeasiblePlanError",
@@ -40,10 +54,15 @@ __all__ = [
     "TopologyError",
     "Workload",
     "WorkloadError",
+    "allowed_tp_sizes",
+    "attention_head_range",
+    "check_tp",
     "default_gguf_path",
     "from_catalog",
     "get_device",
     "get_node",
+    "kv_head_range",
+    "kv_heads_per_rank",
     "list_devices",
     "list_nodes",
     "load_config",

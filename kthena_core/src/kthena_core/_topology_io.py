@@ -35,11 +35,12 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import yaml
 
+from kthena_core._topology_parts import HEALTH_STATES, Device, Link, TopologyError
 from kthena_core.hardware import (
     DEVICE_KINDS,
     DeviceSpec,
@@ -49,7 +50,6 @@ from kthena_core.hardware import (
     list_devices,
     list_nodes,
 )
-from kthena_core.topology import HEALTH_STATES, Device, Link, Topology, TopologyError
 
 _TOP_KEYS = ("name", "source", "device_specs", "nodes", "inter_node")
 _CATALOG_NODE_KEYS = ("node", "count", "device", "nic", "numa", "health")
@@ -171,7 +171,33 @@ class _Ctx:
         return self.number(value, path)
 
 
-def topology_from_yaml(path: str | Path) -> Topology:
+class TopologyView(Protocol):
+    """What `topology_to_dict` reads of a `Topology` (which imports this module, not the reverse)."""
+
+    @property
+    def devices(self) -> tuple[Device, ...]: ...
+    @property
+    def links(self) -> tuple[Link, ...]: ...
+    @property
+    def inter_node_bw(self) -> float: ...
+    @property
+    def inter_node_latency(self) -> float: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def num_nodes(self) -> int: ...
+
+    def devices_on_node(self, node: int) -> tuple[Device, ...]: ...
+
+
+def topology_fields_from_yaml(path: str | Path) -> dict[str, Any]:
+    """The `Topology` constructor arguments a hand-written topology file describes.
+
+    Raises:
+        TopologyError: unreadable file, invalid YAML, or any schema problem (key path named).
+    """
     path = Path(path)
     origin = f"topology file {path}"
     try:
@@ -186,13 +212,18 @@ def topology_from_yaml(path: str | Path) -> Topology:
         raise TopologyError(f"{origin}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     if data is None:
         raise TopologyError(f"{origin}: the file is empty; it needs at least a 'nodes' section")
-    topo = topology_from_dict(data, origin=origin)
-    if not isinstance(data, Mapping) or "source" not in data:
-        topo = attrs.evolve(topo, source=f"yaml:{path}")
-    return topo
+    fields = topology_fields_from_dict(data, origin=origin)
+    if "source" not in data:
+        fields["source"] = f"yaml:{path}"
+    return fields
 
 
-def topology_from_dict(data: Any, *, origin: str = "topology") -> Topology:
+def topology_fields_from_dict(data: Any, *, origin: str = "topology") -> dict[str, Any]:
+    """The `Topology` constructor arguments a topology dict (the format above) describes.
+
+    Raises:
+        TopologyError: naming the key path, the value and what is allowed.
+    """
     ctx = _Ctx(origin)
     data = ctx.mapping(data, "(top level)")
     ctx.keys(data, "", _TOP_KEYS)
@@ -219,8 +250,8 @@ def topology_from_dict(data: Any, *, origin: str = "topology") -> Topology:
     if not isinstance(name, str):
         raise ctx.error("name", f"got {name!r}; allowed: a string")
     source = data.get("source", f"dict:{origin}")
-    return Topology(devices=tuple(devices), links=tuple(links), inter_node_bw=inter_bw,
-                    inter_node_latency=inter_lat, name=name, source=str(source))
+    return {"devices": tuple(devices), "links": tuple(links), "inter_node_bw": inter_bw,
+            "inter_node_latency": inter_lat, "name": name, "source": str(source)}
 
 
 def _lookup_device(ctx: _Ctx, name: Any, path: str, specs: Mapping[str, DeviceSpec]) -> DeviceSpec:
@@ -406,7 +437,7 @@ def _link_to_dict(link: Link) -> dict[str, Any]:
     return out
 
 
-def _node_to_dict(topo: Topology, node: int) -> dict[str, Any]:
+def _node_to_dict(topo: TopologyView, node: int) -> dict[str, Any]:
     members = topo.devices_on_node(node)
     specs = {d.spec for d in members}
     if len(specs) > 1:
@@ -428,7 +459,7 @@ def _node_to_dict(topo: Topology, node: int) -> dict[str, Any]:
     return entry
 
 
-def topology_to_dict(topo: Topology) -> dict[str, Any]:
+def topology_to_dict(topo: TopologyView) -> dict[str, Any]:
     custom: dict[str, DeviceSpec] = {}
     for d in topo.devices:
         if not _is_catalog(d.spec):

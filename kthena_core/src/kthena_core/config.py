@@ -102,16 +102,19 @@ class KthenaConfig:
     def validate_against(self, model: ModelSpec) -> None:
         """Check the parallel sizes against a model's heads and layers.
 
+        tp follows the engine's head split (`kthena_core.shape.check_tp`): uneven splits such as
+        SmolLM2's 3 KV heads over tp=2 are allowed.
+
         Raises:
-            ConfigError: tp does not divide the attention heads, or pp the layers, etc.
+            ConfigError: tp cannot split the heads (the message lists the tp values that can),
+                or pp does not divide the layers.
         """
         tp = self.parallelism.tensor_parallel_size
         pp = self.parallelism.pipeline_parallel_size
-        _check(model.num_attention_heads % tp == 0, "parallelism.tensor_parallel_size", tp,
-               f"a divisor of {model.name}'s {model.num_attention_heads} attention heads")
-        nkv = model.num_key_value_heads
-        _check(model.is_mla or nkv % tp == 0 or tp % nkv == 0, "parallelism.tensor_parallel_size", tp,
-               f"a divisor or multiple of {model.name}'s {nkv} KV heads")
+        allowed = model.allowed_tp_sizes()
+        _check(tp in allowed, "parallelism.tensor_parallel_size", tp,
+               f"one of {', '.join(map(str, allowed))} ({model.name} has "
+               f"{model.num_attention_heads} attention heads, {model.num_key_value_heads} KV heads)")
         _check(model.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
                f"a divisor of {model.name}'s {model.num_layers} layers")
 

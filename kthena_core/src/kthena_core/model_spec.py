@@ -2,10 +2,11 @@
 
 Built from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral, Mixtral-style MoE, DeepSeek
 MLA) or from GGUF metadata. KV bytes use ``num_key_value_heads`` (GQA), never the number of
-attention heads::
+attention heads, and under tensor parallelism the largest per-rank share of them
+(`kthena_core.shape.kv_heads_per_rank`: 3 KV heads over tp=2 -> 2)::
 
-    kv_bytes/token = 2 (K and V) x num_layers x num_kv_heads x head_dim x bytes/element
-    Llama-2-70B, bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB   (not 2.5 MB)
+    kv_bytes/token = 2 (K and V) x num_layers x kv_heads_per_rank x head_dim x bytes/element
+    Llama-2-70B, bf16, tp=1: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB   (not 2.5 MB)
 
 MLA (DeepSeek-V2/V3) caches one compressed latent per token and layer instead:
 ``num_layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, the same on every TP rank.
@@ -22,15 +23,31 @@ from typing import Any
 import attrs
 
 from kthena_core.dtypes import canonical_dtype, dtype_bytes
+from kthena_core.shape import ModelShape, allowed_tp_sizes, check_tp, kv_heads_per_rank
 
 
 class ModelSpecError(ValueError):
     """A model description is missing a field or holds an impossible value."""
 
 
+class MissingKeyError(ModelSpecError):
+    """A model config lacks a required key (named by `key`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"model config lacks required key {key!r}")
+        self.key = key
+
+
 def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
     if value <= 0:
         raise ModelSpecError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _dtype_key(value: str) -> str:
+    try:
+        return canonical_dtype(value)
+    except ValueError as e:
+        raise ModelSpecError(f"dtype: {e}") from None
 
 
 def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -51,10 +68,12 @@ class ModelSpec:
     num_key_value_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
     vocab_size: int = attrs.field(validator=_positive)
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 2048  # Hugging Face's LlamaConfig default
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_theta: float = 10000.0
+    # The checkpoint's declared weight dtype (config `torch_dtype`), as a short key.
+    dtype: str = attrs.field(default="bf16", converter=_dtype_key)
     # Mixture of experts (0 = dense). Layers before `first_dense_layers` are dense.
     num_experts: int = attrs.field(default=0, validator=_non_negative)
     num_experts_per_tok: int = attrs.field(default=0, validator=_non_negative)
@@ -80,6 +99,15 @@ class ModelSpec:
             )
 
     # ---- structure -------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> ModelShape:
+        """The tensor geometry (layers, heads, widths, vocabulary, dtype) as a `ModelShape`."""
+        return ModelShape(
+            num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.dtype,
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -160,25 +188,40 @@ class ModelSpec:
             per += 2.0 / 128
         return self.num_params() * per
 
-    def kv_heads_per_rank(self, tp: int = 1) -> int:
-        """KV heads one TP rank holds: kv_heads/tp, or 1 (replicated) when tp > kv_heads.
+    def check_tp(self, tp: int) -> None:
+        """Raise unless the engine can split this model's heads over `tp` ranks.
+
+        The rule is `kthena_core.shape.check_tp`; MLA caches one latent replicated on every rank,
+        so only its query heads are split.
 
         Raises:
-            ModelSpecError: tp is not positive, or neither divides the other.
+            HeadSplitError: the message names the allowed tp values.
         """
-        nkv = self.num_key_value_heads
-        if tp <= 0:
-            raise ModelSpecError(f"tp must be > 0, got {tp}")
-        if tp <= nkv:
-            if nkv % tp:
-                raise ModelSpecError(f"tp={tp} does not divide num_key_value_heads={nkv}")
-            return nkv // tp
-        if tp % nkv:
-            raise ModelSpecError(f"tp={tp} is not a multiple of num_key_value_heads={nkv}")
-        return 1
+        check_tp(self.num_attention_heads, self._split_kv_heads, tp)
+
+    def allowed_tp_sizes(self) -> tuple[int, ...]:
+        """Every tp `check_tp` accepts, smallest first (SmolLM2-135M: 1, 2, 3, 6, 9)."""
+        return allowed_tp_sizes(self.num_attention_heads, self._split_kv_heads)
+
+    @property
+    def _split_kv_heads(self) -> int:
+        return self.num_attention_heads if self.is_mla else self.num_key_value_heads
+
+    def kv_heads_per_rank(self, tp: int = 1, rank: int | None = None) -> int:
+        """KV heads one TP rank holds (`kthena_core.shape.kv_heads_per_rank`).
+
+        Args:
+            tp: tensor-parallel degree.
+            rank: one rank, or None for the largest share (what each rank's pool is sized for).
+        Returns:
+            3 KV heads over tp=2: 2 for rank 0 and None, 1 for rank 1; 1 when replicated.
+        Raises:
+            HeadSplitError: tp is not positive, or exceeds the KV heads without being a multiple.
+        """
+        return kv_heads_per_rank(self.num_key_value_heads, tp, rank)
 
     def kv_bytes_per_token(self, dtype: str = "bf16", tp: int = 1) -> float:
-        """KV-cache bytes one token occupies on one TP rank (all layers, K and V)."""
+        """KV-cache bytes one token occupies on the most loaded TP rank (all layers, K and V)."""
         per = dtype_bytes(dtype)
         if self.is_mla:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per
@@ -188,7 +231,12 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], name: str | None = None) -> ModelSpec:
-        """Build from a Hugging Face config (a dict, a config.json path, or a checkpoint folder)."""
+        """Build from a Hugging Face config (a dict, a config.json path, or a checkpoint folder).
+
+        Raises:
+            MissingKeyError: a required key (sizes, layers, heads, vocabulary) is absent.
+            ModelSpecError: the file is missing or not JSON, or a value is impossible.
+        """
         path = None
         if not isinstance(config, Mapping):
             path = os.fspath(config)
@@ -229,7 +277,7 @@ def _name_from(config: Mapping[str, Any], path: str | None) -> str:
 
 def _require(config: Mapping[str, Any], key: str) -> Any:
     if key not in config:
-        raise ModelSpecError(f"model config lacks required key {key!r}")
+        raise MissingKeyError(key)
     return config[key]
 
 
@@ -254,10 +302,11 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         vocab_size=int(_require(config, "vocab_size")),
-        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        rope_theta=float(config.get("rope_theta") or 10000.0),
+        attention_bias=bool(config.get("attention_bias", _is_qwen2(config, arch))),
+        rope_theta=_rope_theta(config),
+        dtype=str(config.get("torch_dtype") or config.get("dtype") or "bf16"),
         num_experts=num_experts,
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
         num_shared_experts=int(config.get("n_shared_experts") or 0),
@@ -269,6 +318,16 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
         qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0) if kv_lora else 0,
         v_head_dim=int(config.get("v_head_dim") or 0) if kv_lora else 0,
     )
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta here
+    return float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+
+
+def _is_qwen2(config: Mapping[str, Any], architectures: list[str]) -> bool:
+    """Qwen2 has q/k/v biases even when its config does not say `attention_bias`."""
+    return config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in architectures
 
 
 def human_bytes(num: float) -> str:

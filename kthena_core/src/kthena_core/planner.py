@@ -1,9 +1,11 @@
 """Planner: choose TP x PP x SP x DP (and the PD split) for a model on a topology.
 
 ``Planner().plan(model, topology, workload) -> Plan`` is a pure function. It enumerates every
-layout that uses at most the topology's devices, rejects those that break divisibility (heads,
-KV heads, layers) or memory, scores the rest with the roofline model in `cost_model`, and keeps
-the whole table so a plan can say why each rival lost.
+layout that uses at most the topology's devices, rejects those the engine cannot shard (a tp the
+heads cannot be split over, by the one rule in `kthena_core.shape.check_tp`; a pp that does not
+divide the layers) or that do not fit memory, scores the rest with the roofline model in
+`cost_model`, and keeps the whole table so a plan can say why each rival lost. KV memory is
+sized for the rank holding the most KV heads (3 KV heads over tp=2: 2).
 
 Ranks are numbered with TP innermost (Megatron order) and laid onto devices domain by domain, so
 a TP group stays inside one fast link domain (an HCCS mesh, an NVLink island) whenever it fits::
@@ -33,6 +35,7 @@ from kthena_core.cost_model import (
 )
 from kthena_core.hardware import DeviceSpec
 from kthena_core.model_spec import ModelSpec, human_bytes
+from kthena_core.shape import HeadSplitError
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
@@ -189,11 +192,10 @@ class Planner:
     def structural_reasons(self, model: ModelSpec, layout: Layout) -> list[str]:
         """Why `layout` cannot shard `model` at all (empty if it can)."""
         reasons = []
-        if model.num_attention_heads % layout.tp:
-            reasons.append(f"tp={layout.tp} does not divide {model.num_attention_heads} attention heads")
-        nkv = model.num_key_value_heads
-        if not model.is_mla and nkv % layout.tp and layout.tp % nkv:
-            reasons.append(f"tp={layout.tp} and {nkv} KV heads: neither divides the other")
+        try:
+            model.check_tp(layout.tp)
+        except HeadSplitError as e:
+            reasons.append(str(e))
         if model.num_layers % layout.pp:
             reasons.append(f"pp={layout.pp} does not divide {model.num_layers} layers")
         return reasons
@@ -319,7 +321,7 @@ def _device_order(topology: Topology) -> list[int]:
 
 
 def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: list[Evaluation]) -> str:
-    """Summarise why nothing fits, by kind: SLO misses, memory, divisibility."""
+    """Summarise why nothing fits, by kind: SLO misses, memory, layouts that cannot shard the model."""
     slo = [e for e in evals if e.estimate is not None]
     mem = [e for e in evals if e.estimate is None and e.memory is not None]
     shape = [e for e in evals if e.memory is None]
@@ -330,7 +332,7 @@ def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: 
         least = min(mem, key=lambda e: e.memory.total / e.memory.capacity if e.memory else math.inf)
         parts.append(f"{len(mem)} exceed device memory, the closest {_layout_name(least)}: {least.reasons[0]}")
     if shape:
-        parts.append(f"{len(shape)} break divisibility, e.g. {shape[0].reasons[0]}")
+        parts.append(f"{len(shape)} cannot shard the model, e.g. {shape[0].reasons[0]}")
     where = topology.name or topology.source
     return (f"no layout of {model.name} fits {topology.num_devices} device(s) of {where} for "
             f"{wl.concurrency} x {wl.context_len} tokens: " + "; ".join(parts or ["no candidate layouts"]))

@@ -25,8 +25,13 @@ from typing import Any
 
 import attrs
 
+from kthena_core._topology_io import (
+    topology_fields_from_dict,
+    topology_fields_from_yaml,
+    topology_to_dict,
+)
+from kthena_core._topology_parts import HEALTH_STATES, Device, Link, TopologyError
 from kthena_core.hardware import (
-    DeviceSpec,
     UnknownHardwareError,
     get_device,
     get_node,
@@ -43,57 +48,8 @@ __all__ = [
     "from_catalog",
 ]
 
-HEALTH_STATES = ("ok", "busy", "unhealthy")
-
 # Two bandwidths closer than this (relative) belong to the same fabric class in link_domains().
 _SAME_CLASS_RTOL = 1e-6
-
-
-class TopologyError(ValueError):
-    """A malformed topology (file, dict or constructor arguments).
-
-    Messages name the key path, the offending value and what is allowed.
-    """
-
-
-@attrs.frozen
-class Device:
-    """One device of a topology.
-
-    Attributes:
-        index: global index 0..N-1 across the topology.
-        node: node index.
-        local_index: index within its node (the local rank / ASCEND_RT_VISIBLE_DEVICES slot).
-        spec: hardware figures.
-        numa_node: host NUMA node the device is attached to, when known.
-        health: "ok" | "busy" | "unhealthy".
-    """
-
-    index: int
-    node: int
-    local_index: int
-    spec: DeviceSpec
-    numa_node: int | None = None
-    health: str = "ok"
-
-
-@attrs.frozen
-class Link:
-    """An explicit intra-node link between two devices (global indices, ``a < b``).
-
-    Attributes:
-        kind: "hccs" | "nvlink" | "pcie" | "sys" | "sio" | "memory" | ...
-        bandwidth: unidirectional bytes/s.
-        latency: seconds.
-        via: the raw relation the link was built from ("NV18", "PIX", "HCCS"), for display.
-    """
-
-    a: int
-    b: int
-    kind: str
-    bandwidth: float
-    latency: float
-    via: str = ""
 
 
 def _index_links(devices: tuple[Device, ...], links: tuple[Link, ...]) -> dict[tuple[int, int], Link]:
@@ -288,9 +244,7 @@ class Topology:
         Raises:
             TopologyError: naming the key path, the value and what is allowed.
         """
-        from kthena_core._topology_io import topology_from_dict
-
-        return topology_from_dict(data, origin=origin)
+        return cls(**topology_fields_from_dict(data, origin=origin))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Topology:
@@ -299,14 +253,10 @@ class Topology:
         Raises:
             TopologyError: unreadable file, invalid YAML, or any schema problem (key path named).
         """
-        from kthena_core._topology_io import topology_from_yaml
-
-        return topology_from_yaml(path)
+        return cls(**topology_fields_from_yaml(path))
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict in the same format ``from_dict`` reads (round-trips exactly)."""
-        from kthena_core._topology_io import topology_to_dict
-
         return topology_to_dict(self)
 
 

@@ -3,33 +3,102 @@
 ::
 
     asyncio (server)                           engine thread
-    generate() ── inbox.append(add) ─────────▶ drain inbox → engine.add_request
+    generate() ── inbox.append(Add) ─────────▶ drain inbox → engine.add
        await queue.get() ◀── call_soon_threadsafe(dispatch) ◀── engine.step() outputs
-    client gone → finally: abort(id) ─ inbox ▶ engine.abort_request → blocks freed
+    client gone → finally: abort(id) ─ Abort ▶ engine.abort_request → blocks freed
 
 Only the engine thread touches the engine (and so the KV manager); other threads talk to it
-through the inbox. Validation (tokenising, length checks) runs in the caller so a bad request
-fails before any streaming starts.
+through the inbox of typed commands (``Add``, ``Abort``, and for PD decode ``Reserve``,
+``AdmitPrefilled``, ``Release``). Validation (tokenising, length checks) runs in the caller,
+once, through the engine's ``InputProcessor``, so a bad request fails before any streaming.
+``AsyncLLM`` is the in-process ``EngineClient``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
+import attrs
+
+from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.engine import EngineStats, LLMEngine
+from kthena_serve.engine import LLMEngine
 from kthena_serve.errors import EngineDeadError
-from kthena_serve.request import RequestOutput
+from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.scheduler import Reservation
 
 __all__ = ["AsyncLLM"]
 
 log = logging.getLogger(__name__)
+
+
+# ---- inbox commands: each runs on the engine thread ----------------------------------------------
+@attrs.frozen
+class Add:
+    request: EngineRequest
+
+    def run(self, llm: AsyncLLM) -> None:
+        try:
+            llm.engine.add(self.request)
+        except ValueError as error:  # a duplicate id: only this request fails
+            llm._dispatch([error], self.request.request_id)
+
+
+@attrs.frozen
+class Abort:
+    request_id: str
+
+    def run(self, llm: AsyncLLM) -> None:
+        llm.engine.abort_request(self.request_id)
+
+
+@attrs.frozen
+class Reserve:
+    request: EngineRequest
+    future: concurrent.futures.Future
+
+    def run(self, llm: AsyncLLM) -> None:
+        _settle(self.future, lambda: llm.engine.reserve(self.request))
+
+
+@attrs.frozen
+class AdmitPrefilled:
+    request_id: str
+    first_token_id: int
+
+    def run(self, llm: AsyncLLM) -> None:
+        try:
+            out = llm.engine.admit_prefilled(self.request_id, self.first_token_id)
+        except Exception as error:  # noqa: BLE001 - the reservation is gone: fail this one
+            llm.engine.release(self.request_id)
+            llm._dispatch([EngineDeadError(f"request {self.request_id} could not be admitted: "
+                                           f"{error}")], self.request_id)
+            return
+        llm._dispatch([out])
+
+
+@attrs.frozen
+class Release:
+    request_id: str
+    future: concurrent.futures.Future
+
+    def run(self, llm: AsyncLLM) -> None:
+        _settle(self.future, lambda: llm.engine.release(self.request_id))
+
+
+def _settle(future: concurrent.futures.Future, fn) -> None:  # noqa: ANN001
+    try:
+        future.set_result(fn())
+    except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
+        future.set_exception(error)
 
 
 class AsyncLLM:
@@ -37,7 +106,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque = deque()
         self._wakeup = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -47,7 +116,7 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(LLMEngine(config))
+        return cls(LLMEngine.from_config(config))
 
     # ---- lifetime -----------------------------------------------------------------------------
     def start(self) -> AsyncLLM:
@@ -67,27 +136,67 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # ---- requests (any thread) ------------------------------------------------------------------
+    # ---- EngineClient (any thread) ----------------------------------------------------------------
+    def limits(self) -> EngineLimits:
+        return self.engine.processor.limits
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.engine.encode(prompt)
+        return self.engine.processor.encode(prompt)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        return self.engine.processor.render_chat(messages)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """Raise InvalidRequestError now for a request the engine would refuse."""
-        return self.engine.resolve_max_tokens(len(prompt_ids), params)
+        """The output budget; raises InvalidRequestError for a request the engine would refuse."""
+        return self.engine.processor.check(prompt_ids, params)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       *, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the loop early (or being cancelled) aborts it."""
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
-        self.check(prompt_ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt_ids, params, cache_salt))
-        # aclosing: a consumer that stops early (client gone) aborts the request right away.
-        async with contextlib.aclosing(self._stream(request_id, queue)) as stream:
+    def make_request(self, request_id: str, prompt: str | Sequence[int],
+                     params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None) -> EngineRequest:
+        """Validate a request once (see ``InputProcessor.make_request``)."""
+        return self.engine.processor.make_request(request_id, prompt, params,
+                                                  cache_salt=cache_salt)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a validated request's outputs; leaving the loop early (or being cancelled)
+        aborts it."""
+        async with self._streaming(request.request_id, Add(request)) as stream:
             async for item in stream:
                 yield item
+
+    # ---- PD decode verbs (any thread) ---------------------------------------------------------------
+    async def reserve(self, request: EngineRequest) -> Reservation | None:
+        """Hold blocks for a prompt a prefill worker will fill; None if the pool is full now."""
+        return await self._call(lambda future: Reserve(request, future))
+
+    async def release(self, request_id: str) -> bool:
+        """Give back a reservation that will not be admitted."""
+        return await self._call(lambda future: Release(request_id, future))
+
+    async def generate_prefilled(self, request_id: str, first_token_id: int,
+                                 ) -> AsyncIterator[RequestOutput]:
+        """Like ``generate``, for a reserved request whose prompt KV is written."""
+        async with self._streaming(request_id, AdmitPrefilled(request_id, first_token_id)) as s:
+            async for item in s:
+                yield item
+
+    async def _call(self, make) -> Any:  # noqa: ANN001
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(make(future))
+        return await asyncio.wrap_future(future)
+
+    @contextlib.asynccontextmanager
+    async def _streaming(self, request_id: str, command: object):  # noqa: ANN202
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(command)
+        # aclosing: a consumer that stops early (client gone) aborts the request right away.
+        async with contextlib.aclosing(self._stream(request_id, queue)) as stream:
+            yield stream
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; leaving early aborts it."""
@@ -106,13 +215,13 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(Abort(request_id))
 
     def stats(self) -> EngineStats:
-        """The last snapshot the engine thread published (never blocks)."""
-        return self._stats
+        """The engine thread's last counters with a fresh KV snapshot (never blocks)."""
+        return attrs.evolve(self._stats, kv=self.engine.kv.stats())
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: object) -> None:
         self._inbox.append(command)
         self._wakeup.set()
 
@@ -139,15 +248,7 @@ class AsyncLLM:
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            command = self._inbox.popleft()
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
-                continue
-            _, request_id, prompt_ids, params, salt = command
-            try:
-                self.engine.add_request(request_id, prompt_ids, params, cache_salt=salt)
-            except ValueError as error:
-                self._dispatch([error], request_id)
+            self._inbox.popleft().run(self)
 
     def _dispatch(self, outputs: list, request_id: str | None = None) -> None:
         """Hand outputs to their streams: one thread-safe call per event loop, not per item."""

@@ -80,7 +80,7 @@ def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
     rng = random.Random(options.seed)
     out: dict = {}
     label = "kthena"
-    engines = {True: LLMEngine(config)}
+    engines = {True: LLMEngine.from_config(config)}
     if "a" in options.cases:
         prompt = _prompts(1, 128, rng)
 
@@ -102,8 +102,9 @@ def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
     if "c" in options.cases:
         system = _prompts(1, 512, rng)[0]
         prompts = [system + q for q in _prompts(32, 32, rng)]
-        engines[False] = LLMEngine(attrs.evolve(config, enable_prefix_caching=False),
-                                   engines[True].runner.model, engines[True].tokenizer)
+        engines[False] = LLMEngine.from_config(  # the same weights, reuse off
+            attrs.evolve(config, enable_prefix_caching=False), model=engines[True].runner.model,
+            tokenizer=engines[True].tokenizer)
         for reuse in (True, False):
 
             def case_c(reuse: bool = reuse) -> dict:

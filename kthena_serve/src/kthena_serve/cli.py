@@ -9,36 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 
+from kthena_serve.serve_args import add_engine_args, curl_line, engine_config, model_name
+
 __all__ = ["register_bench", "register_serve"]
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
-                        help="'default' (SmolLM2-135M-Instruct) or a Hugging Face checkpoint folder")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="tokens computed per step (prefill chunks + decodes)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB, 2GiB")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix reuse off")
-
-
-def _engine_config(args: argparse.Namespace):  # noqa: ANN202
-    from kthena_serve.config import EngineConfig
-
-    return EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        max_model_len=args.max_model_len, tp=args.tp,
-                        enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _prepare_process() -> None:
@@ -50,7 +25,7 @@ def _prepare_process() -> None:
 def register_serve(subparsers: argparse._SubParsersAction) -> None:
     """Entry point (group ``kthena.commands``): add ``kthena serve``."""
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API")
-    _engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"),
@@ -64,36 +39,31 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_serve)
 
 
-def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
-    """A chat request that works against the server just started."""
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    body = {"model": model_name, "max_tokens": 64, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
-    auth = ' -H "Authorization: Bearer $KTHENA_API_KEY"' if with_key else ""
-    return (f"curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
-            f"{auth} -d {shlex.quote(json.dumps(body))}")
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
+    try:
+        config = engine_config(args)
+    except ValueError as error:
+        print(f"kthena serve: {error}", file=sys.stderr)
+        return 2
     if getattr(args, "mode", "colocated") == "pd":
-        from kthena_serve.pd.serve import engine_fields, run_pd
+        from kthena_serve.pd.serve import run_pd
 
-        return run_pd(args, engine_fields(args), args.served_model_name or _model_name(args.model))
+        return run_pd(args, config, args.served_model_name or model_name(args.model))
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.server import build_app, run_server
 
-    config = _engine_config(args)
-    name = args.served_model_name or _model_name(args.model)
+    name = args.served_model_name or model_name(args.model)
     print(f"kthena serve: loading {args.model} ...", file=sys.stderr, flush=True)
     engine = AsyncLLM.from_config(config).start()
     app = build_app(engine, model_name=name, aliases={args.model, "default"} - {name},
                     api_key=args.api_key)
 
     def ready(port: int) -> None:
+        limits = engine.limits()
         print(f"kthena serve: {name} on http://{args.host}:{port} "
-              f"(max_model_len={engine.engine.max_model_len}, "
-              f"kv blocks={engine.engine.kv.num_blocks}). Try:", flush=True)
+              f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}). Try:",
+              flush=True)
         print(curl_line(args.host, port, name, bool(args.api_key)), flush=True)
 
     try:
@@ -101,12 +71,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
-
-
-def _model_name(model: str) -> str:
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model)) or model
 
 
 # ---- kthena bench serve -------------------------------------------------------------------------
@@ -119,7 +83,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
         children = bench.add_subparsers(dest="bench_command", required=True)
     parser = children.add_parser("serve", help="engine throughput, latency and prefix reuse "
                                  "vs Hugging Face transformers; writes a PNG plot")
-    _engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--runs", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -135,6 +99,6 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in args.cases.split(",")),
                            hf_baseline=not args.no_hf, plot=args.plot or None,
                            num_threads=args.threads)
-    result = run_bench(_engine_config(args), options)
+    result = run_bench(engine_config(args), options)
     print(json.dumps(result))
     return 0

@@ -1,5 +1,13 @@
 """LLMEngine: requests in, outputs out; ``step()`` is schedule -> run -> postprocess.
 
+Assembled from injected parts (``LLMEngine.from_config`` builds the defaults)::
+
+    LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest)
+              ── Scheduler        continuous batching; PD verbs reserve / admit_prefilled
+              │     └─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
+              ── runner           ModelRunner over a given KVPool (host, shm, device) or TP
+              ── Sampler          on the runner's device
+
 Single-threaded by contract: one thread calls every method (the async engine's loop thread,
 or the caller of ``LLM.generate``). The KV manager checks it.
 """
@@ -9,40 +17,48 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import attrs
 import torch
 
+from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.input_processor import InputProcessor
 from kthena_serve.model import IncrementalDetokenizer
-from kthena_serve.model_runner import ModelRunner
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.output_stream import OutputStream
-from kthena_serve.request import Request, RequestOutput
+from kthena_serve.request import EngineRequest, Request, RequestOutput
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import ScheduledBatch, Scheduler
+from kthena_serve.scheduler import Reservation, ScheduledBatch, Scheduler
 from kthena_serve.threads import configure_threads
-from mooncake_kv import KVCacheManager, KVCacheStats
+from mooncake_kv import KVCacheManager
 
-__all__ = ["EngineStats", "LLMEngine"]
-
-
-@attrs.frozen
-class EngineStats:
-    """Counters since start, a queue snapshot, and the KV manager's stats."""
-
-    num_steps: int
-    num_computed_prompt_tokens: int  # prompt (and recomputed) tokens actually run
-    num_generated_tokens: int
-    num_preemptions: int
-    num_waiting: int
-    num_running: int
-    kv: KVCacheStats
+__all__ = ["EngineStats", "LLMEngine", "build_runner", "create_kv_manager"]
 
 
-def _make_runner(config: EngineConfig, model, tokenizer):  # noqa: ANN202
-    """(runner, tokenizer): TP workers for ``tp > 1``, else the given or loaded model."""
+def create_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
+    """The KV cache manager ``config`` asks for, over ``num_blocks`` blocks."""
+    return KVCacheManager(num_blocks, config.block_size, index=config.prefix_index,
+                          hash_algo=config.hash_algorithm,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          check_invariants=config.check_invariants)
+
+
+def build_runner(config: EngineConfig, model=None, tokenizer=None, *,  # noqa: ANN001
+                 shared_pool: bool = False):  # noqa: ANN202
+    """(runner, tokenizer): TP workers for ``tp > 1``, else the given or loaded model.
+
+    Args:
+        model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
+        shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool).
+
+    Raises:
+        ValueError: ``shared_pool`` with ``tp > 1`` (each rank holds part of the heads).
+    """
     if config.tp > 1:
+        if shared_pool:
+            raise ValueError(f"a shared KV pool with tp={config.tp} is not supported: each TP "
+                             "rank holds its own heads' pool, and a PD prefill worker writes "
+                             "one whole pool; run PD decode workers with tp=1")
         from kthena_serve.tp_runner import TPModelRunner
 
         runner = TPModelRunner(config)  # pins this process to one core
@@ -51,8 +67,11 @@ def _make_runner(config: EngineConfig, model, tokenizer):  # noqa: ANN202
     if model is None:
         from kthena_serve.model import load_model
 
-        model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
-    return ModelRunner(model, config), tokenizer
+        model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
+                                      device=config.device)
+    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+                           model.head_dim, config)
+    return ModelRunner(model, create_pool(layout, config, shared=shared_pool)), tokenizer
 
 
 class LLMEngine:
@@ -60,81 +79,73 @@ class LLMEngine:
 
     Args:
         config: the engine config.
-        model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
+        runner: a ``ModelRunner`` (or ``TPModelRunner``) over its KV pool; owned from now on.
+        tokenizer: the model's tokenizer.
+        kv: the KV cache manager over the runner's blocks (default: from ``config``).
+        scheduler: the scheduler over ``kv`` (default: from ``config``).
     """
 
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
-        self.runner, self.tokenizer = _make_runner(config, model, tokenizer)
+    def __init__(self, config: EngineConfig, runner, tokenizer, *,  # noqa: ANN001
+                 kv: KVCacheManager | None = None, scheduler: Scheduler | None = None) -> None:
         self.config = config
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching,
-                                 check_invariants=config.check_invariants)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_prefix_caching=config.enable_prefix_caching)
-        self.sampler = Sampler()
-        self.max_model_len = min(
-            config.max_model_len or self.runner.model.config.max_position_embeddings,
-            self.runner.num_blocks * config.block_size)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.kv = kv or create_kv_manager(config, runner.num_blocks)
+        self.scheduler = scheduler or Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching)
+        self.sampler = Sampler(runner.device)
+        model_config = runner.model.config
+        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                            runner.num_blocks * config.block_size)
+        self.processor = InputProcessor(tokenizer, EngineLimits(
+            max_model_len=max_model_len, vocab_size=model_config.vocab_size,
+            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size))
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
 
-    # ---- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt (token-id prompts are checked and passed through)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.runner.model.config.vocab_size
-        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})", "prompt")
-        return ids
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, model=None, tokenizer=None,  # noqa: ANN001
+                    shared_pool: bool = False) -> LLMEngine:
+        """The engine with its default parts (see ``build_runner`` for the arguments)."""
+        runner, tokenizer = build_runner(config, model, tokenizer, shared_pool=shared_pool)
+        return cls(config, runner, tokenizer)
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The output budget, checked against the context length.
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.limits.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> Request:
+        """Queue a request the ``InputProcessor`` made (it is not validated again).
 
         Raises:
-            InvalidRequestError: empty prompt, prompt or prompt + max_tokens over the context.
+            ValueError: ``request.request_id`` is already live.
         """
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
-        room = self.max_model_len - num_prompt_tokens
-        if room <= 0:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens but the context holds "
-                f"{self.max_model_len}; shorten it", "prompt")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
-                f"exceeds the context length {self.max_model_len}; ask for at most {room}",
-                "max_tokens")
-        return params.max_tokens if params.max_tokens is not None else room
+        live = self._new(request)
+        self.scheduler.add(live)
+        return live
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
                     ) -> Request:
-        """Queue a request.
+        """Validate and queue a request (``add(processor.make_request(...))``).
 
         Raises:
-            InvalidRequestError: a bad prompt or length (see ``resolve_max_tokens``).
+            InvalidRequestError: a bad prompt or length.
             ValueError: ``request_id`` is already live.
         """
-        params = params or SamplingParams()
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already live; pick a unique id")
-        ids = self.encode(prompt)
-        max_tokens = self.resolve_max_tokens(len(ids), params)
-        request = Request(request_id, ids, params, cache_salt=cache_salt)
-        request.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, ids), params,
-                                      self.eos_token_ids, max_tokens)
-        self._requests[request_id] = request
-        self.scheduler.add(request)
-        return request
+        return self.add(self.processor.make_request(request_id, prompt, params,
+                                                    cache_salt=cache_salt))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; its blocks go back at once. None if it is not live."""
+        """Stop a request (waiting, reserved or running); its blocks go back at once.
+
+        Returns None if it is not live.
+        """
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
@@ -152,41 +163,79 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---- PD admission: the prompt's KV comes from another worker -------------------------------
+    def reserve(self, request: EngineRequest) -> Reservation | None:
+        """Hold blocks for the prompt (cached prefix matched); None if the pool is full now."""
+        live = self._new(request)
+        reservation = self.scheduler.reserve(live)
+        if reservation is None:
+            del self._requests[request.request_id]
+        return reservation
+
+    def admit_prefilled(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """Start decoding a reserved request whose prompt KV was written; its first output.
+
+        Raises:
+            KeyError: ``request_id`` holds no reservation.
+        """
+        request = self.scheduler.admit_prefilled(request_id)
+        self._num_generated += 1
+        return self._append_token(request, first_token_id, time.perf_counter())
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation that will not be admitted; False if there is none."""
+        request = self._requests.get(request_id)
+        if request is None or not self.scheduler.release(request_id):
+            return False
+        self._finish_output(request)
+        return True
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample and stop-check; returns this step's outputs."""
         batch = self.scheduler.schedule()
-        logits = self.runner.execute(batch) if batch.requests else None
+        logits = self.runner.execute(batch) if batch.seqs else None
         return self._postprocess(batch, logits)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
         self._count(batch)
         self.scheduler.update(batch)
-        outputs = [self._finish_output(r) for r in batch.rejected]
-        sampled = [r for r, s in zip(batch.requests, batch.is_sampled, strict=True) if s]
+        outputs = [self._finish_output(self._requests[rid]) for rid in batch.rejected]
+        sampled = [self._requests[s.request_id] for s in batch.seqs if s.is_sampled]
         if not sampled:
             return outputs
-        if len(sampled) < len(batch.requests):
-            logits = logits[[i for i, s in enumerate(batch.is_sampled) if s]]
         now = time.perf_counter()
         for request, token_id in zip(sampled, self.sampler(logits, sampled), strict=True):
-            request.token_ids.append(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = request.stream.append(token_id)
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                outputs.append(self._finish_output(request))
-            else:
-                outputs.append(self._output(request))
+            outputs.append(self._append_token(request, token_id, now))
         return outputs
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
+        request.token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        reason = request.stream.append(token_id)
+        if reason is None:
+            return self._output(request)
+        self.scheduler.finish(request, reason)
+        return self._finish_output(request)
 
     def _count(self, batch: ScheduledBatch) -> None:
         self._num_steps += 1
         self._num_preemptions += len(batch.preempted)
-        self._num_generated += sum(batch.is_sampled)
+        self._num_generated += len(batch.sampled_rows)
         self._num_prompt_computed += sum(
-            n for r, n in zip(batch.requests, batch.num_new_tokens, strict=True) if r.is_prefill)
+            len(s.token_ids) for s in batch.seqs if self._requests[s.request_id].is_prefill)
+
+    def _new(self, request: EngineRequest) -> Request:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already live; "
+                             "pick a unique id")
+        live = Request(request.request_id, request.prompt_ids, request.params,
+                       cache_salt=request.cache_salt)
+        live.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+                                   request.params, self.eos_token_ids, request.max_tokens)
+        self._requests[request.request_id] = live
+        return live
 
     def _finish_output(self, request: Request) -> RequestOutput:
         self._requests.pop(request.request_id, None)
@@ -224,49 +273,3 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             kv=self.kv.stats(),
         )
-
-    # ---- PD disaggregation hook (kthena_serve.pd) -------------------------------------------
-    def add_prefilled_request(self, request_id: str, prompt_ids: Sequence[int],
-                              params: SamplingParams, first_token_id: int, *,
-                              num_cached_tokens: int = 0, cache_salt: str | None = None,
-                              ) -> RequestOutput:
-        """Seat a request whose prompt KV another worker already wrote (PD handoff).
-
-        The caller reserved the blocks under ``request_id`` on this engine's thread
-        (``kv.match_prefix`` + ``kv.try_allocate`` for the whole prompt) and a prefill worker
-        filled them and sampled ``first_token_id``. The prompt blocks are committed (so later
-        requests hit them), the request joins the running set as a decoding request, and its
-        first output is returned (already finished if that token ends it).
-
-        Raises:
-            InvalidRequestError: a bad prompt or length (see ``resolve_max_tokens``).
-            ValueError: ``request_id`` is already live.
-        """
-        from kthena_serve.model import IncrementalDetokenizer
-        from kthena_serve.request import RequestStatus
-
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already live; pick a unique id")
-        ids = list(prompt_ids)
-        max_tokens = self.resolve_max_tokens(len(ids), params)
-        request = Request(request_id, ids, params, cache_salt=cache_salt)
-        request.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, ids), params,
-                                      self.eos_token_ids, max_tokens)
-        blocks = self.kv.try_allocate(request_id, 0)  # the reserved table, nothing new
-        assert blocks is not None, "reserved blocks vanished"
-        request.block_ids = blocks.block_ids
-        request.num_computed_tokens = len(ids)
-        request.num_cached_tokens = num_cached_tokens
-        self.kv.commit(request_id, ids)
-        request.num_committed_blocks = len(ids) // self.config.block_size
-        request.status = RequestStatus.RUNNING
-        self._requests[request_id] = request
-        self.scheduler.running.append(request)
-        request.token_ids.append(first_token_id)
-        request.first_token_time = time.perf_counter()
-        self._num_generated += 1
-        reason = request.stream.append(first_token_id)
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            return self._finish_output(request)
-        return self._output(request)

@@ -30,7 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_config) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_config))
         self._ids = itertools.count()
 
     @property

@@ -28,37 +28,45 @@ class ModelInputs:
     attention: AttentionBatch
 
 
-def build_inputs(batch: ScheduledBatch, block_size: int) -> ModelInputs:
-    """Tensors for ``batch`` (see module docs); requests must not have advanced yet."""
+def build_inputs(batch: ScheduledBatch, block_size: int,
+                 device: torch.device | str | None = None) -> ModelInputs:
+    """Tensors for ``batch`` (see module docs), on ``device`` (default: where torch builds them).
+
+    Plain data in, tensors out: the engine, TP ranks, PD prefill workers and tests all feed it
+    ``ScheduledSeq`` values.
+    """
+    seqs = batch.seqs
     tokens: list[int] = []
-    cached: list[int] = []
-    width = max(len(r.block_ids) for r in batch.requests)
+    width = max(len(s.block_ids) for s in seqs)
     table: list[int] = []
-    for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
-        start = request.num_computed_tokens
-        tokens += request.token_ids[start : start + num_new]
-        cached.append(start)
-        table += request.block_ids
-        table += [0] * (width - len(request.block_ids))
-    query_lens = torch.tensor(batch.num_new_tokens, dtype=torch.int64)
-    cached_lens = torch.tensor(cached, dtype=torch.int64)
-    block_tables = torch.tensor(table, dtype=torch.int32).view(len(cached), width)
-    decode_only = len(tokens) == len(cached)
+    for seq in seqs:
+        tokens += seq.token_ids
+        table += seq.block_ids
+        table += [0] * (width - len(seq.block_ids))
+    query_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
+    cached_lens = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+    block_tables = torch.tensor(table, dtype=torch.int32).view(len(seqs), width)
+    decode_only = len(tokens) == len(seqs)
     if decode_only:
-        seq_index = torch.arange(len(cached))
+        seq_index = torch.arange(len(seqs))
         positions = cached_lens
     else:
-        seq_index = torch.repeat_interleave(torch.arange(len(cached)), query_lens)
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
         starts = query_lens.cumsum(0) - query_lens
         positions = torch.arange(len(tokens)) - starts[seq_index] + cached_lens[seq_index]
     blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
     slot_mapping = blocks * block_size + positions % block_size
     attention = AttentionBatch(
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        cached_lens=cached_lens.to(torch.int32),
-        query_lens=query_lens.to(torch.int32),
-        logits_indices=query_lens.cumsum(0) - 1,
+        slot_mapping=_to(slot_mapping, device),
+        block_tables=_to(block_tables, device),
+        cached_lens=_to(cached_lens.to(torch.int32), device),
+        query_lens=_to(query_lens.to(torch.int32), device),
+        logits_indices=_to(query_lens.cumsum(0) - 1, device),
         is_decode_only=decode_only,
     )
-    return ModelInputs(torch.tensor(tokens, dtype=torch.int64), positions, attention)
+    input_ids = torch.tensor(tokens, dtype=torch.int64)
+    return ModelInputs(_to(input_ids, device), _to(positions, device), attention)
+
+
+def _to(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    return tensor if device is None else tensor.to(device, non_blocking=True)

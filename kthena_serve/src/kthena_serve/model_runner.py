@@ -1,4 +1,8 @@
-"""ModelRunner: the model, its KV pool, and one forward pass per scheduled batch."""
+"""ModelRunner: a model over a given KV pool, and one forward pass per scheduled batch.
+
+The pool is injected: host memory, POSIX shared memory (a PD decode worker's, or one a PD
+prefill worker attached to) or device memory; the runner runs where the pool lives.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from mooncake_kv.layout import KVLayout, LayoutKind
 from mooncake_kv.pool import KVPool
 from mooncake_kv.sizing import KVShape
 
-__all__ = ["ModelRunner", "kv_layout_for"]
+__all__ = ["ModelRunner", "create_pool", "kv_layout_for", "sampled_logits"]
 
 _KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -42,29 +46,49 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
     return layout
 
 
+def create_pool(layout: KVLayout, config: EngineConfig, *, shared: bool = False) -> KVPool:
+    """The engine's pool: on ``config.device``, or in shared memory (host) for PD decode.
+
+    Raises:
+        ValueError: a shared pool asked for off the host.
+    """
+    if shared and config.device != "cpu":
+        raise ValueError(f"a shared-memory KV pool lives in host memory, but device="
+                         f"{config.device!r}; PD over shm needs device='cpu'")
+    return KVPool.create(layout, shared=shared, device=config.device)
+
+
+def sampled_logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+    """The rows of the sequences that sample this step (all of them in a decode step)."""
+    rows = batch.sampled_rows
+    return logits if len(rows) == len(batch.seqs) else logits[rows]
+
+
 class ModelRunner:
-    """Runs the model over a ScheduledBatch, reading and writing KV in its own pool.
+    """Runs the model over a ScheduledBatch, reading and writing KV in the pool it is given.
 
     Args:
-        model: a ``LlamaForCausalLM`` (or anything with its forward signature).
-        config: the engine config (block size, pool size, dtype).
+        model: a ``LlamaForCausalLM`` (or anything with its forward signature), on the pool's
+            device.
+        pool: the KV pool; the runner owns it from now on (``close`` closes it).
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
         self.model = model
-        self.block_size = config.block_size
-        num_layers = model.config.num_hidden_layers
-        layout = kv_layout_for(num_layers, model.num_kv_heads_per_rank, model.head_dim, config)
-        self.pool = KVPool.create(layout)
-        self.kv_caches = [(self.pool.k_cache(i), self.pool.v_cache(i)) for i in range(num_layers)]
+        self.pool = pool
+        self.device = pool.buffer.device
+        self.block_size = pool.layout.shape.block_size
+        self.kv_caches = [(pool.k_cache(i), pool.v_cache(i))
+                          for i in range(pool.layout.shape.num_layers)]
 
     @property
     def num_blocks(self) -> int:
         return self.pool.layout.num_blocks
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward ``batch``; returns fp32 logits [num_requests, vocab] (last new token each)."""
-        return self.forward(build_inputs(batch, self.block_size))
+        """Forward ``batch``; fp32 logits [num sampled sequences, vocab], in batch order."""
+        return sampled_logits(self.forward(build_inputs(batch, self.block_size, self.device)),
+                              batch)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

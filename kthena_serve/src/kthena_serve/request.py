@@ -15,18 +15,42 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 import attrs
 
 from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["EngineRequest", "FinishReason", "Request", "RequestOutput", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # PD decode: blocks held while a prefill worker fills them
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@attrs.frozen
+class EngineRequest:
+    """A request validated once, at the edge (``InputProcessor.make_request``): plain data.
+
+    Everything behind the edge (the engine thread, a PD decode worker's engine) trusts it: the
+    prompt ids lie in the vocabulary and ``max_tokens`` is the resolved output budget.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_ids: the prompt's token ids (non-empty).
+        params: sampling parameters.
+        max_tokens: the output budget, checked against the context length.
+        cache_salt: keys the prefix cache (tenant isolation), or None.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    cache_salt: str | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -79,7 +103,7 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,
         cache_salt: str | None = None,

@@ -10,22 +10,42 @@ what else shares the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from kthena_serve.request import Request
+from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["Sampler"]
+__all__ = ["SampleRow", "Sampler"]
+
+
+class SampleRow(Protocol):
+    """What the sampler reads of a request (``Request`` has it; so can a plain value)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
 
 
 class Sampler:
-    """Picks one token per logits row (see module docs)."""
+    """Picks one token per logits row (see module docs).
 
-    def __init__(self) -> None:
-        self._generator = torch.Generator().manual_seed(torch.seed() % (2**63))
+    Args:
+        device: where the logits arrive (the runner's device; default torch's default device);
+            the random generators live there too.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.get_default_device()
+        self._generator = torch.Generator(self.device).manual_seed(torch.seed() % (2**63))
         self._seeded: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRow]) -> list[int]:
         """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
         params = [r.params for r in requests]
         if all(p.is_greedy and not p.has_penalties for p in params):
@@ -43,8 +63,9 @@ class Sampler:
         """Drop a finished request's generator."""
         self._seeded.pop(request_id, None)
 
-    def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
-        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+    def _sample(self, requests: Sequence[SampleRow], logits: torch.Tensor) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype,
+                                   device=logits.device)
         logits = logits / temperature.unsqueeze(1)
         order = None
         if any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in requests):
@@ -53,15 +74,16 @@ class Sampler:
         choice = (probs / self._exponential(requests, probs.shape)).argmax(dim=-1)
         return choice if order is None else order.gather(1, choice.unsqueeze(1)).squeeze(1)
 
-    def _exponential(self, requests: Sequence[Request], shape: torch.Size) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self._generator)
+    def _exponential(self, requests: Sequence[SampleRow], shape: torch.Size) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device).exponential_(generator=self._generator)
         for row, request in enumerate(requests):
             seed = request.params.seed
             if seed is None:
                 continue
             generator = self._seeded.get(request.request_id)
             if generator is None:
-                generator = self._seeded[request.request_id] = torch.Generator().manual_seed(seed)
+                generator = torch.Generator(self.device).manual_seed(seed)
+                self._seeded[request.request_id] = generator
             noise[row].exponential_(generator=generator)
         return noise
 
@@ -71,7 +93,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> torch.Tensor:
     rows = [i for i, r in enumerate(requests) if r.params.has_penalties and r.num_output_tokens]
     if not rows:
         return logits
@@ -79,20 +101,23 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     vocab = logits.shape[1]
     for i in rows:
         params = requests[i].params
-        counts = torch.bincount(torch.tensor(requests[i].output_token_ids), minlength=vocab)
+        ids = torch.tensor(requests[i].output_token_ids, device=logits.device)
+        counts = torch.bincount(ids, minlength=vocab)
         counts = counts[:vocab].to(logits.dtype)
         logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, requests: Sequence[Request]):
+def _top_k_top_p(logits: torch.Tensor, requests: Sequence[SampleRow]):
     """Mask all but the top-k / top-p tokens; returns (sorted masked logits, sort order)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests])
-    rank = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab
+                          for r in requests], device=logits.device)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     mask = rank >= top_k.unsqueeze(1)
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype,
+                         device=logits.device)
     if bool((top_p < 1.0).any()):
         probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token

@@ -23,32 +23,61 @@ import attrs
 from kthena_serve.request import FinishReason, Request, RequestStatus
 from mooncake_kv import ExtraKeys, KVCacheManager
 
-__all__ = ["ScheduledBatch", "Scheduler"]
+__all__ = ["Reservation", "ScheduledBatch", "ScheduledSeq", "Scheduler"]
 
 _Picked = list[tuple[Request, int]]  # (request, tokens it feeds this step)
 
 
 @attrs.frozen
-class ScheduledBatch:
-    """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]``, from its computed ones.
+class ScheduledSeq:
+    """One sequence's share of a step, as plain data (nothing live crosses to the runner).
 
     Attributes:
-        requests: running requests, in batch order.
-        num_new_tokens: tokens fed for each.
-        is_sampled: whether a token is sampled for each (its last token is fed this step).
-        preempted: requests sent back to the queue this step.
-        rejected: requests that cannot fit in the pool even alone (finished with LENGTH).
+        request_id: whose tokens these are.
+        token_ids: the tokens fed this step (a prefill chunk, or the one token to decode).
+        start: position of ``token_ids[0]``; tokens before it already have KV in the cache.
+        block_ids: the sequence's block table, covering ``start + len(token_ids)`` tokens.
+        is_sampled: a token is sampled from this sequence's last position (its logits row is
+            ``ScheduledBatch.sampled_rows.index(i)``).
     """
 
-    requests: tuple[Request, ...]
-    num_new_tokens: tuple[int, ...]
-    is_sampled: tuple[bool, ...]
-    preempted: tuple[Request, ...] = ()
-    rejected: tuple[Request, ...] = ()
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    block_ids: tuple[int, ...]
+    is_sampled: bool
+
+
+@attrs.frozen
+class ScheduledBatch:
+    """One step's work: the sequences to run, and who was preempted or rejected.
+
+    Attributes:
+        seqs: the sequences, in batch order.
+        preempted: request ids sent back to the queue this step.
+        rejected: request ids that cannot fit in the pool even alone (finished with LENGTH).
+    """
+
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def sampled_rows(self) -> list[int]:
+        """Indices in ``seqs`` that sample a token (the runner returns their logits, in order)."""
+        return [i for i, s in enumerate(self.seqs) if s.is_sampled]
+
+
+@attrs.frozen
+class Reservation:
+    """PD decode: the blocks reserved for a prompt and how much of it was already cached."""
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
 
 
 class Scheduler:
@@ -77,6 +106,7 @@ class Scheduler:
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # PD: blocks held while a prefill fills them
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -87,7 +117,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Request | None:
-        """Drop a waiting or running request; None if it is not here (finished or unknown)."""
+        """Drop a waiting, reserved or running request; None if it is not here."""
+        if request_id in self.reserved:
+            request = self.reserved.pop(request_id)
+            self.kv.free(request_id)
+            _mark_finished(request, FinishReason.ABORT)
+            return request
         for request in self.running:
             if request.request_id == request_id:
                 self.finish(request, FinishReason.ABORT)
@@ -105,9 +140,55 @@ class Scheduler:
         self.kv.free(request.request_id)
         _mark_finished(request, reason)
 
+    # ---- PD admission: a prompt whose KV another worker computes ------------------------------
+    def reserve(self, request: Request) -> Reservation | None:
+        """Hold a seat and blocks for the whole prompt (its cached prefix matched).
+
+        The request waits outside the queue until ``admit_prefilled`` or ``release``. Returns
+        None when no seat (``max_num_seqs``, reservations included) or no blocks are free now;
+        the caller then queues the request as an ordinary one.
+        """
+        if len(self.running) + len(self.reserved) >= self.max_num_seqs:
+            return None
+        rid = request.request_id
+        salt = ExtraKeys(cache_salt=request.cache_salt) if request.cache_salt else None
+        match = self.kv.match_prefix(rid, request.token_ids, salt)
+        blocks = self.kv.try_allocate(rid, request.num_tokens - match.num_cached_tokens)
+        if blocks is None:
+            self.kv.free(rid)
+            return None
+        request.block_ids = blocks.block_ids
+        request.num_cached_tokens = match.num_cached_tokens
+        request.status = RequestStatus.RESERVED
+        self.reserved[rid] = request
+        return Reservation(blocks.block_ids, match.num_cached_tokens)
+
+    def admit_prefilled(self, request_id: str) -> Request:
+        """A reserved request's prompt KV is written: cache its blocks and start decoding.
+
+        Raises:
+            KeyError: ``request_id`` holds no reservation.
+        """
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_tokens
+        self.kv.commit(request_id, request.token_ids)
+        request.num_committed_blocks = request.num_tokens // self.block_size
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation that will not be admitted; False if there is none."""
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request_id)
+        _mark_finished(request, FinishReason.ABORT)
+        return True
+
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's requests and token counts, reserving their KV slots."""
+        """Pick this step's sequences and token counts, reserving their KV slots."""
         picked: _Picked = []
         preempted: list[Request] = []
         rejected: list[Request] = []
@@ -115,18 +196,18 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(picked, budget, rejected)
         return ScheduledBatch(
-            requests=tuple(r for r, _ in picked),
-            num_new_tokens=tuple(n for _, n in picked),
-            is_sampled=tuple(r.num_computed_tokens + n == r.num_tokens for r, n in picked),
-            preempted=tuple(preempted),
-            rejected=tuple(rejected),
+            seqs=tuple(_scheduled(r, n) for r, n in picked),
+            preempted=tuple(r.request_id for r in preempted),
+            rejected=tuple(r.request_id for r in rejected),
         )
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the model ran: advance computed counts and cache the blocks that filled."""
         size = self.block_size
-        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
-            request.num_computed_tokens += num_new
+        running = {r.request_id: r for r in self.running}
+        for seq in batch.seqs:
+            request = running[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
             num_full = request.num_computed_tokens // size
             if num_full > request.num_committed_blocks:
                 self.kv.commit(request.request_id,
@@ -182,7 +263,7 @@ class Scheduler:
     def _admit_waiting(self, picked: _Picked, budget: int, rejected: list[Request]) -> None:
         prefilling = [r for r, _ in picked if r.is_prefill]
         for request in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) + len(self.reserved) >= self.max_num_seqs:
                 return
             if self._should_wait_for_prefix(request, prefilling):
                 continue
@@ -234,6 +315,12 @@ class Scheduler:
             if shared * 2 >= request.num_tokens and other.num_computed_tokens < shared:
                 return True
         return False
+
+
+def _scheduled(request: Request, num_new: int) -> ScheduledSeq:
+    start = request.num_computed_tokens
+    return ScheduledSeq(request.request_id, tuple(request.token_ids[start : start + num_new]),
+                        start, request.block_ids, start + num_new == request.num_tokens)
 
 
 def _shared_blocks(a: list[int], b: list[int], size: int) -> int:

@@ -59,4 +59,6 @@ def tiny_engine(**config) -> LLMEngine:
                "max_num_batched_tokens": 64, "max_num_seqs": 8, "check_invariants": True,
                "num_threads": 1}
     options.update(config)
-    return LLMEngine(EngineConfig(**options), tiny_llama(), default_tokenizer())
+    engine_config = EngineConfig(**options)
+    model = tiny_llama().to(engine_config.device)
+    return LLMEngine.from_config(engine_config, model=model, tokenizer=default_tokenizer())

@@ -23,7 +23,7 @@ import torch
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.model_inputs import build_inputs
-from kthena_serve.model_runner import ModelRunner, kv_layout_for
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for, sampled_logits
 from kthena_serve.scheduler import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
 
@@ -62,7 +62,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     import torch.distributed as dist
 
     groups, model, _ = _join(config, rank, port)
-    runner = ModelRunner(model, config)
+    runner = ModelRunner(model, create_pool(_layout(config, model), config))
     try:
         while True:
             box = [None]
@@ -73,6 +73,12 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     finally:
         runner.close()
         groups.destroy()
+
+
+def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
+    """This rank's pool layout: its own KV heads, the block count every rank shares."""
+    return kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+                         model.head_dim, config)
 
 
 @contextlib.contextmanager
@@ -106,19 +112,21 @@ class TPModelRunner:
                 worker.start()
                 self._workers.append(worker)
         self._groups, self.model, self.tokenizer = _join(self._config, 0, port)
-        self._inner = ModelRunner(self.model, self._config)
+        self._inner = ModelRunner(self.model, create_pool(_layout(self._config, self.model),
+                                                          self._config))
         self.block_size = config.block_size
 
     @staticmethod
     def _fixed_pool_size(config: EngineConfig) -> EngineConfig:
         """Ranks may hold different KV head counts (3 heads over 2 ranks: 2 + 1); all need the
-        same block count, sized here by the largest shard so every rank fits the budget."""
+        same block count, sized here by the largest share so every rank fits the budget."""
         if config.num_kv_blocks is not None:
             return config
+        from kthena_core import kv_heads_per_rank
         from kthena_serve.model import ModelConfig, resolve_checkpoint
 
         model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
-        heads = -(-model.num_key_value_heads // config.tp)
+        heads = kv_heads_per_rank(model.num_key_value_heads, config.tp)
         layout = kv_layout_for(model.num_hidden_layers, heads, model.head_dim, config)
         return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
 
@@ -126,12 +134,16 @@ class TPModelRunner:
     def num_blocks(self) -> int:
         return self._inner.num_blocks
 
+    @property
+    def device(self) -> torch.device:
+        return self._inner.device
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         import torch.distributed as dist
 
-        inputs = build_inputs(batch, self.block_size)
+        inputs = build_inputs(batch, self.block_size, self._inner.device)
         dist.broadcast_object_list([inputs], src=0)
-        return self._inner.forward(inputs)
+        return sampled_logits(self._inner.forward(inputs), batch)
 
     def close(self) -> None:
         import torch.distributed as dist

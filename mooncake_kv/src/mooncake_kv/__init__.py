@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 # Pool, layout and tiers (torch for the pool): exports are added below this line.
+from mooncake_kv._shm_names import shared_pool_paths  # noqa: E402
 from mooncake_kv.layout import (  # noqa: E402
     DEFAULT_LAYOUT,
     BlockIdError,
@@ -89,7 +90,6 @@ from mooncake_kv.sizing import (  # noqa: E402
     KVShape,
     SizingError,
     kv_cache_max_tokens,
-    kv_heads_per_rank,
     max_num_blocks,
     max_num_tokens,
 )
@@ -116,12 +116,13 @@ from mooncake_kv.tiers import (  # noqa: E402
 __all__ += [
     "DEFAULT_LAYOUT", "BlockIdError", "ByteRange", "KVLayout", "KVPart", "LayerIndexError", "LayoutError",
     "LayoutKind", "LayoutMismatchError", "RangePair",
-    "KVDtype", "KVShape", "SizingError", "kv_cache_max_tokens", "kv_heads_per_rank", "max_num_blocks",
+    "KVDtype", "KVShape", "SizingError", "kv_cache_max_tokens", "max_num_blocks",
     "max_num_tokens",
     "BlockStorage", "CorruptBlockError", "HostMemoryTier", "HostTierConfig", "KVTier", "MooncakeStoreTier",
     "OffloadStats", "StoreTierConfig", "TierConfig", "TieredKVCache", "TierError", "TierStats",
     "TierUnavailableError", "UnknownTierError", "available_tiers", "open_tier", "register_tier",
-    # torch-backed pool, loaded on first access
+    # shared pools' /dev/shm files (no torch), then the torch-backed pool, loaded on first access
+    "shared_pool_paths",
     "KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError", "PoolNotFoundError",
     "PoolMismatchError", "BlockPayloadError",
 ]

@@ -32,9 +32,8 @@ from mooncake_kv.sizing import KVShape
 
 SHAPES = {
     "smollm2-135m": (KVShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16), 512),
-    "llama-70b-tp8": (
-        KVShape.for_model(num_layers=80, num_key_value_heads=8, head_dim=128, tp=8), 256
-    ),
+    # Llama-2-70B's 8 KV heads over tp=8: one head per rank.
+    "llama-70b-tp8": (KVShape(num_layers=80, num_kv_heads=1, head_dim=128), 256),
 }
 
 

@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import os
 import re
-import secrets
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from mooncake_kv._shm_names import SHM_DIR, default_pool_name
 from mooncake_kv.layout import ByteRange, KVLayout, KVPart
 from mooncake_kv.sizing import KVDtype
 from mooncake_kv.types import BlockId, KVCacheError
@@ -48,7 +48,6 @@ __all__ = [
     "torch_dtype",
 ]
 
-SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TORCH_DTYPES = {
     KVDtype.BF16: torch.bfloat16,
@@ -170,7 +169,8 @@ class KVPool:
         Args:
             layout: the byte geometry.
             shared: put the buffer in /dev/shm so other processes can attach.
-            name: shm name (shared only); a unique one is made when omitted.
+            name: shm name (shared only); when omitted, a unique ``mooncake_kv.<pid>.<random>``
+                that `shared_pool_paths` finds.
             device: where an unshared pool lives; shared pools are host memory.
         Raises:
             PoolExistsError: `name` is taken.
@@ -183,7 +183,7 @@ class KVPool:
             return cls(layout, buffer, None, is_owner=True)
         if torch.device(device).type != "cpu":
             raise ValueError(f"shared pools live in host memory; use device='cpu', not {device}")
-        name = name or f"mooncake_kv.{os.getpid()}.{secrets.token_hex(6)}"
+        name = name or default_pool_name()
         return cls(layout, _create_shm(_check_name(name), layout.total_bytes), name, True)
 
     @classmethod

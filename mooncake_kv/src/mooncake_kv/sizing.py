@@ -7,8 +7,9 @@ The figure that matters is
 with the number of *key/value* heads, not attention heads: grouped-query attention (GQA) shares
 one K/V head between several query heads. Llama-2-70B has 64 attention heads but 8 KV heads, so
 a token costs 2 x 80 x 8 x 128 x 2 = 327,680 bytes (320 KiB) in bf16 and 128 tokens cost 40 MiB;
-counting attention heads instead overstates it eightfold. Under tensor parallelism a rank holds
-num_key_value_heads / tp heads, and one (a replica) when tp exceeds the number of KV heads.
+counting attention heads instead overstates it eightfold. Under tensor parallelism a shape
+describes one rank and takes that rank's head count, already split: how heads are split is
+kthena_core's rule (`kthena_core.shape.kv_heads_per_rank`), which this layer does not import.
 
 The int8 variant stores one float32 scale per token per head for K and for V, on top of the
 one-byte elements.
@@ -29,7 +30,6 @@ __all__ = [
     "KVShape",
     "SizingError",
     "kv_cache_max_tokens",
-    "kv_heads_per_rank",
     "max_num_blocks",
     "max_num_tokens",
 ]
@@ -88,43 +88,14 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise SizingError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
-def kv_heads_per_rank(num_key_value_heads: int, tp: int) -> int:
-    """KV heads one tensor-parallel rank holds.
-
-    Args:
-        num_key_value_heads: the model's K/V heads (config `num_key_value_heads`).
-        tp: tensor-parallel degree.
-    Returns:
-        num_key_value_heads // tp, or 1 when tp >= num_key_value_heads (heads are replicated).
-    Raises:
-        SizingError: when neither divides the other (the heads cannot be split evenly).
-    """
-    if num_key_value_heads < 1 or tp < 1:
-        raise SizingError(
-            f"num_key_value_heads ({num_key_value_heads}) and tp ({tp}) must be positive"
-        )
-    if tp >= num_key_value_heads:
-        if tp % num_key_value_heads:
-            raise SizingError(
-                f"tp={tp} is not a multiple of num_key_value_heads={num_key_value_heads}; "
-                "replicated KV heads need tp to be a multiple of the head count"
-            )
-        return 1
-    if num_key_value_heads % tp:
-        raise SizingError(
-            f"num_key_value_heads={num_key_value_heads} is not divisible by tp={tp}; "
-            "pick a tp that divides the KV head count"
-        )
-    return num_key_value_heads // tp
-
-
 @attrs.frozen
 class KVShape:
     """The K/V geometry one rank's cache holds (heads already split by TP).
 
     Attributes:
         num_layers: decoder layers.
-        num_kv_heads: K/V heads on this rank (see `for_model` to derive it from a config).
+        num_kv_heads: K/V heads on this rank: the model's `num_key_value_heads` (not its attention
+            heads) split by the TP rule, e.g. ``kthena_core.kv_heads_per_rank(nkv, tp)``.
         head_dim: elements per head.
         block_size: tokens per block.
         dtype: element type; INT8 adds float32 scales.
@@ -135,26 +106,6 @@ class KVShape:
     head_dim: int = attrs.field(validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
     dtype: KVDtype = attrs.field(default=KVDtype.BF16, converter=KVDtype.parse)
-
-    @classmethod
-    def for_model(
-        cls,
-        *,
-        num_layers: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        tp: int = 1,
-        block_size: int = 16,
-        dtype: KVDtype | str = KVDtype.BF16,
-    ) -> KVShape:
-        """The shape one TP rank holds for a model config (num_key_value_heads, not heads)."""
-        return cls(
-            num_layers=num_layers,
-            num_kv_heads=kv_heads_per_rank(num_key_value_heads, tp),
-            head_dim=head_dim,
-            block_size=block_size,
-            dtype=dtype,
-        )
 
     @property
     def element_bytes_per_token(self) -> int:

@@ -6,6 +6,7 @@ Functional ops over tensors and int block tables, dispatched per device type (`d
 * `paged_decode_attention`, `paged_prefill_attention`  paged attention, GQA, int8 KV (attention)
 * `rms_norm`, `rotary_embedding`, `silu_and_mul`, `build_rope_cache`           (layers, rope)
 * `matmul_all_reduce`, `all_gather_matmul`, `matmul_reduce_scatter`              (mc2)
+* `select_linear_kernel`: the CPU matmul kernel for a weight (pre-packed oneDNN bf16)  (linear)
 * `capabilities()`: what runs where, and what is verified (npu: unverified on hardware)
 """
 
@@ -28,6 +29,7 @@ from mooncake_ops.errors import (
 )
 from mooncake_ops.kv_cache import block_nbytes, gather_blocks, scatter_blocks, write_kv
 from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
+from mooncake_ops.linear import LinearKernel, select_linear_kernel
 from mooncake_ops.mc2 import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from mooncake_ops.quant import dequantize_int8, quantize_int8
 from mooncake_ops.rope import build_rope_cache
@@ -35,6 +37,7 @@ from mooncake_ops.rope import build_rope_cache
 __all__ = [
     "BlockTableError",
     "Capability",
+    "LinearKernel",
     "NativeUnavailableError",
     "OpsDTypeError",
     "OpsDeviceError",
@@ -57,6 +60,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "scatter_blocks",
+    "select_linear_kernel",
     "silu_and_mul",
     "use_native",
     "write_kv",

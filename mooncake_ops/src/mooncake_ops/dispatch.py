@@ -14,35 +14,21 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
+from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, DeviceBackend, OpImpl
 from mooncake_ops.errors import NativeUnavailableError, UnsupportedDeviceError
 
-OP_NAMES = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-            "rotary_embedding", "silu_and_mul", "gather_blocks", "scatter_blocks",
-            "matmul_all_reduce", "all_gather_matmul", "matmul_reduce_scatter")
-MC2_OPS = OP_NAMES[-3:]
+__all__ = [
+    "MC2_OPS", "OP_NAMES", "TESTED", "UNVERIFIED", "BackendEntry", "Capability", "DeviceBackend",
+    "OpImpl", "capabilities", "impl", "implementation_name", "lazy", "native_enabled",
+    "register_backend", "use_native",
+]
 
 TESTED = "tested"
 UNVERIFIED = "unverified on hardware"
-
-
-@attrs.frozen
-class OpImpl:
-    """One op's implementation on one device: the callable and a human name for reports."""
-
-    fn: Callable[..., Any]
-    name: str
-
-
-class DeviceBackend(Protocol):
-    """What a device type provides: an implementation of every op in `OP_NAMES`."""
-
-    device_type: str
-
-    def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]: ...
 
 
 @attrs.frozen

@@ -1,4 +1,9 @@
-"""`ModelConfig`: the Hugging Face `config.json` fields a Llama-family decoder needs."""
+"""`ModelConfig`: the Hugging Face `config.json` fields a Llama-family decoder needs.
+
+The sizes (layers, heads, widths, vocabulary, RoPE base, dtype) are parsed once, by
+kthena_core's `ModelSpec.from_hf_config`; this module adds only what the engine alone needs
+(norm epsilon, RoPE scaling, special tokens) and the Llama-family architecture check.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from typing import Any
 import attrs
 import torch
 
+from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
+from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
 
 # Llama-family architectures whose checkpoints share the Llama tensor names and maths (Qwen2 adds
@@ -19,6 +26,7 @@ SUPPORTED_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # kthena_core key -> HF name
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -72,28 +80,26 @@ class ModelConfig:
         """The checkpoint's declared dtype (bfloat16 when the name is unknown)."""
         return _DTYPES.get(self.torch_dtype, torch.bfloat16)
 
+    @property
+    def shape(self) -> ModelShape:
+        """The tensor geometry as kthena_core's `ModelShape` (what the TP rule and sizing take)."""
+        return ModelShape(
+            num_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.torch_dtype,
+        )
+
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``.
 
         Raises:
-            UnsupportedModelError: the architecture is not Llama-family, or a size is invalid.
+            UnsupportedModelError: the architecture is not Llama-family, or a size or the dtype
+                is invalid.
             CheckpointError: a required key is missing.
         """
         _check_architecture(config)
-        try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            fields = dict(
-                vocab_size=int(config["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
-        return cls(**fields, **_optional_fields(config))
+        return cls(**_spec_fields(_parse_spec(config)), **_engine_fields(config))
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> ModelConfig:
@@ -120,20 +126,34 @@ def _check_architecture(config: Mapping[str, Any]) -> None:
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
 
 
-def _optional_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta here
-    archs = config.get("architectures") or []
+def _parse_spec(config: Mapping[str, Any]) -> ModelSpec:
+    try:
+        return ModelSpec.from_hf_config(config)
+    except MissingKeyError as e:
+        raise CheckpointError(f"config.json lacks the required key {e.key!r}") from None
+    except ModelSpecError as e:
+        raise UnsupportedModelError(str(e)) from None
+
+
+def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The fields kthena_core has already read from config.json, under ModelConfig's names."""
+    return dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.attention_bias, torch_dtype=_TORCH_NAMES.get(spec.dtype, spec.dtype),
+    )
+
+
+def _engine_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields only the engine needs, which kthena_core does not read."""
     eos = config.get("eos_token_id")
     return dict(
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling(config.get("rope_scaling")),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(config.get("attention_bias", "Qwen2ForCausalLM" in archs)),
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=eos if eos is None or isinstance(eos, int) else tuple(eos),
-        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
     )
 
 

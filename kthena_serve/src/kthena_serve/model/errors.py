@@ -20,7 +20,7 @@ class ConversionError(ModelError, RuntimeError):
 
 
 class TensorParallelError(ModelError, ValueError):
-    """A tensor-parallel plan does not fit the model (sizes not divisible, bad rank)."""
+    """A tensor-parallel plan does not fit the model (heads tp cannot split, bad rank)."""
 
 
 class BatchError(ModelError, ValueError):

@@ -28,11 +28,14 @@ from mooncake_ops import (
     paged_prefill_attention,
     rms_norm,
     rotary_embedding,
+    select_linear_kernel,
     silu_and_mul,
     write_kv,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Every matmul weight a module may own (biases stay dense: the packed kernel takes them as they are).
+_MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -52,7 +55,7 @@ class Attention(nn.Module):
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_weight = _empty(config.hidden_size, self.q_size)
         self.tp = tp
-        self.matmul = F.linear  # replaced by a packed kernel on CPU (see _cpu_linear)
+        self.matmul = F.linear  # replaced by a packed kernel on CPU (see pack_linear_weights)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
                 kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None) -> torch.Tensor:
@@ -151,6 +154,30 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         table = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, rope_scaling=c.rope_scaling)
         self.rope_cache = table.to(device=self.embed_weight.device, dtype=torch.float32)
+
+    def pack_linear_weights(self) -> bool:
+        """Re-lay every matmul weight out for mooncake_ops' CPU linear kernel, when there is one.
+
+        Each module owning one of the weights gets the kernel's ``linear`` as its ``matmul``; a
+        tied LM head gets its own packed copy (the embedding keeps the dense table). The packed
+        tensors cannot be sliced or saved, so this is the last step of loading, after sharding.
+
+        Returns:
+            Whether it packed (False: no packed kernel for this dtype and device; F.linear stays).
+        """
+        kernel = select_linear_kernel(next(self.parameters()))
+        if kernel is None:
+            return False
+        for module in self.modules():
+            owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
+            for name in owned:
+                packed = kernel.pack(getattr(module, name))
+                module._parameters.pop(name, None)
+                module.__dict__.pop(name, None)
+                module.register_buffer(name, packed, persistent=False)
+            if owned:
+                module.matmul = kernel.linear
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: Sequence[KVCache]) -> torch.Tensor:

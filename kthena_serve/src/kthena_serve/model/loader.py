@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from kthena_serve.model._cpu_linear import pack_linear_weights
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.convert import ensure_default_checkpoint
 from kthena_serve.model.errors import CheckpointError
@@ -80,7 +79,7 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
     load_weights(model, folder)
     model.reset_rope_cache()
     if pack_weights:
-        pack_linear_weights(model)
+        model.pack_linear_weights()
     return model.eval(), Tokenizer.from_pretrained(folder)
 
 

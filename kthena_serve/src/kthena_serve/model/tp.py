@@ -9,11 +9,11 @@ down_proj) just call ``tp.all_reduce`` when the world is larger than one.
     q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
     o, down          row-parallel: each rank holds the matching input columns; outputs summed
 
-KV heads per rank follow kthena_core's rule (``ModelSpec.kv_heads_per_rank``): ``kv_heads / tp``,
-and one replicated head when ``tp`` is a multiple of ``kv_heads``. When ``tp < kv_heads`` does
-not divide them (SmolLM2's 3 KV heads over 2 ranks), the heads are split as evenly as whole
-KV-head groups allow (2 + 1) instead of refusing; each rank's query heads are those of its
-KV heads, so attention stays local and the summed o_proj outputs are exact.
+Which heads a rank holds is kthena_core's one rule (`kthena_core.shape`): ``tp <= kv_heads``
+splits the KV heads as evenly as whole heads allow (SmolLM2's 3 KV heads over 2 ranks: 2 + 1),
+and a ``tp`` that is a multiple of ``kv_heads`` replicates each KV head on ``tp / kv_heads``
+ranks. Each rank's query heads are those of its KV heads, so attention stays local and the
+summed o_proj outputs are exact. The planner and the KV pool sizing use the same rule.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from kthena_core.shape import HeadSplitError, attention_head_range, kv_head_range
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import TensorParallelError
 
@@ -93,25 +94,13 @@ def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
 
     Raises:
         TensorParallelError: ``world_size`` exceeds the query heads, or exceeds the KV heads
-            without being a multiple of them.
+            without being a multiple of them (the message lists the sizes that work).
     """
     rank, world = (tp.rank, tp.world_size) if tp else (0, 1)
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
-    group = nh // nkv
-    if world > nh:
-        raise TensorParallelError(f"tp={world} exceeds num_attention_heads={nh}; use tp <= {nh}")
-    if world <= nkv:
-        kv = _split(nkv, world, rank)
-        q = range(kv.start * group, kv.stop * group)
-    elif world % nkv:
-        raise TensorParallelError(f"tp={world} > num_key_value_heads={nkv} must be a multiple of it "
-                                  f"(each KV head is replicated on tp/kv_heads ranks)")
-    else:
-        per_head = world // nkv
-        kv = range(rank // per_head, rank // per_head + 1)
-        part = _split(group, per_head, rank % per_head)
-        q = range(kv.start * group + part.start, kv.start * group + part.stop)
-    if not len(q):
-        raise TensorParallelError(f"tp={world} leaves rank {rank} without a query head; use a tp "
-                                  f"that divides num_attention_heads={nh}")
+    try:
+        q = attention_head_range(nh, nkv, world, rank)
+        kv = kv_head_range(nkv, world, rank)
+    except HeadSplitError as e:
+        raise TensorParallelError(str(e)) from None
     return ShardPlan(q, kv, _split(config.intermediate_size, world, rank))

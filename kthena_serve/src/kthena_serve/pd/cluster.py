@@ -8,8 +8,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
-
 import httpx
 
 from kthena_serve.config import EngineConfig
@@ -18,13 +16,14 @@ from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.pd.router import Router
 from kthena_serve.server import BackgroundServer
+from mooncake_kv import shared_pool_paths
 
 __all__ = ["PDCluster", "shm_pools"]
 
 
 def shm_pools() -> list[str]:
     """KV pool files in /dev/shm (leak checks)."""
-    return sorted(glob.glob("/dev/shm/mooncake_kv.*"))
+    return [str(path) for path in shared_pool_paths()]
 
 
 def _pd_config(fields: dict) -> PDConfig:
@@ -50,16 +49,12 @@ class PDCluster:
         self.server: BackgroundServer | None = None
 
     def start(self) -> PDCluster:
-        from kthena_serve.model import Tokenizer, resolve_checkpoint
-
         self.launcher.start()
         try:
             self.router = Router(self.launcher.endpoints(), self.pd_config,
                                  self.engine_config.block_size).start()
             self.launcher.on_restart = self.router.set_url
-            tokenizer = self._tokenizer or Tokenizer.from_pretrained(
-                resolve_checkpoint(self.engine_config.model))
-            remote = RemoteEngine(self.router, tokenizer, self.engine_config)
+            remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer)
             app = build_router_app(remote, model_name=self.model_name)
             self.server = BackgroundServer(app).start()
         except BaseException:

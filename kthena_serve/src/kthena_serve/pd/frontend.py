@@ -1,111 +1,121 @@
 """The router's OpenAI front: the unchanged server app over a ``RemoteEngine``.
 
-``RemoteEngine`` has the surface of ``AsyncLLM`` that ``server.build_app`` uses (encode, check,
-generate, stats, is_alive, and ``.engine`` with tokenizer, config, max_model_len, kv), so the
-OpenAI API, its validation, SSE and error bodies are the very same code as ``kthena serve``.
-``generate`` asks the ``Router`` for workers and streams the decode worker's NDJSON outputs;
-times are re-stamped here, on the client's side of the wire.
+``RemoteEngine`` is the PD implementation of ``EngineClient``: it validates with the same
+``InputProcessor`` as the in-process engine (limits from the decode workers' own reports),
+asks the ``Router`` for workers, and streams the decode worker's NDJSON outputs; times are
+re-stamped here, on the client's side of the wire. Its stats are the sum of what the workers
+measured and reported in their last ``/pd/state``.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 import httpx
 from fastapi import FastAPI
 
+from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.engine import EngineStats, LLMEngine
 from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.input_processor import InputProcessor
 from kthena_serve.pd.protocol import output_from_json, params_to_json
 from kthena_serve.pd.router import Router
-from kthena_serve.request import RequestOutput
+from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
-from mooncake_kv import KVCacheStats
 
 __all__ = ["RemoteEngine", "build_router_app"]
 
-_KV_FIELDS = [f.name for f in attrs.fields(KVCacheStats)]
-
-
-class _ClusterKV:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    def stats(self) -> KVCacheStats:
-        total = dict.fromkeys(_KV_FIELDS, 0)
-        for worker in self.router.workers.values():
-            if worker.role == "decode" and worker.kv:
-                for name in _KV_FIELDS:
-                    total[name] += worker.kv.get(name, 0)
-        total["block_size"] = self.router.block_size
-        return KVCacheStats(**total)
-
-
-class _Facade:
-    """What the app reads from ``engine.engine``."""
-
-    def __init__(self, router: Router, tokenizer, config: EngineConfig) -> None:  # noqa: ANN001
-        self.tokenizer = tokenizer
-        self.config = config
-        self.kv = _ClusterKV(router)
-        self.router = router
-        self.vocab_size = getattr(tokenizer, "vocab_size", None)
-
-    @property
-    def max_model_len(self) -> int:
-        lens = [w.max_model_len for w in self.router.workers.values() if w.max_model_len]
-        return min(lens) if lens else (self.config.max_model_len or 2048)
-
 
 class RemoteEngine:
-    """``AsyncLLM``'s surface, served by PD workers through a ``Router``."""
+    """``EngineClient`` over PD workers, through a ``Router``.
 
-    def __init__(self, router: Router, tokenizer, config: EngineConfig) -> None:  # noqa: ANN001
+    Args:
+        router: the started router (its last poll of each worker is what this reads).
+        tokenizer: the model's tokenizer (the router tokenises; workers get token ids).
+        config: the workers' engine config.
+        model_limits: (max_position_embeddings, vocab_size) of the model, used until a
+            decode worker has reported its own limits.
+    """
+
+    def __init__(self, router: Router, tokenizer, config: EngineConfig,  # noqa: ANN001
+                 model_limits: tuple[int, int]) -> None:
         self.router = router
-        self.engine = _Facade(router, tokenizer, config)
+        self.tokenizer = tokenizer
+        self.config = config
+        self._model_limits = model_limits
         self._client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def for_model(cls, router: Router, config: EngineConfig, tokenizer=None) -> RemoteEngine:  # noqa: ANN001
+        """Read the model's limits (and tokenizer, unless given) from ``config.model``."""
+        from kthena_serve.model import ModelConfig, Tokenizer, resolve_checkpoint
+
+        folder = resolve_checkpoint(config.model)
+        model = ModelConfig.from_pretrained(folder)
+        return cls(router, tokenizer or Tokenizer.from_pretrained(folder), config,
+                   (model.max_position_embeddings, model.vocab_size))
 
     @property
     def is_alive(self) -> bool:
         return bool(self.router.up("decode"))
 
+    # ---- EngineClient: validation (same code as in process) --------------------------------------
+    def limits(self) -> EngineLimits:
+        reported = [w.limits for w in self._decodes() if w.limits]
+        if not reported:
+            max_len, vocab = self._model_limits
+            if self.config.max_model_len is not None:
+                max_len = min(max_len, self.config.max_model_len)
+            return EngineLimits(max_len, vocab, self.config.max_n, 0, self.config.block_size)
+        return EngineLimits(
+            max_model_len=min(r["max_model_len"] for r in reported),
+            vocab_size=min(r["vocab_size"] for r in reported), max_n=self.config.max_n,
+            num_kv_blocks=sum(r["num_kv_blocks"] for r in reported),
+            block_size=self.config.block_size)
+
+    def _processor(self) -> InputProcessor:
+        return InputProcessor(self.tokenizer, self.limits())
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.engine.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(i, int) and i >= 0 for i in ids):
-            raise InvalidRequestError("prompt token ids must be non-negative ints", "prompt")
-        return ids
+        return self._processor().encode(prompt)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        return self._processor().render_chat(messages)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        return LLMEngine.resolve_max_tokens(self.engine, len(prompt_ids), params)  # type: ignore[arg-type]
+        return self._processor().check(prompt_ids, params)
 
     def stats(self) -> EngineStats:
-        decodes = [w for w in self.router.workers.values() if w.role == "decode"]
-        return EngineStats(0, 0, 0, 0, sum(w.num_waiting for w in decodes),
-                           sum(w.num_running for w in decodes), self.engine.kv.stats())
+        """Counters summed over every worker; queue and KV summed over the decode workers."""
+        workers = [w for w in self.router.workers.values() if w.stats]
+        parts = [EngineStats.from_json(w.stats) for w in workers]
+        decodes = [p for p, w in zip(parts, workers, strict=True) if w.role == "decode"]
+        return EngineStats.total(parts, self.config.block_size, kv_from=decodes)
 
     def abort(self, request_id: str) -> None:
         """Closing the stream to the decode worker aborts the request there."""
 
+    def _decodes(self) -> list:
+        return [w for w in self.router.workers.values() if w.role == "decode"]
+
+    # ---- EngineClient: generation ---------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=2.0))
         return self._client
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       *, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         try:
-            decision = self.router.choose(prompt_ids, cache_salt)
+            decision = self.router.choose(list(request.prompt_ids), request.cache_salt)
         except LookupError as error:
             raise EngineDeadError(f"no worker can take the request: {error}") from None
         decode = decision.decode
-        body = {"request_id": request_id, "prompt_ids": list(prompt_ids),
-                "params": params_to_json(params), "cache_salt": cache_salt,
+        body = {"request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
+                "params": params_to_json(request.params), "cache_salt": request.cache_salt,
                 "prefill_url": decision.prefill.url if decision.prefill else None}
         arrival, first = time.perf_counter(), None
         try:
@@ -166,7 +176,7 @@ def build_router_app(remote: RemoteEngine, *, model_name: str, aliases: set[str]
     """The OpenAI app over the cluster, plus ``GET /pd/workers``."""
     from kthena_serve.server import build_app
 
-    app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key)  # type: ignore[arg-type]
+    app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key)
     app.state.api.metrics.registry.register(_Forward(remote.router.metrics.registry))
 
     @app.get("/pd/workers")

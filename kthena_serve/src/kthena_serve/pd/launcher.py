@@ -5,8 +5,8 @@ Cores: the launcher's affinity mask is split into disjoint sets, prefill workers
 round-robin. Each worker pins itself and sets ``OMP_NUM_THREADS`` to its core count before
 torch loads (worker.py), so nothing oversubscribes.
 
-Shared memory: a SIGKILLed decode worker cannot unlink its pool
-(``/dev/shm/mooncake_kv.<pid>.*``). The monitor thread reaps every worker that exits and
+Shared memory: a SIGKILLed decode worker cannot unlink its pool (found again by its pid,
+``mooncake_kv.shared_pool_paths(pid)``). The monitor thread reaps every worker that exits and
 unlinks what that pid left; ``stop()`` does the same for all. Workers get SIGTERM if the
 launcher dies (PR_SET_PDEATHSIG) and then clean up themselves.
 """
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import attrs
 
+from mooncake_kv import shared_pool_paths
+
 __all__ = ["PDLauncher", "WorkerSpec", "cleanup_shm", "split_cores"]
 
 log = logging.getLogger(__name__)
-SHM_DIR = Path("/dev/shm")
 
 
 @attrs.frozen
@@ -62,7 +63,7 @@ def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[Wor
 def cleanup_shm(pid: int) -> list[str]:
     """Unlink the KV pools a (dead) process created; returns the names removed."""
     removed = []
-    for path in SHM_DIR.glob(f"mooncake_kv.{pid}.*"):
+    for path in shared_pool_paths(pid):
         try:
             path.unlink()
             removed.append(path.name)

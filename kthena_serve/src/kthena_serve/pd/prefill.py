@@ -16,22 +16,30 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import torch
 
 from kthena_serve.config import EngineConfig
-from kthena_serve.model_inputs import build_inputs
-from kthena_serve.model_runner import kv_layout_for
+from kthena_serve.engine import create_kv_manager
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
-from kthena_serve.request import Request
 from kthena_serve.sampler import Sampler
-from kthena_serve.scheduler import ScheduledBatch
+from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.scheduler import ScheduledBatch, ScheduledSeq
 from mooncake_kv import ExtraKeys, KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
 __all__ = ["PrefillExecutor", "check_task"]
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+@attrs.frozen
+class _Row:
+    """What the sampler reads for a prompt's first token (no engine request exists here)."""
+
+    request_id: str
+    params: SamplingParams
+    output_token_ids: tuple[int, ...] = ()
 
 
 def check_task(task: PrefillTask) -> None:
@@ -61,14 +69,21 @@ class PrefillExecutor:
                  ) -> None:
         self.model = model
         self.config = config
-        self.sampler = Sampler()
-        self._attached: dict[str, tuple[KVPool, KVCaches]] = {}
+        self.sampler = Sampler(config.device)
+        self._attached: dict[str, ModelRunner] = {}
         self._lock = threading.Lock()
-        self.pool: KVPool | None = None
+        self.runner: ModelRunner | None = None
         self.kv: KVCacheManager | None = None
+        self.num_steps = self.num_computed_tokens = 0  # reported in /pd/state
         if own_pool:
-            self.pool = KVPool.create(self.layout_for(config.num_kv_blocks or 1024))
-            self.kv = KVCacheManager(self.pool.layout.num_blocks, config.block_size)
+            layout = self.layout_for(config.num_kv_blocks or 1024)
+            self.runner = ModelRunner(model, create_pool(layout, config))
+            self.kv = create_kv_manager(config, layout.num_blocks)
+
+    @property
+    def pool(self) -> KVPool | None:
+        """This worker's own pool (the cross-host path), or None."""
+        return self.runner.pool if self.runner is not None else None
 
     def layout_for(self, num_blocks: int, block_size: int | None = None,
                    dtype: str | None = None) -> KVLayout:
@@ -82,48 +97,45 @@ class PrefillExecutor:
     def run_shared(self, task: PrefillTask) -> PrefillResult:
         """Prefill into the decode pool named by ``task.pool.shm_name`` (zero copy)."""
         check_task(task)
-        caches = self._attach(task.pool)
+        runner = self._attach(task.pool)
         start = time.perf_counter()
-        token = self._compute(task, caches, task.block_ids, task.num_cached_tokens)
+        token = self._compute(task, runner, task.block_ids, task.num_cached_tokens)
         compute_s = time.perf_counter() - start
         return PrefillResult(task.request_id, token, len(task.token_ids) - task.num_cached_tokens,
                              compute_s, 0.0, 0)
 
-    def _attach(self, ref: PoolRef) -> KVCaches:
+    def _attach(self, ref: PoolRef) -> ModelRunner:
+        """A runner over the decode worker's shared pool (mapped once per pool name)."""
         if ref.shm_name is None:
             raise ValueError("the task names no shared pool; use the mooncake transport")
         with self._lock:
-            entry = self._attached.get(ref.shm_name)
-            if entry is None:
+            runner = self._attached.get(ref.shm_name)
+            if runner is None:
                 layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype)
                 pool = KVPool.attach(KVPoolHandle(ref.shm_name, layout))
-                caches = [(pool.k_cache(i), pool.v_cache(i))
-                          for i in range(layout.shape.num_layers)]
                 for old in self._attached.values():  # a restarted decode worker: new name
-                    old[0].close()
-                self._attached = {ref.shm_name: (pool, caches)}
-                entry = self._attached[ref.shm_name]
-            return entry[1]
+                    old.close()  # unmaps; the creator owns (and unlinks) the name
+                runner = ModelRunner(self.model, pool)
+                self._attached = {ref.shm_name: runner}
+            return runner
 
     # ---- the forward passes --------------------------------------------------------------------
-    @torch.inference_mode()
-    def _compute(self, task: PrefillTask, caches: KVCaches, block_ids: tuple[int, ...],
+    def _compute(self, task: PrefillTask, runner: ModelRunner, block_ids: tuple[int, ...],
                  num_cached: int) -> int:
         """Chunked paged prefill of ``token_ids[num_cached:]``; returns the sampled token."""
-        request = Request(task.request_id, list(task.token_ids), params_from_json(task.params),
-                          cache_salt=task.cache_salt)
-        request.block_ids = tuple(block_ids)
-        request.num_computed_tokens = num_cached
+        ids, start = task.token_ids, num_cached
         budget = self.config.max_num_batched_tokens
         logits = None
-        while request.num_computed_tokens < request.num_tokens:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            batch = ScheduledBatch((request,), (num_new,),
-                                   (request.num_computed_tokens + num_new == request.num_tokens,))
-            inputs = build_inputs(batch, self.config.block_size)
-            logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, caches)
-            request.num_computed_tokens += num_new
-        token = self.sampler(logits, [request])[0]
+        while start < len(ids):
+            end = min(len(ids), start + budget)
+            seq = ScheduledSeq(task.request_id, ids[start:end], start, tuple(block_ids),
+                               end == len(ids))
+            logits = runner.execute(ScheduledBatch((seq,)))
+            self.num_steps += 1
+            start = end
+        self.num_computed_tokens += len(ids) - num_cached
+        row = _Row(task.request_id, params_from_json(task.params))
+        token = self.sampler(logits, [row])[0]
         self.sampler.forget(task.request_id)
         return int(token)
 
@@ -135,7 +147,7 @@ class PrefillExecutor:
         does not hold yet (everything from ``task.num_cached_tokens`` on).
         """
         check_task(task)
-        assert self.kv is not None and self.pool is not None
+        assert self.kv is not None and self.runner is not None
         rid = task.request_id
         salt = ExtraKeys(cache_salt=task.cache_salt) if task.cache_salt else None
         match = self.kv.match_prefix(rid, task.token_ids, salt)
@@ -143,10 +155,8 @@ class PrefillExecutor:
             blocks = self.kv.try_allocate(rid, len(task.token_ids) - match.num_cached_tokens)
             if blocks is None:
                 raise MemoryError("the prefill worker's pool is full; retry or grow it")
-            caches = [(self.pool.k_cache(i), self.pool.v_cache(i))
-                      for i in range(self.pool.layout.shape.num_layers)]
             start = time.perf_counter()
-            token = self._compute(task, caches, blocks.block_ids, match.num_cached_tokens)
+            token = self._compute(task, self.runner, blocks.block_ids, match.num_cached_tokens)
             compute_s = time.perf_counter() - start
             self.kv.commit(rid, task.token_ids)
             first = task.num_cached_tokens // task.pool.block_size
@@ -159,8 +169,8 @@ class PrefillExecutor:
                              compute_s, handoff_s, num_bytes, match.num_cached_tokens)
 
     def close(self) -> None:
-        for pool, _ in self._attached.values():
-            pool.close()
+        for runner in self._attached.values():
+            runner.close()
         self._attached.clear()
-        if self.pool is not None:
-            self.pool.close()
+        if self.runner is not None:
+            self.runner.close()

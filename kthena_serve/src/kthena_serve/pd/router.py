@@ -24,8 +24,8 @@ import attrs
 import httpx
 
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.events import event_from_json
 from kthena_serve.pd.metrics import PDMetrics
-from kthena_serve.pd.server import event_from_json
 from mooncake_kv import ClusterPrefixIndex, ExtraKeys
 
 __all__ = ["Decision", "Router", "WorkerState"]
@@ -44,8 +44,9 @@ class WorkerState:
     num_waiting: int = 0
     kv_usage: float = 0.0
     seq: int = 0
-    max_model_len: int | None = None
     kv: dict = attrs.field(factory=dict)
+    stats: dict | None = None  # the worker's EngineStats as JSON (measured there)
+    limits: dict | None = None  # a decode worker's EngineLimits as JSON
 
     @property
     def load(self) -> int:
@@ -118,7 +119,8 @@ class Router:
             kv = state.get("kv") or {}
             worker.kv = kv
             worker.kv_usage = kv.get("num_used_blocks", 0) / max(kv.get("num_blocks", 1), 1)
-            worker.max_model_len = state.get("max_model_len", worker.max_model_len)
+            worker.stats = state.get("stats", worker.stats)
+            worker.limits = state.get("limits", worker.limits)
             worker.is_up = bool(state.get("alive", True))
         self.metrics.worker_up.labels("router", worker.name).set(int(worker.is_up))
 

@@ -10,7 +10,11 @@ import argparse
 import os
 import sys
 
-__all__ = ["add_pd_args", "main", "run_pd"]
+import attrs
+
+from kthena_serve.serve_args import add_engine_args, curl_line, engine_config, model_name
+
+__all__ = ["add_pd_args", "engine_fields", "main", "run_pd"]
 
 
 def add_pd_args(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +39,23 @@ def _pd_fields(args: argparse.Namespace) -> dict:
             "weights": {"overlap": overlap, "load": load, "kv_usage": kv}}
 
 
-def run_pd(args: argparse.Namespace, engine_fields: dict, model_name: str) -> int:
-    """Launch workers and serve the router until interrupted."""
+def engine_fields(config) -> dict:  # noqa: ANN001
+    """``EngineConfig`` fields as JSON for the workers (every field: nothing is dropped)."""
+    return attrs.asdict(config)
+
+
+def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: ANN001
+    """Launch workers and serve the router until interrupted.
+
+    Returns 2 (with a message) for a layout PD cannot run: ``tp > 1`` on the workers.
+    """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from kthena_serve.config import EngineConfig
-    from kthena_serve.model import Tokenizer, resolve_checkpoint
+    if config.tp > 1:
+        print(f"kthena serve --mode pd: --tp {config.tp} is not supported in PD mode: a prefill "
+              "worker writes a decode worker's whole KV pool, and a TP decode worker's pool is "
+              "split across ranks. Use --tp 1 with --mode pd, or --tp N without it.",
+              file=sys.stderr)
+        return 2
     from kthena_serve.pd.config import PDConfig, RouterWeights
     from kthena_serve.pd.frontend import RemoteEngine, build_router_app
     from kthena_serve.pd.launcher import PDLauncher
@@ -48,25 +64,21 @@ def run_pd(args: argparse.Namespace, engine_fields: dict, model_name: str) -> in
 
     pd_fields = _pd_fields(args)
     pd_config = PDConfig(**{**pd_fields, "weights": RouterWeights(**pd_fields["weights"])})
-    config = EngineConfig(**engine_fields)
     print(f"kthena serve --mode pd: starting {args.prefill} prefill + {args.decode} decode "
           "workers ...", file=sys.stderr, flush=True)
-    launcher = PDLauncher(engine_fields, pd_fields, args.prefill, args.decode).start()
+    launcher = PDLauncher(engine_fields(config), pd_fields, args.prefill, args.decode).start()
     router = Router(launcher.endpoints(), pd_config, config.block_size).start()
     launcher.on_restart = router.set_url
-    tokenizer = Tokenizer.from_pretrained(resolve_checkpoint(config.model))
-    remote = RemoteEngine(router, tokenizer, config)
-    app = build_router_app(remote, model_name=model_name,
-                           aliases={config.model, "default"} - {model_name},
+    remote = RemoteEngine.for_model(router, config)
+    app = build_router_app(remote, model_name=served_name,
+                           aliases={config.model, "default"} - {served_name},
                            api_key=getattr(args, "api_key", None))
 
     def ready(port: int) -> None:
-        from kthena_serve.cli import curl_line
-
         workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
-        print(f"kthena serve --mode pd: {model_name} on http://{args.host}:{port} ({workers})."
+        print(f"kthena serve --mode pd: {served_name} on http://{args.host}:{port} ({workers})."
               " Try:", flush=True)
-        print(curl_line(args.host, port, model_name, bool(getattr(args, "api_key", None))),
+        print(curl_line(args.host, port, served_name, bool(getattr(args, "api_key", None))),
               flush=True)
 
     from kthena_serve.pd.worker import exit_on_sigterm
@@ -83,26 +95,20 @@ def run_pd(args: argparse.Namespace, engine_fields: dict, model_name: str) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kthena_serve.cli import _engine_args, _model_name
-
     parser = argparse.ArgumentParser(prog="python -m kthena_serve.pd.serve")
-    _engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"))
     parser.add_argument("--served-model-name", default=None)
     add_pd_args(parser)
     args = parser.parse_args(argv)
-    return run_pd(args, engine_fields(args), args.served_model_name or _model_name(args.model))
-
-
-def engine_fields(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from ``kthena serve``'s engine flags (JSON-able, for the workers)."""
-    return {"model": args.model, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
-            "max_model_len": args.max_model_len,
-            "enable_prefix_caching": not args.no_prefix_caching}
+    try:
+        config = engine_config(args)
+    except ValueError as error:
+        print(f"kthena serve --mode pd: {error}", file=sys.stderr)
+        return 2
+    return run_pd(args, config, args.served_model_name or model_name(args.model))
 
 
 if __name__ == "__main__":

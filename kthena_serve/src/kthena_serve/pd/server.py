@@ -7,7 +7,6 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,60 +15,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
+from kthena_serve.pd.events import EventLog
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
-from mooncake_kv import AllCleared, BlockRemoved, BlockStored, KVCacheManager
+from mooncake_kv import KVCacheStats
 
-__all__ = ["EventLog", "build_decode_app", "build_prefill_app", "event_from_json"]
+__all__ = ["build_decode_app", "build_prefill_app"]
 
 Closer = Callable[[], None]
-
-
-class EventLog:
-    """A worker's KV events with sequence numbers, for the router to poll (``since``)."""
-
-    def __init__(self, kv: KVCacheManager, maxlen: int = 50_000) -> None:
-        self._events: deque[tuple[int, dict]] = deque(maxlen=maxlen)
-        self._seq = 0
-        self._lock = threading.Lock()
-        kv.subscribe(self._on_event)
-
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, BlockStored):
-            data = {"type": "stored", "block_hashes": [h.hex() for h in event.block_hashes],
-                    "parent": event.parent_block_hash.hex() if event.parent_block_hash else None,
-                    "token_ids": list(event.token_ids), "block_size": event.block_size,
-                    "block_ids": list(event.block_ids)}
-        elif isinstance(event, BlockRemoved):
-            data = {"type": "removed", "block_hashes": [h.hex() for h in event.block_hashes],
-                    "block_ids": list(event.block_ids)}
-        else:
-            data = {"type": "cleared"}
-        with self._lock:
-            self._seq += 1
-            self._events.append((self._seq, data))
-
-    def since(self, seq: int) -> tuple[int, int, list[dict]]:
-        """(first seq still held, last seq, events after ``seq``)."""
-        with self._lock:
-            first = self._events[0][0] if self._events else self._seq + 1
-            return first, self._seq, [e for s, e in self._events if s > seq]
-
-
-def event_from_json(data: dict):  # noqa: ANN201
-    if data["type"] == "stored":
-        parent = bytes.fromhex(data["parent"]) if data["parent"] else None
-        return BlockStored(tuple(bytes.fromhex(h) for h in data["block_hashes"]), parent,
-                           tuple(data["token_ids"]), data["block_size"], tuple(data["block_ids"]))
-    if data["type"] == "removed":
-        return BlockRemoved(tuple(bytes.fromhex(h) for h in data["block_hashes"]),
-                            tuple(data["block_ids"]))
-    return AllCleared()
 
 
 def _incarnation() -> str:
@@ -92,13 +51,15 @@ def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
 # ---- decode -----------------------------------------------------------------------------------
 def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
                      mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
-    """The decode worker: engine with a shared pool, /pd/generate, /pd/state."""
-    from kthena_serve.engine import LLMEngine
-    from kthena_serve.pd.decode import DecodeEngine, DecodeService, share_pool
+    """The decode worker: engine over a shared pool, /pd/generate, /pd/state."""
+    from kthena_serve.async_engine import AsyncLLM
+    from kthena_serve.engine import LLMEngine, build_runner
+    from kthena_serve.pd.decode import DecodeService
     from kthena_serve.server.metrics import ServerMetrics
 
-    engine = LLMEngine(config)
-    pool = share_pool(engine)
+    runner, tokenizer = build_runner(config, shared_pool=True)
+    pool = runner.pool
+    engine = LLMEngine(config, runner, tokenizer)
     te = handle = None
     if pd.transport is Transport.MOONCAKE:
         from kthena_serve.pd.transfer import register_pool
@@ -107,7 +68,7 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
     ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype, pool.name,
                   handle.to_json() if handle is not None else None)
     events = EventLog(engine.kv)
-    async_engine = DecodeEngine(engine).start()
+    async_engine = AsyncLLM(engine).start()
     metrics = PDMetrics("decode")
     server_metrics = ServerMetrics(async_engine)
     service = DecodeService(async_engine, ref, pd, metrics)
@@ -119,28 +80,28 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
     @app.get("/pd/state")
     async def state(since: int = 0) -> dict:
         stats = async_engine.stats()
-        kv = engine.kv.stats()
         first, last, items = events.since(since)
         return {"name": name, "role": "decode", "incarnation": incarnation,
                 "alive": async_engine.is_alive, "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting, "kv": attrs.asdict(kv),
-                "max_model_len": engine.max_model_len, "pool": attrs.asdict(ref),
-                "num_quarantined": service.num_quarantined, "first_seq": first,
-                "last_seq": last, "events": items}
+                "num_waiting": stats.num_waiting, "kv": attrs.asdict(stats.kv),
+                "stats": stats.to_json(), "limits": attrs.asdict(async_engine.limits()),
+                "pool": attrs.asdict(ref), "num_quarantined": service.num_quarantined,
+                "first_seq": first, "last_seq": last, "events": items}
 
     @app.post("/pd/generate")
     async def generate(request: Request) -> Response:
         body = await request.json()
-        rid, ids = body["request_id"], list(body["prompt_ids"])
-        try:
-            params = params_from_json(body["params"])
-            async_engine.check(ids, params)
+        try:  # this worker's edge: the router's request is validated once, here
+            rid = body["request_id"]
+            engine_request = async_engine.make_request(
+                rid, list(body["prompt_ids"]), params_from_json(body["params"]),
+                cache_salt=body.get("cache_salt"))
         except InvalidRequestError as error:
             return JSONResponse(error_body(400, str(error), error.param), status_code=400)
-        except (TypeError, ValueError) as error:
-            return JSONResponse(error_body(400, str(error)), status_code=400)
-        stream = service.generate(rid, ids, params, body.get("cache_salt"),
-                                  body.get("prefill_url"))
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad generate request: {error}"),
+                                status_code=400)
+        stream = service.generate(engine_request, body.get("prefill_url"))
         return StreamingResponse(_ndjson(rid, stream), media_type="application/x-ndjson")
 
     def close() -> None:
@@ -169,6 +130,10 @@ async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
 
 
 # ---- prefill ----------------------------------------------------------------------------------
+# A shm prefill worker computes into decode workers' pools and owns none.
+_NO_POOL = KVCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
 class _Cancelled(Exception):
     pass
 
@@ -267,13 +232,17 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *,
     @app.get("/pd/state")
     async def pd_state(since: int = 0) -> dict:
         with state.lock:
-            load = len(state.queued) + (state.running is not None)
+            running = int(state.running is not None)
+            waiting = len(state.queued)
         first, last, items = events.since(since) if events else (1, 0, [])
-        kv = attrs.asdict(executor.kv.stats()) if executor.kv is not None else None
+        kv = executor.kv.stats() if executor.kv is not None else _NO_POOL
+        # The first token it samples is counted by the decode worker, which streams it.
+        stats = EngineStats(executor.num_steps, executor.num_computed_tokens, 0, 0, waiting,
+                            running, kv)
         return {"name": name, "role": "prefill", "incarnation": incarnation, "alive": True,
-                "num_running": int(state.running is not None), "num_waiting": load
-                - int(state.running is not None), "kv": kv, "first_seq": first,
-                "last_seq": last, "events": items}
+                "num_running": running, "num_waiting": waiting,
+                "kv": attrs.asdict(kv) if executor.kv is not None else None,
+                "stats": stats.to_json(), "first_seq": first, "last_seq": last, "events": items}
 
     def close() -> None:
         compute.shutdown(wait=True, cancel_futures=True)

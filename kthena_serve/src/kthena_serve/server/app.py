@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: routes over an ``AsyncLLM`` (FastAPI).
+"""The OpenAI-compatible HTTP app: routes over an ``EngineClient`` (FastAPI).
 
     POST /v1/completions, /v1/chat/completions   (SSE when ``stream``; ends with [DONE])
     GET  /v1/models, /health, /metrics
@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.client import EngineClient
 from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError, error_body, install_handlers
@@ -35,7 +35,7 @@ MAX_PROMPTS = 64
 class _Api:
     """Route bodies; one per app."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, aliases: set[str]) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, aliases: set[str]) -> None:
         self.engine = engine
         self.model_name = model_name
         self.names = {model_name} | aliases
@@ -46,7 +46,7 @@ class _Api:
         if body.model not in self.names:
             raise ApiError(404, f"model {body.model!r} is not served here; use "
                            f"{self.model_name!r}", "model", "model_not_found")
-        limit = self.engine.engine.config.max_n
+        limit = self.engine.limits().max_n
         if body.n > limit:
             raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
 
@@ -55,9 +55,8 @@ class _Api:
             params = body.sampling_params(max_tokens)
         except ValueError as error:
             raise ApiError(400, str(error)) from None
-        for ids in prompts:
-            self.engine.check(ids, params)  # InvalidRequestError -> 400
-        return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), params, body.n,
+        budgets = tuple(self.engine.check(ids, params) for ids in prompts)  # invalid -> 400
+        return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
 
     def _completion_prompts(self, body: p.CompletionRequest) -> list[list[int]]:
@@ -69,9 +68,7 @@ class _Api:
         return [self.engine.encode(text) for text in prompt]
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
-        tokenizer = self.engine.engine.tokenizer
-        text = tokenizer.apply_chat_template(body.plain_messages(), add_generation_prompt=True)
-        return [self.engine.encode(text)]
+        return [self.engine.encode(self.engine.render_chat(body.plain_messages()))]
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
@@ -140,7 +137,7 @@ class _Api:
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "kthena", "max_model_len": self.engine.engine.max_model_len}
+                "owned_by": "kthena", "max_model_len": self.engine.limits().max_model_len}
         return {"object": "list", "data": [card]}
 
 
@@ -158,9 +155,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-def build_app(engine: AsyncLLM, *, model_name: str, aliases: set[str] | None = None,
+def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20) -> FastAPI:
-    """The HTTP app over a started ``AsyncLLM``.
+    """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
         model_name: the id clients send as ``model`` and /v1/models lists.

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import attrs
 
-from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.request import RequestOutput
+from kthena_serve.client import EngineClient
+from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 
 __all__ = ["Job", "collect", "stream_choices"]
@@ -21,10 +21,11 @@ __all__ = ["Job", "collect", "stream_choices"]
 
 @attrs.frozen
 class Job:
-    """What to generate for one API call."""
+    """What to generate for one API call (each prompt checked once: ``max_tokens``)."""
 
     request_id: str
     prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]  # the resolved output budget of each prompt
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
@@ -44,14 +45,17 @@ class Job:
         return attrs.evolve(self.params, seed=seed + choice % self.n)
 
 
-def _generate(engine: AsyncLLM, job: Job, choice: int) -> AsyncIterator[RequestOutput]:
-    prompt = job.prompts[job.prompt_index(choice)]
-    sub_id = f"{job.request_id}-{job.prompt_index(choice)}-{choice % job.n}"
-    return engine.generate(sub_id, list(prompt), job.choice_params(choice),
-                           cache_salt=job.cache_salt)
+    def engine_request(self, choice: int) -> EngineRequest:
+        index = self.prompt_index(choice)
+        return EngineRequest(f"{self.request_id}-{index}-{choice % self.n}", self.prompts[index],
+                             self.choice_params(choice), self.max_tokens[index], self.cache_salt)
 
 
-async def stream_choices(engine: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+def _generate(engine: EngineClient, job: Job, choice: int) -> AsyncIterator[RequestOutput]:
+    return engine.generate(job.engine_request(choice))
+
+
+async def stream_choices(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield ``(choice index, output)`` as any choice makes progress."""
     if job.num_choices == 1:
         async for out in _generate(engine, job, 0):
@@ -81,7 +85,7 @@ async def stream_choices(engine: AsyncLLM, job: Job) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(engine: AsyncLLM, job: Job) -> list[RequestOutput]:
+async def collect(engine: EngineClient, job: Job) -> list[RequestOutput]:
     """Run every choice to the end; final outputs in choice order."""
     finals: list[RequestOutput | None] = [None] * job.num_choices
     async for choice, out in stream_choices(engine, job):

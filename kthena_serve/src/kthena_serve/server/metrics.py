@@ -2,7 +2,7 @@
 
 Each app has its own registry (several servers can live in one process, as in tests). Gauges
 and counters that mirror engine state are read at scrape time from the engine's snapshot and
-the KV manager's thread-safe ``stats()``; the histograms are fed as requests finish.
+its KV part (``EngineClient.stats()``: summed over the workers in PD); the histograms are fed as requests finish.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.client import EngineClient
 from kthena_serve.request import RequestOutput
 
 __all__ = ["ServerMetrics"]
@@ -22,12 +22,12 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 class _EngineCollector:
     """Reads engine state at scrape time."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
         stats = self.engine.stats()
-        kv = self.engine.engine.kv.stats()
+        kv = stats.kv
         yield _gauge("kthena_num_requests_waiting", "Requests queued", stats.num_waiting)
         yield _gauge("kthena_num_requests_running", "Requests running", stats.num_running)
         yield _gauge("kthena_kv_blocks_used", "KV blocks referenced by requests", kv.num_used_blocks)
@@ -56,7 +56,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The metrics of one server (see module docs)."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram("kthena_time_to_first_token_seconds", "Arrival to first token",

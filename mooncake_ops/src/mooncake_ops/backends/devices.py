@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from mooncake_ops.backends import mc2_tiled, sdpa
 from mooncake_ops.backends import reference as ref
-from mooncake_ops.dispatch import MC2_OPS, OP_NAMES, OpImpl
+from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, OpImpl
 
 REFERENCE = "torch-reference"
 SDPA = "torch-sdpa"

@@ -29,8 +29,8 @@ import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (only ever imp
 
 from mooncake_ops.backends import mc2_tiled, sdpa
 from mooncake_ops.backends import reference as ref
+from mooncake_ops.backends.base import OpImpl
 from mooncake_ops.backends.devices import NPU_OPS, reference_table
-from mooncake_ops.dispatch import OpImpl
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 

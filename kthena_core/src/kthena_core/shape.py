@@ -1,0 +1,185 @@
+"""ModelShape: a decoder's tensor geometry, and the one rule for splitting its heads over TP ranks.
+
+The rule lives here and nowhere else: the planner, the config check, the engine's shard plan
+and every KV pool's sizing call these functions.
+
+    tp <= kv_heads   the KV heads are cut into tp contiguous runs as even as whole heads allow,
+                     larger runs first; a rank's query heads are those that read its KV heads.
+    tp >  kv_heads   tp must be a multiple of kv_heads: each KV head is replicated on
+                     tp / kv_heads ranks, which split that head's query heads between them.
+
+    heads=9, kv_heads=3, tp=2            heads=8, kv_heads=2, tp=4
+    rank   0        1                    rank   0     1     2     3
+    kv     0 1      2                    kv     0     0     1     1
+    q      0..5     6..8                 q      0-1   2-3   4-5   6-7
+
+Ranks share block ids, so every rank's KV pool has the same number of blocks and is sized for
+the largest share: ``kv_heads_per_rank(kv_heads, tp)`` with no rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kthena_core.dtypes import canonical_dtype
+
+
+class ModelShapeError(ValueError):
+    """A model shape with a non-positive size, or query heads that do not group over KV heads."""
+
+
+class HeadSplitError(ValueError):
+    """A tensor-parallel degree the heads cannot be split over."""
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelShapeError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _canonical(value: str) -> str:
+    try:
+        return canonical_dtype(value)
+    except ValueError as e:
+        raise ModelShapeError(str(e)) from None
+
+
+@attrs.frozen
+class ModelShape:
+    """The sizes that fix a decoder's tensors: layers, heads, widths, vocabulary and dtype.
+
+    Attributes:
+        num_layers: decoder layers.
+        num_attention_heads: query heads.
+        num_kv_heads: key/value heads (fewer than query heads under grouped-query attention).
+        head_dim: elements per head.
+        hidden_size: width of the residual stream.
+        vocab_size: rows of the embedding.
+        dtype: the checkpoint's weight dtype, as a short key ("bf16", "fp16", "fp32", ...).
+    """
+
+    num_layers: int = attrs.field(validator=_positive)
+    num_attention_heads: int = attrs.field(validator=_positive)
+    num_kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    vocab_size: int = attrs.field(validator=_positive)
+    dtype: str = attrs.field(default="bf16", converter=_canonical)
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ModelShapeError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+
+    def check_tp(self, tp: int) -> None:
+        """Raise unless `tp` ranks can split these heads (see `check_tp`)."""
+        check_tp(self.num_attention_heads, self.num_kv_heads, tp)
+
+
+def _split(total: int, parts: int, index: int) -> range:
+    """Part `index` of `parts` contiguous, near-equal pieces of range(total), larger ones first."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+def _check_kv(num_kv_heads: int, tp: int, rank: int | None) -> None:
+    if num_kv_heads < 1 or tp < 1:
+        raise HeadSplitError(f"num_kv_heads={num_kv_heads} and tp={tp} must both be >= 1")
+    if rank is not None and not 0 <= rank < tp:
+        raise HeadSplitError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
+    if tp > num_kv_heads and tp % num_kv_heads:
+        raise HeadSplitError(
+            f"tp={tp} > num_kv_heads={num_kv_heads} must be a multiple of it (each KV head is "
+            f"replicated on tp / num_kv_heads ranks); use tp <= {num_kv_heads} or a multiple "
+            f"of {num_kv_heads}")
+
+
+def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> range:
+    """The KV heads rank `rank` of `tp` holds, as a range of head indices.
+
+    Args:
+        num_kv_heads: the model's key/value heads.
+        tp: tensor-parallel degree.
+        rank: 0 .. tp - 1.
+    Returns:
+        A contiguous run (3 heads over 2 ranks: range(0, 2) and range(2, 3)); one replicated head
+        when tp is a multiple of num_kv_heads (tp=4 over 2 heads: 0, 0, 1, 1).
+    Raises:
+        HeadSplitError: a count is not positive, rank is out of range, or tp exceeds
+            num_kv_heads without being a multiple of it.
+    """
+    _check_kv(num_kv_heads, tp, rank)
+    if tp <= num_kv_heads:
+        return _split(num_kv_heads, tp, rank)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int, rank: int | None = None) -> int:
+    """How many KV heads a tensor-parallel rank holds.
+
+    Args:
+        num_kv_heads: the model's key/value heads.
+        tp: tensor-parallel degree.
+        rank: one rank, or None for the largest share: what every rank's KV pool must be sized
+            for, since all ranks use the same block ids.
+    Returns:
+        len(kv_head_range(...)) for a rank; ceil(num_kv_heads / tp) for None (1 when replicated).
+    Raises:
+        HeadSplitError: as `kv_head_range`.
+    """
+    _check_kv(num_kv_heads, tp, rank)
+    if rank is None:
+        return -(-num_kv_heads // tp)
+    return len(kv_head_range(num_kv_heads, tp, rank))
+
+
+def attention_head_range(num_attention_heads: int, num_kv_heads: int, tp: int, rank: int) -> range:
+    """The query heads rank `rank` of `tp` holds: those reading its KV heads, split further
+    between the ranks that replicate one KV head.
+
+    Raises:
+        HeadSplitError: as `check_tp`, or rank is out of range.
+    """
+    check_tp(num_attention_heads, num_kv_heads, tp)
+    kv = kv_head_range(num_kv_heads, tp, rank)
+    group = num_attention_heads // num_kv_heads
+    if tp <= num_kv_heads:
+        return range(kv.start * group, kv.stop * group)
+    replicas = tp // num_kv_heads
+    part = _split(group, replicas, rank % replicas)
+    return range(kv.start * group + part.start, kv.start * group + part.stop)
+
+
+def allowed_tp_sizes(num_attention_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """Every tp `check_tp` accepts: 1 .. num_kv_heads, then multiples of it up to the query heads."""
+    up_to_kv = range(1, min(num_kv_heads, num_attention_heads) + 1)
+    replicated = range(2 * num_kv_heads, num_attention_heads + 1, num_kv_heads)
+    return (*up_to_kv, *replicated)
+
+
+def check_tp(num_attention_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise unless `tp` ranks can split these heads with at least one query head each.
+
+    Uneven splits are allowed (9 heads / 3 KV heads over tp=2: 6 + 3 query heads, 2 + 1 KV).
+
+    Raises:
+        HeadSplitError: a count is not positive, tp > num_attention_heads, or tp > num_kv_heads
+            without being a multiple of it; the message lists the allowed values.
+    """
+    if num_attention_heads < 1 or num_kv_heads < 1 or tp < 1:
+        raise HeadSplitError(f"num_attention_heads={num_attention_heads}, num_kv_heads={num_kv_heads} "
+                             f"and tp={tp} must all be >= 1")
+    allowed = ", ".join(map(str, allowed_tp_sizes(num_attention_heads, num_kv_heads)))
+    if tp > num_attention_heads:
+        raise HeadSplitError(
+            f"tp={tp} exceeds num_attention_heads={num_attention_heads}, leaving a rank without "
+            f"a query head; allowed tp: {allowed}")
+    if tp > num_kv_heads and tp % num_kv_heads:
+        raise HeadSplitError(
+            f"tp={tp} > num_kv_heads={num_kv_heads} must be a multiple of it (each KV head is "
+            f"replicated on tp / num_kv_heads ranks); allowed tp: {allowed}")

@@ -1,0 +1,91 @@
+"""InputProcessor: the edge where a request is tokenised and validated, once.
+
+Everything behind it (``LLMEngine.add``, the engine thread, a PD decode worker's engine) takes
+the ``EngineRequest`` it makes as is. The in-process engine and the PD router build one each
+over the same tokenizer and limits, so both answer a bad request the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kthena_serve.client import EngineLimits
+from kthena_serve.errors import InvalidRequestError
+from kthena_serve.request import EngineRequest
+from kthena_serve.sampling_params import SamplingParams
+
+__all__ = ["InputProcessor"]
+
+
+class InputProcessor:
+    """Tokenises prompts and checks them against an engine's limits.
+
+    Args:
+        tokenizer: the model's ``Tokenizer``.
+        limits: the engine's limits (context length, vocabulary, ``n``).
+    """
+
+    def __init__(self, tokenizer, limits: EngineLimits) -> None:  # noqa: ANN001
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt (token-id prompts are checked and passed through).
+
+        Raises:
+            InvalidRequestError: text that is not valid Unicode, or ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise InvalidRequestError(
+                    f"the prompt is not valid Unicode text (a lone surrogate at character "
+                    f"{error.start}); send UTF-8 text", "prompt") from None
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.limits.vocab_size
+        for position, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompt token id {token!r} at position {position} is not an int in "
+                    f"[0, {vocab}); send ids from this model's vocabulary", "prompt")
+        return ids
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat template applied to ``messages``, ending with the assistant's turn."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """The output budget, checked against the context length.
+
+        Raises:
+            InvalidRequestError: empty prompt, prompt or prompt + max_tokens over the context.
+        """
+        num_prompt = len(prompt_ids)
+        context = self.limits.max_model_len
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        room = context - num_prompt
+        if room <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens but the context holds {context}; "
+                "shorten it", "prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens "
+                f"exceeds the context length {context}; ask for at most {room}", "max_tokens")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int],
+                     params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None) -> EngineRequest:
+        """Encode and check one request (the only validation it gets).
+
+        Raises:
+            InvalidRequestError: see ``encode`` and ``check``.
+        """
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        return EngineRequest(request_id, tuple(ids), params, self.check(ids, params), cache_salt)

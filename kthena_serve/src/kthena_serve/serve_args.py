@@ -1,0 +1,67 @@
+"""The engine flags ``kthena serve`` and ``python -m kthena_serve.pd.serve`` share, and the
+lines they print; one home so the colocated and PD entry points cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+
+__all__ = ["DEFAULT_MODEL_NAME", "add_engine_args", "curl_line", "engine_config", "model_name"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every ``EngineConfig`` knob a user sets from the command line."""
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M-Instruct) or a Hugging Face checkpoint folder")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                        help="tokens computed per step (prefill chunks + decodes)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB, 2GiB")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV pool dtype: 'auto' (= --dtype); int8 is refused for now")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda[:N] or npu[:N] (only cpu is verified on hardware)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix reuse off")
+    parser.add_argument("--prefix-index", default="hash", choices=("hash", "radix"),
+                        help="prefix index of the KV manager: hash chain or radix tree")
+    parser.add_argument("--hash-algorithm", default="xxh3_128", choices=("xxh3_128", "sha256"),
+                        help="block-hash digest (one per deployment)")
+
+
+def engine_config(args: argparse.Namespace):  # noqa: ANN201
+    """The ``EngineConfig`` the flags describe (its validation errors name the flag's field)."""
+    from kthena_serve.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        max_model_len=args.max_model_len, tp=args.tp,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
+                        kv_cache_dtype=args.kv_cache_dtype)
+
+
+def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
+    """A chat request that works against the server just started."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    body = {"model": model_name, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
+    auth = ' -H "Authorization: Bearer $KTHENA_API_KEY"' if with_key else ""
+    return (f"curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
+            f"{auth} -d {shlex.quote(json.dumps(body))}")
+
+
+def model_name(model: str) -> str:
+    """The id clients send for ``--model`` (the folder name, or SmolLM2's for the default)."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(model)) or model
