@@ -5,6 +5,7 @@ batching, chunking, prefix caching or preemption; aborts free blocks; shared pre
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -208,3 +209,66 @@ def test_greedy_tokens_are_the_same_on_every_device(device, reference):
     assert engine.runner.device.type == device
     assert engine.runner.pool.buffer.device.type == device
     assert _tokens(_run(engine, prompts)) == solo
+
+
+@pytest.mark.parametrize("where", ["stream", "sampler"])
+def test_a_failing_request_fails_alone(reference, where):
+    """A failure injected into one request of a running batch ends that request only: its
+    blocks go back, and every other request's greedy tokens are unchanged."""
+    prompts, solo = reference
+    engine = tiny_engine()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    bad = engine.add_request("bad", prompts[0], GREEDY)
+    _poison(engine, bad, where)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    bad = finals.pop("bad")
+    assert bad.finish_reason is FinishReason.ABORT and "retry it" in bad.error
+    assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == solo
+    assert all(o.error is None for o in finals.values())
+    assert engine.kv.stats().num_used_blocks == 0
+
+
+def _poison(engine, request, where):
+    request_id = request.request_id
+    if where == "stream":  # e.g. a detokenizer that cannot take the token
+        stream = request.stream
+
+        class BrokenStream:
+            def append(self, token_id):
+                raise TypeError("injected failure")
+
+            def __getattr__(self, name):
+                return getattr(stream, name)
+
+        request.stream = BrokenStream()
+        return
+    sample = engine.sampler.__class__.__call__
+
+    def picky(self, logits, requests):
+        if any(r.request_id == request_id for r in requests):
+            raise OverflowError("injected failure")
+        return sample(self, logits, requests)
+
+    engine.sampler.__class__ = type("PickySampler", (engine.sampler.__class__,),
+                                    {"__call__": picky})
+
+
+def test_sampling_fields_are_bounded_at_the_edge():
+    from kthena_serve.sampling_params import SamplingParams
+
+    for fields, message in [({"seed": 2**64}, "seed must be an int in [-2**63, 2**64 - 1]"),
+                            ({"top_k": 2**64 - 1}, "top_k must be -1 (off) or an int in [1,"),
+                            ({"temperature": float("inf")}, "temperature must be a finite"),
+                            ({"top_p": float("nan")}, "top_p must be a finite"),
+                            ({"stop_token_ids": [2**63]}, "stop_token_ids must be ints in")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            SamplingParams(**fields)
+    engine = tiny_engine()  # the largest accepted values sample fine
+    outs = _run(engine, _prompts(2), SamplingParams(seed=2**64 - 1, top_k=2**31 - 1,
+                                                   temperature=100.0, max_tokens=3))
+    assert all(len(o.token_ids) == 3 for o in outs)

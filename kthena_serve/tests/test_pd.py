@@ -150,3 +150,15 @@ def test_out_of_vocab_ids_get_400_like_colocated(cluster, colocated) -> None:  #
         response = cluster.complete(bad, max_tokens=2)
         assert response.status_code == 400, response.text
         assert "vocabulary" in response.json()["error"]["message"]
+
+
+def test_hostile_numbers_get_the_same_400_as_colocated(cluster) -> None:  # noqa: ANN001
+    import json
+
+    for bad in ({"seed": 2**64}, {"top_k": 2**64 - 1}, {"temperature": float("inf")},
+                {"prompt": "a\ud800b"}):
+        body = {"model": cluster.model_name, "prompt": "Hello", "max_tokens": 2, **bad}
+        response = httpx.post(f"{cluster.url}/v1/completions", content=json.dumps(body),
+                              headers={"content-type": "application/json"}, timeout=60)
+        assert response.status_code == 400, (bad, response.text)
+    assert cluster.complete(prompt_ids(40, "after "), max_tokens=3).status_code == 200

@@ -239,3 +239,86 @@ def test_api_key_guards_all_but_health(engine):
         ok = {"Authorization": f"Bearer {KEY}"}
         assert http.get("/v1/models", headers=ok).status_code == 200
         assert http.post("/v1/completions", json=_completion(), headers=ok).status_code == 200
+
+
+def test_hostile_numbers_get_400_and_hurt_no_other_stream(client, url):
+    """seed 2**64 or top_k 2**64-1 once crashed the engine thread and every stream with it."""
+    import concurrent.futures
+
+    def stream(i: int) -> list:
+        body = _completion(max_tokens=24, stream=True, prompt=f"Stream number {i} says")
+        with httpx.Client(base_url=url, timeout=60) as http:
+            return _events(http.post("/v1/completions", json=body))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, i) for i in range(4)]
+        time.sleep(0.3)
+        for bad in ({"seed": 2**64}, {"top_k": 2**64 - 1}, {"temperature": float("inf")},
+                    {"prompt": "a\ud800b"}, {"prompt": [2**63]}):
+            response = client.post("/v1/completions", content=json.dumps(_completion(**bad)),
+                                   headers={"content-type": "application/json"})
+            assert response.status_code == 400, (bad, response.text)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        for future in streams:
+            events = future.result()
+            assert not [e for e in events if "error" in e]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_request_the_engine_fails_on_fails_alone_over_http(core, engine, url):
+    """A failure inside the engine step for one request: that stream gets an error event and
+    [DONE], a concurrent stream finishes normally, and no block is left referenced."""
+    import concurrent.futures
+
+    sample = core.sampler.__class__.__call__
+
+    def picky(self, logits, requests):
+        if any(r.params.presence_penalty == 0.5 for r in requests):
+            raise OverflowError("injected failure")
+        return sample(self, logits, requests)
+
+    original = core.sampler.__class__
+    core.sampler.__class__ = type("PickySampler", (original,), {"__call__": picky})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, \
+                httpx.Client(base_url=url, timeout=60) as http:
+            good = pool.submit(http.post, "/v1/completions",
+                               json=_completion(max_tokens=32, stream=True))
+            bad = http.post("/v1/completions",
+                            json=_completion(stream=True, presence_penalty=0.5))
+            plain = http.post("/v1/completions", json=_completion(presence_penalty=0.5))
+            good_events = _events(good.result())
+        bad_events = _events(bad)
+        assert bad_events[-1]["error"]["code"] == "request_failed"
+        assert "injected" not in bad.text  # internals stay in the log
+        assert plain.status_code == 500 and plain.json()["error"]["code"] == "request_failed"
+        assert good_events[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        core.sampler.__class__ = original
+    _wait_idle(engine)
+
+
+def test_a_500_keeps_the_connection_open(engine):
+    """An unexpected exception is a 500 with an OpenAI body, and keep-alive survives it."""
+    import http.client
+
+    app = build_app(engine, model_name=MODEL)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internal detail")
+
+    with BackgroundServer(app) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/boom")
+        first = conn.getresponse()
+        body = json.loads(first.read())
+        sock = conn.sock
+        assert first.status == 500 and first.getheader("connection") != "close"
+        assert body["error"]["type"] == "server_error" and "secret" not in body["error"]["message"]
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        assert second.status == 200 and conn.sock is sock  # same connection
+        second.read()
+        conn.close()

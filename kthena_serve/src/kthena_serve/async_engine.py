@@ -30,7 +30,7 @@ import attrs
 from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.errors import EngineDeadError
+from kthena_serve.errors import EngineDeadError, RequestFailedError
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import Reservation
@@ -208,6 +208,8 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             self._queues.pop(request_id, None)

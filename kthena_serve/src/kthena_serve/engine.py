@@ -14,9 +14,11 @@ or the caller of ``LLM.generate``). The KV manager checks it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from kthena_serve.client import EngineLimits, EngineStats
@@ -25,7 +27,7 @@ from kthena_serve.input_processor import InputProcessor
 from kthena_serve.model import IncrementalDetokenizer
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.output_stream import OutputStream
-from kthena_serve.request import EngineRequest, Request, RequestOutput
+from kthena_serve.request import EngineRequest, FinishReason, Request, RequestOutput
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import Reservation, ScheduledBatch, Scheduler
@@ -33,6 +35,11 @@ from kthena_serve.threads import configure_threads
 from mooncake_kv import KVCacheManager
 
 __all__ = ["EngineStats", "LLMEngine", "build_runner", "create_kv_manager"]
+
+log = logging.getLogger(__name__)
+
+FAILED_MESSAGE = ("the engine failed while generating this request (other requests were not "
+                  "affected); retry it, and report it if it fails again")
 
 
 def create_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
@@ -192,9 +199,17 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample and stop-check; returns this step's outputs."""
+        """Schedule, run the model, sample and stop-check; returns this step's outputs.
+
+        A failure that belongs to one request (sampling it, detokenising it) ends that request
+        alone, with ``RequestOutput.error`` set; a failed forward ends the step's requests.
+        """
         batch = self.scheduler.schedule()
-        logits = self.runner.execute(batch) if batch.seqs else None
+        try:
+            logits = self.runner.execute(batch) if batch.seqs else None
+        except Exception:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+            log.exception("forward of %d sequences failed", len(batch.seqs))
+            return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
         return self._postprocess(batch, logits)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
@@ -205,19 +220,45 @@ class LLMEngine:
         if not sampled:
             return outputs
         now = time.perf_counter()
-        for request, token_id in zip(sampled, self.sampler(logits, sampled), strict=True):
-            outputs.append(self._append_token(request, token_id, now))
+        for request, token_id in zip(sampled, self._sample(logits, sampled), strict=True):
+            if token_id is None:
+                outputs.append(self._fail(request))
+            else:
+                outputs.append(self._append_token(request, token_id, now))
         return outputs
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | None]:
+        """One token per request; a request the sampler fails on gets None (the rest do not)."""
+        try:
+            return self.sampler(logits, requests)
+        except Exception:  # noqa: BLE001 - find the culprit row by row
+            tokens: list[int | None] = []
+            for row, request in enumerate(requests):
+                try:
+                    tokens += self.sampler(logits[row : row + 1], [request])
+                except Exception:  # noqa: BLE001
+                    log.exception("sampling request %s failed", request.request_id)
+                    tokens.append(None)
+            return tokens
+
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
-        request.token_ids.append(token_id)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        reason = request.stream.append(token_id)
+        try:
+            request.token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = request.stream.append(token_id)
+        except Exception:  # noqa: BLE001 - this request's stream alone is broken
+            log.exception("stop-checking request %s failed", request.request_id)
+            return self._fail(request)
         if reason is None:
             return self._output(request)
         self.scheduler.finish(request, reason)
         return self._finish_output(request)
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """End one request with an error: its blocks go back, its stream gets the error."""
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return attrs.evolve(self._finish_output(request), error=FAILED_MESSAGE)
 
     def _count(self, batch: ScheduledBatch) -> None:
         self._num_steps += 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "InvalidRequestError"]
+__all__ = ["EngineDeadError", "InvalidRequestError", "RequestFailedError"]
 
 
 class InvalidRequestError(ValueError):
@@ -19,3 +19,10 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down, or a step failed); the request cannot complete."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while serving this one request; it ended, the others went on.
+
+    The message says what to do, never the internal exception (that goes to the log).
+    """

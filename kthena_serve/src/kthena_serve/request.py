@@ -71,6 +71,7 @@ class RequestOutput:
         num_prompt_tokens, num_cached_tokens: prompt length and how much of it came from
             the prefix cache at first admission.
         arrival_time, first_token_time, finish_time: ``time.perf_counter`` stamps.
+        error: set (with ``finish_reason`` ABORT) when the engine failed on this request alone.
     """
 
     request_id: str
@@ -84,6 +85,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

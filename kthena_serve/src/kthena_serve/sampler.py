@@ -82,7 +82,7 @@ class Sampler:
                 continue
             generator = self._seeded.get(request.request_id)
             if generator is None:
-                generator = torch.Generator(self.device).manual_seed(seed)
+                generator = torch.Generator(self.device).manual_seed(seed % 2**64)
                 self._seeded[request.request_id] = generator
             noise[row].exponential_(generator=generator)
         return noise

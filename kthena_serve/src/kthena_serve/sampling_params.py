@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_SEED", "MAX_TOP_K", "MIN_SEED", "SamplingParams"]
+
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator takes
+MAX_TOP_K = 2**31 - 1  # larger means "all" anyway (the sampler clamps to the vocabulary)
 
 
 def _check_range(low: float | None, high: float | None, *, low_open: bool = False):
     def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{attribute.name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
         too_low = low is not None and (value <= low if low_open else value < low)
         if too_low or (high is not None and value > high):
             left = "(" if low_open else "["
@@ -25,8 +32,16 @@ def _check_max_tokens(instance: object, attribute: attrs.Attribute, value: int |
 
 
 def _check_top_k(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-        raise ValueError(f"top_k must be -1 (off) or a positive int, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1)
+            or value > MAX_TOP_K):
+        raise ValueError(f"top_k must be -1 (off) or an int in [1, {MAX_TOP_K}], got {value!r}")
+
+
+def _check_seed(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_SEED <= value <= MAX_SEED:
+        raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1], got {value!r}")
 
 
 def _strings(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -40,8 +55,8 @@ def _strings(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]
 
 def _ints(value: object) -> tuple[int, ...]:
     items = tuple(value or ())  # type: ignore[arg-type]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-        raise ValueError(f"stop_token_ids must be non-negative ints, got {value!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in items):
+        raise ValueError(f"stop_token_ids must be ints in [0, 2**63), got {value!r}")
     return items
 
 
@@ -64,7 +79,7 @@ class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
     top_p: float = attrs.field(default=1.0, validator=_check_range(0.0, 1.0, low_open=True))
     top_k: int = attrs.field(default=-1, validator=_check_top_k)
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
     max_tokens: int | None = attrs.field(default=16, validator=_check_max_tokens)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)

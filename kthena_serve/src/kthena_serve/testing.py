@@ -28,7 +28,7 @@ def default_tokenizer():  # noqa: ANN201
 
 def tiny_llama(vocab_size: int = 49152, *, num_layers: int = 2, hidden_size: int = 64,
                num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 4096, seed: int = 0,
-               dtype: torch.dtype = torch.float32):  # noqa: ANN201
+               dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):  # noqa: ANN201
     """A randomly initialised ``LlamaForCausalLM`` with well-separated logits (few argmax ties)."""
     from kthena_serve.model import LlamaForCausalLM, ModelConfig
 
@@ -41,7 +41,7 @@ def tiny_llama(vocab_size: int = 49152, *, num_layers: int = 2, hidden_size: int
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device or torch.get_default_device())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:
@@ -60,5 +60,5 @@ def tiny_engine(**config) -> LLMEngine:
                "num_threads": 1}
     options.update(config)
     engine_config = EngineConfig(**options)
-    model = tiny_llama().to(engine_config.device)
+    model = tiny_llama(device=engine_config.device)
     return LLMEngine.from_config(engine_config, model=model, tokenizer=default_tokenizer())

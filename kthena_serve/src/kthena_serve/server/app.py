@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kthena_serve.client import EngineClient
+from kthena_serve.errors import EngineDeadError, RequestFailedError
 from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError, error_body, install_handlers
@@ -28,6 +30,8 @@ from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 
 __all__ = ["build_app"]
+
+log = logging.getLogger(__name__)
 
 MAX_PROMPTS = 64
 
@@ -147,12 +151,23 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except Exception as error:  # headers are gone: report in-band, then end the stream
-            status = error.status if isinstance(error, ApiError) else 500
-            yield f"data: {json.dumps(error_body(status, str(error)))}\n\n"
+            yield f"data: {json.dumps(_in_band(error))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+def _in_band(error: Exception) -> dict:
+    """The error event of a stream whose headers are already sent."""
+    if isinstance(error, ApiError):
+        return error_body(error.status, error.message, error.param, error.code)
+    if isinstance(error, RequestFailedError):
+        return error_body(500, str(error), code="request_failed")
+    if isinstance(error, EngineDeadError):
+        return error_body(503, str(error))
+    log.error("stream failed", exc_info=error)
+    return error_body(500, "internal error while streaming; retry the request")
 
 
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,

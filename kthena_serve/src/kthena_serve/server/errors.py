@@ -9,9 +9,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 __all__ = ["ApiError", "error_body", "install_handlers"]
+
+_INTERNAL = "internal error while handling the request; retry it, and report it if it persists"
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +71,40 @@ def install_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc), code="request_failed")
+
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    # Not an exception_handler(Exception): Starlette runs that one in its outermost layer and
+    # re-raises, so the server drops the keep-alive connection after every 500.
+    app.add_middleware(_CatchAll)
+
+
+class _CatchAll:
+    """Any unexpected exception becomes a 500 with an OpenAI body; the connection stays open."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:  # noqa: ANN001
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:  # noqa: BLE001
+            log.exception("unhandled error on %s", scope.get("path"))
+            if started:
+                raise  # headers are gone: nothing clean can be sent any more
+            await error_response(500, _INTERNAL)(scope, receive, send)

@@ -42,7 +42,7 @@ class Job:
         seed = self.params.seed
         if seed is None or self.n == 1:
             return self.params
-        return attrs.evolve(self.params, seed=seed + choice % self.n)
+        return attrs.evolve(self.params, seed=(seed + choice % self.n) % 2**64)  # stays in range
 
 
     def engine_request(self, choice: int) -> EngineRequest:
