@@ -322,3 +322,40 @@ def test_a_500_keeps_the_connection_open(engine):
         assert second.status == 200 and conn.sock is sock  # same connection
         second.read()
         conn.close()
+
+
+def test_shutdown_drains_then_ends_streams_with_an_error_and_done():
+    """SIGTERM semantics: new requests get 503 + Retry-After at once; a running stream may go
+    on until the drain timeout, then gets a final error event and [DONE]; nothing leaks."""
+    import concurrent.futures
+
+    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=512)).start()
+    app = build_app(async_engine, model_name=MODEL)
+    server = BackgroundServer(app, shutdown_timeout=1.0,
+                              on_deadline=lambda: async_engine.abort_all("shutting down"))
+    server.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            def run(max_tokens: int) -> list:
+                body = _completion(max_tokens=max_tokens, stream=True,
+                                   prompt="A long story " * 20)
+                with httpx.Client(base_url=server.url, timeout=60) as http:
+                    return _events(http.post("/v1/completions", json=body))
+
+            short = pool.submit(run, 8)
+            endless = pool.submit(run, 1800)
+            time.sleep(0.5)
+            server.begin_shutdown()
+            refused = httpx.post(f"{server.url}/v1/completions", json=_completion(), timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "shutting_down"
+            finished = short.result(timeout=30)
+            assert finished[-1]["choices"][0]["finish_reason"] == "length"  # drained normally
+            cut = endless.result(timeout=30)  # _events checked it ends with [DONE]
+            assert cut[-1]["error"]["type"] == "service_unavailable"
+            assert "shutting down" in cut[-1]["error"]["message"]
+        server.join(timeout=20)
+        assert async_engine.stats().kv.num_used_blocks == 0
+    finally:
+        server.stop()
+        async_engine.shutdown()

@@ -61,6 +61,14 @@ class Abort:
 
 
 @attrs.frozen
+class AbortAll:
+    message: str
+
+    def run(self, llm: AsyncLLM) -> None:
+        llm._fail_all(EngineDeadError(self.message), with_ids=False)
+
+
+@attrs.frozen
 class Reserve:
     request: EngineRequest
     future: concurrent.futures.Future
@@ -219,6 +227,10 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._submit(Abort(request_id))
 
+    def abort_all(self, message: str) -> None:
+        """End every live request now; each stream gets ``EngineDeadError(message)``."""
+        self._submit(AbortAll(message))
+
     def stats(self) -> EngineStats:
         """The engine thread's last counters with a fresh KV snapshot (never blocks)."""
         return attrs.evolve(self._stats, kv=self.engine.kv.stats())
@@ -262,10 +274,11 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException, *, with_ids: bool = True) -> None:
         for request_id in self.engine.live_request_ids():
             self.engine.abort_request(request_id)
-            self._dispatch([EngineDeadError(f"request {request_id} failed: {error}")], request_id)
+            failure = EngineDeadError(f"request {request_id} failed: {error}") if with_ids else error
+            self._dispatch([failure], request_id)
         self._stats = self.engine.stats()
 
 

@@ -11,7 +11,13 @@ import json
 import os
 import sys
 
-from kthena_serve.serve_args import add_engine_args, curl_line, engine_config, model_name
+from kthena_serve.serve_args import (
+    SHUTDOWN_MESSAGE,
+    add_engine_args,
+    curl_line,
+    engine_config,
+    model_name,
+)
 
 __all__ = ["register_bench", "register_serve"]
 
@@ -31,6 +37,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default $KTHENA_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM: seconds running requests may take to finish before "
+                             "they are ended with an error event")
     parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
                         help="pd: separate prefill and decode worker processes behind a router")
     from kthena_serve.pd.serve import add_pd_args
@@ -67,7 +76,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(curl_line(args.host, port, name, bool(args.api_key)), flush=True)
 
     try:
-        run_server(app, host=args.host, port=args.port, on_ready=ready)
+        run_server(app, host=args.host, port=args.port, on_ready=ready,
+                   shutdown_timeout=args.shutdown_timeout,
+                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE))
     finally:
         engine.shutdown()
     return 0

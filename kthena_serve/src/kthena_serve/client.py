@@ -3,7 +3,7 @@
 ::
 
     server/app.py, server/metrics.py, cli.py
-                 │  EngineClient: limits · encode · render_chat · check · generate · abort · stats
+                 │  EngineClient: limits · encode · render_chat · check · generate · abort(_all) · stats
        ┌─────────┴──────────────┐
     AsyncLLM (in process)     RemoteEngine (PD router: workers over HTTP)
 
@@ -111,5 +111,9 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def abort_all(self, message: str) -> None:
+        """End every request in flight; each stream fails with ``EngineDeadError(message)``."""
+        ...
 
     def stats(self) -> EngineStats: ...

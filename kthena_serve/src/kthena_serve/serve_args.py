@@ -8,9 +8,11 @@ import json
 import os
 import shlex
 
-__all__ = ["DEFAULT_MODEL_NAME", "add_engine_args", "curl_line", "engine_config", "model_name"]
+__all__ = ["DEFAULT_MODEL_NAME", "SHUTDOWN_MESSAGE", "add_engine_args", "curl_line", "engine_config", "model_name"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
+                    "replica")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from kthena_serve.server.errors import ApiError, error_body, install_handlers
 from kthena_serve.server.generation import Job, collect, stream_choices
 from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kthena_serve.server.shutdown import Drain, DrainMiddleware
 
 __all__ = ["build_app"]
 
@@ -201,4 +202,6 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.state.drain = Drain()  # outermost: a draining server refuses before anything else
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     return app

@@ -38,7 +38,10 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    """The error as a response; a 503 ("try again later") says when, in ``Retry-After``."""
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -11,14 +12,41 @@ from fastapi import FastAPI
 
 __all__ = ["BackgroundServer", "run_server"]
 
+log = logging.getLogger(__name__)
+
+_FLUSH_S = 5.0  # after on_deadline: time for the final error events to reach the clients
+
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that reports the bound port once it accepts connections."""
+    """uvicorn.Server that reports the bound port once it accepts connections, and drains
+    before it exits (see server/shutdown.py) when its app has a ``Drain``."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[int], None] | None) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[int], None] | None,
+                 shutdown_timeout: float = 30.0,
+                 on_deadline: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.on_ready = on_ready
         self.port: int | None = None
+        self.drain = getattr(config.app.state, "drain", None)
+        self.shutdown_timeout = shutdown_timeout
+        self.on_deadline = on_deadline
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.drain is None or self.drain.is_draining:
+            super().handle_exit(sig, frame)  # a second signal: exit now
+            return
+        self.drain.is_draining = True
+        log.warning("draining: %d requests in flight, up to %g s", self.drain.num_active,
+                    self.shutdown_timeout)
+        threading.Thread(target=self._finish_drain, name="kthena-drain", daemon=True).start()
+
+    def _finish_drain(self) -> None:
+        _wait_idle(self.drain, time.monotonic() + self.shutdown_timeout)
+        if self.drain.num_active and self.on_deadline is not None:
+            log.warning("drain timeout: ending %d requests", self.drain.num_active)
+            self.on_deadline()
+            _wait_idle(self.drain, time.monotonic() + _FLUSH_S)
+        self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -28,15 +56,27 @@ class _Server(uvicorn.Server):
             self.on_ready(self.port)
 
 
+def _wait_idle(drain, deadline: float) -> None:  # noqa: ANN001
+    while drain.num_active and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=5, lifespan="off")
 
 
 def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
-               on_ready: Callable[[int], None] | None = None, log_level: str = "info") -> None:
-    """Serve until interrupted; ``on_ready(port)`` runs once the socket accepts connections."""
-    _Server(_config(app, host, port, log_level), on_ready).run()
+               on_ready: Callable[[int], None] | None = None, log_level: str = "info",
+               shutdown_timeout: float = 30.0,
+               on_deadline: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM / SIGINT; ``on_ready(port)`` runs once the socket accepts connections.
+
+    On the first signal the app drains (``shutdown_timeout`` seconds at most), then
+    ``on_deadline()`` ends what is still running (the engine's streams get a final error event
+    and ``[DONE]``), then the server exits.
+    """
+    _Server(_config(app, host, port, log_level), on_ready, shutdown_timeout, on_deadline).run()
 
 
 class BackgroundServer:
@@ -48,8 +88,11 @@ class BackgroundServer:
             httpx.get(f"{server.url}/health")
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._server = _Server(_config(app, host, port, "warning"), None)
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
+                 shutdown_timeout: float = 30.0,
+                 on_deadline: Callable[[], None] | None = None) -> None:
+        self._server = _Server(_config(app, host, port, "warning"), None, shutdown_timeout,
+                               on_deadline)
         self._host = host
         self._thread = threading.Thread(target=self._server.run, name="kthena-http", daemon=True)
 
@@ -69,6 +112,13 @@ class BackgroundServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to ``run_server``: drain, end the rest at the timeout, exit."""
+        self._server.handle_exit(15, None)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
