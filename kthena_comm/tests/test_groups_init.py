@@ -120,3 +120,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_master_store_listens_on_master_addr_only():
+    """torch's own bind takes every interface; ours only MASTER_ADDR (127.0.0.2 is refused)."""
+    env = RankEnv(0, 1, master_port=_free_port())
+    store = connect_store(env, timeout_s=5)
+    try:
+        with socket.create_connection(("127.0.0.1", env.master_port), timeout=2):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", env.master_port), timeout=2).close()
+    finally:
+        del store

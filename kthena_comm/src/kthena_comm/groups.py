@@ -1,10 +1,11 @@
 """Process groups from a parallel layout and a rank's environment.
 
-``init_parallel_groups`` rendezvouses over a TCPStore at MASTER_ADDR:MASTER_PORT, initialises the
-world group with the device's backend (gloo / nccl / hccl, overridable), then creates every TP, PP,
-DP and SP group in the same order on every rank, as torch.distributed requires. Each failure
-(unreachable master, port taken, ranks missing, world size not matching the layout) raises within
-``timeout_s`` with the rank, the address and the variable to check.
+``init_parallel_groups`` rendezvouses over a TCPStore at MASTER_ADDR:MASTER_PORT (its master
+listens on MASTER_ADDR only: ``kthena_comm.store``), initialises the world group with the device's
+backend (gloo / nccl / hccl, overridable), then creates every TP, PP, DP and SP group in the same
+order on every rank, as torch.distributed requires. Each failure (unreachable master, port taken,
+ranks missing, world size not matching the layout) raises within ``timeout_s`` with the rank, the
+address and the variable to check.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kthena_comm.layout import (
     group_ranks,
     world_size_of,
 )
+from kthena_comm.store import open_store
 
 _JOIN_KEY = "kthena_comm/joined"
 
@@ -114,8 +116,8 @@ def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
     """Open the rendezvous store and wait until all WORLD_SIZE ranks have joined it."""
     is_master = env.rank == 0
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = open_store(env.master_addr, env.master_port, env.world_size, is_master,
+                           timedelta(seconds=timeout_s))
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError variants
         variable = "MASTER_PORT" if is_master else "MASTER_ADDR/MASTER_PORT"
         what = "cannot listen" if is_master else "master unreachable"

@@ -34,8 +34,11 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default $KTHENA_API_KEY)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                             "--api-key-file or $KTHENA_API_KEY)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="read the API key from this file (first line)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests may take to finish before "
@@ -48,10 +51,32 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_serve)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $KTHENA_API_KEY.
+
+    Raises:
+        ValueError: the file cannot be read or is empty.
+    """
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as error:
+            raise ValueError(f"cannot read --api-key-file: {error}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty; put the key on "
+                             "its first line")
+        return key
+    return os.environ.get("KTHENA_API_KEY") or None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
     try:
         config = engine_config(args)
+        args.api_key = _api_key(args)
     except ValueError as error:
         print(f"kthena serve: {error}", file=sys.stderr)
         return 2

@@ -8,7 +8,10 @@
 Each rank is pinned to one core and runs one torch thread, with ``OMP_WAIT_POLICY=PASSIVE`` in
 its environment before torch loads, so two ranks on two cores never spin against each other.
 Every rank holds its own KV pool for its own KV heads with the same number of blocks, so the
-scheduler's block ids mean the same slots everywhere. Groups come from kthena_comm.
+scheduler's block ids mean the same slots everywhere. Groups come from kthena_comm. All ranks
+are processes of this host, so nothing they open needs to be reachable from elsewhere: the
+rendezvous store listens on 127.0.0.1 only, and gloo's sockets bind loopback too (see
+``_loopback_gloo``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,19 @@ from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_
 __all__ = ["TPModelRunner"]
 
 
+_MASTER_ADDR = "127.0.0.1"  # every rank is on this host: nothing else needs the store
+
+
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((_MASTER_ADDR, 0))
         return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int, port: int):  # noqa: ANN202
+    from kthena_comm.env import RankEnv
+
+    return RankEnv(rank=rank, world_size=world_size, master_addr=_MASTER_ADDR, master_port=port)
 
 
 def _pin(rank: int) -> None:
@@ -44,15 +56,13 @@ def _pin(rank: int) -> None:
 
 def _join(config: EngineConfig, rank: int, port: int):  # noqa: ANN202
     """Join the groups and load this rank's shard; returns (groups, model, tokenizer)."""
-    from kthena_comm.env import RankEnv
     from kthena_comm.groups import init_parallel_groups
     from kthena_comm.layout import ParallelConfig
     from kthena_serve.model import TensorParallel, load_model
 
     _pin(rank)
     layout = ParallelConfig(tp_size=config.tp, pp_size=1, dp_size=1, sp_size=1)
-    groups = init_parallel_groups(layout, RankEnv(rank=rank, world_size=config.tp,
-                                                  master_port=port))
+    groups = init_parallel_groups(layout, _rank_env(rank, config.tp, port))
     tp = TensorParallel.from_comm_group(groups.tp)
     model, tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp)
     return groups, model, tokenizer
@@ -82,6 +92,21 @@ def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
 
 
 @contextlib.contextmanager
+def _loopback_gloo():
+    """Gloo binds the address this host's name resolves to (often a LAN address) unless
+    ``GLOO_SOCKET_IFNAME`` names an interface: name loopback while the groups form (children
+    inherit it at spawn). A value the user set is kept."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+@contextlib.contextmanager
 def _worker_environment():
     """Children inherit os.environ at spawn: give them PASSIVE OpenMP and one thread."""
     saved = dict(os.environ)
@@ -105,13 +130,15 @@ class TPModelRunner:
         context = mp.get_context("spawn")
         self._config = self._fixed_pool_size(config)
         self._workers = []
-        with _worker_environment():
-            for rank in range(1, config.tp):
-                worker = context.Process(target=_worker_main, args=(self._config, rank, port),
-                                         name=f"kthena-tp{rank}", daemon=True)
-                worker.start()
-                self._workers.append(worker)
-        self._groups, self.model, self.tokenizer = _join(self._config, 0, port)
+        with _loopback_gloo():
+            with _worker_environment():
+                for rank in range(1, config.tp):
+                    worker = context.Process(target=_worker_main, args=(self._config, rank,
+                                                                        port),
+                                             name=f"kthena-tp{rank}", daemon=True)
+                    worker.start()
+                    self._workers.append(worker)
+            self._groups, self.model, self.tokenizer = _join(self._config, 0, port)
         self._inner = ModelRunner(self.model, create_pool(_layout(self._config, self.model),
                                                           self._config))
         self.block_size = config.block_size

@@ -350,12 +350,13 @@ def _connect(config: TorchConfig) -> tuple[Any, Any, str]:
     """Store, private gloo group and world id (rank 0 draws it) for ``config``."""
     import torch.distributed as dist
 
+    from kthena_comm.store import open_store
+
     timeout = timedelta(seconds=config.connect_timeout_s)
     where = f"{config.master_addr}:{config.master_port}"
     try:
-        store = config.store if config.store is not None else dist.TCPStore(config.master_addr, config.master_port,
-                                              config.world_size, config.rank == 0,
-                                              timeout=timeout, wait_for_workers=False)
+        store = config.store if config.store is not None else open_store(
+            config.master_addr, config.master_port, config.world_size, config.rank == 0, timeout)
         store = dist.PrefixStore(config.prefix, store)
         if config.rank == 0:
             store.set("world", secrets.token_hex(4))

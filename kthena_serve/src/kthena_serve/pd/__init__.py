@@ -8,6 +8,7 @@ See docs/pd.md. Modules, one concept each:
 * ``decode``    the decode side: reserve blocks, call a prefill worker, admit or recover
 * ``transfer``  the cross-host path: Mooncake one-sided put of a request's blocks
 * ``worker``    one worker process (HTTP control API) for any role
+* ``auth``      the per-deployment secret workers require, the prefill-URL allow-list
 * ``router``    worker registry, health checks, KV-aware + load-aware scoring, PD decider
 * ``launcher``  starts the workers on split cores, restarts them, cleans their shared memory
 * ``metrics``   Prometheus metrics per role

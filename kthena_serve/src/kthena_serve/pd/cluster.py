@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 
 from kthena_serve.config import EngineConfig
+from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.config import PDConfig, RouterWeights
 from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher
@@ -51,10 +52,12 @@ class PDCluster:
     def start(self) -> PDCluster:
         self.launcher.start()
         try:
+            secret = self.launcher.secret
             self.router = Router(self.launcher.endpoints(), self.pd_config,
-                                 self.engine_config.block_size).start()
+                                 self.engine_config.block_size, secret=secret).start()
             self.launcher.on_restart = self.router.set_url
-            remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer)
+            remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer,
+                                            secret=secret)
             app = build_router_app(remote, model_name=self.model_name)
             self.server = BackgroundServer(app).start()
         except BaseException:
@@ -80,12 +83,18 @@ class PDCluster:
         assert self.server is not None
         return self.server.url
 
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        """What a call to a worker's control API needs (the deployment secret)."""
+        return auth_headers(self.launcher.secret)
+
     def worker_state(self, name: str) -> dict:
         return httpx.get(f"{self.launcher.url(name)}/pd/state", params={"since": 1 << 62},
-                         timeout=5).json()
+                         headers=self.worker_headers, timeout=5).json()
 
     def worker_metrics(self, name: str) -> str:
-        return httpx.get(f"{self.launcher.url(name)}/metrics", timeout=5).text
+        return httpx.get(f"{self.launcher.url(name)}/metrics", headers=self.worker_headers,
+                         timeout=5).text
 
     def complete(self, prompt, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:  # noqa: ANN001
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,

@@ -4,6 +4,10 @@ A worker appends every ``BlockStored`` / ``BlockRemoved`` / ``AllCleared`` of it
 to an ``EventLog``; the router polls ``/pd/state?since=seq`` and decodes the events with
 ``event_from_json`` into its ``ClusterPrefixIndex``. Both sides import this module, so the
 router never imports a worker app.
+
+The wire carries block hashes, never tokens: the index keys on hashes only, and a worker's
+``/pd/state`` must not hand out its tenants' prompts. A ``BlockStored`` decoded here has
+empty ``token_ids``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class EventLog:
         if isinstance(event, BlockStored):
             data = {"type": "stored", "block_hashes": [h.hex() for h in event.block_hashes],
                     "parent": event.parent_block_hash.hex() if event.parent_block_hash else None,
-                    "token_ids": list(event.token_ids), "block_size": event.block_size,
+                    "block_size": event.block_size,
                     "block_ids": list(event.block_ids)}
         elif isinstance(event, BlockRemoved):
             data = {"type": "removed", "block_hashes": [h.hex() for h in event.block_hashes],
@@ -48,10 +52,11 @@ class EventLog:
 
 
 def event_from_json(data: dict):  # noqa: ANN201
+    """The KV event an ``EventLog`` item describes (``BlockStored.token_ids`` is empty)."""
     if data["type"] == "stored":
         parent = bytes.fromhex(data["parent"]) if data["parent"] else None
         return BlockStored(tuple(bytes.fromhex(h) for h in data["block_hashes"]), parent,
-                           tuple(data["token_ids"]), data["block_size"], tuple(data["block_ids"]))
+                           (), data["block_size"], tuple(data["block_ids"]))
     if data["type"] == "removed":
         return BlockRemoved(tuple(bytes.fromhex(h) for h in data["block_hashes"]),
                             tuple(data["block_ids"]))

@@ -20,8 +20,9 @@ from fastapi import FastAPI
 
 from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from kthena_serve.input_processor import InputProcessor
+from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.protocol import output_from_json, params_to_json
 from kthena_serve.pd.router import Router
 from kthena_serve.request import EngineRequest, RequestOutput
@@ -39,25 +40,29 @@ class RemoteEngine:
         config: the workers' engine config.
         model_limits: (max_position_embeddings, vocab_size) of the model, used until a
             decode worker has reported its own limits.
+        secret: the deployment secret sent to decode workers (``PDLauncher.secret``).
     """
 
     def __init__(self, router: Router, tokenizer, config: EngineConfig,  # noqa: ANN001
-                 model_limits: tuple[int, int]) -> None:
+                 model_limits: tuple[int, int], *, secret: str | None = None) -> None:
         self.router = router
+        self._headers = auth_headers(secret)
         self.tokenizer = tokenizer
         self.config = config
         self._model_limits = model_limits
         self._client: httpx.AsyncClient | None = None
+        self._closing: str | None = None  # set by abort_all: the server is shutting down
 
     @classmethod
-    def for_model(cls, router: Router, config: EngineConfig, tokenizer=None) -> RemoteEngine:  # noqa: ANN001
+    def for_model(cls, router: Router, config: EngineConfig, tokenizer=None, *,  # noqa: ANN001
+                  secret: str | None = None) -> RemoteEngine:
         """Read the model's limits (and tokenizer, unless given) from ``config.model``."""
         from kthena_serve.model import ModelConfig, Tokenizer, resolve_checkpoint
 
         folder = resolve_checkpoint(config.model)
         model = ModelConfig.from_pretrained(folder)
         return cls(router, tokenizer or Tokenizer.from_pretrained(folder), config,
-                   (model.max_position_embeddings, model.vocab_size))
+                   (model.max_position_embeddings, model.vocab_size), secret=secret)
 
     @property
     def is_alive(self) -> bool:
@@ -99,13 +104,18 @@ class RemoteEngine:
     def abort(self, request_id: str) -> None:
         """Closing the stream to the decode worker aborts the request there."""
 
+    def abort_all(self, message: str) -> None:
+        """End every stream at its next line (closing it aborts the request on the worker)."""
+        self._closing = message
+
     def _decodes(self) -> list:
         return [w for w in self.router.workers.values() if w.role == "decode"]
 
     # ---- EngineClient: generation ---------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=2.0))
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=2.0),
+                                             headers=self._headers)
         return self._client
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -126,6 +136,8 @@ class RemoteEngine:
                         raise InvalidRequestError(_message(message))
                     raise EngineDeadError(f"decode worker {decode.name}: {_message(message)}")
                 async for line in r.aiter_lines():
+                    if self._closing is not None:
+                        raise EngineDeadError(self._closing)
                     if not line:
                         continue
                     item = json.loads(line)
@@ -134,6 +146,8 @@ class RemoteEngine:
                             # Passive health: stop routing to the prefill worker until a poll
                             # of its (possibly restarted) process says it is up again.
                             self.router.mark_down(decision.prefill.name)
+                        if item["error"].get("code") == "request_failed":
+                            raise RequestFailedError(item["error"]["message"])
                         raise EngineDeadError(item["error"]["message"])
                     out = output_from_json(item["output"])
                     now = time.perf_counter()

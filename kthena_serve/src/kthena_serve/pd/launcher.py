@@ -9,6 +9,11 @@ Shared memory: a SIGKILLed decode worker cannot unlink its pool (found again by 
 ``mooncake_kv.shared_pool_paths(pid)``). The monitor thread reaps every worker that exits and
 unlinks what that pid left; ``stop()`` does the same for all. Workers get SIGTERM if the
 launcher dies (PR_SET_PDEATHSIG) and then clean up themselves.
+
+Authentication: the launcher draws one secret per deployment (``secret``, see pd/auth.py) and
+passes it to every worker, restarted ones included, in the child's environment, never on the
+command line. The router and ``RemoteEngine`` take it from here. Each decode worker is told
+the prefill workers' hosts (``--prefill-hosts``: loopback plus ``host`` / ``worker_hosts``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import attrs
 
+from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, new_secret
 from mooncake_kv import shared_pool_paths
 
 __all__ = ["PDLauncher", "WorkerSpec", "cleanup_shm", "split_cores"]
@@ -90,6 +96,9 @@ class PDLauncher:
         cores: CPU ids to split (default: this process's affinity mask).
         restart: start a worker again when it dies.
         on_restart: called with (name, url) after a restarted worker is ready.
+
+    Attributes:
+        secret: this deployment's secret; every worker call needs it (``pd.auth``).
     """
 
     def __init__(self, engine_config: dict, pd_config: dict, num_prefill: int, num_decode: int,
@@ -110,6 +119,7 @@ class PDLauncher:
         self.worker_hosts = worker_hosts or {}  # e.g. one address per network namespace
         self.worker_prefix = worker_prefix or {}  # e.g. ["ip", "netns", "exec", "ns-b"]
         self.workers = {s.name: _Worker(s) for s in self.specs}
+        self.secret = new_secret()
         self._dir = tempfile.TemporaryDirectory(prefix="kthena-pd-")
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -191,10 +201,17 @@ class PDLauncher:
         mooncake_host = self.mooncake_host or self.worker_hosts.get(name)
         if mooncake_host:
             cmd += ["--mooncake-host", mooncake_host]
+        if worker.spec.role == "decode":
+            cmd += ["--prefill-hosts", ",".join(sorted(self._prefill_hosts()))]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                    OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
+        env[SECRET_ENV] = self.secret  # the environment, not argv: see pd/auth.py
         out = subprocess.DEVNULL if self.quiet else None
         worker.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+
+    def _prefill_hosts(self) -> set[str]:
+        return set(LOOPBACK_HOSTS) | {self._host(s.name) for s in self.specs
+                                      if s.role == "prefill"}
 
     def _wait_ready(self, worker: _Worker, timeout_s: float) -> None:
         ready = self._ready_file(worker)

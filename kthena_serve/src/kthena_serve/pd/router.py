@@ -12,7 +12,8 @@
 Cached-block counts come from a ``ClusterPrefixIndex`` fed by every worker's KV events, which
 the health loop polls (``/pd/state?since=seq``) with each worker's load. A worker that fails a
 poll or a request is marked down (no traffic) until a poll succeeds again; a restarted worker
-(new incarnation) is forgotten in the index and re-learned from its events.
+(new incarnation) is forgotten in the index and re-learned from its events. Every poll sends
+the deployment secret (pd/auth.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import attrs
 import httpx
 
+from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.events import event_from_json
 from kthena_serve.pd.metrics import PDMetrics
@@ -62,10 +64,18 @@ class Decision:
 
 
 class Router:
-    """Chooses workers for each request (see module docs). Thread-safe."""
+    """Chooses workers for each request (see module docs). Thread-safe.
+
+    Args:
+        workers: (name, role, url) of each worker (``PDLauncher.endpoints()``).
+        config: the PD settings.
+        block_size: tokens per KV block, as on the workers.
+        metrics: where router metrics go (default: a registry of its own).
+        secret: the deployment secret sent on every poll (``PDLauncher.secret``).
+    """
 
     def __init__(self, workers: list[tuple[str, str, str]], config: PDConfig, block_size: int,
-                 metrics: PDMetrics | None = None) -> None:
+                 metrics: PDMetrics | None = None, *, secret: str | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.metrics = metrics or PDMetrics("router")
@@ -74,7 +84,7 @@ class Router:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client = httpx.Client(timeout=2.0)
+        self._client = httpx.Client(timeout=2.0, headers=auth_headers(secret))
 
     # ---- health loop ------------------------------------------------------------------------
     def start(self) -> Router:

@@ -12,7 +12,13 @@ import sys
 
 import attrs
 
-from kthena_serve.serve_args import add_engine_args, curl_line, engine_config, model_name
+from kthena_serve.serve_args import (
+    SHUTDOWN_MESSAGE,
+    add_engine_args,
+    curl_line,
+    engine_config,
+    model_name,
+)
 
 __all__ = ["add_pd_args", "engine_fields", "main", "run_pd"]
 
@@ -67,9 +73,10 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
     print(f"kthena serve --mode pd: starting {args.prefill} prefill + {args.decode} decode "
           "workers ...", file=sys.stderr, flush=True)
     launcher = PDLauncher(engine_fields(config), pd_fields, args.prefill, args.decode).start()
-    router = Router(launcher.endpoints(), pd_config, config.block_size).start()
+    router = Router(launcher.endpoints(), pd_config, config.block_size,
+                    secret=launcher.secret).start()
     launcher.on_restart = router.set_url
-    remote = RemoteEngine.for_model(router, config)
+    remote = RemoteEngine.for_model(router, config, secret=launcher.secret)
     app = build_router_app(remote, model_name=served_name,
                            aliases={config.model, "default"} - {served_name},
                            api_key=getattr(args, "api_key", None))
@@ -85,7 +92,9 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
 
     exit_on_sigterm()
     try:
-        run_server(app, host=args.host, port=args.port, on_ready=ready)
+        run_server(app, host=args.host, port=args.port, on_ready=ready,
+                   shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
+                   on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE))
     except SystemExit:
         pass
     finally:
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"))
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM: seconds running requests may take to finish")
     add_pd_args(parser)
     args = parser.parse_args(argv)
     try:

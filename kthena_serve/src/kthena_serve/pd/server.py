@@ -1,13 +1,18 @@
-"""The HTTP control apps of PD workers (decode and prefill); see worker.py for the routes."""
+"""The HTTP control apps of PD workers (decode and prefill); see worker.py for the routes.
+
+Every route but ``/health`` needs the deployment secret (pd/auth.py); a decode worker sends a
+prefill task only to a URL whose host is in its allow-list.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
@@ -17,22 +22,33 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from kthena_serve.pd.auth import LOOPBACK_HOSTS, check_prefill_url
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
 from kthena_serve.pd.events import EventLog
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
+from kthena_serve.server.middleware import ApiKeyMiddleware
 from mooncake_kv import KVCacheStats
 
 __all__ = ["build_decode_app", "build_prefill_app"]
 
 Closer = Callable[[], None]
 
+log = logging.getLogger(__name__)
+
 
 def _incarnation() -> str:
     return f"{os.getpid()}-{time.time_ns()}"
+
+
+def _control_app(secret: str) -> FastAPI:
+    """A bare app whose every route but /health needs ``Authorization: Bearer <secret>``."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ApiKeyMiddleware, api_key=secret)
+    return app
 
 
 def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
@@ -49,9 +65,15 @@ def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
 
 
 # ---- decode -----------------------------------------------------------------------------------
-def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
-                     mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
-    """The decode worker: engine over a shared pool, /pd/generate, /pd/state."""
+def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
+                     mooncake_host: str | None = None,
+                     prefill_hosts: Iterable[str] = LOOPBACK_HOSTS) -> tuple[FastAPI, Closer]:
+    """The decode worker: engine over a shared pool, /pd/generate, /pd/state.
+
+    Args:
+        secret: the deployment secret its callers must send and it sends to prefill workers.
+        prefill_hosts: hosts a ``prefill_url`` may name (the rest are refused with 400).
+    """
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.engine import LLMEngine, build_runner
     from kthena_serve.pd.decode import DecodeService
@@ -71,9 +93,10 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
     async_engine = AsyncLLM(engine).start()
     metrics = PDMetrics("decode")
     server_metrics = ServerMetrics(async_engine)
-    service = DecodeService(async_engine, ref, pd, metrics)
+    service = DecodeService(async_engine, ref, pd, metrics, secret=secret)
+    allowed_hosts = frozenset(prefill_hosts)
     incarnation = _incarnation()
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = _control_app(secret)
     _common_routes(app, lambda: server_metrics.render() + metrics.render(),
                    lambda: async_engine.is_alive)
 
@@ -90,9 +113,12 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
 
     @app.post("/pd/generate")
     async def generate(request: Request) -> Response:
-        body = await request.json()
         try:  # this worker's edge: the router's request is validated once, here
+            body = await request.json()
             rid = body["request_id"]
+            prefill_url = body.get("prefill_url")
+            if prefill_url is not None:
+                check_prefill_url(prefill_url, allowed_hosts)
             engine_request = async_engine.make_request(
                 rid, list(body["prompt_ids"]), params_from_json(body["params"]),
                 cache_salt=body.get("cache_salt"))
@@ -101,7 +127,7 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *,
         except (TypeError, ValueError, KeyError) as error:
             return JSONResponse(error_body(400, f"bad generate request: {error}"),
                                 status_code=400)
-        stream = service.generate(engine_request, body.get("prefill_url"))
+        stream = service.generate(engine_request, prefill_url)
         return StreamingResponse(_ndjson(rid, stream), media_type="application/x-ndjson")
 
     def close() -> None:
@@ -122,9 +148,14 @@ async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
         # `code` lets the front end tell a failed KV handoff (the prefill side) from the rest.
         code = "kv_handoff_failed" if isinstance(error, HandoffError) else "engine_dead"
         yield json.dumps({"error": {"status": 503, "code": code, "message": str(error)}}) + "\n"
-    except Exception as error:  # noqa: BLE001 - reported in-band, headers are gone
-        yield json.dumps({"error": {"status": 500, "message": f"{type(error).__name__}: "
-                                    f"{error}"}}) + "\n"
+    except RequestFailedError as error:  # the engine failed on this request alone
+        yield json.dumps({"error": {"status": 500, "code": "request_failed",
+                                    "message": str(error)}}) + "\n"
+    except Exception:  # noqa: BLE001 - reported in-band, headers are gone; details to the log
+        log.exception("stream of %s failed", rid)
+        yield json.dumps({"error": {"status": 500, "code": "internal",
+                                    "message": "internal error while streaming; retry the "
+                                               "request"}}) + "\n"
     finally:
         await stream.aclose()
 
@@ -166,9 +197,13 @@ class _PrefillState:
             return False
 
 
-def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *,
+def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                       mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
-    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel."""
+    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel.
+
+    Args:
+        secret: the deployment secret its callers (decode workers, the router) must send.
+    """
     from kthena_serve.model import load_model
     from kthena_serve.pd.prefill import PrefillExecutor, check_task
     from kthena_serve.threads import configure_threads
@@ -187,7 +222,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *,
     state = _PrefillState()
     metrics = PDMetrics("prefill")
     incarnation = _incarnation()
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = _control_app(secret)
     _common_routes(app, metrics.render, lambda: True)
 
     def run(task: PrefillTask):  # noqa: ANN202 - on the compute thread

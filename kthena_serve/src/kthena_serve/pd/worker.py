@@ -5,7 +5,13 @@ It pins itself to its cores and sets ``OMP_NUM_THREADS`` / ``OMP_WAIT_POLICY=PAS
 control API on 127.0.0.1 (or ``--host``):
 
     decode:  POST /pd/generate (NDJSON outputs)   prefill: POST /pd/prefill, POST /pd/cancel
-    both:    GET /pd/state (load, KV stats, KV events since a sequence number), /health, /metrics
+    both:    GET /pd/state (load, KV stats, KV events since a sequence number), /metrics,
+             GET /health (the one route without authentication)
+
+Every route but ``/health`` needs ``Authorization: Bearer <secret>``; the secret comes in the
+environment variable ``KTHENA_PD_SECRET`` (set by the launcher; never on the command line,
+which other local users can read), and the worker refuses to start without it. A decode
+worker sends prefill tasks only to hosts in ``--prefill-hosts`` (default loopback).
 
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
 its parent (the launcher) dies, so no worker outlives a killed launcher.
@@ -32,7 +38,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
     parser.add_argument("--pd-config", default="{}", help="PDConfig fields as JSON")
     parser.add_argument("--mooncake-host", default=None, help="address Mooncake advertises")
+    parser.add_argument("--prefill-hosts", default="127.0.0.1,localhost,::1",
+                        help="comma-separated hosts a decode worker may send prefill tasks to")
     return parser.parse_args(argv)
+
+
+def _take_secret() -> str | None:
+    """The deployment secret, removed from the environment so no child inherits it."""
+    from kthena_serve.pd.auth import SECRET_ENV
+
+    return os.environ.pop(SECRET_ENV, None) or None
 
 
 def _pin(cores: str) -> int:
@@ -71,6 +86,11 @@ def exit_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    secret = _take_secret()
+    if secret is None:
+        print(f"kthena_serve.pd.worker {args.name}: KTHENA_PD_SECRET is not set; workers are "
+              "started by the PD launcher, which sets it", file=sys.stderr)
+        return 2
     num_threads = _pin(args.cores)
     _die_with_parent()
     import json
@@ -87,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     if "weights" in pd_fields:
         pd_fields["weights"] = RouterWeights(**pd_fields["weights"])
     pd_config = PDConfig(**pd_fields)
-    build = build_decode_app if args.role == "decode" else build_prefill_app
-    app, close = build(args.name, engine_config, pd_config, mooncake_host=args.mooncake_host)
+    if args.role == "decode":
+        hosts = [h.strip() for h in args.prefill_hosts.split(",") if h.strip()]
+        app, close = build_decode_app(args.name, engine_config, pd_config, secret=secret,
+                                      mooncake_host=args.mooncake_host, prefill_hosts=hosts)
+    else:
+        app, close = build_prefill_app(args.name, engine_config, pd_config, secret=secret,
+                                       mooncake_host=args.mooncake_host)
 
     def ready(port: int) -> None:
         if args.ready_file:

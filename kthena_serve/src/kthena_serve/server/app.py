@@ -11,6 +11,7 @@ only compared with what token matching found (a metric); ``cache_salt`` keys the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -105,19 +106,35 @@ class _Api:
             await asyncio.wait({task}, timeout=0.5)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-        finals = task.result()
+                await asyncio.gather(task, return_exceptions=True)
+                self.metrics.observe_aborted(job.num_choices)
+                raise ApiError(499, "the client closed the request", code="client_closed")
+        try:
+            finals = task.result()
+        except Exception:
+            self.metrics.observe_aborted(job.num_choices)
+            raise
         for out in finals:
             self.metrics.observe(out, hint)
         return finals
 
+    @contextlib.asynccontextmanager
+    async def _counting(self, job: Job, finals: dict[int, RequestOutput]):  # noqa: ANN202
+        """Choices that never finished (client gone, error, shutdown) count as aborted."""
+        try:
+            yield
+        finally:
+            self.metrics.observe_aborted(job.num_choices - len(finals))
+
     async def _completion_chunks(self, rid: str, body: p._Common, job: Job):
         finals: dict[int, RequestOutput] = {}
-        async for choice, out in stream_choices(self.engine, job):
-            if out.finished:
-                finals[choice] = out
-                self.metrics.observe(out, body.reuse_offset)
-            if out.new_text or out.finished:
-                yield p.completion_chunk(rid, self.model_name, choice, out)
+        async with self._counting(job, finals):
+            async for choice, out in stream_choices(self.engine, job):
+                if out.finished:
+                    finals[choice] = out
+                    self.metrics.observe(out, body.reuse_offset)
+                if out.new_text or out.finished:
+                    yield p.completion_chunk(rid, self.model_name, choice, out)
         if body.include_usage:
             outs = [finals[c] for c in sorted(finals)]
             usage = p.usage(outs, [job.prompt_index(c) for c in sorted(finals)])
@@ -128,14 +145,15 @@ class _Api:
             yield p.chat_chunk(rid, self.model_name, choice,
                                {"role": "assistant", "content": ""}, None)
         finals: dict[int, RequestOutput] = {}
-        async for choice, out in stream_choices(self.engine, job):
-            reason = out.finish_reason.value if out.finish_reason else None
-            if out.finished:
-                finals[choice] = out
-                self.metrics.observe(out, body.reuse_offset)
-            if out.new_text or out.finished:
-                delta = {"content": out.new_text} if out.new_text else {}
-                yield p.chat_chunk(rid, self.model_name, choice, delta, reason)
+        async with self._counting(job, finals):
+            async for choice, out in stream_choices(self.engine, job):
+                reason = out.finish_reason.value if out.finish_reason else None
+                if out.finished:
+                    finals[choice] = out
+                    self.metrics.observe(out, body.reuse_offset)
+                if out.new_text or out.finished:
+                    delta = {"content": out.new_text} if out.new_text else {}
+                    yield p.chat_chunk(rid, self.model_name, choice, delta, reason)
         if body.include_usage:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
             yield p.usage_chunk(rid, "chat.completion.chunk", self.model_name, usage)
@@ -182,7 +200,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
         max_request_bytes: bodies above this get 413.
     """
     api = _Api(engine, model_name, aliases or set())
-    app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")  # the real schema, for clients and fuzzers
     app.state.api = api
     install_handlers(app)
     app.post("/v1/completions")(api.completions)

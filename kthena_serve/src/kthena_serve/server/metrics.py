@@ -84,5 +84,10 @@ class ServerMetrics:
         if reuse_offset is not None:
             self.hints.labels(str(reuse_offset == out.num_cached_tokens).lower()).inc()
 
+    def observe_aborted(self, count: int = 1) -> None:
+        """Requests (choices) that ended without finishing: client gone, failed, shut down."""
+        if count > 0:
+            self.finished.labels("abort").inc(count)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

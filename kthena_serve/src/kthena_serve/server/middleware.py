@@ -59,16 +59,24 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on every path except ``/health``."""
+    """Require ``Authorization: Bearer <key>`` on every path except ``/health``.
+
+    The scheme is matched case-insensitively (RFC 7235: ``bearer`` is ``Bearer``); the key is
+    compared in constant time.
+    """
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        if not api_key:
+            raise ValueError("ApiKeyMiddleware needs a non-empty key")
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("path") == "/health":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.partition(b" ")
+        is_bearer = scheme.lower() == b"bearer"
+        if not (hmac.compare_digest(token.strip(b" "), self.expected) and is_bearer):
             return await _send_error(send, 401, "missing or wrong API key; send "
                                      "'Authorization: Bearer <key>'", "authentication_error",
                                      "invalid_api_key")

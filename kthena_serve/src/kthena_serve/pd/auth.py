@@ -1,0 +1,57 @@
+"""Who may call a PD worker, and where a decode worker may send a prefill task.
+
+* **The deployment secret.** ``PDLauncher`` draws one per deployment (``new_secret``) and hands
+  it to each worker in the environment variable ``KTHENA_PD_SECRET``, never on the command line
+  (``/proc/PID/cmdline`` is readable by every local user, ``/proc/PID/environ`` only by the
+  same user). Every worker route but ``/health`` needs ``Authorization: Bearer <secret>``
+  (``server.middleware.ApiKeyMiddleware``); the router and the decode worker send it
+  (``auth_headers``).
+* **The prefill URL.** The router names the prefill worker in each ``/pd/generate`` body. The
+  decode worker sends that URL the secret and block ids, so it only accepts
+  ``http://<host>:<port>`` with a host from its allow-list (``check_prefill_url``): loopback by
+  default, plus the hosts the launcher placed prefill workers on (``--prefill-hosts``). Ports
+  are not pinned: a restarted worker may come back on another one.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+__all__ = ["LOOPBACK_HOSTS", "SECRET_ENV", "auth_headers", "check_prefill_url", "new_secret"]
+
+SECRET_ENV = "KTHENA_PD_SECRET"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def new_secret() -> str:
+    """A fresh deployment secret (256 random bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def auth_headers(secret: str | None) -> dict[str, str]:
+    """The header that authenticates a call to a worker; none without a secret."""
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+def check_prefill_url(url: str, allowed_hosts: Iterable[str]) -> None:
+    """Accept only ``http://<allowed host>:<port>`` (no path, query, credentials).
+
+    Raises:
+        ValueError: the URL has another form or its host is not allowed; the message says which.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"prefill_url must be a string, got {type(url).__name__}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as error:
+        raise ValueError(f"prefill_url {url!r} is not a valid URL: {error}") from None
+    if parts.scheme != "http" or port is None or parts.path not in ("", "/") or parts.query \
+            or parts.fragment or parts.username is not None or parts.password is not None:
+        raise ValueError(f"prefill_url {url!r} must have the form http://HOST:PORT")
+    allowed = {host.lower() for host in allowed_hosts}
+    if (parts.hostname or "") not in allowed:
+        raise ValueError(f"prefill_url host {parts.hostname!r} is not a prefill worker host of "
+                         f"this deployment (allowed: {', '.join(sorted(allowed))})")
