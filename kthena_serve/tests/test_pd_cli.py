@@ -27,11 +27,29 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _stream_events(url: str, box: dict) -> None:
+    body = {"model": "default", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True, "prompt": "Tell me a very long story about the sea."}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                box["count"] = len(events)
+    box["events"] = events
+
+
 def test_kthena_serve_mode_pd() -> None:
+    """Serves, and on SIGTERM drains: a running stream ends with an error event and [DONE]
+    once --shutdown-timeout passes, new requests get 503, and nothing is left behind."""
+    import json
+    import threading
+
     kthena = Path(sys.executable).with_name("kthena")
     proc = subprocess.Popen([str(kthena), "serve", "--mode", "pd", "--prefill", "1", "--decode",
                              "1", "--port", "0", "--kv-cache-memory", "32MiB", "--pd-threshold",
-                             "8"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "8", "--shutdown-timeout", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     try:
         url = None
         deadline = time.monotonic() + 180
@@ -50,9 +68,25 @@ def test_kthena_serve_mode_pd() -> None:
         assert reply.json()["choices"][0]["message"]["content"]
         pools = [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
         assert len(pools) == 1  # the decode worker's pool
-    finally:
+        box: dict = {"count": 0}
+        streaming = threading.Thread(target=_stream_events, args=(url, box))
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while box["count"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.get(f"{url}/v1/models", timeout=10)
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        streaming.join(60)
+        events = box["events"]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
         proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
     assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()

@@ -65,7 +65,7 @@ class AbortAll:
     message: str
 
     def run(self, llm: AsyncLLM) -> None:
-        llm._fail_all(EngineDeadError(self.message), with_ids=False)
+        llm._fail_all(EngineDeadError(self.message))
 
 
 @attrs.frozen
@@ -87,8 +87,9 @@ class AdmitPrefilled:
             out = llm.engine.admit_prefilled(self.request_id, self.first_token_id)
         except Exception as error:  # noqa: BLE001 - the reservation is gone: fail this one
             llm.engine.release(self.request_id)
-            llm._dispatch([EngineDeadError(f"request {self.request_id} could not be admitted: "
-                                           f"{error}")], self.request_id)
+            log.warning("request %s could not be admitted: %s", self.request_id, error)
+            llm._dispatch([EngineDeadError("the prefilled request could not be admitted; "
+                                           "retry it")], self.request_id)
             return
         llm._dispatch([out])
 
@@ -151,8 +152,8 @@ class AsyncLLM:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return self.engine.processor.encode(prompt)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        return self.engine.processor.render_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.engine.processor.encode_chat(messages)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         """The output budget; raises InvalidRequestError for a request the engine would refuse."""
@@ -251,9 +252,10 @@ class AsyncLLM:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as error:  # a failed step must not hang any client
+            except Exception:  # a failed step must not hang any client (details: the log)
                 log.exception("engine step failed")
-                self._fail_all(error)
+                self._fail_all(EngineDeadError("the engine failed while serving this request; "
+                                               "retry it"))
                 continue
             self._stats = engine.stats()
             self._dispatch(outputs)
@@ -274,11 +276,11 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _fail_all(self, error: BaseException, *, with_ids: bool = True) -> None:
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """End every live request with ``error`` (a message for clients: no internals)."""
         for request_id in self.engine.live_request_ids():
             self.engine.abort_request(request_id)
-            failure = EngineDeadError(f"request {request_id} failed: {error}") if with_ids else error
-            self._dispatch([failure], request_id)
+            self._dispatch([error], request_id)
         self._stats = self.engine.stats()
 
 

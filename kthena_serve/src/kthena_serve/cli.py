@@ -1,4 +1,5 @@
-"""``kthena serve`` and ``kthena bench serve``: registered on kthena_core's CLI by entry points.
+"""``kthena serve``, ``kthena bench serve`` and ``kthena bench soak``: registered on
+kthena_core's CLI by entry points.
 
 This is the one place in kthena_serve that reads argv and the environment
 (``KTHENA_API_KEY``; ``OMP_WAIT_POLICY`` is set here before torch is imported).
@@ -111,7 +112,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- kthena bench serve -------------------------------------------------------------------------
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point: add ``kthena bench serve`` (sharing ``kthena bench`` with other layers)."""
+    """Entry point: add ``kthena bench serve`` and ``kthena bench soak`` (sharing ``kthena
+    bench`` with other layers)."""
     bench = subparsers.choices.get("bench") or subparsers.add_parser(
         "bench", help="benchmarks (JSON on stdout)")
     children = next((a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None)
@@ -126,6 +128,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", default="bench_serve.png", help="PNG path ('' for none)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     parser.set_defaults(func=_cmd_bench_serve)
+    _register_soak(children)
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -138,3 +141,44 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     result = run_bench(engine_config(args), options)
     print(json.dumps(result))
     return 0
+
+
+# ---- kthena bench soak --------------------------------------------------------------------------
+def _register_soak(children: argparse._SubParsersAction) -> None:
+    parser = children.add_parser("soak", help="N streaming clients (good, disconnecting, bad) "
+                                 "for T minutes: errors, TTFT/ITL, server RSS, KV after")
+    parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
+                        help="the server to start (pd: 1 prefill + 1 decode worker); with "
+                             "--url, only a label")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    parser.add_argument("--minutes", type=float, default=5.0,
+                        help="how long clients start new requests (in-flight ones then finish)")
+    parser.add_argument("--seed", type=int, default=0, help="client i draws from seed + i")
+    parser.add_argument("--url", default=None,
+                        help="attach to this loopback server instead of starting one "
+                             "(sends $KTHENA_API_KEY if set)")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: the process whose tree's RSS is sampled")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV pool of the server")
+    parser.add_argument("--model", default="default", help="model of the server it starts")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds one request may take, headers to [DONE]")
+    parser.set_defaults(func=_cmd_bench_soak)
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    """Prints the JSON line; exit status 1 if the run saw any error, 2 if it could not run."""
+    from kthena_serve.soak import SoakOptions, run_soak
+
+    try:
+        options = SoakOptions(mode=args.mode, clients=args.clients, minutes=args.minutes,
+                              seed=args.seed, url=args.url, server_pid=args.server_pid,
+                              kv_cache_memory=args.kv_cache_memory, model=args.model,
+                              request_timeout_s=args.request_timeout,
+                              api_key=os.environ.get("KTHENA_API_KEY") if args.url else None)
+        result = run_soak(options)
+    except (ValueError, RuntimeError) as error:
+        print(f"kthena bench soak: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 1 if result["num_errors"] else 0

@@ -3,7 +3,7 @@
 ::
 
     server/app.py, server/metrics.py, cli.py
-                 │  EngineClient: limits · encode · render_chat · check · generate · abort(_all) · stats
+                 │  EngineClient: limits · encode · encode_chat · check · generate · abort(_all) · stats
        ┌─────────┴──────────────┐
     AsyncLLM (in process)     RemoteEngine (PD router: workers over HTTP)
 
@@ -98,8 +98,8 @@ class EngineClient(Protocol):
         """Token ids of a text prompt; token-id prompts are checked against the vocabulary."""
         ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The model's chat template applied, with the generation prompt."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the model's chat template applied, with the generation prompt."""
         ...
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:

@@ -118,6 +118,8 @@ class EngineConfig:
         num_threads: torch threads; default the cores this process may run on.
         max_n: largest ``n`` (choices per request) the server accepts.
         check_invariants: run the KV manager's self-check after every verb (tests).
+        chat_special_tokens: ``"text"``: special tokens typed in chat content are encoded as
+            text, so a user cannot forge a turn; ``"control"``: they act as control tokens.
     """
 
     model: str = "default"
@@ -137,6 +139,7 @@ class EngineConfig:
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)
     check_invariants: bool = False
+    chat_special_tokens: str = attrs.field(default="text", validator=_one_of("text", "control"))
 
     @property
     def torch_dtype(self):  # noqa: ANN201 - torch imported lazily

@@ -108,7 +108,8 @@ class LLMEngine:
                             runner.num_blocks * config.block_size)
         self.processor = InputProcessor(tokenizer, EngineLimits(
             max_model_len=max_model_len, vocab_size=model_config.vocab_size,
-            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size))
+            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size),
+            config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0

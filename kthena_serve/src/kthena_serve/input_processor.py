@@ -24,11 +24,15 @@ class InputProcessor:
     Args:
         tokenizer: the model's ``Tokenizer``.
         limits: the engine's limits (context length, vocabulary, ``n``).
+        chat_special_tokens: ``"text"``: special tokens typed in chat content stay text (no
+            forged turns); ``"control"``: they act as control tokens (Hugging Face's default).
     """
 
-    def __init__(self, tokenizer, limits: EngineLimits) -> None:  # noqa: ANN001
+    def __init__(self, tokenizer, limits: EngineLimits,  # noqa: ANN001
+                 chat_special_tokens: str = "text") -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.chat_special_tokens = chat_special_tokens
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text prompt (token-id prompts are checked and passed through).
@@ -37,12 +41,7 @@ class InputProcessor:
             InvalidRequestError: text that is not valid Unicode, or ids outside the vocabulary.
         """
         if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise InvalidRequestError(
-                    f"the prompt is not valid Unicode text (a lone surrogate at character "
-                    f"{error.start}); send UTF-8 text", "prompt") from None
+            _check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         vocab = self.limits.vocab_size
@@ -53,9 +52,19 @@ class InputProcessor:
                     f"[0, {vocab}); send ids from this model's vocabulary", "prompt")
         return ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The chat template applied to ``messages``, ending with the assistant's turn."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the chat template applied to ``messages``, ending with the assistant's
+        turn (special tokens in the content follow ``chat_special_tokens``).
+
+        Raises:
+            InvalidRequestError: content that is not valid Unicode text.
+        """
+        for message in messages:
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                _check_text(content, "messages")
+        return self.tokenizer.encode_chat(messages,
+                                          special_tokens_in_content=self.chat_special_tokens)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         """The output budget, checked against the context length.
@@ -89,3 +98,12 @@ class InputProcessor:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         return EngineRequest(request_id, tuple(ids), params, self.check(ids, params), cache_salt)
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"the {param} text is not valid Unicode (a lone surrogate at character "
+            f"{error.start}); send UTF-8 text", param) from None

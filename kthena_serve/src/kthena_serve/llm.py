@@ -66,5 +66,4 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn: render the model's chat template and generate."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(prompt, params)[0]
+        return self.generate(self.engine.processor.encode_chat(messages), params)[0]

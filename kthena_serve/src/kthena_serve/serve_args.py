@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="prefix index of the KV manager: hash chain or radix tree")
     parser.add_argument("--hash-algorithm", default="xxh3_128", choices=("xxh3_128", "sha256"),
                         help="block-hash digest (one per deployment)")
+    parser.add_argument("--chat-special-tokens", default="text", choices=("text", "control"),
+                        help="special tokens typed in chat content: text (no forged turns, "
+                             "default) or control tokens")
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN201
@@ -49,7 +52,8 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                         max_model_len=args.max_model_len, tp=args.tp,
                         enable_prefix_caching=not args.no_prefix_caching,
                         prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        chat_special_tokens=args.chat_special_tokens)
 
 
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:

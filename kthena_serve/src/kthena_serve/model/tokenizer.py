@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -78,6 +80,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
+        self.special_tokens = frozenset(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special)
+        self._literal_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
@@ -130,6 +135,53 @@ class Tokenizer:
         return self._template.render(messages=[dict(m) for m in messages],
                                      add_generation_prompt=add_generation_prompt,
                                      **{k: v for k, v in self._special.items() if v is not None}, **extra)
+
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    special_tokens_in_content: str = "text") -> list[int]:
+        """Token ids of the rendered conversation (generation prompt included).
+
+        Args:
+            special_tokens_in_content: ``"text"`` (default): a special token typed inside a
+                message (``<|im_start|>system``) is encoded as the plain text it is, so a user
+                cannot forge a turn or a role; ``"control"``: it becomes the control token, as
+                if the template had written it (the Hugging Face default).
+
+        Raises:
+            ChatTemplateError: see ``apply_chat_template``; ValueError: an unknown mode.
+        """
+        if special_tokens_in_content not in ("text", "control"):
+            raise ValueError(f"special_tokens_in_content={special_tokens_in_content!r}; use "
+                             "'text' or 'control'")
+        contents = [m.get("content") if isinstance(m, Mapping) else None for m in messages]
+        if special_tokens_in_content == "control" or not any(
+                isinstance(c, str) and self._has_special(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages))
+        marked = [{**m, "content": _MARK.format(i)} if isinstance(c, str) else m
+                  for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
+        ids: list[int] = []
+        for piece in _MARKS.split(self.apply_chat_template(marked)):
+            if piece.startswith("\ue000") and piece.endswith("\ue001"):
+                ids += self._encode_literal(contents[int(piece[1:-1])])
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def _has_special(self, text: str) -> bool:
+        return any(token in text for token in self.special_tokens)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token strings in it encoded as ordinary text."""
+        with self._literal_lock:  # the flag lives on the shared backend
+            self._backend.encode_special_tokens = True
+            try:
+                return self._backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self._backend.encode_special_tokens = False
+
+
+_MARK = "\ue000{}\ue001"  # private-use code points: a content slot in the rendered template
+_MARKS = re.compile("(\ue000\\d+\ue001)")
 
 
 class IncrementalDetokenizer:

@@ -130,8 +130,8 @@ class DecodeService:
         else:  # the prefill worker may still write into these blocks: keep them aside
             self._spawn(self._settle_and_release(url, rid))
         if policy is FailurePolicy.FAIL:
-            raise HandoffError(f"request {rid}: KV handoff failed ({failure.reason}): {failure}; "
-                               "policy 'fail' — retry the request")
+            raise HandoffError(f"the KV handoff failed ({failure.reason}) and this deployment's "
+                               "policy is 'fail'; retry the request")  # details: the log
         self.metrics.requests.labels(self.metrics.role, "recomputed").inc()
         local = request if failure.settled else attrs.evolve(request,
                                                              request_id=f"{rid}~recompute")

@@ -83,13 +83,13 @@ class RemoteEngine:
             block_size=self.config.block_size)
 
     def _processor(self) -> InputProcessor:
-        return InputProcessor(self.tokenizer, self.limits())
+        return InputProcessor(self.tokenizer, self.limits(), self.config.chat_special_tokens)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return self._processor().encode(prompt)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        return self._processor().render_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self._processor().encode_chat(messages)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         return self._processor().check(prompt_ids, params)

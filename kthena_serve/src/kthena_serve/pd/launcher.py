@@ -173,14 +173,20 @@ class PDLauncher:
         """(name, role, url) of every worker, for the router."""
         return [(w.spec.name, w.spec.role, self.url(w.spec.name)) for w in self.workers.values()]
 
-    def pid(self, name: str) -> int:
+    def pid(self, name: str) -> int | None:
+        """The worker's process id; None while it is being restarted."""
         proc = self.workers[name].proc
-        assert proc is not None
-        return proc.pid
+        return None if proc is None else proc.pid
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
-        """Send ``sig`` to a worker (tests and chaos drills); returns its pid."""
+        """Send ``sig`` to a worker (tests and chaos drills); returns its pid.
+
+        Raises:
+            ProcessLookupError: the worker is being restarted (no process right now).
+        """
         pid = self.pid(name)
+        if pid is None:
+            raise ProcessLookupError(f"PD worker {name} has no process right now (restarting)")
         os.kill(pid, sig)
         return pid
 

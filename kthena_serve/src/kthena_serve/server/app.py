@@ -74,7 +74,7 @@ class _Api:
         return [self.engine.encode(text) for text in prompt]
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
-        return [self.engine.encode(self.engine.render_chat(body.plain_messages()))]
+        return [self.engine.encode_chat(body.plain_messages())]
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
