@@ -219,11 +219,39 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, core, url):
     core.kv.check_invariants()
 
 
-def test_disconnect_without_streaming_aborts_too(engine, url):
+def _aborted(client) -> float:
+    text = client.get("/metrics").text
+    line = next((x for x in text.splitlines()
+                 if x.startswith('kthena_requests_total{finish_reason="abort"}')), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_disconnect_without_streaming_aborts_too(engine, url, client, caplog):
+    before = _aborted(client)
     body = _completion(max_tokens=1500, prompt="Another long story " * 10)
     with httpx.Client(base_url=url, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body)
     _wait_idle(engine)
+    deadline = time.monotonic() + 5
+    while _aborted(client) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(client) == before + 1  # counted in the request metrics
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback for a client that left
+
+
+def test_aborted_streams_are_counted(client, url, engine):
+    before = _aborted(client)
+    body = _completion(max_tokens=1500, stream=True, prompt="Counted story " * 10)
+    with httpx.Client(base_url=url, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    _wait_idle(engine)
+    deadline = time.monotonic() + 5
+    while _aborted(client) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(client) == before + 1
 
 
 def test_api_key_guards_all_but_health(engine):
