@@ -28,15 +28,16 @@ def _children(pid: int) -> list[int]:
 
 
 def _stream_events(url: str, box: dict) -> None:
-    body = {"model": "default", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+    body = {"model": "default", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True, "prompt": "Tell me a very long story about the sea."}
     events = []
+    box["events"] = events
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        box["status"] = response.status_code
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
                 box["count"] = len(events)
-    box["events"] = events
 
 
 def test_kthena_serve_mode_pd() -> None:
@@ -72,8 +73,9 @@ def test_kthena_serve_mode_pd() -> None:
         streaming = threading.Thread(target=_stream_events, args=(url, box))
         streaming.start()
         deadline = time.monotonic() + 60
-        while box["count"] < 3 and time.monotonic() < deadline:
+        while box["count"] < 3 and streaming.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert box["count"] >= 3, box  # streaming when the signal comes
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = httpx.get(f"{url}/v1/models", timeout=10)
@@ -110,3 +112,34 @@ def test_shared_pool_with_tensor_parallel_is_refused() -> None:
 
     with pytest.raises(ValueError, match="shared KV pool with tp=2 is not supported"):
         build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)
+
+
+def test_sigkilled_router_leaves_no_workers_shm_or_temp_folder() -> None:
+    """SIGKILL of `kthena serve --mode pd`: the workers get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG), clean up their pool and remove the launcher's kthena-pd-* folder."""
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("kthena-pd-*"))
+    kthena = Path(sys.executable).with_name("kthena")
+    proc = subprocess.Popen([str(kthena), "serve", "--mode", "pd", "--port", "0",
+                             "--kv-cache-memory", "32MiB"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "kthena serve --mode pd exited"
+        if line.startswith("curl "):
+            break
+    workers = _children(proc.pid)
+    folders = set(Path(tempfile.gettempdir()).glob("kthena-pd-*")) - before
+    assert len(workers) == 2 and len(folders) == 1
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (
+            any(os.path.exists(f"/proc/{pid}") for pid in workers) or any(
+                f.exists() for f in folders)):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    assert not any(f.exists() for f in folders)
+    assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]

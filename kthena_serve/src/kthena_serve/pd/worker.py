@@ -125,11 +125,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{attrs.asdict(engine_config)['num_threads']} threads", file=sys.stderr, flush=True)
 
     exit_on_sigterm()
+    launcher_pid = os.getppid()
     try:
         run_server(app, host=args.host, port=args.port, on_ready=ready, log_level="warning")
     finally:
         close()
+        if os.getppid() != launcher_pid:  # orphaned (launcher SIGKILLed): tidy its folder
+            _remove_ready_file(args.ready_file)
     return 0
+
+
+def _remove_ready_file(path: str | None) -> None:
+    """Remove this worker's ready file and, once the last worker has, the launcher's folder."""
+    if not path:
+        return
+    for remove in (os.remove, lambda p: os.rmdir(os.path.dirname(p))):
+        try:
+            remove(path)
+        except OSError:  # gone already, or another worker's file is still there
+            return
 
 
 if __name__ == "__main__":
