@@ -167,20 +167,64 @@ def test_engine_config_reaches_the_kv_layer_parts():
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("prefix_index", "trie", "prefix_index='trie' is not a registered prefix index; use one of"),
-    ("hash_algorithm", "md5", "hash_algorithm='md5'"),
-    ("kv_cache_dtype", "int8", "kv_cache_dtype='int8' is not served yet"),
-    ("kv_cache_dtype", "float16", "differs from dtype='bfloat16'"),
-    ("dtype", "fp16", "dtype='fp16' is not supported; use one of 'bfloat16', 'float16'"),
-    ("device", "gpu", "device='gpu' is not a device; use 'cpu', 'cuda'"),
+    ("prefix_index", "trie", "EngineConfig.prefix_index must be a registered prefix index: "
+     "one of 'hash', 'radix' (got 'trie')"),
+    ("hash_algorithm", "md5", "EngineConfig.hash_algorithm must be a registered hash "
+     "algorithm: one of 'sha256', 'xxh3_128' (got 'md5')"),
+    ("kv_cache_dtype", "int8", "EngineConfig.kv_cache_dtype must be 'auto' or the compute "
+     "dtype ('bfloat16') (got 'int8'); int8 KV is not served yet"),
+    ("kv_cache_dtype", "float16", "EngineConfig.kv_cache_dtype must be 'auto' or the compute "
+     "dtype ('bfloat16') (got 'float16'); the attention kernels read the cache in the compute "
+     "dtype"),
+    ("dtype", "fp16", "EngineConfig.dtype must be one of 'bfloat16', 'float16', 'float32' "
+     "(got 'fp16')"),
+    ("device", "gpu", "EngineConfig.device must be one of 'cpu', 'cuda', 'cuda:N', 'npu', "
+     "'npu:N' (got 'gpu')"),
+    ("max_num_seqs", 0, "EngineConfig.max_num_seqs must be a positive int (got 0)"),
+    ("tp", True, "EngineConfig.tp must be a positive int (got True)"),
+    ("max_model_len", -1, "EngineConfig.max_model_len must be a positive int or None (got -1)"),
+    ("kv_cache_memory", "1XB", "EngineConfig.kv_cache_memory must be a positive size: bytes, "
+     "or e.g. '1GiB', '512MiB', '2G' (got '1XB')"),
+    ("model", 3, "EngineConfig.model must be 'default' or a checkpoint folder (str or "
+     "os.PathLike) (got 3)"),
+    ("enable_prefix_caching", "yes", "EngineConfig.enable_prefix_caching must be True or False "
+     "(got 'yes')"),
+    ("chat_special_tokens", "raw", "EngineConfig.chat_special_tokens must be one of 'text', "
+     "'control' (got 'raw')"),
 ])
 def test_engine_config_refuses_what_it_cannot_honour(field, value, message):
+    from kthena_serve.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as caught:
+        EngineConfig(**{field: value})
+    assert str(caught.value).startswith(message)
+    assert caught.value.field == field and isinstance(caught.value, ValueError)
+    assert "Attribute(" not in str(caught.value)  # no attrs internals in the message
+
+
+def test_engine_config_errors_name_the_cli_flag():
+    import argparse
+
+    from kthena_serve.serve_args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, message in [
+        (["--max-num-seqs", "0"], "--max-num-seqs: EngineConfig.max_num_seqs must be a "
+         "positive int (got 0)"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: EngineConfig.kv_cache_dtype must be"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory: EngineConfig.kv_cache_memory must"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            engine_config(parser.parse_args(argv))
+        assert str(caught.value).startswith(message)
+    assert engine_config(parser.parse_args([])).model == "default"
+
+
+def test_engine_config_takes_a_path_for_model(tmp_path):
     from kthena_serve.config import EngineConfig
 
-    with pytest.raises(ValueError) as caught:
-        EngineConfig(**{field: value})
-    assert message in str(caught.value)
-    assert "Attribute(" not in str(caught.value)  # no attrs internals in the message
+    assert EngineConfig(model=tmp_path).model == str(tmp_path)
 
 
 def test_scheduled_batch_is_plain_data():

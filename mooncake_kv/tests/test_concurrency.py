@@ -107,10 +107,12 @@ def test_stats_snapshots_and_events_from_other_threads(fast_switching: None) -> 
             prompt = rng.choice(prefixes) + [
                 rng.randrange(1000) for _ in range(rng.randrange(1, 9))
             ]
-            match = mgr.match_prefix(f"r{i}", prompt)
-            if mgr.try_allocate(f"r{i}", len(prompt) + 4 - match.num_cached_tokens) is not None:
-                mgr.commit(f"r{i}", prompt + [1, 2, 3, 4])
-            mgr.free(f"r{i}")
+            rid = f"r{i}"
+            match = mgr.match_prefix(rid, prompt)
+            if (mgr.try_allocate(rid, len(prompt) - match.num_cached_tokens) is not None
+                    and mgr.try_append(rid, 4) is not None):
+                mgr.commit(rid, prompt + [1, 2, 3, 4])
+            mgr.free(rid)
     finally:
         stop.set()
         for thread in helpers:

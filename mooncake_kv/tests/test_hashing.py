@@ -13,7 +13,13 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake_kv import BlockHasher, ExtraKeys, UnknownIndexError, pack_tokens
+from mooncake_kv import (
+    BlockHasher,
+    ExtraKeys,
+    UnknownIndexError,
+    available_hash_algorithms,
+    pack_tokens,
+)
 from mooncake_kv.hashing import BlockChain
 
 GOLDEN_XXH3 = ["a84f19c70022847bab98bcdec291656b", "c5b1fbd0e1f9a2ddf1b5fd9ecc9f6a74"]
@@ -89,13 +95,22 @@ def test_input_hash_changes_its_block_and_later_ones_only() -> None:
     assert all(a != b != c for a, b, c in zip(plain[2:], image[2:], other[2:], strict=True))
 
 
+def test_available_hash_algorithms_lists_the_registry() -> None:
+    names = available_hash_algorithms()
+    assert {"sha256", "xxh3_128"} <= set(names) and list(names) == sorted(names)
+
+
 def test_bad_input_is_rejected_with_a_message() -> None:
     with pytest.raises(UnknownIndexError, match="xxh3_128"):
         BlockHasher(4, "md5")
     with pytest.raises(ValueError, match="block_size"):
         BlockHasher(0)
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\); got -1 at position 1$"):
         pack_tokens([1, -1])
+    with pytest.raises(ValueError, match=r"got 'a' at position 0$"):
+        pack_tokens(["a"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"got 4294967296 at position 6$"):
+        BlockChain(BlockHasher(2), [0, 1, 2, 3]).extend([0, 1, 2, 3, 4, 5, 2**32, 7])
     with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
         pack_tokens([2**32])
     with pytest.raises(ValueError, match="input_hashes"):

@@ -22,6 +22,7 @@ from mooncake_kv import (
     RequestFinishedError,
     RequestStateError,
     TokenCountError,
+    TokenIdError,
     UnknownRequestError,
 )
 
@@ -39,9 +40,10 @@ def make(request: pytest.FixtureRequest) -> Callable[..., KVCacheManager]:
 
 
 def serve(mgr: KVCacheManager, rid: str, prompt: list[int], gen: list[int]) -> PrefixMatch:
-    """One whole request: match, allocate prompt + gen, commit, free."""
+    """One whole request: match, allocate the prompt, append gen, commit, free."""
     match = mgr.match_prefix(rid, prompt)
-    assert mgr.try_allocate(rid, len(prompt) + len(gen) - match.num_cached_tokens) is not None
+    assert mgr.try_allocate(rid, len(prompt) - match.num_cached_tokens) is not None
+    assert mgr.try_append(rid, len(gen)) is not None
     mgr.commit(rid, prompt + gen)
     mgr.free(rid)
     return match
@@ -123,8 +125,9 @@ def test_concurrent_identical_prompts_share_one_cached_chain(
     prompt = list(range(8))
     for rid in ("a", "b"):
         assert mgr.match_prefix(rid, prompt).block_ids == ()
-    mgr.try_allocate("a", 9)
-    mgr.try_allocate("b", 12)
+    for rid, num_decode in (("a", 1), ("b", 4)):
+        mgr.try_allocate(rid, 8)
+        mgr.try_append(rid, num_decode)
     assert mgr.commit("a", prompt) == 2
     assert mgr.commit("b", prompt) == 0  # b's blocks 3, 4 duplicate a's 0, 1
     assert mgr.commit("b", prompt + [9, 9, 9, 9]) == 1  # b's answer chains under a's blocks
@@ -176,6 +179,8 @@ MISUSE = [
     ("append before prefill", lambda m: m.try_append("live"), RequestStateError),
     ("negative tokens", lambda m: m.try_allocate("live", -1), TokenCountError),
     ("commit beyond slots", lambda m: m.commit("live", list(range(9))), TokenCountError),
+    ("allocate counting the hit twice", lambda m: m.try_allocate("live", 9), TokenCountError),
+    ("negative token id", lambda m: m.match_prefix("new", [1, -1]), TokenIdError),
 ]
 
 
@@ -193,6 +198,51 @@ def test_misuse_raises_a_specific_error_naming_the_request(
     assert (mgr.snapshot(), mgr.stats()) == before
     mgr.check_invariants()
     assert serve(mgr, "after", list(range(9)), []).num_cached_tokens == 8
+
+
+def test_try_allocate_refuses_to_count_the_cached_prefix_twice(
+    make: Callable[..., KVCacheManager],
+) -> None:
+    """After a 12-token hit, ``try_allocate(rid, len(prompt))`` used to book 7 blocks, not 4."""
+    mgr = make()
+    prompt = list(range(14))
+    serve(mgr, "a", prompt, [])
+    match = mgr.match_prefix("b", prompt)
+    assert match.num_cached_tokens == 12
+    with pytest.raises(TokenCountError) as info:
+        mgr.try_allocate("b", len(prompt))
+    assert str(info.value) == (
+        "try_allocate('b', 14) would reserve 26 slots, but request 'b' was matched with 14 "
+        "tokens and 12 are reserved already (the cached prefix counts); pass the tokens after "
+        "those, at most 2 now (the first call takes len(prompt) - match.num_cached_tokens), "
+        "and reserve decode slots with try_append"
+    )
+    blocks = mgr.try_allocate("b", len(prompt) - match.num_cached_tokens)
+    assert blocks is not None and len(blocks.block_ids) == 4
+    assert mgr.try_allocate("b", 0) is not None  # nothing more: allowed
+    assert mgr.try_append("b", 3) is not None  # decode slots past the prompt
+    with pytest.raises(TokenCountError, match="at most 0 now"):
+        mgr.try_allocate("b", 1)
+
+
+def test_a_bad_token_id_is_named_with_its_request_and_position(
+    make: Callable[..., KVCacheManager],
+) -> None:
+    mgr = make()
+    with pytest.raises(TokenIdError) as info:
+        mgr.match_prefix("r", [5, 6, -1])
+    assert str(info.value) == (
+        "request 'r': token ids must be integers in [0, 2**32); got -1 at position 2"
+    )
+    assert info.value.request_id == "r" and isinstance(info.value, ValueError)
+    mgr.match_prefix("s", [1, 2, 3])
+    mgr.try_allocate("s", 3)
+    mgr.try_append("s", 5)
+    with pytest.raises(TokenIdError, match=r"request 's': .* got 4294967296 at position 4$"):
+        mgr.commit("s", [1, 2, 3, 4, 2**32, 6, 7, 8])
+    with pytest.raises(TokenIdError, match=r"got 'x' at position 5$"):
+        mgr.commit("s", [1, 2, 3, 4, 5, "x", 7, 8])  # type: ignore[list-item]
+    assert mgr.commit("s", [1, 2, 3, 4, 5, 6, 7, 8]) == 2  # nothing was half-done
 
 
 def test_error_classes_subclass_builtins() -> None:
@@ -252,12 +302,19 @@ def test_a_failing_subscriber_is_logged_and_skipped(
         mgr.unsubscribe(broken)
 
 
-def test_reset_prefix_cache(make: Callable[..., KVCacheManager]) -> None:
+def test_reset_prefix_cache(
+    make: Callable[..., KVCacheManager], caplog: pytest.LogCaptureFixture
+) -> None:
     mgr = make()
     queue = mgr.open_event_queue()
     serve(mgr, "a", list(range(8)), [])
     mgr.match_prefix("b", list(range(9)))  # holds cached blocks
-    assert mgr.reset_prefix_cache() is False
+    with caplog.at_level(logging.WARNING, logger="mooncake_kv.manager"):
+        assert mgr.reset_prefix_cache() is False
+    assert (
+        "reset_prefix_cache() dropped nothing: 1 live request(s) hold 2 block(s) (e.g. 'b'); "
+        "free them (finish or preempt) first, then reset again"
+    ) in caplog.text
     mgr.free("b")
     assert mgr.reset_prefix_cache() is True
     assert mgr.num_cached_blocks == 0 and mgr.num_free_blocks == 6

@@ -52,6 +52,7 @@ class ModelRequest:
     committed: int  # full blocks offered to the index
     pins: list[int] = attrs.field(factory=list)
     allocated: bool = False
+    num_prompt: int = 0  # tokens given to match_prefix: try_allocate reserves no further
 
 
 @attrs.define
@@ -138,7 +139,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert match.num_cached_tokens == len(expected) * BS < max(1, len(tokens))
         self.model.refs.update(expected)
         self.model.live[rid] = ModelRequest(
-            list(tokens), expected, len(expected) * BS, len(expected)
+            list(tokens), expected, len(expected) * BS, len(expected), num_prompt=len(tokens)
         )
 
     # ---- normal verbs ---------------------------------------------------------------------
@@ -165,7 +166,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         """The common path: reserve the rest of the prompt (+ decode slots), commit it all."""
         rid = self.pick(data, self.model.live)
         req = self.model.live[rid]
-        if self.try_grow(rid, max(0, len(req.tokens) - req.reserved) + lookahead, False):
+        rest = max(0, req.num_prompt - req.reserved)
+        if self.try_grow(rid, rest, False) and self.try_grow(rid, lookahead, True):
             self.do_commit(rid, req.reserved, generated)
 
     @precondition(lambda self: self.model.live)
@@ -178,6 +180,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         if append and not req.allocated:
             self.both_raise(lambda m: m.try_append(rid, num_tokens), RequestStateError, rid)
             return False
+        if not append and num_tokens > 0 and req.reserved + num_tokens > req.num_prompt:
+            self.both_raise(lambda m: m.try_allocate(rid, num_tokens), TokenCountError, rid)
+            return False  # prefill slots end with the prompt; decode ones come from try_append
         verb = "try_append" if append else "try_allocate"
         needed = -(-(req.reserved + num_tokens) // BS) - len(req.table)
         uncached_free = self.model.num_free_uncached()

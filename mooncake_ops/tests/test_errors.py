@@ -55,6 +55,7 @@ def test_decode_rejects(name, case):
 
 def test_errors_subclass_builtins():
     assert issubclass(mo.OpsShapeError, ValueError) and issubclass(mo.OpsDTypeError, TypeError)
+    assert issubclass(mo.OpsTypeError, TypeError)
     assert issubclass(mo.BlockTableError, ValueError)
     assert issubclass(mo.UnsupportedDeviceError, LookupError)
 
@@ -131,3 +132,74 @@ def test_layer_op_errors():
                             torch.zeros(1, 1, 64), torch.zeros(8, 66))
     with pytest.raises(mo.OpsShapeError, match=r"weight\.t\(\)"):
         mo.matmul_all_reduce(torch.zeros(2, 8), torch.zeros(4, 8))
+
+
+NOT_TENSORS = [
+    ("decode lens list", lambda: mo.paged_decode_attention(**decode_args(context_lens=[5, 32])),
+     "context_lens must be a torch.Tensor, 1-D [batch] of int32 or int64; got list [5, 32]; "
+     "convert it with torch.tensor(..., dtype=torch.int32) on the op's device"),
+    ("decode table tuple",
+     lambda: mo.paged_decode_attention(**decode_args(block_tables=((0, 0), (0, 0)))),
+     "block_tables must be a torch.Tensor, 2-D [batch, max_blocks_per_seq] of int32 or int64; "
+     "got tuple ((0, 0), (0, 0))"),
+    ("decode q None", lambda: mo.paged_decode_attention(**decode_args(q=None)),
+     "q must be a torch.Tensor, 3-D [batch, num_heads, head_dim]; got None"),
+    ("decode scale tensor",
+     lambda: mo.paged_decode_attention(**decode_args(scale=torch.tensor(0.125))),
+     "scale must be a Python float (usually head_dim ** -0.5); got Tensor"),
+    ("decode v_cache list", lambda: mo.paged_decode_attention(**decode_args(v_cache=[0.0])),
+     "v_cache must be a torch.Tensor, 4-D [num_blocks, block_size, num_kv_heads, head_dim] of "
+     "float32 or bfloat16 or float16 or int8; got list [0.0]"),
+    ("decode out list", lambda: mo.paged_decode_attention(**decode_args(out=[])),
+     "out must be a torch.Tensor, shaped and typed like q; got list []"),
+    ("prefill table list",
+     lambda: mo.paged_prefill_attention(**prefill_args(block_tables=[[], []])),
+     "block_tables must be a torch.Tensor, 2-D [batch, max_blocks_per_seq] of int32 or int64; "
+     "got list [[], []]"),
+    ("prefill query_lens list", lambda: mo.paged_prefill_attention(**prefill_args(
+        query_lens=[2, 3])), "query_lens must be a torch.Tensor, 1-D [batch] of int32 or int64"),
+    ("write slots list", lambda: mo.write_kv(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64),
+                                             torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64),
+                                             [0, 1, 2]),
+     "slot_mapping must be a torch.Tensor, 1-D [num_tokens] of int64 or int32; got list "
+     "[0, 1, 2]; convert it with torch.tensor(..., dtype=torch.int64)"),
+    ("write value array", lambda: mo.write_kv(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64).numpy(),
+                                              torch.zeros(4, 16, 2, 64),
+                                              torch.zeros(4, 16, 2, 64), torch.tensor([0, 1, 2])),
+     "value must be a torch.Tensor, shaped and typed like key; got ndarray"),
+    ("write int8 scale list", lambda: mo.write_kv(
+        torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.zeros(4, 16, 2, 64, dtype=torch.int8),
+        torch.zeros(4, 16, 2, 64, dtype=torch.int8), torch.tensor([0, 1, 2]),
+        k_scale=[1.0], v_scale=torch.zeros(4, 16, 2)),
+     "k_scale must be a torch.Tensor, [num_blocks, block_size, num_kv_heads] of float32; "
+     "got list [1.0]"),
+    ("quantize list", lambda: mo.quantize_int8([1.0, 2.0]),
+     "x must be a torch.Tensor, floating point [..., head_dim]; got list [1.0, 2.0]"),
+    ("dequantize scale list", lambda: mo.dequantize_int8(torch.zeros(2, 4, dtype=torch.int8),
+                                                         [1.0, 1.0]),
+     "scale must be a torch.Tensor, [...] (q.shape[:-1]) of float32; got list [1.0, 1.0]"),
+    ("dequantize dtype str", lambda: mo.dequantize_int8(torch.zeros(2, 4, dtype=torch.int8),
+                                                        torch.ones(2), "bfloat16"),
+     "dtype must be a torch.dtype (e.g. torch.bfloat16); got str 'bfloat16'"),
+    ("gather one tensor", lambda: mo.gather_blocks(torch.zeros(4, 16), [0]),
+     "caches must be a sequence of [num_blocks, ...] tensors; got one Tensor"),
+    ("gather cache list", lambda: mo.gather_blocks([torch.zeros(4, 16), [0.0]], [0]),
+     "caches[1] must be a torch.Tensor, [num_blocks, ...]; got list [0.0]"),
+]
+
+
+@pytest.mark.parametrize("case", NOT_TENSORS, ids=[c[0] for c in NOT_TENSORS])
+def test_a_non_tensor_argument_is_named_with_what_was_given(case):
+    _, call, message = case
+    with pytest.raises(mo.OpsTypeError) as caught:
+        call()
+    assert str(caught.value).startswith(message)
+
+
+def test_int8_ops_check_dtype_and_shape():
+    with pytest.raises(mo.OpsDTypeError, match="quantize_int8 takes a floating point"):
+        mo.quantize_int8(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(mo.OpsDTypeError, match="takes quantize_int8's int8 q"):
+        mo.dequantize_int8(torch.zeros(2, 4), torch.ones(2))
+    with pytest.raises(mo.OpsShapeError, match=r"q.shape\[:-1\] = \(2,\); got \(4,\)"):
+        mo.dequantize_int8(torch.zeros(2, 4, dtype=torch.int8), torch.ones(4))

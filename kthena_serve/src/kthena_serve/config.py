@@ -6,11 +6,12 @@ engine, runner and server take it explicitly.
 
 from __future__ import annotations
 
+import os
 import re
 
 import attrs
 
-__all__ = ["EngineConfig", "parse_bytes"]
+__all__ = ["ConfigError", "EngineConfig", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -36,23 +37,63 @@ def parse_bytes(value: int | str) -> int:
     return num_bytes
 
 
+class ConfigError(ValueError):
+    """An ``EngineConfig`` field holds a value the engine cannot honour.
+
+    The message reads ``EngineConfig.<field> must be <what it takes> (got <value>)``, with a
+    hint after it where the reason is not obvious.
+
+    Attributes:
+        field: the field's name (the CLI turns it into its flag).
+    """
+
+    def __init__(self, field: str, requirement: str, value: object, hint: str = "") -> None:
+        message = f"EngineConfig.{field} must be {requirement} (got {value!r})"
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.field = field
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+    if not _is_int(value) or value < 1:
+        raise ConfigError(attribute.name, "a positive int", value)
 
 
 def _optional_positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None:
-        _positive(instance, attribute, value)
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ConfigError(attribute.name, "a positive int or None", value)
+
+
+def _is_bool(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, "True or False", value)
+
+
+def _model_path(value: object) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError("model", "'default' or a checkpoint folder (str or os.PathLike)", value)
+    return value
 
 
 def _one_of(*allowed: str):  # noqa: ANN202
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value not in allowed:
-            raise ValueError(f"{attribute.name}={value!r} is not supported; use one of "
-                             f"{', '.join(map(repr, allowed))}")
+            raise ConfigError(attribute.name, f"one of {', '.join(map(repr, allowed))}", value)
 
     return check
+
+
+def _size(value: int | str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        raise ConfigError("kv_cache_memory", "a positive size: bytes, or e.g. '1GiB', "
+                          "'512MiB', '2G'", value) from None
 
 
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -63,40 +104,40 @@ def _check_index(instance: object, attribute: attrs.Attribute, value: str) -> No
     from mooncake_kv import available_indexes
 
     if value not in available_indexes():
-        raise ValueError(f"prefix_index={value!r} is not a registered prefix index; use one of "
-                         f"{', '.join(map(repr, available_indexes()))}")
+        raise ConfigError(attribute.name, "a registered prefix index: one of "
+                          f"{', '.join(map(repr, available_indexes()))}", value)
 
 
 def _check_hash(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    from mooncake_kv.hashing import get_hash_fn
+    from mooncake_kv import available_hash_algorithms
 
-    try:
-        get_hash_fn(value)
-    except Exception as error:  # the registry's own message lists the known names
-        raise ValueError(f"hash_algorithm={value!r}: {error}") from None
+    if value not in available_hash_algorithms():
+        raise ConfigError(attribute.name, "a registered hash algorithm: one of "
+                          f"{', '.join(map(repr, available_hash_algorithms()))}", value)
 
 
 def _check_kv_dtype(instance: EngineConfig, attribute: attrs.Attribute, value: str) -> None:
-    _one_of("auto", *_DTYPES, "int8")(instance, attribute, value)
+    requirement = f"'auto' or the compute dtype ({instance.dtype!r})"
     if value == "int8":
-        raise ValueError("kv_cache_dtype='int8' is not served yet: the engine's attention path "
-                         "reads bf16/fp16/fp32 pools only (mooncake_ops has the int8 KV ops); "
-                         "use 'auto'")
+        raise ConfigError(attribute.name, requirement, value,
+                          "int8 KV is not served yet: the engine's attention path reads "
+                          "bf16/fp16/fp32 pools only (mooncake_ops has the int8 KV ops)")
     if value not in ("auto", instance.dtype):
-        raise ValueError(f"kv_cache_dtype={value!r} differs from dtype={instance.dtype!r}; the "
-                         "attention kernels read the cache in the compute dtype, so use 'auto' "
-                         "(or the same dtype)")
+        raise ConfigError(attribute.name, requirement, value,
+                          "the attention kernels read the cache in the compute dtype")
 
 
 def _check_device(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not isinstance(value, str) or not _DEVICE.match(value):
-        raise ValueError(f"device={value!r} is not a device; use 'cpu', 'cuda', 'cuda:N', "
-                         "'npu' or 'npu:N'")
+        raise ConfigError(attribute.name, "one of 'cpu', 'cuda', 'cuda:N', 'npu', 'npu:N'", value)
 
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How one engine is built.
+
+    Every field is checked on construction; a bad value raises ``ConfigError`` (a
+    ``ValueError``) reading ``EngineConfig.<field> must be ... (got ...)``.
 
     Attributes:
         model: ``"default"`` (SmolLM2-135M-Instruct) or a Hugging Face checkpoint folder.
@@ -122,23 +163,23 @@ class EngineConfig:
             text, so a user cannot forge a turn; ``"control"``: they act as control tokens.
     """
 
-    model: str = "default"
+    model: str = attrs.field(default="default", converter=_model_path)
     dtype: str = attrs.field(default="bfloat16", validator=_one_of(*_DTYPES))
     device: str = attrs.field(default="cpu", validator=_check_device)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
-    kv_cache_memory: int = attrs.field(default=1024**3, converter=parse_bytes)
+    kv_cache_memory: int = attrs.field(default=1024**3, converter=_size)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_optional_positive)
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_is_bool)
     prefix_index: str = attrs.field(default="hash", validator=_check_index)
     hash_algorithm: str = attrs.field(default="xxh3_128", validator=_check_hash)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_check_kv_dtype)
     tp: int = attrs.field(default=1, validator=_positive)
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)
-    check_invariants: bool = False
+    check_invariants: bool = attrs.field(default=False, validator=_is_bool)
     chat_special_tokens: str = attrs.field(default="text", validator=_one_of("text", "control"))
 
     @property

@@ -41,19 +41,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "default) or control tokens")
 
 
-def engine_config(args: argparse.Namespace):  # noqa: ANN201
-    """The ``EngineConfig`` the flags describe (its validation errors name the flag's field)."""
-    from kthena_serve.config import EngineConfig
+_FLAGS = {"enable_prefix_caching": "--no-prefix-caching"}  # where the flag is not --<field>
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        max_model_len=args.max_model_len, tp=args.tp,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
-                        kv_cache_dtype=args.kv_cache_dtype,
-                        chat_special_tokens=args.chat_special_tokens)
+
+def engine_config(args: argparse.Namespace):  # noqa: ANN201
+    """The ``EngineConfig`` the flags describe.
+
+    Raises:
+        ValueError: a flag's value is refused; the message starts with the flag, then says
+            what the config field takes (``--dtype: EngineConfig.dtype must be ...``).
+    """
+    from kthena_serve.config import ConfigError, EngineConfig
+
+    try:
+        return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                            max_model_len=args.max_model_len, tp=args.tp,
+                            enable_prefix_caching=not args.no_prefix_caching,
+                            prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
+                            kv_cache_dtype=args.kv_cache_dtype,
+                            chat_special_tokens=args.chat_special_tokens)
+    except ConfigError as error:
+        flag = _FLAGS.get(error.field, "--" + error.field.replace("_", "-"))
+        raise ValueError(f"{flag}: {error}") from None
 
 
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:

@@ -1,13 +1,20 @@
 """mooncake_kv: ref-counted paged KV blocks, prefix caching, KV events and the cluster index.
 
-Pure Python over ints (torch only for the tensor pool). The scheduler talks to
-``KVCacheManager``; see docs/mooncake_kv.md for the verb flow.
+Pure Python over ints (torch, the ``[pool]`` extra, only for the tensor pool and
+``paged_batch``). The scheduler talks to ``KVCacheManager``; see docs/mooncake_kv.md for the
+verb flow.
 """
 
 from mooncake_kv.allocator import BlockAllocator
 from mooncake_kv.cluster import ClusterPrefixIndex
 from mooncake_kv.events import AllCleared, BlockRemoved, BlockStored, EventQueue, KVEvent
-from mooncake_kv.hashing import BlockHasher, ExtraKeys, pack_tokens, register_hash_algorithm
+from mooncake_kv.hashing import (
+    BlockHasher,
+    ExtraKeys,
+    available_hash_algorithms,
+    pack_tokens,
+    register_hash_algorithm,
+)
 from mooncake_kv.index import HashChainIndex, PrefixIndex, available_indexes, register_index
 from mooncake_kv.manager import KVCacheManager
 from mooncake_kv.radix import RadixIndex
@@ -24,6 +31,7 @@ from mooncake_kv.types import (
     RequestId,
     RequestStateError,
     TokenCountError,
+    TokenIdError,
     UnknownIndexError,
     UnknownInstanceError,
     UnknownRequestError,
@@ -49,6 +57,7 @@ __all__ = [
     "DuplicateRequestError",
     "RequestStateError",
     "TokenCountError",
+    "TokenIdError",
     "OwnerThreadError",
     "UnknownIndexError",
     "UnknownInstanceError",
@@ -57,6 +66,7 @@ __all__ = [
     "BlockHasher",
     "pack_tokens",
     "register_hash_algorithm",
+    "available_hash_algorithms",
     "PrefixIndex",
     "HashChainIndex",
     "RadixIndex",
@@ -121,20 +131,37 @@ __all__ += [
     "BlockStorage", "CorruptBlockError", "HostMemoryTier", "HostTierConfig", "KVTier", "MooncakeStoreTier",
     "OffloadStats", "StoreTierConfig", "TierConfig", "TieredKVCache", "TierError", "TierStats",
     "TierUnavailableError", "UnknownTierError", "available_tiers", "open_tier", "register_tier",
-    # shared pools' /dev/shm files (no torch), then the torch-backed pool, loaded on first access
+    # shared pools' /dev/shm files (no torch), then the torch-backed pool and the paged-ops
+    # inputs, loaded on first access
     "shared_pool_paths",
     "KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError", "PoolNotFoundError",
     "PoolMismatchError", "BlockPayloadError",
+    "PagedBatch", "paged_batch",
 ]
 
-_POOL_NAMES = frozenset({"KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError",
-                         "PoolNotFoundError", "PoolMismatchError", "BlockPayloadError"})
+# name -> the torch-backed module that defines it
+_TORCH_NAMES = {
+    **dict.fromkeys(("KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError",
+                     "PoolNotFoundError", "PoolMismatchError", "BlockPayloadError"), "pool"),
+    **dict.fromkeys(("PagedBatch", "paged_batch"), "paged"),
+}
 
 
 def __getattr__(name: str):
-    """Load the torch-backed pool only when one of its names is first used."""
-    if name in _POOL_NAMES:
-        from mooncake_kv import pool
+    """Load the torch-backed modules only when one of their names is first used."""
+    module_name = _TORCH_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'mooncake_kv' has no attribute {name!r}")
+    import importlib
 
-        return getattr(pool, name)
-    raise AttributeError(f"module 'mooncake_kv' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"mooncake_kv.{module_name}")
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            f"mooncake_kv.{name} needs torch, which is not installed; install the pool extra: "
+            "pip install 'mooncake-kv[pool]' (from a checkout: pip install './mooncake_kv[pool]')",
+            name="torch",
+        ) from error
+    return getattr(module, name)

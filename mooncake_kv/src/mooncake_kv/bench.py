@@ -78,7 +78,8 @@ def run(args: argparse.Namespace, num_requests: int, seed: int) -> dict[str, flo
         t0 = clock()
         match = manager.match_prefix(request_id, prompt)
         t1 = clock()
-        if manager.try_allocate(request_id, len(full) - match.num_cached_tokens) is None:
+        prefill = manager.try_allocate(request_id, len(prompt) - match.num_cached_tokens)
+        if prefill is None or manager.try_append(request_id, len(full) - len(prompt)) is None:
             raise RuntimeError("pool too small for one request; this is a bench bug")
         manager.commit(request_id, full)
         t2 = clock()

@@ -26,6 +26,7 @@ Only full blocks are hashed. ``BlockHasher.chain`` hashes a packed sequence in o
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 import sys
 from array import array
@@ -42,6 +43,7 @@ __all__ = [
     "BlockHasher",
     "ExtraKeys",
     "HashFn",
+    "available_hash_algorithms",
     "get_hash_fn",
     "pack_tokens",
     "register_hash_algorithm",
@@ -71,6 +73,11 @@ def register_hash_algorithm(name: str, fn: HashFn) -> None:
     _HASH_ALGORITHMS[name] = fn
 
 
+def available_hash_algorithms() -> tuple[str, ...]:
+    """Names of the registered digest functions, sorted."""
+    return tuple(sorted(_HASH_ALGORITHMS))
+
+
 def get_hash_fn(name: str) -> HashFn:
     """Return the digest function registered as ``name``.
 
@@ -91,17 +98,31 @@ def pack_tokens(token_ids: Sequence[int], count: int | None = None) -> bytes:
         count: pack only the first ``count`` ids (default: all).
 
     Raises:
-        ValueError: a token id is outside ``[0, 2**32)``.
+        ValueError: a token id is outside ``[0, 2**32)``; the message names its value and
+            position.
     """
     try:
         packed = array(_UINT32, token_ids)
     except (OverflowError, TypeError):
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
+        raise ValueError(_bad_token_message(token_ids)) from None
     if count is not None:
         del packed[count:]
     if _BIG_ENDIAN:  # pragma: no cover - keys are little-endian everywhere
         packed.byteswap()
     return packed.tobytes()
+
+
+def _bad_token_message(token_ids: Sequence[int], offset: int = 0) -> str:
+    """Name the first id that is not an integer in [0, 2**32) (error path only)."""
+    for position, value in enumerate(token_ids, offset):
+        try:
+            is_valid = 0 <= operator.index(value) < 2**32
+        except TypeError:
+            is_valid = False
+        if not is_valid:
+            return (f"token ids must be integers in [0, 2**32); got {value!r} at position "
+                    f"{position}")
+    return "token ids must be integers in [0, 2**32)"
 
 
 def _text_field(value: str | None) -> bytes:
@@ -263,7 +284,11 @@ class BlockChain:
         full = len(token_ids) // size
         if full <= have:
             return 0
-        new = pack_tokens(token_ids[have * size : full * size])
+        start, stop = have * size, full * size
+        try:
+            new = pack_tokens(token_ids[start:stop])
+        except ValueError:  # name the position in the whole sequence, not in the slice
+            raise ValueError(_bad_token_message(token_ids[start:stop], start)) from None
         parent = self.hashes[-1] if have else self.root
         self.hashes += self._hasher.chain(new, parent, have, self.extras)
         self.data += new

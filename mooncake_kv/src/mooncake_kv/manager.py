@@ -15,8 +15,11 @@ Verb flow for one request (``rid``)::
   ``stats().hit_rate``. ``num_cached_tokens`` says where computing starts.
 * ``try_allocate(rid, n)`` reserves slots for ``n`` more tokens after those already
   reserved (the cached ones first), allocating blocks as needed; it returns the whole
-  block table or ``None`` when out of blocks, and then changes nothing.
-  ``try_append`` does the same for decode (default one token) once prefill has started.
+  block table or ``None`` when out of blocks, and then changes nothing. It covers the
+  tokens given to ``match_prefix`` and no more: the first call after a hit of ``c`` tokens
+  takes ``n = len(prompt) - c`` (or a chunk of it), and asking past the prompt raises
+  ``TokenCountError`` (the classic slip, ``n = len(prompt)``, would silently double-book).
+  ``try_append`` reserves decode slots (default one token) once prefill has started.
 * ``commit(rid, token_ids)`` takes the request's tokens whose KV is now written (the
   whole sequence so far, prompt and generated) and caches every block that filled since
   the last commit, so a later turn of the conversation matches the previous answer. If
@@ -27,12 +30,14 @@ Verb flow for one request (``rid``)::
   the free queue, so a chain's tail is evicted before its head. Preemption is ``free``
   then, later, ``match_prefix`` again (recompute what is no longer cached).
 * ``evict(n)`` trims cached free blocks (for a cache capped below the pool size);
-  ``reset_prefix_cache`` drops them all.
+  ``reset_prefix_cache`` drops them all (only when no request holds a block; otherwise
+  it logs a warning and returns False).
 
 Misuse raises an error naming the request: ``UnknownRequestError`` (never matched),
 ``RequestFinishedError`` (verb after ``free``), ``DoubleFreeError``,
 ``DuplicateRequestError`` (``match_prefix`` twice), ``RequestStateError`` (``try_append``
-before prefill), ``TokenCountError``; the manager's state is unchanged by a failed verb.
+before prefill), ``TokenCountError``, ``TokenIdError`` (a token id outside ``[0, 2**32)``);
+the manager's state is unchanged by a failed verb.
 
 Threading contract: one *owner* thread (the scheduler) calls the mutating verbs above;
 the owner is the first thread that calls one, and ``release_owner`` hands it over. A
@@ -46,6 +51,7 @@ callbacks run on the owner thread, inside the verb, and must not call mutating v
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -74,10 +80,13 @@ from mooncake_kv.types import (
     RequestId,
     RequestStateError,
     TokenCountError,
+    TokenIdError,
     UnknownRequestError,
 )
 
 __all__ = ["KVCacheManager"]
+
+_log = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -91,12 +100,15 @@ class _Request:
         "is_allocated",
         "last_holder",
         "num_committed",
+        "num_prompt_tokens",
         "num_tokens",
         "pinned",
     )
 
-    def __init__(self, chain: BlockChain | None, matched: list[BlockId], block_size: int) -> None:
+    def __init__(self, chain: BlockChain | None, matched: list[BlockId], block_size: int,
+                 num_prompt_tokens: int) -> None:
         self.chain = chain
+        self.num_prompt_tokens = num_prompt_tokens  # tokens given to match_prefix
         self.block_ids = matched  # the block table, in token order
         self.num_tokens = len(matched) * block_size  # slots reserved
         self.num_committed = len(matched)  # full blocks already offered to the index
@@ -246,19 +258,20 @@ class KVCacheManager:
 
         Raises:
             DuplicateRequestError: ``request_id`` is live (free it first).
+            TokenIdError: a token id is not an integer in ``[0, 2**32)``.
         """
         if request_id in self._requests:
             raise DuplicateRequestError(
                 request_id,
                 f"request {request_id!r} is already live; free it before matching it again",
             )
-        chain = BlockChain(self._hasher, token_ids, extra_keys) if self._caching else None
+        chain = self._chain(request_id, token_ids, extra_keys) if self._caching else None
         matched: list[BlockId] = []
         if chain is not None:
             matched = self._index.match(chain, (len(token_ids) - 1) // self._block_size)
             self._allocator.take_refs(matched)
         self._finished.pop(request_id, None)
-        self._requests[request_id] = _Request(chain, matched, self._block_size)
+        self._requests[request_id] = _Request(chain, matched, self._block_size, len(token_ids))
         num_cached = len(matched) * self._block_size
         self._num_queries += 1
         self._num_query_tokens += len(token_ids)
@@ -269,13 +282,33 @@ class KVCacheManager:
     def try_allocate(self, request_id: RequestId, num_new_tokens: int) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens (prefill, or one prefill chunk).
 
+        Args:
+            num_new_tokens: tokens after those already reserved; right after
+                ``match_prefix`` that is ``len(prompt) - match.num_cached_tokens`` (or a
+                chunk of it), never ``len(prompt)``.
+
         Returns:
             The request's block table, or None when too few blocks are free (no change).
 
         Raises:
-            UnknownRequestError, RequestFinishedError, TokenCountError.
+            UnknownRequestError, RequestFinishedError,
+            TokenCountError: a negative count, or one that reaches past the tokens given to
+                ``match_prefix`` (reserve decode slots with ``try_append``).
         """
-        return self._grow(self._live(request_id), request_id, num_new_tokens)
+        request = self._live(request_id)
+        total = request.num_tokens + num_new_tokens
+        if num_new_tokens > 0 and total > request.num_prompt_tokens:
+            raise TokenCountError(
+                request_id,
+                f"try_allocate({request_id!r}, {num_new_tokens}) would reserve {total} slots, "
+                f"but request {request_id!r} was matched with {request.num_prompt_tokens} "
+                f"tokens and {request.num_tokens} are reserved already (the cached prefix "
+                "counts); pass the tokens after those, at most "
+                f"{max(0, request.num_prompt_tokens - request.num_tokens)} now (the first call "
+                "takes len(prompt) - match.num_cached_tokens), and reserve decode slots with "
+                "try_append",
+            )
+        return self._grow(request, request_id, num_new_tokens)
 
     @_mutating
     def try_append(self, request_id: RequestId, num_tokens: int = 1) -> KVCacheBlocks | None:
@@ -303,6 +336,7 @@ class KVCacheManager:
         Raises:
             UnknownRequestError, RequestFinishedError,
             TokenCountError: more tokens than slots reserved.
+            TokenIdError: a newly hashed token id is not an integer in ``[0, 2**32)``.
         """
         request = self._live(request_id)
         if len(token_ids) > request.num_tokens:
@@ -317,7 +351,10 @@ class KVCacheManager:
         if chain is None or full <= start:
             return 0
         if full > len(chain):
-            chain.extend(token_ids)
+            try:
+                chain.extend(token_ids)
+            except ValueError as error:
+                raise TokenIdError(request_id, f"request {request_id!r}: {error}") from None
         own = request.block_ids[start:full]
         holders = self._index.insert(chain, start, own, request.last_holder)
         if holders == own:
@@ -362,8 +399,20 @@ class KVCacheManager:
 
     @_mutating
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block and emit ``AllCleared``; False if any block is in use."""
-        if self._allocator.num_free_blocks != self._allocator.num_blocks:
+        """Drop every cached block and emit ``AllCleared``.
+
+        Returns:
+            True, or False (nothing dropped, and a warning logged saying who holds blocks)
+            while any request holds a block: ``free`` every request first.
+        """
+        num_used = self._allocator.num_blocks - self._allocator.num_free_blocks
+        if num_used:
+            holders = [rid for rid, request in self._requests.items() if request.block_ids]
+            _log.warning(
+                "reset_prefix_cache() dropped nothing: %d live request(s) hold %d block(s) "
+                "(e.g. %s); free them (finish or preempt) first, then reset again",
+                len(holders), num_used, ", ".join(map(repr, holders[:3])),
+            )
             return False
         self._num_evicted += len(self._allocator.evict(self._allocator.num_evictable_blocks))
         self._index.clear()
@@ -430,6 +479,14 @@ class KVCacheManager:
                 f"{threading.get_ident()}; mutate it from one thread (release_owner hands over)"
             )
         self._owner = threading.get_ident()
+
+    def _chain(
+        self, request_id: RequestId, token_ids: Sequence[int], extra_keys: ExtraKeys | None
+    ) -> BlockChain:
+        try:
+            return BlockChain(self._hasher, token_ids, extra_keys)
+        except ValueError as error:  # pack_tokens names the bad id and its position
+            raise TokenIdError(request_id, f"request {request_id!r}: {error}") from None
 
     def _live(self, request_id: RequestId) -> _Request:
         request = self._requests.get(request_id)

@@ -22,6 +22,7 @@ __all__ = [
     "RequestId",
     "RequestStateError",
     "TokenCountError",
+    "TokenIdError",
     "UnknownIndexError",
     "UnknownInstanceError",
     "UnknownRequestError",
@@ -76,7 +77,12 @@ class RequestStateError(_RequestError, RuntimeError):
 
 
 class TokenCountError(_RequestError, ValueError):
-    """A token count is negative, or more tokens were committed than slots allocated."""
+    """A token count is negative, reserves prefill slots past the matched tokens, or more
+    tokens were committed than slots reserved."""
+
+
+class TokenIdError(_RequestError, ValueError):
+    """A request's token id is not an integer in ``[0, 2**32)``."""
 
 
 class OwnerThreadError(KVCacheError, RuntimeError):

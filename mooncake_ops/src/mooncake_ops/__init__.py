@@ -24,6 +24,7 @@ from mooncake_ops.errors import (
     OpsDeviceError,
     OpsDTypeError,
     OpsShapeError,
+    OpsTypeError,
     RopeScalingError,
     UnsupportedDeviceError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "OpsDTypeError",
     "OpsDeviceError",
     "OpsShapeError",
+    "OpsTypeError",
     "RopeScalingError",
     "UnsupportedDeviceError",
     "all_gather_matmul",

@@ -1,29 +1,69 @@
-"""Argument checks shared by the ops: shapes, dtypes and devices, before any kernel runs.
+"""Argument checks shared by the ops: types, shapes, dtypes and devices, before any kernel runs.
 
 Only tensor metadata is read here (no device sync), so a check costs a few microseconds on the
-serving hot path. Checks that need tensor *values* (a context longer than its block table, a
+serving hot path; a non-tensor argument costs one ``isinstance`` (in ``check_rank``) to catch. Checks that need tensor *values* (a context longer than its block table, a
 block id outside the cache) are done by each implementation before it computes: the native
 kernels in a C++ pre-pass, the PyTorch paths with `check_lengths` below.
 """
 
 from __future__ import annotations
 
+import reprlib
+
 import torch
 
-from mooncake_ops.errors import BlockTableError, OpsDeviceError, OpsDTypeError, OpsShapeError
+from mooncake_ops.errors import (
+    BlockTableError,
+    OpsDeviceError,
+    OpsDTypeError,
+    OpsShapeError,
+    OpsTypeError,
+)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+def _names(dtypes: tuple[torch.dtype, ...], sep: str = ", ") -> str:
+    return sep.join(str(d).removeprefix("torch.") for d in dtypes)
 
 
-def check_rank(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+def not_a_tensor(name: str, value: object, what: str,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> OpsTypeError:
+    """The error for a non-tensor ``value`` passed as tensor argument ``name`` (error path)."""
+    of = f" of {_names(dtypes, ' or ')}" if dtypes else ""
+    got = "None" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
+    hint = ""
+    if isinstance(value, (list, tuple, int, float)) or hasattr(value, "__array__"):
+        dtype = f", dtype=torch.{_names(dtypes[:1])}" if dtypes else ""
+        hint = f"; convert it with torch.tensor(...{dtype}) on the op's device"
+    return OpsTypeError(f"{name} must be a torch.Tensor, {what}{of}; got {got}{hint}")
+
+
+def check_tensor(name: str, t: object, what: str,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """``t`` is a tensor (``what`` describes the expected layout, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise not_a_tensor(name, t, what, dtypes)
+
+
+def check_rank(name: str, t: torch.Tensor, ndim: int, layout: str,
+               dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """``t`` is an ``ndim``-D tensor (and of one of ``dtypes`` when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise not_a_tensor(name, t, f"{ndim}-D {layout}", dtypes)
     if t.dim() != ndim:
         raise OpsShapeError(f"{name} must be {ndim}-D {layout}; got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise OpsDTypeError(f"{name} has dtype {t.dtype}; allowed: {_names(dtypes)}")
+
+
+def check_scale(scale: object) -> None:
+    """The softmax scale is a Python number."""
+    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
+        got = "None" if scale is None else f"{type(scale).__name__} {reprlib.repr(scale)}"
+        raise OpsTypeError(f"scale must be a Python float (usually head_dim ** -0.5); got {got}")
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -49,8 +89,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Ten
                 v_scale: torch.Tensor | None) -> None:
     """K/V caches [num_blocks, block_size, num_kv_heads, head_dim], same shape and dtype; int8
     caches need float32 scales [num_blocks, block_size, num_kv_heads]."""
-    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    check_dtype("k_cache", k_cache, CACHE_DTYPES)
+    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    check_rank("k_cache", k_cache, 4, layout, CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, f"4-D {layout}", CACHE_DTYPES)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise OpsShapeError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
                             f"{tuple(k_cache.shape)} {k_cache.dtype}")
@@ -62,6 +103,7 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Ten
                             f"{'given' if v_scale is not None else 'None'}")
     if is_int8:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_tensor(name, s, "[num_blocks, block_size, num_kv_heads]", (torch.float32,))
             check_dtype(name, s, (torch.float32,))
             if s.shape != k_cache.shape[:3]:
                 raise OpsShapeError(f"{name} must be [num_blocks, block_size, num_kv_heads] = "

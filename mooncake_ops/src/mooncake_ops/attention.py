@@ -23,10 +23,11 @@ from mooncake_ops._validate import (
     check_cache,
     check_compute_dtype,
     check_dim,
-    check_dtype,
     check_heads,
     check_rank,
     check_same_device,
+    check_scale,
+    check_tensor,
 )
 from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
@@ -55,6 +56,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         [batch, num_heads, head_dim] in q's dtype (``out`` when given).
 
     Raises:
+        OpsTypeError: an argument is not a tensor (e.g. a list of lengths) or ``scale`` is not
+            a number.
         OpsShapeError, OpsDTypeError, OpsDeviceError: inconsistent arguments.
         BlockTableError: a context longer than its block table, or a used block id outside
             the cache.
@@ -65,11 +68,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_heads("q", q, k_cache)
     _check_table(block_tables, q.shape[0])
     _check_lens("context_lens", context_lens, q.shape[0])
+    check_scale(scale)
+    if out is not None:
+        _check_out(out, q)
     check_same_device(("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                       ("block_tables", block_tables), ("context_lens", context_lens),
                       ("k_scale", k_scale), ("v_scale", v_scale), ("out", out))
-    if out is not None:
-        _check_out(out, q)
     return impl("paged_decode_attention", q.device.type)(
         q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out)
 
@@ -98,6 +102,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         `write_kv` too).
 
     Raises:
+        OpsTypeError: an argument is not a tensor, or ``scale`` is not a number.
         OpsShapeError, OpsDTypeError, OpsDeviceError: inconsistent arguments, or query_lens
             not summing to total_q.
         BlockTableError: a cached length beyond its block table or a bad used block id.
@@ -107,22 +112,25 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_compute_dtype("q", q, k_cache)
     check_heads("q", q, k_cache)
     _check_new_kv(q, k, v, k_cache)
-    batch = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    is_table = isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
+    batch = block_tables.shape[0] if is_table else -1
     _check_table(block_tables, batch)
     _check_lens("cached_lens", cached_lens, batch)
     _check_lens("query_lens", query_lens, batch)
+    check_scale(scale)
+    if out is not None:
+        _check_out(out, q)
     check_same_device(("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
                       ("block_tables", block_tables), ("cached_lens", cached_lens),
                       ("query_lens", query_lens), ("k_scale", k_scale), ("v_scale", v_scale),
                       ("out", out))
-    if out is not None:
-        _check_out(out, q)
     return impl("paged_prefill_attention", q.device.type)(
         q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale, k_scale, v_scale,
         out)
 
 
 def _check_out(out, q) -> None:
+    check_tensor("out", out, "shaped and typed like q")
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise OpsShapeError(f"out must be contiguous {tuple(q.shape)} {q.dtype} like q; got "
                             f"{tuple(out.shape)} {out.dtype}"
@@ -142,12 +150,10 @@ def _check_new_kv(q, k, v, k_cache) -> None:
 
 
 def _check_table(block_tables, batch) -> None:
-    check_rank("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")
-    check_dtype("block_tables", block_tables, INDEX_DTYPES)
+    check_rank("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]", INDEX_DTYPES)
     check_dim("block_tables", block_tables, 0, batch, "the batch size")
 
 
 def _check_lens(name, lens, batch) -> None:
-    check_rank(name, lens, 1, "[batch]")
-    check_dtype(name, lens, INDEX_DTYPES)
+    check_rank(name, lens, 1, "[batch]", INDEX_DTYPES)
     check_dim(name, lens, 0, batch, "the batch size (block_tables.shape[0])")

@@ -12,6 +12,10 @@ class OpsShapeError(ValueError):
     """A tensor has the wrong rank or a dimension that disagrees with another argument."""
 
 
+class OpsTypeError(TypeError):
+    """An argument is not the Python type the op takes (a list where a tensor goes, ...)."""
+
+
 class OpsDTypeError(TypeError):
     """A tensor has a dtype the op does not accept (or two tensors' dtypes disagree)."""
 

@@ -26,12 +26,12 @@ from mooncake_ops._validate import (
     check_cache,
     check_compute_dtype,
     check_dim,
-    check_dtype,
     check_rank,
     check_same_device,
+    check_tensor,
 )
 from mooncake_ops.dispatch import impl
-from mooncake_ops.errors import BlockTableError, OpsShapeError
+from mooncake_ops.errors import BlockTableError, OpsShapeError, OpsTypeError
 
 __all__ = ["block_nbytes", "gather_blocks", "scatter_blocks", "write_kv"]
 
@@ -52,6 +52,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             caches: each token's head vector is quantised with its own scale.
 
     Raises:
+        OpsTypeError: an argument is not a tensor (e.g. a list of slots).
         OpsShapeError, OpsDTypeError, OpsDeviceError: inconsistent arguments.
         BlockTableError: a slot beyond ``num_blocks * block_size``.
     """
@@ -62,6 +63,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     check_rank("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    check_tensor("value", value, "shaped and typed like key")
     if value.shape != key.shape or value.dtype != key.dtype:
         raise OpsShapeError(f"value {tuple(value.shape)} {value.dtype} must match key "
                             f"{tuple(key.shape)} {key.dtype}")
@@ -70,8 +72,7 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -
     if key.shape[1:] != k_cache.shape[2:]:
         raise OpsShapeError(f"key heads x head_dim {tuple(key.shape[1:])} must equal the cache's "
                             f"num_kv_heads x head_dim {tuple(k_cache.shape[2:])}")
-    check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]", INDEX_DTYPES[::-1])
     check_dim("slot_mapping", slot_mapping, 0, key.shape[0], "num_tokens (key.shape[0])")
     check_same_device(("key", key), ("value", value), ("k_cache", k_cache),
                       ("v_cache", v_cache), ("slot_mapping", slot_mapping),
@@ -111,8 +112,13 @@ def scatter_blocks(staging: torch.Tensor, caches: Sequence[torch.Tensor],
 
 
 def _check_blocks(caches, block_ids, buffer, name) -> torch.Tensor:
+    if isinstance(caches, torch.Tensor):
+        raise OpsTypeError("caches must be a sequence of [num_blocks, ...] tensors; got one "
+                           "Tensor: wrap it in a list ([k_cache, v_cache, ...])")
     if not caches:
         raise OpsShapeError("caches is empty; pass at least one [num_blocks, ...] tensor")
+    for i, c in enumerate(caches):
+        check_tensor(f"caches[{i}]", c, "[num_blocks, ...]")
     num_blocks = caches[0].shape[0]
     for i, c in enumerate(caches):
         if c.shape[0] != num_blocks or c.device != caches[0].device:
@@ -122,6 +128,8 @@ def _check_blocks(caches, block_ids, buffer, name) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise BlockTableError(f"block ids must lie in [0, {num_blocks}); got "
                               f"{int(ids.min())}..{int(ids.max())}")
+    if buffer is not None:
+        check_tensor(name, buffer, f"contiguous, {ids.numel()} x block_nbytes(caches) bytes")
     expected = ids.numel() * block_nbytes(caches)
     if buffer is not None and (buffer.numel() * buffer.element_size() != expected
                                or not buffer.is_contiguous()):

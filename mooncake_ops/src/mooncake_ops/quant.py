@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from mooncake_ops._validate import check_tensor
+from mooncake_ops.errors import OpsDTypeError, OpsShapeError, OpsTypeError
+
 __all__ = ["dequantize_int8", "quantize_int8"]
 
 
@@ -20,7 +23,17 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         (q int8 [..., head_dim], scale float32 [...]).
+
+    Raises:
+        OpsTypeError: ``x`` is not a tensor.  OpsDTypeError: not floating point.
+        OpsShapeError: ``x`` is 0-D.
     """
+    check_tensor("x", x, "floating point [..., head_dim]")
+    if not x.is_floating_point():
+        raise OpsDTypeError(f"x has dtype {x.dtype}; quantize_int8 takes a floating point "
+                            "tensor [..., head_dim]")
+    if x.dim() == 0:
+        raise OpsShapeError("x must be [..., head_dim] (at least 1-D); got a 0-D tensor")
     xf = x.float()
     absmax = xf.abs().amax(dim=-1)
     # tensor / tensor is an IEEE division; ``127.0 / absmax`` would be reciprocal-then-multiply
@@ -32,5 +45,20 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_int8`: q [..., head_dim] * scale [...] in ``dtype``."""
+    """Inverse of `quantize_int8`: q [..., head_dim] * scale [...] in ``dtype``.
+
+    Raises:
+        OpsTypeError: ``q`` or ``scale`` is not a tensor, or ``dtype`` not a torch.dtype.
+        OpsDTypeError: ``q`` is not int8.  OpsShapeError: ``scale`` is not ``q.shape[:-1]``.
+    """
+    check_tensor("q", q, "int8 [..., head_dim]", (torch.int8,))
+    check_tensor("scale", scale, "[...] (q.shape[:-1])", (torch.float32,))
+    if not isinstance(dtype, torch.dtype):
+        raise OpsTypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16); got "
+                           f"{type(dtype).__name__} {dtype!r}")
+    if q.dtype != torch.int8:
+        raise OpsDTypeError(f"q has dtype {q.dtype}; dequantize_int8 takes quantize_int8's int8 q")
+    if q.dim() == 0 or scale.shape != q.shape[:-1]:
+        raise OpsShapeError(f"scale must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; got "
+                            f"{tuple(scale.shape)} (q is {tuple(q.shape)})")
     return (q.float() * scale[..., None]).to(dtype)
