@@ -10,6 +10,15 @@ after TP sharding.
     kernel = select_linear_kernel(weight)       # None: keep F.linear
     packed = kernel.pack(weight)                # once, at load
     y = kernel.linear(x, packed, bias)          # == F.linear(x, weight, bias)
+
+oneDNN builds one primitive per input shape and keeps it in two caches (its own primitive cache
+and ideep's LRU above it, 1024 entries each by default), about 0.3 MiB per entry with its
+buffers. A server's batches have a new row count almost every step (prefill chunks plus decode
+tokens), so a long-running server's RSS climbed by about 2 MiB/s until both caches were full
+(measured: ``kthena bench soak``, docs/bench_serve.md). The packed kernel therefore runs on
+row counts from a fixed set (`row_bucket`: exact up to 16 rows, then 8 sizes per power of two,
+fewer than 16 or 12.5% padding rows), so the caches hold a few hundred primitives and stop growing, and
+the primitive for a recurring size is built once instead of every step.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-__all__ = ["LinearKernel", "select_linear_kernel"]
+__all__ = ["LinearKernel", "row_bucket", "select_linear_kernel"]
 
 
 @attrs.frozen
@@ -41,9 +50,27 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a packed matmul of ``rows`` rows runs with (>= rows; zero rows padded).
+
+    Exact up to 16 rows (decode batches); above, rounded up to a multiple of 1/8 of the power
+    of two below it (16 from 17 to 255, 32 to 511, 64 to 1023, ...): 8 sizes per octave, fewer
+    than max(16, rows / 8) extra rows.
+    """
+    if rows <= 16:
+        return rows
+    granule = max(16, (1 << (rows.bit_length() - 1)) // 8)
+    return -(-rows // granule) * granule
+
+
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    rows = x.shape[0]
+    padded = row_bucket(rows) if x.dim() == 2 else rows
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    return y if padded == rows else y[:rows]
 
 
 ONEDNN_PACKED_BF16 = LinearKernel("onednn-packed-bf16", _onednn_pack, _onednn_linear)
