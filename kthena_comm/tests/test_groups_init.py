@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from datetime import timedelta
 
 import pytest
 from hypothesis import given
@@ -22,6 +23,7 @@ from kthena_comm.layout import (
     group_ranks,
     world_size_of,
 )
+from kthena_comm.store import open_store
 
 sizes = st.integers(1, 4)
 
@@ -62,6 +64,22 @@ def test_rank_env_from_env_reads_torchrun_variables():
                             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
     assert env == RankEnv(3, 4, 1, "10.0.0.1", 1234)
     assert env.address == "10.0.0.1:1234"
+    assert not env.use_agent_store
+    under_torchrun = RankEnv.from_env({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert under_torchrun.use_agent_store
+
+
+def test_rank0_joins_a_store_the_launcher_already_hosts():
+    """Under torchrun (use_agent_store) rank 0 is a client: no second store fights for the port."""
+    port = _free_port()
+    agent = open_store("127.0.0.1", port, None, True, timedelta(seconds=5))  # torchrun's agent
+    try:
+        store = connect_store(RankEnv(0, 1, master_port=port, use_agent_store=True), timeout_s=5)
+        store.set("probe", "1")
+        assert agent.get("probe") == b"1"  # one store, shared
+        del store
+    finally:
+        del agent
 
 
 @pytest.mark.parametrize("environ, variable", [

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kthena_core.cli import main
+from kthena_core.known_models import load_model_spec
+from kthena_core.model_spec import human_bytes
 
 DATA = Path(__file__).parent / "data"
 
@@ -31,6 +33,31 @@ def test_plan_llama70b_on_hand_written_8x910b_json(capsys):
     assert layout["tp"] * layout["pp"] >= 3  # 70B never fits fewer than 3 x 64 GB devices
     assert plan["memory_per_device"]["total"] <= plan["memory_per_device"]["capacity"]
     assert plan["candidates"] and all("why_lost" in c for c in plan["candidates"])
+
+
+def test_plan_json_carries_the_model_figures_the_text_shows(capsys):
+    args = ["plan", "--model", "llama-3-8b", "--topology", "atlas-800t-a2", "--workload", "kv_dtype=fp8"]
+    assert main(args) == 0
+    text = capsys.readouterr().out.splitlines()[0]
+    assert main([*args, "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    spec = load_model_spec("llama-3-8b")
+    assert model["name"] == spec.name == "llama-3-8b"
+    assert model["num_params"] == spec.num_params() and model["num_layers"] == spec.num_layers == 32
+    assert (model["num_attention_heads"], model["num_key_value_heads"]) == (32, 8)
+    assert model["kv_dtype"] == "fp8" and model["kv_bytes_per_token"] == spec.kv_bytes_per_token("fp8")
+    assert model["weight_bytes"] == spec.weight_bytes("bf16")
+    # the same figures, as the text prints them
+    assert f"{model['num_params'] / 1e9:.2f} B params, 32 layers, 32 heads / 8 KV heads" in text
+    assert f"KV {human_bytes(model['kv_bytes_per_token'])}/token (fp8)" in text
+
+
+def test_plan_pd_mode_on_one_device_says_why(capsys):
+    assert main(["plan", "--topology", "nvidia-rtx-4090", "--mode", "pd"]) == 2
+    err = capsys.readouterr().err
+    assert "a PD plan needs at least 2 devices (1 prefill + 1 decode instance)" in err
+    assert "this topology has 1 device" in err and "--mode colocated" in err
+    assert "no candidate layouts" not in err
 
 
 def test_plan_pd_mode_on_catalog_nodes(capsys):

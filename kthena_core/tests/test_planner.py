@@ -4,6 +4,7 @@ import itertools
 import math
 import time
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from kthena_core.hardware import cpu_host_spec, get_device
 from kthena_core.known_models import load_model_spec
 from kthena_core.model_spec import ModelSpec
 from kthena_core.planner import NoFeasiblePlanError, Planner
+from kthena_core.report import format_plan
 from kthena_core.topology import Device, Topology, from_catalog
 from kthena_core.workload import Workload
 
@@ -84,6 +86,14 @@ def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
     # groups partition the ranks
     for groups in (plan.tp_groups(), plan.pp_groups(), plan.dp_groups()):
         assert sorted(r for g in groups for r in g) == list(range(plan.world_size))
+    # rivals: every other device mapping once (SP twins are one plan), each its best-ranked twin
+    rivals = plan.rivals()
+    mappings = [e.layout.device_mapping for e in rivals]
+    assert len(mappings) == len(set(mappings))
+    assert set(mappings) == {e.layout.device_mapping for e in evals} - {lay.device_mapping}
+    for rival in rivals:
+        twins = [e for e in evals if e.layout.device_mapping == rival.layout.device_mapping]
+        assert rival.sort_key() == min(e.sort_key() for e in twins)
 
 
 def test_structural_check_is_the_engine_head_split_rule():
@@ -156,6 +166,28 @@ def test_plan_explains_itself():
     assert d["estimate"]["tpot_s"] > 0 and d["candidates"]
     infeasible = [e for e in plan.evaluations if not e.feasible]
     assert any("does not divide" in r for e in infeasible for r in e.reasons)
+
+
+def test_runner_ups_never_repeat_the_chosen_plan_with_sp():
+    # 70B on 8 x 910B: TP8 wins, and TP8 with SP8 ties it exactly (SP only moves activations).
+    plan = Planner().plan(load_model_spec("llama-2-70b"), from_catalog("atlas-800t-a2"), Workload())
+    assert plan.chosen.layout == Layout(8, 1, 1, 1)
+    assert Layout(8, 1, 1, 8) in {e.layout for e in plan.evaluations}
+    shown = [e.layout for e, _ in plan.runner_ups(8)]
+    assert all(lay.device_mapping != (8, 1, 1) for lay in shown)
+    assert len({lay.device_mapping for lay in shown}) == len(shown) == 8
+    rows = format_plan(plan, 3).split("runner-up candidates")[1].splitlines()[2:]
+    assert len(rows) == 3 and not any(row.split()[:5] == ["TP8", "x", "PP1", "x", "DP1"] for row in rows)
+    assert [c["layout"] for c in plan.to_dict(3)["candidates"]] == [attrs.asdict(lay) for lay in shown[:3]]
+
+
+def test_pd_on_one_device_says_how_many_devices_a_pd_plan_needs():
+    topo = small_topology(1)
+    with pytest.raises(NoFeasiblePlanError) as info:
+        Planner().plan(load_model_spec("default"), topo, Workload(mode="pd"))
+    message = str(info.value)
+    assert "a PD plan needs at least 2 devices (1 prefill + 1 decode instance)" in message
+    assert "this topology has 1 device." in message and "colocated" in message
 
 
 def test_slo_makes_candidates_infeasible():

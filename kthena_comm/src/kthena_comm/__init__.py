@@ -23,7 +23,7 @@ _EXPORTS = {
     "DeviceBackend": "device", "backend_for_device": "device",
     "register_device_backend": "device",
     "CommGroup": "groups", "GroupConfig": "groups", "ParallelGroups": "groups",
-    "init_parallel_groups": "groups",
+    "init_parallel_groups": "groups", "PeerCheck": "groups",
     "Handle": "collectives", "all_gather": "collectives", "all_reduce": "collectives",
     "all_to_all": "collectives", "barrier": "collectives", "broadcast": "collectives",
     "recv": "collectives", "reduce_scatter": "collectives", "send": "collectives",

@@ -1,7 +1,8 @@
 """A rank's launch environment (torchrun-style), as an explicit value.
 
 Library code takes a ``RankEnv``; only :meth:`RankEnv.from_env`, which the caller chooses to call,
-reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+``TORCHELASTIC_USE_AGENT_STORE`` (torchrun's agent already hosts the store on ``MASTER_PORT``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,20 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> N
 
 @attrs.frozen
 class RankEnv:
-    """Where this rank sits in the world and where the rendezvous master listens."""
+    """Where this rank sits in the world and where the rendezvous master listens.
+
+    Attributes:
+        use_agent_store: the store at ``master_addr:master_port`` is already hosted by someone
+            else (torchrun's agent, which says so with ``TORCHELASTIC_USE_AGENT_STORE=True``):
+            every rank, rank 0 included, connects to it as a client instead of hosting one.
+    """
 
     rank: int = attrs.field(validator=_non_negative)
     world_size: int = attrs.field()
     local_rank: int = attrs.field(default=0, validator=_non_negative)
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    use_agent_store: bool = False
 
     @world_size.validator
     def _check_world(self, attribute: attrs.Attribute, value: int) -> None:
@@ -53,6 +61,7 @@ class RankEnv:
             local_rank=_int_var(env, "LOCAL_RANK", 0),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_port_var(env),
+            use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",  # as torch reads it
         )
 
 

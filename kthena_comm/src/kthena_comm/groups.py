@@ -11,6 +11,7 @@ address and the variable to check.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +32,11 @@ from kthena_comm.layout import (
 from kthena_comm.store import open_store
 
 _JOIN_KEY = "kthena_comm/joined"
+
+PeerCheck = Callable[[], None]
+"""Raises if a rank this one waits for can no longer join (say, the process that was to run it
+has exited), so the wait ends at once instead of at the deadline. A launcher that starts the
+ranks itself knows this; the store does not. It must be cheap: it runs every 20 ms."""
 
 
 @attrs.frozen
@@ -82,17 +88,20 @@ class ParallelGroups:
 
 
 def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
-                         config: GroupConfig | None = None) -> ParallelGroups:
+                         config: GroupConfig | None = None, *,
+                         check_peers: PeerCheck | None = None) -> ParallelGroups:
     """Initialise torch.distributed and build this rank's groups.
 
     Args:
         layout: sizes of TP / PP / DP / SP (a kthena_core ``Plan`` or a ``ParallelConfig``).
         env: this rank's launch environment (see ``RankEnv.from_env``).
         config: device type, backend override and deadline.
+        check_peers: called while waiting for the other ranks to join (see ``PeerCheck``).
 
     Raises:
         LayoutError: the layout is invalid or needs a different WORLD_SIZE.
         InitError: rendezvous or backend init failed or ran past ``config.timeout_s``.
+        Whatever ``check_peers`` raises.
     """
     config = config or GroupConfig()
     check_layout(layout)
@@ -102,7 +111,7 @@ def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
                           f"WORLD_SIZE={env.world_size}; launch that many ranks or change the plan")
     device_backend(config.device_type).prepare(env.local_rank)
     backend = backend_for_device(config.device_type, config.backend)
-    store = connect_store(env, config.timeout_s)
+    store = connect_store(env, config.timeout_s, check_peers=check_peers)
     _init_world(store, env, backend, config.timeout_s)
     world = CommGroup("world", tuple(Rank(r) for r in range(env.world_size)), Rank(env.rank),
                       dist.group.WORLD)
@@ -112,9 +121,15 @@ def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
                           attrs.evolve(sp, kind="sp"))
 
 
-def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
-    """Open the rendezvous store and wait until all WORLD_SIZE ranks have joined it."""
-    is_master = env.rank == 0
+def connect_store(env: RankEnv, timeout_s: float, *,
+                  check_peers: PeerCheck | None = None) -> dist.TCPStore:
+    """Open the rendezvous store and wait until all WORLD_SIZE ranks have joined it.
+
+    Rank 0 hosts the store, unless ``env.use_agent_store`` says a launcher (torchrun) already
+    hosts it on that port: then every rank is a client, and no second store fights for the port.
+    ``check_peers`` is called between polls of the join count and may raise to stop waiting.
+    """
+    is_master = env.rank == 0 and not env.use_agent_store
     try:
         store = open_store(env.master_addr, env.master_port, env.world_size, is_master,
                            timedelta(seconds=timeout_s))
@@ -122,14 +137,17 @@ def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
         variable = "MASTER_PORT" if is_master else "MASTER_ADDR/MASTER_PORT"
         what = "cannot listen" if is_master else "master unreachable"
         raise InitError(env.rank, env.address, variable, f"{what}: {exc}") from exc
-    _await_ranks(store, env, timeout_s)
+    _await_ranks(store, env, timeout_s, check_peers)
     return store
 
 
-def _await_ranks(store: dist.TCPStore, env: RankEnv, timeout_s: float) -> None:
+def _await_ranks(store: dist.TCPStore, env: RankEnv, timeout_s: float,
+                 check_peers: PeerCheck | None) -> None:
     deadline = time.monotonic() + timeout_s
     joined = store.add(_JOIN_KEY, 1)
     while joined < env.world_size:
+        if check_peers is not None:
+            check_peers()
         if time.monotonic() > deadline:
             raise InitError(env.rank, env.address, "WORLD_SIZE",
                             f"only {joined} of {env.world_size} ranks joined within {timeout_s}s")

@@ -47,6 +47,11 @@ class Layout:
     def num_devices(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def device_mapping(self) -> tuple[int, int, int]:
+        """(tp, pp, dp): which devices each rank and group gets. SP does not change it."""
+        return (self.tp, self.pp, self.dp)
+
 
 @attrs.frozen
 class Links:

@@ -110,14 +110,29 @@ class Plan:
         tp, pp = self.tp_size, self.pp_size
         return [[(d * pp + p) * tp + t for d in range(self.dp_size)] for p in range(pp) for t in range(tp)]
 
+    def rivals(self) -> list[Evaluation]:
+        """The other candidates, best first, one per device mapping.
+
+        Two layouts with the same tp, pp and dp put the same ranks on the same devices in the
+        same groups; SP only changes how activations are split inside a TP group. Such twins
+        are one plan to a reader, so only the best-ranked of each is kept, and none with the
+        chosen layout's mapping (which would otherwise come back as "the same, with SP").
+        """
+        seen = {self.chosen.layout.device_mapping}
+        rivals = []
+        for e in self.evaluations:
+            if e.layout.device_mapping not in seen:
+                seen.add(e.layout.device_mapping)
+                rivals.append(e)
+        return rivals
+
     def runner_ups(self, k: int = 5) -> list[tuple[Evaluation, str]]:
-        """The next `k` candidates with one line each on why they lost to the chosen one."""
-        rest = [e for e in self.evaluations if e is not self.chosen][:k]
-        return [(e, why_lost(e, self.chosen, self.workload)) for e in rest]
+        """The next `k` rivals with one line each on why they lost to the chosen one."""
+        return [(e, why_lost(e, self.chosen, self.workload)) for e in self.rivals()[:k]]
 
     def to_dict(self, num_candidates: int = 10) -> dict[str, Any]:
         return {
-            "model": self.model.name,
+            "model": _model_dict(self.model, self.workload),
             "topology": self.topology_name,
             "workload": self.workload.to_dict(),
             "layout": attrs.asdict(self.chosen.layout),
@@ -129,10 +144,24 @@ class Plan:
                 {"layout": attrs.asdict(e.layout), "feasible": e.feasible, "cost": _finite(e.cost),
                  "estimate": attrs.asdict(e.estimate) if e.estimate else None,
                  "why_lost": why_lost(e, self.chosen, self.workload)}
-                for e in self.evaluations[: num_candidates + 1] if e is not self.chosen
+                for e in self.rivals()[:num_candidates]
             ],
             "num_candidates_considered": len(self.evaluations),
         }
+
+
+def _model_dict(model: ModelSpec, wl: Workload) -> dict[str, Any]:
+    """The model's figures the text report prints, plus the sizes they come from."""
+    return {
+        "name": model.name, "architecture": model.architecture,
+        "num_params": model.num_params(), "num_active_params": model.num_params(active=True),
+        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+        "dtype": wl.dtype, "weight_bytes": model.weight_bytes(wl.dtype),
+        "kv_dtype": wl.kv_dtype, "kv_bytes_per_token": model.kv_bytes_per_token(wl.kv_dtype),
+    }
 
 
 def _finite(x: float) -> float | None:
@@ -334,6 +363,12 @@ def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: 
     if shape:
         parts.append(f"{len(shape)} cannot shard the model, e.g. {shape[0].reasons[0]}")
     where = topology.name or topology.source
+    if not evals and wl.mode == "pd":
+        # layouts() yields no PD candidate below two replicas: say so rather than "no candidates".
+        n = topology.num_devices
+        return (f"no PD layout of {model.name} on {where}: a PD plan needs at least 2 devices "
+                f"(1 prefill + 1 decode instance); this topology has {n} device{'s' * (n != 1)}. "
+                f"Plan with mode colocated (--mode colocated), or on a topology with more devices")
     return (f"no layout of {model.name} fits {topology.num_devices} device(s) of {where} for "
             f"{wl.concurrency} x {wl.context_len} tokens: " + "; ".join(parts or ["no candidate layouts"]))
 

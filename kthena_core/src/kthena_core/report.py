@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kthena_core.model_spec import human_bytes
-from kthena_core.planner import Evaluation, Plan, why_lost
+from kthena_core.planner import Evaluation, Plan
 
 
 def _layout_text(e: Evaluation) -> str:
@@ -41,8 +41,7 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         f"runner-up candidates ({len(plan.evaluations)} considered):",
         f"  {'layout':<22} {'dev':>4} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>10}  why it lost",
     ]
-    for e in [e for e in plan.evaluations if e is not best][:num_candidates]:
-        lines.append(_row(e, why_lost(e, best, wl)))
+    lines += [_row(e, why) for e, why in plan.runner_ups(num_candidates)]
     return "\n".join(lines)
 
 

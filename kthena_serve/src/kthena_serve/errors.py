@@ -1,8 +1,9 @@
-"""Errors the engine raises for requests it cannot take; the server maps them to HTTP 4xx."""
+"""Errors the engine raises: for requests it cannot take (the server maps them to HTTP 4xx),
+and when the engine itself cannot start or run."""
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "InvalidRequestError", "RequestFailedError"]
+__all__ = ["EngineDeadError", "InvalidRequestError", "RankDiedError", "RequestFailedError"]
 
 
 class InvalidRequestError(ValueError):
@@ -26,3 +27,17 @@ class RequestFailedError(RuntimeError):
 
     The message says what to do, never the internal exception (that goes to the log).
     """
+
+
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank's process exited before it joined the others.
+
+    Attributes:
+        rank: the TP rank whose process died.
+        exitcode: its exit status (negative: killed by that signal).
+    """
+
+    def __init__(self, message: str, rank: int, exitcode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode

@@ -20,11 +20,13 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
+import sys
 
 import attrs
 import torch
 
 from kthena_serve.config import EngineConfig
+from kthena_serve.errors import RankDiedError
 from kthena_serve.model_inputs import build_inputs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for, sampled_logits
 from kthena_serve.scheduler import ScheduledBatch
@@ -54,15 +56,19 @@ def _pin(rank: int) -> None:
     configure_threads()  # one thread: the affinity mask now holds one core
 
 
-def _join(config: EngineConfig, rank: int, port: int):  # noqa: ANN202
-    """Join the groups and load this rank's shard; returns (groups, model, tokenizer)."""
+def _join(config: EngineConfig, rank: int, port: int, check_peers=None):  # noqa: ANN001, ANN202
+    """Join the groups and load this rank's shard; returns (groups, model, tokenizer).
+
+    ``check_peers`` runs while rank 0 waits for the others (see ``_check_workers``).
+    """
     from kthena_comm.groups import init_parallel_groups
     from kthena_comm.layout import ParallelConfig
     from kthena_serve.model import TensorParallel, load_model
 
     _pin(rank)
     layout = ParallelConfig(tp_size=config.tp, pp_size=1, dp_size=1, sp_size=1)
-    groups = init_parallel_groups(layout, _rank_env(rank, config.tp, port))
+    groups = init_parallel_groups(layout, _rank_env(rank, config.tp, port),
+                                  check_peers=check_peers)
     tp = TensorParallel.from_comm_group(groups.tp)
     model, tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp)
     return groups, model, tokenizer
@@ -89,6 +95,40 @@ def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
     """This rank's pool layout: its own KV heads, the block count every rank shares."""
     return kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
                          model.head_dim, config)
+
+
+def _check_workers(workers: list[mp.process.BaseProcess]) -> None:
+    """Raise ``RankDiedError`` for the first worker whose process has exited (rank = index + 1).
+
+    Rank 0 calls this while it waits for the ranks to join, so a rank that dies on start is
+    reported at once, with its exit code, instead of as a rendezvous timeout a minute later.
+    """
+    for rank, worker in enumerate(workers, start=1):
+        if worker.exitcode is not None:  # a non-blocking waitpid
+            raise RankDiedError(_death_message(rank, worker), rank, worker.exitcode)
+
+
+def _death_message(rank: int, worker: mp.process.BaseProcess) -> str:
+    code = worker.exitcode
+    assert code is not None
+    how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+    message = (f"tensor-parallel rank {rank} (process {worker.name}, pid {worker.pid}) {how} "
+               "before joining rank 0; its own error is on stderr above.")
+    if _spawn_reruns_main():  # the usual cause of a rank dying on start
+        message += (" Each rank is a spawned process that first imports your main script: if "
+                    "the script creates the engine (LLM(tp=...)) at top level, that import "
+                    "starts the engine again and multiprocessing stops it (\"An attempt has been "
+                    "made to start a new process before the current process has finished its "
+                    "bootstrapping phase\"). Put that code under "
+                    '`if __name__ == "__main__":`.')
+    return message
+
+
+def _spawn_reruns_main() -> bool:
+    """Whether spawned children import this process's ``__main__`` (a script or ``-m`` module),
+    as multiprocessing's spawn does; not for ``python -c`` or an interactive session."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "__spec__", None) is not None or bool(getattr(main, "__file__", None))
 
 
 @contextlib.contextmanager
@@ -126,22 +166,45 @@ class TPModelRunner:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        """Start ranks 1.. as spawned processes and join them as rank 0.
+
+        Raises:
+            RankDiedError: a rank's process exited before it joined (at once, not on timeout).
+            kthena_comm.errors.InitError: the ranks did not all join within the deadline.
+        """
         port = _free_port()
-        context = mp.get_context("spawn")
         self._config = self._fixed_pool_size(config)
-        self._workers = []
         with _loopback_gloo():
-            with _worker_environment():
-                for rank in range(1, config.tp):
-                    worker = context.Process(target=_worker_main, args=(self._config, rank,
-                                                                        port),
-                                             name=f"kthena-tp{rank}", daemon=True)
-                    worker.start()
-                    self._workers.append(worker)
-            self._groups, self.model, self.tokenizer = _join(self._config, 0, port)
+            self._workers = self._start_workers(port)
+            try:
+                self._groups, self.model, self.tokenizer = _join(
+                    self._config, 0, port, check_peers=lambda: _check_workers(self._workers))
+            except BaseException:
+                self._stop_workers(grace_s=0)
+                raise
         self._inner = ModelRunner(self.model, create_pool(_layout(self._config, self.model),
                                                           self._config))
         self.block_size = config.block_size
+
+    def _start_workers(self, port: int) -> list[mp.process.BaseProcess]:
+        context = mp.get_context("spawn")
+        workers = []
+        with _worker_environment():
+            for rank in range(1, self._config.tp):
+                worker = context.Process(target=_worker_main, args=(self._config, rank, port),
+                                         name=f"kthena-tp{rank}", daemon=True)
+                worker.start()
+                workers.append(worker)
+        return workers
+
+    def _stop_workers(self, grace_s: float = 10) -> None:
+        """Wait up to ``grace_s`` for each worker to exit, then terminate it."""
+        for worker in self._workers:
+            worker.join(timeout=grace_s)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+        self._workers = []
 
     @staticmethod
     def _fixed_pool_size(config: EngineConfig) -> EngineConfig:
@@ -179,10 +242,6 @@ class TPModelRunner:
             return
         with contextlib.suppress(Exception):
             dist.broadcast_object_list([None], src=0)
-        for worker in self._workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.terminate()
-        self._workers = []
+        self._stop_workers()
         self._inner.close()
         self._groups.destroy()
