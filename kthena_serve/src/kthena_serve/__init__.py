@@ -17,7 +17,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",
     "EngineConfig": "config", "SamplingParams": "sampling_params",
-    "RequestOutput": "request", "FinishReason": "request",
+    "RequestOutput": "request", "FinishReason": "request", "TokenLogprobs": "logprobs",
     "InvalidRequestError": "errors", "EngineDeadError": "errors",
 }
 

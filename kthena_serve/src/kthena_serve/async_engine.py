@@ -31,6 +31,7 @@ from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.errors import EngineDeadError, RequestFailedError
+from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import Reservation
@@ -81,10 +82,11 @@ class Reserve:
 class AdmitPrefilled:
     request_id: str
     first_token_id: int
+    logprobs: TokenLogprobs | None = None
 
     def run(self, llm: AsyncLLM) -> None:
         try:
-            out = llm.engine.admit_prefilled(self.request_id, self.first_token_id)
+            out = llm.engine.admit_prefilled(self.request_id, self.first_token_id, self.logprobs)
         except Exception as error:  # noqa: BLE001 - the reservation is gone: fail this one
             llm.engine.release(self.request_id)
             log.warning("request %s could not be admitted: %s", self.request_id, error)
@@ -159,6 +161,9 @@ class AsyncLLM:
         """The output budget; raises InvalidRequestError for a request the engine would refuse."""
         return self.engine.processor.check(prompt_ids, params)
 
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.engine.tokenizer.token_bytes(token_ids)
+
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> EngineRequest:
@@ -183,9 +188,12 @@ class AsyncLLM:
         return await self._call(lambda future: Release(request_id, future))
 
     async def generate_prefilled(self, request_id: str, first_token_id: int,
+                                 logprobs: TokenLogprobs | None = None,
                                  ) -> AsyncIterator[RequestOutput]:
-        """Like ``generate``, for a reserved request whose prompt KV is written."""
-        async with self._streaming(request_id, AdmitPrefilled(request_id, first_token_id)) as s:
+        """Like ``generate``, for a reserved request whose prompt KV is written (``logprobs``:
+        the first token's, when the request asked for them)."""
+        command = AdmitPrefilled(request_id, first_token_id, logprobs)
+        async with self._streaming(request_id, command) as s:
             async for item in s:
                 yield item
 

@@ -3,7 +3,8 @@
 ::
 
     server/app.py, server/metrics.py, cli.py
-                 │  EngineClient: limits · encode · encode_chat · check · generate · abort(_all) · stats
+                 │  EngineClient: limits · encode(_chat) · check · token_bytes
+                 │                generate · abort(_all) · stats
        ┌─────────┴──────────────┐
     AsyncLLM (in process)     RemoteEngine (PD router: workers over HTTP)
 
@@ -104,6 +105,10 @@ class EngineClient(Protocol):
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         """The resolved output budget; raises InvalidRequestError for what the engine refuses."""
+        ...
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token stands for (logprobs name their tokens with these)."""
         ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -24,6 +24,7 @@ import torch
 from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.input_processor import InputProcessor
+from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model import IncrementalDetokenizer
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.output_stream import OutputStream
@@ -180,15 +181,25 @@ class LLMEngine:
             del self._requests[request.request_id]
         return reservation
 
-    def admit_prefilled(self, request_id: str, first_token_id: int) -> RequestOutput:
+    def admit_prefilled(self, request_id: str, first_token_id: int,
+                        logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """Start decoding a reserved request whose prompt KV was written; its first output.
+
+        Args:
+            logprobs: the first token's logprobs, as the prefill worker gathered them (needed
+                when the request asked for logprobs).
 
         Raises:
             KeyError: ``request_id`` holds no reservation.
+            ValueError: the request asked for logprobs and none came with the first token.
         """
+        live = self._requests.get(request_id)
+        if live is not None and live.logprobs is not None and logprobs is None:
+            raise ValueError(f"request {request_id!r} asked for logprobs, but its first token "
+                             "came without them; the prefill worker must gather them")
         request = self.scheduler.admit_prefilled(request_id)
         self._num_generated += 1
-        return self._append_token(request, first_token_id, time.perf_counter())
+        return self._append_token(request, first_token_id, time.perf_counter(), logprobs)
 
     def release(self, request_id: str) -> bool:
         """Give back a reservation that will not be admitted; False if there is none."""
@@ -221,11 +232,13 @@ class LLMEngine:
         if not sampled:
             return outputs
         now = time.perf_counter()
-        for request, token_id in zip(sampled, self._sample(logits, sampled), strict=True):
-            if token_id is None:
+        tokens = self._sample(logits, sampled)
+        logprobs = self._logprobs(logits, sampled, tokens)
+        for request, token_id, entry in zip(sampled, tokens, logprobs, strict=True):
+            if token_id is None or (request.logprobs is not None and entry is None):
                 outputs.append(self._fail(request))
             else:
-                outputs.append(self._append_token(request, token_id, now))
+                outputs.append(self._append_token(request, token_id, now, entry))
         return outputs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | None]:
@@ -242,9 +255,29 @@ class LLMEngine:
                     tokens.append(None)
             return tokens
 
-    def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
+    def _logprobs(self, logits: torch.Tensor, requests: list[Request],
+                  tokens: list[int | None]) -> list[TokenLogprobs | None]:
+        """Logprobs for the requests that asked, from the logits the sampler read (a request
+        they cannot be gathered for gets None, and fails alone)."""
+        try:
+            return gather_logprobs(logits, requests, tokens)
+        except Exception:  # noqa: BLE001 - find the culprit row by row
+            entries: list[TokenLogprobs | None] = []
+            for row, request in enumerate(requests):
+                try:
+                    entries += gather_logprobs(logits[row : row + 1], [request],
+                                              tokens[row : row + 1])
+                except Exception:  # noqa: BLE001
+                    log.exception("logprobs of request %s failed", request.request_id)
+                    entries.append(None)
+            return entries
+
+    def _append_token(self, request: Request, token_id: int, now: float,
+                      logprobs: TokenLogprobs | None = None) -> RequestOutput:
         try:
             request.token_ids.append(token_id)
+            if request.logprobs is not None:
+                request.logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = request.stream.append(token_id)
@@ -301,6 +334,7 @@ class LLMEngine:
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
+            logprobs=tuple(request.logprobs) if request.logprobs is not None else None,
         )
 
     # ---- observability ----------------------------------------------------------------------

@@ -16,10 +16,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kthena_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kthena_serve.logprobs import TokenLogprobs
 
 __all__ = ["EngineRequest", "FinishReason", "Request", "RequestOutput", "RequestStatus"]
 
@@ -72,6 +76,9 @@ class RequestOutput:
             the prefix cache at first admission.
         arrival_time, first_token_time, finish_time: ``time.perf_counter`` stamps.
         error: set (with ``finish_reason`` ABORT) when the engine failed on this request alone.
+        logprobs: one entry per token of ``token_ids`` if the request asked for logprobs
+            (``SamplingParams.logprobs``), else None; ``new_logprobs`` are those of
+            ``new_token_ids``.
     """
 
     request_id: str
@@ -86,10 +93,18 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def new_logprobs(self) -> tuple[TokenLogprobs, ...] | None:
+        """The logprobs of ``new_token_ids`` (the tail of ``logprobs``), or None."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[len(self.logprobs) - len(self.new_token_ids):]
 
 
 class Request:
@@ -97,9 +112,9 @@ class Request:
 
     __slots__ = (
         "arrival_time", "block_ids", "cache_salt", "first_token_time", "finish_reason",
-        "finish_time", "num_cached_tokens", "num_committed_blocks", "num_computed_tokens",
-        "num_emitted_tokens", "num_preemptions", "num_prompt_tokens", "params", "request_id",
-        "status", "stream", "token_ids",
+        "finish_time", "logprobs", "num_cached_tokens", "num_committed_blocks",
+        "num_computed_tokens", "num_emitted_tokens", "num_preemptions", "num_prompt_tokens",
+        "params", "request_id", "status", "stream", "token_ids",
     )
 
     def __init__(
@@ -127,6 +142,9 @@ class Request:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # One entry per output token when the request asked for logprobs (kept on preemption:
+        # recomputing the prompt does not resample the tokens).
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -94,7 +94,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> torch.Tensor:
-    rows = [i for i, r in enumerate(requests) if r.params.has_penalties and r.num_output_tokens]
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties and r.output_token_ids]
     if not rows:
         return logits
     logits = logits.clone()

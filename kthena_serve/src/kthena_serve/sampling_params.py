@@ -6,10 +6,14 @@ import math
 
 import attrs
 
-__all__ = ["MAX_SEED", "MAX_TOP_K", "MIN_SEED", "SamplingParams"]
+from kthena_serve.errors import InvalidRequestError
+
+__all__ = ["MAX_LOGPROBS", "MAX_SEED", "MAX_TOP_K", "MIN_SEED", "SamplingParams",
+           "check_num_logprobs"]
 
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator takes
 MAX_TOP_K = 2**31 - 1  # larger means "all" anyway (the sampler clamps to the vocabulary)
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs; OpenAI's chat)
 
 
 def _check_range(low: float | None, high: float | None, *, low_open: bool = False):
@@ -44,6 +48,23 @@ def _check_seed(instance: object, attribute: attrs.Attribute, value: int | None)
         raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1], got {value!r}")
 
 
+def check_num_logprobs(value: int | None, name: str = "logprobs") -> None:
+    """Check a count of top alternatives per token (None: no logprobs).
+
+    Raises:
+        InvalidRequestError: not None and not an int in [0, MAX_LOGPROBS]; ``param`` is ``name``.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"{name}={value!r} is out of range: {name} must be an int in "
+                                  f"[0, {MAX_LOGPROBS}]", name)
+
+
+def _check_logprobs(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    check_num_logprobs(value)
+
+
 def _strings(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -74,6 +95,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides the model's EOS).
         ignore_eos: keep going past EOS (benchmarks).
         presence_penalty, frequency_penalty: OpenAI's penalties on already generated tokens.
+        logprobs: None: no logprobs; k: each output token's log-probability and the ``k`` most
+            likely alternatives (``RequestOutput.logprobs``), from the model's raw
+            distribution (before penalties, temperature, top-k / top-p).
     """
 
     temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
@@ -86,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+    logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
 
     @property
     def is_greedy(self) -> bool:

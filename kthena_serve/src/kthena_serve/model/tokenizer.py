@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders as _decoders
 
 from kthena_serve.model.errors import ChatTemplateError, CheckpointError
 
@@ -36,6 +37,23 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _token_text(value: Any) -> str | None:
     # tokenizer_config spells a special token as a string or as an AddedToken dict.
     return value.get("content") if isinstance(value, Mapping) else value
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character that spells each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def _raise_exception(message: str) -> None:
@@ -83,6 +101,9 @@ class Tokenizer:
         self.special_tokens = frozenset(
             t.content for t in backend.get_added_tokens_decoder().values() if t.special)
         self._literal_lock = threading.Lock()
+        self._is_byte_level = isinstance(backend.decoder, _decoders.ByteLevel)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
@@ -117,6 +138,25 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token stands for, exactly (a byte-level token can be part of a UTF-8
+        character, so a token's bytes need not decode on their own)."""
+        return [self._bytes.get(i) or self._token_bytes(i) for i in ids]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if self._is_byte_level and token_id not in self._added_ids and all(
+                c in _BYTE_OF for c in token):
+            value = bytes(_BYTE_OF[c] for c in token)
+        elif token_id in self._added_ids:
+            value = token.encode("utf-8")
+        else:  # other decoders (SentencePiece-style): what the token decodes to alone
+            value = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        self._bytes[token_id] = value
+        return value
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **extra: Any) -> str:

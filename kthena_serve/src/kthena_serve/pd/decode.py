@@ -7,6 +7,7 @@
       2 prefill   POST prefill_url/pd/prefill {block ids, cached length, pool ref, params}
                   (bounded by transfer_timeout_s)
       3 admit     AsyncLLM.generate_prefilled -> Scheduler.admit_prefilled(first token) -> decode
+                  (the first token's logprobs come back with it, gathered on the prefill side)
     failure at 2: policy fail      -> 503 "handoff failed ..."
                   policy recompute -> the decode engine computes the prompt itself
 
@@ -96,7 +97,8 @@ class DecodeService:
         self.metrics.observe_handoff(time.perf_counter() - start - result.compute_s,
                                      result.handoff_bytes)
         self.metrics.requests.labels(self.metrics.role, "disaggregated").inc()
-        async for out in self.engine.generate_prefilled(rid, result.first_token_id):
+        async for out in self.engine.generate_prefilled(rid, result.first_token_id,
+                                                        result.first_token_logprobs):
             yield out
 
     async def _prefill(self, url: str, task: PrefillTask) -> PrefillResult:

@@ -94,6 +94,9 @@ class RemoteEngine:
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         return self._processor().check(prompt_ids, params)
 
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.tokenizer.token_bytes(token_ids)
+
     def stats(self) -> EngineStats:
         """Counters summed over every worker; queue and KV summed over the decode workers."""
         workers = [w for w in self.router.workers.values() if w.stats]
@@ -127,7 +130,7 @@ class RemoteEngine:
         body = {"request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
                 "params": params_to_json(request.params), "cache_salt": request.cache_salt,
                 "prefill_url": decision.prefill.url if decision.prefill else None}
-        arrival, first = time.perf_counter(), None
+        arrival, first, logprobs = time.perf_counter(), None, None
         try:
             async with self._http().stream("POST", f"{decode.url}/pd/generate", json=body) as r:
                 if r.status_code != 200:
@@ -149,7 +152,8 @@ class RemoteEngine:
                         if item["error"].get("code") == "request_failed":
                             raise RequestFailedError(item["error"]["message"])
                         raise EngineDeadError(item["error"]["message"])
-                    out = output_from_json(item["output"])
+                    out = output_from_json(item["output"], logprobs)
+                    logprobs = out.logprobs
                     now = time.perf_counter()
                     first = first or (now if out.token_ids else None)
                     out = attrs.evolve(out, arrival_time=arrival, first_token_time=first,

@@ -21,6 +21,7 @@ import torch
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
+from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.sampler import Sampler
@@ -99,10 +100,10 @@ class PrefillExecutor:
         check_task(task)
         runner = self._attach(task.pool)
         start = time.perf_counter()
-        token = self._compute(task, runner, task.block_ids, task.num_cached_tokens)
+        token, logprobs = self._compute(task, runner, task.block_ids, task.num_cached_tokens)
         compute_s = time.perf_counter() - start
         return PrefillResult(task.request_id, token, len(task.token_ids) - task.num_cached_tokens,
-                             compute_s, 0.0, 0)
+                             compute_s, 0.0, 0, first_token_logprobs=logprobs)
 
     def _attach(self, ref: PoolRef) -> ModelRunner:
         """A runner over the decode worker's shared pool (mapped once per pool name)."""
@@ -121,8 +122,9 @@ class PrefillExecutor:
 
     # ---- the forward passes --------------------------------------------------------------------
     def _compute(self, task: PrefillTask, runner: ModelRunner, block_ids: tuple[int, ...],
-                 num_cached: int) -> int:
-        """Chunked paged prefill of ``token_ids[num_cached:]``; returns the sampled token."""
+                 num_cached: int) -> tuple[int, TokenLogprobs | None]:
+        """Chunked paged prefill of ``token_ids[num_cached:]``; returns the sampled token and,
+        if the request asked, its logprobs (from the logits it was sampled from)."""
         ids, start = task.token_ids, num_cached
         budget = self.config.max_num_batched_tokens
         logits = None
@@ -137,7 +139,7 @@ class PrefillExecutor:
         row = _Row(task.request_id, params_from_json(task.params))
         token = self.sampler(logits, [row])[0]
         self.sampler.forget(task.request_id)
-        return int(token)
+        return int(token), gather_logprobs(logits, [row], [token])[0]
 
     # ---- across hosts: compute into the own pool, then put ---------------------------------------
     def run_local(self, task: PrefillTask, put_blocks) -> PrefillResult:  # noqa: ANN001
@@ -156,7 +158,8 @@ class PrefillExecutor:
             if blocks is None:
                 raise MemoryError("the prefill worker's pool is full; retry or grow it")
             start = time.perf_counter()
-            token = self._compute(task, self.runner, blocks.block_ids, match.num_cached_tokens)
+            token, logprobs = self._compute(task, self.runner, blocks.block_ids,
+                                            match.num_cached_tokens)
             compute_s = time.perf_counter() - start
             self.kv.commit(rid, task.token_ids)
             first = task.num_cached_tokens // task.pool.block_size
@@ -166,7 +169,7 @@ class PrefillExecutor:
         finally:
             self.kv.free(rid)
         return PrefillResult(rid, token, len(task.token_ids) - match.num_cached_tokens,
-                             compute_s, handoff_s, num_bytes, match.num_cached_tokens)
+                             compute_s, handoff_s, num_bytes, match.num_cached_tokens, logprobs)
 
     def close(self) -> None:
         for runner in self._attached.values():

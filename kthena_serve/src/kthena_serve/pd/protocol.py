@@ -5,8 +5,12 @@
     router ──POST /pd/generate {request}──▶ decode
                                              │ reserve blocks (own prefix cache honoured)
     decode ──POST /pd/prefill {PrefillTask}──▶ prefill ── writes K/V into those blocks
-    decode ◀── {PrefillResult: first token} ──┘
+    decode ◀── {PrefillResult: first token} ──┘   (and its logprobs, if the request asked)
     router ◀── NDJSON lines of outputs ─────── decode
+
+An output line carries only the logprobs of its new tokens (``new_logprobs``); the router
+rebuilds the running list (``output_from_json(data, earlier)``), so a long generation does not
+resend every earlier token's alternatives on each step.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import FinishReason, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 
@@ -57,6 +62,12 @@ class PrefillTask:
         return cls(**data)
 
 
+def _logprobs_or_none(value: TokenLogprobs | dict | None) -> TokenLogprobs | None:
+    if value is None or isinstance(value, TokenLogprobs):
+        return value
+    return TokenLogprobs.from_json(value)
+
+
 @attrs.frozen
 class PrefillResult:
     """The first token, and what the handoff cost (for metrics)."""
@@ -68,6 +79,14 @@ class PrefillResult:
     handoff_s: float  # after compute: nothing (shm) or the put + wait (mooncake)
     handoff_bytes: int  # KV bytes that crossed a wire or a copy (0 for zero copy)
     num_prefill_cached_tokens: int = 0  # tokens the prefill worker's own cache supplied
+    first_token_logprobs: TokenLogprobs | None = attrs.field(default=None,
+                                                           converter=_logprobs_or_none)
+
+    def to_json(self) -> dict[str, Any]:
+        data = attrs.asdict(self, recurse=False)
+        if self.first_token_logprobs is not None:
+            data["first_token_logprobs"] = self.first_token_logprobs.to_json()
+        return data
 
 
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
@@ -82,15 +101,24 @@ def params_from_json(data: dict[str, Any]) -> SamplingParams:
 
 
 def output_to_json(out: RequestOutput) -> dict[str, Any]:
-    data = attrs.asdict(out)
+    """The output as JSON, with the logprobs of its new tokens only (``new_logprobs``)."""
+    data = attrs.asdict(out, recurse=False)
     data["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+    del data["logprobs"]
+    new = out.new_logprobs
+    data["new_logprobs"] = None if new is None else [e.to_json() for e in new]
     return data
 
 
-def output_from_json(data: dict[str, Any]) -> RequestOutput:
+def output_from_json(data: dict[str, Any],
+                     earlier: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+    """Read ``output_to_json``; ``earlier``: the logprobs of the previous line of this request."""
     data = dict(data)
     reason = data.get("finish_reason")
     data["finish_reason"] = FinishReason(reason) if reason else None
     data["new_token_ids"] = tuple(data["new_token_ids"])
     data["token_ids"] = tuple(data["token_ids"])
+    new = data.pop("new_logprobs", None)
+    data["logprobs"] = None if new is None else (
+        (earlier or ()) + tuple(TokenLogprobs.from_json(e) for e in new))
     return RequestOutput(**data)

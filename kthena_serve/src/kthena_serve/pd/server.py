@@ -257,7 +257,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         metrics.prefill.labels("prefill").observe(result.compute_s)
         metrics.observe_handoff(result.handoff_s, result.handoff_bytes)
         metrics.prefill_cached.labels("prefill").inc(result.num_prefill_cached_tokens)
-        return JSONResponse(attrs.asdict(result))
+        return JSONResponse(result.to_json())
 
     @app.post("/pd/cancel")
     async def cancel(request: Request) -> dict:

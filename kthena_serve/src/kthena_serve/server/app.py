@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kthena_serve.client import EngineClient
 from kthena_serve.errors import EngineDeadError, RequestFailedError
+from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError, error_body, install_handlers
@@ -55,12 +56,13 @@ class _Api:
         limit = self.engine.limits().max_n
         if body.n > limit:
             raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
+        body.refuse_unsupported()
 
     def _job(self, body: p._Common, prompts: list[list[int]], max_tokens: int | None) -> Job:
         try:
             params = body.sampling_params(max_tokens)
         except ValueError as error:
-            raise ApiError(400, str(error)) from None
+            raise ApiError(400, str(error), getattr(error, "param", None)) from None
         budgets = tuple(self.engine.check(ids, params) for ids in prompts)  # invalid -> 400
         return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
@@ -86,7 +88,10 @@ class _Api:
             return _sse(chunks)
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
-        return JSONResponse(p.completion_response(rid, self.model_name, finals, usage))
+        logprobs = [None if o.logprobs is None else
+                    p.completion_logprobs(o.logprobs, self.engine.token_bytes, p.TextOffsets())
+                    for o in finals]
+        return JSONResponse(p.completion_response(rid, self.model_name, finals, usage, logprobs))
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
@@ -97,7 +102,9 @@ class _Api:
             return _sse(self._chat_chunks(rid, body, job))
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [0] * len(finals))
-        return JSONResponse(p.chat_response(rid, self.model_name, finals, usage))
+        logprobs = [None if o.logprobs is None else
+                    p.chat_logprobs(o.logprobs, self.engine.token_bytes) for o in finals]
+        return JSONResponse(p.chat_response(rid, self.model_name, finals, usage, logprobs))
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
@@ -128,13 +135,21 @@ class _Api:
 
     async def _completion_chunks(self, rid: str, body: p._Common, job: Job):
         finals: dict[int, RequestOutput] = {}
+        pending = _PendingLogprobs()
+        offsets: dict[int, p.TextOffsets] = {}
         async with self._counting(job, finals):
             async for choice, out in stream_choices(self.engine, job):
+                pending.add(choice, out)
                 if out.finished:
                     finals[choice] = out
                     self.metrics.observe(out, body.reuse_offset)
                 if out.new_text or out.finished:
-                    yield p.completion_chunk(rid, self.model_name, choice, out)
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs = p.completion_logprobs(
+                            pending.take(choice), self.engine.token_bytes,
+                            offsets.setdefault(choice, p.TextOffsets()))
+                    yield p.completion_chunk(rid, self.model_name, choice, out, logprobs)
         if body.include_usage:
             outs = [finals[c] for c in sorted(finals)]
             usage = p.usage(outs, [job.prompt_index(c) for c in sorted(finals)])
@@ -145,15 +160,20 @@ class _Api:
             yield p.chat_chunk(rid, self.model_name, choice,
                                {"role": "assistant", "content": ""}, None)
         finals: dict[int, RequestOutput] = {}
+        pending = _PendingLogprobs()
         async with self._counting(job, finals):
             async for choice, out in stream_choices(self.engine, job):
+                pending.add(choice, out)
                 reason = out.finish_reason.value if out.finish_reason else None
                 if out.finished:
                     finals[choice] = out
                     self.metrics.observe(out, body.reuse_offset)
                 if out.new_text or out.finished:
                     delta = {"content": out.new_text} if out.new_text else {}
-                    yield p.chat_chunk(rid, self.model_name, choice, delta, reason)
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs = p.chat_logprobs(pending.take(choice), self.engine.token_bytes)
+                    yield p.chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
         if body.include_usage:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
             yield p.usage_chunk(rid, "chat.completion.chunk", self.model_name, usage)
@@ -162,6 +182,21 @@ class _Api:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kthena", "max_model_len": self.engine.limits().max_model_len}
         return {"object": "list", "data": [card]}
+
+
+class _PendingLogprobs:
+    """Each choice's logprobs not sent yet: a step whose text is held back (half a UTF-8
+    character, a possible stop string) sends no chunk, so its tokens ride on the next one."""
+
+    def __init__(self) -> None:
+        self._by_choice: dict[int, list[TokenLogprobs]] = {}
+
+    def add(self, choice: int, out: RequestOutput) -> None:
+        if out.logprobs is not None:
+            self._by_choice.setdefault(choice, []).extend(out.new_logprobs or ())
+
+    def take(self, choice: int) -> list[TokenLogprobs]:
+        return self._by_choice.pop(choice, [])
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -50,6 +50,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg', '')}", None
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # OpenAI's wording for an unknown field
+        return (f"unrecognized request argument supplied: {param}; this server does not "
+                "implement it"), param
     where = f"'{param}': " if param else "body: "
     return f"{where}{first.get('msg', 'invalid request')}", param
 

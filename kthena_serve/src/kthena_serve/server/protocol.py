@@ -1,31 +1,53 @@
-"""OpenAI request bodies (validated strictly: a string is not a number) and response builders."""
+"""OpenAI request bodies (validated strictly: a string is not a number) and response builders.
+
+A body field is either honoured or refused: an unknown field is a 400 (as OpenAI answers), and
+OpenAI fields this server does not implement (tools, ``response_format`` other than text,
+``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1) are accepted only with their neutral
+value and refused by name otherwise (``refuse_unsupported``).
+"""
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kthena_serve.errors import InvalidRequestError
+from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import RequestOutput
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
+    "TextOffsets",
     "chat_chunk",
+    "chat_logprobs",
     "chat_response",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "new_id",
     "usage",
     "usage_chunk",
 ]
 
+TokenBytes = Callable[[Sequence[int]], list[bytes]]
+_LOGPROB_RANGE = {"minimum": 0, "maximum": MAX_LOGPROBS}  # checked by check_num_logprobs
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _refuse(param: str, value: Any, why: str) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise InvalidRequestError(f"{param}={shown} is not supported: {why}", param)
 
 
 class StreamOptions(_Strict):
@@ -33,7 +55,12 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    """Fields both endpoints share; ``prefix_hash`` / ``reuse_offset`` are hints, never trusted."""
+    """Fields both endpoints share; ``prefix_hash`` / ``reuse_offset`` are hints, never trusted.
+
+    ``user`` is OpenAI's end-user id for abuse monitoring: accepted, it changes no output.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -52,15 +79,27 @@ class _Common(_Strict):
     prefix_hash: str | None = Field(None, max_length=256)
     reuse_offset: int | None = Field(None, ge=0)
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError (from SamplingParams) for combinations pydantic cannot see."""
+        """Raises ValueError (from SamplingParams, or InvalidRequestError naming the field) for
+        what pydantic cannot see."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            frequency_penalty=self.frequency_penalty, logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token the caller asked for (None: no logprobs)."""
+        return None
+
+    def refuse_unsupported(self) -> None:
+        """Raise InvalidRequestError naming the first field set to what is not implemented."""
+        if self.logit_bias:
+            _refuse("logit_bias", self.logit_bias, "this server does not bias logits; leave "
+                    "it out or send {}")
 
     @property
     def include_usage(self) -> bool:
@@ -70,6 +109,23 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
+    echo: bool = False  # refused if true
+    suffix: str | None = None  # refused unless empty
+    best_of: int | None = None  # refused if over 1
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            _refuse("echo", self.echo, "the prompt is not echoed back; leave out echo")
+        if self.suffix:
+            _refuse("suffix", self.suffix, "there is no insertion mode; leave out suffix")
+        if self.best_of is not None and self.best_of != 1:
+            _refuse("best_of", self.best_of, "choices are not ranked server-side; use n for "
+                    "several choices")
 
 
 class TextPart(_Strict):
@@ -91,6 +147,37 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
+    # Tool calling and structured output are not implemented: neutral values only.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise InvalidRequestError(f"top_logprobs={self.top_logprobs!r} needs logprobs: "
+                                          "true", "top_logprobs")
+            return None
+        check_num_logprobs(self.top_logprobs, "top_logprobs")
+        return self.top_logprobs or 0
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        no_tools = ("this server does not call tools; leave out tools, tool_choice, functions "
+                    "and function_call")
+        for name in ("tools", "functions"):
+            if getattr(self, name) is not None:
+                _refuse(name, getattr(self, name), no_tools)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                _refuse(name, getattr(self, name), no_tools)
+        if self.response_format not in (None, {"type": "text"}):
+            _refuse("response_format", self.response_format, 'only {"type": "text"} is '
+                    "implemented (no JSON mode or schema)")
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -128,15 +215,22 @@ def _envelope(rid: str, obj: str, model: str, choices: list, extra: dict | None 
     return body
 
 
-def completion_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict) -> dict:
-    choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": _reason(o)}
-               for i, o in enumerate(finals)]
+def completion_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict,
+                        logprobs: Sequence[dict | None] | None = None) -> dict:
+    """Args: logprobs: each choice's ``completion_logprobs`` (None: the request asked none)."""
+    logprobs = logprobs or [None] * len(finals)
+    choices = [{"index": i, "text": o.text, "logprobs": lp, "finish_reason": _reason(o)}
+               for i, (o, lp) in enumerate(zip(finals, logprobs, strict=True))]
     return _envelope(rid, "text_completion", model, choices, {"usage": usage_})
 
 
-def chat_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict) -> dict:
+def chat_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict,
+                  logprobs: Sequence[dict | None] | None = None) -> dict:
+    """Args: logprobs: each choice's ``chat_logprobs`` (None: the request asked none)."""
+    logprobs = logprobs or [None] * len(finals)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                "logprobs": None, "finish_reason": _reason(o)} for i, o in enumerate(finals)]
+                "logprobs": lp, "finish_reason": _reason(o)}
+               for i, (o, lp) in enumerate(zip(finals, logprobs, strict=True))]
     return _envelope(rid, "chat.completion", model, choices, {"usage": usage_})
 
 
@@ -144,11 +238,90 @@ def usage_chunk(rid: str, obj: str, model: str, usage_: dict) -> dict:
     return _envelope(rid, obj, model, [], {"usage": usage_})
 
 
-def completion_chunk(rid: str, model: str, index: int, out: RequestOutput) -> dict:
-    choice = {"index": index, "text": out.new_text, "logprobs": None, "finish_reason": _reason(out)}
+def completion_chunk(rid: str, model: str, index: int, out: RequestOutput,
+                     logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "text": out.new_text, "logprobs": logprobs,
+              "finish_reason": _reason(out)}
     return _envelope(rid, "text_completion", model, [choice])
 
 
-def chat_chunk(rid: str, model: str, index: int, delta: dict, reason: str | None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+def chat_chunk(rid: str, model: str, index: int, delta: dict, reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return _envelope(rid, "chat.completion.chunk", model, [choice])
+
+
+# ---- logprobs in OpenAI's two shapes ------------------------------------------------------------
+_MIN_LOGPROB = -9999.0  # OpenAI's (and vLLM's) stand-in for -inf, which JSON cannot carry
+
+
+def _token_text(raw: bytes) -> str:
+    """A token as text; bytes that are not whole UTF-8 characters are spelt ``bytes:\\xNN``
+    (OpenAI's convention), so distinct partial tokens keep distinct names."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _lookup(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes) -> dict[int, bytes]:
+    ids = sorted({i for e in entries for i in (e.token_id, *e.top_ids)})
+    return dict(zip(ids, token_bytes(ids), strict=True))
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes) -> dict:
+    """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    raw = _lookup(entries, token_bytes)
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": _token_text(raw[token_id]), "logprob": _value(logprob),
+                "bytes": list(raw[token_id])}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs,
+                                                                         strict=True)]}
+                        for e in entries]}
+
+
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters, across stream chunks.
+
+    A token that ends inside a UTF-8 character adds no character yet; the token that completes
+    it does (so both halves of a split character start at that character).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def next(self, raw: bytes) -> int:
+        """The offset of a token with bytes ``raw``; moves past it."""
+        start = self.num_chars
+        self.num_chars += len(self._decoder.decode(raw))
+        return start
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes,
+                        offsets: TextOffsets) -> dict:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}`` of ``entries``.
+
+    ``top_logprobs[i]`` maps the top tokens' text to their logprob and always holds the sampled
+    token too (up to ``logprobs + 1`` entries, as vLLM does).
+    """
+    raw = _lookup(entries, token_bytes)
+    tokens, values, tops, starts = [], [], [], []
+    for entry in entries:
+        text = _token_text(raw[entry.token_id])
+        top = {_token_text(raw[i]): _value(lp)
+               for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}
+        top.setdefault(text, _value(entry.logprob))
+        tokens.append(text)
+        values.append(_value(entry.logprob))
+        tops.append(top)
+        starts.append(offsets.next(raw[entry.token_id]))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": starts}
