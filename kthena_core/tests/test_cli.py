@@ -90,3 +90,10 @@ def test_topo_auto_runs():
     proc = run_cli("topo", "--json")
     assert proc.returncode == 0
     json.loads(proc.stdout)
+
+
+def test_plan_text_on_a_cpu_host_has_no_device_memory_limit(capsys):
+    """A CPU host's capacity is unbounded: the text plan says so instead of overflowing."""
+    assert main(["plan", "--model", "default", "--topology", "cpu-host:2", "--mode", "pd"]) == 0
+    out = capsys.readouterr().out
+    assert "(host memory: no device limit)" in out and "PD split: 1 prefill + 1 decode" in out

@@ -331,7 +331,9 @@ def _is_qwen2(config: Mapping[str, Any], architectures: list[str]) -> bool:
 
 
 def human_bytes(num: float) -> str:
-    """1536 -> '1.5 KiB'."""
+    """1536 -> '1.5 KiB'; an unbounded capacity (inf, a CPU host's memory) -> 'unbounded'."""
+    if math.isinf(num):
+        return "unbounded"
     if num < 1024:
         return f"{num:.0f} B"
     exp = min(int(math.log(num, 1024)), 5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kthena_core.model_spec import human_bytes
 from kthena_core.planner import Evaluation, Plan
 
@@ -33,7 +35,8 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     lines += [
         f"memory    per device: weights {human_bytes(mem.weights)} + KV {human_bytes(mem.kv_cache)} + "
         f"activations {human_bytes(mem.activations)} + reserve {human_bytes(mem.reserve)} = "
-        f"{human_bytes(mem.total)} of {human_bytes(mem.capacity)} usable",
+        f"{human_bytes(mem.total)} of {human_bytes(mem.capacity)} usable"
+        if math.isfinite(mem.capacity) else f"{human_bytes(mem.total)} (host memory: no device limit)",
         f"predicted TTFT {est.ttft_s * 1e3:.1f} ms, TPOT {est.tpot_s * 1e3:.2f} ms, "
         f"throughput {est.throughput_tok_s:.1f} tok/s, comm {est.comm_fraction:.0%} of a decode step, "
         f"pipeline bubble {est.bubble_fraction:.0%}",
