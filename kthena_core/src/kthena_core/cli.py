@@ -1,4 +1,4 @@
-"""The ``kthena`` command: ``plan`` and ``topo`` here; other layers add subcommands.
+"""The ``kthena`` command: ``plan``, ``topo`` and ``deploy`` here; other layers add subcommands.
 
 This module is the command-line shell of kthena_core: it is the one place in the layer that reads
 argv. Installed layers register more subcommands (``serve``, ``bench`` ...) through the entry-point
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--topology", default="auto", help="'auto', a YAML file or a catalog node name[:nodes]")
     topo.add_argument("--json", action="store_true")
     topo.set_defaults(func=_cmd_topo)
+
+    from kthena_core.deploy.cli import add_deploy_parser
+
+    add_deploy_parser(sub)
 
     for ep in entry_points(group="kthena.commands"):
         ep.load()(sub)

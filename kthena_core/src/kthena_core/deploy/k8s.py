@@ -1,0 +1,229 @@
+"""Kubernetes manifests for Kthena (volcano-sh/kthena) from a `Deployment`: pure dicts, then YAML.
+
+Three objects, named after deploy.yaml's ``name``::
+
+    ModelServing  (workload.serving.volcano.sh)    the worker pods: a ``serve`` role (colocated,
+                                                   one ServingGroup per replica) or ``prefill`` +
+                                                   ``decode`` roles (PD, one ServingGroup)
+    ModelServer   (networking.serving.volcano.sh)  the pods kthena-router sends to; in PD mode
+                                                   a ``pdGroup`` pairing the roles by group and
+                                                   a ``kvConnector``
+    ModelRoute    (networking.serving.volcano.sh)  the model name clients send -> that server
+
+The containers run this SDK's real entry points (the image is deploy/Dockerfile's):
+
+* colocated: ``kthena serve`` (the OpenAI API, ``/health``, ``/metrics``).
+* PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode`` (``/health`` and the PD
+  worker's routes on one port), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
+  the environment variable the PD auth reads, never on the command line; KV moves between pods
+  over the Mooncake transport, advertised at the pod's IP.
+
+Every worker binds 0.0.0.0: a pod is its own network host, and the kubelet's probes and the
+router reach it at the pod's IP. Probes use ``/health`` (200 when the engine runs, 503 when it
+is dead or draining; no authentication): a startup probe covers model loading, then readiness
+and liveness take over.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import yaml
+
+from kthena_core.config import load_config
+from kthena_core.deploy.plan import Deployment, GiB, Role
+from kthena_core.launcher import rank_environment
+
+__all__ = ["render_manifests", "render_model_route", "render_model_server",
+           "render_model_serving", "to_yaml"]
+
+SERVING_API = "workload.serving.volcano.sh/v1alpha1"
+NETWORKING_API = "networking.serving.volcano.sh/v1alpha1"
+NAME_LABEL = "modelserving.volcano.sh/name"
+ROLE_LABEL = "modelserving.volcano.sh/role"
+GROUP_KEY = "modelserving.volcano.sh/group-name"
+# Must equal kthena_serve.pd.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare them).
+PD_SECRET_ENV = "KTHENA_PD_SECRET"
+HEALTH_PATH = "/health"
+KV_CONNECTOR = "mooncake"  # the PD transport the workers are told to use across pods
+DEVICE_RESOURCE = {"npu": "huawei.com/Ascend910", "gpu": "nvidia.com/gpu"}
+_BACKEND = {"cpu": "gloo", "gpu": "nccl", "npu": "hccl"}
+STARTUP_BUDGET_S = 1800  # model loading; a 70B checkpoint from local disk takes minutes
+GRACE_PERIOD_S = 60  # > kthena serve's default --shutdown-timeout (30 s): drains finish
+
+
+def pd_secret_name(dep: Deployment) -> str:
+    return f"{dep.spec.name}-pd-secret"
+
+
+def render_manifests(dep: Deployment) -> list[dict[str, Any]]:
+    """ModelServing, ModelServer and ModelRoute, in the order to apply them."""
+    return [render_model_serving(dep), render_model_server(dep), render_model_route(dep)]
+
+
+def _metadata(dep: Deployment) -> dict[str, Any]:
+    return {"name": dep.spec.name, "namespace": dep.spec.namespace}
+
+
+# ---- ModelServing --------------------------------------------------------------------------------
+def render_model_serving(dep: Deployment) -> dict[str, Any]:
+    """The workers: one role per worker kind, ``workerReplicas: 0`` (one pod per instance)."""
+    pd = dep.spec.mode == "pd"
+    return {
+        "apiVersion": SERVING_API, "kind": "ModelServing", "metadata": _metadata(dep),
+        "spec": {
+            "schedulerName": "volcano",
+            "replicas": dep.num_groups,
+            # PD: a prefill and a decode worker pair up inside one group; recreate them together.
+            "recoveryPolicy": "ServingGroupRecreate" if pd else "RoleRecreate",
+            "template": {"roles": [_role(dep, role) for role in dep.roles]},
+        },
+    }
+
+
+def _role(dep: Deployment, role: Role) -> dict[str, Any]:
+    return {"name": role.name, "replicas": role.num_replicas, "workerReplicas": 0,
+            "entryTemplate": {"spec": _pod_spec(dep, role)}}
+
+
+def _pod_spec(dep: Deployment, role: Role) -> dict[str, Any]:
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    # The KV pool of a PD decode worker lives in POSIX shared memory; the container default
+    # /dev/shm (64 MiB) would not hold it.
+    shm_bytes = (dep.kv_cache_bytes if role.name == "decode" else 0) + GiB
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {
+        "medium": "Memory", "sizeLimit": f"{math.ceil(shm_bytes / GiB)}Gi"}}]
+    if dep.spec.checkpoint != "default":
+        mounts.append({"name": "model", "mountPath": dep.spec.checkpoint, "readOnly": True})
+        volumes.append({"name": "model", "hostPath": {"path": dep.spec.checkpoint,
+                                                      "type": "Directory"}})
+    container = {
+        "name": "worker", "image": dep.spec.image, **_command(dep, role),
+        "env": _env(dep, role),
+        "ports": [{"name": "http", "containerPort": dep.spec.port, "protocol": "TCP"}],
+        "resources": {"requests": _resources(dep), "limits": _resources(dep)},
+        **_probes(dep), "volumeMounts": mounts,
+    }
+    return {"containers": [container], "volumes": volumes,
+            "terminationGracePeriodSeconds": GRACE_PERIOD_S}
+
+
+def engine_fields(dep: Deployment) -> dict[str, Any]:
+    """The engine settings every worker gets (``EngineConfig`` field names)."""
+    return {"model": dep.spec.checkpoint, "device": dep.engine_device, "dtype": dep.engine_dtype,
+            "tp": dep.tp, "kv_cache_memory": _mib(dep.kv_cache_bytes),
+            "max_num_seqs": dep.max_num_seqs}
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{math.ceil(num_bytes / 2**20)}MiB"
+
+
+def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
+    port = str(dep.spec.port)
+    if role.name == "serve":
+        engine = engine_fields(dep)
+        return {"command": ["kthena"], "args": [
+            "serve", "--model", engine["model"], "--served-model-name", dep.spec.served_model_name,
+            "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
+            "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
+            "--kv-cache-memory", engine["kv_cache_memory"],
+            "--max-num-seqs", str(engine["max_num_seqs"])]}
+    compact = {"separators": (",", ":"), "sort_keys": True}
+    return {"command": ["python3", "-m", "kthena_serve.pd.worker"], "args": [
+        "--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
+        "--served-model-name", dep.spec.served_model_name, "--engine-config", json.dumps(engine_fields(dep), **compact),
+        "--pd-config", json.dumps({"transport": KV_CONNECTOR}, **compact),
+        "--mooncake-host", "$(POD_IP)"]}
+
+
+def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    if role.name != "serve":
+        env += [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": PD_SECRET_ENV, "valueFrom": {"secretKeyRef": {
+                "name": pd_secret_name(dep), "key": "secret"}}},
+        ]
+    rank = _rank_environment(dep)
+    return env + [{"name": k, "value": v} for k, v in sorted(rank.items())]
+
+
+def _rank_environment(dep: Deployment) -> dict[str, str]:
+    """What kthena-run would export for one worker's ranks: OpenMP threads and wait policy
+    (CPU), HCCL's connect timeout (Ascend). The layout variables (KTHENA_TP_SIZE ...) are left
+    out: the worker takes its layout from its flags."""
+    tp = dep.tp
+    cfg = load_config({"cluster": {"world_size": tp},
+                       "parallelism": {"tensor_parallel_size": tp}})
+    env = rank_environment(cfg, _BACKEND[dep.device_kind], tp, num_cpus=dep.cpu)
+    env = {k: v for k, v in env.items() if not k.startswith("KTHENA_")}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads
+    return env
+
+
+def _resources(dep: Deployment) -> dict[str, str]:
+    """Requests = limits: Guaranteed QoS, so the kubelet's static CPU manager policy (where
+    the nodes use it) gives the pod whole cores, which the worker sizes its threads to."""
+    res = {"cpu": str(dep.cpu), "memory": dep.memory}
+    if dep.num_devices_per_pod:
+        name = dep.spec.device_resource or DEVICE_RESOURCE[dep.device_kind]
+        res[name] = str(dep.num_devices_per_pod)
+    return res
+
+
+def _probes(dep: Deployment) -> dict[str, Any]:
+    get = {"httpGet": {"path": HEALTH_PATH, "port": dep.spec.port}}
+    return {
+        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": STARTUP_BUDGET_S // 10},
+        "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**get, "periodSeconds": 10, "failureThreshold": 6},
+    }
+
+
+# ---- ModelServer and ModelRoute ------------------------------------------------------------------
+def render_model_server(dep: Deployment) -> dict[str, Any]:
+    """What kthena-router routes to: the ModelServing's pods on the worker port."""
+    selector: dict[str, Any] = {"matchLabels": {NAME_LABEL: dep.spec.name}}
+    spec: dict[str, Any] = {
+        "model": dep.spec.served_model_name,
+        # The CRD offers vLLM or SGLang; the workers follow vLLM's conventions where they
+        # follow one (OpenAI API, /health).
+        "inferenceEngine": "vLLM",
+        "workloadSelector": selector,
+        "workloadPort": {"port": dep.spec.port, "protocol": "http"},
+    }
+    if dep.spec.mode == "pd":
+        selector["pdGroup"] = {"groupKey": GROUP_KEY,
+                               "prefillLabels": {ROLE_LABEL: "prefill"},
+                               "decodeLabels": {ROLE_LABEL: "decode"}}
+        spec["kvConnector"] = {"type": KV_CONNECTOR}
+    return {"apiVersion": NETWORKING_API, "kind": "ModelServer", "metadata": _metadata(dep),
+            "spec": spec}
+
+
+def render_model_route(dep: Deployment) -> dict[str, Any]:
+    """Requests for the served model name go to this deployment's ModelServer."""
+    return {"apiVersion": NETWORKING_API, "kind": "ModelRoute", "metadata": _metadata(dep),
+            "spec": {"modelName": dep.spec.served_model_name,
+                     "rules": [{"name": "default",
+                                "targetModels": [{"modelServerName": dep.spec.name}]}]}}
+
+
+# ---- YAML ----------------------------------------------------------------------------------------
+class _Dumper(yaml.SafeDumper):
+    """Writes a repeated sub-object in full each time: no ``&id001`` anchors for readers."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def to_yaml(manifests: list[dict[str, Any]], header: str = "") -> str:
+    """Multi-document YAML (``---`` between objects), keys in the order rendered."""
+    docs = [yaml.dump(m, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+            for m in manifests]
+    lines = "".join(f"# {line}\n" for line in header.splitlines())
+    return lines + "---\n".join(docs)

@@ -1,0 +1,186 @@
+"""From a `DeploySpec` to a `Deployment`: the planner's chosen layout, cut into worker pods.
+
+``plan_deployment`` runs `Planner.plan` on the spec's model, topology and workload and keeps
+its layout as is: one worker pod per replica (``dp`` of them), each running one engine over
+``tp`` devices. In PD mode the replicas are split into prefill and decode workers as the plan
+splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
+
+It refuses a plan the serving engine cannot run, saying which key to change: pipeline or
+sequence parallelism (the engine runs TP only), a TP group larger than one node (TP ranks are
+processes of one pod), and in PD mode ``tp > 1`` (a PD decode worker holds one whole KV pool,
+which a prefill worker writes; ``kthena serve --mode pd`` refuses ``--tp > 1`` for the same
+reason).
+
+Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
+
+* memory = the plan's per-device total (weights + KV + activations + reserve) x tp on a CPU;
+  on an accelerator, the worker's share of the weights (they pass through host memory while
+  loading) plus the plan's runtime reserve; rounded up to whole GiB.
+* cpu = 4 cores per TP rank (the engine's host threads; on a CPU, its compute threads).
+* the KV pool (``--kv-cache-memory``) and the running-sequence cap (``--max-num-seqs``) the
+  plan sized the memory for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from kthena_core.deploy.spec import DeployError, DeploySpec
+from kthena_core.planner import Plan, Planner, _decode_replicas
+
+__all__ = ["Deployment", "Role", "plan_deployment"]
+
+GiB = 1024**3
+CPUS_PER_RANK = 4
+ENGINE_DEVICE = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}
+_ENGINE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@attrs.frozen
+class Role:
+    """One ModelServing role: ``prefill``, ``decode`` or ``serve`` (colocated), and its pods."""
+
+    name: str
+    num_replicas: int
+
+
+@attrs.frozen
+class Deployment:
+    """Everything the manifests say, decided: the plan, the roles and each pod's size.
+
+    Attributes:
+        num_groups: ModelServing replicas (ServingGroups): ``dp`` colocated, 1 in PD mode.
+        roles: the roles of one group.
+        num_devices_per_pod: accelerators per worker pod (the plan's tp); 0 on a CPU.
+        kv_cache_bytes: KV pool per TP rank (the plan's per-device KV).
+        max_num_seqs: sequences one worker runs at once (what the plan sized KV for).
+    """
+
+    spec: DeploySpec
+    plan: Plan
+    device_kind: str
+    device_name: str
+    num_groups: int
+    roles: tuple[Role, ...]
+    cpu: int
+    memory: str
+    kv_cache_bytes: int
+    max_num_seqs: int
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp_size
+
+    @property
+    def engine_device(self) -> str:
+        return ENGINE_DEVICE[self.device_kind]
+
+    @property
+    def engine_dtype(self) -> str:
+        return _ENGINE_DTYPE[self.spec.workload.dtype]
+
+    @property
+    def num_devices_per_pod(self) -> int:
+        return 0 if self.device_kind == "cpu" else self.tp
+
+    def summary(self) -> str:
+        """One line: model, nodes, mode, layout and roles."""
+        lay = self.plan.chosen.layout
+        roles = " + ".join(f"{r.num_replicas} {r.name}" for r in self.roles)
+        groups = f"{self.num_groups} x ({roles})" if self.num_groups > 1 else roles
+        return (f"{self.spec.model.name} on {self.plan.topology_name}, mode {self.spec.mode}: "
+                f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp} on {self.plan.world_size} "
+                f"{self.device_name} device(s); pods: {groups}")
+
+
+def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deployment:
+    """Plan ``spec`` and cut the chosen layout into worker pods.
+
+    Raises:
+        DeployError: the plan needs something the serving engine cannot run; the message
+            names the deploy.yaml key to change.
+        NoFeasiblePlanError: nothing fits the topology (its message says why).
+    """
+    plan = (planner or Planner()).plan(spec.model, spec.topology, spec.workload)
+    kind, name = _device(spec, plan)
+    _check_engine_can_run(spec, plan)
+    if spec.mode == "pd":
+        num_groups, roles = 1, _pd_roles(spec, plan)
+    else:
+        num_groups, roles = plan.dp_size, (Role("serve", 1),)
+    mem = plan.chosen.memory
+    assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
+    tp = plan.tp_size
+    host_bytes = mem.total * tp if kind == "cpu" else mem.weights * tp + mem.reserve
+    return Deployment(
+        spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
+        roles=roles, cpu=spec.cpu or CPUS_PER_RANK * tp,
+        memory=spec.memory or f"{math.ceil(host_bytes / GiB)}Gi",
+        kv_cache_bytes=int(mem.kv_cache),
+        max_num_seqs=math.ceil(spec.workload.concurrency / _decode_replicas(spec.workload,
+                                                                             plan.chosen.layout)))
+
+
+def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
+    devices = spec.topology.devices
+    used = {(devices[i].spec.kind, devices[i].spec.name) for i in plan.device_ids}
+    if len(used) > 1:
+        raise _topology_error(spec, "mixes device types " + ", ".join(sorted(n for _, n in used)),
+                              "one device type (a pod template requests one kind of device)")
+    return used.pop()
+
+
+def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
+    lay = plan.chosen.layout
+    if lay.pp > 1 or lay.sp > 1:
+        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp}"
+                                    + (f" with SP{lay.sp}" if lay.sp > 1 else ""),
+                              "nodes where the plan needs no pipeline or sequence parallelism "
+                              "(the serving engine runs tensor parallelism only): larger "
+                              "devices or more of them per node")
+    per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
+    if lay.tp > per_node:
+        raise _topology_error(spec, f"gets the plan TP{lay.tp}, a TP group larger than a node's "
+                                    f"{per_node} device(s)",
+                              "nodes with at least as many devices as one TP group (a worker's "
+                              "TP ranks are processes of one pod)")
+    if spec.mode == "pd" and lay.tp > 1:
+        raise DeployError(
+            f"mode: got 'pd', but the plan gives each worker TP{lay.tp} "
+            f"({spec.model.name} on {plan.topology_name}); allowed: 'pd' only where the plan "
+            "runs each worker at tp=1 (a PD decode worker holds one whole KV pool, which its "
+            "prefill worker writes; `kthena serve --mode pd` refuses --tp > 1 too). Use mode: "
+            "colocated for this model and topology.")
+    if spec.workload.dtype not in _ENGINE_DTYPE:
+        raise DeployError(f"workload.dtype: got {spec.workload.dtype!r}; allowed: "
+                          f"{', '.join(_ENGINE_DTYPE)} (the dtypes the serving engine runs)")
+    if spec.workload.kv_dtype != spec.workload.dtype:
+        raise DeployError(f"workload.kv_dtype: got {spec.workload.kv_dtype!r}; allowed: "
+                          f"{spec.workload.dtype!r} (the serving engine keeps KV in the compute dtype)")
+
+
+def _topology_error(spec: DeploySpec, problem: str, allowed: str) -> DeployError:
+    return DeployError(f"topology: {spec.topology.name or spec.topology.source} {problem}; "
+                       f"allowed: {allowed}")
+
+
+def _pd_roles(spec: DeploySpec, plan: Plan) -> tuple[Role, ...]:
+    est = plan.chosen.estimate
+    assert est is not None
+    dp = plan.dp_size
+    prefill, decode = spec.num_prefill, spec.num_decode
+    if prefill is None and decode is None:
+        prefill, decode = est.prefill_replicas, est.decode_replicas
+    elif prefill is None:
+        prefill = dp - decode  # type: ignore[operator]
+    elif decode is None:
+        decode = dp - prefill
+    if prefill < 1 or decode < 1 or prefill + decode != dp:
+        raise DeployError(
+            f"num_prefill, num_decode: got {spec.num_prefill or 'plan'} + "
+            f"{spec.num_decode or 'plan'}; allowed: counts >= 1 that add up to the plan's "
+            f"{dp} instances (TP{plan.tp_size} x DP{dp}; the plan splits them "
+            f"{est.prefill_replicas} + {est.decode_replicas})")
+    return (Role("prefill", prefill), Role("decode", decode))

@@ -1,0 +1,307 @@
+"""deploy.yaml: what to deploy on which nodes, validated key by key into a `DeploySpec`.
+
+The smallest file names the objects, the nodes and the mode; the image can come from
+``--image``::
+
+    name: smollm2-pd        # name of every object rendered (a DNS label)
+    topology: cpu-host      # ONE node: a catalog node name or a topology YAML file
+    num_nodes: 2            # how many such nodes
+    mode: pd                # colocated (default) | pd
+
+Optional keys: ``image``, ``namespace`` (default), ``model`` (default: SmolLM2-135M-Instruct;
+anything ``kthena plan --model`` takes), ``checkpoint`` (the model folder on the nodes,
+mounted read-only into each pod; ``default`` = the default model baked into the image),
+``served_model_name`` (default: the model's name), ``device`` + ``devices`` (a catalog device
+and how many per node, instead of ``topology``), ``num_prefill`` / ``num_decode`` (``plan`` or
+a count; PD only), ``workload`` (`Workload` fields but ``mode``), ``port`` (8000),
+``resources: {cpu, memory}`` (per worker pod) and ``device_resource`` (the extended resource
+name of the devices, e.g. ``huawei.com/ascend-1980``).
+
+A bad file raises `DeployError` naming the key, the value and what is allowed; unknown keys
+are errors, with the nearest known key suggested.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from kthena_core.config import ConfigError
+from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
+from kthena_core.model_spec import ModelSpec
+from kthena_core.topology import Topology, from_catalog
+from kthena_core.workload import MODES, Workload
+
+__all__ = ["DeployError", "DeploySpec", "load_deploy_spec"]
+
+KEYS = ("name", "namespace", "image", "model", "checkpoint", "served_model_name", "topology",
+        "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "workload",
+        "port", "resources", "device_resource")
+_RESOURCE_KEYS = ("cpu", "memory")
+_WORKLOAD_KEYS = tuple(f.name for f in attrs.fields(Workload) if f.name != "mode")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_EXTENDED_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+class DeployError(ConfigError):
+    """A deploy.yaml value is missing, unknown, out of range, or the plan cannot be deployed."""
+
+
+@attrs.frozen
+class DeploySpec:
+    """A validated deploy.yaml, with its model and topology resolved.
+
+    Attributes:
+        num_prefill, num_decode: the PD split asked for; None means "as the plan splits".
+        cpu, memory: per worker pod; None means "from the plan" (see `plan_deployment`).
+        device_resource: None means the usual name for the device kind.
+    """
+
+    name: str
+    image: str
+    model: ModelSpec
+    topology: Topology
+    workload: Workload
+    served_model_name: str
+    namespace: str = "default"
+    checkpoint: str = "default"
+    num_prefill: int | None = None
+    num_decode: int | None = None
+    port: int = 8000
+    cpu: int | None = None
+    memory: str | None = None
+    device_resource: str | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.workload.mode
+
+
+def _fail(path: str, value: Any, allowed: str) -> DeployError:
+    return DeployError(f"{path}: got {value!r}; allowed: {allowed}")
+
+
+def _check_keys(data: Mapping[str, Any], allowed: tuple[str, ...], prefix: str = "") -> None:
+    for key in data:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise DeployError(f"{prefix}{key}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
+
+
+def _string(data: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if value is None:
+        raise DeployError(f"{key}: missing; it is required")
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(key, value, "a non-empty string")
+    return value
+
+
+def _dns_label(data: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = _string(data, key, default)
+    if len(value) > 63 or not _DNS_LABEL.match(value):
+        raise _fail(key, value, "a DNS label: at most 63 lowercase letters, digits and '-', "
+                                "starting and ending with a letter or digit")
+    return value
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(path, value, "an integer >= 1")
+    return value
+
+
+def _role_count(data: Mapping[str, Any], key: str, mode: str) -> int | None:
+    if key not in data:
+        return None
+    if mode != "pd":
+        raise _fail(key, data[key], "only with mode: pd (a colocated deployment has no roles to split)")
+    if data[key] == "plan":
+        return None
+    return _positive_int(data[key], key)
+
+
+def _workload(data: Mapping[str, Any], mode: str) -> Workload:
+    raw = data.get("workload") or {}
+    if not isinstance(raw, Mapping):
+        raise _fail("workload", raw, f"a mapping with keys {', '.join(_WORKLOAD_KEYS)}")
+    if "mode" in raw:
+        raise _fail("workload.mode", raw["mode"], "nothing: set mode at the top level")
+    _check_keys(raw, _WORKLOAD_KEYS, "workload.")
+    try:
+        return Workload(**raw, mode=mode)
+    except (ValueError, TypeError) as error:  # "workload concurrency must be > 0, got 0"
+        message = str(error).removeprefix("workload ")
+        raise DeployError(f"workload.{message}") from None
+
+
+def _resources(data: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    raw = data.get("resources") or {}
+    if not isinstance(raw, Mapping):
+        raise _fail("resources", raw, "a mapping with keys cpu, memory")
+    _check_keys(raw, _RESOURCE_KEYS, "resources.")
+    cpu = _positive_int(raw["cpu"], "resources.cpu") if "cpu" in raw else None
+    memory = raw.get("memory")
+    if memory is not None and (not isinstance(memory, str) or not _QUANTITY.match(memory)):
+        raise _fail("resources.memory", memory, "a Kubernetes quantity such as 64Gi or 512Mi")
+    return cpu, memory
+
+
+def _device_resource(data: Mapping[str, Any]) -> str | None:
+    value = data.get("device_resource")
+    if value is not None and (not isinstance(value, str) or not _EXTENDED_RESOURCE.match(value)):
+        raise _fail("device_resource", value, "an extended resource name such as "
+                                              "huawei.com/Ascend910 or nvidia.com/gpu")
+    return value
+
+
+def _checkpoint(data: Mapping[str, Any], model: ModelSpec, model_key: str) -> str:
+    if "checkpoint" not in data:
+        if model_key.lower() in ("default", DEFAULT_MODEL):
+            return "default"
+        raise DeployError(f"checkpoint: missing; model {model_key!r} has no weights in the "
+                          "image: give the absolute path of its checkpoint folder on the nodes "
+                          "(config.json, *.safetensors, tokenizer.json), mounted read-only into "
+                          "each pod")
+    value = _string(data, "checkpoint")
+    if value != "default" and not value.startswith("/"):
+        raise _fail("checkpoint", value, "'default' or an absolute path on the nodes")
+    return value
+
+
+def _image(data: Mapping[str, Any], override: str | None) -> str:
+    value = override if override is not None else data.get("image")
+    if value is None:
+        raise DeployError("image: missing; give image: in the deploy config or --image "
+                          "(the worker image built from deploy/Dockerfile)")
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
+        raise _fail("image", value, "an image reference without spaces, e.g. "
+                                    "registry.example.com/kthena-worker:0.1.0")
+    return value
+
+
+def _model(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec, str]:
+    key = _string(data, "model", "default")
+    local = os.path.join(base_dir, os.path.expanduser(key))
+    named = key.lower() in ("default", *KNOWN_CONFIGS)  # names win over paths, as in kthena plan
+    try:
+        return load_model_spec(local if not named and os.path.exists(local) else key), key
+    except (ValueError, FileNotFoundError) as error:
+        raise DeployError(f"model: {error}") from None
+
+
+def _topology(data: Mapping[str, Any], base_dir: str) -> Topology:
+    num_nodes = _positive_int(data["num_nodes"], "num_nodes") if "num_nodes" in data else None
+    if ("topology" in data) == ("device" in data):
+        raise DeployError("topology, device: give exactly one: topology (a catalog node name "
+                          "or a topology YAML file describing one node) or device + devices "
+                          "(a catalog device and how many per node)")
+    if "device" in data:
+        return _device_topology(data, num_nodes or 1)
+    if "devices" in data:
+        raise _fail("devices", data["devices"], "only with device (topology: describes its own devices)")
+    spec = _string(data, "topology")
+    try:
+        if spec.endswith((".yaml", ".yml")):
+            return _file_topology(os.path.join(base_dir, os.path.expanduser(spec)), num_nodes)
+        if spec == "auto":
+            raise _fail("topology", spec, "a catalog node name or a topology file: 'auto' "
+                                          "discovers this machine, not the cluster's nodes")
+        return from_catalog(spec, num_nodes or 1)
+    except DeployError:
+        raise
+    except (ValueError, KeyError) as error:  # TopologyError, UnknownHardwareError
+        message = error.args[0] if error.args else str(error)
+        raise DeployError(f"topology: {message}") from None
+
+
+def _device_topology(data: Mapping[str, Any], num_nodes: int) -> Topology:
+    device = _string(data, "device")
+    per_node = _positive_int(data.get("devices", 1), "devices")
+    node = {"device": device, "devices": per_node, "count": num_nodes}
+    try:
+        return Topology.from_dict({"name": f"{num_nodes}x{per_node}x{device}", "nodes": [node]},
+                                  origin="deploy.yaml device")
+    except (ValueError, KeyError) as error:
+        raise DeployError(f"device: {error.args[0] if error.args else error}") from None
+
+
+def _file_topology(path: str, num_nodes: int | None) -> Topology:
+    """The file's nodes; with ``num_nodes``, its one node repeated that many times."""
+    if num_nodes is None:
+        return Topology.from_yaml(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as error:
+        raise DeployError(f"topology: cannot read {path}: {error}") from None
+    nodes = raw.get("nodes") if isinstance(raw, Mapping) else None
+    if not isinstance(nodes, list) or not nodes:
+        return Topology.from_yaml(path)  # its own error names what is wrong
+    counts = [n.get("count", 1) if isinstance(n, Mapping) else 1 for n in nodes]
+    if len(nodes) > 1 or counts[0] != 1:
+        if sum(counts) == num_nodes:
+            return Topology.from_yaml(path)
+        raise _fail("num_nodes", num_nodes, f"nothing, or {sum(counts)}: {path} already lists "
+                                            f"{sum(counts)} nodes (give a one-node topology to repeat)")
+    name = raw.get("name") or Path(path).stem
+    data = {**raw, "name": f"{num_nodes}x{name}", "nodes": [{**nodes[0], "count": num_nodes}]}
+    return Topology.from_dict(data, origin=path)
+
+
+def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
+                     image: str | None = None) -> DeploySpec:
+    """Read and validate a deploy.yaml (a path, or an already-parsed mapping).
+
+    Relative ``topology`` and ``model`` paths resolve against the file's folder.
+
+    Args:
+        image: overrides the file's ``image`` (``--image``).
+
+    Raises:
+        DeployError: unreadable file, unknown key, bad value; the message names the key.
+    """
+    base_dir = os.getcwd()
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = os.fspath(source)
+        base_dir = os.path.dirname(os.path.abspath(path))
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise DeployError(f"deploy config not found: {path}") from None
+        except yaml.YAMLError as error:
+            raise DeployError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, Mapping):
+        raise _fail("<top level>", data, f"a mapping with keys {', '.join(KEYS)}")
+    _check_keys(data, KEYS)
+    mode = _string(data, "mode", "colocated")
+    if mode not in MODES:
+        raise _fail("mode", mode, " or ".join(MODES))
+    model, model_key = _model(data, base_dir)
+    served = _string(data, "served_model_name", model.name)
+    if len(served) > 256:
+        raise _fail("served_model_name", served, "at most 256 characters (ModelServer.spec.model)")
+    port = data.get("port", 8000)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise _fail("port", port, "a TCP port in 1..65535")
+    cpu, memory = _resources(data)
+    return DeploySpec(
+        name=_dns_label(data, "name"), image=_image(data, image), model=model,
+        topology=_topology(data, base_dir),
+        workload=_workload(data, mode), namespace=_dns_label(data, "namespace", "default"),
+        checkpoint=_checkpoint(data, model, model_key), served_model_name=served,
+        num_prefill=_role_count(data, "num_prefill", mode),
+        num_decode=_role_count(data, "num_decode", mode), port=port, cpu=cpu, memory=memory,
+        device_resource=_device_resource(data))

@@ -1,0 +1,284 @@
+"""`kthena deploy k8s`: manifests valid under Kthena's CRDs, laid out as the plan says.
+
+Every rendered object is validated against the ``openAPIV3Schema`` of its CRD (copied from
+volcano-sh/kthena into data/kthena_crds/) with `jsonschema`, and walked for keys the schema
+does not define (the API server's strict field validation would reject those; plain JSON Schema
+lets them through). The two documented deployments are pinned byte for byte to the files
+docs/kthena.md shows.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kthena_core.cli import main
+from kthena_core.deploy import (
+    DeployError,
+    load_deploy_spec,
+    plan_deployment,
+    render_manifests,
+    to_yaml,
+)
+from kthena_core.deploy.cli import header
+from kthena_core.planner import Planner
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = Path(__file__).parent / "data" / "kthena_crds"
+DOCS = ROOT / "docs" / "deploy"
+ATLAS = str(ROOT / "docs" / "examples" / "atlas-800t-a2.yaml")
+CRD_FILES = {
+    "ModelServing": "workload.serving.volcano.sh_modelservings.yaml",
+    "ModelServer": "networking.serving.volcano.sh_modelservers.yaml",
+    "ModelRoute": "networking.serving.volcano.sh_modelroutes.yaml",
+}
+PD_CPU = {"name": "smollm2-pd", "image": "kthena-worker:test", "topology": "cpu-host",
+          "num_nodes": 2, "mode": "pd"}
+LLAMA_ATLAS = {"name": "llama-2-70b", "image": "kthena-worker:test", "model": "llama-2-70b",
+               "checkpoint": "/mnt/models/Llama-2-70b-hf", "topology": ATLAS, "num_nodes": 2}
+
+
+@functools.cache
+def crd(kind: str) -> tuple[str, dict[str, Any]]:
+    """(apiVersion, openAPIV3Schema) of the CRD's one served version."""
+    with open(CRDS / CRD_FILES[kind], encoding="utf-8") as f:
+        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (version,) = doc["spec"]["versions"]
+    return f"{doc['spec']['group']}/{version['name']}", version["schema"]["openAPIV3Schema"]
+
+
+def unknown_keys(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Keys in ``value`` that ``schema`` does not declare (where it declares its keys)."""
+    found = []
+    if isinstance(value, dict) and "properties" in schema:
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                found.append(f"{path}.{key}")
+            else:
+                found += unknown_keys(item, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key, item in value.items():
+            found += unknown_keys(item, schema["additionalProperties"], f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            found += unknown_keys(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def check_against_crd(manifest: dict[str, Any]) -> None:
+    api_version, schema = crd(manifest["kind"])
+    assert manifest["apiVersion"] == api_version
+    jsonschema.Draft7Validator(schema).validate(manifest)
+    assert unknown_keys(manifest, schema) == []
+
+
+def render(data: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    dep = plan_deployment(load_deploy_spec(data))
+    return dep, render_manifests(dep)
+
+
+def pods(serving: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """role name -> its pod's one container."""
+    return {r["name"]: r["entryTemplate"]["spec"]["containers"][0]
+            for r in serving["spec"]["template"]["roles"]}
+
+
+# ---- schema ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("data", [
+    PD_CPU,
+    LLAMA_ATLAS,
+    {**PD_CPU, "mode": "colocated", "name": "smollm2"},
+    {**PD_CPU, "num_nodes": 3, "num_decode": 2, "port": 9000, "namespace": "serving"},
+    {"name": "llama-3-8b-h100", "image": "kthena-worker:cuda", "model": "llama-3-8b",
+     "checkpoint": "/models/llama-3-8b", "topology": "dgx-h100",
+     "resources": {"cpu": 16, "memory": "96Gi"}},
+    {**LLAMA_ATLAS, "device_resource": "huawei.com/ascend-1980"},
+], ids=["pd-cpu", "llama-2-70b-2x8-910b", "colocated-cpu", "pd-1p2d-port", "h100", "ascend-1980"])
+def test_every_manifest_validates_against_its_crd(data):
+    _, manifests = render(data)
+    assert [m["kind"] for m in manifests] == ["ModelServing", "ModelServer", "ModelRoute"]
+    for manifest in manifests:
+        check_against_crd(manifest)
+
+
+def test_the_strict_walk_catches_a_misspelt_key():
+    _, (serving, _, _) = render(PD_CPU)
+    container = serving["spec"]["template"]["roles"][0]["entryTemplate"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    jsonschema.Draft7Validator(crd("ModelServing")[1]).validate(serving)  # lets it through
+    assert unknown_keys(serving, crd("ModelServing")[1]) == [
+        ".spec.template.roles[0].entryTemplate.spec.containers[0].readinesProbe"]
+
+
+# ---- the plan's layout ----------------------------------------------------------------------------
+def test_pd_on_cpu_runs_the_plan_split_as_prefill_and_decode_workers():
+    dep, (serving, server, route) = render(PD_CPU)
+    plan = dep.plan
+    assert (plan.tp_size, plan.dp_size) == (1, 2)
+    est = plan.chosen.estimate
+    roles = {r["name"]: r["replicas"] for r in serving["spec"]["template"]["roles"]}
+    assert roles == {"prefill": est.prefill_replicas, "decode": est.decode_replicas}
+    assert serving["spec"]["replicas"] == 1 and sum(roles.values()) == plan.dp_size
+    for role, container in pods(serving).items():
+        assert container["command"] == ["python3", "-m", "kthena_serve.pd.worker"]
+        args = container["args"]
+        assert args[args.index("--role") + 1] == role
+        assert '"tp":1' in args[args.index("--engine-config") + 1]
+        assert "0.0.0.0" in args and "$(POD_IP)" in args
+        assert not any(name.startswith(("nvidia.com", "huawei.com"))
+                       for name in container["resources"]["limits"])
+        secret = next(e for e in container["env"] if e["name"] == "KTHENA_PD_SECRET")
+        assert secret["valueFrom"]["secretKeyRef"] == {"name": "smollm2-pd-pd-secret",
+                                                       "key": "secret"}
+        assert {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"} in container["env"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    group = server["spec"]["workloadSelector"]["pdGroup"]
+    assert group["prefillLabels"] == {"modelserving.volcano.sh/role": "prefill"}
+    assert group["decodeLabels"] == {"modelserving.volcano.sh/role": "decode"}
+    assert server["spec"]["kvConnector"] == {"type": "mooncake"}
+    assert route["spec"]["rules"][0]["targetModels"] == [{"modelServerName": "smollm2-pd"}]
+
+
+def test_llama_70b_on_two_atlas_nodes_runs_the_plans_tp_and_replicas():
+    dep, (serving, server, route) = render(LLAMA_ATLAS)
+    plan = Planner().plan(dep.spec.model, dep.spec.topology, dep.spec.workload)
+    assert dep.spec.topology.num_devices == 16 and dep.spec.topology.num_nodes == 2
+    assert (dep.tp, dep.plan.dp_size) == (plan.tp_size, plan.dp_size) == (8, 2)
+    assert serving["spec"]["replicas"] == plan.dp_size
+    (container,) = pods(serving).values()
+    args = container["args"]
+    assert container["command"] == ["kthena"] and args[0] == "serve"
+    assert args[args.index("--tp") + 1] == str(plan.tp_size)
+    assert args[args.index("--device") + 1] == "npu"
+    assert container["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert {"name": "HCCL_CONNECT_TIMEOUT", "value": "600"} in container["env"]
+    assert "pdGroup" not in server["spec"]["workloadSelector"]
+    assert "kvConnector" not in server["spec"]
+    assert route["spec"]["modelName"] == server["spec"]["model"] == "llama-2-70b"
+
+
+def test_kv_pool_and_sequence_cap_are_what_the_plan_sized():
+    dep, (serving, _, _) = render(LLAMA_ATLAS)
+    args = pods(serving)["serve"]["args"]
+    mem = dep.plan.chosen.memory
+    assert args[args.index("--kv-cache-memory") + 1] == f"{-(-int(mem.kv_cache) // 2**20)}MiB"
+    assert args[args.index("--max-num-seqs") + 1] == str(32 // dep.plan.dp_size)
+
+
+def test_an_explicit_pd_split_must_cover_the_plans_instances():
+    dep, (serving, _, _) = render({**PD_CPU, "num_nodes": 3, "num_prefill": 1})
+    assert dep.plan.dp_size == 3
+    assert {r["name"]: r["replicas"] for r in serving["spec"]["template"]["roles"]} == {
+        "prefill": 1, "decode": 2}
+
+
+# ---- bad deploy.yaml ------------------------------------------------------------------------------
+BAD = [
+    ({"num_node": 2}, "num_node: unknown key (did you mean 'num_nodes'?)"),
+    ({"mode": "disagg"}, "mode: got 'disagg'; allowed: colocated or pd"),
+    ({"name": "SmolLM2"}, "name: got 'SmolLM2'; allowed: a DNS label"),
+    ({"port": 70000}, "port: got 70000; allowed: a TCP port in 1..65535"),
+    ({"num_nodes": 0}, "num_nodes: got 0; allowed: an integer >= 1"),
+    ({"mode": "colocated", "num_prefill": 1}, "num_prefill: got 1; allowed: only with mode: pd"),
+    ({"num_prefill": 1, "num_decode": 2},
+     "num_prefill, num_decode: got 1 + 2; allowed: counts >= 1 that add up to the plan's 2"),
+    ({"num_decode": "two"}, "num_decode: got 'two'; allowed: an integer >= 1"),
+    ({"device": "cpu-generic"}, "topology, device: give exactly one"),
+    ({"topology": "auto"}, "topology: got 'auto'; allowed: a catalog node name or a topology file"),
+    ({"topology": "atlas-800t-a9"}, "topology: unknown node or device 'atlas-800t-a9'"),
+    ({"image": None}, "image: missing; give image: in the deploy config or --image"),
+    ({"model": "llama-2-70b"}, "checkpoint: missing; model 'llama-2-70b' has no weights"),
+    ({"checkpoint": "models/smollm2"}, "checkpoint: got 'models/smollm2'; allowed: 'default' or an absolute path"),
+    ({"model": "gpt-5"}, "model: unknown model 'gpt-5'"),
+    ({"workload": {"mode": "pd"}}, "workload.mode: got 'pd'; allowed: nothing: set mode at the top level"),
+    ({"workload": {"concurency": 8}}, "workload.concurency: unknown key (did you mean 'concurrency'?)"),
+    ({"workload": {"concurrency": 0}}, "workload.concurrency must be > 0, got 0"),
+    ({"workload": {"dtype": "int8"}}, "workload.dtype: got 'int8'; allowed: bf16, fp16, fp32"),
+    ({"workload": {"kv_dtype": "fp8"}}, "workload.kv_dtype: got 'fp8'; allowed: 'bf16'"),
+    ({"resources": {"memory": "lots"}}, "resources.memory: got 'lots'; allowed: a Kubernetes quantity"),
+    ({"resources": {"gpu": 1}}, "resources.gpu: unknown key"),
+    ({"device_resource": "Ascend910"}, "device_resource: got 'Ascend910'; allowed: an extended resource name"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_a_bad_key_is_named_with_its_value_and_what_is_allowed(change, message):
+    data = {k: v for k, v in {**PD_CPU, **change}.items() if v is not None}
+    with pytest.raises(DeployError) as error:
+        plan_deployment(load_deploy_spec(data))
+    assert message in str(error.value)
+
+
+def test_pd_refuses_a_plan_with_tp_per_worker():
+    with pytest.raises(DeployError, match=r"mode: got 'pd', but the plan gives each worker TP8"):
+        render({**LLAMA_ATLAS, "mode": "pd"})
+
+
+def test_a_tp_group_larger_than_a_node_is_refused():
+    data = {**LLAMA_ATLAS, "topology": None, "device": "ascend-910b3", "devices": 2,
+            "num_nodes": 8}
+    with pytest.raises(DeployError, match=r"a TP group larger than a node's 2 device"):
+        render({k: v for k, v in data.items() if v is not None})
+
+
+def test_num_nodes_cannot_contradict_a_multi_node_topology_file(tmp_path):
+    topo = tmp_path / "two.yaml"
+    topo.write_text("nodes:\n  - {node: atlas-800t-a2, count: 2}\n", encoding="utf-8")
+    with pytest.raises(DeployError, match=r"num_nodes: got 3; allowed: nothing, or 2"):
+        load_deploy_spec({**LLAMA_ATLAS, "topology": str(topo), "num_nodes": 3})
+    assert load_deploy_spec({**LLAMA_ATLAS, "topology": str(topo), "num_nodes": 2}
+                            ).topology.num_devices == 16
+
+
+# ---- the command ----------------------------------------------------------------------------------
+def write_config(tmp_path: Path, data: dict[str, Any]) -> str:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return str(path)
+
+
+def test_cli_prints_one_yaml_stream(tmp_path, capsys):
+    assert main(["deploy", "k8s", "--config", write_config(tmp_path, PD_CPU),
+                 "--image", "other:1"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ModelServing", "ModelServer", "ModelRoute"]
+    assert {c["image"] for c in pods(docs[0]).values()} == {"other:1"}
+
+
+def test_cli_writes_one_file_per_object(tmp_path, capsys):
+    out = tmp_path / "manifests"
+    assert main(["deploy", "k8s", "--config", write_config(tmp_path, PD_CPU), "--out",
+                 str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["modelroute.yaml", "modelserver.yaml",
+                                                    "modelserving.yaml"]
+    for path in out.iterdir():
+        check_against_crd(yaml.safe_load(path.read_text(encoding="utf-8")))
+
+
+def test_cli_error_names_the_key_without_a_traceback(tmp_path, capsys):
+    assert main(["deploy", "k8s", "--config", write_config(tmp_path, {**PD_CPU, "mode": "x"})]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kthena deploy: error: mode: got 'x'") and "Traceback" not in err
+
+
+def test_relative_topology_resolves_against_the_config_folder():
+    spec = load_deploy_spec(DOCS / "llama-2-70b-atlas.yaml")
+    assert spec.topology.num_devices == 16
+
+
+# ---- the documented deployments -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["smollm2-pd", "llama-2-70b-atlas"])
+def test_docs_show_what_the_command_renders_today(name):
+    dep = plan_deployment(load_deploy_spec(DOCS / f"{name}.yaml"))
+    rendered = (DOCS / f"{name}.rendered.yaml").read_text(encoding="utf-8")
+    assert rendered == to_yaml(render_manifests(dep), header(dep)), (
+        f"regenerate: kthena deploy k8s --config docs/deploy/{name}.yaml > "
+        f"docs/deploy/{name}.rendered.yaml")
+    for manifest in yaml.safe_load_all(rendered):
+        check_against_crd(manifest)

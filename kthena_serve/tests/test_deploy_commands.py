@@ -1,0 +1,102 @@
+"""The commands `kthena deploy k8s` puts in its pods are this layer's real entry points.
+
+kthena_core renders the manifests but may not import kthena_serve, so the check that each
+rendered command parses, with the very parser its entry point uses, and builds a valid engine
+config, lives here. Kubernetes expands ``$(POD_NAME)`` / ``$(POD_IP)`` from the container's env
+before the process starts; the test does the same.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import entry_points
+from importlib.util import find_spec
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from fastapi import FastAPI
+
+from kthena_core.cli import build_parser
+from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_serving
+from kthena_core.deploy.k8s import HEALTH_PATH, PD_SECRET_ENV
+from kthena_serve.cli import _cmd_serve
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd import worker
+from kthena_serve.pd.auth import SECRET_ENV
+from kthena_serve.pd.config import PDConfig, Transport
+from kthena_serve.serve_args import engine_config
+
+ATLAS = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "atlas-800t-a2.yaml")
+PD_CPU = {"name": "smollm2-pd", "image": "kthena-worker:test", "topology": "cpu-host",
+          "num_nodes": 2, "mode": "pd"}
+COLOCATED_CPU = {**PD_CPU, "name": "smollm2", "mode": "colocated"}
+LLAMA_ATLAS = {"name": "llama-2-70b", "image": "kthena-worker:test", "model": "llama-2-70b",
+               "checkpoint": "/mnt/models/Llama-2-70b-hf", "topology": ATLAS, "num_nodes": 2}
+POD = {"POD_NAME": "smollm2-pd-0-decode-0-0", "POD_IP": "10.1.2.3"}
+
+
+def containers(data: dict) -> dict[str, dict]:
+    serving = render_model_serving(plan_deployment(load_deploy_spec(data)))
+    return {r["name"]: r["entryTemplate"]["spec"]["containers"][0]
+            for r in serving["spec"]["template"]["roles"]}
+
+
+def expand(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        for name, value in POD.items():
+            arg = arg.replace(f"$({name})", value)
+        out.append(arg)
+    return out
+
+
+def test_pd_workers_parse_with_the_worker_parser_and_build_valid_configs():
+    for role, container in containers(PD_CPU).items():
+        program, flag, module = container["command"]
+        assert (program, flag) == ("python3", "-m") and find_spec(module) is not None
+        assert module == worker.__name__
+        args = worker._parse(expand(container["args"]))
+        assert (args.role, args.host, args.port) == (role, "0.0.0.0", 8000)
+        assert args.name == POD["POD_NAME"] and args.mooncake_host == POD["POD_IP"]
+        assert args.served_model_name == "smollm2-135m-instruct"
+        config = EngineConfig(**json.loads(args.engine_config))
+        assert (config.model, config.device, config.tp) == ("default", "cpu", 1)
+        assert PDConfig(**json.loads(args.pd_config)).transport is Transport.MOONCAKE
+
+
+@pytest.mark.parametrize("data", [COLOCATED_CPU, LLAMA_ATLAS], ids=["cpu", "llama-2-70b-910b"])
+def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data):
+    (container,) = containers(data).values()
+    assert container["command"] == ["kthena"]
+    (script,) = entry_points(group="console_scripts", name="kthena")
+    assert script.value == "kthena_core.cli:main"
+    args = build_parser().parse_args(expand(container["args"]))
+    assert args.func is _cmd_serve
+    assert (args.host, args.port, args.mode) == ("0.0.0.0", 8000, "colocated")
+    config = engine_config(args)  # the same check `kthena serve` runs before loading anything
+    assert config.tp == int(container["args"][container["args"].index("--tp") + 1])
+
+
+def test_llama_pods_ask_the_engine_for_the_plans_tp_on_the_npu():
+    (container,) = containers(LLAMA_ATLAS).values()
+    config = engine_config(build_parser().parse_args(container["args"]))
+    assert (config.tp, config.device, config.model) == (8, "npu", "/mnt/models/Llama-2-70b-hf")
+
+
+def test_the_secret_travels_in_the_variable_the_pd_auth_reads():
+    assert PD_SECRET_ENV == SECRET_ENV
+    for container in containers(PD_CPU).values():
+        assert SECRET_ENV in {e["name"] for e in container["env"]}
+        assert SECRET_ENV not in " ".join(container["args"])
+
+
+def test_the_probed_path_is_served_by_both_kinds_of_worker():
+    from kthena_serve.pd.server import _common_routes
+    from kthena_serve.server import build_app
+
+    pd_app = FastAPI()
+    _common_routes(pd_app, lambda: b"", lambda: True)
+    assert HEALTH_PATH in {route.path for route in pd_app.routes}
+    app = build_app(mock.MagicMock(), model_name="m")
+    assert HEALTH_PATH in {route.path for route in app.routes}
