@@ -18,12 +18,13 @@ _EXPORTS = {
     "LayoutError": "errors", "PeerUnreachableError": "errors", "RankEnvError": "errors",
     "TransferError": "errors", "TransferTimeoutError": "errors",
     "UnknownBackendError": "errors", "UnregisteredRangeError": "errors",
+    "TransportUnavailableError": "errors",
     "ParallelConfig": "layout", "ParallelLayout": "layout", "Rank": "layout",
     "group_ranks": "layout", "RankEnv": "env",
     "DeviceBackend": "device", "backend_for_device": "device",
     "register_device_backend": "device",
     "CommGroup": "groups", "GroupConfig": "groups", "ParallelGroups": "groups",
-    "init_parallel_groups": "groups", "PeerCheck": "groups",
+    "init_parallel_groups": "groups", "PeerCheck": "groups", "hccl_comm_name": "hccl",
     "Handle": "collectives", "all_gather": "collectives", "all_reduce": "collectives",
     "all_to_all": "collectives", "barrier": "collectives", "broadcast": "collectives",
     "recv": "collectives", "reduce_scatter": "collectives", "send": "collectives",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "MemoryHandle": "transfer", "TransferEngine": "transfer", "TransferFuture": "transfer",
     "TransferOp": "transfer", "create_engine": "transfer", "available_backends": "transfer",
     "TransferBatch": "transfer", "Notification": "transfer", "Notifier": "transfer",
+    "MemoryLocation": "transfer", "DeviceBuffer": "transfer",
 }
 
 __all__ = sorted(_EXPORTS)

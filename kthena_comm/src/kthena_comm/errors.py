@@ -68,6 +68,20 @@ class UnregisteredRangeError(TransferError, ValueError):
     """A local or remote byte range is not inside memory registered for transfer."""
 
 
+class TransportUnavailableError(CommError, ValueError):
+    """A backend cannot move this memory (or run this transport) as installed; says what is missing.
+
+    Raised at registration (device memory on a host-only backend, cuda / npu memory on a Mooncake
+    wheel built without that transport) and when an engine is configured for a transport the
+    installed library lacks, before anything is initialised.
+    """
+
+    def __init__(self, backend: str, what: str, reason: str) -> None:
+        self.backend = backend
+        self.what = what
+        super().__init__(f"{backend}: cannot use {what}: {reason}")
+
+
 class EngineClosedError(CommError, ValueError):
     """An operation was attempted on a closed transfer engine."""
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from kthena_comm.device import backend_for_device, device_backend
 from kthena_comm.env import RankEnv
 from kthena_comm.errors import InitError, LayoutError
+from kthena_comm.hccl import hccl_comm_name
 from kthena_comm.layout import (
     GroupKind,
     ParallelLayout,
@@ -53,12 +54,15 @@ class CommGroup:
     """One process group seen from one rank: its kind, members and torch handle.
 
     ``process_group`` is ``None`` for a single-rank group (collectives on it are local no-ops).
+    ``hccl_comm_name`` is the group's HCCL communicator name (hccl backend only), which CANN's
+    fused matmul + collective (MC2) kernels take; see ``kthena_comm.hccl``.
     """
 
     kind: str
     ranks: tuple[Rank, ...]
     rank: Rank
     process_group: Any = attrs.field(default=None, eq=False, repr=False)
+    hccl_comm_name: str | None = None
 
     @property
     def size(self) -> int:
@@ -117,8 +121,21 @@ def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
                       dist.group.WORLD)
     kinds = {kind: _build_kind(layout, kind, world) for kind in ("tp", "pp", "dp")}
     sp = kinds["tp"] if layout.sp_size > 1 else _single(world, "sp")
-    return ParallelGroups(backend, world, kinds["tp"], kinds["pp"], kinds["dp"],
-                          attrs.evolve(sp, kind="sp"))
+    groups = ParallelGroups(backend, world, kinds["tp"], kinds["pp"], kinds["dp"],
+                            attrs.evolve(sp, kind="sp"))
+    return with_hccl_names(groups) if backend == "hccl" else groups
+
+
+def with_hccl_names(groups: ParallelGroups, device: Any = None) -> ParallelGroups:
+    """``groups`` with each multi-rank group's HCCL communicator name filled in."""
+    def named(group: CommGroup) -> CommGroup:
+        if group.process_group is None:
+            return group
+        return attrs.evolve(group, hccl_comm_name=hccl_comm_name(group.process_group,
+                                                                 int(group.rank), device))
+
+    return attrs.evolve(groups, world=named(groups.world), tp=named(groups.tp),
+                        pp=named(groups.pp), dp=named(groups.dp), sp=named(groups.sp))
 
 
 def connect_store(env: RankEnv, timeout_s: float, *,

@@ -7,6 +7,12 @@ hccl | nccl | gloo), and on CPU one OpenMP thread pool per rank sized to its sha
 with ``OMP_WAIT_POLICY=PASSIVE`` (spin-waiting pools on shared cores collapse throughput).
 torchrun itself sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT per rank.
 
+On Ascend (backend hccl) it also exports HCCL's launch variables (``kthena_core.hccl_env``):
+HCCL_CONNECT_TIMEOUT always, HCCL_IF_IP / HCCL_SOCKET_IFNAME / RANK_TABLE_FILE when given (by
+flag or by the user's environment), and refuses a launch they do not fit, saying why: several
+nodes with neither NIC variable, an HCCL_IF_IP that is not this host's, a NIC name that matches
+nothing here, a rank table that is missing or lists another number of devices.
+
 torch is imported lazily, only to hand over to torchrun, so kthena_core stays torch-free.
 
 Example::
@@ -25,6 +31,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kthena_core.config import ConfigError, KthenaConfig, load_config
+from kthena_core.hccl_env import HcclSettings, check_hccl, hccl_environment
 
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
 
@@ -42,8 +49,13 @@ def detect_backend() -> str:
 
 
 def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
-                     num_cpus: int | None = None) -> dict[str, str]:
-    """Environment variables common to every rank this launcher starts."""
+                     num_cpus: int | None = None, hccl: HcclSettings | None = None
+                     ) -> dict[str, str]:
+    """Environment variables common to every rank this launcher starts.
+
+    ``hccl``: HCCL's variables (backend hccl); None keeps only a user's HCCL_CONNECT_TIMEOUT
+    (default 600 s), since addresses of the machine that writes a manifest are not the pods'.
+    """
     par = cfg.parallelism
     env = {
         "KTHENA_TP_SIZE": str(par.tensor_parallel_size),
@@ -57,9 +69,19 @@ def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, nproc_per_node)))
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if backend == "hccl":
-        # HCCL reads its own variables (HCCL_IF_IP, HCCL_CONNECT_TIMEOUT ...); keep a user's values.
-        env.setdefault("HCCL_CONNECT_TIMEOUT", os.environ.get("HCCL_CONNECT_TIMEOUT", "600"))
+        if hccl is None:
+            timeout = os.environ.get("HCCL_CONNECT_TIMEOUT")
+            hccl = HcclSettings.from_environ({"HCCL_CONNECT_TIMEOUT": timeout} if timeout else {})
+        env.update(hccl_environment(hccl))
     return env
+
+
+def hccl_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> HcclSettings:
+    """HCCL's variables from the user's environment, flags taking precedence."""
+    return HcclSettings.from_environ(environ, if_ip=args.hccl_if_ip,
+                                     socket_ifname=args.hccl_socket_ifname,
+                                     connect_timeout_s=args.hccl_connect_timeout,
+                                     rank_table_file=args.rank_table_file)
 
 
 def torchrun_argv(cfg: KthenaConfig, args: argparse.Namespace) -> list[str]:
@@ -106,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="tensor-parallel size without a config file")
     p.add_argument("--pp", type=int, help="pipeline-parallel size without a config file")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
+    hccl = p.add_argument_group("HCCL (backend hccl; default: the same variables in the environment)")
+    hccl.add_argument("--hccl-if-ip", help="HCCL_IF_IP: this node's address towards the others")
+    hccl.add_argument("--hccl-socket-ifname", help="HCCL_SOCKET_IFNAME: NIC names, e.g. '=eth0'")
+    hccl.add_argument("--hccl-connect-timeout", type=int,
+                      help="HCCL_CONNECT_TIMEOUT seconds, 120..7200 (default 600)")
+    hccl.add_argument("--rank-table-file", help="RANK_TABLE_FILE for rank-table launches")
     p.add_argument("--dry-run", action="store_true", help="print the environment and torchrun argv, run nothing")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -122,7 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     backend = detect_backend() if args.backend == "auto" else args.backend
     nproc = int(run_argv[2].split("=")[1])
-    env = rank_environment(cfg, backend, nproc)
+    try:
+        hccl = _checked_hccl(args, cfg, backend, int(run_argv[0].split("=")[1]))
+    except ConfigError as e:
+        print(f"kthena-run: error: {e}", file=sys.stderr)
+        return 2
+    env = rank_environment(cfg, backend, nproc, hccl=hccl)
     if args.dry_run:
         for k, v in sorted(env.items()):
             print(f"{k}={v}")
@@ -136,6 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torchrun.main(run_argv)
     return 0
+
+
+def _checked_hccl(args: argparse.Namespace, cfg: KthenaConfig, backend: str,
+                  nnodes: int) -> HcclSettings | None:
+    if backend != "hccl":
+        return None
+    settings = hccl_settings(args, os.environ)
+    check_hccl(settings, nnodes=nnodes, world_size=cfg.cluster.world_size)
+    return settings
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Shared engine machinery: registration book-keeping, batch validation, async, notify, close.
 
 Backends subclass ``BaseEngine`` and fill in the hooks: ``_register_raw``, ``_unregister_raw``,
+``_check_memory`` (which memory kinds it moves: host only unless overridden),
 ``_transfer`` (validated columnar batches, blocking), ``_close_backend`` and, for notify,
 ``_send_notify`` (plus ``_pull_notifies`` when messages must be fetched from the transport).
 Validation is whole-array numpy work per batch, so its cost barely grows with the range count.
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kthena_comm.errors import EngineClosedError, UnregisteredRangeError
+from kthena_comm.errors import EngineClosedError, TransportUnavailableError, UnregisteredRangeError
 from kthena_comm.transfer._memory import RawBuffer, raw_buffer
 from kthena_comm.transfer.batch import Ranges, SmallBatch, batches_of, first_overflow
 from kthena_comm.transfer.engine import (
@@ -26,6 +27,7 @@ from kthena_comm.transfer.engine import (
     wait_all,
 )
 from kthena_comm.transfer.handle import MemoryHandle
+from kthena_comm.transfer.memory import MemoryLocation
 
 #: how often ``poll_notifies`` re-checks a transport that cannot wake it
 _NOTIFY_POLL_S = 0.002
@@ -73,10 +75,22 @@ class BaseEngine:
     def _close_backend(self) -> None:
         raise NotImplementedError
 
+    def _check_memory(self, location: MemoryLocation) -> None:
+        """Refuse memory this backend cannot move (default: everything but host memory)."""
+        if location.is_device:
+            raise TransportUnavailableError(
+                self.backend, f"{location} memory",
+                f"the {self.backend} backend moves host memory only; register device memory "
+                "with the mooncake backend (a Mooncake build with that device's transport, see "
+                "docs/accelerators.md) or copy it to a CPU tensor")
+
     # -- protocol ------------------------------------------------------------------------------
-    def register(self, memory: Any, layout_id: str | None = None) -> MemoryHandle:
+    def register(self, memory: Any, layout_id: str | None = None, *,
+                 location: MemoryLocation | None = None) -> MemoryHandle:
         self._check_open("register")
-        return self._remember(raw_buffer(memory), layout_id)
+        raw = raw_buffer(memory, location)
+        self._check_memory(raw.location)
+        return self._remember(raw, layout_id)
 
     def _remember(self, raw: RawBuffer, layout_id: str | None) -> MemoryHandle:
         handle = self._register_raw(raw, layout_id)

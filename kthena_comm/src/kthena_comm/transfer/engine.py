@@ -24,6 +24,7 @@ import attrs
 from kthena_comm.errors import TransferError, TransferTimeoutError, UnknownBackendError
 from kthena_comm.transfer.batch import TransferBatch
 from kthena_comm.transfer.handle import MemoryHandle, TransferOp
+from kthena_comm.transfer.memory import MemoryLocation
 
 Batch = Sequence[TransferOp] | TransferBatch
 """What the batch verbs accept: ``TransferOp`` values, or one columnar ``TransferBatch``."""
@@ -68,8 +69,19 @@ class TransferEngine(Protocol):
     def address(self) -> str:
         """This engine's peer address, as it appears in its handles' ``peer``."""
 
-    def register(self, memory: Any, layout_id: str | None = None) -> MemoryHandle:
-        """Register a contiguous CPU tensor or writable buffer; returns its handle."""
+    def register(self, memory: Any, layout_id: str | None = None, *,
+                 location: MemoryLocation | None = None) -> MemoryHandle:
+        """Register memory; returns its handle (which records ``location``).
+
+        ``memory`` is a contiguous tensor (its device gives the location: host, cuda:N, npu:N),
+        a ``DeviceBuffer`` (device memory by address) or a writable host buffer. ``location``
+        may restate where it lives; it must agree.
+
+        Raises:
+            TransportUnavailableError: this backend (or the installed library) cannot move
+                memory of that kind; the message names what is missing.
+            ValueError: empty, read-only or non-contiguous memory.
+        """
 
     def unregister(self, handle: MemoryHandle) -> None:
         """Stop serving ``handle``'s memory (idempotent)."""

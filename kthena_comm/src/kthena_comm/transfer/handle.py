@@ -2,8 +2,9 @@
 
 A ``MemoryHandle`` is what a peer needs to address memory it does not own: which backend, which
 peer (address or session), the base address and length in the owner's address space, an optional
-segment name (shm) and an optional KV-pool layout id. It is small, frozen and serialisable, so it
-can travel in a control message (JSON) to the peer that will put into or get from it.
+segment name (shm), an optional KV-pool layout id, and where the memory lives (host or a device).
+It is small, frozen and serialisable, so it can travel in a control message (JSON) to the peer
+that will put into or get from it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from typing import Any
 
 import attrs
+
+from kthena_comm.transfer.memory import MemoryLocation
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> None:
@@ -22,6 +25,10 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> N
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{attribute.name} must be an int > 0, got {value!r}")
+
+
+def _a_location(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    MemoryLocation.parse(value)  # raises ValueError naming the accepted spellings
 
 
 @attrs.frozen
@@ -37,6 +44,8 @@ class MemoryHandle:
     """Backend-specific name of the memory (shm segment); empty when not needed."""
     layout_id: str | None = None
     """Id of the KV-pool layout this memory holds, when it is a KV pool."""
+    location: str = attrs.field(default="host", validator=_a_location)
+    """Where the memory lives in its owner: ``host``, ``cuda:N`` or ``npu:N``."""
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

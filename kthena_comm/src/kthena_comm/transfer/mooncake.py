@@ -1,9 +1,17 @@
-"""``mooncake`` backend: the Mooncake Transfer Engine (TCP here, RDMA on clusters, ``ascend``
-transport on Ascend, which is Mooncake's path to HIXL there).
+"""``mooncake`` backend: the Mooncake Transfer Engine (TCP here, RDMA on clusters, the
+ascend_direct transport on Ascend, which is Mooncake's path to CANN HIXL/ADXL there).
 
 This module is the binding boundary: Mooncake's integer return codes become kthena_comm
-exceptions here and nowhere else. Every blocking Mooncake call runs on a worker thread with a
-deadline, so a hung peer yields ``TransferTimeoutError`` rather than a hang.
+exceptions here and nowhere else (families in _status.py). Every blocking Mooncake call runs on
+a worker thread with a deadline, so a hung peer yields ``TransferTimeoutError`` rather than a
+hang. ``put`` is Mooncake WRITE (local -> remote), ``get`` is READ.
+
+Memory: host memory on any build; CUDA memory only on a wheel built with CUDA (and, for the
+``nvlink`` / ``nvlink_intra`` protocols, with those transports); NPU memory only over the
+ascend_direct transport (``protocol="ascend"`` with an ``AscendDirectConfig``), on a build with
+``-DUSE_ASCEND_DIRECT=ON``. What the installed wheel has is read from it (_mooncake_build.py);
+anything else is refused at ``register`` (or, for an ascend config, at construction) with
+``TransportUnavailableError`` naming the missing build. The Ascend set-up order is in _ascend.py.
 
 Notify: Mooncake attaches a ``TransferNotify`` to a transfer and delivers it to the target's
 ``get_notifies`` after the bytes (it rejects an empty batch), so ``notify`` reads one byte of
@@ -20,29 +28,42 @@ from __future__ import annotations
 import base64
 import binascii
 import ctypes
+import importlib
 import importlib.util
+import time
 from collections.abc import Sequence
 from itertools import groupby
+from types import ModuleType
 from typing import Any
 
 import attrs
 import numpy as np
 
-from kthena_comm.errors import (
-    PeerUnreachableError,
-    TransferError,
-    UnregisteredRangeError,
+from kthena_comm.device import device_backend
+from kthena_comm.errors import TransferError, TransportUnavailableError
+from kthena_comm.transfer._ascend import (
+    AscendDirectConfig,
+    apply_environment,
+    ascend_environment,
+    mc_transfer_timeout_s,
 )
 from kthena_comm.transfer._base import BaseEngine
 from kthena_comm.transfer._memory import RawBuffer
+from kthena_comm.transfer._mooncake_build import MooncakeBuild, detect_build, register_location
+from kthena_comm.transfer._status import mooncake_error
 from kthena_comm.transfer.batch import Column, Ranges
 from kthena_comm.transfer.engine import BackendEntry, TransferFuture, register_backend
 from kthena_comm.transfer.handle import MemoryHandle
+from kthena_comm.transfer.memory import MemoryLocation
 
 
 @attrs.frozen
 class MooncakeConfig:
-    """Arguments of Mooncake's ``initialize`` plus a per-batch deadline."""
+    """Arguments of Mooncake's ``initialize`` plus a per-batch deadline.
+
+    ``protocol="ascend"`` needs ``ascend`` (the NPU and the transport's settings); ``ascend``
+    needs ``protocol="ascend"``.
+    """
 
     host: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
@@ -51,11 +72,38 @@ class MooncakeConfig:
     timeout_s: float = 10.0
     max_batch_ops: int = 512
     """Ranges per Mooncake call: its TCP lanes reject slices beyond their queue depth."""
+    ascend: AscendDirectConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.protocol == "ascend") != (self.ascend is not None):
+            raise ValueError("MooncakeConfig: protocol='ascend' and ascend=AscendDirectConfig("
+                             "device_id=N) go together; give both or neither")
+        if self.ascend is not None and self.timeout_s <= mc_transfer_timeout_s(self.ascend):
+            raise ValueError(f"MooncakeConfig.timeout_s={self.timeout_s} must exceed "
+                             f"MC_TRANSFER_TIMEOUT={mc_transfer_timeout_s(self.ascend)}s (derived "
+                             "from ascend.transfer_timeout_ms), so Mooncake gives up first")
 
 
 def is_available() -> bool:
     """True when the Mooncake wheel is importable (it also needs libibverbs1 at load time)."""
     return importlib.util.find_spec("mooncake") is not None
+
+
+def installed_build() -> MooncakeBuild:
+    """The transports of the installed Mooncake wheel, read from it (imports Mooncake).
+
+    Raises:
+        ImportError: Mooncake is not installed.
+    """
+    return detect_build(_engine_module())
+
+
+def _engine_module() -> ModuleType:
+    try:
+        return importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        raise ImportError("the mooncake backend needs `pip install kthena-comm[mooncake]` "
+                          "and the libibverbs1 system package") from exc
 
 
 class MooncakeEngine(BaseEngine):
@@ -66,43 +114,57 @@ class MooncakeEngine(BaseEngine):
 
     def __init__(self, config: MooncakeConfig | None = None) -> None:
         self.config = config or MooncakeConfig()
-        super().__init__(self.config.timeout_s, num_workers=4)
-        try:
-            from mooncake.engine import TransferEngine as _Engine
-        except ImportError as exc:
-            raise ImportError("the mooncake backend needs `pip install kthena-comm[mooncake]` "
-                              "and the libibverbs1 system package") from exc
-        self._engine: Any = _Engine()
+        module = _engine_module()
+        self.build: MooncakeBuild = detect_build(module)
+        """The transports of the installed wheel (what ``register`` may accept)."""
         c = self.config
+        if c.ascend is not None:  # before any side effect: env, device, engine
+            if not self.build.ascend_direct:
+                raise TransportUnavailableError(self.backend, "protocol 'ascend'",
+                                                self.build.missing_ascend())
+            apply_environment(ascend_environment(c.ascend))
+            device_backend("npu").prepare(c.ascend.device_id)  # Mooncake: set_device first
+        super().__init__(c.timeout_s, num_workers=4)
+        self._engine: Any = module.TransferEngine()
         rc = self._engine.initialize(c.host, c.metadata_server, c.protocol, c.device_name)
         self._check(rc, c.metadata_server, "initialize")
         self._address = f"{c.host}:{self._engine.get_rpc_port()}"
+        self._transport_timeout_s = c.ascend.transfer_timeout_s if c.ascend else None
         self._known_remote: dict[str, MemoryHandle] = {}  # peer -> a handle it registered
         self._notify_target: dict[str, MemoryHandle] = {}
         self._scratch = ctypes.create_string_buffer(64)  # local side of a notify's 1-byte read
         self._scratch_addr = ctypes.addressof(self._scratch)
-        self._check(self._engine.register_memory(self._scratch_addr, 64), self.address,
+        self._check(self._engine.register_memory(self._scratch_addr, 64, "*"), self.address,
                     "register")
 
     @property
     def address(self) -> str:
         return self._address
 
+    def _check_memory(self, location: MemoryLocation) -> None:
+        npu_id = self.config.ascend.device_id if self.config.ascend else None
+        reason = self.build.refusal(location, self.config.protocol, npu_id)
+        if reason is not None:
+            raise TransportUnavailableError(self.backend, f"{location} memory", reason)
+
     def _register_raw(self, raw: RawBuffer, layout_id: str | None) -> MemoryHandle:
-        self._check(self._engine.register_memory(raw.addr, raw.nbytes), self.address, "register")
-        return MemoryHandle(self.backend, self.address, raw.addr, raw.nbytes, layout_id=layout_id)
+        rc = self._engine.register_memory(raw.addr, raw.nbytes, register_location(raw.location))
+        self._check(rc, self.address, "register")
+        return MemoryHandle(self.backend, self.address, raw.addr, raw.nbytes, layout_id=layout_id,
+                            location=str(raw.location))
 
     def _unregister_raw(self, handle: MemoryHandle, raw: RawBuffer) -> None:
         self._check(self._engine.unregister_memory(handle.base_addr), self.address, "unregister")
 
     def _transfer(self, op: str, batches: Sequence[Ranges]) -> None:
-        call = (self._engine.batch_transfer_sync_write if op == "put"
-                else self._engine.batch_transfer_sync_read)
+        call = (self._engine.batch_transfer_sync_write if op == "put"   # put = WRITE
+                else self._engine.batch_transfer_sync_read)             # get = READ
         for peer, columns in _by_peer(batches):
             self._known_remote[peer] = columns.handle
             for start in range(0, len(columns.lengths), self.config.max_batch_ops):
                 chunk = columns.slice(start, start + self.config.max_batch_ops)
-                self._check_transfer(call(peer, *chunk), peer, op)
+                began = time.monotonic()
+                self._check_transfer(call(peer, *chunk), peer, op, began)
 
     def _submit_validated(self, op: str, batches: list[Ranges]) -> TransferFuture:
         if sum(len(b) for b in batches) > self.config.max_batch_ops:  # chunk on a worker
@@ -110,14 +172,14 @@ class MooncakeEngine(BaseEngine):
         # Submit each peer's batch now (Mooncake's own async path), wait on a worker thread.
         call = (self._engine.batch_transfer_async_write if op == "put"
                 else self._engine.batch_transfer_async_read)
-        batch_ids = []
+        batch_ids, began = [], time.monotonic()
         for peer, columns in _by_peer(batches):
             self._known_remote[peer] = columns.handle
             batch_id = call(peer, *columns.slice(0, len(columns.lengths)))
             if batch_id == 0:
-                self._check_transfer(-1, peer, op)
+                self._check_transfer(-1, peer, op, began)
             batch_ids.append((peer, batch_id))
-        inner = self._executor.submit(self._await_batches, op, batch_ids)
+        inner = self._executor.submit(self._await_batches, op, batch_ids, began)
         return TransferFuture(inner, self.backend, ",".join(p for p, _ in batch_ids), op,
                               self.timeout_s)
 
@@ -130,9 +192,10 @@ class MooncakeEngine(BaseEngine):
         from mooncake.engine import TransferNotify, TransferOpcode
 
         note = TransferNotify(self.address, base64.b64encode(message).decode("ascii"))
+        began = time.monotonic()
         rc = self._engine.batch_transfer_sync(peer, [self._scratch_addr], [handle.base_addr], [1],
                                               TransferOpcode.Read, note)
-        self._check_transfer(rc, peer, "notify")
+        self._check_transfer(rc, peer, "notify", began)
 
     def notify(self, peer: MemoryHandle | str, message: bytes) -> None:
         if isinstance(peer, MemoryHandle):  # remember which of its memories to ride on
@@ -148,20 +211,18 @@ class MooncakeEngine(BaseEngine):
                 message = note.msg.encode()  # a sender that is not kthena_comm
             self._deliver(note.name, message)
 
-    def _await_batches(self, op: str, batch_ids: list[tuple[str, int]]) -> None:
+    def _await_batches(self, op: str, batch_ids: list[tuple[str, int]], began: float) -> None:
         for peer, batch_id in batch_ids:
-            self._check_transfer(self._engine.get_batch_transfer_status([batch_id]), peer, op)
+            rc = self._engine.get_batch_transfer_status([batch_id])
+            self._check_transfer(rc, peer, op, began)
 
-    def _check_transfer(self, rc: int, peer: str, op: str) -> None:
+    def _check_transfer(self, rc: int, peer: str, op: str, began: float) -> None:
         if rc >= 0:
             return
-        if self._engine.send_probe(peer) != 0:
-            raise PeerUnreachableError(self.backend, peer, op,
-                                       f"Mooncake returned {rc} and the peer does not answer")
-        raise UnregisteredRangeError(self.backend, peer, op,
-                                     f"Mooncake returned {rc} while the peer answers probes: it "
-                                     "rejected a range it has not registered (or the local "
-                                     "transport queue overflowed; see Mooncake's log)")
+        raise mooncake_error(rc, self.backend, peer, op,
+                             peer_answers=self._engine.send_probe(peer) == 0,
+                             elapsed_s=time.monotonic() - began,
+                             transport_timeout_s=self._transport_timeout_s)
 
     def _check(self, rc: int, peer: str, op: str) -> None:
         if rc != 0:

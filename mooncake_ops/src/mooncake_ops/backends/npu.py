@@ -1,9 +1,9 @@
-"""Ascend adapter: thin calls into torch_npu's fused ops. UNVERIFIED ON HARDWARE.
+"""Ascend backend: torch_npu's fused ops where documented. UNVERIFIED ON HARDWARE.
 
-Imported by the dispatch registry only when the first npu tensor arrives (importing torch_npu
-without CANN breaks ``import torch``). Nothing here has run on an NPU: signatures follow the
-torch_npu API reference (Ascend Extension for PyTorch 6.0 / 7.0 API lists). Calls outside the
-documented constraints run the portable path instead:
+Loaded by the dispatch registry only when the first npu tensor arrives. Every torch_npu call
+goes through ``torch_npu_api`` (the adapter that reads the torch_npu version once and spells
+each keyword the way that version does); nothing here has run on an NPU. Calls outside the
+documented constraints, or ops missing from the installed torch_npu, run the portable path:
 
     op                        torch_npu call                          falls back when
     write_kv                  npu_scatter_pa_kv_cache (in place)      int8 cache
@@ -16,8 +16,8 @@ documented constraints run the portable path instead:
     all_gather_matmul         npu_all_gather_base_mm(x, w, hcom, W)   float32, bias, K outside
     matmul_reduce_scatter     npu_mm_reduce_scatter_base(x, w, hcom, W)  [256, 65535), W not 2/4/8
 
-``hcom`` is the group's HCCL communicator name:
-``process_group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)``.
+``hcom`` is the group's HCCL communicator name: ``CommGroup.hccl_comm_name``, which
+``init_parallel_groups`` fills in on hccl (else looked up from the group's process group).
 """
 
 from __future__ import annotations
@@ -25,33 +25,37 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (only ever imported on npu)
 
+from kthena_comm.hccl import hccl_comm_name
 from mooncake_ops.backends import mc2_tiled, sdpa
 from mooncake_ops.backends import reference as ref
 from mooncake_ops.backends.base import OpImpl
 from mooncake_ops.backends.devices import NPU_OPS, reference_table
+from mooncake_ops.backends.torch_npu_api import load
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    if k_scale is not None:
+    api = load()
+    if k_scale is not None or not api.has("npu_scatter_pa_kv_cache"):
         return ref.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    torch_npu.npu_scatter_pa_kv_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int32))
+    api.scatter_pa_kv_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int32))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                            k_scale=None, v_scale=None, out=None):
-    if k_scale is not None or q.dtype not in HALF_TYPES:
+    api = load()
+    if (k_scale is not None or q.dtype not in HALF_TYPES
+            or not api.has("npu_fused_infer_attention_score")):
         return sdpa.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                            scale, k_scale, v_scale, out)
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    result, _ = torch_npu.npu_fused_infer_attention_score(
+    result, _ = api.fused_infer_attention_score(
         q.reshape(batch, 1, num_heads * head_dim),
         k_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim),
         v_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim),
@@ -62,46 +66,53 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 def rms_norm(x, weight, eps, residual=None):
+    api = load()
     if residual is None:
-        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
-    y, _, summed = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+        if not api.has("npu_rms_norm"):
+            return ref.rms_norm(x, weight, eps)
+        return api.rms_norm(x, weight, eps)[0]
+    if not api.has("npu_add_rms_norm"):
+        return ref.rms_norm(x, weight, eps, residual)
+    y, _, summed = api.add_rms_norm(x, residual, weight, eps)
     return y, summed
 
 
 def silu_and_mul(x):
-    return torch_npu.npu_swiglu(x, dim=-1)
+    api = load()
+    return api.swiglu(x, dim=-1) if api.has("npu_swiglu") else ref.silu_and_mul(x)
 
 
 def _hcom(comm) -> str:
-    backend = comm.process_group._get_backend(torch.device("npu"))
-    return backend.get_hccl_comm_name(comm.rank)
+    if comm.hccl_comm_name is not None:
+        return comm.hccl_comm_name
+    return hccl_comm_name(comm.process_group, int(comm.rank))  # the global rank, as documented
 
 
-def _mc2_fits(x, w, comm, bias=None, need_world=False) -> bool:
-    return (comm.size > 1 and x.dtype in HALF_TYPES and w.dtype == x.dtype
+def _mc2_fits(op, x, w, comm, bias=None, need_world=False) -> bool:
+    return (load().has(op) and comm.size > 1 and x.dtype in HALF_TYPES and w.dtype == x.dtype
             and 256 <= x.shape[1] < 65535 and (not need_world or comm.size in (2, 4, 8))
             and (bias is None or not need_world))
 
 
 def matmul_all_reduce(x, w, comm, num_tiles, bias=None, timeout_s=None):
-    if not _mc2_fits(x, w, comm):
+    if not _mc2_fits("npu_mm_all_reduce_base", x, w, comm):
         return mc2_tiled.matmul_all_reduce(x, w, comm, num_tiles, bias, timeout_s)
-    return torch_npu.npu_mm_all_reduce_base(x, w, _hcom(comm), reduce_op="sum", bias=bias)
+    return load().mm_all_reduce_base(x, w, _hcom(comm), bias=bias)
 
 
 def all_gather_matmul(x, w, comm, num_tiles, bias=None, timeout_s=None, return_gathered=False):
-    if not _mc2_fits(x, w, comm, bias, need_world=True):
+    if not _mc2_fits("npu_all_gather_base_mm", x, w, comm, bias, need_world=True):
         return mc2_tiled.all_gather_matmul(x, w, comm, num_tiles, bias, timeout_s,
                                            return_gathered)
-    out, gathered = torch_npu.npu_all_gather_base_mm(x, w, _hcom(comm), comm.size,
-                                                     gather_output=return_gathered)
+    out, gathered = load().all_gather_base_mm(x, w, _hcom(comm), comm.size,
+                                              gather_output=return_gathered)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(x, w, comm, num_tiles, bias=None, timeout_s=None):
-    if not _mc2_fits(x, w, comm, bias, need_world=True):
+    if not _mc2_fits("npu_mm_reduce_scatter_base", x, w, comm, bias, need_world=True):
         return mc2_tiled.matmul_reduce_scatter(x, w, comm, num_tiles, bias, timeout_s)
-    return torch_npu.npu_mm_reduce_scatter_base(x, w, _hcom(comm), comm.size, reduce_op="sum")
+    return load().mm_reduce_scatter_base(x, w, _hcom(comm), comm.size)
 
 
 class NpuBackend:
