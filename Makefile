@@ -14,6 +14,8 @@ install: $(STAMP)
 $(STAMP): $(DEPS)
 	# Mooncake's wheels link libibverbs even for TCP transport (Debian package; we run as root here).
 	dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q libibverbs1)
+	# The --kv-events tests start a redis-server of their own on a free loopback port (Debian package).
+	dpkg -s redis-server >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q redis-server)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a CPU wheel of 2.13.0 lies on disk; an unpinned torch pulls a CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=64" wheel

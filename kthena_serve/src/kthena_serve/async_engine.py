@@ -7,6 +7,13 @@
        await queue.get() ◀── call_soon_threadsafe(dispatch) ◀── engine.step() outputs
     client gone → finally: abort(id) ─ Abort ▶ engine.abort_request → blocks freed
 
+Backpressure: each stream counts the outputs handed to it and the outputs its consumer took.
+When a consumer falls ``max_stream_lead`` outputs behind (its client stopped reading, so the
+server's ``send`` waits on a full socket), the engine pauses that request: it keeps its seat and
+blocks but takes no decode step, so no tokens pile up for a reader that does not read. It
+resumes once the consumer is halfway caught up; a request paused for ``stall_timeout`` seconds
+is aborted and its blocks freed (its stream ends with ``RequestFailedError``).
+
 Only the engine thread touches the engine (and so the KV manager); other threads talk to it
 through the inbox of typed commands (``Add``, ``Abort``, and for PD decode ``Reserve``,
 ``AdmitPrefilled``, ``Release``). Validation (tokenising, length checks) runs in the caller,
@@ -21,6 +28,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -35,10 +43,30 @@ from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import Reservation
+from mooncake_kv import KVCacheManager
 
 __all__ = ["AsyncLLM"]
 
 log = logging.getLogger(__name__)
+
+MAX_STREAM_LEAD = 16  # outputs a consumer may fall behind before its request pauses
+STALL_TIMEOUT_S = 120.0
+STALLED_MESSAGE = ("the client read nothing for too long; the request was stopped "
+                   "(read the stream as it arrives)")
+
+
+class _Stream:
+    """One request's queue and its backpressure counters (``sent`` is written on the engine
+    thread only, ``taken`` on the consumer's loop only)."""
+
+    __slots__ = ("loop", "paused_since", "queue", "sent", "taken")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop = loop
+        self.queue = queue
+        self.sent = 0
+        self.taken = 0
+        self.paused_since: float | None = None
 
 
 # ---- inbox commands: each runs on the engine thread ----------------------------------------------
@@ -115,19 +143,27 @@ def _settle(future: concurrent.futures.Future, fn) -> None:  # noqa: ANN001
 class AsyncLLM:
     """Async front of an ``LLMEngine`` (see module docs). Use ``start()`` / ``shutdown()``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, max_stream_lead: int = MAX_STREAM_LEAD,
+                 stall_timeout: float | None = STALL_TIMEOUT_S) -> None:
+        if max_stream_lead < 2:
+            raise ValueError(f"max_stream_lead must be >= 2, got {max_stream_lead}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds or None, got {stall_timeout}")
         self.engine = engine
+        self.max_stream_lead = max_stream_lead
+        self.stall_timeout = stall_timeout
+        self.num_stalled = 0  # requests aborted because their reader stalled
         self._inbox: deque = deque()
         self._wakeup = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = engine.stats()
         self.error: BaseException | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(LLMEngine.from_config(config))
+    def from_config(cls, config: EngineConfig, **options: Any) -> AsyncLLM:
+        return cls(LLMEngine.from_config(config), **options)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def start(self) -> AsyncLLM:
@@ -151,11 +187,19 @@ class AsyncLLM:
     def limits(self) -> EngineLimits:
         return self.engine.processor.limits
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.engine.processor.encode(prompt)
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
+               ) -> list[int]:
+        return self.engine.processor.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return self.engine.processor.encode_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    ) -> list[int]:
+        return self.engine.processor.encode_chat(messages,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.engine.processor.decode(token_ids)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         """The output budget; raises InvalidRequestError for a request the engine would refuse."""
@@ -163,6 +207,9 @@ class AsyncLLM:
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         return self.engine.tokenizer.token_bytes(token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return self.engine.tokenizer.token_strs(token_ids)
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
@@ -208,19 +255,23 @@ class AsyncLLM:
     async def _streaming(self, request_id: str, command: object):  # noqa: ANN202
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        state = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._queues[request_id] = state
         self._submit(command)
         # aclosing: a consumer that stops early (client gone) aborts the request right away.
-        async with contextlib.aclosing(self._stream(request_id, queue)) as stream:
+        async with contextlib.aclosing(self._stream(request_id, state)) as stream:
             yield stream
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, state: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; leaving early aborts it."""
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                item = await state.queue.get()
+                state.taken += 1
+                if (state.paused_since is not None
+                        and state.sent - state.taken <= self.max_stream_lead // 2):
+                    self._wakeup.set()  # caught up: the engine thread resumes the request
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -240,6 +291,12 @@ class AsyncLLM:
         """End every live request now; each stream gets ``EngineDeadError(message)``."""
         self._submit(AbortAll(message))
 
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        """The engine's KV manager, for the verbs any thread may call (``subscribe``,
+        ``unsubscribe``, ``snapshot``, ``stats``); mutating verbs belong to the engine thread."""
+        return self.engine.kv
+
     def stats(self) -> EngineStats:
         """The engine thread's last counters with a fresh KV snapshot (never blocks)."""
         return attrs.evolve(self._stats, kv=self.engine.kv.stats())
@@ -253,9 +310,11 @@ class AsyncLLM:
         engine = self.engine
         while not self._stopping:
             self._drain_inbox()
-            if not engine.has_unfinished_requests():
+            num_paused = self._apply_backpressure()
+            if not engine.has_runnable_requests():
                 self._stats = engine.stats()
-                self._wakeup.wait()
+                # paused streams: look again now and then for the stall timeout
+                self._wakeup.wait(timeout=1.0 if num_paused else None)
                 self._wakeup.clear()
                 continue
             try:
@@ -274,13 +333,39 @@ class AsyncLLM:
         while self._inbox:
             self._inbox.popleft().run(self)
 
+    def _apply_backpressure(self) -> int:
+        """Pause requests whose consumers fell behind, resume those that caught up, abort
+        those stalled past the timeout; returns how many stay paused."""
+        now = time.monotonic()
+        num_paused = 0
+        for request_id, state in list(self._queues.items()):
+            lead = state.sent - state.taken
+            if state.paused_since is None:
+                if lead >= self.max_stream_lead and self.engine.pause(request_id):
+                    state.paused_since = now
+                    num_paused += 1
+            elif lead <= self.max_stream_lead // 2:
+                self.engine.resume(request_id)
+                state.paused_since = None
+            elif self.stall_timeout is not None and now - state.paused_since > self.stall_timeout:
+                log.warning("request %s: its client read nothing for %.0f s; aborting it",
+                            request_id, now - state.paused_since)
+                self.engine.abort_request(request_id)
+                self.num_stalled += 1
+                state.paused_since = None
+                self._dispatch([RequestFailedError(STALLED_MESSAGE)], request_id)
+            else:
+                num_paused += 1
+        return num_paused
+
     def _dispatch(self, outputs: list, request_id: str | None = None) -> None:
         """Hand outputs to their streams: one thread-safe call per event loop, not per item."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._queues.get(request_id or out.request_id)
             if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
+                target.sent += 1
+                by_loop.setdefault(target.loop, []).append((target.queue, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 

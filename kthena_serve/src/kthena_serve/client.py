@@ -3,8 +3,8 @@
 ::
 
     server/app.py, server/metrics.py, cli.py
-                 │  EngineClient: limits · encode(_chat) · check · token_bytes
-                 │                generate · abort(_all) · stats
+                 │  EngineClient: limits · encode(_chat) · decode · check · token_bytes
+                 │                token_strs · generate · abort(_all) · stats
        ┌─────────┴──────────────┐
     AsyncLLM (in process)     RemoteEngine (PD router: workers over HTTP)
 
@@ -23,7 +23,7 @@ from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv import KVCacheStats
 
-__all__ = ["EngineClient", "EngineLimits", "EngineStats"]
+__all__ = ["EngineClient", "EngineLimits", "EngineStats", "KVConnector", "KVSession"]
 
 _KV_FIELDS = tuple(f.name for f in attrs.fields(KVCacheStats))
 
@@ -95,12 +95,22 @@ class EngineClient(Protocol):
 
     def limits(self) -> EngineLimits: ...
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt; token-id prompts are checked against the vocabulary."""
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
+               ) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS, if
+        asked); token-id prompts are checked against the vocabulary."""
         ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the model's chat template applied, with the generation prompt."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    ) -> list[int]:
+        """Token ids of the model's chat template applied (by default with the generation
+        prompt)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included; InvalidRequestError for ids outside
+        the vocabulary."""
         ...
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
@@ -109,6 +119,10 @@ class EngineClient(Protocol):
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """The bytes each token stands for (logprobs name their tokens with these)."""
+        ...
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's vocabulary entry (``'Ġworld'``), as vLLM's /tokenize returns them."""
         ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -122,3 +136,34 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+class KVSession(Protocol):
+    """One request's side of ``kv_transfer_params``: its outputs, then the object to answer."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (the request ``KVConnector.open`` was given)."""
+        ...
+
+    def response_params(self) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` of the answer, once the last output is out (or None)."""
+        ...
+
+
+@runtime_checkable
+class KVConnector(Protocol):
+    """A PD worker's side of the Kthena router's ``nixl`` / ``mooncake`` connectors.
+
+    The OpenAI app hands it a request's ``kv_transfer_params`` before anything streams, so a
+    refusal is a clean 400 (kthena_serve.pd.prefill_api / decode_api implement it).
+    """
+
+    async def open(self, params: Mapping[str, Any], request: EngineRequest, *,
+                   stream: bool) -> KVSession | None:
+        """Check ``params`` for ``request`` and prepare it; None: a plain request after all.
+
+        Raises:
+            InvalidRequestError: params this worker refuses (the app answers 400).
+            EngineDeadError: the KV cannot be had and the policy says fail (503).
+        """
+        ...

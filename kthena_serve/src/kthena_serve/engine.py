@@ -172,6 +172,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_runnable_requests(self) -> bool:
+        """Whether ``step()`` has anything to run (paused requests do not count)."""
+        return self.scheduler.has_runnable_work()
+
+    def pause(self, request_id: str) -> bool:
+        """Stop decoding a running request until ``resume`` (it keeps its blocks); False if it
+        is not live."""
+        if request_id not in self._requests:
+            return False
+        self.scheduler.pause(request_id)
+        return True
+
+    def resume(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
     # ---- PD admission: the prompt's KV comes from another worker -------------------------------
     def reserve(self, request: EngineRequest) -> Reservation | None:
         """Hold blocks for the prompt (cached prefix matched); None if the pool is full now."""

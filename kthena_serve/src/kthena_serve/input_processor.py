@@ -34,27 +34,26 @@ class InputProcessor:
         self.limits = limits
         self.chat_special_tokens = chat_special_tokens
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
+               ) -> list[int]:
         """Token ids of a text prompt (token-id prompts are checked and passed through).
+
+        Args:
+            add_special_tokens: add the tokenizer's special tokens (e.g. BOS) to a text prompt.
 
         Raises:
             InvalidRequestError: text that is not valid Unicode, or ids outside the vocabulary.
         """
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.limits.vocab_size
-        for position, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequestError(
-                    f"prompt token id {token!r} at position {position} is not an int in "
-                    f"[0, {vocab}); send ids from this model's vocabulary", "prompt")
-        return ids
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return _check_ids(prompt, self.limits.vocab_size, "prompt")
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the chat template applied to ``messages``, ending with the assistant's
-        turn (special tokens in the content follow ``chat_special_tokens``).
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    ) -> list[int]:
+        """Token ids of the chat template applied to ``messages``, by default ending with the
+        assistant's turn (special tokens in the content follow ``chat_special_tokens``).
 
         Raises:
             InvalidRequestError: content that is not valid Unicode text.
@@ -63,8 +62,20 @@ class InputProcessor:
             content = message.get("content") if isinstance(message, Mapping) else None
             if isinstance(content, str):
                 _check_text(content, "messages")
-        return self.tokenizer.encode_chat(messages,
-                                          special_tokens_in_content=self.chat_special_tokens)
+        return self.tokenizer.encode_chat(
+            messages, special_tokens_in_content=self.chat_special_tokens,
+            add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included (as vLLM's /detokenize).
+
+        Raises:
+            InvalidRequestError: ids outside the vocabulary (the tokenizer's, which may be
+                smaller than the model's padded one: those ids have no text).
+        """
+        vocab = min(self.limits.vocab_size, self.tokenizer.vocab_size)
+        return self.tokenizer.decode(_check_ids(token_ids, vocab, "tokens"),
+                                     skip_special_tokens=False)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         """The output budget, checked against the context length.
@@ -98,6 +109,16 @@ class InputProcessor:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         return EngineRequest(request_id, tuple(ids), params, self.check(ids, params), cache_salt)
+
+
+def _check_ids(token_ids: Sequence[int], vocab: int, param: str) -> list[int]:
+    ids = list(token_ids)
+    for position, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise InvalidRequestError(
+                f"{param} token id {token!r} at position {position} is not an int in "
+                f"[0, {vocab}); send ids from this model's vocabulary", param)
+    return ids
 
 
 def _check_text(text: str, param: str) -> None:

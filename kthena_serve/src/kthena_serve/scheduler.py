@@ -9,6 +9,9 @@ When the KV pool has no block for a running request, the newest running request 
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 later (mostly from the prefix cache). Nothing ever fails for lack of blocks.
 
+A decoding request can be paused (its client is not reading what it already got): it keeps
+its seat and blocks but takes no token until resumed.
+
 The scheduler talks to the KV layer only through the manager's verbs: match_prefix,
 try_allocate, try_append, commit, free.
 """
@@ -107,6 +110,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # PD: blocks held while a prefill fills them
+        self.paused: set[str] = set()  # decoding requests skipped until resumed
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -115,6 +119,19 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_runnable_work(self) -> bool:
+        """Whether ``schedule()`` can pick anything (False when every running request is
+        paused and none waits)."""
+        return bool(self.waiting) or any(r.request_id not in self.paused or r.is_prefill
+                                         for r in self.running)
+
+    def pause(self, request_id: str) -> None:
+        """Skip a request's decode steps until ``resume``; it keeps its seat and blocks."""
+        self.paused.add(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.paused.discard(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a waiting, reserved or running request; None if it is not here."""
@@ -130,6 +147,7 @@ class Scheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self.paused.discard(request_id)
                 _mark_finished(request, FinishReason.ABORT)
                 return request
         return None
@@ -137,6 +155,7 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Finish a running request: its blocks go back (cached ones stay matchable)."""
         self.running.remove(request)
+        self.paused.discard(request.request_id)
         self.kv.free(request.request_id)
         _mark_finished(request, reason)
 
@@ -221,6 +240,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.request_id in self.paused and not request.is_prefill:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, preempted, rejected):
                 picked.append((request, num_new))

@@ -8,7 +8,8 @@ import json
 import os
 import shlex
 
-__all__ = ["DEFAULT_MODEL_NAME", "SHUTDOWN_MESSAGE", "add_engine_args", "curl_line", "engine_config", "model_name"]
+__all__ = ["DEFAULT_MODEL_NAME", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
+           "curl_line", "engine_config", "kv_events_config", "model_name"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
@@ -83,3 +84,54 @@ def model_name(model: str) -> str:
     if model == "default":
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model)) or model
+
+
+def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of KV-cache-aware routing data for the Kthena router (docs/kv_events.md)."""
+    parser.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT",
+                        help="publish the KV cache's router chunks to this Redis (the Kthena "
+                             "router's kvcache-aware plugin reads it); needs --pod-name")
+    parser.add_argument("--pod-name", default=None, metavar="NAME.NAMESPACE",
+                        help="this server's owner name in those keys: its pod's name and "
+                             "namespace, as the router names candidate pods")
+    parser.add_argument("--kv-events-chunk-size", type=int, default=16,
+                        help="tokens per router chunk (the plugin's blockSizeToHash)")
+    parser.add_argument("--kv-events-max-chunks", type=int, default=128,
+                        help="leading chunks the router matches (the plugin's maxBlocksToMatch)")
+
+
+_KV_EVENTS_FLAGS = {"redis_url": "--kv-events", "pod": "--pod-name",
+                    "chunk_size": "--kv-events-chunk-size",
+                    "max_chunks": "--kv-events-max-chunks", "model": "--served-model-name"}
+
+
+def kv_events_config(args: argparse.Namespace, served_model: str):  # noqa: ANN201
+    """The ``KVEventsConfig`` the flags describe, or None without ``--kv-events``.
+
+    Raises:
+        ValueError: a refused value or combination; the message starts with the flag.
+    """
+    from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
+
+    if args.kv_events is None:
+        for flag, value, default in (("--pod-name", args.pod_name, None),
+                                     ("--kv-events-chunk-size", args.kv_events_chunk_size, 16),
+                                     ("--kv-events-max-chunks", args.kv_events_max_chunks, 128)):
+            if value != default:
+                raise ValueError(f"{flag} takes effect only with --kv-events redis://HOST:PORT")
+        return None
+    if args.pod_name is None:
+        raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
+                         "router looks for")
+    if getattr(args, "mode", "colocated") == "pd":
+        raise ValueError("--kv-events: not supported with --mode pd (the decode workers of one "
+                         "pod would share one owner name); run it colocated")
+    if getattr(args, "no_prefix_caching", False):
+        raise ValueError("--kv-events: nothing is cached with --no-prefix-caching, so there "
+                         "is nothing to announce; drop one of them")
+    try:
+        return KVEventsConfig(redis_url=args.kv_events, pod=args.pod_name, model=served_model,
+                              chunk_size=args.kv_events_chunk_size,
+                              max_chunks=args.kv_events_max_chunks)
+    except KVEventsConfigError as error:
+        raise ValueError(f"{_KV_EVENTS_FLAGS[error.field]}: {error}") from None

@@ -7,6 +7,7 @@ A checkpoint folder supplies ``tokenizer.json`` (the `tokenizers` model), ``toke
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -132,9 +133,41 @@ class Tokenizer:
         With `add_special_tokens`, the checkpoint's BOS is prepended if it asks for one.
         """
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        return self._bos_if_asked(ids) if add_special_tokens else ids
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with the special tokens ``encode(..., add_special_tokens=True)`` puts around a
+        text (the tokenizer's own, e.g. a BOS, then the checkpoint's BOS if it asks for one)."""
+        head, tail = self._special_wrap
+        return self._bos_if_asked([*head, *ids, *tail])
+
+    def _bos_if_asked(self, ids: list[int]) -> list[int]:
+        if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def _special_wrap(self) -> tuple[list[int], list[int]]:
+        """The ids the backend adds before and after a text: the added tokens that lead and
+        trail the encoding of a plain probe (which holds none of its own)."""
+        full = self._backend.encode("a", add_special_tokens=True).ids
+        start = next((i for i, t in enumerate(full) if t not in self._added_ids), len(full))
+        end = len(full)
+        while end > start and full[end - 1] in self._added_ids:
+            end -= 1
+        return full[:start], full[end:]
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry as stored (``'Ġworld'``, ``'<|im_end|>'``).
+
+        Raises:
+            ValueError: an id outside the vocabulary.
+        """
+        pieces = [self._backend.id_to_token(i) for i in ids]
+        for token_id, piece in zip(ids, pieces, strict=True):
+            if piece is None:
+                raise ValueError(f"token id {token_id} is not in the vocabulary")
+        return pieces
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -178,14 +211,18 @@ class Tokenizer:
 
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    special_tokens_in_content: str = "text") -> list[int]:
-        """Token ids of the rendered conversation (generation prompt included).
+                    special_tokens_in_content: str = "text", add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation (generation prompt included by default).
 
         Args:
             special_tokens_in_content: ``"text"`` (default): a special token typed inside a
                 message (``<|im_start|>system``) is encoded as the plain text it is, so a user
                 cannot forge a turn or a role; ``"control"``: it becomes the control token, as
                 if the template had written it (the Hugging Face default).
+            add_generation_prompt: end with the opening of the assistant's turn.
+            add_special_tokens: also add the tokenizer's special tokens around the rendered
+                text (``with_special_tokens``), on top of what the template writes.
 
         Raises:
             ChatTemplateError: see ``apply_chat_template``; ValueError: an unknown mode.
@@ -193,14 +230,19 @@ class Tokenizer:
         if special_tokens_in_content not in ("text", "control"):
             raise ValueError(f"special_tokens_in_content={special_tokens_in_content!r}; use "
                              "'text' or 'control'")
+        ids = self._encode_conversation(messages, special_tokens_in_content, add_generation_prompt)
+        return self.with_special_tokens(ids) if add_special_tokens else ids
+
+    def _encode_conversation(self, messages: Sequence[Mapping[str, Any]], mode: str,
+                             add_generation_prompt: bool) -> list[int]:
         contents = [m.get("content") if isinstance(m, Mapping) else None for m in messages]
-        if special_tokens_in_content == "control" or not any(
+        if mode == "control" or not any(
                 isinstance(c, str) and self._has_special(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages))
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
         marked = [{**m, "content": _MARK.format(i)} if isinstance(c, str) else m
                   for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
         ids: list[int] = []
-        for piece in _MARKS.split(self.apply_chat_template(marked)):
+        for piece in _MARKS.split(self.apply_chat_template(marked, add_generation_prompt)):
             if piece.startswith("\ue000") and piece.endswith("\ue001"):
                 ids += self._encode_literal(contents[int(piece[1:-1])])
             elif piece:

@@ -9,6 +9,10 @@ See docs/pd.md. Modules, one concept each:
 * ``transfer``  the cross-host path: Mooncake one-sided put of a request's blocks
 * ``worker``    one worker process (HTTP control API) for any role
 * ``auth``      the per-deployment secret workers require, the prefill-URL allow-list
+* ``kv_params`` ``kv_transfer_params`` as the Kthena router's nixl / mooncake connectors carry it
+* ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
+* ``prefill_api``, ``decode_api``  each worker's side of that protocol on its OpenAI routes
+* ``kthena_proxy``  the router's connector request sequence, in Python (tests, trials)
 * ``router``    worker registry, health checks, KV-aware + load-aware scoring, PD decider
 * ``launcher``  starts the workers on split cores, restarts them, cleans their shared memory
 * ``metrics``   Prometheus metrics per role

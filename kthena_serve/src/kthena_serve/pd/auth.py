@@ -9,12 +9,15 @@
 * **The prefill URL.** The router names the prefill worker in each ``/pd/generate`` body. The
   decode worker sends that URL the secret and block ids, so it only accepts
   ``http://<host>:<port>`` with a host from its allow-list (``check_prefill_url``): loopback by
-  default, plus the hosts the launcher placed prefill workers on (``--prefill-hosts``). Ports
-  are not pinned: a restarted worker may come back on another one.
+  default, plus the hosts the launcher placed prefill workers on (``--prefill-hosts``; an
+  entry with a ``/`` is a network, e.g. a cluster's pod CIDR). Ports are not pinned: a
+  restarted worker may come back on another one. Behind the Kthena router the same list
+  bounds the ``remote_host`` a decode request's ``kv_transfer_params`` may name.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -52,6 +55,24 @@ def check_prefill_url(url: str, allowed_hosts: Iterable[str]) -> None:
             or parts.fragment or parts.username is not None or parts.password is not None:
         raise ValueError(f"prefill_url {url!r} must have the form http://HOST:PORT")
     allowed = {host.lower() for host in allowed_hosts}
-    if (parts.hostname or "") not in allowed:
+    if not _is_allowed(parts.hostname or "", allowed):
         raise ValueError(f"prefill_url host {parts.hostname!r} is not a prefill worker host of "
                          f"this deployment (allowed: {', '.join(sorted(allowed))})")
+
+
+def _is_allowed(host: str, allowed: set[str]) -> bool:
+    """``host`` is listed, or is an IP address inside a listed network (``10.0.0.0/8``)."""
+    if host in allowed:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for entry in allowed:
+        if "/" in entry:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:  # not a network: it can only match by name
+                continue
+    return False

@@ -30,6 +30,11 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: float) ->
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class RouterWeights:
     """Score = overlap * prefix blocks fraction - load * (running + waiting) - kv * usage.
@@ -54,6 +59,8 @@ class PDConfig:
             run on the decode worker (llm-d's threshold idea); 0 disaggregates everything.
         weights: the router's score weights.
         health_interval_s: how often the router polls each worker's state.
+        kv_pin_timeout_s: behind the Kthena router, how long a prefill worker keeps a
+            prompt's blocks for the decode worker that is to pull them (then frees them).
     """
 
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)
@@ -62,3 +69,4 @@ class PDConfig:
     pd_threshold_tokens: int = attrs.field(default=32, validator=_non_negative)
     weights: RouterWeights = attrs.field(factory=RouterWeights)
     health_interval_s: float = attrs.field(default=0.5, validator=_non_negative)
+    kv_pin_timeout_s: float = attrs.field(default=120.0, validator=_positive)

@@ -85,17 +85,28 @@ class RemoteEngine:
     def _processor(self) -> InputProcessor:
         return InputProcessor(self.tokenizer, self.limits(), self.config.chat_special_tokens)
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        return self._processor().encode(prompt)
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
+               ) -> list[int]:
+        return self._processor().encode(prompt, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return self._processor().encode_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    ) -> list[int]:
+        return self._processor().encode_chat(messages,
+                                             add_generation_prompt=add_generation_prompt,
+                                             add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._processor().decode(token_ids)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         return self._processor().check(prompt_ids, params)
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         return self.tokenizer.token_bytes(token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return self.tokenizer.token_strs(token_ids)
 
     def stats(self) -> EngineStats:
         """Counters summed over every worker; queue and KV summed over the decode workers."""

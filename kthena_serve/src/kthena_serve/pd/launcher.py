@@ -14,6 +14,8 @@ Authentication: the launcher draws one secret per deployment (``secret``, see pd
 passes it to every worker, restarted ones included, in the child's environment, never on the
 command line. The router and ``RemoteEngine`` take it from here. Each decode worker is told
 the prefill workers' hosts (``--prefill-hosts``: loopback plus ``host`` / ``worker_hosts``).
+The workers' OpenAI routes (what the Kthena router calls) get ``api_key`` the same way
+(``KTHENA_API_KEY``); without one they are open, as ``kthena serve`` without ``--api-key``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class PDLauncher:
         cores: CPU ids to split (default: this process's affinity mask).
         restart: start a worker again when it dies.
         on_restart: called with (name, url) after a restarted worker is ready.
+        api_key: what the workers' OpenAI routes require (None: nothing).
 
     Attributes:
         secret: this deployment's secret; every worker call needs it (``pd.auth``).
@@ -106,7 +109,8 @@ class PDLauncher:
                  on_restart: Callable[[str, str], None] | None = None,
                  mooncake_host: str | None = None, quiet: bool = False,
                  worker_hosts: dict[str, str] | None = None,
-                 worker_prefix: dict[str, list[str]] | None = None) -> None:
+                 worker_prefix: dict[str, list[str]] | None = None,
+                 api_key: str | None = None) -> None:
         cores = cores or sorted(os.sched_getaffinity(0))
         self.specs = split_cores(cores, num_prefill, num_decode)
         self.engine_config = engine_config
@@ -120,6 +124,7 @@ class PDLauncher:
         self.worker_prefix = worker_prefix or {}  # e.g. ["ip", "netns", "exec", "ns-b"]
         self.workers = {s.name: _Worker(s) for s in self.specs}
         self.secret = new_secret()
+        self.api_key = api_key
         self._dir = tempfile.TemporaryDirectory(prefix="kthena-pd-")
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -212,6 +217,9 @@ class PDLauncher:
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                    OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
         env[SECRET_ENV] = self.secret  # the environment, not argv: see pd/auth.py
+        env.pop("KTHENA_API_KEY", None)
+        if self.api_key:
+            env["KTHENA_API_KEY"] = self.api_key
         out = subprocess.DEVNULL if self.quiet else None
         worker.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
 

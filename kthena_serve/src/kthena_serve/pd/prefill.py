@@ -9,12 +9,17 @@ so it is neither recomputed nor copied. Nothing but the first token goes back.
 Across hosts (``mooncake``): the prefill worker computes into its own pool, with its own prefix
 cache (a prefill-side hit skips those tokens), then ``transfer.put_blocks`` moves the blocks
 the decode worker lacks into its registered pool (see transfer.py).
+
+Behind the Kthena router (``run_owned``): the prefill comes first and names no decode worker,
+so the prompt goes into the own pool and its blocks stay held until a decode worker has pulled
+them (one-sided get) or a timeout passes (pins.py, prefill_api.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -31,7 +36,18 @@ from mooncake_kv import ExtraKeys, KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["PrefillExecutor", "check_task"]
+__all__ = ["OwnedPrefill", "PrefillExecutor", "check_task"]
+
+
+@attrs.frozen
+class OwnedPrefill:
+    """A prompt prefilled into the worker's own pool; its blocks are held until ``free``."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int  # what this worker's own prefix cache supplied
+    compute_s: float
 
 
 @attrs.frozen
@@ -61,13 +77,15 @@ class PrefillExecutor:
 
     Args:
         model: the loaded model (same weights and dtype as the decode worker's).
-        config: block size, dtype and the chunk budget (``max_num_batched_tokens``); for the
-            mooncake transport also the size of this worker's own pool.
-        own_pool: build a local pool and prefix cache (the cross-host path).
+        config: block size, dtype and the chunk budget (``max_num_batched_tokens``); also the
+            size of this worker's own pool.
+        own_pool: build a local pool and prefix cache (the cross-host path, and the prompts a
+            decode worker pulls: ``run_owned``); True makes a private pool, a callable
+            ``layout -> KVPool`` makes it where the caller wants (a served shm segment).
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, own_pool: bool = False
-                 ) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
+                 own_pool: bool | Callable[[KVLayout], KVPool] = False) -> None:
         self.model = model
         self.config = config
         self.sampler = Sampler(config.device)
@@ -78,7 +96,8 @@ class PrefillExecutor:
         self.num_steps = self.num_computed_tokens = 0  # reported in /pd/state
         if own_pool:
             layout = self.layout_for(config.num_kv_blocks or 1024)
-            self.runner = ModelRunner(model, create_pool(layout, config))
+            make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
+            self.runner = ModelRunner(model, make(layout))
             self.kv = create_kv_manager(config, layout.num_blocks)
 
     @property
@@ -123,23 +142,62 @@ class PrefillExecutor:
     # ---- the forward passes --------------------------------------------------------------------
     def _compute(self, task: PrefillTask, runner: ModelRunner, block_ids: tuple[int, ...],
                  num_cached: int) -> tuple[int, TokenLogprobs | None]:
-        """Chunked paged prefill of ``token_ids[num_cached:]``; returns the sampled token and,
-        if the request asked, its logprobs (from the logits it was sampled from)."""
-        ids, start = task.token_ids, num_cached
+        return self._forward(task.request_id, task.token_ids, params_from_json(task.params),
+                             runner, block_ids, num_cached)
+
+    def _forward(self, rid: str, ids: Sequence[int], params: SamplingParams,
+                 runner: ModelRunner, block_ids: tuple[int, ...], num_cached: int,
+                 ) -> tuple[int, TokenLogprobs | None]:
+        """Chunked paged prefill of ``ids[num_cached:]``; returns the sampled token and, if the
+        request asked, its logprobs (from the logits it was sampled from)."""
+        ids, start = tuple(ids), num_cached
         budget = self.config.max_num_batched_tokens
         logits = None
         while start < len(ids):
             end = min(len(ids), start + budget)
-            seq = ScheduledSeq(task.request_id, ids[start:end], start, tuple(block_ids),
-                               end == len(ids))
+            seq = ScheduledSeq(rid, ids[start:end], start, tuple(block_ids), end == len(ids))
             logits = runner.execute(ScheduledBatch((seq,)))
             self.num_steps += 1
             start = end
         self.num_computed_tokens += len(ids) - num_cached
-        row = _Row(task.request_id, params_from_json(task.params))
+        row = _Row(rid, params)
         token = self.sampler(logits, [row])[0]
-        self.sampler.forget(task.request_id)
+        self.sampler.forget(rid)
         return int(token), gather_logprobs(logits, [row], [token])[0]
+
+    # ---- into the own pool: the blocks stay held until free() --------------------------------
+    def run_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
+                  cache_salt: str | None = None) -> OwnedPrefill:
+        """Prefill into this worker's pool (its prefix cache honoured) and sample one token.
+
+        The prompt's blocks stay held by ``rid`` (committed, so later prompts can share them)
+        until ``free(rid)``: a decode worker pulls them in between. Compute thread only.
+
+        Raises:
+            MemoryError: the pool has no room for the prompt now.
+        """
+        assert self.kv is not None and self.runner is not None
+        salt = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
+        match = self.kv.match_prefix(rid, token_ids, salt)
+        try:
+            blocks = self.kv.try_allocate(rid, len(token_ids) - match.num_cached_tokens)
+            if blocks is None:
+                raise MemoryError("the prefill worker's pool is full; retry or grow it")
+            start = time.perf_counter()
+            token, logprobs = self._forward(rid, token_ids, params, self.runner,
+                                            blocks.block_ids, match.num_cached_tokens)
+            compute_s = time.perf_counter() - start
+            self.kv.commit(rid, token_ids)
+        except BaseException:
+            self.kv.free(rid)
+            raise
+        return OwnedPrefill(token, logprobs, blocks.block_ids, match.num_cached_tokens,
+                            compute_s)
+
+    def free(self, rid: str) -> None:
+        """Give back the blocks ``run_owned`` left held (compute thread only)."""
+        assert self.kv is not None
+        self.kv.free(rid)
 
     # ---- across hosts: compute into the own pool, then put ---------------------------------------
     def run_local(self, task: PrefillTask, put_blocks) -> PrefillResult:  # noqa: ANN001
@@ -149,27 +207,19 @@ class PrefillExecutor:
         does not hold yet (everything from ``task.num_cached_tokens`` on).
         """
         check_task(task)
-        assert self.kv is not None and self.runner is not None
         rid = task.request_id
-        salt = ExtraKeys(cache_salt=task.cache_salt) if task.cache_salt else None
-        match = self.kv.match_prefix(rid, task.token_ids, salt)
+        owned = self.run_owned(rid, task.token_ids, params_from_json(task.params),
+                               task.cache_salt)
         try:
-            blocks = self.kv.try_allocate(rid, len(task.token_ids) - match.num_cached_tokens)
-            if blocks is None:
-                raise MemoryError("the prefill worker's pool is full; retry or grow it")
-            start = time.perf_counter()
-            token, logprobs = self._compute(task, self.runner, blocks.block_ids,
-                                            match.num_cached_tokens)
-            compute_s = time.perf_counter() - start
-            self.kv.commit(rid, task.token_ids)
             first = task.num_cached_tokens // task.pool.block_size
             start = time.perf_counter()
-            num_bytes = put_blocks(blocks.block_ids[first:], task.block_ids[first:])
+            num_bytes = put_blocks(owned.block_ids[first:], task.block_ids[first:])
             handoff_s = time.perf_counter() - start
         finally:
-            self.kv.free(rid)
-        return PrefillResult(rid, token, len(task.token_ids) - match.num_cached_tokens,
-                             compute_s, handoff_s, num_bytes, match.num_cached_tokens, logprobs)
+            self.free(rid)
+        return PrefillResult(rid, owned.token_id, len(task.token_ids) - owned.num_cached_tokens,
+                             owned.compute_s, handoff_s, num_bytes, owned.num_cached_tokens,
+                             owned.logprobs)
 
     def close(self) -> None:
         for runner in self._attached.values():

@@ -72,7 +72,8 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
     pd_config = PDConfig(**{**pd_fields, "weights": RouterWeights(**pd_fields["weights"])})
     print(f"kthena serve --mode pd: starting {args.prefill} prefill + {args.decode} decode "
           "workers ...", file=sys.stderr, flush=True)
-    launcher = PDLauncher(engine_fields(config), pd_fields, args.prefill, args.decode).start()
+    launcher = PDLauncher(engine_fields(config), pd_fields, args.prefill, args.decode,
+                          api_key=getattr(args, "api_key", None)).start()
     router = Router(launcher.endpoints(), pd_config, config.block_size,
                     secret=launcher.secret).start()
     launcher.on_restart = router.set_url

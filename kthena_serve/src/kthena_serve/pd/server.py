@@ -1,7 +1,15 @@
-"""The HTTP control apps of PD workers (decode and prefill); see worker.py for the routes.
+"""The HTTP apps of PD workers (decode and prefill); see worker.py for the routes.
 
-Every route but ``/health`` needs the deployment secret (pd/auth.py); a decode worker sends a
-prefill task only to a URL whose host is in its allow-list.
+One port, two apps (``_OnePort``)::
+
+    /v1/*, /tokenize, /detokenize   the OpenAI app (server.build_app), as the Kthena router
+                                    calls it: the API key if the worker has one (--api-key /
+                                    KTHENA_API_KEY), and kv_transfer_params (prefill_api.py,
+                                    decode_api.py)
+    everything else                 the control app: /pd/*, /metrics need the deployment
+                                    secret (pd/auth.py), /health is open
+
+A decode worker sends a prefill task, or a KV lease, only to a host in its allow-list.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
 from kthena_serve.server.middleware import ApiKeyMiddleware
-from mooncake_kv import KVCacheStats
 
 __all__ = ["build_decode_app", "build_prefill_app"]
 
@@ -51,6 +58,33 @@ def _control_app(secret: str) -> FastAPI:
     return app
 
 
+_OPENAI_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+class _OnePort:
+    """ASGI app that serves the OpenAI routes from one app and the rest from the control app."""
+
+    def __init__(self, control: FastAPI, openai: FastAPI) -> None:
+        self.control, self.openai = control, openai
+        self.state = control.state  # what the server reads (no drain: workers stop at once)
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        is_openai = path.startswith("/v1/") or path in _OPENAI_PATHS
+        await (self.openai if is_openai else self.control)(scope, receive, send)
+
+
+def _openai_app(engine, config: EngineConfig, connector, api_key: str | None,  # noqa: ANN001
+                served_model_name: str | None) -> FastAPI:
+    """The plain OpenAI app over a worker's engine, with its KV connector."""
+    from kthena_serve.serve_args import model_name
+    from kthena_serve.server import build_app
+
+    served = served_model_name or model_name(config.model)
+    return build_app(engine, model_name=served, aliases={config.model, "default"} - {served},
+                     api_key=api_key, kv_connector=connector)
+
+
 def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
                    is_alive: Callable[[], bool]) -> None:
     @app.get("/health")
@@ -67,26 +101,35 @@ def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
 # ---- decode -----------------------------------------------------------------------------------
 def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                      mooncake_host: str | None = None,
-                     prefill_hosts: Iterable[str] = LOOPBACK_HOSTS) -> tuple[FastAPI, Closer]:
-    """The decode worker: engine over a shared pool, /pd/generate, /pd/state.
+                     prefill_hosts: Iterable[str] = LOOPBACK_HOSTS, api_key: str | None = None,
+                     served_model_name: str | None = None) -> tuple[_OnePort, Closer]:
+    """The decode worker: engine over a shared pool, /pd/generate, /pd/state, and the OpenAI
+    routes (decode requests from the Kthena router pull their KV: decode_api.py).
 
     Args:
         secret: the deployment secret its callers must send and it sends to prefill workers.
-        prefill_hosts: hosts a ``prefill_url`` may name (the rest are refused with 400).
+        prefill_hosts: hosts a ``prefill_url`` or ``remote_host`` may name (the rest: 400).
+        api_key: what the OpenAI routes require (None: nothing).
+        served_model_name: the ``model`` the OpenAI routes serve (default: from the model).
     """
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.engine import LLMEngine, build_runner
     from kthena_serve.pd.decode import DecodeService
+    from kthena_serve.pd.decode_api import DecodeConnector
+    from kthena_serve.pd.transfer import BlockGetter, register_pool, shm_engine
     from kthena_serve.server.metrics import ServerMetrics
 
     runner, tokenizer = build_runner(config, shared_pool=True)
     pool = runner.pool
     engine = LLMEngine(config, runner, tokenizer)
-    te = handle = None
+    handle = None  # the pool as prefill workers put into it (mooncake)
     if pd.transport is Transport.MOONCAKE:
-        from kthena_serve.pd.transfer import register_pool
-
-        te, handle = register_pool(pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
+        pull_engine, handle = register_pool(pool, mooncake_host or "127.0.0.1",
+                                            pd.transfer_timeout_s)
+        pull_handle = handle
+    else:  # the shm engine only reads other pools into this one: private registration
+        pull_engine = shm_engine(pd.transfer_timeout_s)
+        pull_handle = pull_engine.register(pool.buffer)
     ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype, pool.name,
                   handle.to_json() if handle is not None else None)
     events = EventLog(engine.kv)
@@ -95,6 +138,9 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
     server_metrics = ServerMetrics(async_engine)
     service = DecodeService(async_engine, ref, pd, metrics, secret=secret)
     allowed_hosts = frozenset(prefill_hosts)
+    connector = DecodeConnector(
+        async_engine, BlockGetter(pull_engine, pull_handle, pool.layout, pd.transfer_timeout_s),
+        pd, metrics, secret=secret, prefill_hosts=allowed_hosts)
     incarnation = _incarnation()
     app = _control_app(secret)
     _common_routes(app, lambda: server_metrics.render() + metrics.render(),
@@ -108,7 +154,8 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
                 "alive": async_engine.is_alive, "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting, "kv": attrs.asdict(stats.kv),
                 "stats": stats.to_json(), "limits": attrs.asdict(async_engine.limits()),
-                "pool": attrs.asdict(ref), "num_quarantined": service.num_quarantined,
+                "pool": attrs.asdict(ref),
+                "num_quarantined": service.num_quarantined + connector.num_quarantined,
                 "first_seq": first, "last_seq": last, "events": items}
 
     @app.post("/pd/generate")
@@ -132,10 +179,10 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
 
     def close() -> None:
         async_engine.shutdown()  # closes the engine and with it the shared pool (unlinked)
-        if te is not None:
-            te.close()
+        pull_engine.close()
 
-    return app, close
+    openai = _openai_app(async_engine, config, connector, api_key, served_model_name)
+    return _OnePort(app, openai), close
 
 
 async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
@@ -161,10 +208,6 @@ async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
 
 
 # ---- prefill ----------------------------------------------------------------------------------
-# A shm prefill worker computes into decode workers' pools and owns none.
-_NO_POOL = KVCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-
-
 class _Cancelled(Exception):
     pass
 
@@ -198,31 +241,48 @@ class _PrefillState:
 
 
 def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
-                      mooncake_host: str | None = None) -> tuple[FastAPI, Closer]:
-    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel.
+                      mooncake_host: str | None = None, advertise_host: str = "127.0.0.1",
+                      api_key: str | None = None, served_model_name: str | None = None,
+                      ) -> tuple[_OnePort, Closer]:
+    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel,
+    and the OpenAI routes with pinned prefills a decode worker pulls (/pd/kv/lease, release).
+
+    Its own pool (the mooncake transport's, and the Kthena router's prefills) is served to
+    decode workers: registered with Mooncake, or in a shm segment the host's processes map.
 
     Args:
         secret: the deployment secret its callers (decode workers, the router) must send.
+        advertise_host: the address decode workers reach it at (``remote_host``); the port is
+            set once the server listens (``state.on_port``).
+        api_key: what the OpenAI routes require (None: nothing).
+        served_model_name: the ``model`` the OpenAI routes serve (default: from the model).
     """
     from kthena_serve.model import load_model
-    from kthena_serve.pd.prefill import PrefillExecutor, check_task
+    from kthena_serve.pd.pins import PinTable
+    from kthena_serve.pd.prefill import check_task
+    from kthena_serve.pd.prefill_api import PrefillConnector, PrefillEngine
     from kthena_serve.threads import configure_threads
 
     configure_threads(config.num_threads)
-    model, _ = load_model(config.model, dtype=config.torch_dtype)
-    own = pd.transport is Transport.MOONCAKE
-    executor = PrefillExecutor(model, config, own_pool=own)
-    putter = None
-    if own:
-        from kthena_serve.pd.transfer import BlockPutter
-
-        putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
-    events = EventLog(executor.kv) if executor.kv is not None else None
+    model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
+    executor, putter, kv_engine, kv_handle = _own_pool(model, config, pd, mooncake_host)
+    events = EventLog(executor.kv) if putter is not None else None  # shm: not for /pd/prefill
     compute = ThreadPoolExecutor(1, thread_name_prefix="kthena-prefill")
+
+    def free(pin) -> None:  # noqa: ANN001 - on the compute thread, the KV manager's owner
+        future = compute.submit(executor.free, pin.request_id)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "freeing the pinned blocks of %s failed: %r", pin.request_id, f.exception()))
+
+    pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, free)
+    sweeper = _Sweeper(pins, max(0.02, min(0.2, pd.kv_pin_timeout_s / 4)))
+    engine = PrefillEngine(executor, tokenizer, config, compute, pins)
     state = _PrefillState()
     metrics = PDMetrics("prefill")
     incarnation = _incarnation()
+    connector = PrefillConnector(engine, f"{name}-{incarnation}", advertise_host)
     app = _control_app(secret)
+    app.state.on_port = connector.set_port
     _common_routes(app, metrics.render, lambda: True)
 
     def run(task: PrefillTask):  # noqa: ANN202 - on the compute thread
@@ -264,25 +324,117 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         rid = (await request.json())["request_id"]
         return {"busy": state.cancel(rid)}
 
+    _kv_routes(app, connector, pins, kv_engine.backend, kv_handle, executor.pool.layout)
+
     @app.get("/pd/state")
     async def pd_state(since: int = 0) -> dict:
         with state.lock:
-            running = int(state.running is not None)
-            waiting = len(state.queued)
+            running = int(state.running is not None) + engine.num_running
+            waiting = len(state.queued) + engine.num_waiting
         first, last, items = events.since(since) if events else (1, 0, [])
-        kv = executor.kv.stats() if executor.kv is not None else _NO_POOL
+        kv = executor.kv.stats()
         # The first token it samples is counted by the decode worker, which streams it.
         stats = EngineStats(executor.num_steps, executor.num_computed_tokens, 0, 0, waiting,
                             running, kv)
         return {"name": name, "role": "prefill", "incarnation": incarnation, "alive": True,
-                "num_running": running, "num_waiting": waiting,
-                "kv": attrs.asdict(kv) if executor.kv is not None else None,
+                "num_running": running, "num_waiting": waiting, "kv": attrs.asdict(kv),
+                "num_pinned": len(pins), "num_pinned_blocks": pins.num_blocks,
+                "num_pins_expired": pins.num_expired,
                 "stats": stats.to_json(), "first_seq": first, "last_seq": last, "events": items}
 
     def close() -> None:
+        engine.abort_all("the prefill worker is stopping")
+        sweeper.stop()
+        pins.clear()
         compute.shutdown(wait=True, cancel_futures=True)
-        if putter is not None:
-            putter.close()
-        executor.close()
+        executor.close()  # the own pool first: the segment under it goes with the engine
+        kv_engine.close()
 
-    return app, close
+    openai = _openai_app(engine, config, connector, api_key, served_model_name)
+    return _OnePort(app, openai), close
+
+
+def _own_pool(model, config: EngineConfig, pd: PDConfig,  # noqa: ANN001, ANN202
+              mooncake_host: str | None):
+    """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
+    private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
+    from kthena_serve.pd.prefill import PrefillExecutor
+    from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
+
+    if pd.transport is Transport.MOONCAKE:
+        executor = PrefillExecutor(model, config, own_pool=True)
+        putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
+        return executor, putter, putter.engine, putter.local
+    engine = shm_engine(pd.transfer_timeout_s)
+    handles = []
+
+    def in_segment(layout):  # noqa: ANN001, ANN202
+        pool, handle = shm_segment_pool(engine, layout)
+        handles.append(handle)
+        return pool
+
+    return PrefillExecutor(model, config, own_pool=in_segment), None, engine, handles[0]
+
+
+class _Sweeper:
+    """Frees expired pins every ``interval_s`` (a daemon thread)."""
+
+    def __init__(self, pins, interval_s: float) -> None:  # noqa: ANN001
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(pins, interval_s),
+                                        name="kthena-pin-sweeper", daemon=True)
+        self._thread.start()
+
+    def _run(self, pins, interval_s: float) -> None:  # noqa: ANN001
+        while not self._stop.wait(interval_s):
+            pins.expire()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _kv_routes(app: FastAPI, connector, pins, backend: str, handle, layout) -> None:  # noqa: ANN001
+    """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them."""
+    from kthena_serve.pd.pins import PinError
+
+    @app.post("/pd/kv/lease")
+    async def kv_lease(request: Request) -> Response:
+        try:
+            body = await request.json()
+            engine_id, transfer_id = body["engine_id"], body["transfer_id"]
+            block_ids, digest = body["block_ids"], body["prompt_digest"]
+            if not all(isinstance(v, str) for v in (engine_id, transfer_id, digest)) \
+                    or not isinstance(block_ids, list):
+                raise TypeError("engine_id, transfer_id, prompt_digest: strings; block_ids: "
+                                "a list")
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad lease: {error}"), status_code=400)
+        if engine_id != connector.engine_id:
+            return JSONResponse(error_body(404, f"remote_engine_id {engine_id!r} is not this "
+                                           f"prefill worker ({connector.engine_id}): the KV "
+                                           "was pinned elsewhere, or by a process that has "
+                                           "restarted since"), status_code=404)
+        if body.get("backend") != backend:
+            return JSONResponse(error_body(409, f"this prefill worker serves KV over {backend}"
+                                           f", the decode worker pulls over "
+                                           f"{body.get('backend')}: use one --pd-transport"),
+                                status_code=409)
+        try:
+            pin = pins.lease(transfer_id, block_ids, digest)
+        except PinError as error:
+            return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+        return JSONResponse({"handle": handle.to_dict(), "num_blocks": layout.num_blocks,
+                             "fingerprint": layout.shape.fingerprint(),
+                             "kind": layout.kind.value, "first_token_id": pin.first_token_id,
+                             "first_token_logprobs": pin.first_token_logprobs})
+
+    @app.post("/pd/kv/release")
+    async def kv_release(request: Request) -> Response:
+        try:
+            transfer_id = (await request.json())["transfer_id"]
+            if not isinstance(transfer_id, str):
+                raise TypeError("transfer_id must be a string")
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad release: {error}"), status_code=400)
+        return JSONResponse({"released": pins.release(transfer_id)})

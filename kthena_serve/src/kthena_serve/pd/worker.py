@@ -4,14 +4,20 @@ It pins itself to its cores and sets ``OMP_NUM_THREADS`` / ``OMP_WAIT_POLICY=PAS
 *before* torch is imported (OpenMP reads them once), loads the model, and serves a small
 control API on 127.0.0.1 (or ``--host``):
 
-    decode:  POST /pd/generate (NDJSON outputs)   prefill: POST /pd/prefill, POST /pd/cancel
+    decode:  POST /pd/generate (NDJSON outputs)   prefill: POST /pd/prefill, POST /pd/cancel,
+                                                           POST /pd/kv/lease, /pd/kv/release
     both:    GET /pd/state (load, KV stats, KV events since a sequence number), /metrics,
              GET /health (the one route without authentication)
+             POST /v1/completions, /v1/chat/completions, GET /v1/models, POST /tokenize ...:
+             the OpenAI API as the Kthena router's PD connectors call it (kv_transfer_params)
 
-Every route but ``/health`` needs ``Authorization: Bearer <secret>``; the secret comes in the
-environment variable ``KTHENA_PD_SECRET`` (set by the launcher; never on the command line,
-which other local users can read), and the worker refuses to start without it. A decode
-worker sends prefill tasks only to hosts in ``--prefill-hosts`` (default loopback).
+Every control route (``/pd/*``, ``/metrics``) needs ``Authorization: Bearer <secret>``; the
+secret comes in the environment variable ``KTHENA_PD_SECRET`` (set by the launcher; never on
+the command line, which other local users can read), and the worker refuses to start without
+it. The OpenAI routes need ``Authorization: Bearer <api key>`` when ``KTHENA_API_KEY`` is set
+(the key the Kthena router is given), and are open otherwise, as ``kthena serve`` is. A decode
+worker sends prefill tasks and KV leases only to hosts in ``--prefill-hosts`` (default
+loopback).
 
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
 its parent (the launcher) dies, so no worker outlives a killed launcher.
@@ -39,7 +45,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pd-config", default="{}", help="PDConfig fields as JSON")
     parser.add_argument("--mooncake-host", default=None, help="address Mooncake advertises")
     parser.add_argument("--prefill-hosts", default="127.0.0.1,localhost,::1",
-                        help="comma-separated hosts a decode worker may send prefill tasks to")
+                        help="comma-separated hosts (or networks, 10.0.0.0/8) a decode worker "
+                             "may send prefill tasks and KV leases to")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address decode workers reach this prefill worker at "
+                             "(remote_host; default: --mooncake-host, else --host)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id the OpenAI routes serve (default: from the model)")
     return parser.parse_args(argv)
 
 
@@ -48,6 +60,21 @@ def _take_secret() -> str | None:
     from kthena_serve.pd.auth import SECRET_ENV
 
     return os.environ.pop(SECRET_ENV, None) or None
+
+
+def _take_api_key() -> str | None:
+    """The OpenAI routes' API key (``KTHENA_API_KEY``), removed from the environment too."""
+    return os.environ.pop("KTHENA_API_KEY", None) or None
+
+
+def _advertised(args: argparse.Namespace) -> str:
+    """The host decode workers reach this worker at: a wildcard bind is resolved by name."""
+    host = args.advertise_host or args.mooncake_host or args.host
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def _pin(cores: str) -> int:
@@ -87,6 +114,7 @@ def exit_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     secret = _take_secret()
+    api_key = _take_api_key()
     if secret is None:
         print(f"kthena_serve.pd.worker {args.name}: KTHENA_PD_SECRET is not set; workers are "
               "started by the PD launcher, which sets it", file=sys.stderr)
@@ -110,12 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "decode":
         hosts = [h.strip() for h in args.prefill_hosts.split(",") if h.strip()]
         app, close = build_decode_app(args.name, engine_config, pd_config, secret=secret,
-                                      mooncake_host=args.mooncake_host, prefill_hosts=hosts)
+                                      mooncake_host=args.mooncake_host, prefill_hosts=hosts,
+                                      api_key=api_key,
+                                      served_model_name=args.served_model_name)
     else:
         app, close = build_prefill_app(args.name, engine_config, pd_config, secret=secret,
-                                       mooncake_host=args.mooncake_host)
+                                       mooncake_host=args.mooncake_host,
+                                       advertise_host=_advertised(args), api_key=api_key,
+                                       served_model_name=args.served_model_name)
 
     def ready(port: int) -> None:
+        on_port = getattr(app.state, "on_port", None)
+        if on_port is not None:  # a prefill worker names its port in kv_transfer_params
+            on_port(port)
         if args.ready_file:
             tmp = f"{args.ready_file}.tmp"
             with open(tmp, "w") as f:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: routes over an ``EngineClient`` (FastAPI).
 
     POST /v1/completions, /v1/chat/completions   (SSE when ``stream``; ends with [DONE])
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics           (/metrics: kthena_* and vLLM's vllm:* names)
+    POST /tokenize, /detokenize                  (vLLM's; see ``tokenization``)
 
 Requests are validated, tokenised and length-checked before anything streams, so every bad
 input is a 4xx with an OpenAI error body. ``prefix_hash`` / ``reuse_offset`` are accepted and
@@ -17,11 +18,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kthena_serve.client import EngineClient
+from kthena_serve.client import EngineClient, KVConnector
 from kthena_serve.errors import EngineDeadError, RequestFailedError
 from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import RequestOutput
@@ -31,6 +33,12 @@ from kthena_serve.server.generation import Job, collect, stream_choices
 from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from kthena_serve.server.shutdown import Drain, DrainMiddleware
+from kthena_serve.server.tokenization import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 __all__ = ["build_app"]
 
@@ -42,17 +50,22 @@ MAX_PROMPTS = 64
 class _Api:
     """Route bodies; one per app."""
 
-    def __init__(self, engine: EngineClient, model_name: str, aliases: set[str]) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, aliases: set[str],
+                 kv_connector: KVConnector | None = None) -> None:
         self.engine = engine
+        self.kv_connector = kv_connector
         self.model_name = model_name
         self.names = {model_name} | aliases
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, model_name)
 
     # ---- preparing a job --------------------------------------------------------------------
-    def _check_common(self, body: p._Common) -> None:
-        if body.model not in self.names:
-            raise ApiError(404, f"model {body.model!r} is not served here; use "
+    def _check_model(self, model: str | None) -> None:
+        if model not in self.names:
+            raise ApiError(404, f"model {model!r} is not served here; use "
                            f"{self.model_name!r}", "model", "model_not_found")
+
+    def _check_common(self, body: p._Common) -> None:
+        self._check_model(body.model)
         limit = self.engine.limits().max_n
         if body.n > limit:
             raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
@@ -66,6 +79,22 @@ class _Api:
         budgets = tuple(self.engine.check(ids, params) for ids in prompts)  # invalid -> 400
         return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
+
+    async def _open_kv(self, body: p._Common, job: Job) -> Job:
+        """Hand ``kv_transfer_params`` (PD workers behind the Kthena router) to the connector
+        before anything streams, so a refusal is a 400."""
+        if body.kv_transfer_params is None:
+            return job
+        if self.kv_connector is None:
+            raise ApiError(400, "kv_transfer_params is for PD workers (python -m "
+                           "kthena_serve.pd.worker); this server computes every request "
+                           "itself: leave it out", "kv_transfer_params")
+        if job.num_choices != 1:
+            raise ApiError(400, "kv_transfer_params needs one prompt and n=1",
+                           "kv_transfer_params")
+        session = await self.kv_connector.open(body.kv_transfer_params, job.engine_request(0),
+                                               stream=body.stream)
+        return job if session is None else attrs.evolve(job, kv=session)
 
     def _completion_prompts(self, body: p.CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
@@ -82,6 +111,7 @@ class _Api:
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         self._check_common(body)
         job = self._job(body, self._completion_prompts(body), body.max_tokens)
+        job = await self._open_kv(body, job)
         rid = p.new_id("cmpl")
         if body.stream:
             chunks = self._completion_chunks(rid, body, job)
@@ -91,12 +121,14 @@ class _Api:
         logprobs = [None if o.logprobs is None else
                     p.completion_logprobs(o.logprobs, self.engine.token_bytes, p.TextOffsets())
                     for o in finals]
-        return JSONResponse(p.completion_response(rid, self.model_name, finals, usage, logprobs))
+        return JSONResponse(_with_kv(
+            p.completion_response(rid, self.model_name, finals, usage, logprobs), job))
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(body, self._chat_prompt(body), max_tokens)
+        job = await self._open_kv(body, job)
         rid = p.new_id("chatcmpl")
         if body.stream:
             return _sse(self._chat_chunks(rid, body, job))
@@ -104,7 +136,8 @@ class _Api:
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
                     p.chat_logprobs(o.logprobs, self.engine.token_bytes) for o in finals]
-        return JSONResponse(p.chat_response(rid, self.model_name, finals, usage, logprobs))
+        return JSONResponse(_with_kv(
+            p.chat_response(rid, self.model_name, finals, usage, logprobs), job))
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
@@ -178,6 +211,16 @@ class _Api:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
             yield p.usage_chunk(rid, "chat.completion.chunk", self.model_name, usage)
 
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        if body.model is not None:  # optional here, as in vLLM
+            self._check_model(body.model)
+        return tokenize(self.engine, body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self._check_model(body.model)
+        return detokenize(self.engine, body)
+
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kthena", "max_model_len": self.engine.limits().max_model_len}
@@ -197,6 +240,13 @@ class _PendingLogprobs:
 
     def take(self, choice: int) -> list[TokenLogprobs]:
         return self._by_choice.pop(choice, [])
+
+
+def _with_kv(response: dict, job: Job) -> dict:
+    """A PD prefill answer carries ``kv_transfer_params`` (where its KV waits; null: nowhere)."""
+    if job.kv is not None:
+        response["kv_transfer_params"] = job.kv.response_params()
+    return response
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -225,7 +275,8 @@ def _in_band(error: Exception) -> dict:
 
 
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
-              api_key: str | None = None, max_request_bytes: int = 1 << 20) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = 1 << 20,
+              kv_connector: KVConnector | None = None) -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -233,8 +284,10 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
         aliases: other accepted ``model`` values (e.g. ``"default"``).
         api_key: if set, every path but /health needs ``Authorization: Bearer <api_key>``.
         max_request_bytes: bodies above this get 413.
+        kv_connector: a PD worker's side of ``kv_transfer_params`` (without one, a request that
+            carries them is a 400).
     """
-    api = _Api(engine, model_name, aliases or set())
+    api = _Api(engine, model_name, aliases or set(), kv_connector)
     app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")  # the real schema, for clients and fuzzers
     app.state.api = api
@@ -242,6 +295,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
 
     @app.get("/health")
     async def health() -> Response:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import attrs
 
-from kthena_serve.client import EngineClient
+from kthena_serve.client import EngineClient, KVSession
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 
@@ -29,6 +29,7 @@ class Job:
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
+    kv: KVSession | None = None  # a PD worker's kv_transfer_params session (one choice)
 
     @property
     def num_choices(self) -> int:
@@ -52,7 +53,7 @@ class Job:
 
 
 def _generate(engine: EngineClient, job: Job, choice: int) -> AsyncIterator[RequestOutput]:
-    return engine.generate(job.engine_request(choice))
+    return (engine if job.kv is None else job.kv).generate(job.engine_request(choice))
 
 
 async def stream_choices(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,8 +1,17 @@
-"""Run the app under uvicorn: in the foreground (``kthena serve``) or on a thread (tests, embedding)."""
+"""Run the app under uvicorn: in the foreground (``kthena serve``) or on a thread (tests, embedding).
+
+Socket buffers are kept small so that a client that stops reading is noticed: by default the
+kernel grows a loopback send buffer to megabytes and asyncio buffers 64 KiB more, which is
+thousands of tokens a reader never takes. Here a connection buffers at most about
+``2 * SEND_BUFFER_BYTES`` in the kernel (Linux doubles the value) plus ``WRITE_BUFFER_BYTES``
+in asyncio before the response's ``send`` waits; the engine then pauses that stream (see
+``AsyncLLM``). At LLM stream rates (kilobytes per second) this costs nothing.
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,9 +19,27 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-__all__ = ["BackgroundServer", "run_server"]
+__all__ = ["SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES", "BackgroundServer", "run_server"]
 
 log = logging.getLogger(__name__)
+
+SEND_BUFFER_BYTES = 16 * 1024  # SO_SNDBUF of accepted connections (inherited from the listener)
+WRITE_BUFFER_BYTES = 16 * 1024  # asyncio's high-water mark per connection (default 64 KiB)
+
+
+def _http_protocol() -> type:
+    """uvicorn's "auto" HTTP protocol, with a smaller asyncio write buffer per connection."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class BoundedWriteBuffer(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+            super().connection_made(transport)
+
+    return BoundedWriteBuffer
 
 _FLUSH_S = 5.0  # after on_deadline: time for the final error events to reach the clients
 
@@ -50,6 +77,9 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if self.servers and self.servers[0].sockets:
             self.port = self.servers[0].sockets[0].getsockname()[1]
         if self.on_ready is not None and self.port is not None:
@@ -63,7 +93,7 @@ def _wait_idle(drain, deadline: float) -> None:  # noqa: ANN001
 
 def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="off")
+                          timeout_graceful_shutdown=5, lifespan="off", http=_http_protocol())
 
 
 def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,

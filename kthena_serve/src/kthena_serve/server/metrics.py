@@ -3,6 +3,8 @@
 Each app has its own registry (several servers can live in one process, as in tests). Gauges
 and counters that mirror engine state are read at scrape time from the engine's snapshot and
 its KV part (``EngineClient.stats()``: summed over the workers in PD); the histograms are fed as requests finish.
+Given the served model's name, the same snapshot and observations are also exported under
+vLLM's names (``vllm:*``, see ``vllm_metrics``), which the Kthena router scrapes.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kthena_serve.client import EngineClient
 from kthena_serve.request import RequestOutput
+from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
 
-__all__ = ["ServerMetrics"]
+__all__ = ["ServerMetrics", "add_collector"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -22,11 +25,14 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 class _EngineCollector:
     """Reads engine state at scrape time."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str | None) -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
         stats = self.engine.stats()
+        if self.model_name is not None:  # one snapshot, both names
+            yield from engine_families(stats, self.model_name)
         kv = stats.kv
         yield _gauge("kthena_num_requests_waiting", "Requests queued", stats.num_waiting)
         yield _gauge("kthena_num_requests_running", "Requests running", stats.num_running)
@@ -56,9 +62,11 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The metrics of one server (see module docs)."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str | None = None) -> None:
+        """Args: model_name: the served name; if given, vLLM's names are exported too."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.vllm = VllmMetrics(self.registry, model_name) if model_name is not None else None
         self.ttft = Histogram("kthena_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kthena_time_per_output_token_seconds",
@@ -73,14 +81,21 @@ class ServerMetrics:
                              registry=self.registry)
 
     def observe(self, out: RequestOutput, reuse_offset: int | None = None) -> None:
-        """Record a finished request."""
-        self.finished.labels(out.finish_reason.value if out.finish_reason else "none").inc()
+        """Record a finished request (under both names: the same samples feed both)."""
+        reason = out.finish_reason.value if out.finish_reason else "none"
+        self.finished.labels(reason).inc()
+        if self.vllm is not None:
+            self.vllm.finished(reason, num_prompt_tokens=out.num_prompt_tokens)
         if out.first_token_time is None or out.finish_time is None:
             return
-        self.ttft.observe(out.first_token_time - out.arrival_time)
-        self.e2e.observe(out.finish_time - out.arrival_time)
-        if len(out.token_ids) > 1:
-            self.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+        ttft, e2e = out.first_token_time - out.arrival_time, out.finish_time - out.arrival_time
+        num_gaps, decode = len(out.token_ids) - 1, out.finish_time - out.first_token_time
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        if num_gaps > 0:
+            self.tpot.observe(decode / num_gaps)
+        if self.vllm is not None:
+            self.vllm.latencies(ttft, e2e, num_gaps, decode)
         if reuse_offset is not None:
             self.hints.labels(str(reuse_offset == out.num_cached_tokens).lower()).inc()
 
@@ -88,6 +103,14 @@ class ServerMetrics:
         """Requests (choices) that ended without finishing: client gone, failed, shut down."""
         if count > 0:
             self.finished.labels("abort").inc(count)
+            if self.vllm is not None:
+                self.vllm.finished("abort", count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def add_collector(app, collector: object) -> None:  # noqa: ANN001
+    """Export ``collector`` (e.g. ``KVEventsCollector``) on the /metrics of an app from
+    ``build_app``, next to the server's own metrics."""
+    app.state.api.metrics.registry.register(collector)

@@ -80,6 +80,10 @@ class _Common(_Strict):
     reuse_offset: int | None = Field(None, ge=0)
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
+    # The Kthena router's PD connectors: where the prompt's KV is (PD workers only; a server
+    # without a KV connector refuses it), and usage asked for at the top level of a body.
+    kv_transfer_params: dict[str, Any] | None = None
+    top_level_include_usage: bool | None = Field(None, alias="include_usage")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Raises ValueError (from SamplingParams, or InvalidRequestError naming the field) for
@@ -103,7 +107,9 @@ class _Common(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """A final usage chunk in a stream (a JSON answer always has usage)."""
+        return bool((self.stream_options and self.stream_options.include_usage)
+                    or self.top_level_include_usage)
 
 
 class CompletionRequest(_Common):

@@ -1,0 +1,284 @@
+"""The decode worker's side of ``kv_transfer_params``: pull a prefilled prompt's KV, decode.
+
+A decode request from the Kthena router carries the prefill answer's ``kv_transfer_params``
+(kv_params.py). Before anything streams (``open``; a refusal is a 400)::
+
+    1 check      the fields; remote_host must be a prefill host of this deployment
+                 (``--prefill-hosts``), or nothing is contacted
+    2 lease      POST remote/pd/kv/lease {engine id, transfer id, block ids, prompt digest}
+                 (PD secret) ── the prefill worker checks them against its pin and answers
+                 its pool's handle and layout, and the first token; a refusal (unknown engine
+                 id or transfer, other block ids, another prompt) is a 400 here
+
+Then, as the request's output stream (``generate``)::
+
+    3 reserve    AsyncLLM.reserve: own prefix cache matched (those blocks are not pulled),
+                 blocks for the rest
+    4 get        one-sided batch get of remote blocks [cached // block_size:] into them
+                 (kthena_comm shm or mooncake engine; ``transfer.BlockGetter``)
+    5 release    POST remote/pd/kv/release: the prefill worker frees its pin and says whether
+                 it was still pinned all along (if not, the bytes may be stale: not used)
+    6 admit      AsyncLLM.generate_prefilled(first token) and stream
+
+A failed get or release, or an unreachable prefill worker, follows the deployment's policy:
+``recompute`` (the decode worker computes the prompt itself) or ``fail`` (503). Blocks a
+timed-out get might still write are kept aside for ``transfer_timeout_s`` before they are
+freed, so nothing else reads them in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+import attrs
+import httpx
+
+from kthena_comm.errors import TransferTimeoutError
+from kthena_comm.transfer import MemoryHandle
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.client import KVSession
+from kthena_serve.errors import InvalidRequestError
+from kthena_serve.logprobs import TokenLogprobs
+from kthena_serve.pd.auth import auth_headers, check_prefill_url
+from kthena_serve.pd.config import FailurePolicy, PDConfig
+from kthena_serve.pd.decode import HandoffError
+from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
+from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.transfer import BlockGetter
+from kthena_serve.request import EngineRequest, RequestOutput
+from kthena_serve.scheduler import Reservation
+from mooncake_kv.layout import KVLayout
+
+__all__ = ["DecodeConnector", "Lease"]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Lease:
+    """What the prefill worker answered to a lease: where to read, and the first token."""
+
+    remote: RemotePrefill
+    handle: MemoryHandle
+    layout: KVLayout
+    first_token_id: int
+    first_token_logprobs: TokenLogprobs | None
+
+
+class _Unavailable(Exception):
+    """The prefill worker could not be asked (unreachable, timed out, 5xx)."""
+
+
+def _refuse(message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{PARAM}: {message}", PARAM)
+
+
+class DecodeConnector:
+    """``KVConnector`` of a decode worker (see the module docs).
+
+    Args:
+        engine: the started engine.
+        getter: reads remote blocks into the engine's pool.
+        config: policy and ``transfer_timeout_s``.
+        metrics: where pulls, their bytes and failures go.
+        secret: the deployment secret, sent to prefill workers.
+        prefill_hosts: hosts ``remote_host`` may name (the rest are a 400).
+    """
+
+    def __init__(self, engine: AsyncLLM, getter: BlockGetter, config: PDConfig,
+                 metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str]) -> None:
+        self.engine, self.getter, self.config, self.metrics = engine, getter, config, metrics
+        self._headers = auth_headers(secret)
+        self.prefill_hosts = frozenset(prefill_hosts)
+        self.num_quarantined = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- before anything streams -----------------------------------------------------------------
+    async def open(self, params: Mapping[str, Any], request: EngineRequest, *,
+                   stream: bool) -> KVSession | None:
+        """Check the params and lease the KV they name.
+
+        Raises:
+            InvalidRequestError: bad fields, a foreign host, or a lease the prefill refused.
+            HandoffError: the prefill worker cannot be asked and the policy is ``fail``.
+        """
+        ask, remote = parse_kv_params(params)
+        if ask is KVAsk.NONE:
+            return None
+        if ask is KVAsk.REMOTE_DECODE or remote is None:
+            raise _refuse("do_remote_decode asks for a prefill, and this is a decode worker; "
+                          "send it to a prefill worker")
+        try:
+            check_prefill_url(remote.url, self.prefill_hosts)
+        except ValueError as error:
+            raise _refuse(f"remote_host/remote_port: {error}") from None
+        try:
+            lease = await self._lease(remote, request)
+        except _Unavailable as error:
+            self.count_failure("unreachable", str(error))
+            lease = None  # recompute: the session computes the prompt here
+        return _PulledDecode(self, lease)
+
+    async def _lease(self, remote: RemotePrefill, request: EngineRequest) -> Lease:
+        body = {"engine_id": remote.engine_id, "transfer_id": remote.transfer_id,
+                "block_ids": list(remote.block_ids), "backend": self.getter.engine.backend,
+                "prompt_digest": prompt_digest(request.prompt_ids)}
+        reply = await self._post(remote, "/pd/kv/lease", body)
+        if 400 <= reply.status_code < 500:
+            raise _refuse(f"the prefill worker at {remote.url} refused it: "
+                          f"{_message(reply)}")
+        if reply.status_code != 200:
+            raise _Unavailable(f"lease at {remote.url} answered {reply.status_code}: "
+                               f"{_message(reply)}")
+        try:
+            return self._read_lease(remote, request, reply.json())
+        except (KeyError, TypeError, ValueError) as error:
+            raise _refuse(f"the prefill worker's lease is unusable here: {error}") from None
+
+    def _read_lease(self, remote: RemotePrefill, request: EngineRequest,
+                    data: dict[str, Any]) -> Lease:
+        own = self.getter.layout
+        if data["fingerprint"] != own.shape.fingerprint() or data["kind"] != own.kind.value:
+            raise ValueError(f"its KV blocks are {data['fingerprint']}/{data['kind']}, this "
+                             f"worker's {own.shape.fingerprint()}/{own.kind.value}: run both "
+                             "with the same model, dtype and block size")
+        handle = MemoryHandle.from_dict(data["handle"])
+        if handle.backend != self.getter.engine.backend:
+            raise ValueError(f"it serves KV over {handle.backend}, this worker pulls over "
+                             f"{self.getter.engine.backend}: use one --pd-transport")
+        num_prompt_blocks = -(-len(request.prompt_ids) // own.shape.block_size)
+        if len(remote.block_ids) != num_prompt_blocks:
+            raise ValueError(f"{len(remote.block_ids)} remote blocks for a prompt of "
+                             f"{len(request.prompt_ids)} tokens ({num_prompt_blocks} blocks)")
+        token = data["first_token_id"]
+        if not isinstance(token, int) or not 0 <= token < self.engine.limits().vocab_size:
+            raise ValueError(f"first token {token!r} is outside the vocabulary")
+        logprobs = data.get("first_token_logprobs")
+        if request.params.logprobs is not None and logprobs is None:
+            raise ValueError("the request asks for logprobs and its prefill did not (send "
+                             "the same body to both workers)")
+        return Lease(remote, handle, attrs.evolve(own, num_blocks=int(data["num_blocks"])),
+                     token, TokenLogprobs.from_json(logprobs) if logprobs else None)
+
+    # ---- while streaming --------------------------------------------------------------------------
+    async def pull(self, lease: Lease, rid: str, reserved: Reservation) -> str | None:
+        """Get the blocks the reservation lacks, then release the pin; None on success, else
+        why not. If the caller is cancelled, the reservation is freed once the get ends."""
+        first = reserved.num_cached_tokens // self.getter.layout.shape.block_size
+        start = time.perf_counter()
+        get = asyncio.ensure_future(asyncio.to_thread(
+            self.getter.get, lease.handle, lease.layout, lease.remote.block_ids[first:],
+            reserved.block_ids[first:]))
+        try:
+            num_bytes = await asyncio.shield(get)
+        except asyncio.CancelledError:
+            self._spawn(self._release_after(get, lease, rid))
+            raise
+        except TransferTimeoutError as error:  # the engine may still write: keep the blocks
+            self._spawn(self._quarantine(rid))
+            self._spawn(self.release_remote(lease))
+            return f"timeout: {error}"
+        except Exception as error:  # noqa: BLE001 - any failed get: the policy decides
+            await self.engine.release(rid)
+            self._spawn(self.release_remote(lease))
+            return f"transfer: {type(error).__name__}: {error}"
+        released = await self.release_remote(lease)
+        if not released:
+            await self.engine.release(rid)
+            return "expired: the prefill worker's pin ended before the get was confirmed"
+        self.metrics.observe_handoff(time.perf_counter() - start, num_bytes)
+        return None
+
+    async def release_remote(self, lease: Lease) -> bool:
+        """Tell the prefill worker its pin is done; True if it was pinned until now."""
+        try:
+            reply = await self._post(lease.remote, "/pd/kv/release",
+                                     {"transfer_id": lease.remote.transfer_id})
+            return reply.status_code == 200 and reply.json().get("released") is True
+        except (_Unavailable, ValueError):
+            return False
+
+    async def _post(self, remote: RemotePrefill, path: str, body: dict) -> httpx.Response:
+        timeout = httpx.Timeout(self.config.transfer_timeout_s, connect=2.0)
+        try:
+            async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as client:
+                return await client.post(f"{remote.url}{path}", json=body)
+        except httpx.HTTPError as error:
+            raise _Unavailable(f"prefill worker at {remote.url} ({path}): "
+                               f"{type(error).__name__}: {error}") from None
+
+    async def _release_after(self, get: asyncio.Future, lease: Lease, rid: str) -> None:
+        await asyncio.gather(get, return_exceptions=True)
+        await self.release_remote(lease)
+        await self.engine.release(rid)
+
+    async def _quarantine(self, rid: str) -> None:
+        self.num_quarantined += 1
+        try:
+            await asyncio.sleep(self.config.transfer_timeout_s)
+            await self.engine.release(rid)
+        finally:
+            self.num_quarantined -= 1
+
+    def count_failure(self, reason: str, detail: str) -> None:
+        """Count a failed pull; raise HandoffError when the policy is ``fail``."""
+        policy = self.config.policy
+        self.metrics.failure(policy.value, reason.split(":")[0])
+        log.warning("KV pull failed (%s, policy %s): %s", reason, policy.value, detail)
+        if policy is FailurePolicy.FAIL:
+            raise HandoffError(f"the KV pull from the prefill worker failed "
+                               f"({reason.split(':')[0]}) and this deployment's policy is "
+                               "'fail'; retry the request")
+
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _PulledDecode:
+    """One decode request whose prompt KV a prefill worker holds (or recomputes it)."""
+
+    def __init__(self, connector: DecodeConnector, lease: Lease | None) -> None:
+        self.connector, self.lease = connector, lease
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        c, rid = self.connector, request.request_id
+        path = "local"
+        reserved = None
+        if self.lease is not None:
+            reserved = await c.engine.reserve(request)
+            if reserved is None:  # no seat or no blocks now: queue it as a plain request
+                await c.release_remote(self.lease)
+        if reserved is not None and self.lease is not None:
+            failure = await c.pull(self.lease, rid, reserved)
+            if failure is None:
+                c.metrics.requests.labels(c.metrics.role, "pulled").inc()
+                lease = self.lease
+                async for out in c.engine.generate_prefilled(rid, lease.first_token_id,
+                                                             lease.first_token_logprobs):
+                    yield out
+                return
+            c.count_failure(failure, failure)
+            path = "recomputed"
+            if failure.startswith("timeout"):  # those blocks are quarantined under rid
+                request = attrs.evolve(request, request_id=f"{rid}~recompute")
+        elif self.lease is None:
+            path = "recomputed"
+        c.metrics.requests.labels(c.metrics.role, path).inc()
+        async for out in c.engine.generate(request):
+            yield attrs.evolve(out, request_id=rid)
+
+    def response_params(self) -> dict[str, Any] | None:
+        return None
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return reply.text[:300]

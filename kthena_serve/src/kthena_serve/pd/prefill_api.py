@@ -1,0 +1,256 @@
+"""The prefill worker's OpenAI side: one-token answers, and prefills a decode worker pulls.
+
+The prefill worker serves the plain OpenAI app (``server.build_app``) over ``PrefillEngine``,
+so the Kthena router's ``nixl`` / ``mooncake`` connectors can call it as they call vLLM::
+
+    POST /v1/completions | /v1/chat/completions  (max_tokens 1: the router sets it)
+      no kv_transfer_params          prefill into the own pool, answer the first token, free
+      {"do_remote_decode": true}     the same, but the prompt's blocks stay pinned (pins.py)
+                                     and the answer carries kv_transfer_params naming them
+    decode worker ─ POST /pd/kv/lease, one-sided get, POST /pd/kv/release ─▶ control port
+
+Every prefill runs on the worker's one compute thread (the owner of its KV manager), the same
+thread that serves ``/pd/prefill`` tasks. A prompt whose first token already ends it (EOS, a
+stop string) pins nothing: its answer carries ``kv_transfer_params: null`` and the decode
+worker simply computes it (vLLM's connectors hand over only length-capped prefills too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from kthena_serve.client import EngineLimits, EngineStats, KVSession
+from kthena_serve.config import EngineConfig
+from kthena_serve.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.input_processor import InputProcessor
+from kthena_serve.model import IncrementalDetokenizer
+from kthena_serve.output_stream import OutputStream
+from kthena_serve.pd.kv_params import PARAM, KVAsk, parse_kv_params, prefill_reply, prompt_digest
+from kthena_serve.pd.pins import Pin, PinTable
+from kthena_serve.pd.prefill import OwnedPrefill, PrefillExecutor
+from kthena_serve.request import EngineRequest, FinishReason, RequestOutput
+from kthena_serve.sampling_params import SamplingParams
+
+__all__ = ["PrefillConnector", "PrefillEngine"]
+
+_ONE_TOKEN = ("a prefill worker computes the prompt and samples its first token only: send "
+              "max_tokens 1 (the Kthena router does), or send the request to a decode worker")
+
+
+class PrefillEngine:
+    """``EngineClient`` of a prefill worker: every request is a prefill plus one token.
+
+    Args:
+        executor: the worker's executor, with its own pool (``own_pool``).
+        tokenizer: the model's tokenizer.
+        config: the engine config (limits, chat special tokens).
+        compute: the worker's single compute thread.
+        pins: where pinned prefills wait for their decode worker.
+    """
+
+    def __init__(self, executor: PrefillExecutor, tokenizer, config: EngineConfig,  # noqa: ANN001
+                 compute: concurrent.futures.ThreadPoolExecutor, pins: PinTable) -> None:
+        assert executor.pool is not None and executor.kv is not None, "needs its own pool"
+        self.executor, self.tokenizer, self.compute, self.pins = executor, tokenizer, compute, pins
+        model = executor.model.config
+        num_blocks = executor.pool.layout.num_blocks
+        max_len = min(config.max_model_len or model.max_position_embeddings,
+                      num_blocks * config.block_size)
+        self.processor = InputProcessor(tokenizer, EngineLimits(
+            max_len, model.vocab_size, config.max_n, num_blocks, config.block_size),
+            config.chat_special_tokens)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self._lock = threading.Lock()
+        self.num_running = self.num_waiting = 0
+        self._closing: str | None = None
+
+    # ---- EngineClient: validation ----------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._closing is None
+
+    def limits(self) -> EngineLimits:
+        return self.processor.limits
+
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
+               ) -> list[int]:
+        return self.processor.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    ) -> list[int]:
+        return self.processor.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                          add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.processor.decode(token_ids)
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """The output budget, which must be one token here.
+
+        Raises:
+            InvalidRequestError: what any engine refuses, or a budget other than 1.
+        """
+        budget = self.processor.check(prompt_ids, params)
+        if budget != 1:
+            raise InvalidRequestError(f"max_tokens={params.max_tokens}: {_ONE_TOKEN}",
+                                      "max_tokens")
+        return budget
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.tokenizer.token_bytes(token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return self.tokenizer.token_strs(token_ids)
+
+    # ---- EngineClient: generation -----------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Prefill, answer the first token, free the blocks."""
+        out, _ = await self.prefill(request, pin=False)
+        yield out
+
+    async def prefill(self, request: EngineRequest, *, pin: bool,
+                      ) -> tuple[RequestOutput, Pin | None]:
+        """Run one prefill on the compute thread; with ``pin`` its blocks stay held (unless
+        the first token ends the request).
+
+        Raises:
+            EngineDeadError: the worker is shutting down, or its pool has no room for the
+                prompt now (the app answers 503: retry).
+        """
+        if self._closing is not None:
+            raise EngineDeadError(self._closing)
+        with self._lock:
+            self.num_waiting += 1
+        try:
+            future = self.compute.submit(self._run, request, pin)
+        except RuntimeError:  # the compute thread has shut down
+            with self._lock:
+                self.num_waiting -= 1
+            raise EngineDeadError("the prefill worker is stopping") from None
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the client left: free what the prefill pins
+            future.add_done_callback(self._drop)
+            raise
+
+    def _run(self, request: EngineRequest, pin: bool) -> tuple[RequestOutput, Pin | None]:
+        """On the compute thread (the KV manager's owner)."""
+        with self._lock:
+            self.num_waiting -= 1
+            self.num_running += 1
+        rid, prompt = request.request_id, request.prompt_ids
+        try:
+            try:
+                owned = self.executor.run_owned(rid, prompt, request.params, request.cache_salt)
+            except MemoryError as error:
+                raise EngineDeadError(f"{error} ({len(self.pins)} prompts wait for their "
+                                      "decode worker)") from None
+            try:
+                out = self._output(request, owned)
+                if pin and out.finish_reason is FinishReason.LENGTH:
+                    logprobs = owned.logprobs.to_json() if owned.logprobs is not None else None
+                    return out, self.pins.add(rid, owned.block_ids, prompt_digest(prompt),
+                                              owned.token_id, logprobs)
+            except BaseException:
+                self.executor.free(rid)
+                raise
+            self.executor.free(rid)
+            return out, None
+        finally:
+            with self._lock:
+                self.num_running -= 1
+
+    def _drop(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():  # never ran: it only waited
+            with self._lock:
+                self.num_waiting -= 1
+        elif future.exception() is None:
+            pin = future.result()[1]
+            if pin is not None:
+                self.pins.release(pin.transfer_id)
+
+    def _output(self, request: EngineRequest, owned: OwnedPrefill) -> RequestOutput:
+        stream = OutputStream(IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+                              request.params, self.eos_token_ids, request.max_tokens)
+        reason = stream.append(owned.token_id) or FinishReason.LENGTH
+        now = time.perf_counter()
+        wanted = request.params.logprobs is not None and owned.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=(owned.token_id,),
+            new_text=stream.take_new_text(True), token_ids=(owned.token_id,), text=stream.text,
+            finish_reason=reason, num_prompt_tokens=len(request.prompt_ids),
+            num_cached_tokens=owned.num_cached_tokens, arrival_time=now - owned.compute_s,
+            first_token_time=now, finish_time=now,
+            logprobs=(owned.logprobs,) if wanted else None)
+
+    def abort(self, request_id: str) -> None:
+        """A prefill runs to its end in one call; a request whose client left frees its pin."""
+
+    def abort_all(self, message: str) -> None:
+        """Refuse new prefills from now on (the worker is stopping)."""
+        self._closing = message
+
+    def stats(self) -> EngineStats:
+        """Forward passes and prompt tokens computed, the queue, the own pool's KV."""
+        ex = self.executor
+        return EngineStats(ex.num_steps, ex.num_computed_tokens, 0, 0, self.num_waiting,
+                           self.num_running, ex.kv.stats())
+
+
+class _PinnedPrefill:
+    """One ``do_remote_decode`` request: prefill, pin, answer where the KV waits."""
+
+    def __init__(self, connector: PrefillConnector) -> None:
+        self.connector = connector
+        self._params: dict[str, Any] | None = None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        out, pin = await self.connector.engine.prefill(request, pin=True)
+        if pin is not None:
+            self._params = self.connector.reply(pin)
+        yield out
+
+    def response_params(self) -> dict[str, Any] | None:
+        return self._params
+
+
+class PrefillConnector:
+    """``KVConnector`` of a prefill worker (see the module docs).
+
+    Args:
+        engine: the worker's ``PrefillEngine``.
+        engine_id: this worker incarnation's id (``remote_engine_id``).
+        host: the address decode workers reach this worker at (``remote_host``).
+        port: its port (``remote_port``); 0 until ``set_port`` once the server listens.
+    """
+
+    def __init__(self, engine: PrefillEngine, engine_id: str, host: str, port: int = 0) -> None:
+        self.engine, self.engine_id, self.host, self.port = engine, engine_id, host, port
+
+    def set_port(self, port: int) -> None:
+        self.port = port
+
+    async def open(self, params: Mapping[str, Any], request: EngineRequest, *,
+                   stream: bool) -> KVSession | None:
+        """Raises InvalidRequestError for a decode ask or a stream (the app answers 400)."""
+        ask, _ = parse_kv_params(params)
+        if ask is KVAsk.NONE:
+            return None
+        if ask is KVAsk.REMOTE_PREFILL:
+            raise InvalidRequestError(f"{PARAM}: do_remote_prefill asks for a decode, and this "
+                                      "is a prefill worker; send it to a decode worker", PARAM)
+        if stream:
+            raise InvalidRequestError(f"{PARAM}: a prefill for a remote decode answers one "
+                                      "JSON object; leave out stream (the Kthena router "
+                                      "removes it)", "stream")
+        return _PinnedPrefill(self)
+
+    def reply(self, pin: Pin) -> dict[str, Any]:
+        return prefill_reply(self.engine_id, pin.transfer_id, pin.block_ids, self.host,
+                             self.port)
