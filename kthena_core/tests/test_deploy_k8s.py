@@ -37,8 +37,9 @@ CRD_FILES = {
     "ModelServer": "networking.serving.volcano.sh_modelservers.yaml",
     "ModelRoute": "networking.serving.volcano.sh_modelroutes.yaml",
 }
+POD_NETWORK = "10.244.0.0/16"
 PD_CPU = {"name": "smollm2-pd", "image": "kthena-worker:test", "topology": "cpu-host",
-          "num_nodes": 2, "mode": "pd"}
+          "num_nodes": 2, "mode": "pd", "pod_network": POD_NETWORK}
 LLAMA_ATLAS = {"name": "llama-2-70b", "image": "kthena-worker:test", "model": "llama-2-70b",
                "checkpoint": "/mnt/models/Llama-2-70b-hf", "topology": ATLAS, "num_nodes": 2}
 
@@ -92,7 +93,8 @@ def pods(serving: dict[str, Any]) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("data", [
     PD_CPU,
     LLAMA_ATLAS,
-    {**PD_CPU, "mode": "colocated", "name": "smollm2"},
+    {**{k: v for k, v in PD_CPU.items() if k != "pod_network"}, "mode": "colocated",
+     "name": "smollm2"},
     {**PD_CPU, "num_nodes": 3, "num_decode": 2, "port": 9000, "namespace": "serving"},
     {"name": "llama-3-8b-h100", "image": "kthena-worker:cuda", "model": "llama-3-8b",
      "checkpoint": "/models/llama-3-8b", "topology": "dgx-h100",
@@ -137,6 +139,7 @@ def test_pd_on_cpu_runs_the_plan_split_as_prefill_and_decode_workers():
                                                        "key": "secret"}
         assert {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"} in container["env"]
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert args.count("--public-metrics") == 1  # kthena-router scrapes every pod
     group = server["spec"]["workloadSelector"]["pdGroup"]
     assert group["prefillLabels"] == {"modelserving.volcano.sh/role": "prefill"}
     assert group["decodeLabels"] == {"modelserving.volcano.sh/role": "decode"}
@@ -158,6 +161,7 @@ def test_llama_70b_on_two_atlas_nodes_runs_the_plans_tp_and_replicas():
     assert container["resources"]["limits"]["huawei.com/Ascend910"] == "8"
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert {"name": "HCCL_CONNECT_TIMEOUT", "value": "600"} in container["env"]
+    assert "--public-metrics" in args and "--prefill-hosts" not in args
     assert "pdGroup" not in server["spec"]["workloadSelector"]
     assert "kvConnector" not in server["spec"]
     assert route["spec"]["modelName"] == server["spec"]["model"] == "llama-2-70b"
@@ -169,6 +173,20 @@ def test_kv_pool_and_sequence_cap_are_what_the_plan_sized():
     mem = dep.plan.chosen.memory
     assert args[args.index("--kv-cache-memory") + 1] == f"{-(-int(mem.kv_cache) // 2**20)}MiB"
     assert args[args.index("--max-num-seqs") + 1] == str(32 // dep.plan.dp_size)
+
+
+def test_decode_workers_take_kv_only_from_the_pod_network():
+    _, (serving, _, _) = render(PD_CPU)
+    args = {role: container["args"] for role, container in pods(serving).items()}
+    decode = args["decode"]
+    assert decode[decode.index("--prefill-hosts") + 1] == POD_NETWORK
+    assert "--prefill-hosts" not in args["prefill"]  # only a decode worker pulls KV
+
+
+def test_a_dual_stack_pod_network_is_a_list_and_is_normalised():
+    _, (serving, _, _) = render({**PD_CPU, "pod_network": ["10.244.0.0/16", "FD00:10:244::/56"]})
+    decode = pods(serving)["decode"]["args"]
+    assert decode[decode.index("--prefill-hosts") + 1] == "10.244.0.0/16,fd00:10:244::/56"
 
 
 def test_an_explicit_pd_split_must_cover_the_plans_instances():
@@ -204,6 +222,27 @@ BAD = [
     ({"resources": {"memory": "lots"}}, "resources.memory: got 'lots'; allowed: a Kubernetes quantity"),
     ({"resources": {"gpu": 1}}, "resources.gpu: unknown key"),
     ({"device_resource": "Ascend910"}, "device_resource: got 'Ascend910'; allowed: an extended resource name"),
+    ({"pod_network": None}, "pod_network: missing; mode: pd needs the network the pods' IPs "
+                            "come from, e.g. pod_network: 10.244.0.0/16"),
+    ({"pod_network": "10.244.0.1"}, "pod_network: got '10.244.0.1'; allowed: a network in CIDR "
+                                    "notation"),
+    ({"pod_network": "10.244.0.0/33"}, "pod_network: got '10.244.0.0/33'; allowed: a network "
+                                       "in CIDR notation"),
+    ({"pod_network": "pods"}, "pod_network: got 'pods'; allowed: a network in CIDR notation"),
+    ({"pod_network": 10}, "pod_network: got 10; allowed: a network in CIDR notation"),
+    ({"pod_network": []}, "pod_network: got []; allowed: a network in CIDR notation"),
+    ({"pod_network": "10.244.7.1/16"}, "pod_network: got '10.244.7.1/16'; allowed: a network "
+                                       "address; this one has host bits set (did you mean "
+                                       "'10.244.0.0/16'?)"),
+    ({"pod_network": "0.0.0.0/0"}, "pod_network: got '0.0.0.0/0'; allowed: a network narrower "
+                                   "than /0"),
+    ({"pod_network": ["10.244.0.0/16", "fd00::1/64"]},
+     "pod_network[1]: got 'fd00::1/64'; allowed: a network address; this one has host bits "
+     "set (did you mean 'fd00::/64'?)"),
+    ({"mode": "colocated", "pod_network": "10.244.0.0/16"},
+     "pod_network: got '10.244.0.0/16'; allowed: only with mode: pd"),
+    ({"pod_networks": "10.244.0.0/16"}, "pod_networks: unknown key (did you mean "
+                                        "'pod_network'?)"),
 ]
 
 
@@ -217,7 +256,7 @@ def test_a_bad_key_is_named_with_its_value_and_what_is_allowed(change, message):
 
 def test_pd_refuses_a_plan_with_tp_per_worker():
     with pytest.raises(DeployError, match=r"mode: got 'pd', but the plan gives each worker TP8"):
-        render({**LLAMA_ATLAS, "mode": "pd"})
+        render({**LLAMA_ATLAS, "mode": "pd", "pod_network": POD_NETWORK})
 
 
 def test_a_tp_group_larger_than_a_node_is_refused():

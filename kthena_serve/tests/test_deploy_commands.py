@@ -23,14 +23,16 @@ from kthena_core.deploy.k8s import HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd import worker
-from kthena_serve.pd.auth import SECRET_ENV
+from kthena_serve.pd.auth import SECRET_ENV, check_prefill_url
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.serve_args import engine_config
 
 ATLAS = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "atlas-800t-a2.yaml")
+POD_NETWORK = "10.244.0.0/16"
 PD_CPU = {"name": "smollm2-pd", "image": "kthena-worker:test", "topology": "cpu-host",
-          "num_nodes": 2, "mode": "pd"}
-COLOCATED_CPU = {**PD_CPU, "name": "smollm2", "mode": "colocated"}
+          "num_nodes": 2, "mode": "pd", "pod_network": POD_NETWORK}
+COLOCATED_CPU = {k: v for k, v in {**PD_CPU, "name": "smollm2", "mode": "colocated"}.items()
+                 if k != "pod_network"}
 LLAMA_ATLAS = {"name": "llama-2-70b", "image": "kthena-worker:test", "model": "llama-2-70b",
                "checkpoint": "/mnt/models/Llama-2-70b-hf", "topology": ATLAS, "num_nodes": 2}
 POD = {"POD_NAME": "smollm2-pd-0-decode-0-0", "POD_IP": "10.1.2.3"}
@@ -63,6 +65,18 @@ def test_pd_workers_parse_with_the_worker_parser_and_build_valid_configs():
         config = EngineConfig(**json.loads(args.engine_config))
         assert (config.model, config.device, config.tp) == ("default", "cpu", 1)
         assert PDConfig(**json.loads(args.pd_config)).transport is Transport.MOONCAKE
+        assert args.public_metrics  # kthena-router scrapes /metrics without the secret
+
+
+def test_a_decode_pod_allows_prefill_pods_of_the_pod_network_only():
+    """What the decode worker's ``--prefill-hosts`` becomes, checked as it checks hosts."""
+    args = {role: worker._parse(expand(c["args"])) for role, c in containers(PD_CPU).items()}
+    assert args["decode"].prefill_hosts == POD_NETWORK
+    hosts = [h.strip() for h in args["decode"].prefill_hosts.split(",")]
+    check_prefill_url("http://10.244.3.17:8000", hosts)  # a prefill pod's remote_host
+    for outside in ("http://127.0.0.1:8000", "http://10.245.0.1:8000"):
+        with pytest.raises(ValueError, match="not a prefill worker host"):
+            check_prefill_url(outside, hosts)
 
 
 @pytest.mark.parametrize("data", [COLOCATED_CPU, LLAMA_ATLAS], ids=["cpu", "llama-2-70b-910b"])
@@ -74,6 +88,7 @@ def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data):
     args = build_parser().parse_args(expand(container["args"]))
     assert args.func is _cmd_serve
     assert (args.host, args.port, args.mode) == ("0.0.0.0", 8000, "colocated")
+    assert args.public_metrics  # kthena-router scrapes /metrics without the API key
     config = engine_config(args)  # the same check `kthena serve` runs before loading anything
     assert config.tp == int(container["args"][container["args"].index("--tp") + 1])
 

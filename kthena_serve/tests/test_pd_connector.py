@@ -5,8 +5,9 @@ connector sends (``kthena_serve.pd.kthena_proxy``, built from connectors/nixl.go
 transport.go): the prefill body (no stream, max_tokens 1, kv_transfer_params
 do_remote_decode), then the original body plus the prefill answer's kv_transfer_params on the
 decode worker, which pulls the KV with a one-sided get. Same host over shm here (one
-deployment serves these tests), Mooncake between two network namespaces at the end (skipped,
-with the reason, where namespaces cannot be made). The reference is a colocated engine.
+deployment serves these tests, its workers run with --public-metrics as the rendered pods do),
+Mooncake between two network namespaces at the end (skipped, with the reason, where
+namespaces cannot be made). The reference is a colocated engine.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import httpx
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.kthena_proxy import decode_body, prefill_body, proxy
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.serve_args import DEFAULT_MODEL_NAME
 from kthena_serve.testing import default_tokenizer
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
@@ -38,6 +41,10 @@ TEXT = ("The Kthena router sends the prompt to a prefill pod first, then the sam
         "decode pod, which pulls the prompt's key and value blocks and streams the answer. ")
 KV_FIELDS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id",
              "remote_block_ids", "remote_host", "remote_port"}
+# What kthena-router reads from each pod's /metrics (data/kthena/metrics.go).
+ROUTER_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc")
+ROUTER_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds")
 
 
 def prompt_ids(num_tokens: int, salt: str = "") -> list[int]:
@@ -53,7 +60,8 @@ def shm_files(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workers():
-    launcher = PDLauncher(ENGINE, PD, 1, 1, quiet=True, api_key=API_KEY).start()
+    launcher = PDLauncher(ENGINE, PD, 1, 1, quiet=True, api_key=API_KEY,
+                          public_metrics=True).start()
     pids = [launcher.pid(name) for name in launcher.workers]
     try:
         yield launcher
@@ -449,14 +457,63 @@ def test_api_key_on_openai_routes_secret_on_control_routes(workers) -> None:  # 
                           timeout=60).status_code == 401
         assert httpx.post(f"{url}/v1/completions", json=body, headers=KEY,
                           timeout=60).status_code == 200
-        for path in ("/pd/state", "/metrics"):  # the API key opens no control route
-            assert httpx.get(f"{url}{path}", headers=KEY, timeout=10).status_code == 401
+        # the API key opens no control route; /metrics is open (--public-metrics)
+        assert httpx.get(f"{url}/pd/state", headers=KEY, timeout=10).status_code == 401
+        assert httpx.get(f"{url}/pd/state", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     lease = {"engine_id": "x", "transfer_id": "y", "block_ids": [0], "prompt_digest": "z",
              "backend": "shm"}
     for path in ("/pd/kv/lease", "/pd/kv/release"):
         assert httpx.post(f"{prefill_url}{path}", json=lease, headers=KEY,
                           timeout=10).status_code == 401
+    assert_nothing_held(workers)
+
+
+def scrape(url: str) -> tuple[dict, dict[str, float]]:
+    """(families by name, {sample name: sum over its series}) of /metrics, fetched without any
+    credentials as kthena-router does; each family must appear exactly once."""
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200, response.text
+    types = [line.split()[2] for line in response.text.splitlines()
+             if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    families = list(text_string_to_metric_families(response.text))
+    assert len({f.name for f in families}) == len(families)
+    totals: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return {f.name: f for f in families}, totals
+
+
+def test_public_metrics_carry_the_routers_vllm_names_once(workers) -> None:  # noqa: ANN001
+    """The OpenAI app and the control app of a worker share one ServerMetrics: vLLM's names
+    with the served model name, the kthena_* twins and kthena_pd_*, each family once, and a
+    request through the router's sequence observed once on each worker."""
+    prefill_url, decode_url = urls(workers)
+    before = {url: scrape(url)[1] for url in (prefill_url, decode_url)}
+    body = {"model": "default", "prompt": prompt_ids(50, "metrics. "), "max_tokens": 6,
+            "temperature": 0}
+    with httpx.Client(timeout=120, headers=KEY) as client:
+        exchange = proxy(client, "/v1/completions", body, prefill_url, decode_url)
+    assert exchange.decode is not None and exchange.decode.status_code == 200
+    for url, role in ((prefill_url, "prefill"), (decode_url, "decode")):
+        families, after = scrape(url)
+        for name in ROUTER_GAUGES:
+            assert families[name].type == "gauge", (role, name)
+        for name in ROUTER_HISTOGRAMS:
+            assert families[name].type == "histogram", (role, name)
+        for name in (*ROUTER_GAUGES, *ROUTER_HISTOGRAMS):
+            assert {s.labels["model_name"] for s in families[name].samples} == {
+                DEFAULT_MODEL_NAME}, (role, name)
+        assert "kthena_pd_handoff_seconds" in families and "kthena_requests" in families
+        grew = {name: after.get(name, 0.0) - before[url].get(name, 0.0) for name in (
+            "vllm:request_success_total", "kthena_requests_total",
+            "vllm:time_to_first_token_seconds_count", "kthena_time_to_first_token_seconds_count")}
+        assert grew == dict.fromkeys(grew, 1.0), (role, grew)  # observed once, not twice
+    _, decode = scrape(decode_url)
+    assert decode["vllm:inter_token_latency_seconds_count"] >= 5  # 6 tokens: 5 gaps
     assert_nothing_held(workers)
 
 

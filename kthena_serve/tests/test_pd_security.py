@@ -22,7 +22,7 @@ from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.events import EventLog, event_from_json
 from kthena_serve.pd.protocol import params_to_json
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.server.middleware import ApiKeyMiddleware
+from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
 from kthena_serve.testing import default_tokenizer
 from mooncake_kv import KVCacheManager
 
@@ -72,6 +72,22 @@ def test_bearer_scheme_is_case_insensitive_and_key_exact() -> None:
     assert client.get("/x").status_code == 401
     with pytest.raises(ValueError, match="non-empty"):
         ApiKeyMiddleware(app, api_key="")
+
+
+def test_public_metrics_open_exactly_metrics_and_health() -> None:
+    app = FastAPI()
+    for path in ("/metrics", "/health", "/pd/state", "/metrics/x"):
+        app.add_api_route(path, lambda: {"ok": True})
+    guarded = TestClient(ApiKeyMiddleware(app, api_key="k3y",
+                                          open_paths=public_paths(public_metrics=False)))
+    assert guarded.get("/health").status_code == 200
+    assert guarded.get("/metrics").status_code == 401
+    public = TestClient(ApiKeyMiddleware(app, api_key="k3y",
+                                         open_paths=public_paths(public_metrics=True)))
+    assert public.get("/metrics").status_code == 200 and public.get("/health").status_code == 200
+    for path in ("/pd/state", "/metrics/x"):
+        assert public.get(path).status_code == 401, path
+        assert public.get(path, headers={"Authorization": "Bearer k3y"}).status_code == 200
 
 
 def test_kv_events_on_the_wire_carry_no_tokens() -> None:
@@ -151,12 +167,19 @@ def test_generate_with_the_secret_runs_and_a_foreign_prefill_url_is_refused(clus
         assert "prefill_url" in reply.json()["error"]["message"]
 
 
+def _finished(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
 def test_openai_requests_through_the_router_still_work(cluster) -> None:  # noqa: ANN001
     ids = default_tokenizer().encode("Router path. " + SECRET_TEXT * 4)[:64]
+    before = _finished(cluster.worker_metrics("decode-0"))
     reply = cluster.complete(ids, max_tokens=4)
     assert reply.status_code == 200, reply.text
     decode = cluster.worker_metrics("decode-0")
     assert 'path="disaggregated"' in decode  # the decode worker called the prefill worker
+    assert _finished(decode) == before + 1  # /pd/generate: observed once on the worker too
     body = {"model": "default", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Name a colour."}]}
     chat = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=60)

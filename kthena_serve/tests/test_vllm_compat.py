@@ -287,6 +287,61 @@ def test_tokenize_needs_the_api_key(client):
         assert client.post(route, json=body).status_code == 200
 
 
+def test_public_metrics_open_metrics_only(engine):
+    """``kthena serve --api-key K --public-metrics``: the router scrapes /metrics without the
+    key (as vLLM, whose --api-key guards only /v1); every other route keeps the key."""
+    from kthena_core.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--api-key", KEY, "--public-metrics"])
+    assert (args.api_key, args.public_metrics) == (KEY, True)
+    assert build_parser().parse_args(["serve"]).public_metrics is False  # default: keyed
+    app = build_app(engine, model_name=MODEL, api_key=KEY, public_metrics=args.public_metrics)
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "ignore_eos": True}
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json=body).status_code == 401
+        assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+        for method, path, payload in (("GET", "/v1/models", None),
+                                      ("POST", "/tokenize", {"prompt": "x"}),
+                                      ("POST", "/detokenize", {"tokens": [1]})):
+            assert http.request(method, path, json=payload).status_code == 401, path
+        scraped = http.get("/metrics")  # no Authorization header at all
+        assert scraped.status_code == 200
+        families, samples = scrape(scraped.text)
+        for name in (*GAUGES, "vllm:time_to_first_token_seconds",
+                     "vllm:inter_token_latency_seconds"):
+            assert name in families, name
+        assert value(samples, "vllm:request_success_total", model_name=MODEL,
+                     finished_reason="length") == 1
+        assert http.get("/health").status_code == 200
+
+
+def test_pd_router_public_metrics_keep_the_key_on_its_other_routes(engine):
+    """``kthena serve --mode pd --api-key K --public-metrics``: the router app's /metrics is
+    open, /pd/workers and /v1 are not (a stand-in router: no worker processes)."""
+    from types import SimpleNamespace
+
+    from kthena_serve.pd.frontend import build_router_app
+    from kthena_serve.pd.metrics import PDMetrics
+
+    class Remote:  # the engine, with the router the app exports metrics from
+        def __init__(self) -> None:
+            self.router = SimpleNamespace(metrics=PDMetrics("router"), workers={})
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(engine, name)
+
+    app = build_router_app(Remote(), model_name=MODEL, api_key=KEY, public_metrics=True)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        scraped = http.get("/metrics")
+        assert scraped.status_code == 200
+        families, _ = scrape(scraped.text)
+        assert "vllm:num_requests_running" in families
+        assert "kthena_pd_router_decisions" in families
+        for path in ("/pd/workers", "/v1/models"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers=AUTH).status_code == 200, path
+
+
 def test_openapi_lists_the_routes(client):
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/tokenize", "/detokenize"} <= set(paths)

@@ -16,6 +16,7 @@ from kthena_serve.serve_args import (
     SHUTDOWN_MESSAGE,
     add_engine_args,
     add_kv_events_args,
+    add_public_metrics_arg,
     curl_line,
     engine_config,
     kv_events_config,
@@ -42,6 +43,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                              "--api-key-file or $KTHENA_API_KEY)")
     parser.add_argument("--api-key-file", default=None,
                         help="read the API key from this file (first line)")
+    add_public_metrics_arg(parser, "the API key")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests may take to finish before "
@@ -110,7 +112,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"kthena serve: loading {args.model} ...", file=sys.stderr, flush=True)
     engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout).start()
     app = build_app(engine, model_name=name, aliases={args.model, "default"} - {name},
-                    api_key=args.api_key)
+                    api_key=args.api_key, public_metrics=args.public_metrics)
     publisher = _start_kv_events(kv_events, engine, app)
 
     def ready(port: int) -> None:

@@ -9,7 +9,8 @@ import os
 import shlex
 
 __all__ = ["DEFAULT_MODEL_NAME", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
-           "curl_line", "engine_config", "kv_events_config", "model_name"]
+           "add_public_metrics_arg", "curl_line", "engine_config", "kv_events_config",
+           "model_name"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
@@ -40,6 +41,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-special-tokens", default="text", choices=("text", "control"),
                         help="special tokens typed in chat content: text (no forged turns, "
                              "default) or control tokens")
+
+
+def add_public_metrics_arg(parser: argparse.ArgumentParser, credential: str) -> None:
+    """``--public-metrics`` (``kthena serve``, the PD router, PD workers): /metrics without
+    ``credential``, as vLLM's --api-key guards only /v1; everything else still needs it."""
+    parser.add_argument("--public-metrics", action="store_true",
+                        help=f"serve GET /metrics without {credential} (the Kthena router and "
+                             "Prometheus scrape without credentials; it shows totals only, see "
+                             "docs/security.md); every other route still needs it")
 
 
 _FLAGS = {"enable_prefix_caching": "--no-prefix-caching"}  # where the flag is not --<field>

@@ -16,7 +16,12 @@ The containers run this SDK's real entry points (the image is deploy/Dockerfile'
 * PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode`` (``/health`` and the PD
   worker's routes on one port), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
   the environment variable the PD auth reads, never on the command line; KV moves between pods
-  over the Mooncake transport, advertised at the pod's IP.
+  over the Mooncake transport, advertised at the pod's IP. A decode worker takes KV only from
+  hosts in deploy.yaml's ``pod_network`` (``--prefill-hosts``).
+
+Every pod runs with ``--public-metrics``: kthena-router scrapes each pod's ``/metrics`` (vLLM's
+``vllm:*`` names) without credentials, so that one path is open, as in vLLM; the OpenAI routes
+keep the API key (if any) and the PD routes the deployment secret.
 
 Every worker binds 0.0.0.0: a pod is its own network host, and the kubelet's probes and the
 router reach it at the pod's IP. Probes use ``/health`` (200 when the engine runs, 503 when it
@@ -47,6 +52,7 @@ GROUP_KEY = "modelserving.volcano.sh/group-name"
 # Must equal kthena_serve.pd.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare them).
 PD_SECRET_ENV = "KTHENA_PD_SECRET"
 HEALTH_PATH = "/health"
+PUBLIC_METRICS_FLAG = "--public-metrics"  # kthena-router scrapes /metrics without credentials
 KV_CONNECTOR = "mooncake"  # the PD transport the workers are told to use across pods
 DEVICE_RESOURCE = {"npu": "huawei.com/Ascend910", "gpu": "nvidia.com/gpu"}
 _BACKEND = {"cpu": "gloo", "gpu": "nccl", "npu": "hccl"}
@@ -130,13 +136,15 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
             "--kv-cache-memory", engine["kv_cache_memory"],
-            "--max-num-seqs", str(engine["max_num_seqs"])]}
+            "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG]}
     compact = {"separators": (",", ":"), "sort_keys": True}
+    # Prefill pod IPs are unknown until the pods run: a decode worker allows the pod network.
+    allow = ["--prefill-hosts", ",".join(dep.spec.pod_network)] if role.name == "decode" else []
     return {"command": ["python3", "-m", "kthena_serve.pd.worker"], "args": [
         "--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
         "--served-model-name", dep.spec.served_model_name, "--engine-config", json.dumps(engine_fields(dep), **compact),
         "--pd-config", json.dumps({"transport": KV_CONNECTOR}, **compact),
-        "--mooncake-host", "$(POD_IP)"]}
+        "--mooncake-host", "$(POD_IP)", *allow, PUBLIC_METRICS_FLAG]}
 
 
 def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:

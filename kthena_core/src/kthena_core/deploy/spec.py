@@ -7,13 +7,16 @@ The smallest file names the objects, the nodes and the mode; the image can come 
     topology: cpu-host      # ONE node: a catalog node name or a topology YAML file
     num_nodes: 2            # how many such nodes
     mode: pd                # colocated (default) | pd
+    pod_network: 10.244.0.0/16   # PD only, required: the cluster's pod CIDR
 
 Optional keys: ``image``, ``namespace`` (default), ``model`` (default: SmolLM2-135M-Instruct;
 anything ``kthena plan --model`` takes), ``checkpoint`` (the model folder on the nodes,
 mounted read-only into each pod; ``default`` = the default model baked into the image),
 ``served_model_name`` (default: the model's name), ``device`` + ``devices`` (a catalog device
 and how many per node, instead of ``topology``), ``num_prefill`` / ``num_decode`` (``plan`` or
-a count; PD only), ``workload`` (`Workload` fields but ``mode``), ``port`` (8000),
+a count; PD only), ``pod_network`` (PD only and required there: the network, or list of
+networks, in CIDR notation that the pods' IPs come from; a decode worker accepts a prefill
+worker's KV only from there), ``workload`` (`Workload` fields but ``mode``), ``port`` (8000),
 ``resources: {cpu, memory}`` (per worker pod) and ``device_resource`` (the extended resource
 name of the devices, e.g. ``huawei.com/ascend-1980``).
 
@@ -24,6 +27,7 @@ are errors, with the nearest known key suggested.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -42,8 +46,8 @@ from kthena_core.workload import MODES, Workload
 __all__ = ["DeployError", "DeploySpec", "load_deploy_spec"]
 
 KEYS = ("name", "namespace", "image", "model", "checkpoint", "served_model_name", "topology",
-        "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "workload",
-        "port", "resources", "device_resource")
+        "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "pod_network",
+        "workload", "port", "resources", "device_resource")
 _RESOURCE_KEYS = ("cpu", "memory")
 _WORKLOAD_KEYS = tuple(f.name for f in attrs.fields(Workload) if f.name != "mode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -63,6 +67,7 @@ class DeploySpec:
         num_prefill, num_decode: the PD split asked for; None means "as the plan splits".
         cpu, memory: per worker pod; None means "from the plan" (see `plan_deployment`).
         device_resource: None means the usual name for the device kind.
+        pod_network: PD only: the networks (CIDR) prefill pods' IPs come from, normalised.
     """
 
     name: str
@@ -79,6 +84,7 @@ class DeploySpec:
     cpu: int | None = None
     memory: str | None = None
     device_resource: str | None = None
+    pod_network: tuple[str, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -128,6 +134,52 @@ def _role_count(data: Mapping[str, Any], key: str, mode: str) -> int | None:
     if data[key] == "plan":
         return None
     return _positive_int(data[key], key)
+
+
+_POD_NETWORK_ALLOWED = ("a network in CIDR notation, or a list of them (dual stack): the "
+                        "cluster's pod CIDR, e.g. 10.244.0.0/16 (kubectl cluster-info dump | "
+                        "grep -m1 cluster-cidr)")
+
+
+def _pod_network(data: Mapping[str, Any], mode: str) -> tuple[str, ...]:
+    """The pod CIDR(s) a decode worker takes KV from (``--prefill-hosts``): required in PD
+    mode, where prefill pod IPs are unknown until the pods run; refused otherwise."""
+    if mode != "pd":
+        if "pod_network" in data:
+            raise _fail("pod_network", data["pod_network"], "only with mode: pd (decode "
+                        "workers take KV only from prefill pods in this network; a colocated "
+                        "deployment moves no KV between pods)")
+        return ()
+    if "pod_network" not in data:
+        raise DeployError("pod_network: missing; mode: pd needs the network the pods' IPs "
+                          "come from, e.g. pod_network: 10.244.0.0/16 (the cluster's pod "
+                          "CIDR): a decode worker takes a prefill worker's KV, and sends it "
+                          "the deployment secret, only within it")
+    raw = data["pod_network"]
+    if not isinstance(raw, list):
+        return (_cidr(raw, "pod_network"),)
+    if not raw:
+        raise _fail("pod_network", raw, _POD_NETWORK_ALLOWED)
+    return tuple(_cidr(value, f"pod_network[{i}]") for i, value in enumerate(raw))
+
+
+def _cidr(value: Any, path: str) -> str:
+    """``value`` as a normalised network; a host address, a bare IP or /0 is refused."""
+    if not isinstance(value, str) or "/" not in value:
+        raise _fail(path, value, _POD_NETWORK_ALLOWED)
+    try:
+        network = ipaddress.ip_network(value.strip())
+    except ValueError:
+        try:
+            meant = ipaddress.ip_network(value.strip(), strict=False)
+        except ValueError:
+            raise _fail(path, value, _POD_NETWORK_ALLOWED) from None
+        raise _fail(path, value, f"a network address; this one has host bits set (did you "
+                                 f"mean {str(meant)!r}?)") from None
+    if network.prefixlen == 0:
+        raise _fail(path, value, "a network narrower than /0, which would make every address "
+                                 "a prefill host a decode worker sends the secret to")
+    return str(network)
 
 
 def _workload(data: Mapping[str, Any], mode: str) -> Workload:
@@ -304,4 +356,4 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
         checkpoint=_checkpoint(data, model, model_key), served_model_name=served,
         num_prefill=_role_count(data, "num_prefill", mode),
         num_decode=_role_count(data, "num_decode", mode), port=port, cpu=cpu, memory=memory,
-        device_resource=_device_resource(data))
+        device_resource=_device_resource(data), pod_network=_pod_network(data, mode))

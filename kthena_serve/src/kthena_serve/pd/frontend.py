@@ -201,11 +201,16 @@ class _Forward:
 
 
 def build_router_app(remote: RemoteEngine, *, model_name: str, aliases: set[str] | None = None,
-                     api_key: str | None = None) -> FastAPI:
-    """The OpenAI app over the cluster, plus ``GET /pd/workers``."""
+                     api_key: str | None = None, public_metrics: bool = False) -> FastAPI:
+    """The OpenAI app over the cluster, plus ``GET /pd/workers``.
+
+    Args:
+        public_metrics: /metrics needs no API key (/pd/workers and /v1/* still do).
+    """
     from kthena_serve.server import build_app
 
-    app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key)
+    app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key,
+                    public_metrics=public_metrics)
     app.state.api.metrics.registry.register(_Forward(remote.router.metrics.registry))
 
     @app.get("/pd/workers")

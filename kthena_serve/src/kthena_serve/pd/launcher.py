@@ -16,6 +16,7 @@ command line. The router and ``RemoteEngine`` take it from here. Each decode wor
 the prefill workers' hosts (``--prefill-hosts``: loopback plus ``host`` / ``worker_hosts``).
 The workers' OpenAI routes (what the Kthena router calls) get ``api_key`` the same way
 (``KTHENA_API_KEY``); without one they are open, as ``kthena serve`` without ``--api-key``.
+With ``public_metrics`` every worker serves ``/metrics`` without the secret (``--public-metrics``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class PDLauncher:
         restart: start a worker again when it dies.
         on_restart: called with (name, url) after a restarted worker is ready.
         api_key: what the workers' OpenAI routes require (None: nothing).
+        public_metrics: the workers serve /metrics without the secret (``--public-metrics``).
 
     Attributes:
         secret: this deployment's secret; every worker call needs it (``pd.auth``).
@@ -110,7 +112,7 @@ class PDLauncher:
                  mooncake_host: str | None = None, quiet: bool = False,
                  worker_hosts: dict[str, str] | None = None,
                  worker_prefix: dict[str, list[str]] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, public_metrics: bool = False) -> None:
         cores = cores or sorted(os.sched_getaffinity(0))
         self.specs = split_cores(cores, num_prefill, num_decode)
         self.engine_config = engine_config
@@ -125,6 +127,7 @@ class PDLauncher:
         self.workers = {s.name: _Worker(s) for s in self.specs}
         self.secret = new_secret()
         self.api_key = api_key
+        self.public_metrics = public_metrics
         self._dir = tempfile.TemporaryDirectory(prefix="kthena-pd-")
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -214,6 +217,8 @@ class PDLauncher:
             cmd += ["--mooncake-host", mooncake_host]
         if worker.spec.role == "decode":
             cmd += ["--prefill-hosts", ",".join(sorted(self._prefill_hosts()))]
+        if self.public_metrics:
+            cmd.append("--public-metrics")
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                    OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
         env[SECRET_ENV] = self.secret  # the environment, not argv: see pd/auth.py

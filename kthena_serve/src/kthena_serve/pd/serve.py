@@ -15,6 +15,7 @@ import attrs
 from kthena_serve.serve_args import (
     SHUTDOWN_MESSAGE,
     add_engine_args,
+    add_public_metrics_arg,
     curl_line,
     engine_config,
     model_name,
@@ -80,7 +81,8 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
     remote = RemoteEngine.for_model(router, config, secret=launcher.secret)
     app = build_router_app(remote, model_name=served_name,
                            aliases={config.model, "default"} - {served_name},
-                           api_key=getattr(args, "api_key", None))
+                           api_key=getattr(args, "api_key", None),
+                           public_metrics=getattr(args, "public_metrics", False))
 
     def ready(port: int) -> None:
         workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("KTHENA_API_KEY"))
+    add_public_metrics_arg(parser, "the API key")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests may take to finish")

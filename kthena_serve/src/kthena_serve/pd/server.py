@@ -6,8 +6,14 @@ One port, two apps (``_OnePort``)::
                                     calls it: the API key if the worker has one (--api-key /
                                     KTHENA_API_KEY), and kv_transfer_params (prefill_api.py,
                                     decode_api.py)
-    everything else                 the control app: /pd/*, /metrics need the deployment
-                                    secret (pd/auth.py), /health is open
+    everything else                 the control app: /pd/* need the deployment secret
+                                    (pd/auth.py), /health is open, /metrics needs the secret
+                                    unless the worker runs with --public-metrics
+
+Both apps share one ``ServerMetrics`` (labelled with the served model name), so /metrics
+carries vLLM's ``vllm:*`` names the Kthena router scrapes, the ``kthena_*`` twins and the
+``kthena_pd_*`` families, each once, and a request is observed once on whichever path it took
+(the OpenAI routes, or the PD router's /pd/generate).
 
 A decode worker sends a prefill task, or a KV lease, only to a host in its allow-list.
 """
@@ -38,7 +44,8 @@ from kthena_serve.pd.events import EventLog
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
-from kthena_serve.server.middleware import ApiKeyMiddleware
+from kthena_serve.server.metrics import ServerMetrics
+from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
 
 __all__ = ["build_decode_app", "build_prefill_app"]
 
@@ -51,10 +58,12 @@ def _incarnation() -> str:
     return f"{os.getpid()}-{time.time_ns()}"
 
 
-def _control_app(secret: str) -> FastAPI:
-    """A bare app whose every route but /health needs ``Authorization: Bearer <secret>``."""
+def _control_app(secret: str, public_metrics: bool) -> FastAPI:
+    """A bare app whose every route but /health (and /metrics, if ``public_metrics``) needs
+    ``Authorization: Bearer <secret>``."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(ApiKeyMiddleware, api_key=secret)
+    app.add_middleware(ApiKeyMiddleware, api_key=secret,
+                       open_paths=public_paths(public_metrics=public_metrics))
     return app
 
 
@@ -74,15 +83,22 @@ class _OnePort:
         await (self.openai if is_openai else self.control)(scope, receive, send)
 
 
-def _openai_app(engine, config: EngineConfig, connector, api_key: str | None,  # noqa: ANN001
-                served_model_name: str | None) -> FastAPI:
-    """The plain OpenAI app over a worker's engine, with its KV connector."""
+def _served_name(config: EngineConfig, served_model_name: str | None) -> str:
     from kthena_serve.serve_args import model_name
+
+    return served_model_name or model_name(config.model)
+
+
+def _openai_app(engine, config: EngineConfig, connector, api_key: str | None,  # noqa: ANN001
+                metrics: ServerMetrics) -> FastAPI:
+    """The plain OpenAI app over a worker's engine, with its KV connector, observing into the
+    worker's one ``metrics`` (its /metrics is the control app's)."""
     from kthena_serve.server import build_app
 
-    served = served_model_name or model_name(config.model)
+    served = metrics.model_name
+    assert served is not None, "worker metrics carry the served model name"
     return build_app(engine, model_name=served, aliases={config.model, "default"} - {served},
-                     api_key=api_key, kv_connector=connector)
+                     api_key=api_key, kv_connector=connector, metrics=metrics)
 
 
 def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
@@ -102,22 +118,25 @@ def _common_routes(app: FastAPI, metrics_render: Callable[[], bytes],
 def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                      mooncake_host: str | None = None,
                      prefill_hosts: Iterable[str] = LOOPBACK_HOSTS, api_key: str | None = None,
-                     served_model_name: str | None = None) -> tuple[_OnePort, Closer]:
+                     served_model_name: str | None = None,
+                     public_metrics: bool = False) -> tuple[_OnePort, Closer]:
     """The decode worker: engine over a shared pool, /pd/generate, /pd/state, and the OpenAI
     routes (decode requests from the Kthena router pull their KV: decode_api.py).
 
     Args:
         secret: the deployment secret its callers must send and it sends to prefill workers.
-        prefill_hosts: hosts a ``prefill_url`` or ``remote_host`` may name (the rest: 400).
+        prefill_hosts: hosts or networks a ``prefill_url`` or ``remote_host`` may name (the
+            rest: 400).
         api_key: what the OpenAI routes require (None: nothing).
-        served_model_name: the ``model`` the OpenAI routes serve (default: from the model).
+        served_model_name: the ``model`` the OpenAI routes serve and the metrics' model_name
+            (default: from the model).
+        public_metrics: /metrics needs no secret (the Kthena router scrapes without one).
     """
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.engine import LLMEngine, build_runner
     from kthena_serve.pd.decode import DecodeService
     from kthena_serve.pd.decode_api import DecodeConnector
     from kthena_serve.pd.transfer import BlockGetter, register_pool, shm_engine
-    from kthena_serve.server.metrics import ServerMetrics
 
     runner, tokenizer = build_runner(config, shared_pool=True)
     pool = runner.pool
@@ -135,14 +154,14 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
     events = EventLog(engine.kv)
     async_engine = AsyncLLM(engine).start()
     metrics = PDMetrics("decode")
-    server_metrics = ServerMetrics(async_engine)
+    server_metrics = ServerMetrics(async_engine, _served_name(config, served_model_name))
     service = DecodeService(async_engine, ref, pd, metrics, secret=secret)
     allowed_hosts = frozenset(prefill_hosts)
     connector = DecodeConnector(
         async_engine, BlockGetter(pull_engine, pull_handle, pool.layout, pd.transfer_timeout_s),
         pd, metrics, secret=secret, prefill_hosts=allowed_hosts)
     incarnation = _incarnation()
-    app = _control_app(secret)
+    app = _control_app(secret, public_metrics)
     _common_routes(app, lambda: server_metrics.render() + metrics.render(),
                    lambda: async_engine.is_alive)
 
@@ -175,19 +194,26 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
             return JSONResponse(error_body(400, f"bad generate request: {error}"),
                                 status_code=400)
         stream = service.generate(engine_request, prefill_url)
-        return StreamingResponse(_ndjson(rid, stream), media_type="application/x-ndjson")
+        return StreamingResponse(_ndjson(rid, stream, server_metrics),
+                                 media_type="application/x-ndjson")
 
     def close() -> None:
         async_engine.shutdown()  # closes the engine and with it the shared pool (unlinked)
         pull_engine.close()
 
-    openai = _openai_app(async_engine, config, connector, api_key, served_model_name)
+    openai = _openai_app(async_engine, config, connector, api_key, server_metrics)
     return _OnePort(app, openai), close
 
 
-async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
+async def _ndjson(rid: str, stream, server_metrics: ServerMetrics):  # noqa: ANN001, ANN202
+    """The router's stream of one request; its end is observed once, as the OpenAI app does
+    (finished, or aborted: client gone, error, shutdown)."""
+    finished = False
     try:
         async for out in stream:
+            if out.finished:
+                finished = True
+                server_metrics.observe(out)
             data = output_to_json(out)
             data["request_id"] = rid
             yield json.dumps({"output": data}) + "\n"
@@ -204,6 +230,8 @@ async def _ndjson(rid: str, stream):  # noqa: ANN001, ANN202
                                     "message": "internal error while streaming; retry the "
                                                "request"}}) + "\n"
     finally:
+        if not finished:
+            server_metrics.observe_aborted()
         await stream.aclose()
 
 
@@ -243,7 +271,7 @@ class _PrefillState:
 def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                       mooncake_host: str | None = None, advertise_host: str = "127.0.0.1",
                       api_key: str | None = None, served_model_name: str | None = None,
-                      ) -> tuple[_OnePort, Closer]:
+                      public_metrics: bool = False) -> tuple[_OnePort, Closer]:
     """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel,
     and the OpenAI routes with pinned prefills a decode worker pulls (/pd/kv/lease, release).
 
@@ -255,7 +283,9 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         advertise_host: the address decode workers reach it at (``remote_host``); the port is
             set once the server listens (``state.on_port``).
         api_key: what the OpenAI routes require (None: nothing).
-        served_model_name: the ``model`` the OpenAI routes serve (default: from the model).
+        served_model_name: the ``model`` the OpenAI routes serve and the metrics' model_name
+            (default: from the model).
+        public_metrics: /metrics needs no secret (the Kthena router scrapes without one).
     """
     from kthena_serve.model import load_model
     from kthena_serve.pd.pins import PinTable
@@ -281,9 +311,11 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     metrics = PDMetrics("prefill")
     incarnation = _incarnation()
     connector = PrefillConnector(engine, f"{name}-{incarnation}", advertise_host)
-    app = _control_app(secret)
+    stats = _PrefillStats(engine, state)
+    server_metrics = ServerMetrics(stats, _served_name(config, served_model_name))
+    app = _control_app(secret, public_metrics)
     app.state.on_port = connector.set_port
-    _common_routes(app, metrics.render, lambda: True)
+    _common_routes(app, lambda: server_metrics.render() + metrics.render(), lambda: True)
 
     def run(task: PrefillTask):  # noqa: ANN202 - on the compute thread
         state.start(task.request_id)
@@ -328,19 +360,14 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
 
     @app.get("/pd/state")
     async def pd_state(since: int = 0) -> dict:
-        with state.lock:
-            running = int(state.running is not None) + engine.num_running
-            waiting = len(state.queued) + engine.num_waiting
+        snapshot = stats.stats()
         first, last, items = events.since(since) if events else (1, 0, [])
-        kv = executor.kv.stats()
-        # The first token it samples is counted by the decode worker, which streams it.
-        stats = EngineStats(executor.num_steps, executor.num_computed_tokens, 0, 0, waiting,
-                            running, kv)
         return {"name": name, "role": "prefill", "incarnation": incarnation, "alive": True,
-                "num_running": running, "num_waiting": waiting, "kv": attrs.asdict(kv),
-                "num_pinned": len(pins), "num_pinned_blocks": pins.num_blocks,
-                "num_pins_expired": pins.num_expired,
-                "stats": stats.to_json(), "first_seq": first, "last_seq": last, "events": items}
+                "num_running": snapshot.num_running, "num_waiting": snapshot.num_waiting,
+                "kv": attrs.asdict(snapshot.kv), "num_pinned": len(pins),
+                "num_pinned_blocks": pins.num_blocks, "num_pins_expired": pins.num_expired,
+                "stats": snapshot.to_json(), "first_seq": first, "last_seq": last,
+                "events": items}
 
     def close() -> None:
         engine.abort_all("the prefill worker is stopping")
@@ -350,8 +377,28 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         executor.close()  # the own pool first: the segment under it goes with the engine
         kv_engine.close()
 
-    openai = _openai_app(engine, config, connector, api_key, served_model_name)
+    openai = _openai_app(engine, config, connector, api_key, server_metrics)
     return _OnePort(app, openai), close
+
+
+class _PrefillStats:
+    """A prefill worker's ``EngineStats``: what /pd/state reports and /metrics exports.
+
+    ``PrefillEngine.stats()`` counts only the OpenAI routes' queue; the router's /pd/prefill
+    tasks queue on the same compute thread, so both are added here. Counters (forward passes,
+    prompt tokens computed) are the executor's, which both paths run on. The first token it
+    samples is counted by the decode worker, which streams it (0 generated tokens here).
+    """
+
+    def __init__(self, engine, state: _PrefillState) -> None:  # noqa: ANN001
+        self.engine, self.state = engine, state
+
+    def stats(self) -> EngineStats:
+        own = self.engine.stats()
+        with self.state.lock:
+            running = int(self.state.running is not None) + own.num_running
+            waiting = len(self.state.queued) + own.num_waiting
+        return attrs.evolve(own, num_waiting=waiting, num_running=running)
 
 
 def _own_pool(model, config: EngineConfig, pd: PDConfig,  # noqa: ANN001, ANN202

@@ -11,13 +11,14 @@ control API on 127.0.0.1 (or ``--host``):
              POST /v1/completions, /v1/chat/completions, GET /v1/models, POST /tokenize ...:
              the OpenAI API as the Kthena router's PD connectors call it (kv_transfer_params)
 
-Every control route (``/pd/*``, ``/metrics``) needs ``Authorization: Bearer <secret>``; the
-secret comes in the environment variable ``KTHENA_PD_SECRET`` (set by the launcher; never on
-the command line, which other local users can read), and the worker refuses to start without
-it. The OpenAI routes need ``Authorization: Bearer <api key>`` when ``KTHENA_API_KEY`` is set
-(the key the Kthena router is given), and are open otherwise, as ``kthena serve`` is. A decode
-worker sends prefill tasks and KV leases only to hosts in ``--prefill-hosts`` (default
-loopback).
+Every control route (``/pd/*``, ``/metrics``) needs ``Authorization: Bearer <secret>``, but
+``/metrics`` is open with ``--public-metrics`` (what a pod the Kthena router scrapes runs
+with); the secret comes in the environment variable ``KTHENA_PD_SECRET`` (set by the launcher
+or the pod's Secret; never on the command line, which other local users can read), and the
+worker refuses to start without it. The OpenAI routes need ``Authorization: Bearer <api key>``
+when ``KTHENA_API_KEY`` is set (the key the Kthena router is given), and are open otherwise, as
+``kthena serve`` is. A decode worker sends prefill tasks and KV leases only to hosts in
+``--prefill-hosts`` (default loopback; hosts or networks such as a pod CIDR).
 
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
 its parent (the launcher) dies, so no worker outlives a killed launcher.
@@ -34,6 +35,8 @@ __all__ = ["exit_on_sigterm", "main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    from kthena_serve.serve_args import add_public_metrics_arg
+
     parser = argparse.ArgumentParser(prog="kthena_serve.pd.worker")
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--name", required=True)
@@ -52,6 +55,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "(remote_host; default: --mooncake-host, else --host)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id the OpenAI routes serve (default: from the model)")
+    add_public_metrics_arg(parser, "the deployment secret")
     return parser.parse_args(argv)
 
 
@@ -140,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         app, close = build_decode_app(args.name, engine_config, pd_config, secret=secret,
                                       mooncake_host=args.mooncake_host, prefill_hosts=hosts,
                                       api_key=api_key,
-                                      served_model_name=args.served_model_name)
+                                      served_model_name=args.served_model_name,
+                                      public_metrics=args.public_metrics)
     else:
         app, close = build_prefill_app(args.name, engine_config, pd_config, secret=secret,
                                        mooncake_host=args.mooncake_host,
                                        advertise_host=_advertised(args), api_key=api_key,
-                                       served_model_name=args.served_model_name)
+                                       served_model_name=args.served_model_name,
+                                       public_metrics=args.public_metrics)
 
     def ready(port: int) -> None:
         on_port = getattr(app.state, "on_port", None)

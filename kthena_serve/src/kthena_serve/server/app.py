@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: routes over an ``EngineClient`` (FastAPI).
 
     POST /v1/completions, /v1/chat/completions   (SSE when ``stream``; ends with [DONE])
-    GET  /v1/models, /health, /metrics           (/metrics: kthena_* and vLLM's vllm:* names)
+    GET  /v1/models, /health, /metrics           (/metrics: kthena_* and vLLM's vllm:* names;
+                                                  open with public_metrics, like /health)
     POST /tokenize, /detokenize                  (vLLM's; see ``tokenization``)
 
 Requests are validated, tokenised and length-checked before anything streams, so every bad
@@ -31,7 +32,7 @@ from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError, error_body, install_handlers
 from kthena_serve.server.generation import Job, collect, stream_choices
 from kthena_serve.server.metrics import ServerMetrics
-from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, public_paths
 from kthena_serve.server.shutdown import Drain, DrainMiddleware
 from kthena_serve.server.tokenization import (
     DetokenizeRequest,
@@ -51,12 +52,13 @@ class _Api:
     """Route bodies; one per app."""
 
     def __init__(self, engine: EngineClient, model_name: str, aliases: set[str],
-                 kv_connector: KVConnector | None = None) -> None:
+                 kv_connector: KVConnector | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.kv_connector = kv_connector
         self.model_name = model_name
         self.names = {model_name} | aliases
-        self.metrics = ServerMetrics(engine, model_name)
+        self.metrics = metrics or ServerMetrics(engine, model_name)
 
     # ---- preparing a job --------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -276,7 +278,8 @@ def _in_band(error: Exception) -> dict:
 
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
-              kv_connector: KVConnector | None = None) -> FastAPI:
+              kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
+              public_metrics: bool = False) -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -286,8 +289,19 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
         max_request_bytes: bodies above this get 413.
         kv_connector: a PD worker's side of ``kv_transfer_params`` (without one, a request that
             carries them is a 400).
+        metrics: where requests are observed (default: a new ``ServerMetrics``); a PD worker
+            passes the one its control app's /metrics renders.
+        public_metrics: /metrics needs no API key (``--public-metrics``: Prometheus and the
+            Kthena router scrape without credentials).
+
+    Raises:
+        ValueError: ``metrics`` was made for another served model name.
     """
-    api = _Api(engine, model_name, aliases or set(), kv_connector)
+    if metrics is not None and metrics.model_name != model_name:
+        raise ValueError(f"metrics label their series model_name={metrics.model_name!r}, but "
+                         f"this app serves {model_name!r}: make ServerMetrics(engine, "
+                         f"{model_name!r})")
+    api = _Api(engine, model_name, aliases or set(), kv_connector, metrics)
     app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")  # the real schema, for clients and fuzzers
     app.state.api = api
@@ -310,7 +324,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key,
+                           open_paths=public_paths(public_metrics=public_metrics))
     app.state.drain = Drain()  # outermost: a draining server refuses before anything else
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     return app

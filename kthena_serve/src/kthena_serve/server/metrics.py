@@ -5,18 +5,32 @@ and counters that mirror engine state are read at scrape time from the engine's 
 its KV part (``EngineClient.stats()``: summed over the workers in PD); the histograms are fed as requests finish.
 Given the served model's name, the same snapshot and observations are also exported under
 vLLM's names (``vllm:*``, see ``vllm_metrics``), which the Kthena router scrapes.
+
+One instance per server: a PD worker hands the same one to its OpenAI app and its control
+app (``build_app(..., metrics=...)``), so each request is observed once and each family is
+rendered once, whichever path the request took.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kthena_serve.client import EngineClient
+from kthena_serve.client import EngineStats
 from kthena_serve.request import RequestOutput
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
 
-__all__ = ["ServerMetrics", "add_collector"]
+__all__ = ["ServerMetrics", "StatsSource", "add_collector"]
+
+
+class StatsSource(Protocol):
+    """What the gauges and counters are read from at scrape time: an ``EngineClient``, or a
+    PD prefill worker's view that adds its control-path queue."""
+
+    def stats(self) -> EngineStats: ...
+
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -25,7 +39,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 class _EngineCollector:
     """Reads engine state at scrape time."""
 
-    def __init__(self, engine: EngineClient, model_name: str | None) -> None:
+    def __init__(self, engine: StatsSource, model_name: str | None) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -62,8 +76,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The metrics of one server (see module docs)."""
 
-    def __init__(self, engine: EngineClient, model_name: str | None = None) -> None:
+    def __init__(self, engine: StatsSource, model_name: str | None = None) -> None:
         """Args: model_name: the served name; if given, vLLM's names are exported too."""
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.vllm = VllmMetrics(self.registry, model_name) if model_name is not None else None

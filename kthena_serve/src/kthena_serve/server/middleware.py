@@ -1,11 +1,23 @@
-"""ASGI middleware: a request-body size cap and the API key check (everything but /health)."""
+"""ASGI middleware: a request-body size cap and the API key check (every path but the open
+ones: ``/health``, and ``/metrics`` where the server is started with ``--public-metrics``)."""
 
 from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Iterable
 
-__all__ = ["ApiKeyMiddleware", "BodyLimitMiddleware"]
+__all__ = ["HEALTH_PATH", "METRICS_PATH", "ApiKeyMiddleware", "BodyLimitMiddleware",
+           "public_paths"]
+
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+
+def public_paths(*, public_metrics: bool) -> frozenset[str]:
+    """The paths a server answers without credentials: the probes' ``/health``, and with
+    ``public_metrics`` the scrapers' ``/metrics`` (totals only; docs/security.md)."""
+    return frozenset({HEALTH_PATH, METRICS_PATH} if public_metrics else {HEALTH_PATH})
 
 
 async def _send_error(send, status: int, message: str, kind: str, code: str | None) -> None:
@@ -59,19 +71,25 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on every path except ``/health``.
+    """Require ``Authorization: Bearer <key>`` on every path except ``open_paths``.
 
     The scheme is matched case-insensitively (RFC 7235: ``bearer`` is ``Bearer``); the key is
-    compared in constant time.
+    compared in constant time. Paths are matched exactly (``/metrics/`` is not ``/metrics``).
+
+    Args:
+        api_key: the key; must not be empty.
+        open_paths: the paths anyone may call (default: ``/health`` only; servers pass
+            ``public_paths(...)``).
     """
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, open_paths: Iterable[str] = (HEALTH_PATH,)) -> None:
         if not api_key:
             raise ValueError("ApiKeyMiddleware needs a non-empty key")
         self.app, self.expected = app, api_key.encode()
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/health":
+        if scope["type"] != "http" or scope.get("path") in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
