@@ -428,6 +428,49 @@ def test_forged_kv_transfer_params_get_a_clear_400(workers) -> None:  # noqa: AN
     assert_nothing_held(workers)
 
 
+def test_a_decode_worker_never_sends_the_secret_to_the_host_a_request_names(workers) -> None:  # noqa: ANN001
+    """kv_transfer_params name the prefill host; a wrong (here: listening) host gets a signed
+    lease request, never the deployment secret."""
+    import http.server
+    import threading
+
+    seen: list[tuple[dict, bytes]] = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            seen.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(403)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+    capture = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    threading.Thread(target=capture.serve_forever, daemon=True).start()
+    try:
+        prefill_url, decode_url = urls(workers)
+        body = {"model": "default", "prompt": prompt_ids(40, "capture. "), "max_tokens": 4,
+                "temperature": 0}
+        with httpx.Client(timeout=120, headers=KEY) as client:
+            params = client.post(f"{prefill_url}/v1/completions",
+                                 json=prefill_body(body)).json()["kv_transfer_params"]
+            wrong = {**params, "remote_host": "127.0.0.1", "remote_port": capture.server_port}
+            client.post(f"{decode_url}/v1/completions", json=decode_body(body, wrong))
+            client.post(f"{decode_url}/v1/completions", json=decode_body(body, params))
+    finally:
+        capture.shutdown()
+        capture.server_close()
+    assert seen, "the decode worker contacted no one"
+    secret = workers.secret
+    for headers, payload in seen:
+        assert "authorization" not in headers
+        assert secret not in json.dumps(headers) and secret.encode() not in payload
+        assert headers.get("x-kthena-signature") and headers.get("x-kthena-time")
+    assert_nothing_held(workers)
+
+
 def test_each_role_refuses_the_other_roles_ask(workers) -> None:  # noqa: ANN001
     prefill_url, decode_url = urls(workers)
     body = {"model": "default", "prompt": prompt_ids(20, "roles. "), "max_tokens": 4}

@@ -211,3 +211,38 @@ def test_the_secret_is_on_no_worker_command_line(cluster) -> None:  # noqa: ANN0
     for name in cluster.launcher.workers:
         cmdline = Path(f"/proc/{cluster.launcher.pid(name)}/cmdline").read_bytes()
         assert b"kthena_serve.pd.worker" in cmdline and secret.encode() not in cmdline
+
+
+def test_signed_requests_prove_the_secret_without_sending_it():
+    from kthena_serve.server.middleware import sign_request, verify_request
+
+    body = b'{"transfer_id": "t"}'
+    headers = sign_request("s3cret", "POST", "/pd/kv/lease", body, now=1000.0)
+    assert "s3cret" not in json.dumps(headers)
+    assert verify_request("s3cret", "POST", "/pd/kv/lease", headers, body, now=1030.0)
+    assert not verify_request("other", "POST", "/pd/kv/lease", headers, body, now=1030.0)
+    assert not verify_request("s3cret", "POST", "/pd/kv/release", headers, body, now=1030.0)
+    assert not verify_request("s3cret", "POST", "/pd/kv/lease", headers, body + b" ", now=1030.0)
+    assert not verify_request("s3cret", "POST", "/pd/kv/lease", headers, body, now=1061.0)
+    assert not verify_request("s3cret", "POST", "/pd/kv/lease",
+                              {**headers, "x-kthena-time": "nan"}, body, now=1030.0)
+    assert not verify_request("s3cret", "POST", "/pd/kv/lease", {}, body)
+
+
+def test_only_the_decode_to_prefill_paths_take_a_signature():
+    from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, signed_json
+    from kthena_serve.server import BackgroundServer
+
+    app = FastAPI()
+    app.post("/pd/kv/lease")(lambda: {"ok": True})
+    app.post("/pd/generate")(lambda: {"ok": True})
+    app.add_middleware(ApiKeyMiddleware, api_key="s3cret", signed_paths=DECODE_TO_PREFILL_PATHS)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        body, headers = signed_json("s3cret", "/pd/kv/lease", {"transfer_id": "t"})
+        assert http.post("/pd/kv/lease", content=body, headers=headers).status_code == 200
+        body, headers = signed_json("wrong", "/pd/kv/lease", {"transfer_id": "t"})
+        assert http.post("/pd/kv/lease", content=body, headers=headers).status_code == 401
+        body, headers = signed_json("s3cret", "/pd/generate", {})
+        assert http.post("/pd/generate", content=body, headers=headers).status_code == 401
+        bearer = {"Authorization": "Bearer s3cret"}
+        assert http.post("/pd/generate", headers=bearer).status_code == 200

@@ -4,8 +4,13 @@
   it to each worker in the environment variable ``KTHENA_PD_SECRET``, never on the command line
   (``/proc/PID/cmdline`` is readable by every local user, ``/proc/PID/environ`` only by the
   same user). Every worker route but ``/health`` needs ``Authorization: Bearer <secret>``
-  (``server.middleware.ApiKeyMiddleware``); the router and the decode worker send it
-  (``auth_headers``).
+  (``server.middleware.ApiKeyMiddleware``); the router sends it (``auth_headers``) to the
+  workers it started. A decode worker never sends the secret itself: the prefill worker it
+  calls is named by a request (the router's ``prefill_url``, or a client's
+  ``kv_transfer_params``), so it signs each call instead (``signed_json``: an HMAC-SHA256 of
+  method, path, time and body keyed by the secret), which the prefill worker accepts on
+  ``DECODE_TO_PREFILL_PATHS``. A host that is named wrongly learns a signature of one request,
+  not the secret.
 * **The prefill URL.** The router names the prefill worker in each ``/pd/generate`` body. The
   decode worker sends that URL the secret and block ids, so it only accepts
   ``http://<host>:<port>`` with a host from its allow-list (``check_prefill_url``): loopback by
@@ -18,11 +23,19 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import secrets
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["LOOPBACK_HOSTS", "SECRET_ENV", "auth_headers", "check_prefill_url", "new_secret"]
+from kthena_serve.server.middleware import sign_request
+
+__all__ = ["DECODE_TO_PREFILL_PATHS", "LOOPBACK_HOSTS", "SECRET_ENV", "auth_headers",
+           "check_prefill_url", "new_secret", "signed_json"]
+
+DECODE_TO_PREFILL_PATHS = frozenset({"/pd/prefill", "/pd/cancel", "/pd/kv/lease",
+                                     "/pd/kv/release"})
 
 SECRET_ENV = "KTHENA_PD_SECRET"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -36,6 +49,15 @@ def new_secret() -> str:
 def auth_headers(secret: str | None) -> dict[str, str]:
     """The header that authenticates a call to a worker; none without a secret."""
     return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+def signed_json(secret: str | None, path: str, payload: Any) -> tuple[bytes, dict[str, str]]:
+    """A JSON body for ``POST path`` and its headers: signed with ``secret`` (none without)."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    headers = {"content-type": "application/json"}
+    if secret:
+        headers.update(sign_request(secret, "POST", path, body))
+    return body, headers
 
 
 def check_prefill_url(url: str, allowed_hosts: Iterable[str]) -> None:

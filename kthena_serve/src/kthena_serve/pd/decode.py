@@ -28,7 +28,7 @@ import httpx
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.errors import EngineDeadError
-from kthena_serve.pd.auth import auth_headers
+from kthena_serve.pd.auth import signed_json
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
@@ -57,13 +57,14 @@ class DecodeService:
         pool: its KV pool reference as prefill workers need it.
         config: policy and timeout.
         metrics: where handoff times and failures go.
-        secret: the deployment secret, sent to prefill workers (None: send none).
+        secret: the deployment secret; calls to prefill workers are signed with it, it is
+            never sent (None: unsigned).
     """
 
     def __init__(self, engine: AsyncLLM, pool: PoolRef, config: PDConfig,
                  metrics: PDMetrics, *, secret: str | None = None) -> None:
         self.engine = engine
-        self._headers = auth_headers(secret)
+        self._secret = secret
         self.pool = pool
         self.config = config
         self.metrics = metrics
@@ -104,9 +105,9 @@ class DecodeService:
     async def _prefill(self, url: str, task: PrefillTask) -> PrefillResult:
         timeout = self.config.transfer_timeout_s
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
-                                         headers=self._headers) as client:
-                response = await client.post(f"{url}/pd/prefill", json=task.to_json())
+            body, headers = signed_json(self._secret, "/pd/prefill", task.to_json())
+            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0)) as client:
+                response = await client.post(f"{url}/pd/prefill", content=body, headers=headers)
         except httpx.TimeoutException as error:
             raise _PrefillFailed("timeout", f"prefill at {url} did not answer within "
                                  f"{timeout:g} s ({type(error).__name__})", False) from None
@@ -147,10 +148,13 @@ class DecodeService:
         """Wait until the prefill worker is not writing ``rid`` (or is dead), then free it."""
         self.num_quarantined += 1
         try:
-            async with httpx.AsyncClient(timeout=1.0, headers=self._headers) as client:
+            async with httpx.AsyncClient(timeout=1.0) as client:
                 while True:
                     try:
-                        reply = await client.post(f"{url}/pd/cancel", json={"request_id": rid})
+                        body, headers = signed_json(self._secret, "/pd/cancel",
+                                                    {"request_id": rid})
+                        reply = await client.post(f"{url}/pd/cancel", content=body,
+                                                  headers=headers)
                         if not reply.json().get("busy", False):
                             break
                     except httpx.ConnectError:

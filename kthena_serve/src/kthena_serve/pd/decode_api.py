@@ -6,7 +6,7 @@ A decode request from the Kthena router carries the prefill answer's ``kv_transf
     1 check      the fields; remote_host must be a prefill host of this deployment
                  (``--prefill-hosts``), or nothing is contacted
     2 lease      POST remote/pd/kv/lease {engine id, transfer id, block ids, prompt digest}
-                 (PD secret) ── the prefill worker checks them against its pin and answers
+                 (signed) ──── the prefill worker checks them against its pin and answers
                  its pool's handle and layout, and the first token; a refusal (unknown engine
                  id or transfer, other block ids, another prompt) is a 400 here
 
@@ -43,7 +43,7 @@ from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.client import KVSession
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.pd.auth import auth_headers, check_prefill_url
+from kthena_serve.pd.auth import check_prefill_url, signed_json
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.decode import HandoffError
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
@@ -85,14 +85,14 @@ class DecodeConnector:
         getter: reads remote blocks into the engine's pool.
         config: policy and ``transfer_timeout_s``.
         metrics: where pulls, their bytes and failures go.
-        secret: the deployment secret, sent to prefill workers.
+        secret: the deployment secret; calls to prefill workers are signed with it (never sent).
         prefill_hosts: hosts ``remote_host`` may name (the rest are a 400).
     """
 
     def __init__(self, engine: AsyncLLM, getter: BlockGetter, config: PDConfig,
                  metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str]) -> None:
         self.engine, self.getter, self.config, self.metrics = engine, getter, config, metrics
-        self._headers = auth_headers(secret)
+        self._secret = secret
         self.prefill_hosts = frozenset(prefill_hosts)
         self.num_quarantined = 0
         self._tasks: set[asyncio.Task] = set()
@@ -205,8 +205,9 @@ class DecodeConnector:
     async def _post(self, remote: RemotePrefill, path: str, body: dict) -> httpx.Response:
         timeout = httpx.Timeout(self.config.transfer_timeout_s, connect=2.0)
         try:
-            async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as client:
-                return await client.post(f"{remote.url}{path}", json=body)
+            content, headers = signed_json(self._secret, path, body)
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                return await client.post(f"{remote.url}{path}", content=content, headers=headers)
         except httpx.HTTPError as error:
             raise _Unavailable(f"prefill worker at {remote.url} ({path}): "
                                f"{type(error).__name__}: {error}") from None

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from kthena_serve.pd.auth import LOOPBACK_HOSTS, check_prefill_url
+from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, LOOPBACK_HOSTS, check_prefill_url
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
 from kthena_serve.pd.events import EventLog
@@ -58,12 +58,15 @@ def _incarnation() -> str:
     return f"{os.getpid()}-{time.time_ns()}"
 
 
-def _control_app(secret: str, public_metrics: bool) -> FastAPI:
+def _control_app(secret: str, public_metrics: bool, signed_paths: frozenset[str] = frozenset(),
+                 ) -> FastAPI:
     """A bare app whose every route but /health (and /metrics, if ``public_metrics``) needs
-    ``Authorization: Bearer <secret>``."""
+    ``Authorization: Bearer <secret>``; ``signed_paths`` also take a request signed with it
+    (what decode workers send: pd/auth.py)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ApiKeyMiddleware, api_key=secret,
-                       open_paths=public_paths(public_metrics=public_metrics))
+                       open_paths=public_paths(public_metrics=public_metrics),
+                       signed_paths=signed_paths)
     return app
 
 
@@ -313,7 +316,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     connector = PrefillConnector(engine, f"{name}-{incarnation}", advertise_host)
     stats = _PrefillStats(engine, state)
     server_metrics = ServerMetrics(stats, _served_name(config, served_model_name))
-    app = _control_app(secret, public_metrics)
+    app = _control_app(secret, public_metrics, signed_paths=DECODE_TO_PREFILL_PATHS)
     app.state.on_port = connector.set_port
     _common_routes(app, lambda: server_metrics.render() + metrics.render(), lambda: True)
 
