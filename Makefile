@@ -28,10 +28,12 @@ $(STAMP): $(DEPS)
 	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"
 	touch $(STAMP)
 
-# The main job: serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000; it prints a
-# curl line that works. `make run ARGS="--mode pd --prefill 1 --decode 1"` serves it disaggregated.
+# The main job: plan docs/examples/cpu-smollm2.yaml on this machine, print the plan and serve
+# exactly that plan (SmolLM2-135M-Instruct on 127.0.0.1:8000); it prints a curl line that works.
+# `make run ARGS="--config other.yaml"` serves another config; flags such as `--port 0` override
+# the config; `make run ARGS="--mode pd --prefill 1 --decode 1"` serves without a config.
+ARGS ?= --config docs/examples/cpu-smollm2.yaml
 run: $(STAMP)
-	$(BIN)/kthena plan --model default --topology auto --candidates 3
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/kthena serve $(ARGS)
 
 lint: $(STAMP)

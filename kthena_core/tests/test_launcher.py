@@ -35,7 +35,8 @@ def test_dry_run_prints_env_and_argv(tmp_path, capsys):
     cfg.write_text("cluster: {world_size: 2, master_port: 29555}\nparallelism: {tensor_parallel_size: 2}\n")
     assert main(["--config", str(cfg), "--backend", "gloo", "--dry-run", "serve.py", "--port", "1"]) == 0
     out = capsys.readouterr().out
-    assert "KTHENA_TP_SIZE=2" in out and "OMP_WAIT_POLICY=PASSIVE" in out
+    assert "KTHENA_DIST_BACKEND=gloo" in out and "OMP_WAIT_POLICY=PASSIVE" in out
+    assert "KTHENA_TP_SIZE" not in out  # nothing read the layout variables: none are exported
     assert "--nproc_per_node=2" in out and "--master_port=29555" in out and "serve.py --port 1" in out
 
 
@@ -66,5 +67,5 @@ def test_real_two_rank_gloo_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["RANK"] for r in ranks] == ["0", "1"]
-    assert all(r["sum"] == 3.0 and r["KTHENA_TP_SIZE"] == "2" and r["WORLD_SIZE"] == "2" for r in ranks)
+    assert all(r["sum"] == 3.0 and r["KTHENA_TP_SIZE"] is None and r["WORLD_SIZE"] == "2" for r in ranks)
     assert all(r["OMP_WAIT_POLICY"] == "PASSIVE" and r["OMP_NUM_THREADS"] for r in ranks)

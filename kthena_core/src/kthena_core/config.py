@@ -1,14 +1,18 @@
 """Typed configuration: the ``kthena_config.yaml`` format of the source article, validated.
 
 ```yaml
-cluster:      {master_addr: 127.0.0.1, master_port: 29500, world_size: 8, local_rank: 0}
+cluster:      {master_addr: 127.0.0.1, master_port: 29500, world_size: 8, local_rank: 0,
+               topology: auto}
 parallelism:  {strategy: tp_pp, tensor_parallel_size: 4, pipeline_parallel_size: 2}
-model:        {checkpoint_path: /models/llama-2-70b, dtype: float16}
+model:        {checkpoint_path: default, dtype: float16}
 service:      {api_type: http, host: 0.0.0.0, port: 8000, max_batch_size: 32, kv_cache_reuse: true}
-kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: int8, group_size: 128}}
+kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: none}}
 ```
 
-Every section loads into a frozen attrs class. A bad file raises `ConfigError` whose message
+Every section loads into a frozen attrs class. Every key is honoured by ``kthena serve --config``
+or ``kthena-run``, or refused by name (``_reject_unsupported``: gRPC, fused all-reduce, int8 KV,
+attention variants, SP, split compute/parameter dtypes), so no key validates and then does
+nothing (docs/kthena_core.md has the key reference). A bad file raises `ConfigError` whose message
 names the key path, the value and what is allowed; unknown keys are errors (with the nearest
 known key suggested), because a typo silently ignored is a misconfigured cluster.
 """
@@ -44,6 +48,7 @@ class ClusterConfig:
     local_rank: int = 0
     nnodes: int = 1
     node_rank: int = 0
+    topology: str = "auto"
 
 
 @attrs.frozen
@@ -54,8 +59,8 @@ class ParallelismConfig:
     data_parallel_size: int = 1
     sequence_parallel_enabled: bool = False
     sequence_parallel_group_size: int = 1
-    fused_communication: bool = True
-    bucket_size_mb: float = 25.0
+    fused_communication: bool = False
+    bucket_size_mb: float | None = None
 
 
 @attrs.frozen
@@ -89,6 +94,7 @@ class ServiceConfig:
     port: int = 8000
     max_batch_size: int = 32
     kv_cache_reuse: bool = True
+    mode: str = "colocated"
 
 
 @attrs.frozen
@@ -132,6 +138,7 @@ _SECTIONS: dict[str, type] = {
 _CHOICES = {
     "parallelism.strategy": ("tp", "pp", "tp_pp", "tp_pp_dp", "dp", "auto"),
     "service.api_type": ("http", "grpc"),
+    "service.mode": ("colocated", "pd"),
     "model.attention_kernel": ("flash", "memory_efficient", "high_throughput"),
     "kv_cache.sharing_granularity": ("block",),
     "kv_cache.compression.method": ("none", "int8"),
@@ -210,11 +217,67 @@ def _cross_checks(cfg: KthenaConfig, base_dir: str | None) -> None:
         sp = par.sequence_parallel_group_size
         _check(sp in (1, par.tensor_parallel_size), "parallelism.sequence_parallel_group_size", sp,
                f"1 or tensor_parallel_size ({par.tensor_parallel_size}); SP shares the TP group")
+    _check_strategy(par)
+    _reject_unsupported(cfg)
     path = cfg.model.checkpoint_path
     if path != "default":
         full = os.path.join(base_dir or "", os.path.expanduser(path))
         _check(os.path.exists(full), "model.checkpoint_path", path,
                "an existing checkpoint folder, config.json or .gguf file, or 'default'")
+
+
+# What each strategy lets vary; the others must stay 1 (a strategy that contradicts its sizes
+# is a misread file). "auto" hands every size to the planner.
+_STRATEGY_SIZES = {
+    "tp": ("tensor_parallel_size",), "pp": ("pipeline_parallel_size",),
+    "tp_pp": ("tensor_parallel_size", "pipeline_parallel_size"),
+    "tp_pp_dp": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"),
+    "dp": ("data_parallel_size",), "auto": (),
+}
+
+
+def _check_strategy(par: ParallelismConfig) -> None:
+    free = _STRATEGY_SIZES[par.strategy]
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = getattr(par, key)
+        if value != 1 and key not in free:
+            how = ("the planner chooses every size: drop the sizes, or name a strategy"
+                   if par.strategy == "auto" else
+                   f"strategy {par.strategy!r} varies only {', '.join(free)}; use a strategy "
+                   f"that includes it (tp, pp, tp_pp, tp_pp_dp, dp) or set it to 1")
+            raise ConfigError(f"parallelism.{key}: got {value} with parallelism.strategy "
+                              f"{par.strategy!r}; {how}")
+
+
+def _reject_unsupported(cfg: KthenaConfig) -> None:
+    """Values the SDK parses but cannot honour yet: refused by name, never silently kept."""
+    par, model, kv = cfg.parallelism, cfg.model, cfg.kv_cache
+    _check(cfg.service.api_type == "http", "service.api_type", cfg.service.api_type,
+           "http (the OpenAI-compatible HTTP API is the only one served; there is no gRPC server)")
+    _check(not par.fused_communication, "parallelism.fused_communication", True,
+           "false (the TP path all-reduces each layer's output as it is produced; there is no "
+           "bucketed/fused all-reduce to turn on)")
+    _check(par.bucket_size_mb is None, "parallelism.bucket_size_mb", par.bucket_size_mb,
+           "unset (it sizes the fused all-reduce's buckets, and fused_communication is not "
+           "supported)")
+    _check(model.attention_kernel == "flash", "model.attention_kernel", model.attention_kernel,
+           "flash (the engine's one attention path: paged attention with a tiled, "
+           "flash-style softmax; no memory_efficient or high_throughput variant exists)")
+    _check(model.dtype in ("bf16", "fp16", "fp32"), "model.dtype", model.dtype,
+           "bfloat16, float16 or float32 (the dtypes the engine serves weights in)")
+    _check(not par.sequence_parallel_enabled, "parallelism.sequence_parallel_enabled", True,
+           "false (the engine runs no sequence parallelism; the planner still models SP when "
+           "asked directly, through kthena plan)")
+    for key in ("compute_dtype", "parameter_dtype"):
+        value = getattr(model, key)
+        _check(value in (None, model.dtype), f"model.{key}", value,
+               f"unset or model.dtype ({model.dtype}); the engine computes in its weight dtype")
+    _check(kv.compression.method == "none", "kv_cache.compression.method", kv.compression.method,
+           "none (the engine's attention reads bf16/fp16/fp32 KV pools only; int8 KV is not "
+           "served yet)")
+    _check(kv.max_tokens is None or kv.memory_pool_size is None, "kv_cache.max_tokens",
+           kv.max_tokens, "unset when kv_cache.memory_pool_size is set (both size the one "
+           "KV pool; keep one)")
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> KthenaConfig:

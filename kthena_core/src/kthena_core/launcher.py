@@ -2,7 +2,7 @@
 
 It reads a ``kthena_config.yaml`` (or flags), fills torchrun's rendezvous arguments from the
 ``cluster`` section, and exports the environment every rank needs before torchrun forks them:
-the parallel sizes (``KTHENA_TP_SIZE`` ...), the collective backend (``KTHENA_DIST_BACKEND``:
+the collective backend (``KTHENA_DIST_BACKEND``:
 hccl | nccl | gloo), and on CPU one OpenMP thread pool per rank sized to its share of the cores
 with ``OMP_WAIT_POLICY=PASSIVE`` (spin-waiting pools on shared cores collapse throughput).
 torchrun itself sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT per rank.
@@ -56,14 +56,9 @@ def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
     ``hccl``: HCCL's variables (backend hccl); None keeps only a user's HCCL_CONNECT_TIMEOUT
     (default 600 s), since addresses of the machine that writes a manifest are not the pods'.
     """
-    par = cfg.parallelism
-    env = {
-        "KTHENA_TP_SIZE": str(par.tensor_parallel_size),
-        "KTHENA_PP_SIZE": str(par.pipeline_parallel_size),
-        "KTHENA_DP_SIZE": str(par.data_parallel_size),
-        "KTHENA_SP_SIZE": str(par.sequence_parallel_group_size if par.sequence_parallel_enabled else 1),
-        "KTHENA_DIST_BACKEND": backend,
-    }
+    # No layout variables (KTHENA_TP_SIZE ...): nothing read them. A script takes its layout
+    # from its own flags (``kthena serve --tp N`` or ``--config``), and torchrun's WORLD_SIZE.
+    env = {"KTHENA_DIST_BACKEND": backend}
     if backend == "gloo":
         cores = num_cpus or os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, nproc_per_node)))

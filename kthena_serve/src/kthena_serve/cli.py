@@ -35,6 +35,11 @@ def _prepare_process() -> None:
 def register_serve(subparsers: argparse._SubParsersAction) -> None:
     """Entry point (group ``kthena.commands``): add ``kthena serve``."""
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="a kthena_config.yaml: plan it (cluster.topology, default: this "
+                             "machine), print the plan and serve exactly that plan; flags given "
+                             "explicitly on the command line override the config "
+                             "(docs/kthena_core.md lists what each key drives)")
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=8000)
@@ -57,6 +62,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.pd.serve import add_pd_args
 
     add_pd_args(parser)
+    from kthena_serve.serve_config import mark_defaults
+
+    mark_defaults(parser)  # after every flag: a config may set these, an explicit flag wins
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -83,7 +91,10 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
+    from kthena_serve.serve_config import apply_config, served_layout
+
     try:
+        apply_config(args)
         config = engine_config(args)
         args.api_key = _api_key(args)
         kv_events = kv_events_config(args, args.served_model_name or model_name(args.model))
@@ -101,6 +112,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kthena_serve.model.convert import ensure_default_checkpoint
 
         ensure_default_checkpoint()
+    print(f"kthena serve: serving layout {served_layout(args)}", flush=True)
     if getattr(args, "mode", "colocated") == "pd":
         from kthena_serve.pd.serve import run_pd
 

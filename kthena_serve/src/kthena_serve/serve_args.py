@@ -70,6 +70,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             max_model_len=args.max_model_len, tp=args.tp,
+                            num_kv_blocks=getattr(args, "num_kv_blocks", None),
                             enable_prefix_caching=not args.no_prefix_caching,
                             prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
                             kv_cache_dtype=args.kv_cache_dtype,

@@ -162,8 +162,8 @@ def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
 
 def _rank_environment(dep: Deployment) -> dict[str, str]:
     """What kthena-run would export for one worker's ranks: OpenMP threads and wait policy
-    (CPU), HCCL's connect timeout (Ascend). The layout variables (KTHENA_TP_SIZE ...) are left
-    out: the worker takes its layout from its flags."""
+    (CPU), HCCL's connect timeout (Ascend). KTHENA_DIST_BACKEND is left out: the worker
+    takes its layout and backend from its flags."""
     tp = dep.tp
     cfg = load_config({"cluster": {"world_size": tp},
                        "parallelism": {"tensor_parallel_size": tp}})

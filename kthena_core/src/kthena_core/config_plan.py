@@ -1,0 +1,71 @@
+"""The plan a ``kthena_config.yaml`` asks for: the planner run on the config's model, topology
+and sizes.
+
+``parallelism.strategy: auto`` lets the planner choose tp x pp x dp over the topology's devices;
+any other strategy pins the config's own sizes, and the planner judges that one layout (memory,
+head split, layer split), so a pinned layout that cannot run is refused with the planner's
+reasons instead of being served blind. SP is off (the config refuses
+``sequence_parallel_enabled``), so every layout has sp = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kthena_core.config import ConfigError, KthenaConfig
+from kthena_core.cost_model import Layout
+from kthena_core.known_models import load_model_spec
+from kthena_core.model_spec import ModelSpec
+from kthena_core.planner import Plan, Planner
+from kthena_core.topology import Topology
+from kthena_core.workload import Workload
+
+__all__ = ["config_workload", "plan_config"]
+
+
+class _PinnedPlanner(Planner):
+    """The planner restricted to one layout (a pinned strategy) or to sp = 1 (auto)."""
+
+    def __init__(self, pinned: Layout | None) -> None:
+        super().__init__()
+        self.pinned = pinned
+
+    def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
+        if self.pinned is not None:
+            yield self.pinned
+            return
+        yield from (lay for lay in super().layouts(model, topology, workload) if lay.sp == 1)
+
+
+def config_workload(cfg: KthenaConfig) -> Workload:
+    """The workload a config serves: its dtype, its mode, ``max_batch_size`` sequences at once."""
+    return Workload(dtype=cfg.model.dtype, kv_dtype=cfg.model.dtype, mode=cfg.service.mode,
+                    concurrency=cfg.service.max_batch_size)
+
+
+def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None = None) -> Plan:
+    """Plan `cfg` on `topology` (``cluster.topology`` resolved by the caller).
+
+    Args:
+        cfg: a loaded config.
+        topology: the devices to plan over.
+        model: the model's spec; default ``load_model_spec(cfg.model.checkpoint_path)``.
+
+    Raises:
+        ConfigError: a pinned layout needs more devices than the topology has, or the
+            model's heads/layers cannot be split by it.
+        NoFeasiblePlanError: nothing fits (the planner's reasons).
+    """
+    model = model or load_model_spec(cfg.model.checkpoint_path)
+    par = cfg.parallelism
+    pinned = None
+    if par.strategy != "auto":
+        cfg.validate_against(model)
+        pinned = Layout(par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size)
+        if pinned.num_devices > topology.num_devices:
+            raise ConfigError(
+                f"parallelism: tp {pinned.tp} x pp {pinned.pp} x dp {pinned.dp} = "
+                f"{pinned.num_devices} devices, but topology {topology.name or topology.source!r} "
+                f"has {topology.num_devices}; lower the sizes, use strategy: auto, or name a "
+                "larger cluster.topology")
+    return _PinnedPlanner(pinned).plan(model, topology, config_workload(cfg))

@@ -1,0 +1,187 @@
+"""``kthena serve --config FILE.yaml``: a ``kthena_config.yaml`` planned, then served as planned.
+
+The config loads with kthena_core's loader (which refuses every key the SDK cannot honour), the
+planner runs on it (``cluster.topology``: ``auto`` discovers this machine), the plan is printed,
+and the plan plus the config's keys become the values of ``kthena serve``'s own flags:
+
+    plan tp                              -> --tp
+    service.mode pd + plan's PD split    -> --mode pd --prefill N --decode M
+    model.checkpoint_path / dtype        -> --model / --dtype
+    service.max_batch_size               -> --max-num-seqs
+    service.kv_cache_reuse: false        -> --no-prefix-caching
+    service.host / port                  -> --host / --port
+    kv_cache.reuse_bucket_size           -> --block-size
+    kv_cache.memory_pool_size            -> --kv-cache-memory
+    kv_cache.max_tokens                  -> EngineConfig.num_kv_blocks = ceil(max_tokens / block)
+
+A flag given on the command line wins over the config. To tell "given" from "default" (a
+flag given with its default value still wins), those flags' actions record their dest when
+argparse calls them (``mark_defaults``). A plan the engine cannot run on one host (pp > 1, dp > 1
+colocated, devices on several hosts, tp > 1 per PD worker) raises ``UnservablePlanError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+
+import attrs
+
+__all__ = ["OVERRIDABLE", "ServedLayout", "UnservablePlanError", "apply_config", "config_flags",
+           "check_servable", "mark_defaults", "served_layout"]
+
+OVERRIDABLE = ("model", "dtype", "tp", "max_num_seqs", "block_size", "kv_cache_memory",
+               "no_prefix_caching", "host", "port", "mode", "prefill", "decode")
+_ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class UnservablePlanError(ValueError):
+    """The plan needs something ``kthena serve`` cannot run on one host yet."""
+
+
+@attrs.frozen
+class ServedLayout:
+    """The layout one ``kthena serve`` runs; printed at start-up and compared with the plan."""
+
+    tp: int
+    pp: int
+    dp: int
+    sp: int
+    mode: str
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp} mode={self.mode}"
+
+
+def mark_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make the flags a config may set record, when given, their dest in
+    ``args.explicit_flags`` (call after every flag is added). Defaults stay plain values."""
+    for action in parser._actions:  # noqa: SLF001 - argparse offers no public walk
+        if action.dest in OVERRIDABLE:
+            action.__class__ = _recording(type(action))
+
+
+@functools.cache
+def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
+    class Recording(cls):  # type: ignore[misc, valid-type]
+        def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+            super().__call__(parser, namespace, values, option_string)
+            explicit = set(getattr(namespace, "explicit_flags", None) or ())
+            namespace.explicit_flags = explicit | {self.dest}
+
+    Recording.__name__ = f"Recording{cls.__name__}"
+    return Recording
+
+
+def plan_layout(plan) -> ServedLayout:  # noqa: ANN001 - kthena_core.planner.Plan
+    lay = plan.chosen.layout
+    return ServedLayout(lay.tp, lay.pp, lay.dp, lay.sp, plan.workload.mode)
+
+
+def served_layout(args: argparse.Namespace) -> ServedLayout:
+    """What the resolved flags serve: colocated is one replica; PD is prefill + decode."""
+    if args.mode == "pd":
+        return ServedLayout(args.tp, 1, args.prefill + args.decode, 1, "pd")
+    return ServedLayout(args.tp, 1, 1, 1, "colocated")
+
+
+def check_servable(plan, topology, nnodes: int = 1) -> None:  # noqa: ANN001
+    """Refuse a plan ``kthena serve`` cannot run as planned on this host.
+
+    Raises:
+        UnservablePlanError: names what is not supported yet and what to change.
+    """
+    lay, mode = plan.chosen.layout, plan.workload.mode
+    hosts = sorted({topology.devices[i].node for i in plan.device_ids})
+    if nnodes > 1 or len(hosts) > 1:
+        _refuse(f"the layout spans {max(nnodes, len(hosts))} hosts; kthena serve runs on one "
+                "host. Name a one-node cluster.topology with cluster.nnodes: 1, or render a "
+                "multi-node deployment with `kthena deploy`")
+    if lay.pp > 1:
+        _refuse(f"pipeline parallelism (pp={lay.pp}) is not supported by kthena serve yet: the "
+                "engine runs whole-model replicas. Set parallelism.pipeline_parallel_size: 1 "
+                "(strategy: tp) or use strategy: auto")
+    if mode == "colocated" and lay.dp > 1:
+        _refuse(f"data parallelism (dp={lay.dp}) co-located is not supported by one kthena "
+                "serve yet. Set parallelism.data_parallel_size: 1, use service.mode: pd, or run "
+                "one server per replica behind the Kthena router")
+    if mode == "pd" and lay.tp > 1:
+        _refuse(f"PD with tp={lay.tp} per worker is not supported yet (a prefill worker writes "
+                "a decode worker's whole KV pool). Set parallelism.tensor_parallel_size: 1")
+
+
+def _refuse(message: str) -> None:
+    raise UnservablePlanError(f"plan not servable: {message}")
+
+
+def config_flags(cfg, plan) -> dict[str, object]:  # noqa: ANN001 - KthenaConfig, Plan
+    """The value of each overridable flag that `cfg` and its `plan` set."""
+    service, kv = cfg.service, cfg.kv_cache
+    flags: dict[str, object] = {
+        "model": cfg.model.checkpoint_path, "dtype": _ENGINE_DTYPES[cfg.model.dtype],
+        "tp": plan.tp_size, "max_num_seqs": service.max_batch_size,
+        "block_size": kv.reuse_bucket_size, "no_prefix_caching": not service.kv_cache_reuse,
+        "host": service.host, "port": service.port, "mode": service.mode,
+    }
+    if service.mode == "pd":
+        est = plan.chosen.estimate
+        flags.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
+    if kv.memory_pool_size is not None:
+        flags["kv_cache_memory"] = kv.memory_pool_size
+    return flags
+
+
+def apply_config(args: argparse.Namespace):  # noqa: ANN201 - Plan | None
+    """Set every flag the config sets that was not given on the command line.
+
+    Prints the plan (and which flags override it). Returns the plan, or None without
+    ``--config``.
+
+    Raises:
+        ValueError: a bad config (kthena_core's ``ConfigError``), no feasible plan, or
+            ``UnservablePlanError``.
+    """
+    plan = cfg = None
+    flags: dict[str, object] = {}
+    if getattr(args, "config", None):
+        cfg, plan = _plan(args.config)
+        flags = config_flags(cfg, plan)
+    explicit = getattr(args, "explicit_flags", None) or set()
+    for dest, value in flags.items():
+        if dest not in explicit:
+            setattr(args, dest, value)
+    args.num_kv_blocks = None
+    if cfg is not None and cfg.kv_cache.max_tokens and "kv_cache_memory" not in explicit:
+        args.num_kv_blocks = math.ceil(cfg.kv_cache.max_tokens / args.block_size)
+    if plan is not None:
+        overridden = [f"--{d.replace('_', '-')}" for d in OVERRIDABLE if d in explicit and d in flags]
+        if overridden:
+            print(f"kthena serve: command-line flags override the config: "
+                  f"{', '.join(overridden)}", file=sys.stderr, flush=True)
+    return plan
+
+
+def _plan(path: str):  # noqa: ANN202
+    from kthena_core.cli import resolve_topology
+    from kthena_core.config import load_config
+    from kthena_core.config_plan import plan_config
+    from kthena_core.report import format_plan
+
+    cfg = load_config(path)
+    base = os.path.dirname(os.path.abspath(path))
+    checkpoint = cfg.model.checkpoint_path
+    if checkpoint != "default":  # relative to the YAML file, as load_config checked it
+        checkpoint = os.path.join(base, os.path.expanduser(checkpoint))
+        cfg = attrs.evolve(cfg, model=attrs.evolve(cfg.model, checkpoint_path=checkpoint))
+    spec = cfg.cluster.topology
+    if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
+        spec = os.path.join(base, spec)
+    topology = resolve_topology(spec)
+    plan = plan_config(cfg, topology)
+    print(format_plan(plan, 3), flush=True)
+    print(f"kthena serve: plan layout {plan_layout(plan)}", flush=True)
+    check_servable(plan, topology, cfg.cluster.nnodes)
+    return cfg, plan

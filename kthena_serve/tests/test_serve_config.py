@@ -1,0 +1,162 @@
+"""``kthena serve --config``: each honoured key changes the EngineConfig (or the flag) served,
+a plan the engine cannot run is refused by name, explicit flags win, and one end-to-end run
+prints the plan, serves that same layout and answers a completion."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kthena_core.cli import build_parser
+from kthena_core.config import load_config
+from kthena_core.config_plan import plan_config
+from kthena_core.discovery import discover
+from kthena_core.topology import from_catalog
+from kthena_serve.serve_args import engine_config
+from kthena_serve.serve_config import (
+    UnservablePlanError,
+    apply_config,
+    check_servable,
+    served_layout,
+)
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "examples", "cpu-smollm2.yaml")
+
+
+def _serve(tmp_path, yaml_text: str, *flags: str):
+    path = tmp_path / "kthena_config.yaml"
+    path.write_text(yaml_text)
+    args = build_parser().parse_args(["serve", "--config", str(path), *flags])
+    plan = apply_config(args)
+    return args, engine_config(args), plan
+
+
+BASE = "cluster: {topology: auto}\nparallelism: {strategy: auto}\n"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field", "value"),
+    [
+        ("service: {kv_cache_reuse: false}", "enable_prefix_caching", False),
+        ("service: {kv_cache_reuse: true}", "enable_prefix_caching", True),
+        ("service: {max_batch_size: 7}", "max_num_seqs", 7),
+        ("kv_cache: {reuse_bucket_size: 32}", "block_size", 32),
+        ("kv_cache: {memory_pool_size: 96MiB}", "kv_cache_memory", 96 * 2**20),
+        ("kv_cache: {max_tokens: 1000, reuse_bucket_size: 16}", "num_kv_blocks", 63),
+        ("model: {dtype: float32}", "dtype", "float32"),
+        ("model: {dtype: fp16}", "dtype", "float16"),
+    ],
+)
+def test_each_honoured_key_changes_the_engine_config(tmp_path, yaml_text, field, value):
+    _, config, _ = _serve(tmp_path, BASE + yaml_text + "\n")
+    assert getattr(config, field) == value
+
+
+def test_service_host_and_port_and_the_plans_tp_drive_the_flags(tmp_path):
+    args, config, plan = _serve(tmp_path, BASE + "service: {host: 0.0.0.0, port: 8123}\n")
+    assert (args.host, args.port, config.tp) == ("0.0.0.0", 8123, plan.tp_size)
+
+
+def test_explicit_flags_override_the_config_even_at_their_default(tmp_path, capsys):
+    args, config, _ = _serve(tmp_path, BASE + "service: {max_batch_size: 7, port: 9001}\n",
+                             "--max-num-seqs", "64", "--port", "0")
+    assert (config.max_num_seqs, args.port) == (64, 0)  # 64 is the flag's default: still wins
+    assert "override the config: --max-num-seqs, --port" in capsys.readouterr().err
+
+
+def test_without_config_the_defaults_are_untouched():
+    args = build_parser().parse_args(["serve"])
+    assert apply_config(args) is None
+    assert (engine_config(args).max_num_seqs, args.port, args.mode) == (64, 8000, "colocated")
+
+
+def test_served_layout_is_the_plan_layout(tmp_path):
+    with open(EXAMPLE, encoding="utf-8") as f:
+        args, _, plan = _serve(tmp_path, f.read())
+    lay = plan.chosen.layout
+    assert str(served_layout(args)) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp} mode=colocated"
+
+
+def test_pd_mode_serves_the_plans_prefill_and_decode_split():
+    cfg = load_config({"service": {"mode": "pd"}, "parallelism": {"strategy": "auto"},
+                       "cluster": {"topology": "atlas-800t-a2"}})
+    topology = from_catalog("atlas-800t-a2", 1)
+    plan = plan_config(cfg, topology)
+    from kthena_serve.serve_config import config_flags
+
+    flags = config_flags(cfg, plan)
+    est = plan.chosen.estimate
+    assert (flags["mode"], flags["prefill"], flags["decode"]) == ("pd", est.prefill_replicas,
+                                                                 est.decode_replicas)
+    assert flags["prefill"] + flags["decode"] == plan.dp_size
+
+
+@pytest.mark.parametrize(
+    ("data", "nodes", "message"),
+    [
+        ({"cluster": {"world_size": 2}, "parallelism": {"strategy": "pp", "pipeline_parallel_size": 2}},
+         1, "pipeline parallelism (pp=2) is not supported"),
+        ({"cluster": {"world_size": 2}, "parallelism": {"strategy": "dp", "data_parallel_size": 2}},
+         1, "data parallelism (dp=2) co-located is not supported"),
+        ({"cluster": {"world_size": 4}, "service": {"mode": "pd"},
+          "parallelism": {"strategy": "tp_pp_dp", "tensor_parallel_size": 2, "data_parallel_size": 2}},
+         1, "PD with tp=2 per worker is not supported"),
+        ({"cluster": {"world_size": 16}, "parallelism": {"strategy": "dp", "data_parallel_size": 16}},
+         2, "the layout spans 2 hosts"),
+    ],
+)
+def test_a_plan_the_engine_cannot_run_is_refused_by_name(data, nodes, message):
+    cfg = load_config(data)
+    topology = from_catalog("atlas-800t-a2", nodes)
+    with pytest.raises(UnservablePlanError, match=re.escape(message)):
+        check_servable(plan_config(cfg, topology), topology)
+
+
+def test_the_example_plans_one_servable_layout_here():
+    cfg = load_config(EXAMPLE)
+    topology = discover()
+    plan = plan_config(cfg, topology)
+    check_servable(plan, topology)
+
+
+@pytest.mark.slow
+def test_kthena_serve_config_prints_the_plan_serves_it_and_answers():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("KTHENA_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kthena_core.cli", "serve", "--config", EXAMPLE,
+                             "--port", "0", "--kv-cache-memory", "128MiB"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen.append(line)
+            if line.startswith("curl "):
+                break
+        text = "".join(seen)
+        assert "plan      TP1 x PP1 x DP1" in text, text
+        planned = re.search(r"plan layout (.+)", text).group(1)
+        served = re.search(r"serving layout (.+)", text).group(1)
+        assert planned == served == "tp=1 pp=1 dp=1 sp=1 mode=colocated", text
+        url = re.search(r"on (http://\S+) ", text).group(1)
+        reply = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"model": "default", "prompt": "The capital of France is",
+                                 "max_tokens": 4, "temperature": 0}).json()
+        assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
