@@ -37,7 +37,7 @@ def resolve_topology(spec: str) -> Topology:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kthena_core.planner import Planner
-    from kthena_core.report import format_plan
+    from kthena_core.report import format_calibration, format_plan
     from kthena_core.workload import Workload
 
     model = load_model_spec(args.model)
@@ -46,11 +46,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("mode", args.mode), ("objective", args.objective)) if v}
     if overrides:
         workload = Workload(**{**workload.to_dict(), **overrides})
-    plan = Planner().plan(model, topology, workload)
+    calibration = None
+    if args.calibrate:
+        from kthena_core.calibrate import fit_calibration, load_bench
+
+        calibration = fit_calibration(load_bench(args.calibrate), model, topology, source=args.calibrate)
+    plan = Planner(calibration.params if calibration else None).plan(model, topology, workload)
     if args.json:
-        print(json.dumps(plan.to_dict(args.candidates)))
+        out = plan.to_dict(args.candidates)
+        out["calibration"] = calibration.to_dict() if calibration else None
+        print(json.dumps(out))
     else:
         print(format_plan(plan, args.candidates))
+        if calibration:
+            print(format_calibration(calibration))
     return 0
 
 
@@ -83,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mode", choices=("colocated", "pd"), help="override the workload's serving mode")
     plan.add_argument("--objective", choices=("throughput", "latency"), help="override the objective")
     plan.add_argument("--candidates", type=int, default=8, help="runner-up candidates to show")
+    plan.add_argument("--calibrate", metavar="BENCH.json", default="",
+                      help="fit the cost model's efficiencies to a `kthena bench serve` JSON of this model "
+                           "on this machine")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_cmd_plan)
 

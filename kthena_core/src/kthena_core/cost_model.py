@@ -25,13 +25,18 @@ GiB = 1024**3
 
 @attrs.frozen
 class CostParams:
-    """Efficiency factors applied to the catalog's peak figures (documented guesses, tunable)."""
+    """Efficiency factors applied to the catalog's peak figures (documented guesses, tunable).
+
+    ``kthena_core.calibrate`` fits compute_efficiency, memory_efficiency and step_overhead_s
+    to a ``kthena bench serve`` run; the defaults are guesses for a fused accelerator runtime.
+    """
 
     compute_efficiency: float = 0.5   # achieved / peak matmul FLOP/s
     memory_efficiency: float = 0.8    # achieved / peak memory bandwidth
     link_efficiency: float = 0.8      # achieved / peak link bandwidth
     memory_utilization: float = 0.9   # share of device memory the runtime may use
     runtime_reserve_bytes: float = 1 * GiB  # workspace, comm buffers, allocator slack (capped at 5%)
+    step_overhead_s: float = 0.0      # fixed cost per forward pass per stage (launches, Python)
 
 
 @attrs.frozen
@@ -71,6 +76,7 @@ class DeviceFigures:
     flops: float
     memory_bw: float
     capacity: float
+    step_overhead: float = 0.0  # seconds per forward pass per stage
 
 
 @attrs.frozen
@@ -145,16 +151,34 @@ def memory(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, p
     )
 
 
+def prefill_work(model: ModelSpec, wl: Workload, layout: Layout) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one device for one request's uncached prompt on a stage."""
+    new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
+    cached = wl.prompt_len - new
+    flops = model.prefill_flops(new, cached) / (layout.tp * layout.pp)
+    return flops, model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
+
+
+def decode_work(model: ModelSpec, wl: Workload, layout: Layout, batch: int) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one device for one micro-batch of `batch` sequences to advance a token."""
+    micro = max(1, min(batch, layout.pp))
+    b = batch / micro
+    ctx = wl.prompt_len + wl.output_len / 2
+    flops = b * model.decode_flops(int(ctx)) / (layout.tp * layout.pp)
+    weights = model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
+    kv_read = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * b * ctx
+    return flops, weights + kv_read
+
+
 def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links) -> float:
     """Time to first token of one request alone on a replica (its uncached part only)."""
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
-    cached = wl.prompt_len - new
-    compute = model.prefill_flops(new, cached) / (layout.tp * layout.pp * dev.flops)
-    mem = model.weight_bytes(wl.dtype) / (layout.tp * layout.pp) / dev.memory_bw
+    flops, nbytes = prefill_work(model, wl, layout)
     act = new * model.hidden_size * 2.0
     comm = 2 * model.num_layers / layout.pp * allreduce_time(act, layout.tp, links.tp_bw, links.tp_latency)
     hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
-    return layout.pp * (max(compute, mem) + comm) + (layout.pp - 1) * hop
+    stage = max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead
+    return layout.pp * (stage + comm) + (layout.pp - 1) * hop
 
 
 def decode_step(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
@@ -162,15 +186,11 @@ def decode_step(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigur
     """(step time, comm fraction, bubble fraction) for `batch` sequences to advance one token."""
     micro = max(1, min(batch, layout.pp))
     b = batch / micro
-    ctx = wl.prompt_len + wl.output_len / 2
-    compute = b * model.decode_flops(int(ctx)) / (layout.tp * layout.pp * dev.flops)
-    weights = model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
-    kv_read = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * b * ctx
-    mem = (weights + kv_read) / dev.memory_bw
+    flops, nbytes = decode_work(model, wl, layout, batch)
     act = b * model.hidden_size * 2.0
     comm = 2 * model.num_layers / layout.pp * allreduce_time(act, layout.tp, links.tp_bw, links.tp_latency)
     hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
-    t_micro = max(compute, mem) + comm + hop
+    t_micro = max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead + comm + hop
     slots = max(micro, layout.pp)
     step = slots * t_micro
     return step, (comm + hop) / t_micro, 1 - micro / slots

@@ -7,6 +7,9 @@ divide the layers) or that do not fit memory, scores the rest with the roofline 
 `cost_model`, and keeps the whole table so a plan can say why each rival lost. KV memory is
 sized for the rank holding the most KV heads (3 KV heads over tp=2: 2).
 
+Devices that discovery marks unhealthy (``Device.health`` in `EXCLUDED_HEALTH`) get no rank:
+the planner lays ranks only on the usable devices and the plan lists the others with a reason.
+
 Ranks are numbered with TP innermost (Megatron order) and laid onto devices domain by domain, so
 a TP group stays inside one fast link domain (an HCCS mesh, an NVLink island) whenever it fits::
 
@@ -39,9 +42,36 @@ from kthena_core.shape import HeadSplitError
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
+# Health states whose devices never get a rank. "busy" (another process holds the device) stays
+# usable: memory is still checked, and the operator may have started that process on purpose.
+EXCLUDED_HEALTH = ("unhealthy",)
+
 
 class NoFeasiblePlanError(ValueError):
     """No layout fits; the message lists the most common reasons."""
+
+
+@attrs.frozen
+class ExcludedDevice:
+    """A device the planner left out, and why (e.g. "unhealthy (discovered:npu-smi)")."""
+
+    device_id: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.device_id, "reason": self.reason}
+
+
+def excluded_devices(topology: Topology) -> tuple[ExcludedDevice, ...]:
+    """The devices of `topology` that get no rank, in device order."""
+    where = topology.source or topology.name or "topology"
+    return tuple(ExcludedDevice(d.index, f"{d.health} ({where})")
+                 for d in topology.devices if d.health in EXCLUDED_HEALTH)
+
+
+def usable_device_ids(topology: Topology) -> tuple[int, ...]:
+    """The devices a plan may place ranks on, in device order."""
+    return tuple(d.index for d in topology.devices if d.health not in EXCLUDED_HEALTH)
 
 
 @attrs.frozen
@@ -74,6 +104,7 @@ class Plan:
     chosen: Evaluation
     device_ids: tuple[int, ...]        # rank -> global device index
     evaluations: tuple[Evaluation, ...]  # all candidates, best first
+    excluded: tuple[ExcludedDevice, ...] = ()  # devices given no rank (unhealthy)
 
     @property
     def tp_size(self) -> int:
@@ -138,6 +169,7 @@ class Plan:
             "layout": attrs.asdict(self.chosen.layout),
             "world_size": self.world_size,
             "device_ids": list(self.device_ids),
+            "excluded_devices": [x.to_dict() for x in self.excluded],
             "memory_per_device": _memory_dict(self.chosen.memory),
             "estimate": attrs.asdict(self.chosen.estimate) if self.chosen.estimate else None,
             "candidates": [
@@ -205,11 +237,15 @@ class Planner:
     def __init__(self, params: CostParams | None = None) -> None:
         self.params = params or CostParams()
 
+    def device_figures(self, topology: Topology) -> DeviceFigures:
+        """The per-device figures (peaks x efficiencies) this planner scores `topology` with."""
+        return _TopologyView(topology, self.params).figures
+
     # ---- enumeration ---------------------------------------------------------------------
 
     def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
-        """Every (tp, pp, dp, sp) with tp*pp*dp <= devices; divisibility is judged later."""
-        n = topology.num_devices
+        """Every (tp, pp, dp, sp) with tp*pp*dp <= usable devices; divisibility is judged later."""
+        n = len(usable_device_ids(topology))
         for tp in range(1, n + 1):
             for pp in range(1, n // tp + 1):
                 for dp in range(1, n // (tp * pp) + 1):
@@ -273,7 +309,7 @@ class Planner:
             raise NoFeasiblePlanError(_no_plan_message(model, topology, workload, evals))
         best = evals[0]
         return Plan(model, topology.name or topology.source, workload, best,
-                    tuple(ctx.order[: best.layout.num_devices]), tuple(evals))
+                    tuple(ctx.order[: best.layout.num_devices]), tuple(evals), ctx.excluded)
 
 
 def _decode_replicas(workload: Workload, layout: Layout) -> int:
@@ -296,17 +332,22 @@ class _TopologyView:
     def __init__(self, topology: Topology, params: CostParams) -> None:
         self.topology = topology
         self.eff = params.link_efficiency
+        self.excluded = excluded_devices(topology)
+        usable = set(usable_device_ids(topology))
+        if not usable:
+            raise NoFeasiblePlanError(
+                f"topology {topology.name or topology.source!r}: 0 of {topology.num_devices} devices "
+                f"are healthy; excluded: {_excluded_text(self.excluded)}")
         # Homogeneous devices are assumed; otherwise the slowest device sets the pace.
-        specs = [d.spec for d in topology.devices]
-        if not specs:
-            raise NoFeasiblePlanError(f"topology {topology.name or topology.source!r} has no devices")
+        specs = [topology.devices[i].spec for i in sorted(usable)]
         self.figures = DeviceFigures(
             flops=min(_dense_flops(s) for s in specs) * params.compute_efficiency,
             memory_bw=min(s.memory_bw for s in specs) * params.memory_efficiency,
             # memory_bytes == 0 means "the host's RAM, size unknown": no memory limit is applied.
             capacity=min(s.memory_bytes or math.inf for s in specs) * params.memory_utilization,
+            step_overhead=params.step_overhead_s,
         )
-        self.order = _device_order(topology)
+        self.order = [i for i in _device_order(topology) if i in usable]
         self._links: dict[tuple[int, int, int], Links] = {}
 
     def links(self, tp: int, pp: int, dp: int) -> Links:
@@ -316,11 +357,15 @@ class _TopologyView:
         return self._links[key]
 
     def _compute_links(self, tp: int, pp: int, dp: int) -> Links:
-        """Bottleneck bandwidths of the first replica's TP group, its pipeline, and the PD hop."""
+        """Bottleneck bandwidths of the TP groups, the first replica's pipeline, and the PD hop.
+
+        Every TP group is checked, not only the first: with devices excluded, a later group may
+        straddle two link domains, and the slowest group sets the pace of the collective.
+        """
         topo, order = self.topology, self.order
-        tp_devs = order[:tp]
-        tp_bw = topo.group_bandwidth(tp_devs) if tp > 1 else math.inf
-        tp_lat = max((topo.latency(tp_devs[0], b) for b in tp_devs[1:]), default=0.0)
+        groups = [order[s:s + tp] for s in range(0, tp * pp * dp, tp)]
+        tp_bw = min(topo.group_bandwidth(g) for g in groups) if tp > 1 else math.inf
+        tp_lat = max((topo.latency(g[0], b) for g in groups for b in g[1:]), default=0.0)
         hops = [(order[p * tp], order[(p + 1) * tp]) for p in range(pp - 1)]
         pp_bw = min((topo.bandwidth(a, b) for a, b in hops), default=math.inf)
         pp_lat = max((topo.latency(a, b) for a, b in hops), default=0.0)
@@ -363,14 +408,22 @@ def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: 
     if shape:
         parts.append(f"{len(shape)} cannot shard the model, e.g. {shape[0].reasons[0]}")
     where = topology.name or topology.source
+    n = len(usable_device_ids(topology))
+    excluded = excluded_devices(topology)
+    health = (f" ({n} of {topology.num_devices} devices healthy; excluded: {_excluded_text(excluded)})"
+              if excluded else "")
     if not evals and wl.mode == "pd":
         # layouts() yields no PD candidate below two replicas: say so rather than "no candidates".
-        n = topology.num_devices
         return (f"no PD layout of {model.name} on {where}: a PD plan needs at least 2 devices "
-                f"(1 prefill + 1 decode instance); this topology has {n} device{'s' * (n != 1)}. "
-                f"Plan with mode colocated (--mode colocated), or on a topology with more devices")
-    return (f"no layout of {model.name} fits {topology.num_devices} device(s) of {where} for "
+                f"(1 prefill + 1 decode instance); this topology has {n}{' usable' * bool(excluded)} "
+                f"device{'s' * (n != 1)}"
+                f"{health}. Plan with mode colocated (--mode colocated), or on a topology with more devices")
+    return (f"no layout of {model.name} fits {n} device(s) of {where}{health} for "
             f"{wl.concurrency} x {wl.context_len} tokens: " + "; ".join(parts or ["no candidate layouts"]))
+
+
+def _excluded_text(excluded: tuple[ExcludedDevice, ...]) -> str:
+    return ", ".join(f"device {x.device_id} {x.reason}" for x in excluded) or "none"
 
 
 def _layout_name(e: Evaluation) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from kthena_core.calibrate import Calibration
 from kthena_core.model_spec import human_bytes
 from kthena_core.planner import Evaluation, Plan
 
@@ -29,6 +30,9 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         "",
         f"plan      {_layout_text(best)} on {plan.world_size} device(s): {list(plan.device_ids)}",
     ]
+    if plan.excluded:
+        lines.append(f"excluded  {len(plan.excluded)} device(s) given no rank: "
+                     + ", ".join(f"{x.device_id} ({x.reason})" for x in plan.excluded))
     if wl.mode == "pd":
         lines.append(f"          PD split: {est.prefill_replicas} prefill + {est.decode_replicas} decode instance(s), "
                      f"KV handoff {est.kv_transfer_s * 1e3:.2f} ms")
@@ -55,3 +59,17 @@ def _row(e: Evaluation, why: str) -> str:
     else:
         nums = f"{est.ttft_s * 1e3:>9.1f} {est.tpot_s * 1e3:>9.2f} {est.throughput_tok_s:>10.1f}"
     return f"  {_layout_text(e):<22} {e.layout.num_devices:>4} {nums}  {why}"
+
+
+def format_calibration(cal: Calibration) -> str:
+    """The fitted factors and a predicted-vs-measured table, before and after calibration."""
+    f = cal.params
+    lines = [
+        f"calibration from {cal.source}: compute_efficiency {f.compute_efficiency:.3g}, "
+        f"memory_efficiency {f.memory_efficiency:.3g}, step_overhead {f.step_overhead_s * 1e3:.2f} ms",
+        f"  {'case':<26} {'quantity':<17} {'measured':>10} {'uncalibrated':>13} {'calibrated':>11}",
+    ]
+    for p, u, c in zip(cal.points, cal.uncalibrated, cal.calibrated, strict=True):
+        lines.append(f"  {p.case:<26} {p.quantity:<17} {p.measured:>10.4g} {u:>7.4g} {u / p.measured - 1:>+5.0%} "
+                     f"{c:>6.4g} {c / p.measured - 1:>+4.0%}")
+    return "\n".join(lines)
