@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import yaml
 
+from kthena_core._yaml import read_yaml
 from kthena_core.dtypes import canonical_dtype
 from kthena_core.model_spec import ModelSpec
 
@@ -288,19 +288,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> KthenaCon
     Raises:
         ConfigError: unreadable file, bad YAML, unknown key, wrong type or inconsistent sizes.
     """
-    base_dir = None
-    if isinstance(source, Mapping):
-        data: Any = source
-    else:
-        path = os.fspath(source)
-        base_dir = os.path.dirname(os.path.abspath(path))
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    data, base_dir = read_yaml(source, ConfigError, "config file")
     _check(isinstance(data, Mapping), "<top level>", data, f"a mapping with sections {', '.join(_SECTIONS)}")
     cfg = _build(KthenaConfig, data, "")
     _cross_checks(cfg, base_dir)

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 import yaml
 
+from kthena_core._yaml import read_yaml
 from kthena_core.config import ConfigError
 from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
 from kthena_core.model_spec import ModelSpec
@@ -322,19 +323,8 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
     Raises:
         DeployError: unreadable file, unknown key, bad value; the message names the key.
     """
-    base_dir = os.getcwd()
-    if isinstance(source, Mapping):
-        data: Any = source
-    else:
-        path = os.fspath(source)
-        base_dir = os.path.dirname(os.path.abspath(path))
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise DeployError(f"deploy config not found: {path}") from None
-        except yaml.YAMLError as error:
-            raise DeployError(f"{path} is not valid YAML: {error}") from None
+    data, folder = read_yaml(source, DeployError, "deploy config")
+    base_dir = folder or os.getcwd()
     if not isinstance(data, Mapping):
         raise _fail("<top level>", data, f"a mapping with keys {', '.join(KEYS)}")
     _check_keys(data, KEYS)

@@ -73,6 +73,33 @@ async def _send_error(send, status: int, message: str, kind: str, code: str | No
     await send({"type": "http.response.body", "body": body})
 
 
+async def _read_body(receive, max_bytes: int) -> bytes | None:
+    """The whole request body, or its first part past ``max_bytes``; None if the client left."""
+    body, more = b"", True
+    while more and len(body) <= max_bytes:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+def _replay(body: bytes, receive):  # noqa: ANN202
+    """A ``receive`` that gives the app ``body`` once, then defers to the server's (so the app
+    still learns when the client disconnects)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 class BodyLimitMiddleware:
     """Answer 413 to a body over ``max_bytes`` (declared or streamed) before the app sees it.
 
@@ -89,25 +116,12 @@ class BodyLimitMiddleware:
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                return await self._too_large(send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
+        body = await _read_body(receive, self.max_bytes)
+        if body is None:
+            return None
+        if len(body) > self.max_bytes:
+            return await self._too_large(send)
+        return await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, send) -> None:
         await _send_error(send, 413, f"request body exceeds {self.max_bytes} bytes",
@@ -151,28 +165,14 @@ class ApiKeyMiddleware:
         return await self._refuse(send)
 
     async def _signed(self, scope, receive, send, headers) -> None:
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > _MAX_SIGNED_BODY:
-                return await self._refuse(send)
+        body = await _read_body(receive, _MAX_SIGNED_BODY)
+        if body is None:
+            return None
         text = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
-        if not verify_request(self.key, scope.get("method", ""), scope["path"], text, body):
+        if len(body) > _MAX_SIGNED_BODY or not verify_request(
+                self.key, scope.get("method", ""), scope["path"], text, body):
             return await self._refuse(send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, _replay(body, receive), send)
 
     @staticmethod
     async def _refuse(send) -> None:
