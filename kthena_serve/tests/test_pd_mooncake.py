@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _netns import two_host_network
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
@@ -77,48 +77,10 @@ def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
 
 
-def _netns_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the iproute2 'ip' command is missing"
-    probe = f"kthena-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture
 def two_hosts():
-    reason = _netns_reason()
-    if reason:
-        pytest.skip(reason)
-    n = os.getpid() % 250 + 1
-    ns_a, ns_b = f"kthena-pd-a-{os.getpid()}", f"kthena-pd-b-{os.getpid()}"
-    veth_a, veth_b = f"kpa{n}", f"kpb{n}"
-    addr_a, addr_b = f"10.213.{n}.1", f"10.213.{n}.2"
-    steps = [["ip", "netns", "add", ns_a], ["ip", "netns", "add", ns_b],
-             ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b],
-             ["ip", "link", "set", veth_a, "netns", ns_a],
-             ["ip", "link", "set", veth_b, "netns", ns_b],
-             ["ip", "-n", ns_a, "addr", "add", f"{addr_a}/30", "dev", veth_a],
-             ["ip", "-n", ns_b, "addr", "add", f"{addr_b}/30", "dev", veth_b],
-             ["ip", "-n", ns_a, "link", "set", veth_a, "up"],
-             ["ip", "-n", ns_b, "link", "set", veth_b, "up"],
-             ["ip", "-n", ns_a, "link", "set", "lo", "up"],
-             ["ip", "-n", ns_b, "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                pytest.skip(f"cannot build the two-host network ({' '.join(step)}): "
-                            f"{done.stderr.strip()}")
-        yield ns_a, ns_b, addr_a, addr_b
-    finally:
-        subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)  # veth goes with it
-        subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)
+    with two_host_network("pd", 213) as hosts:
+        yield hosts
 
 
 def test_mooncake_handoff_between_two_network_namespaces(two_hosts, colocated) -> None:  # noqa: ANN001

@@ -1,0 +1,6 @@
+"""Makes this folder's shared test helpers (``_netns``) importable."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
