@@ -157,3 +157,14 @@ def test_serve_refuses_a_bad_stall_timeout(value):
     assert out.returncode == 2
     assert (f"argument --stream-stall-timeout: must be a positive number of seconds, "
             f"got '{value}'") in out.stderr
+
+
+def test_pd_mode_refuses_the_colocated_stall_timeout():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kthena_core.cli", "serve", "--mode", "pd",
+                          "--stream-stall-timeout", "30"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "--stream-stall-timeout applies to colocated serving" in out.stderr

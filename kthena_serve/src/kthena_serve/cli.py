@@ -53,9 +53,10 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests may take to finish before "
                              "they are ended with an error event")
-    parser.add_argument("--stream-stall-timeout", type=_positive_seconds, default=120.0,
-                        help="a stream whose client reads nothing for this long (its request "
-                             "paused by backpressure) is stopped and its KV blocks freed")
+    parser.add_argument("--stream-stall-timeout", type=_positive_seconds, default=None,
+                        help="colocated: a stream whose client reads nothing for this long "
+                             "(its request paused by backpressure) is stopped and its KV blocks "
+                             "freed (default 120; PD decode workers use 120)")
     parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
                         help="pd: separate prefill and decode worker processes behind a router")
     add_kv_events_args(parser)
@@ -97,6 +98,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         apply_config(args)
         config = engine_config(args)
         args.api_key = _api_key(args)
+        if args.stream_stall_timeout is not None and getattr(args, "mode", "") == "pd":
+            raise ValueError("--stream-stall-timeout applies to colocated serving; PD decode "
+                             "workers use 120 s: leave it out with --mode pd")
         kv_events = kv_events_config(args, args.served_model_name or model_name(args.model))
         if kv_events is not None:
             from kthena_serve.kv_events.publisher import import_redis
@@ -117,12 +121,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kthena_serve.pd.serve import run_pd
 
         return run_pd(args, config, args.served_model_name or model_name(args.model))
-    from kthena_serve.async_engine import AsyncLLM
+    from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
     from kthena_serve.server import build_app, run_server
 
     name = args.served_model_name or model_name(args.model)
     print(f"kthena serve: loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout).start()
+    engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout
+                                  or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases={args.model, "default"} - {name},
                     api_key=args.api_key, public_metrics=args.public_metrics)
     publisher = _start_kv_events(kv_events, engine, app)
