@@ -238,7 +238,7 @@ class PinMachine(RuleBasedStateMachine):
 
         if not self.live:
             return
-        tid = data.draw(st.sampled_from(sorted(self.live)))
+        tid = data.draw(st.sampled_from(list(self.live)))  # insertion order: ids are random
         rid, ids, end = self.live[tid]
         claim = ids if honest else (*ids, 999)
         if end <= self.now or not honest:
@@ -252,7 +252,7 @@ class PinMachine(RuleBasedStateMachine):
     def release(self, data) -> None:  # noqa: ANN001
         if not self.live:
             return
-        tid = data.draw(st.sampled_from(sorted(self.live)))
+        tid = data.draw(st.sampled_from(list(self.live)))  # insertion order: ids are random
         _, _, end = self.live.pop(tid)
         assert self.table.release(tid) is (end > self.now)
 
