@@ -101,13 +101,9 @@ def test_pd_mode_serves_the_plans_prefill_and_decode_split():
 @pytest.mark.parametrize(
     ("data", "nodes", "message"),
     [
-        ({"cluster": {"world_size": 2}, "parallelism": {"strategy": "pp", "pipeline_parallel_size": 2}},
-         1, "pipeline parallelism (pp=2) is not supported"),
-        ({"cluster": {"world_size": 2}, "parallelism": {"strategy": "dp", "data_parallel_size": 2}},
-         1, "data parallelism (dp=2) co-located is not supported"),
         ({"cluster": {"world_size": 4}, "service": {"mode": "pd"},
           "parallelism": {"strategy": "tp_pp_dp", "tensor_parallel_size": 2, "data_parallel_size": 2}},
-         1, "PD with tp=2 per worker is not supported"),
+         1, "PD with tp=2 x pp=1 per worker is not supported"),
         ({"cluster": {"world_size": 16}, "parallelism": {"strategy": "dp", "data_parallel_size": 16}},
          2, "the layout spans 2 hosts"),
     ],
@@ -117,6 +113,24 @@ def test_a_plan_the_engine_cannot_run_is_refused_by_name(data, nodes, message):
     topology = from_catalog("atlas-800t-a2", nodes)
     with pytest.raises(UnservablePlanError, match=re.escape(message)):
         check_servable(plan_config(cfg, topology), topology)
+
+
+@pytest.mark.parametrize(("parallelism", "flags"), [
+    ({"strategy": "pp", "pipeline_parallel_size": 2}, {"tp": 1, "pp": 2, "dp": 1}),
+    ({"strategy": "dp", "data_parallel_size": 2}, {"tp": 1, "pp": 1, "dp": 2}),
+    ({"strategy": "tp_pp", "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+     {"tp": 2, "pp": 2, "dp": 1}),
+])
+def test_pp_and_colocated_dp_plans_drive_the_pp_and_dp_flags(parallelism, flags):
+    world = flags["tp"] * flags["pp"] * flags["dp"]
+    cfg = load_config({"cluster": {"world_size": world}, "parallelism": parallelism})
+    topology = from_catalog("atlas-800t-a2", 1)
+    plan = plan_config(cfg, topology)
+    check_servable(plan, topology)
+    from kthena_serve.serve_config import config_flags
+
+    given = config_flags(cfg, plan)
+    assert {k: given[k] for k in flags} == flags
 
 
 def test_the_example_plans_one_servable_layout_here():

@@ -59,6 +59,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                              "freed (default 120; PD decode workers use 120)")
     parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
                         help="pd: separate prefill and decode worker processes behind a router")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="colocated: data-parallel replicas (whole engines, each of tp x pp "
+                             "ranks) behind one prefix- and load-aware router on --port")
     add_kv_events_args(parser)
     from kthena_serve.pd.serve import add_pd_args
 
@@ -121,6 +124,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kthena_serve.pd.serve import run_pd
 
         return run_pd(args, config, args.served_model_name or model_name(args.model))
+    if getattr(args, "dp", 1) > 1:
+        from kthena_serve.dp.serve import run_dp
+
+        return run_dp(args, config, args.served_model_name or model_name(args.model))
     from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
     from kthena_serve.server import build_app, run_server
 

@@ -156,6 +156,10 @@ class EngineConfig:
             workers share an index must use one algorithm everywhere).
         kv_cache_dtype: KV pool dtype; ``"auto"`` is ``dtype`` (int8 is refused for now).
         tp: tensor-parallel degree (worker processes, one per core).
+        pp: pipeline-parallel degree: the layers split into ``pp`` stages, each stage ``tp``
+            processes; ``tp * pp`` processes in all (one per core where there are enough).
+        pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (sequences split
+            evenly), so stage s works on micro-batch m while stage s+1 works on m-1.
         num_threads: torch threads; default the cores this process may run on.
         max_n: largest ``n`` (choices per request) the server accepts.
         check_invariants: run the KV manager's self-check after every verb (tests).
@@ -177,6 +181,8 @@ class EngineConfig:
     hash_algorithm: str = attrs.field(default="xxh3_128", validator=_check_hash)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_check_kv_dtype)
     tp: int = attrs.field(default=1, validator=_positive)
+    pp: int = attrs.field(default=1, validator=_positive)
+    pp_microbatches: int | None = attrs.field(default=None, validator=_optional_positive)
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)
     check_invariants: bool = attrs.field(default=False, validator=_is_bool)

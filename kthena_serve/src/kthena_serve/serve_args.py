@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda[:N] or npu[:N] (only cpu is verified on hardware)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel stages (layers split into PP stages, each of "
+                             "--tp ranks; tp x pp processes)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix reuse off")
     parser.add_argument("--prefix-index", default="hash", choices=("hash", "radix"),
                         help="prefix index of the KV manager: hash chain or radix tree")
@@ -70,6 +73,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             max_model_len=args.max_model_len, tp=args.tp,
+                            pp=getattr(args, "pp", 1),
                             num_kv_blocks=getattr(args, "num_kv_blocks", None),
                             enable_prefix_caching=not args.no_prefix_caching,
                             prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,

@@ -4,7 +4,8 @@ The config loads with kthena_core's loader (which refuses every key the SDK cann
 planner runs on it (``cluster.topology``: ``auto`` discovers this machine), the plan is printed,
 and the plan plus the config's keys become the values of ``kthena serve``'s own flags:
 
-    plan tp                              -> --tp
+    plan tp / pp                         -> --tp / --pp
+    plan dp (colocated)                  -> --dp (replicas behind one router)
     service.mode pd + plan's PD split    -> --mode pd --prefill N --decode M
     model.checkpoint_path / dtype        -> --model / --dtype
     service.max_batch_size               -> --max-num-seqs
@@ -16,8 +17,8 @@ and the plan plus the config's keys become the values of ``kthena serve``'s own 
 
 A flag given on the command line wins over the config. To tell "given" from "default" (a
 flag given with its default value still wins), those flags' actions record their dest when
-argparse calls them (``mark_defaults``). A plan the engine cannot run on one host (pp > 1, dp > 1
-colocated, devices on several hosts, tp > 1 per PD worker) raises ``UnservablePlanError``.
+argparse calls them (``mark_defaults``). A plan one ``kthena serve`` cannot run (devices on
+several hosts without ``kthena-run``, tp or pp > 1 per PD worker) raises ``UnservablePlanError``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import attrs
 __all__ = ["OVERRIDABLE", "ServedLayout", "UnservablePlanError", "apply_config", "config_flags",
            "check_servable", "mark_defaults", "served_layout"]
 
-OVERRIDABLE = ("model", "dtype", "tp", "max_num_seqs", "block_size", "kv_cache_memory",
+OVERRIDABLE = ("model", "dtype", "tp", "pp", "dp", "max_num_seqs", "block_size", "kv_cache_memory",
                "no_prefix_caching", "host", "port", "mode", "prefill", "decode")
 _ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -83,9 +84,10 @@ def plan_layout(plan) -> ServedLayout:  # noqa: ANN001 - kthena_core.planner.Pla
 
 def served_layout(args: argparse.Namespace) -> ServedLayout:
     """What the resolved flags serve: colocated is one replica; PD is prefill + decode."""
+    pp = getattr(args, "pp", 1)
     if args.mode == "pd":
-        return ServedLayout(args.tp, 1, args.prefill + args.decode, 1, "pd")
-    return ServedLayout(args.tp, 1, 1, 1, "colocated")
+        return ServedLayout(args.tp, pp, args.prefill + args.decode, 1, "pd")
+    return ServedLayout(args.tp, pp, getattr(args, "dp", 1), 1, "colocated")
 
 
 def check_servable(plan, topology, nnodes: int = 1) -> None:  # noqa: ANN001
@@ -100,17 +102,10 @@ def check_servable(plan, topology, nnodes: int = 1) -> None:  # noqa: ANN001
         _refuse(f"the layout spans {max(nnodes, len(hosts))} hosts; kthena serve runs on one "
                 "host. Name a one-node cluster.topology with cluster.nnodes: 1, or render a "
                 "multi-node deployment with `kthena deploy`")
-    if lay.pp > 1:
-        _refuse(f"pipeline parallelism (pp={lay.pp}) is not supported by kthena serve yet: the "
-                "engine runs whole-model replicas. Set parallelism.pipeline_parallel_size: 1 "
-                "(strategy: tp) or use strategy: auto")
-    if mode == "colocated" and lay.dp > 1:
-        _refuse(f"data parallelism (dp={lay.dp}) co-located is not supported by one kthena "
-                "serve yet. Set parallelism.data_parallel_size: 1, use service.mode: pd, or run "
-                "one server per replica behind the Kthena router")
-    if mode == "pd" and lay.tp > 1:
-        _refuse(f"PD with tp={lay.tp} per worker is not supported yet (a prefill worker writes "
-                "a decode worker's whole KV pool). Set parallelism.tensor_parallel_size: 1")
+    if mode == "pd" and (lay.tp > 1 or lay.pp > 1):
+        _refuse(f"PD with tp={lay.tp} x pp={lay.pp} per worker is not supported yet (a prefill "
+                "worker writes a decode worker's whole KV pool). Set "
+                "parallelism.tensor_parallel_size and pipeline_parallel_size to 1")
 
 
 def _refuse(message: str) -> None:
@@ -122,13 +117,15 @@ def config_flags(cfg, plan) -> dict[str, object]:  # noqa: ANN001 - KthenaConfig
     service, kv = cfg.service, cfg.kv_cache
     flags: dict[str, object] = {
         "model": cfg.model.checkpoint_path, "dtype": _ENGINE_DTYPES[cfg.model.dtype],
-        "tp": plan.tp_size, "max_num_seqs": service.max_batch_size,
+        "tp": plan.tp_size, "pp": plan.pp_size, "max_num_seqs": service.max_batch_size,
         "block_size": kv.reuse_bucket_size, "no_prefix_caching": not service.kv_cache_reuse,
         "host": service.host, "port": service.port, "mode": service.mode,
     }
     if service.mode == "pd":
         est = plan.chosen.estimate
         flags.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
+    else:
+        flags["dp"] = plan.dp_size
     if kv.memory_pool_size is not None:
         flags["kv_cache_memory"] = kv.memory_pool_size
     return flags
