@@ -104,13 +104,21 @@ def test_pd_with_tensor_parallel_is_refused_clearly() -> None:
     assert "Use --tp 1 with --mode pd" in done.stderr
 
 
+def test_pd_with_pipeline_parallel_is_refused_clearly() -> None:
+    kthena = Path(sys.executable).with_name("kthena")
+    done = subprocess.run([str(kthena), "serve", "--mode", "pd", "--pp", "2", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--pp 2 is not supported in PD mode" in done.stderr
+
+
 def test_shared_pool_with_tensor_parallel_is_refused() -> None:
     import pytest
 
     from kthena_serve.config import EngineConfig
     from kthena_serve.engine import build_runner
 
-    with pytest.raises(ValueError, match="shared KV pool with tp=2 is not supported"):
+    with pytest.raises(ValueError, match="shared KV pool with tp=2 x pp=1 is not supported"):
         build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)
 
 

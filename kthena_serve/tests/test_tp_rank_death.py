@@ -17,7 +17,7 @@ import time
 import pytest
 
 from kthena_serve.errors import RankDiedError
-from kthena_serve.tp_runner import _check_workers
+from kthena_serve.parallel_runner import _check_workers
 
 _NO_GUARD = """
 from kthena_serve.llm import LLM
@@ -55,7 +55,7 @@ def test_script_without_main_guard_fails_at_once_naming_the_guard(tmp_path):
     elapsed = time.monotonic() - start
     assert out.returncode != 0 and "engine started" not in out.stdout
     err = out.stderr
-    assert "RankDiedError: tensor-parallel rank 1" in err and "exited with code 1" in err, err[-3000:]
+    assert "RankDiedError: parallel rank 1" in err and "exited with code 1" in err, err[-3000:]
     assert 'Put that code under `if __name__ == "__main__":`' in err
     assert "finished its bootstrapping phase" in err  # the rank's own error, on stderr too
     assert "ranks joined" not in err  # not the rendezvous timeout that blamed WORLD_SIZE

@@ -38,7 +38,7 @@ from kthena_core.cost_model import (
 )
 from kthena_core.hardware import DeviceSpec
 from kthena_core.model_spec import ModelSpec, human_bytes
-from kthena_core.shape import HeadSplitError
+from kthena_core.shape import HeadSplitError, LayerSplitError, check_pp
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
@@ -261,8 +261,10 @@ class Planner:
             model.check_tp(layout.tp)
         except HeadSplitError as e:
             reasons.append(str(e))
-        if model.num_layers % layout.pp:
-            reasons.append(f"pp={layout.pp} does not divide {model.num_layers} layers")
+        try:
+            check_pp(model.num_layers, layout.pp)
+        except LayerSplitError as e:
+            reasons.append(str(e))
         return reasons
 
     # ---- scoring -------------------------------------------------------------------------

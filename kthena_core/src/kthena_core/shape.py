@@ -183,3 +183,36 @@ def check_tp(num_attention_heads: int, num_kv_heads: int, tp: int) -> None:
         raise HeadSplitError(
             f"tp={tp} > num_kv_heads={num_kv_heads} must be a multiple of it (each KV head is "
             f"replicated on tp / num_kv_heads ranks); allowed tp: {allowed}")
+
+
+class LayerSplitError(ValueError):
+    """A pipeline-parallel degree the layers cannot be split over."""
+
+
+def check_pp(num_layers: int, pp: int) -> None:
+    """Raise unless `pp` stages split `num_layers` layers evenly (the planner's rule: even
+    stages keep the pipeline balanced and every stage's KV pool the same size).
+
+    Raises:
+        LayerSplitError: a count is not positive or pp does not divide the layers; the message
+            lists the allowed values.
+    """
+    if num_layers < 1 or pp < 1:
+        raise LayerSplitError(f"num_layers={num_layers} and pp={pp} must both be >= 1")
+    if num_layers % pp:
+        allowed = ", ".join(str(d) for d in range(1, num_layers + 1) if num_layers % d == 0)
+        raise LayerSplitError(f"pp={pp} does not divide num_layers={num_layers} into equal "
+                              f"stages; allowed pp: {allowed}")
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
+    """The decoder layers pipeline stage `stage` of `pp` runs: contiguous, ``num_layers / pp``
+    each (stage 0 holds the embedding, stage pp - 1 the final norm and LM head).
+
+    Raises:
+        LayerSplitError: see `check_pp`, or `stage` outside 0 .. pp - 1.
+    """
+    check_pp(num_layers, pp)
+    if not 0 <= stage < pp:
+        raise LayerSplitError(f"stage={stage} is outside 0..{pp - 1} for pp={pp}")
+    return _split(num_layers, pp, stage)

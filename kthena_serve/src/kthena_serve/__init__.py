@@ -4,7 +4,9 @@
 * ``AsyncLLM``: the engine on a background thread with per-request async streams (the server's);
 * ``LLMEngine``: ``step()`` = schedule -> run -> postprocess, continuous batching with chunked
   prefill, prefix reuse and preemption through mooncake_kv;
-* ``kthena serve`` / ``kthena bench serve``: the command line (see docs/kthena_serve.md).
+* ``kthena serve`` / ``kthena bench serve``: the command line (see docs/kthena_serve.md);
+* ``load_config`` -> ``DistributedModel`` -> ``launch_distributed_inference``: the source
+  article's Python entry points, over ``LLM`` and ``kthena serve --config``.
 
 Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used).
 """
@@ -19,6 +21,8 @@ _EXPORTS = {
     "EngineConfig": "config", "SamplingParams": "sampling_params",
     "RequestOutput": "request", "FinishReason": "request", "TokenLogprobs": "logprobs",
     "InvalidRequestError": "errors", "EngineDeadError": "errors",
+    "DistributedModel": "distributed", "DistributedArgumentError": "distributed",
+    "launch_distributed_inference": "distributed", "load_config": "distributed",
 }
 
 __all__ = sorted(_EXPORTS)

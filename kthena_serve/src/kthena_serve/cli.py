@@ -98,6 +98,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kthena_serve.serve_config import apply_config, served_layout
 
     try:
+        args.launcher_world = _launcher_world()
         apply_config(args)
         config = engine_config(args)
         args.api_key = _api_key(args)
@@ -119,6 +120,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kthena_serve.model.convert import ensure_default_checkpoint
 
         ensure_default_checkpoint()
+    try:
+        launched = _launcher_rank(args, config)
+    except ValueError as error:
+        print(f"kthena serve: {error}", file=sys.stderr)
+        return 2
+    if launched is not None:
+        import attrs
+
+        config = attrs.evolve(config, ranks_from="env")
+        if launched.rank != 0:
+            from kthena_serve.parallel_runner import serve_rank
+
+            print(f"kthena serve: rank {launched.rank} of {launched.world_size} (stage ranks "
+                  f"serve rank 0's steps; rank 0 serves the API)", flush=True)
+            serve_rank(config, launched)
+            return 0
     print(f"kthena serve: serving layout {served_layout(args)}", flush=True)
     if getattr(args, "mode", "colocated") == "pd":
         from kthena_serve.pd.serve import run_pd
@@ -155,6 +172,43 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             publisher.close()  # removes this pod's fields before the engine goes
         engine.shutdown()
     return 0
+
+
+def _launcher_world() -> int:
+    """WORLD_SIZE as kthena-run / torchrun set it (1 when this process was not launched so)."""
+    text = os.environ.get("WORLD_SIZE", "").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} (set by kthena-run / torchrun) must be an int >= 1")
+    return int(text)
+
+
+def _launcher_rank(args: argparse.Namespace, config):  # noqa: ANN001, ANN202
+    """This process's ``RankEnv`` when a launcher (``kthena-run`` / torchrun) started it as one
+    of WORLD_SIZE > 1 ranks, else None. Each rank then runs ``kthena serve`` with the same
+    flags: rank 0 serves, the others run its steps (``parallel_runner.serve_rank``).
+
+    Raises:
+        ValueError: WORLD_SIZE is not tp x pp, or the mode/replicas need processes of their own.
+    """
+    if _launcher_world() <= 1:
+        return None
+    from kthena_comm.env import RankEnv
+    from kthena_comm.errors import RankEnvError
+
+    try:
+        env = RankEnv.from_env()
+    except RankEnvError as error:
+        raise ValueError(f"the launcher's environment: {error}") from None
+    if getattr(args, "mode", "colocated") == "pd" or getattr(args, "dp", 1) > 1:
+        raise ValueError(f"WORLD_SIZE={env.world_size}: under kthena-run / torchrun each rank "
+                         "is one tp x pp rank of one engine; --mode pd and --dp start their "
+                         "own processes. Run them without a launcher, or set --dp 1 and "
+                         "--mode colocated")
+    if env.world_size != config.world_size:
+        raise ValueError(f"WORLD_SIZE={env.world_size}, but --tp {config.tp} x --pp {config.pp} "
+                         f"needs {config.world_size} ranks; launch that many (kthena-run "
+                         "--nnodes x --nproc_per_node) or change --tp / --pp")
+    return env
 
 
 def _start_kv_events(config, engine, app):  # noqa: ANN001, ANN202

@@ -160,6 +160,11 @@ class EngineConfig:
             processes; ``tp * pp`` processes in all (one per core where there are enough).
         pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (sequences split
             evenly), so stage s works on micro-batch m while stage s+1 works on m-1.
+        ranks_from: where ranks 1.. of a ``tp * pp > 1`` engine come from: ``"spawn"`` (this
+            process starts them on this host) or ``"env"`` (a launcher such as ``kthena-run``
+            started them, on one host or several, and set RANK / WORLD_SIZE / MASTER_ADDR /
+            MASTER_PORT; this process must be rank 0, the others run
+            ``kthena_serve.parallel_runner.serve_rank``).
         num_threads: torch threads; default the cores this process may run on.
         max_n: largest ``n`` (choices per request) the server accepts.
         check_invariants: run the KV manager's self-check after every verb (tests).
@@ -183,10 +188,16 @@ class EngineConfig:
     tp: int = attrs.field(default=1, validator=_positive)
     pp: int = attrs.field(default=1, validator=_positive)
     pp_microbatches: int | None = attrs.field(default=None, validator=_optional_positive)
+    ranks_from: str = attrs.field(default="spawn", validator=_one_of("spawn", "env"))
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)
     check_invariants: bool = attrs.field(default=False, validator=_is_bool)
     chat_special_tokens: str = attrs.field(default="text", validator=_one_of("text", "control"))
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: tp x pp."""
+        return self.tp * self.pp
 
     @property
     def torch_dtype(self):  # noqa: ANN201 - torch imported lazily

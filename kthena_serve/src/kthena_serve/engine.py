@@ -5,7 +5,7 @@ Assembled from injected parts (``LLMEngine.from_config`` builds the defaults)::
     LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest)
               ── Scheduler        continuous batching; PD verbs reserve / admit_prefilled
               │     └─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
-              ── runner           ModelRunner over a given KVPool (host, shm, device) or TP
+              ── runner           ModelRunner over a given KVPool (host, shm, device) or tp x pp ranks
               ── Sampler          on the runner's device
 
 Single-threaded by contract: one thread calls every method (the async engine's loop thread,
@@ -53,23 +53,29 @@ def create_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
 
 def build_runner(config: EngineConfig, model=None, tokenizer=None, *,  # noqa: ANN001
                  shared_pool: bool = False):  # noqa: ANN202
-    """(runner, tokenizer): TP workers for ``tp > 1``, else the given or loaded model.
+    """(runner, tokenizer): parallel ranks for ``tp * pp > 1``, else the given or loaded model.
 
     Args:
         model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
         shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool).
 
     Raises:
-        ValueError: ``shared_pool`` with ``tp > 1`` (each rank holds part of the heads).
+        ValueError: ``shared_pool`` with ``tp * pp > 1`` (each rank holds part of the model).
     """
-    if config.tp > 1:
+    if config.world_size > 1 or config.ranks_from == "env":
         if shared_pool:
-            raise ValueError(f"a shared KV pool with tp={config.tp} is not supported: each TP "
-                             "rank holds its own heads' pool, and a PD prefill worker writes "
-                             "one whole pool; run PD decode workers with tp=1")
-        from kthena_serve.tp_runner import TPModelRunner
+            raise ValueError(f"a shared KV pool with tp={config.tp} x pp={config.pp} is not "
+                             "supported: each rank holds its own heads' and layers' pool, and a "
+                             "PD prefill worker writes one whole pool; run PD workers with "
+                             "tp=1 and pp=1")
+        from kthena_serve.parallel_runner import ParallelModelRunner
 
-        runner = TPModelRunner(config)  # pins this process to one core
+        rank_env = None
+        if config.ranks_from == "env":
+            from kthena_comm.env import RankEnv
+
+            rank_env = RankEnv.from_env()  # ranks_from="env" asks for the launcher's variables
+        runner = ParallelModelRunner(config, rank_env)  # pins this process to one core
         return runner, runner.tokenizer
     configure_threads(config.num_threads)
     if model is None:
@@ -87,7 +93,7 @@ class LLMEngine:
 
     Args:
         config: the engine config.
-        runner: a ``ModelRunner`` (or ``TPModelRunner``) over its KV pool; owned from now on.
+        runner: a ``ModelRunner`` (or ``ParallelModelRunner``) over its KV pool; owned from now on.
         tokenizer: the model's tokenizer.
         kv: the KV cache manager over the runner's blocks (default: from ``config``).
         scheduler: the scheduler over ``kv`` (default: from ``config``).
@@ -161,7 +167,7 @@ class LLMEngine:
         return self._finish_output(request)
 
     def close(self) -> None:
-        """Abort what is left and release the pool (and TP workers)."""
+        """Abort what is left and release the pool (and the parallel ranks)."""
         for request_id in self.live_request_ids():
             self.abort_request(request_id)
         self.runner.close()

@@ -90,18 +90,32 @@ def served_layout(args: argparse.Namespace) -> ServedLayout:
     return ServedLayout(args.tp, pp, getattr(args, "dp", 1), 1, "colocated")
 
 
-def check_servable(plan, topology, nnodes: int = 1) -> None:  # noqa: ANN001
-    """Refuse a plan ``kthena serve`` cannot run as planned on this host.
+def check_servable(plan, topology, nnodes: int = 1,  # noqa: ANN001
+                   launcher_world: int = 1) -> None:
+    """Refuse a plan ``kthena serve`` cannot run as planned.
+
+    ``launcher_world``: WORLD_SIZE when ``kthena-run`` / torchrun started this process as one
+    rank of several (1 otherwise). A plan spanning hosts runs only that way: one tp x pp engine
+    whose ranks the launcher placed on every host.
 
     Raises:
         UnservablePlanError: names what is not supported yet and what to change.
     """
     lay, mode = plan.chosen.layout, plan.workload.mode
     hosts = sorted({topology.devices[i].node for i in plan.device_ids})
-    if nnodes > 1 or len(hosts) > 1:
-        _refuse(f"the layout spans {max(nnodes, len(hosts))} hosts; kthena serve runs on one "
-                "host. Name a one-node cluster.topology with cluster.nnodes: 1, or render a "
-                "multi-node deployment with `kthena deploy`")
+    spans = max(nnodes, len(hosts))
+    if launcher_world > 1:
+        if mode != "colocated" or lay.dp > 1 or lay.tp * lay.pp != launcher_world:
+            _refuse(f"under kthena-run (WORLD_SIZE={launcher_world}) kthena serve runs one "
+                    f"colocated engine of tp x pp = WORLD_SIZE ranks, but the plan is "
+                    f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mode={mode}. Pin "
+                    f"tensor_parallel_size x pipeline_parallel_size = {launcher_world} with "
+                    "data_parallel_size: 1, or launch without kthena-run")
+    elif spans > 1:
+        _refuse(f"the layout spans {spans} hosts; one kthena serve runs on one host. Start it "
+                "on every host with `kthena-run --nnodes N --node_rank R --master_addr ...` "
+                "(one tp x pp engine over the hosts), name a one-node cluster.topology with "
+                "cluster.nnodes: 1, or render a multi-node deployment with `kthena deploy`")
     if mode == "pd" and (lay.tp > 1 or lay.pp > 1):
         _refuse(f"PD with tp={lay.tp} x pp={lay.pp} per worker is not supported yet (a prefill "
                 "worker writes a decode worker's whole KV pool). Set "
@@ -144,7 +158,7 @@ def apply_config(args: argparse.Namespace):  # noqa: ANN201 - Plan | None
     plan = cfg = None
     flags: dict[str, object] = {}
     if getattr(args, "config", None):
-        cfg, plan = _plan(args.config)
+        cfg, plan = _plan(args.config, getattr(args, "launcher_world", 1))
         flags = config_flags(cfg, plan)
     explicit = getattr(args, "explicit_flags", None) or set()
     for dest, value in flags.items():
@@ -161,7 +175,7 @@ def apply_config(args: argparse.Namespace):  # noqa: ANN201 - Plan | None
     return plan
 
 
-def _plan(path: str):  # noqa: ANN202
+def _plan(path: str, launcher_world: int = 1):  # noqa: ANN202
     from kthena_core.cli import resolve_topology
     from kthena_core.config import load_config
     from kthena_core.config_plan import plan_config
@@ -180,5 +194,5 @@ def _plan(path: str):  # noqa: ANN202
     plan = plan_config(cfg, topology)
     print(format_plan(plan, 3), flush=True)
     print(f"kthena serve: plan layout {plan_layout(plan)}", flush=True)
-    check_servable(plan, topology, cfg.cluster.nnodes)
+    check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
     return cfg, plan

@@ -22,7 +22,7 @@ _EXPORTS = {
     "BatchError": "errors", "ChatTemplateError": "errors", "CheckpointError": "errors",
     "ConversionError": "errors", "ModelError": "errors", "TensorParallelError": "errors",
     "UnsupportedModelError": "errors",
-    "LlamaForCausalLM": "llama",
+    "LlamaForCausalLM": "llama", "PipelineStage": "pp",
     "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "loader",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",

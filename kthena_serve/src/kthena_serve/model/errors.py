@@ -20,7 +20,8 @@ class ConversionError(ModelError, RuntimeError):
 
 
 class TensorParallelError(ModelError, ValueError):
-    """A tensor-parallel plan does not fit the model (heads tp cannot split, bad rank)."""
+    """A tensor- or pipeline-parallel plan does not fit the model (heads tp cannot split,
+    layers pp cannot split, bad rank)."""
 
 
 class BatchError(ModelError, ValueError):

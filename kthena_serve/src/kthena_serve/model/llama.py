@@ -7,7 +7,10 @@ residual add is fused into RMSNorm, and nothing in the forward reads a tensor's 
 host, so a decode step is ~10 kernel launches per layer and no synchronisation.
 
 The model holds only its own rank's shard (`plan_shards`); the two row-parallel matmuls hand
-their partial sums to ``tp.all_reduce``. Nothing here knows about process groups.
+their partial sums to ``tp.all_reduce``. Under pipeline parallelism it holds one stage's layers
+(`PipelineStage`): `forward_stage` takes token ids (first stage) or the previous stage's
+(hidden, residual) pair and returns the next pair, or logits on the last stage. Nothing here
+knows about process groups.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from kthena_serve.model.batch import AttentionBatch
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import BatchError
+from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
 from mooncake_ops import (
     build_rope_cache,
@@ -34,6 +38,7 @@ from mooncake_ops import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, residual), both [num_tokens, hidden]
 # Every matmul weight a module may own (biases stay dense: the packed kernel takes them as they are).
 _MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
 
@@ -122,21 +127,30 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the architecture.
         tp: this rank's tensor-parallel place; None means a single rank.
+        stage: this rank's pipeline stage; None means the whole model. Only the first stage
+            has ``embed_weight`` (and the last, for a tied LM head); only the last has ``norm``
+            and ``lm_head_weight`` (others hold None there).
 
     Parameters are created empty; `kthena_serve.model.load_model` fills them.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
+        self.stage = stage or PipelineStage.of(config.num_hidden_layers)
         self.plan = plan_shards(config, self.tp)
-        self.embed_weight = _empty(config.vocab_size, config.hidden_size)
+        first, last = self.stage.is_first, self.stage.is_last
+        embed = first or (last and config.tie_word_embeddings)
+        self.embed_weight = _empty(config.vocab_size, config.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(config, self.plan, self.tp)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = _empty(config.hidden_size)
-        self.lm_head_weight = self.embed_weight if config.tie_word_embeddings else _empty(
-            config.vocab_size, config.hidden_size)
+                                    for _ in self.stage.layers)
+        self.norm = _empty(config.hidden_size) if last else None
+        self.lm_head_weight = None
+        if last:
+            self.lm_head_weight = self.embed_weight if config.tie_word_embeddings else _empty(
+                config.vocab_size, config.hidden_size)
         self.matmul = F.linear
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
         self.reset_rope_cache()
@@ -153,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
         """(Re)build the float32 RoPE cos/sin table on the model's device."""
         c = self.config
         table = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, rope_scaling=c.rope_scaling)
-        self.rope_cache = table.to(device=self.embed_weight.device, dtype=torch.float32)
+        device = next(self.parameters()).device
+        self.rope_cache = table.to(device=device, dtype=torch.float32)
 
     def pack_linear_weights(self) -> bool:
         """Re-lay every matmul weight out for mooncake_ops' CPU linear kernel, when there is one.
@@ -181,16 +196,42 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: Sequence[KVCache]) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_seqs, vocab] at ``batch.logits_indices``.
+        """Run one step of the whole model; float32 logits [num_seqs, vocab] at
+        ``batch.logits_indices``.
 
         Raises:
-            BatchError: the token count or the number of KV caches does not match.
+            BatchError: the token count or the number of KV caches does not match, or this
+                model holds one stage of several (use `forward_stage`).
+        """
+        if self.stage.size > 1:
+            raise BatchError(f"this model holds pipeline stage {self.stage.rank} of "
+                             f"{self.stage.size}; run it with forward_stage")
+        out = self.forward_stage(input_ids, positions, batch, kv_caches)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: AttentionBatch, kv_caches: Sequence[KVCache],
+                      hidden: Hidden | None = None) -> torch.Tensor | Hidden:
+        """Run this stage's layers: from the token ids (first stage) or the previous stage's
+        ``hidden`` pair; returns logits (last stage, as `forward`) or the pair for the next.
+
+        Raises:
+            BatchError: as `forward`, or ``hidden`` given to the first stage / missing on others.
         """
         self._check_inputs(input_ids, positions, batch, kv_caches)
+        if self.stage.is_first != (hidden is None):
+            raise BatchError(f"pipeline stage {self.stage.rank}: the first stage takes token ids "
+                             "only, every later stage the previous stage's (hidden, residual)")
         context_lens = batch.cached_lens + 1 if batch.is_decode_only else None
-        x, residual = F.embedding(input_ids, self.embed_weight), None
+        if hidden is None:
+            x, residual = F.embedding(input_ids, self.embed_weight), None
+        else:
+            x, residual = hidden
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache, context_lens)
+        if not self.stage.is_last:
+            return x, residual
         index = batch.logits_indices
         x, _ = rms_norm(x[index], self.norm, self.config.rms_norm_eps, residual[index])
         return self.matmul(x, self.lm_head_weight).float()

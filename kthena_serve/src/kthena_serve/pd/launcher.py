@@ -1,5 +1,9 @@
 """Starts PD workers as processes on split cores, restarts dead ones, cleans their shm.
 
+``ProcessLauncher`` is the part any deployment of worker processes shares (ready files,
+restarts, stop, the secret); ``PDLauncher`` says what a PD worker runs. The data-parallel
+replicas of ``kthena serve --dp`` use the same base (dp/launcher.py).
+
 Cores: the launcher's affinity mask is split into disjoint sets, prefill workers first
 (prefill is compute-bound and takes any remainder); with fewer cores than workers they share
 round-robin. Each worker pins itself and sets ``OMP_NUM_THREADS`` to its core count before
@@ -38,7 +42,8 @@ import attrs
 from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, new_secret
 from mooncake_kv import shared_pool_paths
 
-__all__ = ["PDLauncher", "WorkerSpec", "cleanup_shm", "split_cores"]
+__all__ = ["PDLauncher", "ProcessLauncher", "WorkerSpec", "cleanup_shm", "share_cores",
+           "split_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,27 @@ class WorkerSpec:
     cores: tuple[int, ...]
 
 
+def share_cores(cores: list[int], num_groups: int) -> list[tuple[int, ...]]:
+    """``num_groups`` disjoint core sets (the first ones take any remainder) when there are
+    enough cores, else one core each, round-robin (group i gets ``cores[i % len(cores)]``).
+
+    Raises:
+        ValueError: no group, or no core.
+    """
+    if num_groups < 1 or not cores:
+        raise ValueError(f"share {len(cores)} cores among {num_groups} groups: need at least "
+                         "one of each")
+    if len(cores) < num_groups:
+        return [(cores[i % len(cores)],) for i in range(num_groups)]
+    share, extra = divmod(len(cores), num_groups)
+    sets, start = [], 0
+    for i in range(num_groups):
+        count = share + (1 if i < extra else 0)
+        sets.append(tuple(cores[start:start + count]))
+        start += count
+    return sets
+
+
 def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[WorkerSpec]:
     """Disjoint core sets when there are enough cores, else round-robin sharing."""
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
@@ -57,16 +83,8 @@ def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[Wor
                                                            range(num_decode)]
     if not roles:
         raise ValueError("start at least one decode worker")
-    if len(cores) < len(roles):
-        return [WorkerSpec(n, r, (cores[i % len(cores)],)) for i, (n, r) in
-                enumerate(zip(names, roles, strict=True))]
-    share, extra = divmod(len(cores), len(roles))
-    specs, start = [], 0
-    for i, (name, role) in enumerate(zip(names, roles, strict=True)):
-        count = share + (1 if i < extra else 0)
-        specs.append(WorkerSpec(name, role, tuple(cores[start:start + count])))
-        start += count
-    return specs
+    return [WorkerSpec(name, role, share) for name, role, share in
+            zip(names, roles, share_cores(cores, len(roles)), strict=True)]
 
 
 def cleanup_shm(pid: int) -> list[str]:
@@ -89,51 +107,58 @@ class _Worker:
     num_restarts: int = 0
 
 
-class PDLauncher:
-    """Worker processes for one PD deployment on this host.
+class ProcessLauncher:
+    """Worker processes of one deployment on this host: start them, wait until each is ready,
+    restart one that dies, stop them all. Subclasses say what to run (``_command``).
+
+    A worker writes its port to the ready file it is given once it listens. Every worker gets
+    this deployment's ``secret`` in its environment (never on the command line) and
+    ``OMP_WAIT_POLICY=PASSIVE`` / ``OMP_NUM_THREADS`` before torch loads.
 
     Args:
-        engine_config: ``EngineConfig`` fields (JSON-able) for every worker.
-        pd_config: ``PDConfig`` fields (JSON-able).
-        num_prefill, num_decode: worker counts.
-        cores: CPU ids to split (default: this process's affinity mask).
+        specs: one per worker (name, role, cores).
+        host: the address workers listen on (and their URLs name).
         restart: start a worker again when it dies.
         on_restart: called with (name, url) after a restarted worker is ready.
-        api_key: what the workers' OpenAI routes require (None: nothing).
-        public_metrics: the workers serve /metrics without the secret (``--public-metrics``).
+        quiet: send the workers' output to /dev/null.
 
     Attributes:
         secret: this deployment's secret; every worker call needs it (``pd.auth``).
     """
 
-    def __init__(self, engine_config: dict, pd_config: dict, num_prefill: int, num_decode: int,
-                 *, cores: list[int] | None = None, host: str = "127.0.0.1", restart: bool = True,
-                 on_restart: Callable[[str, str], None] | None = None,
-                 mooncake_host: str | None = None, quiet: bool = False,
-                 worker_hosts: dict[str, str] | None = None,
-                 worker_prefix: dict[str, list[str]] | None = None,
-                 api_key: str | None = None, public_metrics: bool = False) -> None:
-        cores = cores or sorted(os.sched_getaffinity(0))
-        self.specs = split_cores(cores, num_prefill, num_decode)
-        self.engine_config = engine_config
-        self.pd_config = pd_config
+    kind = "worker"  # how messages name a worker
+    folder_prefix = "kthena-workers-"  # of the temporary folder that holds the ready files
+
+    def __init__(self, specs: list[WorkerSpec], *, host: str = "127.0.0.1",
+                 restart: bool = True, on_restart: Callable[[str, str], None] | None = None,
+                 quiet: bool = False) -> None:
+        self.specs = specs
         self.host = host
         self.restart = restart
         self.on_restart = on_restart
-        self.mooncake_host = mooncake_host
         self.quiet = quiet
-        self.worker_hosts = worker_hosts or {}  # e.g. one address per network namespace
-        self.worker_prefix = worker_prefix or {}  # e.g. ["ip", "netns", "exec", "ns-b"]
         self.workers = {s.name: _Worker(s) for s in self.specs}
         self.secret = new_secret()
-        self.api_key = api_key
-        self.public_metrics = public_metrics
-        self._dir = tempfile.TemporaryDirectory(prefix="kthena-pd-")
+        self._dir = tempfile.TemporaryDirectory(prefix=self.folder_prefix)
         self._stopping = threading.Event()
+        self._spawning = threading.Lock()  # a restart never spawns after stop() has begun
         self._monitor: threading.Thread | None = None
 
+    # ---- what subclasses say ------------------------------------------------------------------
+    def _command(self, worker: _Worker, ready: Path) -> list[str]:
+        """The command line that starts ``worker`` (it writes its port to ``ready``)."""
+        raise NotImplementedError
+
+    def _environment(self, worker: _Worker) -> dict[str, str]:
+        """The worker's environment: this one, plus OpenMP settings and the secret."""
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
+                   OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
+        env[SECRET_ENV] = self.secret  # the environment, not argv: see pd/auth.py
+        env.pop("KTHENA_API_KEY", None)
+        return env
+
     # ---- lifetime -----------------------------------------------------------------------------
-    def start(self, timeout_s: float = 600.0) -> PDLauncher:
+    def start(self, timeout_s: float = 600.0) -> ProcessLauncher:
         for worker in self.workers.values():
             self._spawn(worker)
         try:
@@ -142,14 +167,15 @@ class PDLauncher:
         except BaseException:
             self.stop()
             raise
-        self._monitor = threading.Thread(target=self._watch, name="kthena-pd-launcher",
+        self._monitor = threading.Thread(target=self._watch, name="kthena-launcher",
                                          daemon=True)
         self._monitor.start()
         return self
 
     def stop(self) -> None:
         self._stopping.set()
-        procs = [w.proc for w in self.workers.values() if w.proc is not None]
+        with self._spawning:  # a restart in progress has its process in `workers` by now
+            procs = [w.proc for w in self.workers.values() if w.proc is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -165,7 +191,7 @@ class PDLauncher:
             self._monitor.join(timeout=5)
         self._dir.cleanup()
 
-    def __enter__(self) -> PDLauncher:
+    def __enter__(self) -> ProcessLauncher:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -175,7 +201,7 @@ class PDLauncher:
         return f"http://{self._host(name)}:{self.workers[name].port}"
 
     def _host(self, name: str) -> str:
-        return self.worker_hosts.get(name, self.host)
+        return self.host
 
     def endpoints(self) -> list[tuple[str, str, str]]:
         """(name, role, url) of every worker, for the router."""
@@ -194,7 +220,8 @@ class PDLauncher:
         """
         pid = self.pid(name)
         if pid is None:
-            raise ProcessLookupError(f"PD worker {name} has no process right now (restarting)")
+            raise ProcessLookupError(f"{self.kind} {name} has no process right now "
+                                     "(restarting)")
         os.kill(pid, sig)
         return pid
 
@@ -205,6 +232,96 @@ class PDLauncher:
     def _spawn(self, worker: _Worker) -> None:
         ready = self._ready_file(worker)
         ready.unlink(missing_ok=True)
+        cmd, env = self._command(worker, ready), self._environment(worker)
+        out = subprocess.DEVNULL if self.quiet else None
+        with self._spawning:
+            if self._stopping.is_set():
+                raise RuntimeError(f"not starting {self.kind} {worker.spec.name}: stopping")
+            worker.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+
+    def _wait_ready(self, worker: _Worker, timeout_s: float) -> None:
+        ready = self._ready_file(worker)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if worker.proc is not None and worker.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} {worker.spec.name} exited with "
+                                   f"{worker.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.kind} {worker.spec.name} not ready in "
+                                   f"{timeout_s:g} s")
+            if self._stopping.is_set():
+                raise RuntimeError(f"{self.kind} {worker.spec.name}: stopped while starting")
+            time.sleep(0.05)
+        worker.port = int(ready.read_text())
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.1):
+            for worker in self.workers.values():
+                proc = worker.proc
+                if proc is None or proc.poll() is None or self._stopping.is_set():
+                    continue
+                removed = cleanup_shm(proc.pid)
+                log.warning("%s %s (pid %d) exited with %s; removed shm %s", self.kind,
+                            worker.spec.name, proc.pid, proc.returncode, removed)
+                worker.proc = None
+                if self.restart:
+                    self._restart(worker)
+
+    def _restart(self, worker: _Worker) -> None:
+        worker.num_restarts += 1
+        try:
+            self._spawn(worker)  # same port: the router's URL stays valid
+            self._wait_ready(worker, 600)
+        except (RuntimeError, TimeoutError, OSError) as error:
+            if not self._stopping.is_set():
+                log.error("restarting %s failed: %s", worker.spec.name, error)
+            return
+        if self.on_restart is not None:
+            self.on_restart(worker.spec.name, self.url(worker.spec.name))
+
+
+class PDLauncher(ProcessLauncher):
+    """Worker processes for one PD deployment on this host.
+
+    Args:
+        engine_config: ``EngineConfig`` fields (JSON-able) for every worker.
+        pd_config: ``PDConfig`` fields (JSON-able).
+        num_prefill, num_decode: worker counts.
+        cores: CPU ids to split (default: this process's affinity mask).
+        restart: start a worker again when it dies.
+        on_restart: called with (name, url) after a restarted worker is ready.
+        api_key: what the workers' OpenAI routes require (None: nothing).
+        public_metrics: the workers serve /metrics without the secret (``--public-metrics``).
+
+    Attributes:
+        secret: this deployment's secret; every worker call needs it (``pd.auth``).
+    """
+
+    kind = "PD worker"
+    folder_prefix = "kthena-pd-"
+
+    def __init__(self, engine_config: dict, pd_config: dict, num_prefill: int, num_decode: int,
+                 *, cores: list[int] | None = None, host: str = "127.0.0.1", restart: bool = True,
+                 on_restart: Callable[[str, str], None] | None = None,
+                 mooncake_host: str | None = None, quiet: bool = False,
+                 worker_hosts: dict[str, str] | None = None,
+                 worker_prefix: dict[str, list[str]] | None = None,
+                 api_key: str | None = None, public_metrics: bool = False) -> None:
+        cores = cores or sorted(os.sched_getaffinity(0))
+        super().__init__(split_cores(cores, num_prefill, num_decode), host=host,
+                         restart=restart, on_restart=on_restart, quiet=quiet)
+        self.engine_config = engine_config
+        self.pd_config = pd_config
+        self.mooncake_host = mooncake_host
+        self.worker_hosts = worker_hosts or {}  # e.g. one address per network namespace
+        self.worker_prefix = worker_prefix or {}  # e.g. ["ip", "netns", "exec", "ns-b"]
+        self.api_key = api_key
+        self.public_metrics = public_metrics
+
+    def _host(self, name: str) -> str:
+        return self.worker_hosts.get(name, self.host)
+
+    def _command(self, worker: _Worker, ready: Path) -> list[str]:
         name = worker.spec.name
         cmd = [*self.worker_prefix.get(name, []), sys.executable, "-m",
                "kthena_serve.pd.worker", "--role", worker.spec.role,
@@ -219,51 +336,14 @@ class PDLauncher:
             cmd += ["--prefill-hosts", ",".join(sorted(self._prefill_hosts()))]
         if self.public_metrics:
             cmd.append("--public-metrics")
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
-                   OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
-        env[SECRET_ENV] = self.secret  # the environment, not argv: see pd/auth.py
-        env.pop("KTHENA_API_KEY", None)
+        return cmd
+
+    def _environment(self, worker: _Worker) -> dict[str, str]:
+        env = super()._environment(worker)
         if self.api_key:
             env["KTHENA_API_KEY"] = self.api_key
-        out = subprocess.DEVNULL if self.quiet else None
-        worker.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+        return env
 
     def _prefill_hosts(self) -> set[str]:
         return set(LOOPBACK_HOSTS) | {self._host(s.name) for s in self.specs
                                       if s.role == "prefill"}
-
-    def _wait_ready(self, worker: _Worker, timeout_s: float) -> None:
-        ready = self._ready_file(worker)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if worker.proc is not None and worker.proc.poll() is not None:
-                raise RuntimeError(f"PD worker {worker.spec.name} exited with "
-                                   f"{worker.proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PD worker {worker.spec.name} not ready in {timeout_s:g} s")
-            time.sleep(0.05)
-        worker.port = int(ready.read_text())
-
-    def _watch(self) -> None:
-        while not self._stopping.wait(0.1):
-            for worker in self.workers.values():
-                proc = worker.proc
-                if proc is None or proc.poll() is None or self._stopping.is_set():
-                    continue
-                removed = cleanup_shm(proc.pid)
-                log.warning("PD worker %s (pid %d) exited with %s; removed shm %s",
-                            worker.spec.name, proc.pid, proc.returncode, removed)
-                worker.proc = None
-                if self.restart:
-                    self._restart(worker)
-
-    def _restart(self, worker: _Worker) -> None:
-        worker.num_restarts += 1
-        try:
-            self._spawn(worker)  # same port: the router's URL stays valid
-            self._wait_ready(worker, 600)
-        except (RuntimeError, TimeoutError, OSError) as error:
-            log.error("restarting %s failed: %s", worker.spec.name, error)
-            return
-        if self.on_restart is not None:
-            self.on_restart(worker.spec.name, self.url(worker.spec.name))

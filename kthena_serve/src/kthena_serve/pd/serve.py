@@ -54,7 +54,7 @@ def engine_fields(config) -> dict:  # noqa: ANN001
 def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: ANN001
     """Launch workers and serve the router until interrupted.
 
-    Returns 2 (with a message) for a layout PD cannot run: ``tp > 1`` on the workers.
+    Returns 2 (with a message) for a layout PD cannot run: ``tp`` or ``pp > 1`` on the workers.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if config.tp > 1:
@@ -62,6 +62,12 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
               "worker writes a decode worker's whole KV pool, and a TP decode worker's pool is "
               "split across ranks. Use --tp 1 with --mode pd, or --tp N without it.",
               file=sys.stderr)
+        return 2
+    if config.pp > 1:
+        print(f"kthena serve --mode pd: --pp {config.pp} is not supported in PD mode: a prefill "
+              "worker writes a decode worker's whole KV pool, and a pipelined decode worker's "
+              "pool is split by layers across stages. Use --pp 1 with --mode pd, or --pp N "
+              "without it.", file=sys.stderr)
         return 2
     from kthena_serve.pd.config import PDConfig, RouterWeights
     from kthena_serve.pd.frontend import RemoteEngine, build_router_app

@@ -1,0 +1,371 @@
+"""Tensor x pipeline parallelism for the engine: rank 0 schedules and samples, the others mirror
+its forwards.
+
+    rank 0 (stage 0, tp 0)                       every other rank
+    split the step into micro-batches
+    build inputs ── broadcast_object_list ─────▶ the same inputs
+    stage 0 layers (my heads) ◀── all_reduce ──▶ (TP peers of stage 0)
+           └─ (hidden, residual) ── send ──────▶ stage 1 ... ─▶ last stage: logits
+    logits ◀──────────────────── send ────────── last stage, tp 0
+    logits → sampler
+
+Global rank = pp_idx * tp + tp_idx (kthena_comm's layout order). Each stage holds its own
+layers (`PipelineStage`), each TP rank its own heads, and each rank its own KV pool for its own
+layers and heads with the same number of blocks, so the scheduler's block ids mean the same slots
+everywhere. A step is cut into up to ``pp`` micro-batches (or ``pp_microbatches``), contiguous
+runs of sequences with near-equal token counts: stage 0 sends micro-batch m and goes on to m+1
+while stage 1 computes m, so the stages overlap instead of waiting for the whole step.
+
+Ranks come from one of two places (``EngineConfig.ranks_from``):
+
+* ``spawn``: this process is rank 0 and starts ranks 1.. itself as spawned processes of this
+  host. Each is pinned to one core and runs one torch thread, with ``OMP_WAIT_POLICY=PASSIVE``
+  set before torch loads. The rendezvous store listens on 127.0.0.1 only, and gloo binds
+  loopback (``_loopback_gloo``): nothing they open is reachable from elsewhere.
+* ``env``: a launcher (``kthena-run`` / torchrun, on one host or several) started every rank and
+  set RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; rank 0 serves (`ParallelModelRunner`), the
+  others run `serve_rank`. The network is the launcher's: gloo binds the interface named by
+  ``GLOO_SOCKET_IFNAME`` (``kthena-run`` sets it to the one that reaches the master).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+
+import attrs
+import torch
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.errors import RankDiedError
+from kthena_serve.model_inputs import ModelInputs, build_inputs
+from kthena_serve.model_runner import create_pool, kv_layout_for, sampled_logits
+from kthena_serve.scheduler import ScheduledBatch
+from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
+
+__all__ = ["ParallelModelRunner", "serve_rank", "split_microbatches"]
+
+
+_MASTER_ADDR = "127.0.0.1"  # spawn: every rank is on this host, nothing else needs the store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((_MASTER_ADDR, 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int, port: int):  # noqa: ANN202
+    from kthena_comm.env import RankEnv
+
+    return RankEnv(rank=rank, world_size=world_size, master_addr=_MASTER_ADDR, master_port=port)
+
+
+def _pin(index: int) -> None:
+    cores = owned_cores()
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    configure_threads()  # one thread: the affinity mask now holds one core
+
+
+def split_microbatches(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
+    """Cut ``batch`` into at most ``parts`` contiguous runs of sequences with near-equal token
+    counts (never an empty one); their concatenation is ``batch.seqs`` in order."""
+    seqs = batch.seqs
+    parts = max(1, min(parts, len(seqs)))
+    if parts == 1:
+        return [ScheduledBatch(seqs)]
+    total = sum(len(s.token_ids) for s in seqs)
+    runs: list[ScheduledBatch] = []
+    start = done = 0
+    for i, seq in enumerate(seqs):
+        done += len(seq.token_ids)
+        left_seqs, left_parts = len(seqs) - i - 1, parts - len(runs) - 1
+        if left_parts and (done * parts >= total * (len(runs) + 1) or left_seqs == left_parts):
+            runs.append(ScheduledBatch(seqs[start:i + 1]))
+            start = i + 1
+    runs.append(ScheduledBatch(seqs[start:]))
+    return runs
+
+
+class _Stage:
+    """This rank's share of a step: its layers over its pool, and the sends between stages."""
+
+    def __init__(self, config: EngineConfig, rank_env, check_peers=None) -> None:  # noqa: ANN001
+        from kthena_comm.groups import init_parallel_groups
+        from kthena_comm.layout import ParallelConfig
+        from kthena_serve.model import PipelineStage, TensorParallel, load_model
+        from kthena_serve.model.config import ModelConfig
+        from kthena_serve.model.loader import resolve_checkpoint
+
+        _pin(rank_env.local_rank if config.ranks_from == "env" else rank_env.rank)
+        layout = ParallelConfig(tp_size=config.tp, pp_size=config.pp)
+        self.groups = init_parallel_groups(layout, rank_env, check_peers=check_peers)
+        pp = self.groups.pp
+        layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
+        stage = PipelineStage.of(layers, config.pp, pp.group_rank)
+        tp = TensorParallel.from_comm_group(self.groups.tp)
+        self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp,
+                                                stage=stage)
+        self.pool = create_pool(_layout(config, self.model), config)
+        self.kv_caches = [(self.pool.k_cache(i), self.pool.v_cache(i))
+                          for i in range(self.pool.layout.shape.num_layers)]
+        self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
+        ranks = pp.ranks
+        self.prev = ranks[stage.rank - 1] if not stage.is_first else None
+        self.next = ranks[stage.rank + 1] if not stage.is_last else None
+        self.head = ranks[0]  # stage 0 of my TP column: global rank 0 for tp rank 0
+
+    @torch.inference_mode()
+    def run(self, micro: list[ModelInputs]) -> list[torch.Tensor]:
+        """Forward every micro-batch through this stage; rank 0 gets each one's logits back."""
+        from kthena_comm.collectives import recv, send
+
+        pp, stage = self.groups.pp, self.stage
+        hidden_size, dtype = self.model.config.hidden_size, self.dtype
+        pending, logits = [], []
+        for inputs in micro:
+            hidden = None
+            if not stage.is_first:
+                both = torch.empty(2, inputs.input_ids.shape[0], hidden_size, dtype=dtype)
+                recv(both, pp, self.prev)
+                hidden = (both[0], both[1])
+            out = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.attention,
+                                           self.kv_caches, hidden)
+            if not stage.is_last:
+                pending.append(send(torch.stack(out), pp, self.next, async_op=True))
+            elif stage.is_first:
+                logits.append(out)  # pp == 1: rank 0 computed them
+            elif self.tp_rank == 0:
+                pending.append(send(out, pp, self.head, async_op=True))
+        if stage.size > 1 and stage.is_first and self.tp_rank == 0:
+            vocab = self.model.config.vocab_size
+            for inputs in micro:
+                rows = torch.empty(len(inputs.attention.logits_indices), vocab)
+                recv(rows, pp, self.groups.pp.ranks[-1])
+                logits.append(rows)
+        for handle in pending:
+            handle.wait()
+        return logits
+
+    def close(self) -> None:
+        self.pool.close()
+        self.groups.destroy()
+
+
+def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
+    """This rank's pool layout: its own layers and KV heads, the block count every rank shares."""
+    return kv_layout_for(len(model.layers), model.num_kv_heads_per_rank, model.head_dim, config)
+
+
+def _serve_steps(stage: _Stage) -> None:
+    import torch.distributed as dist
+
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            stage.run(box[0])
+    finally:
+        stage.close()
+
+
+def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port)))
+
+
+def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena_comm RankEnv
+    """Run rank ``rank_env.rank`` (> 0) of a launcher-started deployment until rank 0 closes.
+
+    Raises:
+        ValueError: rank 0 (it serves: build the engine with ``ranks_from="env"``), or a
+            WORLD_SIZE other than tp x pp.
+    """
+    _check_world(config, rank_env)
+    if rank_env.rank == 0:
+        raise ValueError("rank 0 serves the API: build the engine (ranks_from='env') there; "
+                         "serve_rank is for ranks 1..")
+    _serve_steps(_Stage(config, rank_env))
+
+
+def _check_world(config: EngineConfig, rank_env) -> None:  # noqa: ANN001
+    if rank_env.world_size != config.world_size:
+        raise ValueError(f"WORLD_SIZE={rank_env.world_size}, but tp {config.tp} x pp {config.pp} "
+                         f"needs {config.world_size} ranks; launch that many (kthena-run "
+                         "--nnodes x --nproc_per_node) or change --tp / --pp")
+
+
+def _check_workers(workers: list[mp.process.BaseProcess]) -> None:
+    """Raise ``RankDiedError`` for the first worker whose process has exited (rank = index + 1).
+
+    Rank 0 calls this while it waits for the ranks to join, so a rank that dies on start is
+    reported at once, with its exit code, instead of as a rendezvous timeout a minute later.
+    """
+    for rank, worker in enumerate(workers, start=1):
+        if worker.exitcode is not None:  # a non-blocking waitpid
+            raise RankDiedError(_death_message(rank, worker), rank, worker.exitcode)
+
+
+def _death_message(rank: int, worker: mp.process.BaseProcess) -> str:
+    code = worker.exitcode
+    assert code is not None
+    how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+    message = (f"parallel rank {rank} (process {worker.name}, pid {worker.pid}) {how} "
+               "before joining rank 0; its own error is on stderr above.")
+    if _spawn_reruns_main():  # the usual cause of a rank dying on start
+        message += (" Each rank is a spawned process that first imports your main script: if "
+                    "the script creates the engine (LLM(tp=...)) at top level, that import "
+                    "starts the engine again and multiprocessing stops it (\"An attempt has been "
+                    "made to start a new process before the current process has finished its "
+                    "bootstrapping phase\"). Put that code under "
+                    '`if __name__ == "__main__":`.')
+    return message
+
+
+def _spawn_reruns_main() -> bool:
+    """Whether spawned children import this process's ``__main__`` (a script or ``-m`` module),
+    as multiprocessing's spawn does; not for ``python -c`` or an interactive session."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "__spec__", None) is not None or bool(getattr(main, "__file__", None))
+
+
+@contextlib.contextmanager
+def _loopback_gloo():
+    """Gloo binds the address this host's name resolves to (often a LAN address) unless
+    ``GLOO_SOCKET_IFNAME`` names an interface: name loopback while the groups form (children
+    inherit it at spawn). A value the user set is kept."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+@contextlib.contextmanager
+def _worker_environment():
+    """Children inherit os.environ at spawn: give them PASSIVE OpenMP and one thread."""
+    saved = dict(os.environ)
+    prepare_worker_env(os.environ, 1)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class ParallelModelRunner:
+    """A model runner spread over ``config.tp * config.pp`` processes (this one is rank 0).
+
+    Args:
+        config: the engine config (``tp``, ``pp``, ``pp_microbatches``, ``ranks_from``).
+        rank_env: with ``ranks_from="env"``, this process's launcher environment
+            (``RankEnv.from_env()``; its rank must be 0).
+
+    Attributes:
+        model, tokenizer: rank 0's shard (stage 0's layers, its heads) and the tokenizer.
+    """
+
+    def __init__(self, config: EngineConfig, rank_env=None) -> None:  # noqa: ANN001
+        """Start ranks 1.. (spawn) or join the launcher's ranks (env), as rank 0.
+
+        Raises:
+            RankDiedError: a spawned rank exited before it joined (at once, not on timeout).
+            kthena_comm.errors.InitError: the ranks did not all join within the deadline.
+            ValueError: ``ranks_from="env"`` without rank 0 of a tp x pp world.
+        """
+        self._config = self._fixed_pool_size(config)
+        self._workers: list[mp.process.BaseProcess] = []
+        self._stage: _Stage | None = None
+        if config.ranks_from == "env":
+            if rank_env is None or rank_env.rank != 0:
+                raise ValueError("ranks_from='env': pass rank 0's RankEnv (RankEnv.from_env()); "
+                                 "the other ranks run serve_rank")
+            _check_world(config, rank_env)
+            self._stage = _Stage(self._config, rank_env)
+        else:
+            port = _free_port()
+            with _loopback_gloo():
+                self._workers = self._start_workers(port)
+                try:
+                    self._stage = _Stage(self._config, _rank_env(0, config.world_size, port),
+                                         check_peers=lambda: _check_workers(self._workers))
+                except BaseException:
+                    self._stop_workers(grace_s=0)
+                    raise
+        self.model, self.tokenizer = self._stage.model, self._stage.tokenizer
+        self.block_size = config.block_size
+        self._parts = config.pp_microbatches or config.pp
+
+    def _start_workers(self, port: int) -> list[mp.process.BaseProcess]:
+        context = mp.get_context("spawn")
+        workers = []
+        with _worker_environment():
+            for rank in range(1, self._config.world_size):
+                worker = context.Process(target=_worker_main, args=(self._config, rank, port),
+                                         name=f"kthena-rank{rank}", daemon=True)
+                worker.start()
+                workers.append(worker)
+        return workers
+
+    def _stop_workers(self, grace_s: float = 10) -> None:
+        """Wait up to ``grace_s`` for each worker to exit, then terminate it."""
+        for worker in self._workers:
+            worker.join(timeout=grace_s)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+        self._workers = []
+
+    @staticmethod
+    def _fixed_pool_size(config: EngineConfig) -> EngineConfig:
+        """Ranks may hold different KV head counts (3 heads over 2 ranks: 2 + 1); all need the
+        same block count, sized here by the largest share of heads and one stage's layers, so
+        every rank fits the budget."""
+        if config.num_kv_blocks is not None:
+            return config
+        from kthena_core import kv_heads_per_rank
+        from kthena_serve.model import ModelConfig, resolve_checkpoint
+
+        model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
+        heads = kv_heads_per_rank(model.num_key_value_heads, config.tp)
+        layers = -(-model.num_hidden_layers // config.pp)
+        layout = kv_layout_for(layers, heads, model.head_dim, config)
+        return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        assert self._stage is not None
+        return self._stage.pool.layout.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        assert self._stage is not None
+        return self._stage.pool.buffer.device
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        import torch.distributed as dist
+
+        assert self._stage is not None
+        micro = [build_inputs(part, self.block_size, self.device)
+                 for part in split_microbatches(batch, self._parts)]
+        dist.broadcast_object_list([micro], src=0)
+        logits = self._stage.run(micro)
+        return sampled_logits(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._stage is None:
+            return
+        with contextlib.suppress(Exception):
+            dist.broadcast_object_list([None], src=0)
+        self._stop_workers()
+        self._stage.close()
+        self._stage = None
