@@ -15,18 +15,32 @@ nothing here, a rank table that is missing or lists another number of devices.
 
 torch is imported lazily, only to hand over to torchrun, so kthena_core stays torch-free.
 
+On CPU across nodes (backend gloo, ``--nnodes`` > 1) it sets ``GLOO_SOCKET_IFNAME``, unless the
+user did, to the interface the other nodes reach this one by: the one holding ``master_addr`` on
+the master node, else the one the route to ``master_addr`` leaves by. Gloo would otherwise bind
+whatever address the host name resolves to, often loopback or an address of another network.
+
+The script ``serve`` is ``kthena serve`` on every rank (``python -m kthena_core.cli serve``):
+rank 0 serves the API, the other ranks run its steps.
+
 Example::
 
     kthena-run --config kthena_config.yaml --nproc_per_node 4 serve.py --port 8000
     kthena-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr 10.0.0.1 \\
                --master_port 29500 serve.py
+    kthena-run --nnodes 2 --node_rank 1 --nproc_per_node 1 --master_addr 10.0.0.1 --pp 2 \\
+               serve --pp 2
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 import shutil
+import socket
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -48,13 +62,34 @@ def detect_backend() -> str:
     return "gloo"
 
 
+def gloo_interface(master_addr: str) -> str | None:
+    """The network interface other nodes reach this one by (see the module docs), or None when
+    ``ip`` cannot tell (no iproute2, an unresolvable name)."""
+    try:
+        address = socket.gethostbyname(master_addr)
+        ipaddress.ip_address(address)
+        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                               text=True, timeout=10)
+        for line in shown.stdout.splitlines():
+            found = re.match(r"\d+:\s+(\S+)\s+inet\s+([\d.]+)/", line)
+            if found and found.group(2) == address:
+                return found.group(1)
+        route = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\bdev\s+(\S+)", route.stdout)
+    return found.group(1) if found else None
+
+
 def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
-                     num_cpus: int | None = None, hccl: HcclSettings | None = None
-                     ) -> dict[str, str]:
+                     num_cpus: int | None = None, hccl: HcclSettings | None = None,
+                     gloo_ifname: str | None = None) -> dict[str, str]:
     """Environment variables common to every rank this launcher starts.
 
     ``hccl``: HCCL's variables (backend hccl); None keeps only a user's HCCL_CONNECT_TIMEOUT
     (default 600 s), since addresses of the machine that writes a manifest are not the pods'.
+    ``gloo_ifname``: GLOO_SOCKET_IFNAME for a gloo launch across nodes (`gloo_interface`).
     """
     # No layout variables (KTHENA_TP_SIZE ...): nothing read them. A script takes its layout
     # from its own flags (``kthena serve --tp N`` or ``--config``), and torchrun's WORLD_SIZE.
@@ -63,6 +98,8 @@ def rank_environment(cfg: KthenaConfig, backend: str, nproc_per_node: int,
         cores = num_cpus or os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, nproc_per_node)))
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if gloo_ifname:
+            env["GLOO_SOCKET_IFNAME"] = gloo_ifname
     if backend == "hccl":
         if hccl is None:
             timeout = os.environ.get("HCCL_CONNECT_TIMEOUT")
@@ -95,7 +132,7 @@ def torchrun_argv(cfg: KthenaConfig, args: argparse.Namespace) -> list[str]:
         f"--nproc_per_node={nproc}",
         f"--master_addr={args.master_addr or cl.master_addr}",
         f"--master_port={args.master_port or cl.master_port}",
-        args.script,
+        *(["--module", "kthena_core.cli", "serve"] if args.script == "serve" else [args.script]),
         *args.script_args,
     ]
 
@@ -130,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HCCL_CONNECT_TIMEOUT seconds, 120..7200 (default 600)")
     hccl.add_argument("--rank-table-file", help="RANK_TABLE_FILE for rank-table launches")
     p.add_argument("--dry-run", action="store_true", help="print the environment and torchrun argv, run nothing")
-    p.add_argument("script")
+    p.add_argument("script", help="the program every rank runs: a Python script, or 'serve' "
+                                  "for kthena serve (rank 0 serves, the others run its steps)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
 
@@ -150,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kthena-run: error: {e}", file=sys.stderr)
         return 2
-    env = rank_environment(cfg, backend, nproc, hccl=hccl)
+    nnodes = int(run_argv[0].split("=")[1])
+    gloo_ifname = None
+    if backend == "gloo" and nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        gloo_ifname = gloo_interface(run_argv[3].split("=", 1)[1])
+    env = rank_environment(cfg, backend, nproc, hccl=hccl, gloo_ifname=gloo_ifname)
     if args.dry_run:
         for k, v in sorted(env.items()):
             print(f"{k}={v}")
