@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from _netns import two_host_network
 
 pytestmark = pytest.mark.slow
