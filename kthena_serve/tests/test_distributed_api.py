@@ -200,7 +200,7 @@ def test_launch_serves_the_plan_with_the_models_choices_until_sigterm(tmp_path, 
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        printed = _read_until(proc, f"on http://127.0.0.1:{port}")
+        printed = _read_until(proc, f"on http://127.0.0.1:{port} (max_model_len=")
         assert "kthena serve: plan layout tp=1 pp=1 dp=1" in printed
         assert "override the config: --model, --tp, --no-prefix-caching" in printed
         assert "kv blocks=64" in printed  # kv_cache.max_tokens 1024 / 16: the config still counts

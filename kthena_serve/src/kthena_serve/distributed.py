@@ -160,8 +160,9 @@ def launch_distributed_inference(model_init_fn: Callable[[], Any],
     ``kthena serve`` (run it as a script's main program: the signals go to the main thread).
 
     The server builds its own engine: a model already used offline keeps its engine until its
-    ``close()``. Run it as one process (``python serve.py``): it starts its own tp x pp workers,
-    so under ``kthena-run --nproc_per_node N`` every rank would start a server.
+    ``close()``. Run as one process (``python serve.py``), it starts its tp x pp workers itself;
+    under ``kthena-run`` (WORLD_SIZE > 1) every rank runs the script, and ``kthena serve``'s
+    launcher rule applies: rank 0 serves the API, the others run its steps.
 
     Args:
         model_init_fn: called once, with no arguments; returns a ``DistributedModel`` or a
