@@ -97,3 +97,15 @@ def test_plan_text_on_a_cpu_host_has_no_device_memory_limit(capsys):
     assert main(["plan", "--model", "default", "--topology", "cpu-host:2", "--mode", "pd"]) == 0
     out = capsys.readouterr().out
     assert "(host memory: no device limit)" in out and "PD split: 1 prefill + 1 decode" in out
+
+
+def test_plan_config_plans_the_config_with_a_topology_beside_it(tmp_path, capsys):
+    (tmp_path / "topo.yaml").write_text((DATA / "topology-8x910b.yaml").read_text())
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text("cluster: {topology: topo.yaml, world_size: 6}\n"
+                   "parallelism: {strategy: tp_pp, tensor_parallel_size: 3, pipeline_parallel_size: 2}\n")
+    assert main(["plan", "--config", str(cfg), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["world_size"]) == (3, 2, 6)
+    assert main(["plan", "--config", str(cfg), "--model", "llama-2-70b"]) == 2
+    assert "--config gives the model, topology and workload; drop --model" in capsys.readouterr().err

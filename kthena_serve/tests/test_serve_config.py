@@ -4,6 +4,7 @@ prints the plan, serves that same layout and answers a completion."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -167,6 +168,15 @@ def test_kthena_serve_config_prints_the_plan_serves_it_and_answers():
                            json={"model": "default", "prompt": "The capital of France is",
                                  "max_tokens": 4, "temperature": 0}).json()
         assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] > 0
+        report = httpx.get(f"{url}/plan", timeout=30).json()
+        assert report["served"] == {"tp": 1, "pp": 1, "dp": 1, "sp": 1, "mode": "colocated"}
+        printed = subprocess.run([sys.executable, "-m", "kthena_core.cli", "plan", "--config",
+                                  EXAMPLE, "--json", "--candidates", "3"], capture_output=True,
+                                 text=True, check=True, env=env)
+        assert report["plan"] == json.loads(printed.stdout)  # what kthena plan prints
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert ('kthena_deployment_info{dp="1",mode="colocated",pp="1",sp="1",tp="1"} 1.0'
+                in metrics), metrics
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -13,26 +13,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from kthena_core.config_plan import resolve_topology
 from kthena_core.known_models import load_model_spec
-from kthena_core.topology import Topology
-
-
-def resolve_topology(spec: str) -> Topology:
-    """'auto' (discover this machine), a YAML file, or a catalog node name with ':N' nodes."""
-    from kthena_core import topology as topo
-
-    if spec == "auto":
-        from kthena_core.discovery import discover
-
-        return discover()
-    if spec.endswith((".yaml", ".yml")):
-        return topo.Topology.from_yaml(spec)
-    name, _, count = spec.partition(":")
-    try:
-        num_nodes = int(count) if count else 1
-    except ValueError:
-        raise topo.TopologyError(f"--topology {spec!r}: node count {count!r} is not an integer") from None
-    return topo.from_catalog(name, num_nodes)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -40,6 +22,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kthena_core.report import format_calibration, format_plan
     from kthena_core.workload import Workload
 
+    if args.config:
+        return _cmd_plan_config(args)
     model = load_model_spec(args.model)
     topology = resolve_topology(args.topology)
     workload = Workload.parse(args.workload) if args.workload else Workload()
@@ -63,6 +47,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan_config(args: argparse.Namespace) -> int:
+    """``kthena plan --config FILE``: the plan ``kthena serve --config FILE`` serves."""
+    from kthena_core.config_plan import plan_config_file
+    from kthena_core.report import format_plan
+
+    given = [f"--{n}" for n in ("model", "topology", "workload", "mode", "objective", "calibrate")
+             if getattr(args, n) not in (None, "", "default", "auto")]
+    if given:
+        print(f"kthena plan: --config gives the model, topology and workload; drop "
+              f"{', '.join(given)}", file=sys.stderr)
+        return 2
+    _, _, plan = plan_config_file(args.config)
+    if args.json:
+        out = plan.to_dict(args.candidates)
+        out["calibration"] = None
+        print(json.dumps(out))
+    else:
+        print(format_plan(plan, args.candidates))
+    return 0
+
+
 def _cmd_topo(args: argparse.Namespace) -> int:
     from kthena_core.discovery import describe, discover_all
 
@@ -83,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="choose TP x PP x SP x DP for a model on a topology")
+    plan.add_argument("--config", default=None, metavar="FILE.yaml",
+                      help="plan a kthena_config.yaml exactly as `kthena serve --config` does "
+                           "(its model, cluster.topology and service sizes)")
     plan.add_argument("--model", default="default",
                       help="'default' (SmolLM2-135M-Instruct), a known name, a config.json, folder or .gguf")
     plan.add_argument("--topology", default="auto",

@@ -10,9 +10,13 @@ reasons instead of being served blind. SP is off (the config refuses
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-from kthena_core.config import ConfigError, KthenaConfig
+import attrs
+
+from kthena_core import topology as topo
+from kthena_core.config import ConfigError, KthenaConfig, load_config
 from kthena_core.cost_model import Layout
 from kthena_core.known_models import load_model_spec
 from kthena_core.model_spec import ModelSpec
@@ -20,7 +24,7 @@ from kthena_core.planner import Plan, Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
-__all__ = ["config_workload", "plan_config"]
+__all__ = ["config_workload", "plan_config", "plan_config_file", "resolve_topology"]
 
 
 class _PinnedPlanner(Planner):
@@ -69,3 +73,40 @@ def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None =
                 f"has {topology.num_devices}; lower the sizes, use strategy: auto, or name a "
                 "larger cluster.topology")
     return _PinnedPlanner(pinned).plan(model, topology, config_workload(cfg))
+
+
+def resolve_topology(spec: str) -> Topology:
+    """'auto' (discover this machine), a YAML file, or a catalog node name with ':N' nodes."""
+    if spec == "auto":
+        from kthena_core.discovery import discover
+
+        return discover()
+    if spec.endswith((".yaml", ".yml")):
+        return topo.Topology.from_yaml(spec)
+    name, _, count = spec.partition(":")
+    try:
+        num_nodes = int(count) if count else 1
+    except ValueError:
+        raise topo.TopologyError(f"--topology {spec!r}: node count {count!r} is not an integer") from None
+    return topo.from_catalog(name, num_nodes)
+
+
+def plan_config_file(path: str) -> tuple[KthenaConfig, Topology, Plan]:
+    """Load `path`, resolve its topology and plan it: what ``kthena plan --config`` prints and
+    ``kthena serve --config`` serves. A relative ``model.checkpoint_path`` or topology YAML is
+    relative to the config file.
+
+    Raises:
+        ConfigError, TopologyError, NoFeasiblePlanError: as their loaders and the planner.
+    """
+    cfg = load_config(path)
+    base = os.path.dirname(os.path.abspath(path))
+    checkpoint = cfg.model.checkpoint_path
+    if checkpoint != "default":
+        checkpoint = os.path.join(base, os.path.expanduser(checkpoint))
+        cfg = attrs.evolve(cfg, model=attrs.evolve(cfg.model, checkpoint_path=checkpoint))
+    spec = cfg.cluster.topology
+    if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
+        spec = os.path.join(base, spec)
+    topology = resolve_topology(spec)
+    return cfg, topology, plan_config(cfg, topology)

@@ -95,11 +95,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
-    from kthena_serve.serve_config import apply_config, served_layout
+    from kthena_serve.serve_config import apply_config, deployment_report, served_layout
 
     try:
         args.launcher_world = _launcher_world()
-        apply_config(args)
+        plan = apply_config(args)
         config = engine_config(args)
         args.api_key = _api_key(args)
         if args.stream_stall_timeout is not None and getattr(args, "mode", "") == "pd":
@@ -137,6 +137,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             serve_rank(config, launched)
             return 0
     print(f"kthena serve: serving layout {served_layout(args)}", flush=True)
+    args.deployment = deployment_report(args, plan)  # GET /plan (colocated, PD, DP)
     if getattr(args, "mode", "colocated") == "pd":
         from kthena_serve.pd.serve import run_pd
 
@@ -153,7 +154,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout
                                   or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases={args.model, "default"} - {name},
-                    api_key=args.api_key, public_metrics=args.public_metrics)
+                    api_key=args.api_key, public_metrics=args.public_metrics,
+                    deployment=args.deployment)
     publisher = _start_kv_events(kv_events, engine, app)
 
     def ready(port: int) -> None:

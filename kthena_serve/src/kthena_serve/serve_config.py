@@ -26,16 +26,16 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
 
 import attrs
 
 __all__ = ["OVERRIDABLE", "ServedLayout", "UnservablePlanError", "apply_config", "config_flags",
-           "check_servable", "mark_defaults", "served_layout"]
+           "check_servable", "deployment_report", "mark_defaults", "served_layout"]
 
 OVERRIDABLE = ("model", "dtype", "tp", "pp", "dp", "max_num_seqs", "block_size", "kv_cache_memory",
                "no_prefix_caching", "host", "port", "mode", "prefill", "decode")
+PLAN_CANDIDATES = 3  # runner-ups printed at start-up and carried in GET /plan
 _ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -88,6 +88,20 @@ def served_layout(args: argparse.Namespace) -> ServedLayout:
     if args.mode == "pd":
         return ServedLayout(args.tp, pp, args.prefill + args.decode, 1, "pd")
     return ServedLayout(args.tp, pp, getattr(args, "dp", 1), 1, "colocated")
+
+
+def deployment_report(args: argparse.Namespace, plan=None) -> dict:  # noqa: ANN001
+    """What GET /plan answers: the layout the flags serve, the plan (``kthena plan --config``'s
+    JSON) when a config chose them, and the config's path."""
+    served = attrs.asdict(served_layout(args))
+    return {"served": served, "plan": None if plan is None else _plan_json(plan),
+            "config": getattr(args, "config", None)}
+
+
+def _plan_json(plan) -> dict:  # noqa: ANN001
+    out = plan.to_dict(PLAN_CANDIDATES)
+    out["calibration"] = None
+    return out
 
 
 def check_servable(plan, topology, nnodes: int = 1,  # noqa: ANN001
@@ -176,23 +190,11 @@ def apply_config(args: argparse.Namespace):  # noqa: ANN201 - Plan | None
 
 
 def _plan(path: str, launcher_world: int = 1):  # noqa: ANN202
-    from kthena_core.cli import resolve_topology
-    from kthena_core.config import load_config
-    from kthena_core.config_plan import plan_config
+    from kthena_core.config_plan import plan_config_file
     from kthena_core.report import format_plan
 
-    cfg = load_config(path)
-    base = os.path.dirname(os.path.abspath(path))
-    checkpoint = cfg.model.checkpoint_path
-    if checkpoint != "default":  # relative to the YAML file, as load_config checked it
-        checkpoint = os.path.join(base, os.path.expanduser(checkpoint))
-        cfg = attrs.evolve(cfg, model=attrs.evolve(cfg.model, checkpoint_path=checkpoint))
-    spec = cfg.cluster.topology
-    if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
-        spec = os.path.join(base, spec)
-    topology = resolve_topology(spec)
-    plan = plan_config(cfg, topology)
-    print(format_plan(plan, 3), flush=True)
+    cfg, topology, plan = plan_config_file(path)
+    print(format_plan(plan, PLAN_CANDIDATES), flush=True)
     print(f"kthena serve: plan layout {plan_layout(plan)}", flush=True)
     check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
     return cfg, plan

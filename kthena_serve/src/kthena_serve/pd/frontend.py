@@ -201,7 +201,8 @@ class _Forward:
 
 
 def build_router_app(remote: RemoteEngine, *, model_name: str, aliases: set[str] | None = None,
-                     api_key: str | None = None, public_metrics: bool = False) -> FastAPI:
+                     api_key: str | None = None, public_metrics: bool = False,
+                     deployment: dict | None = None) -> FastAPI:
     """The OpenAI app over the cluster, plus ``GET /pd/workers``.
 
     Args:
@@ -210,7 +211,7 @@ def build_router_app(remote: RemoteEngine, *, model_name: str, aliases: set[str]
     from kthena_serve.server import build_app
 
     app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key,
-                    public_metrics=public_metrics)
+                    public_metrics=public_metrics, deployment=deployment)
     app.state.api.metrics.registry.register(_Forward(remote.router.metrics.registry))
 
     @app.get("/pd/workers")

@@ -88,7 +88,8 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
     app = build_router_app(remote, model_name=served_name,
                            aliases={config.model, "default"} - {served_name},
                            api_key=getattr(args, "api_key", None),
-                           public_metrics=getattr(args, "public_metrics", False))
+                           public_metrics=getattr(args, "public_metrics", False),
+                           deployment=getattr(args, "deployment", None))
 
     def ready(port: int) -> None:
         workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)

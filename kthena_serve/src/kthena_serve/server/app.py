@@ -3,6 +3,9 @@
     POST /v1/completions, /v1/chat/completions   (SSE when ``stream``; ends with [DONE])
     GET  /v1/models, /health, /metrics           (/metrics: kthena_* and vLLM's vllm:* names;
                                                   open with public_metrics, like /health)
+    GET  /plan                                   the layout served and the plan it came from
+                                                  (``kthena plan --config``'s JSON), also the
+                                                  labels of kthena_deployment_info in /metrics
     POST /tokenize, /detokenize                  (vLLM's; see ``tokenization``)
 
 Requests are validated, tokenised and length-checked before anything streams, so every bad
@@ -17,7 +20,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
@@ -279,7 +283,8 @@ def _in_band(error: Exception) -> dict:
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
               kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
-              public_metrics: bool = False) -> FastAPI:
+              public_metrics: bool = False, deployment: Mapping[str, Any] | None = None
+              ) -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -293,6 +298,10 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
             passes the one its control app's /metrics renders.
         public_metrics: /metrics needs no API key (``--public-metrics``: Prometheus and the
             Kthena router scrape without credentials).
+        deployment: what GET /plan answers: ``{"served": {tp, pp, dp, sp, mode}, "plan": the
+            planner's JSON or None, "config": the config file or None}`` (see
+            ``serve_config.deployment_report``); ``served`` also labels
+            ``kthena_deployment_info``. None: not known here (``served`` is null).
 
     Raises:
         ValueError: ``metrics`` was made for another served model name.
@@ -309,6 +318,14 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
+    report = dict(deployment or {"served": None, "plan": None, "config": None})
+    if report["served"] is not None:
+        api.metrics.set_deployment(report["served"])
+
+    @app.get("/plan")
+    async def plan() -> Response:
+        return JSONResponse(report)
+
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
 

@@ -13,9 +13,10 @@ rendered once, whichever path the request took.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kthena_serve.client import EngineStats
@@ -94,6 +95,13 @@ class ServerMetrics:
         self.hints = Counter("kthena_prefix_hints", "Client prefix hints (reuse_offset) and "
                              "whether token matching agreed with them", ["agreed"],
                              registry=self.registry)
+
+    def set_deployment(self, served: Mapping[str, object]) -> None:
+        """``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout this server runs."""
+        names = sorted(served)
+        info = Gauge("kthena_deployment_info", "The layout this server runs (labels), always 1",
+                     names, registry=self.registry)
+        info.labels(*(str(served[n]) for n in names)).set(1)
 
     def observe(self, out: RequestOutput, reuse_offset: int | None = None) -> None:
         """Record a finished request (under both names: the same samples feed both)."""
