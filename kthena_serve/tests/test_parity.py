@@ -183,11 +183,15 @@ def _engine_tokens(prompts, eos, **engine):
     from kthena_serve.llm import LLM
     from kthena_serve.sampling_params import SamplingParams
 
+    cores = os.sched_getaffinity(0)
     llm = LLM(dtype="float32", num_kv_blocks=128, **engine)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     finally:
         llm.engine.close()
+    # rank 0 pinned this process to one core; closing gives every core back, so the next
+    # engine's ranks are spread over the cores again instead of all landing on that one
+    assert os.sched_getaffinity(0) == cores
     return [list(o.token_ids) for o in outs]
 
 

@@ -281,6 +281,9 @@ class ParallelModelRunner:
             ValueError: ``ranks_from="env"`` without rank 0 of a tp x pp world.
         """
         self._config = self._fixed_pool_size(config)
+        # Rank 0 pins this process to one core and one thread; close() gives both back, so a
+        # later engine of this process spawns its ranks onto every core again.
+        self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
         self._workers: list[mp.process.BaseProcess] = []
         self._stage: _Stage | None = None
         if config.ranks_from == "env":
@@ -298,6 +301,8 @@ class ParallelModelRunner:
                                          check_peers=lambda: _check_workers(self._workers))
                 except BaseException:
                     self._stop_workers(grace_s=0)
+                    os.sched_setaffinity(0, self._saved[0])
+                    torch.set_num_threads(self._saved[1])
                     raise
         self.model, self.tokenizer = self._stage.model, self._stage.tokenizer
         self.block_size = config.block_size
@@ -369,3 +374,5 @@ class ParallelModelRunner:
         self._stop_workers()
         self._stage.close()
         self._stage = None
+        os.sched_setaffinity(0, self._saved[0])
+        torch.set_num_threads(self._saved[1])
