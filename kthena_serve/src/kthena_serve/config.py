@@ -158,8 +158,9 @@ class EngineConfig:
         tp: tensor-parallel degree (worker processes, one per core).
         pp: pipeline-parallel degree: the layers split into ``pp`` stages, each stage ``tp``
             processes; ``tp * pp`` processes in all (one per core where there are enough).
-        pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (sequences split
-            evenly), so stage s works on micro-batch m while stage s+1 works on m-1.
+        pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (runs of sequences
+            with near-equal tokens), so stage s works on micro-batch m while stage s+1 works on
+            m-1; default min(pp, step tokens / 64): small decode steps run whole.
         ranks_from: where ranks 1.. of a ``tp * pp > 1`` engine come from: ``"spawn"`` (this
             process starts them on this host) or ``"env"`` (a launcher such as ``kthena-run``
             started them, on one host or several, and set RANK / WORLD_SIZE / MASTER_ADDR /

@@ -12,9 +12,10 @@ its forwards.
 Global rank = pp_idx * tp + tp_idx (kthena_comm's layout order). Each stage holds its own
 layers (`PipelineStage`), each TP rank its own heads, and each rank its own KV pool for its own
 layers and heads with the same number of blocks, so the scheduler's block ids mean the same slots
-everywhere. A step is cut into up to ``pp`` micro-batches (or ``pp_microbatches``), contiguous
-runs of sequences with near-equal token counts: stage 0 sends micro-batch m and goes on to m+1
-while stage 1 computes m, so the stages overlap instead of waiting for the whole step.
+everywhere. A step is cut into micro-batches (``pp_microbatches``, or by default
+min(pp, tokens / MIN_MICROBATCH_TOKENS)), contiguous runs of sequences with near-equal token
+counts: stage 0 sends micro-batch m and goes on to m+1 while stage 1 computes m, so the stages
+overlap instead of waiting for the whole step.
 
 Ranks come from one of two places (``EngineConfig.ranks_from``):
 
@@ -46,9 +47,13 @@ from kthena_serve.model_runner import create_pool, kv_layout_for, sampled_logits
 from kthena_serve.scheduler import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
 
-__all__ = ["ParallelModelRunner", "serve_rank", "split_microbatches"]
+__all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_microbatches"]
 
 
+# Without pp_microbatches, a step is cut into min(pp, tokens / this) micro-batches: a forward
+# has a fixed cost (~17 ms for SmolLM2's 15-layer stage at batch 1 here) that splitting repeats,
+# so a small decode step runs whole (stages alternate) and a prefill-sized one is pipelined.
+MIN_MICROBATCH_TOKENS = 64
 _MASTER_ADDR = "127.0.0.1"  # spawn: every rank is on this host, nothing else needs the store
 
 
@@ -306,7 +311,7 @@ class ParallelModelRunner:
                     raise
         self.model, self.tokenizer = self._stage.model, self._stage.tokenizer
         self.block_size = config.block_size
-        self._parts = config.pp_microbatches or config.pp
+        self._parts = config.pp_microbatches
 
     def _start_workers(self, port: int) -> list[mp.process.BaseProcess]:
         context = mp.get_context("spawn")
@@ -358,8 +363,10 @@ class ParallelModelRunner:
         import torch.distributed as dist
 
         assert self._stage is not None
+        parts = self._parts or max(1, min(self._config.pp,
+                                          batch.num_tokens // MIN_MICROBATCH_TOKENS))
         micro = [build_inputs(part, self.block_size, self.device)
-                 for part in split_microbatches(batch, self._parts)]
+                 for part in split_microbatches(batch, parts)]
         dist.broadcast_object_list([micro], src=0)
         logits = self._stage.run(micro)
         return sampled_logits(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
