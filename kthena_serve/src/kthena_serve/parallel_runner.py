@@ -143,14 +143,14 @@ class _Stage:
                 pending.append(send(torch.stack(out), pp, self.next, async_op=True))
             elif stage.is_first:
                 logits.append(out)  # pp == 1: rank 0 computed them
-            elif self.tp_rank == 0:
-                pending.append(send(out, pp, self.head, async_op=True))
+            elif self.tp_rank == 0:  # the LM head's output was in the model dtype: exact
+                pending.append(send(out.to(dtype), pp, self.head, async_op=True))
         if stage.size > 1 and stage.is_first and self.tp_rank == 0:
             vocab = self.model.config.vocab_size
             for inputs in micro:
-                rows = torch.empty(len(inputs.attention.logits_indices), vocab)
+                rows = torch.empty(len(inputs.attention.logits_indices), vocab, dtype=dtype)
                 recv(rows, pp, self.groups.pp.ranks[-1])
-                logits.append(rows)
+                logits.append(rows.float())
         for handle in pending:
             handle.wait()
         return logits
