@@ -101,6 +101,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.launcher_world = _launcher_world()
         plan = apply_config(args)
         config = engine_config(args)
+        from kthena_serve.dp.serve import check_dp_flags
+
+        check_dp_flags(args)
         args.api_key = _api_key(args)
         if args.stream_stall_timeout is not None and getattr(args, "mode", "") == "pd":
             raise ValueError("--stream-stall-timeout applies to colocated serving; PD decode "
@@ -241,7 +244,7 @@ def _positive_seconds(text: str) -> float:
 
 # ---- kthena bench serve -------------------------------------------------------------------------
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point: add ``kthena bench serve`` and ``kthena bench soak`` (sharing ``kthena
+    """Entry point: add ``kthena bench serve``, ``soak`` and ``layouts`` (sharing ``kthena
     bench`` with other layers)."""
     bench = subparsers.choices.get("bench") or subparsers.add_parser(
         "bench", help="benchmarks (JSON on stdout)")
@@ -258,6 +261,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     parser.set_defaults(func=_cmd_bench_serve)
     _register_soak(children)
+    from kthena_serve.layout_bench import add_parser as add_layouts_parser
+
+    add_layouts_parser(children)  # kthena bench layouts
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

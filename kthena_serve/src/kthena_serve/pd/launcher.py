@@ -42,8 +42,8 @@ import attrs
 from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, new_secret
 from mooncake_kv import shared_pool_paths
 
-__all__ = ["PDLauncher", "ProcessLauncher", "WorkerSpec", "cleanup_shm", "share_cores",
-           "split_cores"]
+__all__ = ["PDLauncher", "ProcessLauncher", "WorkerProcess", "WorkerSpec", "cleanup_shm",
+           "share_cores", "split_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,9 @@ def cleanup_shm(pid: int) -> list[str]:
 
 
 @attrs.define
-class _Worker:
+class WorkerProcess:
+    """One worker: its spec, the port it listens on, its process (None while restarting)."""
+
     spec: WorkerSpec
     port: int = 0
     proc: subprocess.Popen | None = None
@@ -137,7 +139,7 @@ class ProcessLauncher:
         self.restart = restart
         self.on_restart = on_restart
         self.quiet = quiet
-        self.workers = {s.name: _Worker(s) for s in self.specs}
+        self.workers = {s.name: WorkerProcess(s) for s in self.specs}
         self.secret = new_secret()
         self._dir = tempfile.TemporaryDirectory(prefix=self.folder_prefix)
         self._stopping = threading.Event()
@@ -145,11 +147,11 @@ class ProcessLauncher:
         self._monitor: threading.Thread | None = None
 
     # ---- what subclasses say ------------------------------------------------------------------
-    def _command(self, worker: _Worker, ready: Path) -> list[str]:
+    def _command(self, worker: WorkerProcess, ready: Path) -> list[str]:
         """The command line that starts ``worker`` (it writes its port to ``ready``)."""
         raise NotImplementedError
 
-    def _environment(self, worker: _Worker) -> dict[str, str]:
+    def _environment(self, worker: WorkerProcess) -> dict[str, str]:
         """The worker's environment: this one, plus OpenMP settings and the secret."""
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                    OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
@@ -226,10 +228,10 @@ class ProcessLauncher:
         return pid
 
     # ---- internals ----------------------------------------------------------------------------
-    def _ready_file(self, worker: _Worker) -> Path:
+    def _ready_file(self, worker: WorkerProcess) -> Path:
         return Path(self._dir.name) / f"{worker.spec.name}.port"
 
-    def _spawn(self, worker: _Worker) -> None:
+    def _spawn(self, worker: WorkerProcess) -> None:
         ready = self._ready_file(worker)
         ready.unlink(missing_ok=True)
         cmd, env = self._command(worker, ready), self._environment(worker)
@@ -239,7 +241,7 @@ class ProcessLauncher:
                 raise RuntimeError(f"not starting {self.kind} {worker.spec.name}: stopping")
             worker.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
 
-    def _wait_ready(self, worker: _Worker, timeout_s: float) -> None:
+    def _wait_ready(self, worker: WorkerProcess, timeout_s: float) -> None:
         ready = self._ready_file(worker)
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
@@ -267,7 +269,7 @@ class ProcessLauncher:
                 if self.restart:
                     self._restart(worker)
 
-    def _restart(self, worker: _Worker) -> None:
+    def _restart(self, worker: WorkerProcess) -> None:
         worker.num_restarts += 1
         try:
             self._spawn(worker)  # same port: the router's URL stays valid
@@ -321,7 +323,7 @@ class PDLauncher(ProcessLauncher):
     def _host(self, name: str) -> str:
         return self.worker_hosts.get(name, self.host)
 
-    def _command(self, worker: _Worker, ready: Path) -> list[str]:
+    def _command(self, worker: WorkerProcess, ready: Path) -> list[str]:
         name = worker.spec.name
         cmd = [*self.worker_prefix.get(name, []), sys.executable, "-m",
                "kthena_serve.pd.worker", "--role", worker.spec.role,
@@ -338,7 +340,7 @@ class PDLauncher(ProcessLauncher):
             cmd.append("--public-metrics")
         return cmd
 
-    def _environment(self, worker: _Worker) -> dict[str, str]:
+    def _environment(self, worker: WorkerProcess) -> dict[str, str]:
         env = super()._environment(worker)
         if self.api_key:
             env["KTHENA_API_KEY"] = self.api_key

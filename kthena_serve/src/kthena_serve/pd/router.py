@@ -10,10 +10,17 @@
                        -> no prefill worker, the decode worker computes the prompt
 
 Cached-block counts come from a ``ClusterPrefixIndex`` fed by every worker's KV events, which
-the health loop polls (``/pd/state?since=seq``) with each worker's load. A worker that fails a
-poll or a request is marked down (no traffic) until a poll succeeds again; a restarted worker
-(new incarnation) is forgotten in the index and re-learned from its events. Every poll sends
-the deployment secret (pd/auth.py).
+the health loop polls (``/pd/state?since=seq``) with each worker's load.
+
+A worker that fails a poll or a request is marked down (no traffic) until a poll succeeds
+again; a restarted worker (new incarnation) is forgotten in the index and re-learned from its
+events. Every poll sends the deployment secret (pd/auth.py).
+
+``pick`` is the same score for workers that are whole engines (the data-parallel replicas of
+``kthena serve --dp``): prefix overlap, then load, then KV usage, ties to the worker picked
+least. There the router also counts what it sent and has not seen end (``done``), so load is
+current between polls, and with ``remember`` it records a prompt's blocks on the worker it
+picked at once, before that worker's events confirm them (or remove them, on eviction).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.events import event_from_json
 from kthena_serve.pd.metrics import PDMetrics
-from mooncake_kv import ClusterPrefixIndex, ExtraKeys
+from mooncake_kv import BlockStored, ClusterPrefixIndex, ExtraKeys
+from mooncake_kv.hashing import DEFAULT_HASH_ALGO
 
-__all__ = ["Decision", "Router", "WorkerState"]
+__all__ = ["Decision", "Pick", "Router", "WorkerState"]
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +57,14 @@ class WorkerState:
     kv: dict = attrs.field(factory=dict)
     stats: dict | None = None  # the worker's EngineStats as JSON (measured there)
     limits: dict | None = None  # a decode worker's EngineLimits as JSON
+    num_in_flight: int = 0  # requests ``pick`` sent here that have not been ``done`` yet
+    num_picked: int = 0  # times ``pick`` chose it (the tie-break)
 
     @property
     def load(self) -> int:
-        return self.num_running + self.num_waiting
+        """Running + waiting as last polled; at least what the router sent and saw no end of
+        (the poll lags by an interval)."""
+        return max(self.num_running + self.num_waiting, self.num_in_flight)
 
 
 @attrs.frozen
@@ -61,6 +73,13 @@ class Decision:
     prefill: WorkerState | None
     reason: str  # disaggregated | short_prompt | no_prefill_worker
     num_cached_blocks: int  # on the decode worker
+
+
+@attrs.frozen
+class Pick:
+    worker: WorkerState
+    num_cached_blocks: int  # leading blocks of the prompt the index has on it
+    reason: str  # prefix (it holds part of the prompt) | load
 
 
 class Router:
@@ -72,14 +91,18 @@ class Router:
         block_size: tokens per KV block, as on the workers.
         metrics: where router metrics go (default: a registry of its own).
         secret: the deployment secret sent on every poll (``PDLauncher.secret``).
+        state_path: the workers' state route (``/pd/state``; DP replicas: ``/dp/state``).
+        hash_algo: the workers' block-hash algorithm (``EngineConfig.hash_algorithm``).
     """
 
     def __init__(self, workers: list[tuple[str, str, str]], config: PDConfig, block_size: int,
-                 metrics: PDMetrics | None = None, *, secret: str | None = None) -> None:
+                 metrics: PDMetrics | None = None, *, secret: str | None = None,
+                 state_path: str = "/pd/state", hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.config = config
         self.block_size = block_size
         self.metrics = metrics or PDMetrics("router")
-        self.index = ClusterPrefixIndex(block_size)
+        self.state_path = state_path
+        self.index = ClusterPrefixIndex(block_size, hash_algo)
         self.workers = {name: WorkerState(name, role, url) for name, role, url in workers}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -109,7 +132,8 @@ class Router:
 
     def poll(self, worker: WorkerState) -> None:
         try:
-            reply = self._client.get(f"{worker.url}/pd/state", params={"since": worker.seq})
+            reply = self._client.get(f"{worker.url}{self.state_path}",
+                                    params={"since": worker.seq})
             reply.raise_for_status()
             state = reply.json()
         except (httpx.HTTPError, ValueError):
@@ -160,9 +184,8 @@ class Router:
             decodes, prefills = self.up("decode"), self.up("prefill")
             if not decodes:
                 raise LookupError("no decode worker is up")
-            salt = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
-            cached = self.index.match(prompt_ids, salt)
-            num_blocks = max(1, -(-len(prompt_ids) // self.block_size))
+            cached = self.index.match(prompt_ids, _salt(cache_salt))
+            num_blocks = self._num_blocks(prompt_ids)
             decode = max(decodes, key=lambda w: self._score(w, decodes, 0.0))
             decode_cached = cached.get(decode.name, 0)
             uncached = len(prompt_ids) - decode_cached * self.block_size
@@ -181,3 +204,45 @@ class Router:
         w = self.config.weights
         max_load = max(max(p.load for p in peers), 1)
         return w.overlap * overlap - w.load * worker.load / max_load - w.kv_usage * worker.kv_usage
+
+    def pick(self, role: str, prompt_ids: list[int], cache_salt: str | None = None, *,
+             remember: bool = False) -> Pick:
+        """The worker of ``role`` with the best score for a prompt (ties: the one picked least),
+        counted in flight until ``done``.
+
+        Args:
+            remember: record the prompt's full blocks as held by the chosen worker now (its
+                KV events confirm them, or remove them when it evicts them).
+
+        Raises:
+            LookupError: no worker of ``role`` is up.
+        """
+        with self._lock:
+            peers = self.up(role)
+            if not peers:
+                raise LookupError(f"no {role} worker is up")
+            hashes = self.index.hasher.hash_tokens(prompt_ids, _salt(cache_salt))
+            cached = self.index.match_hashes(hashes)
+            num_blocks = self._num_blocks(prompt_ids)
+            best = max(peers, key=lambda w: (
+                self._score(w, peers, cached.get(w.name, 0) / num_blocks), -w.num_picked))
+            best.num_picked += 1
+            best.num_in_flight += 1
+            if remember and hashes:
+                self.index.apply(best.name, BlockStored(tuple(hashes), None, (),
+                                                        self.block_size, ()))
+        num_cached = cached.get(best.name, 0)
+        return Pick(best, num_cached, "prefix" if num_cached else "load")
+
+    def done(self, name: str) -> None:
+        """A request ``pick`` sent to ``name`` has ended (finished, failed or cancelled)."""
+        with self._lock:
+            worker = self.workers[name]
+            worker.num_in_flight = max(0, worker.num_in_flight - 1)
+
+    def _num_blocks(self, prompt_ids: list[int]) -> int:
+        return max(1, -(-len(prompt_ids) // self.block_size))
+
+
+def _salt(cache_salt: str | None) -> ExtraKeys | None:
+    return ExtraKeys(cache_salt=cache_salt) if cache_salt else None

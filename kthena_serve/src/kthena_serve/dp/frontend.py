@@ -1,0 +1,329 @@
+"""The DP router's HTTP front: ``kthena serve``'s OpenAI API, each call passed to a replica.
+
+::
+
+    POST /v1/completions, /v1/chat/completions   tokenise the prompt (routing only), pick a
+                       replica (``Router.pick``: prefix, load, KV usage), send it the body as
+                       is, relay status, headers and body, SSE as it streams
+    GET /v1/models, POST /tokenize, /detokenize   the least-loaded replica answers
+    GET /health        200 while a replica is up, else 503 (never needs the key)
+    GET /metrics       the router's ``kthena_dp_*`` and every replica's metrics (dp/metrics.py)
+    GET /dp/replicas   each replica's state as the router sees it
+    GET /plan          the layout served (dp = the replicas) and the plan it came from
+
+Every response a replica gives carries ``x-kthena-replica: <name>``.
+
+**Tokenise here, not at a replica's /tokenize.** The router needs the prompt's tokens to look
+its blocks up. Its own tokenizer (the model's, through the same ``InputProcessor`` and chat
+template as the replicas, so the ids are the ones the replica will hash) costs tens of
+microseconds in Rust per prompt; a /tokenize call costs a loopback round trip and time on the
+event loop of a replica whose core is busy decoding, before the request can even be sent.
+
+**Forward the body, not token ids.** The replica validates the request with ``kthena
+serve``'s own app, so every 4xx body is the one ``kthena serve`` gives and every request field
+works as there; the price is tokenising each prompt twice. A body the router cannot read is
+routed by load, and the replica answers it with the 4xx.
+
+Failures: a replica that refuses the connection is marked down and the next best one gets the
+request (nothing was sent, so this is safe); one that fails after the request was sent is
+marked down and the client gets a 503 naming it (in a stream: an error event, then
+``[DONE]``); with no replica up, 503 says so. Client disconnects propagate: the upstream
+connection is closed and the replica aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kthena_serve.dp.launcher import ROLE
+from kthena_serve.dp.metrics import DPMetrics, merge_replica_metrics
+from kthena_serve.errors import InvalidRequestError
+from kthena_serve.input_processor import InputProcessor
+from kthena_serve.pd.auth import auth_headers
+from kthena_serve.pd.router import Pick, Router
+from kthena_serve.server import protocol as p
+from kthena_serve.server.errors import ApiError, error_body, error_response, install_handlers
+from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, public_paths
+from kthena_serve.server.shutdown import Drain, DrainMiddleware
+
+__all__ = ["REPLICA_HEADER", "DPFrontend", "build_dp_app", "routing_prompt"]
+
+REPLICA_HEADER = "x-kthena-replica"
+_PASSED_HEADERS = ("content-type", "cache-control", "retry-after")
+_DONE = b"data: [DONE]\n\n"
+_CHAT_PATH = "/v1/chat/completions"
+
+
+def routing_prompt(path: str, body: bytes, processor: InputProcessor,
+                   ) -> tuple[list[int], str | None]:
+    """The token ids and ``cache_salt`` a request is routed by: the chat template applied to
+    its messages, or its (first) completions prompt. ``([], None)`` for a body that is not a
+    valid request: it is routed by load, and the replica answers it with the 4xx."""
+    try:
+        if path == _CHAT_PATH:
+            chat = p.ChatCompletionRequest.model_validate_json(body)
+            return processor.encode_chat(chat.plain_messages()), chat.cache_salt
+        completion = p.CompletionRequest.model_validate_json(body)
+        prompt = completion.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]  # one request, one replica: the first prompt routes it
+        return processor.encode(prompt), completion.cache_salt
+    except (ValueError, TypeError, InvalidRequestError):  # pydantic's errors are ValueErrors
+        return [], None
+
+
+class DPFrontend:
+    """Picks a replica for each call and relays its answer (see module docs).
+
+    Args:
+        router: the started router over the replicas (role ``colocated``).
+        processor: the model's ``InputProcessor`` (tokenises for routing only).
+        secret: the deployment secret the replicas require.
+        remember: record a routed prompt's blocks on its replica at once (prefix caching on).
+    """
+
+    def __init__(self, router: Router, processor: InputProcessor, *, secret: str,
+                 remember: bool = True) -> None:
+        self.router = router
+        self.processor = processor
+        self.remember = remember
+        self.metrics = DPMetrics(router.workers)
+        self._headers = auth_headers(secret)
+        self._client: httpx.AsyncClient | None = None
+        self._closing: str | None = None  # set by abort_all: the server is shutting down
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:  # made on the server's event loop
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                headers=self._headers, trust_env=False)
+        return self._client
+
+    def abort_all(self, message: str) -> None:
+        """End every relayed stream at its next event with ``message`` (shutdown deadline)."""
+        self._closing = message
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ---- routes -------------------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        """A completions or chat call: routed by its prompt, counted by replica and reason."""
+        body = await request.body()
+        prompt_ids, salt = routing_prompt(request.url.path, body, self.processor)
+        return await self.forward(request, body, prompt_ids, salt, counted=True)
+
+    async def forward(self, request: Request, body: bytes, prompt_ids: Sequence[int] = (),
+                      cache_salt: str | None = None, *, counted: bool = False) -> Response:
+        """Send the call to the best replica that is up; relay its answer.
+
+        Raises:
+            ApiError: 503 no replica is up, or the chosen one failed after the call was sent;
+                499 the client left before the answer began.
+        """
+        for _ in range(len(self.router.workers)):
+            try:
+                pick = self.router.pick(ROLE, list(prompt_ids), cache_salt,
+                                        remember=counted and self.remember)
+            except LookupError:
+                break
+            name = pick.worker.name
+            try:
+                upstream = await _until_disconnect(request, self._send(pick, request, body))
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self._failed(name)  # nothing reached it: the next best replica may take it
+                continue
+            except httpx.TransportError as error:
+                self._failed(name)
+                raise ApiError(503, f"replica {name} failed before answering "
+                               f"({type(error).__name__}); retry the request") from None
+            except BaseException:
+                self.router.done(name)
+                raise
+            if counted:
+                self.metrics.routed.labels(name, pick.reason).inc()
+            return await self._relay(pick, upstream)
+        raise ApiError(503, self._none_up())
+
+    def health(self) -> Response:
+        num_up = len(self.router.up(ROLE))
+        if not num_up:
+            return error_response(503, self._none_up())
+        return JSONResponse({"status": "ok", "replicas_up": num_up,
+                             "replicas": len(self.router.workers)})
+
+    async def render_metrics(self) -> bytes:
+        """The router's families, then every replica's (those that answer), labelled."""
+        up = self.router.up(ROLE)
+        replies = await asyncio.gather(*(self._http().get(f"{w.url}/metrics", timeout=2.0)
+                                         for w in up), return_exceptions=True)
+        texts = {w.name: r.text for w, r in zip(up, replies, strict=True)
+                 if isinstance(r, httpx.Response) and r.status_code == 200}
+        return self.metrics.render() + merge_replica_metrics(texts)
+
+    def replicas(self) -> dict:
+        return {name: {"up": w.is_up, "load": w.load, "in_flight": w.num_in_flight,
+                       "num_running": w.num_running, "num_waiting": w.num_waiting,
+                       "kv_usage": w.kv_usage}
+                for name, w in sorted(self.router.workers.items())}
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _none_up(self) -> str:
+        return (f"no replica is up (all {len(self.router.workers)} failed a health check or a "
+                "request; the router keeps checking them): retry shortly")
+
+    def _failed(self, name: str) -> None:
+        self.router.done(name)
+        self.router.mark_down(name)
+        self.metrics.failures.labels(name).inc()
+
+    async def _send(self, pick: Pick, request: Request, body: bytes) -> httpx.Response:
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        upstream = self._http().build_request(request.method, pick.worker.url + request.url.path,
+                                              content=body, headers=headers,
+                                              params=request.query_params)
+        return await self._http().send(upstream, stream=True)
+
+    async def _relay(self, pick: Pick, upstream: httpx.Response) -> Response:
+        """The replica's answer as the client's: an SSE stream is relayed as it comes (the
+        router's ``done`` when it ends), anything else read whole."""
+        name = pick.worker.name
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
+        headers[REPLICA_HEADER] = name
+
+        async def release() -> None:
+            await upstream.aclose()
+            self.router.done(name)
+
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return _Relay(self._events(name, upstream), on_close=release,
+                          status_code=upstream.status_code, headers=headers)
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as error:
+            self._failed(name)
+            await upstream.aclose()
+            raise ApiError(503, f"replica {name} failed mid-answer ({type(error).__name__}); "
+                           "retry the request") from None
+        except BaseException:
+            await release()
+            raise
+        await release()
+        return Response(content, status_code=upstream.status_code, headers=headers)
+
+    async def _events(self, name: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """Whole SSE events (up to the last blank line), so an error can end the stream
+        cleanly after any of them."""
+        pending = b""
+        try:
+            async for chunk in upstream.aiter_bytes():
+                if self._closing is not None:
+                    yield _error_event(503, self._closing) + _DONE
+                    return
+                pending += chunk
+                cut = pending.rfind(b"\n\n") + 2
+                if cut >= 2:
+                    yield pending[:cut]
+                    pending = pending[cut:]
+        except httpx.TransportError as error:
+            self.router.mark_down(name)
+            self.metrics.failures.labels(name).inc()
+            yield _error_event(503, f"replica {name} failed mid-stream "
+                               f"({type(error).__name__}); retry the request") + _DONE
+
+
+def _error_event(status: int, message: str) -> bytes:
+    return f"data: {json.dumps(error_body(status, message))}\n\n".encode()
+
+
+class _Relay(StreamingResponse):
+    """A streamed answer whose ``on_close`` runs however it ends: finished, client gone, or
+    cancelled before the first byte (a generator's ``finally`` would not run if never started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
+                 status_code: int, headers: dict[str, str]) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _until_disconnect(request: Request, call: Awaitable[httpx.Response]) -> httpx.Response:
+    """Await the replica's answer (its headers), giving up if the client leaves first: a
+    non-streamed answer starts only once it is complete, and closing the upstream connection
+    is what makes the replica abort the request."""
+    task = asyncio.ensure_future(call)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                raise ApiError(499, "the client closed the request", code="client_closed")
+        return task.result()
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif not task.cancelled() and task.exception() is None:
+            await task.result().aclose()  # answered as we gave up: nobody reads it
+        raise
+
+
+def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metrics: bool = False,
+                 max_request_bytes: int = 1 << 20, deployment: Mapping[str, Any] | None = None,
+                 ) -> FastAPI:
+    """The router's app (routes in the module docs), with ``kthena serve``'s middleware: the
+    API key (every path but /health, and /metrics with ``public_metrics``), the body cap, and
+    draining on shutdown (``app.state.drain``, read by ``run_server``).
+
+    Args:
+        deployment: what GET /plan answers (``serve_config.deployment_report``); its
+            ``served`` layout also labels ``kthena_deployment_info``. None: not known.
+    """
+    app = FastAPI(title="kthena serve --dp", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = front
+    install_handlers(app)
+    report = dict(deployment or {"served": None, "plan": None, "config": None})
+    if report["served"] is not None:
+        front.metrics.set_deployment(report["served"])
+
+    @app.get("/plan")
+    async def plan() -> Response:
+        return JSONResponse(report)
+
+    app.post("/v1/completions")(front.generate)
+    app.post(_CHAT_PATH)(front.generate)
+
+    async def passed(request: Request) -> Response:
+        return await front.forward(request, await request.body())
+
+    app.get("/v1/models")(passed)
+    app.post("/tokenize")(passed)
+    app.post("/detokenize")(passed)
+    app.get("/health")(front.health)
+    app.get("/dp/replicas")(front.replicas)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await front.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key,
+                           open_paths=public_paths(public_metrics=public_metrics))
+    app.state.drain = Drain()  # outermost: a draining router refuses before anything else
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    return app

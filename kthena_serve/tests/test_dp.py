@@ -1,0 +1,487 @@
+"""``kthena serve --dp 2`` end to end, and the routing choice without processes.
+
+One real deployment (two replicas of the default model, a tiny KV pool, an API key) serves
+the process tests, in file order: greedy parity with one engine, spreading under load, prefix
+affinity, pass-through of errors and metrics, a killed replica, and SIGTERM last. A colocated
+engine in this process gives the reference tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.dp.frontend import REPLICA_HEADER, routing_prompt
+from kthena_serve.dp.launcher import ROLE, ReplicaLauncher, replica_specs
+from kthena_serve.dp.metrics import merge_replica_metrics
+from kthena_serve.dp.serve import check_dp_flags
+from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.router import Router
+from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.testing import default_tokenizer
+from mooncake_kv import BlockHasher, BlockStored
+
+API_KEY = "dp-test-key"
+FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--shutdown-timeout", "2"]
+TEXT = ("Data-parallel serving runs whole copies of the engine side by side, and a router in "
+        "front sends each request to the copy that already holds its prompt in cache. ")
+
+
+# ---- routing without processes ------------------------------------------------------------------
+def _router(num_replicas: int = 2, block_size: int = 4) -> Router:
+    workers = [(f"replica-{i}", ROLE, f"http://r{i}") for i in range(num_replicas)]
+    router = Router(workers, PDConfig(), block_size=block_size)
+    for worker in router.workers.values():
+        worker.is_up = True
+        router.index.add_instance(worker.name)
+    return router
+
+
+def _store(router: Router, name: str, tokens: list[int]) -> None:
+    hashes = BlockHasher(router.block_size).hash_tokens(tokens)
+    router.index.apply(name, BlockStored(tuple(hashes), None, (), router.block_size, ()))
+
+
+def test_pick_follows_the_prefix_then_spreads_by_load() -> None:
+    router = _router()
+    prompt = list(range(40))
+    _store(router, "replica-1", prompt[:32])
+    pick = router.pick(ROLE, prompt)
+    assert (pick.worker.name, pick.reason, pick.num_cached_blocks) == ("replica-1", "prefix", 8)
+    other = router.pick(ROLE, list(range(100, 120)))  # no prefix: replica-1 has one in flight
+    assert (other.worker.name, other.reason) == ("replica-0", "load")
+    third = router.pick(ROLE, list(range(200, 220)))  # equal load, equal picks: the first
+    assert third.worker.name == "replica-0"
+    assert [w.num_in_flight for w in router.workers.values()] == [2, 1]
+    for name in ("replica-1", "replica-0", "replica-0"):
+        router.done(name)
+    assert [w.num_in_flight for w in router.workers.values()] == [0, 0]
+
+
+def test_ties_alternate_and_load_beats_a_small_overlap() -> None:
+    router = _router()
+    names = []
+    for i in range(4):  # idle replicas: ties go to the one picked least
+        pick = router.pick(ROLE, [1000 + i])
+        router.done(pick.worker.name)
+        names.append(pick.worker.name)
+    assert names == ["replica-0", "replica-1", "replica-0", "replica-1"]
+    prompt = list(range(40))  # 10 blocks, 1 of them on replica-0 (score 0.1 - 0.5 < 0)
+    _store(router, "replica-0", prompt[:4])
+    router.workers["replica-0"].num_running = 3  # polled load counts as well as in-flight
+    assert router.pick(ROLE, prompt).worker.name == "replica-1"
+
+
+def test_remember_routes_a_repeated_prefix_before_any_kv_event() -> None:
+    router = _router()
+    prompt = list(range(64))
+    first = router.pick(ROLE, prompt, remember=True)
+    router.done(first.worker.name)  # without the prefix, the tie would go to the other one
+    again = router.pick(ROLE, prompt[:48] + [7, 7, 7, 7], remember=True)
+    assert again.worker.name == first.worker.name and again.reason == "prefix"
+    assert again.num_cached_blocks == 12
+    salted = router.pick(ROLE, prompt, "tenant-b")  # another salt shares no block
+    assert salted.reason == "load"
+
+
+def test_no_replica_up_is_a_lookup_error() -> None:
+    router = _router()
+    router.mark_down("replica-0")
+    assert router.pick(ROLE, [1, 2, 3]).worker.name == "replica-1"
+    router.mark_down("replica-1")
+    with pytest.raises(LookupError, match="no colocated worker is up"):
+        router.pick(ROLE, [1, 2, 3])
+
+
+def test_replica_cores_and_threads() -> None:
+    assert [s.cores for s in replica_specs([0, 1], 2)] == [(0,), (1,)]
+    assert [s.cores for s in replica_specs([3], 2)] == [(3,), (3,)]  # i % ncores
+    assert [s.cores for s in replica_specs([0, 1, 2, 3, 4], 2)] == [(0, 1, 2), (3, 4)]
+    assert [s.name for s in replica_specs([0], 3)] == ["replica-0", "replica-1", "replica-2"]
+    with pytest.raises(ValueError, match="at least one"):
+        replica_specs([0, 1], 0)
+    launcher = ReplicaLauncher({"tp": 2}, 2, "m", cores=[0, 1, 2, 3, 4, 5])
+    try:
+        worker = launcher.workers["replica-0"]
+        assert worker.spec.cores == (0, 1, 2) and launcher.threads_per_rank(worker) == 1
+        env = launcher._environment(worker)
+        assert env["OMP_NUM_THREADS"] == "1" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+        command = launcher._command(worker, Path("/tmp/ready"))
+        assert launcher.secret not in " ".join(command)  # the environment only
+        assert "--ranks" in command and command[command.index("--ranks") + 1] == "2"
+    finally:
+        launcher.stop()
+
+
+def test_routing_prompt_is_what_the_replica_hashes() -> None:
+    from kthena_serve.dp.serve import _routing_processor
+
+    processor = _routing_processor(EngineConfig())
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                       "cache_salt": "t"}).encode()
+    assert routing_prompt("/v1/chat/completions", body, processor) == (
+        processor.encode_chat([{"role": "user", "content": "Hi"}]), "t")
+    body = json.dumps({"model": "m", "prompt": ["first text", "second"]}).encode()
+    assert routing_prompt("/v1/completions", body, processor) == (
+        processor.encode("first text"), None)
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7]}).encode()
+    assert routing_prompt("/v1/completions", body, processor) == ([5, 6, 7], None)
+    for bad in (b"{not json", b'{"model": "m", "prompt": "x", "bogus": 1}', b"[]"):
+        assert routing_prompt("/v1/completions", bad, processor) == ([], None)
+
+
+def test_replica_metrics_merge_with_a_replica_label() -> None:
+    one = ('# HELP kthena_requests_total Finished\n# TYPE kthena_requests_total counter\n'
+           'kthena_requests_total{finish_reason="stop"} 3.0\n')
+    two = one.replace("3.0", "4.0")
+    text = merge_replica_metrics({"replica-0": one, "replica-1": two}).decode()
+    assert text.count("# TYPE kthena_requests_total counter") == 1
+    assert 'kthena_requests_total{finish_reason="stop",replica="replica-0"} 3.0' in text
+    assert 'kthena_requests_total{finish_reason="stop",replica="replica-1"} 4.0' in text
+    assert merge_replica_metrics({}) == b""
+
+
+def _flags(**values) -> argparse.Namespace:
+    return argparse.Namespace(**{"dp": 2, "mode": "colocated", "kv_events": None, **values})
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"dp": 0}, "--dp: must be at least 1"),
+    ({"mode": "pd"}, "--dp 2: not supported with --mode pd"),
+    ({"kv_events": "redis://127.0.0.1:6379"}, "--dp 2: not supported with --kv-events"),
+])
+def test_refused_flag_combinations(values: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_dp_flags(_flags(**values))
+    check_dp_flags(_flags(dp=1, mode="pd", kv_events="redis://x"))  # no --dp: nothing to check
+
+
+# ---- one real deployment ------------------------------------------------------------------------
+def _kthena(*args: str, api_key: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("KTHENA_API_KEY", None)
+    if api_key:
+        env["KTHENA_API_KEY"] = api_key
+    return subprocess.Popen([sys.executable, "-m", "kthena_core.cli", "serve", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Deployment:
+    """``kthena serve --dp 2`` in a subprocess; its output is read on a thread."""
+
+    def __init__(self) -> None:
+        self.proc = _kthena("--dp", "2", "--port", "0", *FLAGS, api_key=API_KEY)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        _wait_for(lambda: self.url is not None or self.proc.poll() is not None, 300,
+                  "the router's ready line")
+        assert self.url, "kthena serve --dp 2 exited:\n" + "".join(self.lines)
+        self.headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def url(self) -> str | None:
+        for line in self.lines:
+            match = re.search(r"on (http://\S+) \(replica", line)
+            if match:
+                return match.group(1)
+        return None
+
+    def replica_port(self, name: str) -> int:
+        ports = [re.search(rf"dp replica {name} on 127\.0\.0\.1:(\d+)", line)
+                 for line in self.lines]
+        return int([m for m in ports if m][-1].group(1))
+
+    def replica_pid(self, name: str) -> int | None:
+        for pid in _descendants(self.proc.pid):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"kthena_serve.dp.replica" in args and name.encode() in args and _alive(pid):
+                return pid
+        return None
+
+    def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=120,
+                          **kwargs)
+
+    def complete(self, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
+        body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, **extra}
+        return self.post("/v1/completions", body)
+
+    def replicas(self) -> dict:
+        return httpx.get(f"{self.url}/dp/replicas", headers=self.headers, timeout=10).json()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def dp():
+    deployment = Deployment()
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from kthena_serve.engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=8,
+                                                num_threads=1))
+    counter = iter(range(1 << 30))
+
+    def generate(ids: list[int], max_tokens: int) -> str:
+        engine.add_request(f"ref-{next(counter)}", ids,
+                           SamplingParams(temperature=0, max_tokens=max_tokens))
+        text = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.text if out.finished else text
+        return text
+
+    generate.processor = engine.processor
+    yield generate
+    engine.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_greedy_outputs_equal_one_engine(dp: Deployment, reference) -> None:  # noqa: ANN001
+    for i, prompt in enumerate(["The capital of France is", "Once upon a time, there",
+                                "def fibonacci(n):"]):
+        reply = dp.complete(prompt, max_tokens=12)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers[REPLICA_HEADER] in {"replica-0", "replica-1"}
+        expected = reference(reference.processor.encode(prompt), 12)
+        assert reply.json()["choices"][0]["text"] == expected, i
+    messages = [{"role": "user", "content": "What is the capital of Japan?"}]
+    chat = dp.post("/v1/chat/completions", {"model": "default", "messages": messages,
+                                            "max_tokens": 10, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    expected = reference(reference.processor.encode_chat(messages), 10)
+    assert chat.json()["choices"][0]["message"]["content"] == expected
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{dp.url}/v1/completions", json=body, headers=dp.headers,
+                      timeout=120) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == reference(reference.processor.encode("The capital of France is"), 12)
+
+
+def test_distinct_prompts_spread_across_replicas(dp: Deployment) -> None:
+    prompts = [f"Request number {i}: write a word." for i in range(8)]  # < 1 block each
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda text: dp.complete(text, max_tokens=16), prompts))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    served = [r.headers[REPLICA_HEADER] for r in replies]
+    assert set(served) == {"replica-0", "replica-1"}, served
+
+
+def test_a_client_that_leaves_ends_its_request_on_the_replica(dp: Deployment) -> None:
+    body = {"model": "default", "prompt": "Tell me a very long story about the sea.",
+            "max_tokens": 2800, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{dp.url}/v1/completions", json=body, headers=dp.headers,
+                      timeout=120) as stream:
+        served = stream.headers[REPLICA_HEADER]
+        events = 0
+        for line in stream.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # leave: closing the stream drops the connection
+    _wait_for(lambda: dp.replicas()[served]["in_flight"] == 0, 20, "the router to let go")
+    _wait_for(lambda: dp.replicas()[served]["num_running"] == 0, 20,  # 2800 tokens take longer
+              "the replica to abort the request")
+
+
+def test_shared_prefix_goes_to_the_replica_that_holds_it(dp: Deployment) -> None:
+    prefix = "Shared system prompt. " + TEXT * 3  # ~100 tokens: 6 full blocks of 16
+    first = dp.complete(prefix + "Question one?", max_tokens=4)
+    assert first.status_code == 200, first.text
+    holder = first.headers[REPLICA_HEADER]
+    before = metric(dp.metrics(), "kthena_dp_routed_requests_total", replica=holder,
+                    reason="prefix")
+    for question in ("Question two?", "Question three?", "Question four?"):
+        reply = dp.complete(prefix + question, max_tokens=4)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers[REPLICA_HEADER] == holder
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * 16
+    after = metric(dp.metrics(), "kthena_dp_routed_requests_total", replica=holder,
+                   reason="prefix")
+    assert after - before == 3
+
+
+def test_errors_models_tokenize_and_metrics_pass_through(dp: Deployment) -> None:
+    unknown = dp.complete("x", model="nope")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(f"{dp.url}/v1/completions", content=b"{not json", headers={
+        **dp.headers, "content-type": "application/json"}, timeout=30)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    assert dp.complete("x", max_tokens=0).status_code == 400
+    no_key = httpx.post(f"{dp.url}/v1/completions", json={"model": "default", "prompt": "x"},
+                        timeout=30)
+    assert no_key.status_code == 401
+    assert httpx.get(f"{dp.url}/health", timeout=10).json()["replicas_up"] == 2
+    models = httpx.get(f"{dp.url}/v1/models", headers=dp.headers, timeout=10).json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    tokens = dp.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert tokens.json()["tokens"] == default_tokenizer().encode("Hello world")
+    text = dp.post("/detokenize", {"tokens": tokens.json()["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    text = dp.metrics()
+    assert metric(text, "kthena_dp_replica_up") == 2
+    assert metric(text, "kthena_requests_total", replica="replica-0") > 0
+    assert metric(text, "kthena_requests_total", replica="replica-1") > 0
+    assert metric(text, "kthena_dp_routed_requests_total") >= 16
+    assert metric(text, "kthena_dp_replica_in_flight") == 0  # every relayed answer let go
+
+
+def test_replicas_take_only_the_deployment_secret(dp: Deployment) -> None:
+    port = dp.replica_port("replica-0")
+    direct = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{direct}/health", timeout=10).status_code == 200
+    for headers in ({}, dp.headers):  # the public key is not the replicas' secret
+        reply = httpx.post(f"{direct}/v1/completions", headers=headers, timeout=10,
+                           json={"model": "default", "prompt": "x"})
+        assert reply.status_code == 401
+    cmdline = Path(f"/proc/{dp.replica_pid('replica-0')}/cmdline").read_bytes()
+    assert b"KTHENA_PD_SECRET" not in cmdline and API_KEY.encode() not in cmdline
+
+
+def test_a_killed_replica_leaves_the_other_serving(dp: Deployment) -> None:
+    old = dp.replica_pid("replica-1")
+    os.kill(old, signal.SIGKILL)
+    _wait_for(lambda: not _alive(old), 30, "the killed replica to be reaped")
+    _wait_for(lambda: dp.replica_pid("replica-1") not in (None, old), 30, "its restart")
+    new = dp.replica_pid("replica-1")
+    os.kill(new, signal.SIGSTOP)  # held while loading: it cannot come back during the checks
+    try:
+        for i in range(3):
+            reply = dp.complete(f"After the kill, request {i}.", max_tokens=4)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers[REPLICA_HEADER] == "replica-0"
+        _wait_for(lambda: not dp.replicas()["replica-1"]["up"], 30, "replica-1 marked down")
+        assert metric(dp.metrics(), "kthena_dp_replica_up", replica="replica-1") == 0
+    finally:
+        os.kill(new, signal.SIGCONT)
+    _wait_for(lambda: dp.replicas()["replica-1"]["up"], 180, "replica-1 to be back")
+    back = dp.complete("Back again: a fresh prompt.", max_tokens=4)  # picked least: replica-1
+    assert back.status_code == 200 and back.headers[REPLICA_HEADER] == "replica-1"
+
+
+def test_all_replicas_down_is_a_clear_503() -> None:
+    """The front alone (no process), over a router whose replicas are all down."""
+    from fastapi.testclient import TestClient
+
+    from kthena_serve.dp.frontend import DPFrontend, build_dp_app
+    from kthena_serve.dp.serve import _routing_processor
+
+    router = _router()
+    router.mark_down("replica-0")
+    router.mark_down("replica-1")
+    served = {"tp": 1, "pp": 1, "dp": 2, "sp": 1, "mode": "colocated"}
+    app = build_dp_app(DPFrontend(router, _routing_processor(EngineConfig()), secret="s"),
+                       deployment={"served": served, "plan": None, "config": None})
+    with TestClient(app) as client:
+        reply = client.post("/v1/completions", json={"model": "default", "prompt": "x"})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert reply.json()["error"]["message"].startswith("no replica is up")
+        assert client.get("/health").status_code == 503
+        assert client.get("/plan").json()["served"] == served
+        text = client.get("/metrics").text
+        assert 'kthena_deployment_info{dp="2",mode="colocated",pp="1",sp="1",tp="1"} 1.0' in text
+        assert metric(text, "kthena_dp_replica_up") == 0
+
+
+def test_sigterm_stops_every_replica(dp: Deployment) -> None:
+    processes = _descendants(dp.proc.pid)
+    assert dp.replica_pid("replica-0") in processes and dp.replica_pid("replica-1") in processes
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(timeout=60) == 0
+    _wait_for(lambda: not any(_alive(pid) for pid in processes), 30, "no process left")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--dp", "0"], "kthena serve: --dp: must be at least 1"),
+    (["--dp", "2", "--mode", "pd"], "kthena serve: --dp 2: not supported with --mode pd"),
+    (["--dp", "2", "--kv-events", "redis://127.0.0.1:1", "--pod-name", "a.b"],
+     "kthena serve: --dp 2: not supported with --kv-events"),
+])
+def test_kthena_serve_refuses_bad_dp_flags(flags: list[str], message: str) -> None:
+    proc = _kthena(*flags, "--port", "0")
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # it is serving instead of refusing
+        out, _ = proc.communicate()
+    assert proc.returncode == 2, out
+    assert message in out
