@@ -188,7 +188,7 @@ def _engine_tokens(prompts, eos, **engine):
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     finally:
-        llm.engine.close()
+        llm.close()
     # rank 0 pinned this process to one core; closing gives every core back, so the next
     # engine's ranks are spread over the cores again instead of all landing on that one
     assert os.sched_getaffinity(0) == cores

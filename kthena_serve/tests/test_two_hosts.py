@@ -112,7 +112,7 @@ def test_pipeline_stages_on_two_hosts_serve_the_local_engines_tokens(tmp_path):
     try:
         local = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].text
     finally:
-        llm.engine.close()
+        llm.close()
     assert reply["body"]["choices"][0]["text"] == local
     # stage 0 -> stage 1 activations (12 steps of [tokens, 2, 576] fp32) crossed the veth link
     assert moved > 12 * 2 * 576 * 4, moved

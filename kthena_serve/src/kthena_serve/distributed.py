@@ -126,7 +126,7 @@ class DistributedModel:
     def close(self) -> None:
         """Stop the offline engine and its worker processes, if one was built (idempotent)."""
         if self._llm is not None:
-            self._llm.engine.close()  # LLM offers no close of its own
+            self._llm.close()
             self._llm = None
 
     def __enter__(self) -> DistributedModel:

@@ -64,6 +64,16 @@ class LLM:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    def close(self) -> None:
+        """Release the KV pool and stop any parallel ranks (``tp`` / ``pp`` > 1); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn: render the model's chat template and generate."""
         return self.generate(self.engine.processor.encode_chat(messages), params)[0]
