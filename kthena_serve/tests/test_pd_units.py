@@ -71,6 +71,18 @@ def test_router_prefers_overlap_then_load() -> None:
     assert router.choose(prompt).decode.name == "decode-1"
 
 
+def test_decode_pick_follows_the_prefix_unless_load_outweighs_it() -> None:
+    router = _router(pd_threshold_tokens=0)
+    history = list(range(48))  # a conversation's earlier turns, held by decode-1
+    _store(router, "decode-1", history)
+    turn = history + [900, 901, 902, 903]
+    decision = router.choose(turn)
+    assert decision.decode.name == "decode-1" and decision.num_cached_blocks == 12
+    router.workers["decode-1"].num_running = 8  # busy: load (w=0.5) outweighs 92 % overlap
+    router.config = PDConfig(pd_threshold_tokens=0, weights=RouterWeights(overlap=0.3, load=1))
+    assert router.choose(turn).decode.name == "decode-0"
+
+
 def test_decider_skips_short_uncached_part() -> None:
     router = _router(pd_threshold_tokens=16)
     prompt = list(range(40))

@@ -5,7 +5,8 @@
     score(prefill p) = w_overlap * cached_blocks(p) / prompt_blocks
                      - w_load    * (running + waiting)(p) / max over prefill workers
                      - w_kv      * kv_usage(p)
-    decode d         = argmin load, then KV usage (the same score with w_overlap = 0)
+    score(decode d)  = the same formula over decode workers: a returning conversation goes to
+                       the decode worker that holds its prefix unless load outweighs it
     decider          : uncached tokens (prompt - decode's cached prefix) < threshold
                        -> no prefill worker, the decode worker computes the prompt
 
@@ -186,7 +187,8 @@ class Router:
                 raise LookupError("no decode worker is up")
             cached = self.index.match(prompt_ids, _salt(cache_salt))
             num_blocks = self._num_blocks(prompt_ids)
-            decode = max(decodes, key=lambda w: self._score(w, decodes, 0.0))
+            decode = max(decodes, key=lambda w: self._score(
+                w, decodes, cached.get(w.name, 0) / num_blocks))
             decode_cached = cached.get(decode.name, 0)
             uncached = len(prompt_ids) - decode_cached * self.block_size
             if not prefills:
