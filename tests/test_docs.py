@@ -38,7 +38,7 @@ An HTML comment on the line right before a block changes what happens to it:
 
 Fixed default ports are replaced by free ones, so a developer's own server or job never
 collides with the test: a background block's port and ``127.0.0.1:8000`` in the page's later
-blocks (``--port N`` is added to ``kthena serve``), and torchrun's 29500 (``--master_port N``
+blocks (``--port N`` is added to ``kthena serve`` and to ``kthena-run ... serve``), and torchrun's 29500 (``--master_port N``
 is added to ``kthena-run``). Every script in docs/examples/ must be run by some block, and
 every YAML file there is loaded by its loader.
 
@@ -176,6 +176,8 @@ class PageRun:
         if self.port is None:
             return code
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{self.port}")
+        code = re.sub(r"(\bkthena-run\b[^\n#]*?\sserve\b)(?![^\n#]*--port)",
+                      lambda m: f"{m.group(1)} --port {self.port}", code)
         return re.sub(r"\bkthena serve\b(?![^\n#]*--port)", f"kthena serve --port {self.port}",
                       code)
 
