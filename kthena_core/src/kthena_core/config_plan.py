@@ -76,11 +76,17 @@ def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None =
 
 
 def resolve_topology(spec: str) -> Topology:
-    """'auto' (discover this machine), a YAML file, or a catalog node name with ':N' nodes."""
+    """'auto' (discover this machine), 'auto:cores' (this host's CPU, one device per core, as
+    ``kthena serve --tp/--pp/--dp`` pins one rank per core), a YAML file, or a catalog node name
+    with ':N' nodes."""
     if spec == "auto":
         from kthena_core.discovery import discover
 
         return discover()
+    if spec == "auto:cores":
+        from kthena_core.discovery import discover_cpu
+
+        return discover_cpu(per_core=True)
     if spec.endswith((".yaml", ".yml")):
         return topo.Topology.from_yaml(spec)
     name, _, count = spec.partition(":")

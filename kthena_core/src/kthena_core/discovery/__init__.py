@@ -117,18 +117,21 @@ class Discovery:
                 "using": self.best.source}
 
 
-def discover_all(*, per_numa: bool = False, use_torch: bool = True) -> Discovery:
-    """Run every probe (never raises). Ascend devices get NUMA affinities from the CPU facts."""
+def discover_all(*, per_numa: bool = False, per_core: bool = False,
+                 use_torch: bool = True) -> Discovery:
+    """Run every probe (never raises except for per_numa with per_core). Ascend devices get NUMA
+    affinities from the CPU facts. ``per_numa`` / ``per_core`` split the CPU host (cpu.py)."""
     facts = read_cpu_facts()
-    cpu = cpu_topology(facts, per_numa=per_numa)
+    cpu = cpu_topology(facts, per_numa=per_numa, per_core=per_core)
     npu = _guard("npu", lambda: discover_ascend(numa_cpus=numa_cpu_map(facts)))
     gpu = _guard("gpu", lambda: discover_nvidia(use_torch=use_torch))
     return Discovery(npu=npu, gpu=gpu, cpu=cpu)
 
 
-def discover(*, per_numa: bool = False, use_torch: bool = True) -> Topology:
-    """The best topology on this machine: Ascend NPUs, else NVIDIA GPUs, else the CPU host."""
-    return discover_all(per_numa=per_numa, use_torch=use_torch).best
+def discover(*, per_numa: bool = False, per_core: bool = False, use_torch: bool = True) -> Topology:
+    """The best topology on this machine: Ascend NPUs, else NVIDIA GPUs, else the CPU host (one
+    device, one per NUMA node with ``per_numa``, one per core with ``per_core``)."""
+    return discover_all(per_numa=per_numa, per_core=per_core, use_torch=use_torch).best
 
 
 def _guard(kind: str, probe: Any) -> Topology | NotPresent:

@@ -8,7 +8,8 @@ their CPUs and memory), /proc/meminfo and the cgroup memory limit (usable RAM), 
 The host becomes **one cpu device** by default. The CPU backend runs one process per host that
 uses every core through torch's intra-op threads, and splitting a small model across NUMA halves
 with gloo costs more than it saves. ``per_numa=True`` gives one device per NUMA node, which
-some experiments need.
+some experiments need. ``per_core=True`` gives one device per usable physical core, the way
+``kthena serve --tp/--pp/--dp`` places one rank per core, joined by gloo over loopback.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ __all__ = [
     "CpuFacts",
     "NumaNode",
     "NumactlInfo",
+    "GLOO_LOOPBACK_BW",
+    "GLOO_LOOPBACK_LATENCY",
     "cpu_topology",
     "discover_cpu",
     "parse_cpuinfo",
@@ -303,29 +306,52 @@ def read_cpu_facts(root: str | Path = "/", *, usable_cpus: set[int] | None = Non
 
 # -- topology -----------------------------------------------------------------------------------
 
+# Two ranks of one host, each pinned to its own core with one torch thread, talk through gloo's
+# TCP transport on the loopback interface (``kthena serve`` binds gloo to "lo"): every message
+# is a syscall plus a kernel copy through memory. Measured with the probe in
+# docs/bench_layouts.md ("Link figures"): 2 processes, torch 2.13 CPU, 6 runs on a 2-core
+# AMD EPYC (Zen 4) KVM guest at load 0.6-1.1, medians of 5 x 50 operations:
+#   all_reduce of one token's hidden state (576 x bf16)   1.44-2.06 ms
+#   all_reduce of 16 MiB                                  14-18 ms (0.9-1.2 GB/s)
+#   send, one way, 8 B                                    0.08-0.21 ms
+#   send, one way, 16 MiB                                 1.9-3.3 GB/s
+# The cost model charges a 2-rank all-reduce ``bytes / bw + 2 x latency`` and a pipeline hop
+# ``bytes / bw + latency``, with one figure of each per link. They are fitted to the all-reduce
+# (TP pays two per layer, 60 per decode step of a 30-layer model; a hop comes once or twice per
+# step), so a PP hop is overcharged by ~0.7 ms and ~2x in bandwidth.
+GLOO_LOOPBACK_LATENCY = 0.85e-3
+GLOO_LOOPBACK_BW = 1.0e9
 
-def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, name: str = "",
+
+def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = False, name: str = "",
                  source: str = "discovered:cpu") -> Topology:
-    """A single-node topology of the host: one cpu device, or one per NUMA node.
+    """A single-node topology of the host: one cpu device, one per NUMA node, or one per core.
 
     With ``per_numa``, each NUMA node gets the share of cores and the memory it holds, and the
     nodes are joined by "sys" links at half a node's memory bandwidth. That is a rough stand-in for
     UPI/QPI or the Kunpeng die interconnect; lscpu and numactl give no bandwidth.
+
+    With ``per_core``, see `_per_core_topology`.
+
+    Raises:
+        ValueError: both ``per_numa`` and ``per_core``.
     """
+    if per_numa and per_core:
+        raise ValueError("cpu_topology: choose per_numa or per_core, not both")
     label = name or (facts.model_name or "cpu host")
     nic = get_node("cpu-host")  # discovery cannot see the NIC speed; assume the catalog's host NIC
     net = {"inter_node_bw": nic.nic_bw, "inter_node_latency": nic.nic_latency}
+    if per_core:
+        return _per_core_topology(facts, label, source + ":per-core", net)
     if not per_numa or len(facts.numa_nodes) < 2:
-        spec = cpu_host_spec(facts.num_cores, facts.memory_bytes, flags=facts.flags, arch=facts.arch,
-                             clock_hz=facts.clock_hz, name="cpu-host", vendor=facts.vendor or "generic")
+        spec = _host_spec(facts, facts.num_cores, facts.memory_bytes, "cpu-host")
         numa = facts.numa_nodes[0].id if len(facts.numa_nodes) == 1 else None
         return Topology(devices=(Device(0, 0, 0, spec, numa_node=numa),), name=label, source=source, **net)
     devices, total_cpus = [], sum(len(n.cpus) for n in facts.numa_nodes)
     for i, node in enumerate(facts.numa_nodes):
         cores = max(1, round(facts.num_cores * len(node.cpus) / total_cpus))
         memory = node.memory_bytes or facts.memory_bytes // len(facts.numa_nodes)
-        spec = cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch, clock_hz=facts.clock_hz,
-                             name=f"cpu-numa{node.id}", vendor=facts.vendor or "generic")
+        spec = _host_spec(facts, cores, memory, f"cpu-numa{node.id}")
         devices.append(Device(i, 0, i, spec, numa_node=node.id))
     links = tuple(
         Link(a=a.index, b=b.index, kind="sys", latency=2e-6, via="NUMA",
@@ -335,10 +361,49 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, name: str = "",
     return Topology(devices=tuple(devices), links=links, name=label, source=source + ":per-numa", **net)
 
 
-def discover_cpu(*, per_numa: bool = False, root: str | Path = "/",
+def _host_spec(facts: CpuFacts, cores: int, memory: int, name: str, **figures: float):
+    return cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch, clock_hz=facts.clock_hz,
+                         name=name, vendor=facts.vendor or "generic", **figures)
+
+
+def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, float]) -> Topology:
+    """One device per usable physical core: the layout ``kthena serve`` runs with one rank per core.
+
+    Each core gets the figures that are honestly its own when every core works at once, which
+    is what a tp / pp / dp layout over all cores does:
+
+    * FLOP/s: one core's peak (clock x FLOP/cycle), so the devices sum to the host's.
+    * memory bandwidth: the host's figure divided by the cores. The cores share one memory bus,
+      and a rank that is decoding is bandwidth-bound; one core alone can pull more than its
+      share (a PP stage while the other stage waits), which this model does not credit. The
+      figure is cpu_host_spec's placeholder, not a measurement: calibrate it with a one-thread
+      ``kthena bench serve --threads 1`` (docs/bench_layouts.md).
+    * memory capacity: usable RAM divided by the cores (0, "unknown", stays 0).
+    * fabric: gloo over loopback (``GLOO_LOOPBACK_BW`` / ``GLOO_LOOPBACK_LATENCY``, measured),
+      as every core's ``link_bw`` / ``link_latency`` rather than n x (n - 1) / 2 explicit links:
+      every pair of cores has the same path, through the kernel and memory.
+
+    SMT siblings are one device: they share one core's FMA pipes. Cores are spread over the
+    NUMA nodes in proportion to the usable CPUs each node holds.
+    """
+    n = facts.num_cores
+    host = _host_spec(facts, n, facts.memory_bytes, "cpu-host")
+    core = _host_spec(facts, 1, facts.memory_bytes // n, "cpu-core", memory_bw=host.memory_bw / n)
+    core = attrs.evolve(
+        core, link_bw=GLOO_LOOPBACK_BW, link_latency=GLOO_LOOPBACK_LATENCY,
+        source=f"one of {n} cores: {core.source}; 1/{n} of the host's memory bandwidth and RAM; "
+               "fabric gloo over loopback (measured, see discovery/cpu.py)")
+    cpus = [(node.id, cpu) for node in facts.numa_nodes for cpu in node.cpus]
+    numa = [cpus[i * len(cpus) // n][0] if cpus else None for i in range(n)]
+    devices = tuple(Device(i, 0, i, core, numa_node=numa[i]) for i in range(n))
+    return Topology(devices=devices, name=f"{label} ({n} cores)", source=source, **net)
+
+
+def discover_cpu(*, per_numa: bool = False, per_core: bool = False, root: str | Path = "/",
                  usable_cpus: set[int] | None = None) -> Topology:
     """This host's CPU as a Topology (always succeeds; missing files just mean fewer facts)."""
-    return cpu_topology(read_cpu_facts(root, usable_cpus=usable_cpus), per_numa=per_numa)
+    return cpu_topology(read_cpu_facts(root, usable_cpus=usable_cpus), per_numa=per_numa,
+                        per_core=per_core)
 
 
 def numa_cpu_map(facts: CpuFacts) -> Mapping[int, tuple[int, ...]]:
