@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", default="default",
                       help="'default' (SmolLM2-135M-Instruct), a known name, a config.json, folder or .gguf")
     plan.add_argument("--topology", default="auto",
-                      help="'auto' (discover this machine), a YAML file, or a catalog node name[:nodes]")
+                      help="'auto' (discover this machine), 'auto:cores' (this host, one device "
+                           "per core, as kthena serve pins ranks), a YAML file, or a catalog "
+                           "node name[:nodes]")
     plan.add_argument("--workload", default="",
                       help="e.g. prompt_len=1024,output_len=256,concurrency=32,dtype=bf16,objective=latency")
     plan.add_argument("--mode", choices=("colocated", "pd"), help="override the workload's serving mode")
@@ -107,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     topo = sub.add_parser("topo", help="print what topology discovery sees")
-    topo.add_argument("--topology", default="auto", help="'auto', a YAML file or a catalog node name[:nodes]")
+    topo.add_argument("--topology", default="auto",
+                      help="'auto', 'auto:cores', a YAML file or a catalog node name[:nodes]")
     topo.add_argument("--json", action="store_true")
     topo.set_defaults(func=_cmd_topo)
 
