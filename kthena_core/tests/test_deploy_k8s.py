@@ -262,8 +262,25 @@ def test_pd_refuses_a_plan_with_tp_per_worker():
 def test_a_tp_group_larger_than_a_node_is_refused():
     data = {**LLAMA_ATLAS, "topology": None, "device": "ascend-910b3", "devices": 2,
             "num_nodes": 8}
-    with pytest.raises(DeployError, match=r"a TP group larger than a node's 2 device"):
+    with pytest.raises(DeployError, match=r"an engine larger than a node's 2 device"):
         render({k: v for k, v in data.items() if v is not None})
+
+
+def test_a_pipeline_inside_one_pod_is_served_with_pp_and_sized_for_its_ranks():
+    from kthena_core.config_plan import _PinnedPlanner
+    from kthena_core.cost_model import Layout
+
+    spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
+    dep = plan_deployment(spec, _PinnedPlanner(Layout(4, 2, 1)))
+    docs = render_manifests(dep)
+    check_against_crd(docs[0])
+    args = pods(docs[0])["serve"]["args"]
+    assert args[args.index("--tp") + 1] == "4" and args[args.index("--pp") + 1] == "2"
+    assert dep.num_devices_per_pod == 8 and dep.cpu == 8 * 4
+    with pytest.raises(DeployError, match=r"gives each worker TP2 x PP2"):
+        plan_deployment(load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
+                                          "pod_network": POD_NETWORK}),
+                        _PinnedPlanner(Layout(2, 2, 2)))
 
 
 def test_num_nodes_cannot_contradict_a_multi_node_topology_file(tmp_path):

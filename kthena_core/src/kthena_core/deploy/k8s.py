@@ -135,6 +135,7 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
             "serve", "--model", engine["model"], "--served-model-name", dep.spec.served_model_name,
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
+            *(["--pp", str(dep.pp)] if dep.pp > 1 else []),
             "--kv-cache-memory", engine["kv_cache_memory"],
             "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG]}
     compact = {"separators": (",", ":"), "sort_keys": True}

@@ -2,21 +2,22 @@
 
 ``plan_deployment`` runs `Planner.plan` on the spec's model, topology and workload and keeps
 its layout as is: one worker pod per replica (``dp`` of them), each running one engine over
-``tp`` devices. In PD mode the replicas are split into prefill and decode workers as the plan
+``tp x pp`` devices (``kthena serve --tp --pp``: its ranks are processes of the pod). In PD mode the replicas are split into prefill and decode workers as the plan
 splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
 
-It refuses a plan the serving engine cannot run, saying which key to change: pipeline or
-sequence parallelism (the engine runs TP only), a TP group larger than one node (TP ranks are
-processes of one pod), and in PD mode ``tp > 1`` (a PD decode worker holds one whole KV pool,
-which a prefill worker writes; ``kthena serve --mode pd`` refuses ``--tp > 1`` for the same
+It refuses a plan the serving engine cannot run, saying which key to change: sequence
+parallelism (the engine runs none), a tp x pp engine larger than one node (its ranks are
+processes of one pod; an engine over several hosts runs under ``kthena-run``, which these
+manifests do not start), and in PD mode ``tp`` or ``pp > 1`` (a PD decode worker holds one whole
+KV pool, which a prefill worker writes; ``kthena serve --mode pd`` refuses them for the same
 reason).
 
 Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
 
-* memory = the plan's per-device total (weights + KV + activations + reserve) x tp on a CPU;
-  on an accelerator, the worker's share of the weights (they pass through host memory while
-  loading) plus the plan's runtime reserve; rounded up to whole GiB.
-* cpu = 4 cores per TP rank (the engine's host threads; on a CPU, its compute threads).
+* memory = the plan's per-device total (weights + KV + activations + reserve) x tp x pp on a
+  CPU; on an accelerator, the worker's share of the weights (they pass through host memory
+  while loading) plus the plan's runtime reserve; rounded up to whole GiB.
+* cpu = 4 cores per rank (the engine's host threads; on a CPU, its compute threads).
 * the KV pool (``--kv-cache-memory``) and the running-sequence cap (``--max-num-seqs``) the
   plan sized the memory for.
 """
@@ -53,8 +54,8 @@ class Deployment:
     Attributes:
         num_groups: ModelServing replicas (ServingGroups): ``dp`` colocated, 1 in PD mode.
         roles: the roles of one group.
-        num_devices_per_pod: accelerators per worker pod (the plan's tp); 0 on a CPU.
-        kv_cache_bytes: KV pool per TP rank (the plan's per-device KV).
+        num_devices_per_pod: accelerators per worker pod (the plan's tp x pp); 0 on a CPU.
+        kv_cache_bytes: KV pool per rank (the plan's per-device KV).
         max_num_seqs: sequences one worker runs at once (what the plan sized KV for).
     """
 
@@ -74,6 +75,10 @@ class Deployment:
         return self.plan.tp_size
 
     @property
+    def pp(self) -> int:
+        return self.plan.pp_size
+
+    @property
     def engine_device(self) -> str:
         return ENGINE_DEVICE[self.device_kind]
 
@@ -83,7 +88,7 @@ class Deployment:
 
     @property
     def num_devices_per_pod(self) -> int:
-        return 0 if self.device_kind == "cpu" else self.tp
+        return 0 if self.device_kind == "cpu" else self.tp * self.pp
 
     def summary(self) -> str:
         """One line: model, nodes, mode, layout and roles."""
@@ -112,11 +117,11 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
         num_groups, roles = plan.dp_size, (Role("serve", 1),)
     mem = plan.chosen.memory
     assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
-    tp = plan.tp_size
-    host_bytes = mem.total * tp if kind == "cpu" else mem.weights * tp + mem.reserve
+    ranks = plan.tp_size * plan.pp_size
+    host_bytes = mem.total * ranks if kind == "cpu" else mem.weights * ranks + mem.reserve
     return Deployment(
         spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
-        roles=roles, cpu=spec.cpu or CPUS_PER_RANK * tp,
+        roles=roles, cpu=spec.cpu or CPUS_PER_RANK * ranks,
         memory=spec.memory or f"{math.ceil(host_bytes / GiB)}Gi",
         kv_cache_bytes=int(mem.kv_cache),
         max_num_seqs=math.ceil(spec.workload.concurrency / _decode_replicas(spec.workload,
@@ -134,25 +139,25 @@ def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
 
 def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
     lay = plan.chosen.layout
-    if lay.pp > 1 or lay.sp > 1:
-        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp}"
-                                    + (f" with SP{lay.sp}" if lay.sp > 1 else ""),
-                              "nodes where the plan needs no pipeline or sequence parallelism "
-                              "(the serving engine runs tensor parallelism only): larger "
-                              "devices or more of them per node")
+    if lay.sp > 1:
+        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp} with "
+                                    f"SP{lay.sp}",
+                              "nodes where the plan needs no sequence parallelism (the serving "
+                              "engine runs none): larger devices or more of them per node")
     per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
-    if lay.tp > per_node:
-        raise _topology_error(spec, f"gets the plan TP{lay.tp}, a TP group larger than a node's "
-                                    f"{per_node} device(s)",
-                              "nodes with at least as many devices as one TP group (a worker's "
-                              "TP ranks are processes of one pod)")
-    if spec.mode == "pd" and lay.tp > 1:
+    if lay.tp * lay.pp > per_node:
+        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp}, an engine larger "
+                                    f"than a node's {per_node} device(s)",
+                              "nodes with at least as many devices as one engine's tp x pp "
+                              "ranks (they are processes of one pod; an engine over several "
+                              "hosts runs under kthena-run, docs/deployment.md)")
+    if spec.mode == "pd" and (lay.tp > 1 or lay.pp > 1):
         raise DeployError(
-            f"mode: got 'pd', but the plan gives each worker TP{lay.tp} "
+            f"mode: got 'pd', but the plan gives each worker TP{lay.tp} x PP{lay.pp} "
             f"({spec.model.name} on {plan.topology_name}); allowed: 'pd' only where the plan "
-            "runs each worker at tp=1 (a PD decode worker holds one whole KV pool, which its "
-            "prefill worker writes; `kthena serve --mode pd` refuses --tp > 1 too). Use mode: "
-            "colocated for this model and topology.")
+            "runs each worker at tp=1 and pp=1 (a PD decode worker holds one whole KV pool, "
+            "which its prefill worker writes; `kthena serve --mode pd` refuses --tp and --pp > "
+            "1 too). Use mode: colocated for this model and topology.")
     if spec.workload.dtype not in _ENGINE_DTYPE:
         raise DeployError(f"workload.dtype: got {spec.workload.dtype!r}; allowed: "
                           f"{', '.join(_ENGINE_DTYPE)} (the dtypes the serving engine runs)")
