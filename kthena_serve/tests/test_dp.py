@@ -30,8 +30,8 @@ from kthena_serve.dp.metrics import merge_replica_metrics
 from kthena_serve.dp.serve import check_dp_flags
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.router import Router
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.testing import default_tokenizer
+from kthena_serve.soak import process_tree
+from kthena_serve.testing import default_tokenizer, greedy_text
 from mooncake_kv import BlockHasher, BlockStored
 
 API_KEY = "dp-test-key"
@@ -180,17 +180,7 @@ def _kthena(*args: str, api_key: str | None = None) -> subprocess.Popen:
 
 
 def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+    return set(process_tree(pid)[1:])
 
 
 def _alive(pid: int) -> bool:
@@ -288,16 +278,9 @@ def reference():
 
     engine = LLMEngine.from_config(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=8,
                                                 num_threads=1))
-    counter = iter(range(1 << 30))
 
     def generate(ids: list[int], max_tokens: int) -> str:
-        engine.add_request(f"ref-{next(counter)}", ids,
-                           SamplingParams(temperature=0, max_tokens=max_tokens))
-        text = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.text if out.finished else text
-        return text
+        return greedy_text(engine, ids, max_tokens)
 
     generate.processor = engine.processor
     yield generate

@@ -30,9 +30,8 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.kthena_proxy import decode_body, prefill_body, proxy
 from kthena_serve.pd.launcher import PDLauncher
-from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.serve_args import DEFAULT_MODEL_NAME
-from kthena_serve.testing import default_tokenizer
+from kthena_serve.testing import default_tokenizer, greedy_text
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"kv_pin_timeout_s": 8.0, "transfer_timeout_s": 30}
@@ -81,13 +80,7 @@ def colocated():
 
 
 def reference(engine, ids: list[int], max_tokens: int) -> str:  # noqa: ANN001
-    engine.add_request(f"ref-{time.monotonic_ns()}", ids,
-                       SamplingParams(temperature=0, max_tokens=max_tokens))
-    text = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.text if out.finished else text
-    return text
+    return greedy_text(engine, ids, max_tokens)
 
 
 def state(launcher: PDLauncher, name: str) -> dict:

@@ -8,7 +8,6 @@ as two hosts; that case is skipped, with the reason, where namespaces cannot be 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from _netns import two_host_network
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
-from kthena_serve.testing import default_tokenizer
+from kthena_serve.testing import default_tokenizer, greedy_text
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel (and libibverbs1) is missing")
 
@@ -40,15 +39,7 @@ def colocated():
 
 
 def reference(engine, ids: list[int], max_tokens: int = 8) -> str:  # noqa: ANN001
-    from kthena_serve.sampling_params import SamplingParams
-
-    engine.add_request(f"ref-{os.urandom(4).hex()}", ids,
-                       SamplingParams(temperature=0, max_tokens=max_tokens))
-    text = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.text if out.finished else text
-    return text
+    return greedy_text(engine, ids, max_tokens)
 
 
 def _metric(text: str, name: str) -> float:

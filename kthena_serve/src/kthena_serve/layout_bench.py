@@ -251,20 +251,9 @@ def format_table(result: Mapping[str, Any]) -> str:
 # ---- the server ---------------------------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc/*/stat)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree: list[int] = []
-    frontier = [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        tree += kids
-        frontier += kids
-    return tree
+    from kthena_serve.soak import process_tree
+
+    return process_tree(pid)[1:]
 
 
 def _alive(pid: int) -> bool:

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-__all__ = ["SoakOptions", "run_soak"]
+__all__ = ["SoakOptions", "process_tree", "run_soak"]
 
 RSS_PERIOD_S = 5.0
 IDLE_TIMEOUT_S = 30.0
@@ -338,7 +338,7 @@ class _ServerProcess:
             self.stderr.close()
 
 
-def _process_tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (PD: router + workers), from /proc/*/stat."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -356,7 +356,7 @@ def _process_tree(pid: int) -> list[int]:
 def _rss_mib(pid: int) -> tuple[float, int]:
     """Summed VmRSS of the process tree of ``pid`` and the number of processes in it."""
     total_kib, num_processes = 0, 0
-    for member in _process_tree(pid):
+    for member in process_tree(pid):
         try:
             status = Path(f"/proc/{member}/status").read_text()
         except OSError:

@@ -6,14 +6,17 @@ checkpoint. The tokenizer is the default checkpoint's (converted once, then cach
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 
-__all__ = ["default_tokenizer", "tiny_engine", "tiny_llama"]
+__all__ = ["default_tokenizer", "greedy_text", "tiny_engine", "tiny_llama"]
 
 _TOKENIZER = None
+_REFERENCE_IDS = itertools.count()
 
 
 def default_tokenizer():  # noqa: ANN201
@@ -24,6 +27,20 @@ def default_tokenizer():  # noqa: ANN201
 
         _TOKENIZER = Tokenizer.from_pretrained(resolve_checkpoint("default"))
     return _TOKENIZER
+
+
+def greedy_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8) -> str | None:
+    """Run one greedy request to completion on ``engine`` alone; its text (a reference to
+    compare a served answer with)."""
+    from kthena_serve.sampling_params import SamplingParams
+
+    engine.add_request(f"ref-{next(_REFERENCE_IDS)}", prompt_ids,
+                       SamplingParams(temperature=0, max_tokens=max_tokens))
+    text = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.text if out.finished else text
+    return text
 
 
 def tiny_llama(vocab_size: int = 49152, *, num_layers: int = 2, hidden_size: int = 64,
