@@ -50,6 +50,7 @@ from kthena_serve.input_processor import InputProcessor
 from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.router import Pick, Router
 from kthena_serve.server import protocol as p
+from kthena_serve.server.app import add_plan_route
 from kthena_serve.server.errors import ApiError, error_body, error_response, install_handlers
 from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, public_paths
 from kthena_serve.server.shutdown import Drain, DrainMiddleware
@@ -296,13 +297,7 @@ def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metric
     app = FastAPI(title="kthena serve --dp", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = front
     install_handlers(app)
-    report = dict(deployment or {"served": None, "plan": None, "config": None})
-    if report["served"] is not None:
-        front.metrics.set_deployment(report["served"])
-
-    @app.get("/plan")
-    async def plan() -> Response:
-        return JSONResponse(report)
+    add_plan_route(app, front.metrics, deployment)
 
     app.post("/v1/completions")(front.generate)
     app.post(_CHAT_PATH)(front.generate)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from kthena_serve.server.metrics import register_deployment_info
 
 __all__ = ["DPMetrics", "merge_replica_metrics"]
 
@@ -76,10 +78,7 @@ class DPMetrics:
 
     def set_deployment(self, served: Mapping[str, object]) -> None:
         """``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout this deployment runs."""
-        names = sorted(served)
-        info = Gauge("kthena_deployment_info", "The layout this server runs (labels), always 1",
-                     names, registry=self.registry)
-        info.labels(*(str(served[n]) for n in names)).set(1)
+        register_deployment_info(self.registry, served)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -280,6 +280,18 @@ def _in_band(error: Exception) -> dict:
     return error_body(500, "internal error while streaming; retry the request")
 
 
+def add_plan_route(app: FastAPI, metrics, deployment: Mapping[str, Any] | None) -> None:  # noqa: ANN001
+    """GET /plan answers ``deployment`` (see `build_app`); its ``served`` layout also labels
+    ``kthena_deployment_info`` in ``metrics`` (anything with ``set_deployment``)."""
+    report = dict(deployment or {"served": None, "plan": None, "config": None})
+    if report["served"] is not None:
+        metrics.set_deployment(report["served"])
+
+    @app.get("/plan")
+    async def plan() -> Response:
+        return JSONResponse(report)
+
+
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
               kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
@@ -318,13 +330,7 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
-    report = dict(deployment or {"served": None, "plan": None, "config": None})
-    if report["served"] is not None:
-        api.metrics.set_deployment(report["served"])
-
-    @app.get("/plan")
-    async def plan() -> Response:
-        return JSONResponse(report)
+    add_plan_route(app, api.metrics, deployment)
 
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)

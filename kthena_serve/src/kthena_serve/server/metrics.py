@@ -74,6 +74,14 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+def register_deployment_info(registry: CollectorRegistry, served: Mapping[str, object]) -> None:
+    """Add ``kthena_deployment_info`` with ``served``'s keys as labels, value 1, to ``registry``."""
+    names = sorted(served)
+    info = Gauge("kthena_deployment_info", "The layout this server runs (labels), always 1",
+                 names, registry=registry)
+    info.labels(*(str(served[n]) for n in names)).set(1)
+
+
 class ServerMetrics:
     """The metrics of one server (see module docs)."""
 
@@ -98,10 +106,7 @@ class ServerMetrics:
 
     def set_deployment(self, served: Mapping[str, object]) -> None:
         """``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout this server runs."""
-        names = sorted(served)
-        info = Gauge("kthena_deployment_info", "The layout this server runs (labels), always 1",
-                     names, registry=self.registry)
-        info.labels(*(str(served[n]) for n in names)).set(1)
+        register_deployment_info(self.registry, served)
 
     def observe(self, out: RequestOutput, reuse_offset: int | None = None) -> None:
         """Record a finished request (under both names: the same samples feed both)."""
