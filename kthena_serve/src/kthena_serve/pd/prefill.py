@@ -1,4 +1,4 @@
-"""Prefill executor: paged prefill of one request straight into a decode worker's blocks.
+"""Prefill executor: chunked paged prefills of several requests batched into one forward.
 
 Same host (``shm``): the decode worker's pool is a POSIX shared-memory file; this process maps
 it once (``KVPool.attach``) and the model's paged prefill writes each new token's K/V at
@@ -7,19 +7,40 @@ decode worker's cached prefix (``num_cached_tokens``) is read in place as attent
 so it is neither recomputed nor copied. Nothing but the first token goes back.
 
 Across hosts (``mooncake``): the prefill worker computes into its own pool, with its own prefix
-cache (a prefill-side hit skips those tokens), then ``transfer.put_blocks`` moves the blocks
-the decode worker lacks into its registered pool (see transfer.py).
+cache (a prefill-side hit skips those tokens), then ``put_blocks`` moves the blocks the decode
+worker lacks into its registered pool (see transfer.py).
 
-Behind the Kthena router (``run_owned``): the prefill comes first and names no decode worker,
-so the prompt goes into the own pool and its blocks stay held until a decode worker has pulled
-them (one-sided get) or a timeout passes (pins.py, prefill_api.py).
+Behind the Kthena router (``submit_owned``): the prefill comes first and names no decode
+worker, so the prompt goes into the own pool and its blocks stay held until a decode worker has
+pulled them (one-sided get) or a timeout passes (pins.py, prefill_api.py).
+
+Batching. Every prefill is a job in one FIFO queue, run by steps on the worker's single compute
+thread (the owner of the own pool's KV manager)::
+
+    step: pick    the oldest job's pool, then every queued job over that pool, oldest first,
+                  each with its next chunk, while max_num_batched_tokens and max_num_seqs last
+          run     one ModelRunner.execute(ScheduledBatch(chunks))   (the engine's runner)
+          finish  each job whose last chunk ran samples its first token and hands off alone:
+                  shm -> the result; owned -> commit, blocks held until ``free``;
+                  mooncake -> commit, then put + free on a hand-off thread (the next
+                  forward does not wait for the put)
+
+A job fails alone: its own-pool admission (pool full), its hand-off (put), or its
+cancellation (dropped at the next step boundary, its blocks freed) touch no batch-mate; only a
+failed forward fails the jobs in it. Each step is its own compute-thread call, so frees and
+other calls queued there run between steps. The batch is built here from ``ScheduledSeq``
+rather than by the engine's ``Scheduler``: the shm jobs' block tables come from the *decode*
+worker's scheduler, and no manager here owns them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -36,7 +57,18 @@ from mooncake_kv import ExtraKeys, KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["OwnedPrefill", "PrefillExecutor", "check_task"]
+__all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor",
+           "check_task"]
+
+PutBlocks = Callable[[Sequence[int], Sequence[int]], int]  # (own ids, decode ids) -> bytes
+
+
+class PrefillCancelled(Exception):
+    """The prefill was cancelled (``PrefillExecutor.cancel``) before it finished."""
+
+
+class ExecutorClosedError(RuntimeError):
+    """The executor is closing (the worker stops): no prefill is taken or finished."""
 
 
 @attrs.frozen
@@ -59,6 +91,26 @@ class _Row:
     output_token_ids: tuple[int, ...] = ()
 
 
+@attrs.define(eq=False)
+class _Job:
+    """One queued or running prefill (compute thread state, but ``cancelled``)."""
+
+    rid: str
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    runner: ModelRunner
+    finish: Callable[[_Job, int, TokenLogprobs | None], Any]  # -> the future's result
+    future: concurrent.futures.Future
+    block_ids: tuple[int, ...] | None = None  # None: own pool, not admitted yet
+    num_computed: int = 0  # tokens with KV (cached prefix included)
+    num_cached: int = 0
+    cache_salt: str | None = None
+    started: float | None = None
+    compute_s: float = 0.0
+    is_owned: bool = False  # computes into the own pool (blocks from the own KV manager)
+    cancelled: bool = False
+
+
 def check_task(task: PrefillTask) -> None:
     """Raise ValueError for a task whose block table cannot hold its prompt."""
     size = task.pool.block_size
@@ -73,24 +125,34 @@ def check_task(task: PrefillTask) -> None:
 
 
 class PrefillExecutor:
-    """Runs prefill tasks one at a time on the calling thread (the worker's compute thread).
+    """Runs prefill jobs in batched steps on its one compute thread (see the module docs).
 
     Args:
         model: the loaded model (same weights and dtype as the decode worker's).
-        config: block size, dtype and the chunk budget (``max_num_batched_tokens``); also the
-            size of this worker's own pool.
+        config: block size, dtype, the step budget (``max_num_batched_tokens``, and at most
+            ``max_num_seqs`` prompts per forward); also the size of this worker's own pool.
         own_pool: build a local pool and prefix cache (the cross-host path, and the prompts a
-            decode worker pulls: ``run_owned``); True makes a private pool, a callable
+            decode worker pulls: ``submit_owned``); True makes a private pool, a callable
             ``layout -> KVPool`` makes it where the caller wants (a served shm segment).
+        on_batch: called after every forward with (prompts in it, tokens computed): metrics.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
-                 own_pool: bool | Callable[[KVLayout], KVPool] = False) -> None:
+                 own_pool: bool | Callable[[KVLayout], KVPool] = False,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
         self.model = model
         self.config = config
         self.sampler = Sampler(config.device)
+        self.on_batch = on_batch
         self._attached: dict[str, ModelRunner] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the queue, the in-flight set, the attach table
+        self._queue: list[_Job] = []
+        self._in_flight: frozenset[str] = frozenset()
+        self._step_pending = False
+        self._num_handoffs = 0  # puts running (their blocks come back after them)
+        self._closing: str | None = None
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, "kthena-prefill")
+        self._handoff = concurrent.futures.ThreadPoolExecutor(4, "kthena-prefill-handoff")
         self.runner: ModelRunner | None = None
         self.kv: KVCacheManager | None = None
         self.num_steps = self.num_computed_tokens = 0  # reported in /pd/state
@@ -113,16 +175,97 @@ class PrefillExecutor:
         m = self.model
         return kv_layout_for(m.config.num_hidden_layers, m.num_kv_heads_per_rank, m.head_dim, cfg)
 
-    # ---- same host: compute into the decode worker's pool ---------------------------------------
-    def run_shared(self, task: PrefillTask) -> PrefillResult:
-        """Prefill into the decode pool named by ``task.pool.shm_name`` (zero copy)."""
+    def num_queued_running(self) -> tuple[int, int]:
+        """(jobs waiting for their first chunk, jobs with a chunk picked) (any thread)."""
+        with self._lock:
+            running = sum(j.started is not None for j in self._queue)
+            return len(self._queue) - running, running
+
+    # ---- submitting (any thread) ---------------------------------------------------------------
+    def submit_shared(self, task: PrefillTask) -> concurrent.futures.Future:
+        """Prefill into the decode pool named by ``task.pool.shm_name`` (zero copy).
+
+        Returns a future of the ``PrefillResult``. Raises ValueError for a bad task.
+        """
         check_task(task)
         runner = self._attach(task.pool)
-        start = time.perf_counter()
-        token, logprobs = self._compute(task, runner, task.block_ids, task.num_cached_tokens)
-        compute_s = time.perf_counter() - start
-        return PrefillResult(task.request_id, token, len(task.token_ids) - task.num_cached_tokens,
-                             compute_s, 0.0, 0, first_token_logprobs=logprobs)
+        return self._submit(_Job(task.request_id, tuple(task.token_ids),
+                                 params_from_json(task.params), runner, self._finish_shared,
+                                 concurrent.futures.Future(), tuple(task.block_ids),
+                                 task.num_cached_tokens, task.num_cached_tokens))
+
+    def submit_local(self, task: PrefillTask, put_blocks: PutBlocks) -> concurrent.futures.Future:
+        """Prefill into this worker's pool (own prefix cache), then ``put_blocks(src, dst)``.
+
+        ``put_blocks(src_block_ids, dst_block_ids) -> bytes`` moves the blocks the decode worker
+        does not hold yet (everything from ``task.num_cached_tokens`` on), as soon as this
+        request's prefill is done; its failure fails this request alone. Returns a future of
+        the ``PrefillResult``.
+        """
+        check_task(task)
+
+        def finish(job: _Job, token: int, logprobs: TokenLogprobs | None) -> PrefillResult:
+            return self._finish_local(job, token, logprobs, task, put_blocks)
+
+        return self._submit_owned(task.request_id, task.token_ids,
+                                  params_from_json(task.params), task.cache_salt, finish)
+
+    def submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> concurrent.futures.Future:
+        """Prefill into this worker's pool (its prefix cache honoured) and sample one token.
+
+        Returns a future of the ``OwnedPrefill``; it raises MemoryError when the pool has no
+        room for the prompt. The prompt's blocks stay held by ``rid`` (committed, so later
+        prompts can share them) until ``free(rid)``: a decode worker pulls them in between.
+        """
+        return self._submit_owned(rid, token_ids, params, cache_salt, self._finish_owned)
+
+    def _submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
+                      cache_salt: str | None, finish: Callable) -> concurrent.futures.Future:
+        assert self.kv is not None and self.runner is not None, "needs its own pool"
+        return self._submit(_Job(rid, tuple(token_ids), params, self.runner, finish,
+                                 concurrent.futures.Future(), cache_salt=cache_salt,
+                                 is_owned=True))
+
+    def _submit(self, job: _Job) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closing is not None:
+                raise ExecutorClosedError(self._closing)
+            if any(j.rid == job.rid for j in self._queue):
+                raise ValueError(f"request id {job.rid!r} is already being prefilled; "
+                                 "pick a unique id")
+            self._queue.append(job)
+            self._kick()
+        return job.future
+
+    def cancel(self, rid: str) -> bool:
+        """Drop ``rid`` at the next step boundary (its future raises ``PrefillCancelled``).
+
+        Returns True while a forward that writes its KV is running (ask again), False once
+        nothing of it runs any more (or it is not here): only then may its blocks be reused.
+        """
+        with self._lock:
+            for job in self._queue:
+                if job.rid == rid:
+                    job.cancelled = True
+                    if rid not in self._in_flight:
+                        self._kick()
+            return rid in self._in_flight
+
+    def call(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the compute thread, between steps (the own KV manager's owner)."""
+        return self._compute.submit(fn, *args)
+
+    def free(self, rid: str) -> None:
+        """Give back the blocks ``submit_owned`` left held (compute thread only: ``call``)."""
+        assert self.kv is not None
+        self.kv.free(rid)
+
+    def _free_handed_off(self, rid: str) -> None:
+        with self._lock:
+            self.free(rid)
+            self._num_handoffs -= 1
+            self._kick()  # a job may wait for these blocks
 
     def _attach(self, ref: PoolRef) -> ModelRunner:
         """A runner over the decode worker's shared pool (mapped once per pool name)."""
@@ -133,97 +276,196 @@ class PrefillExecutor:
             if runner is None:
                 layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype)
                 pool = KVPool.attach(KVPoolHandle(ref.shm_name, layout))
-                for old in self._attached.values():  # a restarted decode worker: new name
-                    old.close()  # unmaps; the creator owns (and unlinks) the name
                 runner = ModelRunner(self.model, pool)
-                self._attached = {ref.shm_name: runner}
+                in_use = {id(j.runner) for j in self._queue}
+                for name, old in list(self._attached.items()):  # a restarted decode worker
+                    if id(old) not in in_use:  # unmaps; the creator owns (and unlinks) the name
+                        old.close()
+                        del self._attached[name]
+                self._attached[ref.shm_name] = runner
             return runner
 
-    # ---- the forward passes --------------------------------------------------------------------
-    def _compute(self, task: PrefillTask, runner: ModelRunner, block_ids: tuple[int, ...],
-                 num_cached: int) -> tuple[int, TokenLogprobs | None]:
-        return self._forward(task.request_id, task.token_ids, params_from_json(task.params),
-                             runner, block_ids, num_cached)
+    # ---- one step (compute thread) -------------------------------------------------------------
+    def _kick(self) -> None:
+        """Queue a step on the compute thread unless one is queued (holding ``_lock``)."""
+        if self._queue and not self._step_pending and self._closing is None:
+            self._step_pending = True
+            self._compute.submit(self._step)
 
-    def _forward(self, rid: str, ids: Sequence[int], params: SamplingParams,
-                 runner: ModelRunner, block_ids: tuple[int, ...], num_cached: int,
-                 ) -> tuple[int, TokenLogprobs | None]:
-        """Chunked paged prefill of ``ids[num_cached:]``; returns the sampled token and, if the
-        request asked, its logprobs (from the logits it was sampled from)."""
-        ids, start = tuple(ids), num_cached
-        budget = self.config.max_num_batched_tokens
-        logits = None
-        while start < len(ids):
-            end = min(len(ids), start + budget)
-            seq = ScheduledSeq(rid, ids[start:end], start, tuple(block_ids), end == len(ids))
-            logits = runner.execute(ScheduledBatch((seq,)))
-            self.num_steps += 1
-            start = end
-        self.num_computed_tokens += len(ids) - num_cached
-        row = _Row(rid, params)
-        token = self.sampler(logits, [row])[0]
-        self.sampler.forget(rid)
-        return int(token), gather_logprobs(logits, [row], [token])[0]
-
-    # ---- into the own pool: the blocks stay held until free() --------------------------------
-    def run_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
-                  cache_salt: str | None = None) -> OwnedPrefill:
-        """Prefill into this worker's pool (its prefix cache honoured) and sample one token.
-
-        The prompt's blocks stay held by ``rid`` (committed, so later prompts can share them)
-        until ``free(rid)``: a decode worker pulls them in between. Compute thread only.
-
-        Raises:
-            MemoryError: the pool has no room for the prompt now.
-        """
-        assert self.kv is not None and self.runner is not None
-        salt = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
-        match = self.kv.match_prefix(rid, token_ids, salt)
+    def _step(self) -> None:
+        """Pick a batch, run one forward, finish the jobs whose last chunk ran."""
+        with self._lock:
+            self._step_pending = False
+            dropped = [j for j in self._queue if j.cancelled]
+            self._queue = [j for j in self._queue if not j.cancelled]
+        for job in dropped:
+            self._end(job, PrefillCancelled(f"prefill of {job.rid} was cancelled"))
+        seqs, jobs = self._pick()
         try:
-            blocks = self.kv.try_allocate(rid, len(token_ids) - match.num_cached_tokens)
-            if blocks is None:
-                raise MemoryError("the prefill worker's pool is full; retry or grow it")
-            start = time.perf_counter()
-            token, logprobs = self._forward(rid, token_ids, params, self.runner,
-                                            blocks.block_ids, match.num_cached_tokens)
-            compute_s = time.perf_counter() - start
-            self.kv.commit(rid, token_ids)
-        except BaseException:
-            self.kv.free(rid)
-            raise
-        return OwnedPrefill(token, logprobs, blocks.block_ids, match.num_cached_tokens,
-                            compute_s)
-
-    def free(self, rid: str) -> None:
-        """Give back the blocks ``run_owned`` left held (compute thread only)."""
-        assert self.kv is not None
-        self.kv.free(rid)
-
-    # ---- across hosts: compute into the own pool, then put ---------------------------------------
-    def run_local(self, task: PrefillTask, put_blocks) -> PrefillResult:  # noqa: ANN001
-        """Prefill into this worker's pool (own prefix cache), then ``put_blocks(src, dst)``.
-
-        ``put_blocks(src_block_ids, dst_block_ids) -> bytes`` moves the blocks the decode worker
-        does not hold yet (everything from ``task.num_cached_tokens`` on).
-        """
-        check_task(task)
-        rid = task.request_id
-        owned = self.run_owned(rid, task.token_ids, params_from_json(task.params),
-                               task.cache_salt)
-        try:
-            first = task.num_cached_tokens // task.pool.block_size
-            start = time.perf_counter()
-            num_bytes = put_blocks(owned.block_ids[first:], task.block_ids[first:])
-            handoff_s = time.perf_counter() - start
+            if seqs:
+                self._run(seqs, jobs)
         finally:
-            self.free(rid)
-        return PrefillResult(rid, owned.token_id, len(task.token_ids) - owned.num_cached_tokens,
-                             owned.compute_s, handoff_s, num_bytes, owned.num_cached_tokens,
-                             owned.logprobs)
+            with self._lock:
+                self._in_flight = frozenset()
+                if seqs or dropped:  # else every job waits for blocks: a free kicks again
+                    self._kick()
+
+    def _pick(self) -> tuple[list[ScheduledSeq], list[_Job]]:
+        """This step's chunks: jobs over the oldest job's pool, oldest first, to the budget."""
+        budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        seqs: list[ScheduledSeq] = []
+        jobs: list[_Job] = []
+        with self._lock:  # held throughout: a cancel sees either "in flight" or "dropped"
+            queue = [j for j in self._queue if not j.cancelled]
+            runner = queue[0].runner if queue else None
+            for job in queue:
+                if budget <= 0 or len(jobs) >= seats:
+                    break
+                if job.runner is not runner or (job.block_ids is None and not self._admit(job)):
+                    continue
+                end = min(len(job.token_ids), job.num_computed + budget)
+                seqs.append(ScheduledSeq(job.rid, job.token_ids[job.num_computed:end],
+                                         job.num_computed, job.block_ids,
+                                         end == len(job.token_ids)))
+                jobs.append(job)
+                job.started = job.started or time.perf_counter()  # running from now on
+                budget -= end - job.num_computed
+            self._in_flight = frozenset(j.rid for j in jobs)
+        return seqs, jobs
+
+    def _admit(self, job: _Job) -> bool:
+        """Match the own prefix cache and allocate the rest (holding ``_lock``).
+
+        A full pool fails the job alone, unless a batch-mate holds blocks it will give back:
+        then the job waits for a later step (one at a time it would have run after it).
+        """
+        assert self.kv is not None
+        salt = ExtraKeys(cache_salt=job.cache_salt) if job.cache_salt else None
+        match = self.kv.match_prefix(job.rid, job.token_ids, salt)
+        blocks = self.kv.try_allocate(job.rid, len(job.token_ids) - match.num_cached_tokens)
+        if blocks is None:
+            self.kv.free(job.rid)  # the match's references
+            if not self._num_handoffs and not any(j.is_owned and j.block_ids is not None
+                                                  for j in self._queue):
+                self._end(job, MemoryError("the prefill worker's pool is full; retry or "
+                                           "grow it"))
+            return False
+        job.block_ids, job.num_cached = blocks.block_ids, match.num_cached_tokens
+        job.num_computed = match.num_cached_tokens
+        return True
+
+    def _run(self, seqs: list[ScheduledSeq], jobs: list[_Job]) -> None:
+        start = time.perf_counter()
+        try:
+            logits = jobs[0].runner.execute(ScheduledBatch(tuple(seqs)))
+        except Exception as error:  # noqa: BLE001 - the forward's jobs fail, the worker goes on
+            for job in jobs:
+                self._end(job, error)
+            return
+        spent = time.perf_counter() - start
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        self.num_steps += 1
+        self.num_computed_tokens += num_tokens
+        if self.on_batch is not None:
+            self.on_batch(len(seqs), num_tokens)
+        row = 0
+        for seq, job in zip(seqs, jobs, strict=True):
+            job.compute_s += spent
+            job.num_computed += len(seq.token_ids)
+            if seq.is_sampled:
+                if not job.cancelled:  # a cancelled one is dropped at the next step
+                    self._complete(job, logits[row : row + 1])
+                row += 1
+
+    def _complete(self, job: _Job, logits: torch.Tensor) -> None:
+        """Sample the job's first token and hand it off; any failure is this job's alone."""
+        try:
+            sample = _Row(job.rid, job.params)
+            token = int(self.sampler(logits, [sample])[0])
+            logprobs = gather_logprobs(logits, [sample], [token])[0]
+            result = job.finish(job, token, logprobs)
+        except Exception as error:  # noqa: BLE001 - reported through its future
+            self._end(job, error)
+            return
+        finally:
+            self.sampler.forget(job.rid)
+        self._end(job, None, result)
+
+    def _end(self, job: _Job, error: BaseException | None, result: Any = None) -> None:
+        """Take the job off the queue and settle its future; a failed own-pool job frees."""
+        with self._lock:
+            if job in self._queue:
+                self._queue.remove(job)
+        if job.future.done():  # failed by close() meanwhile
+            return
+        if error is not None:
+            if job.is_owned and job.block_ids is not None:
+                self.free(job.rid)
+            job.future.set_exception(error)
+        elif isinstance(result, concurrent.futures.Future):  # a hand-off still running
+            result.add_done_callback(lambda done: _settle(job.future, done))
+        else:
+            job.future.set_result(result)
+
+    # ---- how each kind of job ends (compute thread) --------------------------------------------
+    def _finish_shared(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
+                       ) -> PrefillResult:
+        return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached, job.compute_s,
+                             0.0, 0, first_token_logprobs=logprobs)
+
+    def _finish_owned(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
+                      ) -> OwnedPrefill:
+        assert self.kv is not None and job.block_ids is not None
+        self.kv.commit(job.rid, job.token_ids)
+        return OwnedPrefill(token, logprobs, job.block_ids, job.num_cached, job.compute_s)
+
+    def _finish_local(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
+                      task: PrefillTask, put_blocks: PutBlocks) -> concurrent.futures.Future:
+        """Commit, then put the blocks the decode worker lacks on a hand-off thread (the next
+        forward does not wait for it) and free them (also when the put fails)."""
+        owned = self._finish_owned(job, token, logprobs)
+        job.block_ids = None  # the hand-off frees them from here on
+        first = task.num_cached_tokens // task.pool.block_size
+        with self._lock:
+            self._num_handoffs += 1
+
+        def handoff() -> PrefillResult:
+            start = time.perf_counter()
+            try:
+                num_bytes = put_blocks(owned.block_ids[first:], task.block_ids[first:])
+            finally:
+                with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # stopping
+                    self.call(self._free_handed_off, job.rid).result()
+            return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached,
+                                 job.compute_s, time.perf_counter() - start, num_bytes,
+                                 job.num_cached, logprobs)
+
+        return self._handoff.submit(handoff)
 
     def close(self) -> None:
+        """Fail what is queued, stop the compute thread, unmap and close the pools."""
+        with self._lock:
+            self._closing = "the prefill worker is stopping"
+            queue, self._queue = self._queue, []
+        for job in queue:
+            if not job.future.done():
+                job.future.set_exception(ExecutorClosedError(self._closing))
+        self._compute.shutdown(wait=True, cancel_futures=True)
+        self._handoff.shutdown(wait=True, cancel_futures=True)
         for runner in self._attached.values():
             runner.close()
         self._attached.clear()
         if self.runner is not None:
             self.runner.close()
+
+
+def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+    """Give ``future`` the outcome of ``done`` (a finished hand-off)."""
+    if future.done():
+        return
+    if done.cancelled():
+        future.set_exception(ExecutorClosedError("the prefill worker is stopping"))
+    elif done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(done.result())

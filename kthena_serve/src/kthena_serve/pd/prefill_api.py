@@ -9,8 +9,9 @@ so the Kthena router's ``nixl`` / ``mooncake`` connectors can call it as they ca
                                      and the answer carries kv_transfer_params naming them
     decode worker ─ POST /pd/kv/lease, one-sided get, POST /pd/kv/release ─▶ control port
 
-Every prefill runs on the worker's one compute thread (the owner of its KV manager), the same
-thread that serves ``/pd/prefill`` tasks. A prompt whose first token already ends it (EOS, a
+Every prefill is a job of the worker's ``PrefillExecutor``, batched with the other requests'
+prefills (these and the ``/pd/prefill`` tasks) on its one compute thread; each answers as soon
+as its own prefill is done. A prompt whose first token already ends it (EOS, a
 stop string) pins nothing: its answer carries ``kv_transfer_params: null`` and the decode
 worker simply computes it (vLLM's connectors hand over only length-capped prefills too).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -32,7 +32,7 @@ from kthena_serve.model import IncrementalDetokenizer
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.pd.kv_params import PARAM, KVAsk, parse_kv_params, prefill_reply, prompt_digest
 from kthena_serve.pd.pins import Pin, PinTable
-from kthena_serve.pd.prefill import OwnedPrefill, PrefillExecutor
+from kthena_serve.pd.prefill import ExecutorClosedError, OwnedPrefill, PrefillExecutor
 from kthena_serve.request import EngineRequest, FinishReason, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 
@@ -49,14 +49,13 @@ class PrefillEngine:
         executor: the worker's executor, with its own pool (``own_pool``).
         tokenizer: the model's tokenizer.
         config: the engine config (limits, chat special tokens).
-        compute: the worker's single compute thread.
         pins: where pinned prefills wait for their decode worker.
     """
 
     def __init__(self, executor: PrefillExecutor, tokenizer, config: EngineConfig,  # noqa: ANN001
-                 compute: concurrent.futures.ThreadPoolExecutor, pins: PinTable) -> None:
+                 pins: PinTable) -> None:
         assert executor.pool is not None and executor.kv is not None, "needs its own pool"
-        self.executor, self.tokenizer, self.compute, self.pins = executor, tokenizer, compute, pins
+        self.executor, self.tokenizer, self.pins = executor, tokenizer, pins
         model = executor.model.config
         num_blocks = executor.pool.layout.num_blocks
         max_len = min(config.max_model_len or model.max_position_embeddings,
@@ -65,8 +64,6 @@ class PrefillEngine:
             max_len, model.vocab_size, config.max_n, num_blocks, config.block_size),
             config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
-        self._lock = threading.Lock()
-        self.num_running = self.num_waiting = 0
         self._closing: str | None = None
 
     # ---- EngineClient: validation ----------------------------------------------------------------
@@ -116,8 +113,8 @@ class PrefillEngine:
 
     async def prefill(self, request: EngineRequest, *, pin: bool,
                       ) -> tuple[RequestOutput, Pin | None]:
-        """Run one prefill on the compute thread; with ``pin`` its blocks stay held (unless
-        the first token ends the request).
+        """Prefill one prompt (batched with the others); with ``pin`` its blocks stay held
+        (unless the first token ends the request), else they are freed.
 
         Raises:
             EngineDeadError: the worker is shutting down, or its pool has no room for the
@@ -125,55 +122,48 @@ class PrefillEngine:
         """
         if self._closing is not None:
             raise EngineDeadError(self._closing)
-        with self._lock:
-            self.num_waiting += 1
+        rid = request.request_id
         try:
-            future = self.compute.submit(self._run, request, pin)
-        except RuntimeError:  # the compute thread has shut down
-            with self._lock:
-                self.num_waiting -= 1
-            raise EngineDeadError("the prefill worker is stopping") from None
+            future = self.executor.submit_owned(rid, request.prompt_ids, request.params,
+                                                request.cache_salt)
+        except ExecutorClosedError as error:
+            raise EngineDeadError(str(error)) from None
         try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the client left: free what the prefill pins
-            future.add_done_callback(self._drop)
+            owned = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the client left: drop the job, or free what it holds
+            self.executor.cancel(rid)
+            future.add_done_callback(lambda done: self._drop(rid, done))
             raise
-
-    def _run(self, request: EngineRequest, pin: bool) -> tuple[RequestOutput, Pin | None]:
-        """On the compute thread (the KV manager's owner)."""
-        with self._lock:
-            self.num_waiting -= 1
-            self.num_running += 1
-        rid, prompt = request.request_id, request.prompt_ids
+        except MemoryError as error:
+            raise EngineDeadError(f"{error} ({len(self.pins)} prompts wait for their decode "
+                                  "worker)") from None
+        except ExecutorClosedError as error:  # closed while it waited
+            raise EngineDeadError(str(error)) from None
         try:
-            try:
-                owned = self.executor.run_owned(rid, prompt, request.params, request.cache_salt)
-            except MemoryError as error:
-                raise EngineDeadError(f"{error} ({len(self.pins)} prompts wait for their "
-                                      "decode worker)") from None
-            try:
-                out = self._output(request, owned)
-                if pin and out.finish_reason is FinishReason.LENGTH:
-                    logprobs = owned.logprobs.to_json() if owned.logprobs is not None else None
-                    return out, self.pins.add(rid, owned.block_ids, prompt_digest(prompt),
-                                              owned.token_id, logprobs)
-            except BaseException:
-                self.executor.free(rid)
-                raise
-            self.executor.free(rid)
-            return out, None
-        finally:
-            with self._lock:
-                self.num_running -= 1
+            out = self._output(request, owned)
+            if pin and out.finish_reason is FinishReason.LENGTH:
+                logprobs = owned.logprobs.to_json() if owned.logprobs is not None else None
+                return out, self.pins.add(rid, owned.block_ids, prompt_digest(request.prompt_ids),
+                                          owned.token_id, logprobs)
+        except BaseException:
+            self._free(rid)
+            raise
+        freed = self._free(rid)
+        if freed is not None:  # answered once the blocks are back (stats read right after)
+            await asyncio.wrap_future(freed)
+        return out, None
 
-    def _drop(self, future: concurrent.futures.Future) -> None:
-        if future.cancelled():  # never ran: it only waited
-            with self._lock:
-                self.num_waiting -= 1
-        elif future.exception() is None:
-            pin = future.result()[1]
-            if pin is not None:
-                self.pins.release(pin.transfer_id)
+    def _free(self, rid: str) -> concurrent.futures.Future | None:
+        """Free ``rid``'s blocks on the compute thread (None: it has shut down, pool too)."""
+        try:
+            return self.executor.call(self.executor.free, rid)
+        except RuntimeError:
+            return None
+
+    def _drop(self, rid: str, future: concurrent.futures.Future) -> None:
+        """A prefill whose client left finished anyway: give its blocks back."""
+        if not future.cancelled() and future.exception() is None:
+            self._free(rid)
 
     def _output(self, request: EngineRequest, owned: OwnedPrefill) -> RequestOutput:
         stream = OutputStream(IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
@@ -190,17 +180,20 @@ class PrefillEngine:
             logprobs=(owned.logprobs,) if wanted else None)
 
     def abort(self, request_id: str) -> None:
-        """A prefill runs to its end in one call; a request whose client left frees its pin."""
+        """Drop the request's prefill at the next step boundary (its batch-mates go on)."""
+        self.executor.cancel(request_id)
 
     def abort_all(self, message: str) -> None:
         """Refuse new prefills from now on (the worker is stopping)."""
         self._closing = message
 
     def stats(self) -> EngineStats:
-        """Forward passes and prompt tokens computed, the queue, the own pool's KV."""
+        """Forward passes and prompt tokens computed, every prefill queued or running (the
+        OpenAI routes' and the /pd/prefill tasks': one executor runs both), the own pool's KV."""
         ex = self.executor
-        return EngineStats(ex.num_steps, ex.num_computed_tokens, 0, 0, self.num_waiting,
-                           self.num_running, ex.kv.stats())
+        num_waiting, num_running = ex.num_queued_running()
+        return EngineStats(ex.num_steps, ex.num_computed_tokens, 0, 0, num_waiting,
+                           num_running, ex.kv.stats())
 
 
 class _PinnedPrefill:

@@ -27,14 +27,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, LOOPBACK_HOSTS, check_prefill_url
@@ -239,38 +237,6 @@ async def _ndjson(rid: str, stream, server_metrics: ServerMetrics):  # noqa: ANN
 
 
 # ---- prefill ----------------------------------------------------------------------------------
-class _Cancelled(Exception):
-    pass
-
-
-class _PrefillState:
-    """Which requests are queued or running on the compute thread (for /pd/cancel)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.queued: set[str] = set()
-        self.cancelled: set[str] = set()
-        self.running: str | None = None
-
-    def start(self, rid: str) -> None:
-        with self.lock:
-            self.queued.discard(rid)
-            if rid in self.cancelled:
-                self.cancelled.discard(rid)
-                raise _Cancelled(rid)
-            self.running = rid
-
-    def cancel(self, rid: str) -> bool:
-        """Drop ``rid`` if queued; True while it is being computed."""
-        with self.lock:
-            if self.running == rid:
-                return True
-            if rid in self.queued:
-                self.queued.discard(rid)
-                self.cancelled.add(rid)
-            return False
-
-
 def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                       mooncake_host: str | None = None, advertise_host: str = "127.0.0.1",
                       api_key: str | None = None, served_model_name: str | None = None,
@@ -292,59 +258,54 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     """
     from kthena_serve.model import load_model
     from kthena_serve.pd.pins import PinTable
-    from kthena_serve.pd.prefill import check_task
+    from kthena_serve.pd.prefill import PrefillCancelled
     from kthena_serve.pd.prefill_api import PrefillConnector, PrefillEngine
     from kthena_serve.threads import configure_threads
 
     configure_threads(config.num_threads)
     model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
-    executor, putter, kv_engine, kv_handle = _own_pool(model, config, pd, mooncake_host)
+    metrics = PDMetrics("prefill")
+    executor, putter, kv_engine, kv_handle = _own_pool(model, config, pd, mooncake_host,
+                                                       metrics.observe_batch)
     events = EventLog(executor.kv) if putter is not None else None  # shm: not for /pd/prefill
-    compute = ThreadPoolExecutor(1, thread_name_prefix="kthena-prefill")
 
     def free(pin) -> None:  # noqa: ANN001 - on the compute thread, the KV manager's owner
-        future = compute.submit(executor.free, pin.request_id)
+        future = executor.call(executor.free, pin.request_id)
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
             "freeing the pinned blocks of %s failed: %r", pin.request_id, f.exception()))
 
     pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, free)
     sweeper = _Sweeper(pins, max(0.02, min(0.2, pd.kv_pin_timeout_s / 4)))
-    engine = PrefillEngine(executor, tokenizer, config, compute, pins)
-    state = _PrefillState()
-    metrics = PDMetrics("prefill")
+    engine = PrefillEngine(executor, tokenizer, config, pins)
     incarnation = _incarnation()
     connector = PrefillConnector(engine, f"{name}-{incarnation}", advertise_host)
-    stats = _PrefillStats(engine, state)
+    stats = engine  # its stats count the /pd/prefill tasks too: one executor runs both
     server_metrics = ServerMetrics(stats, _served_name(config, served_model_name))
     app = _control_app(secret, public_metrics, signed_paths=DECODE_TO_PREFILL_PATHS)
     app.state.on_port = connector.set_port
     _common_routes(app, lambda: server_metrics.render() + metrics.render(), lambda: True)
 
-    def run(task: PrefillTask):  # noqa: ANN202 - on the compute thread
-        state.start(task.request_id)
-        try:
-            if putter is None:
-                return executor.run_shared(task)
-            layout = executor.layout_for(task.pool.num_blocks, task.pool.block_size,
-                                         task.pool.dtype)
-            return executor.run_local(task, lambda src, dst: putter.put(
-                task.pool.mooncake_handle, layout, src, dst))
-        finally:
-            with state.lock:
-                state.running = None
+    def submit(task: PrefillTask):  # noqa: ANN202 - a future of the PrefillResult
+        if putter is None:
+            return executor.submit_shared(task)
+        layout = executor.layout_for(task.pool.num_blocks, task.pool.block_size,
+                                     task.pool.dtype)
+        return executor.submit_local(task, lambda src, dst: putter.put(
+            task.pool.mooncake_handle, layout, src, dst))
 
     @app.post("/pd/prefill")
     async def prefill(request: Request) -> Response:
         try:
             task = PrefillTask.from_json(await request.json())
-            check_task(task)
+            future = submit(task)  # batched with the others' prefills (prefill.py)
         except (TypeError, ValueError, KeyError) as error:
             return JSONResponse(error_body(400, f"bad prefill task: {error}"), status_code=400)
-        with state.lock:
-            state.queued.add(task.request_id)
+        except Exception as error:  # noqa: BLE001 - the decode side applies its policy
+            return JSONResponse(error_body(503, f"prefill failed: {type(error).__name__}: "
+                                           f"{error}"), status_code=503)
         try:
-            result = await asyncio.wrap_future(compute.submit(run, task))
-        except _Cancelled:
+            result = await asyncio.wrap_future(future)
+        except PrefillCancelled:
             return JSONResponse(error_body(409, "cancelled"), status_code=409)
         except Exception as error:  # noqa: BLE001 - the decode side applies its policy
             return JSONResponse(error_body(503, f"prefill failed: {type(error).__name__}: "
@@ -357,7 +318,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     @app.post("/pd/cancel")
     async def cancel(request: Request) -> dict:
         rid = (await request.json())["request_id"]
-        return {"busy": state.cancel(rid)}
+        return {"busy": executor.cancel(rid)}
 
     _kv_routes(app, connector, pins, kv_engine.backend, kv_handle, executor.pool.layout)
 
@@ -376,43 +337,22 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         engine.abort_all("the prefill worker is stopping")
         sweeper.stop()
         pins.clear()
-        compute.shutdown(wait=True, cancel_futures=True)
-        executor.close()  # the own pool first: the segment under it goes with the engine
+        executor.close()  # its compute thread, then the own pool: the segment goes with the engine
         kv_engine.close()
 
     openai = _openai_app(engine, config, connector, api_key, server_metrics)
     return _OnePort(app, openai), close
 
 
-class _PrefillStats:
-    """A prefill worker's ``EngineStats``: what /pd/state reports and /metrics exports.
-
-    ``PrefillEngine.stats()`` counts only the OpenAI routes' queue; the router's /pd/prefill
-    tasks queue on the same compute thread, so both are added here. Counters (forward passes,
-    prompt tokens computed) are the executor's, which both paths run on. The first token it
-    samples is counted by the decode worker, which streams it (0 generated tokens here).
-    """
-
-    def __init__(self, engine, state: _PrefillState) -> None:  # noqa: ANN001
-        self.engine, self.state = engine, state
-
-    def stats(self) -> EngineStats:
-        own = self.engine.stats()
-        with self.state.lock:
-            running = int(self.state.running is not None) + own.num_running
-            waiting = len(self.state.queued) + own.num_waiting
-        return attrs.evolve(own, num_waiting=waiting, num_running=running)
-
-
 def _own_pool(model, config: EngineConfig, pd: PDConfig,  # noqa: ANN001, ANN202
-              mooncake_host: str | None):
+              mooncake_host: str | None, on_batch):
     """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
     private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
 
     if pd.transport is Transport.MOONCAKE:
-        executor = PrefillExecutor(model, config, own_pool=True)
+        executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch)
         putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
         return executor, putter, putter.engine, putter.local
     engine = shm_engine(pd.transfer_timeout_s)
@@ -423,7 +363,8 @@ def _own_pool(model, config: EngineConfig, pd: PDConfig,  # noqa: ANN001, ANN202
         handles.append(handle)
         return pool
 
-    return PrefillExecutor(model, config, own_pool=in_segment), None, engine, handles[0]
+    executor = PrefillExecutor(model, config, own_pool=in_segment, on_batch=on_batch)
+    return executor, None, engine, handles[0]
 
 
 class _Sweeper:

@@ -1,0 +1,238 @@
+"""Batched PD prefill: several requests' chunks in one forward, each handed off on its own.
+
+A decode ``LLMEngine`` over a shared-memory pool (the decode worker's) reserves the blocks,
+the prefill worker's ``PrefillExecutor`` fills them (zero copy over shm, or its own pool and a
+Mooncake put over 127.0.0.1), and the decode engine admits and decodes. The default model,
+greedy, a 64-block pool on each side, a 256-token step budget: the three prompts (150, 140
+and 120 tokens) take two forwards batched, three one at a time.
+
+The compute thread is held on an event while the jobs are queued, so which chunks share a
+forward is fixed, not a matter of timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import attrs
+import pytest
+
+from kthena_comm.errors import TransferError
+from kthena_serve.config import EngineConfig
+from kthena_serve.engine import LLMEngine
+from kthena_serve.model import load_model
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
+from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.prefill import PrefillCancelled, PrefillExecutor
+from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
+from kthena_serve.pd.transfer import BlockPutter, register_pool
+from kthena_serve.sampling_params import SamplingParams
+
+BUDGET = 256
+LENGTHS = (150, 140, 120)  # one forward: 150 + 106 of the second; the next: 34 + 120
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+TEXT = ("Chunked prefill splits a long prompt into pieces that fit the step's token budget, so "
+        "several prompts can share one forward pass while each keeps its own block table. ")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def decode(model):  # noqa: ANN001
+    """The decode worker's engine: its pool in shared memory, as PD runs it."""
+    net, tokenizer = model
+    config = EngineConfig(num_kv_blocks=64, max_num_seqs=8)
+    layout = kv_layout_for(net.config.num_hidden_layers, net.num_kv_heads_per_rank,
+                           net.head_dim, config)
+    engine = LLMEngine(config, ModelRunner(net, create_pool(layout, config, shared=True)),
+                       tokenizer)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(model):  # noqa: ANN001
+    """The prefill worker's executor (its own pool for the Mooncake path) and its metrics."""
+    metrics = PDMetrics("prefill")
+    config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=BUDGET)
+    executor = PrefillExecutor(model[0], config, own_pool=True, on_batch=metrics.observe_batch)
+    yield executor, metrics
+    executor.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:  # noqa: ANN001
+    ids = model[1].encode(TEXT * 12)
+    return [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+
+
+def pool_ref(decode: LLMEngine, mooncake_handle: str | None = None) -> PoolRef:
+    pool = decode.runner.pool
+    return PoolRef(pool.layout.num_blocks, decode.config.block_size, decode.config.dtype,
+                   pool.name, mooncake_handle)
+
+
+def reserve(decode: LLMEngine, rid: str, ids: list[int], ref: PoolRef, salt: str) -> PrefillTask:
+    """Reserve on the decode side (a salt per run: no decode-side prefix hit) and make the task."""
+    request = decode.processor.make_request(rid, ids, PARAMS, cache_salt=salt)
+    reservation = decode.reserve(request)
+    assert reservation is not None and reservation.num_cached_tokens == 0
+    return PrefillTask(rid, tuple(ids), 0, reservation.block_ids, params_to_json(PARAMS), ref,
+                       cache_salt=salt)
+
+
+def admit_and_decode(decode: LLMEngine, first_tokens: dict[str, int]) -> dict[str, str]:
+    texts = {}
+    for rid, token in first_tokens.items():
+        decode.admit_prefilled(rid, token)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                texts[out.request_id] = out.text
+    return texts
+
+
+@contextlib.contextmanager
+def compute_held(executor: PrefillExecutor):
+    """Hold the compute thread until the block ends: jobs queued meanwhile share steps."""
+    gate = threading.Event()
+    executor.call(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def forwards(metrics: PDMetrics) -> tuple[float, float]:
+    """(forwards run, prompts summed over them) from kthena_pd_prefill_batch_size."""
+    get = metrics.registry.get_sample_value
+    labels = {"role": "prefill"}
+    return (get("kthena_pd_prefill_batch_size_count", labels) or 0.0,
+            get("kthena_pd_prefill_batch_size_sum", labels) or 0.0)
+
+
+def assert_no_blocks_held(decode: LLMEngine, executor: PrefillExecutor) -> None:
+    assert decode.kv.stats().num_used_blocks == 0
+    assert executor.kv.stats().num_used_blocks == 0
+    assert executor.num_queued_running() == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(decode, prefill, prompts) -> dict[str, str]:  # noqa: ANN001
+    """Each prompt prefilled alone (one forward each), then decoded: the reference texts."""
+    executor, metrics = prefill
+    before = forwards(metrics)
+    firsts = {}
+    for i, ids in enumerate(prompts):
+        task = reserve(decode, f"alone-{i}", ids, pool_ref(decode), "alone")
+        firsts[task.request_id] = executor.submit_shared(task).result(timeout=120).first_token_id
+    assert forwards(metrics)[0] - before[0] == len(prompts)
+    texts = admit_and_decode(decode, firsts)
+    assert len(texts) == len(prompts) and all(texts.values())
+    return {rid.removeprefix("alone-"): text for rid, text in texts.items()}
+
+
+def test_batched_prefill_equals_one_at_a_time_in_fewer_forwards(  # noqa: ANN001
+        decode, prefill, prompts, one_at_a_time) -> None:
+    executor, metrics = prefill
+    before = forwards(metrics)
+    with compute_held(executor):
+        futures = [executor.submit_shared(reserve(decode, f"batched-{i}", ids,
+                                                  pool_ref(decode), "batched"))
+                   for i, ids in enumerate(prompts)]
+    results = [future.result(timeout=120) for future in futures]
+    num_forwards, num_prompts = (a - b for a, b in zip(forwards(metrics), before, strict=True))
+    assert (num_forwards, num_prompts) == (2, 4)  # [150 + 106], [34 + 120]: fewer than 3
+    assert [r.num_computed_tokens for r in results] == list(LENGTHS)
+    texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+    assert {rid.removeprefix("batched-"): text for rid, text in texts.items()} == one_at_a_time
+    assert_no_blocks_held(decode, executor)
+
+
+def test_a_failed_handoff_fails_alone(decode, prefill, prompts, one_at_a_time) -> None:  # noqa: ANN001
+    """Mooncake: the middle request's reservation is released and its task names blocks past
+    the decode pool's registered memory; its put fails, its batch-mates' puts land."""
+    executor, _ = prefill
+    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
+    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
+    try:
+        ref = pool_ref(decode, handle.to_json())
+        tasks = [reserve(decode, f"put-{i}", ids, ref, "put") for i, ids in enumerate(prompts)]
+        assert decode.release("put-1")
+        offset = ref.num_blocks  # a reservation in a pool twice the size of the registered one
+        tasks[1] = attrs.evolve(tasks[1], pool=attrs.evolve(ref, num_blocks=2 * offset),
+                                block_ids=tuple(b + offset for b in tasks[1].block_ids))
+
+        def put(task: PrefillTask):  # noqa: ANN202
+            layout = executor.layout_for(task.pool.num_blocks)
+            return lambda src, dst: putter.put(task.pool.mooncake_handle, layout, src, dst)
+
+        with compute_held(executor):
+            futures = [executor.submit_local(task, put(task)) for task in tasks]
+        with pytest.raises(TransferError, match="exceeds the registered"):
+            futures[1].result(timeout=120)
+        results = [futures[0].result(timeout=120), futures[2].result(timeout=120)]
+        assert all(r.handoff_bytes > 0 for r in results)
+        texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+        assert texts == {"put-0": one_at_a_time["0"], "put-2": one_at_a_time["2"]}
+        assert_no_blocks_held(decode, executor)
+    finally:
+        putter.close()
+        engine.close()
+
+
+def test_a_cancelled_prefill_fails_alone(decode, prefill, prompts, one_at_a_time) -> None:  # noqa: ANN001
+    """The second prompt is cancelled between its two chunks (its decode worker released the
+    reservation): it is dropped before the next forward; the others finish."""
+    executor, metrics = prefill
+    between, after_first = threading.Event(), threading.Event()
+    with compute_held(executor):
+        futures = [executor.submit_shared(reserve(decode, f"cancel-{i}", ids,
+                                                  pool_ref(decode), "cancel"))
+                   for i, ids in enumerate(prompts)]
+        # queued behind the first step; the second step is queued behind this
+        executor.call(lambda: between.set() or after_first.wait())
+    assert between.wait(timeout=120)
+    assert futures[0].done()  # finished in the first forward
+    assert executor.cancel("cancel-1") is False  # between forwards: nothing of it runs
+    assert decode.release("cancel-1")
+    before = forwards(metrics)
+    after_first.set()
+    with pytest.raises(PrefillCancelled):
+        futures[1].result(timeout=120)
+    results = [futures[0].result(), futures[2].result(timeout=120)]
+    assert forwards(metrics)[1] - before[1] == 1  # the last forward ran the third prompt alone
+    texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+    assert texts == {"cancel-0": one_at_a_time["0"], "cancel-2": one_at_a_time["2"]}
+    assert_no_blocks_held(decode, executor)
+
+
+def test_a_prompt_waits_for_a_batch_mates_blocks(model, decode, prompts, one_at_a_time) -> None:  # noqa: ANN001
+    """Own pool of 16 blocks over Mooncake: the first prompt takes 10, the third needs 8. It
+    waits until the first one's put has given its blocks back, rather than failing."""
+    metrics = PDMetrics("prefill")
+    executor = PrefillExecutor(model[0], EngineConfig(num_kv_blocks=16,
+                                                      max_num_batched_tokens=BUDGET),
+                               own_pool=True, on_batch=metrics.observe_batch)
+    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
+    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
+    try:
+        ref = pool_ref(decode, handle.to_json())
+        layout = executor.layout_for(ref.num_blocks)
+        tasks = [reserve(decode, f"wait-{i}", prompts[i], ref, "wait") for i in (0, 2)]
+        with compute_held(executor):
+            futures = [executor.submit_local(task, lambda src, dst: putter.put(
+                ref.mooncake_handle, layout, src, dst)) for task in tasks]
+        results = [future.result(timeout=120) for future in futures]
+        assert forwards(metrics) == (2, 2)  # one prompt per forward: the pool held one
+        texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+        assert texts == {"wait-0": one_at_a_time["0"], "wait-2": one_at_a_time["2"]}
+        assert_no_blocks_held(decode, executor)
+    finally:
+        putter.close()
+        engine.close()
+        executor.close()
