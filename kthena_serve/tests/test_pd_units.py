@@ -83,6 +83,19 @@ def test_decode_pick_follows_the_prefix_unless_load_outweighs_it() -> None:
     assert router.choose(turn).decode.name == "decode-0"
 
 
+def test_the_router_hashes_prompts_with_the_workers_algorithm() -> None:
+    workers = [("decode-0", "decode", "http://d0"), ("decode-1", "decode", "http://d1")]
+    router = Router(workers, PDConfig(pd_threshold_tokens=0), block_size=4, hash_algo="sha256")
+    for worker in router.workers.values():
+        worker.is_up = True
+        router.index.add_instance(worker.name)
+    prompt = list(range(40))
+    hashes = BlockHasher(4, "sha256").hash_tokens(prompt[:32])  # as a sha256 worker reports
+    router.index.apply("decode-1", BlockStored(tuple(hashes), None, tuple(prompt[:32]), 4,
+                                               tuple(range(len(hashes)))))
+    assert router.choose(prompt).num_cached_blocks == 8
+
+
 def test_decider_skips_short_uncached_part() -> None:
     router = _router(pd_threshold_tokens=16)
     prompt = list(range(40))

@@ -54,7 +54,8 @@ class PDCluster:
         try:
             secret = self.launcher.secret
             self.router = Router(self.launcher.endpoints(), self.pd_config,
-                                 self.engine_config.block_size, secret=secret).start()
+                                 self.engine_config.block_size, secret=secret,
+                                 hash_algo=self.engine_config.hash_algorithm).start()
             self.launcher.on_restart = self.router.set_url
             remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer,
                                             secret=secret)

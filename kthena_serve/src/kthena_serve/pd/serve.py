@@ -82,7 +82,7 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
     launcher = PDLauncher(engine_fields(config), pd_fields, args.prefill, args.decode,
                           api_key=getattr(args, "api_key", None)).start()
     router = Router(launcher.endpoints(), pd_config, config.block_size,
-                    secret=launcher.secret).start()
+                    secret=launcher.secret, hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url
     remote = RemoteEngine.for_model(router, config, secret=launcher.secret)
     app = build_router_app(remote, model_name=served_name,
