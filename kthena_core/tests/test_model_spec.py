@@ -161,3 +161,30 @@ def test_missing_default_model_says_what_to_install(monkeypatch):
     assert isinstance(e.value, FileNotFoundError) and "\n" not in str(e.value)
     # The planner still knows the default model's architecture without the file.
     assert load_model_spec("default").num_layers == 30
+
+
+def test_gguf_header_reader_agrees_with_the_gguf_package():
+    """Our struct reader (it skips the tokenizer arrays) gives what gguf's GGUFReader decodes."""
+    gguf = pytest.importorskip("gguf")
+    from kthena_core._gguf import read_gguf_config
+
+    path = default_gguf_path()
+    ours = read_gguf_config(path)
+    reader = gguf.GGUFReader(path)
+    theirs = {k: f.contents() for k, f in reader.fields.items()
+              if not k.startswith("tokenizer.ggml.")}
+    assert ours["num_hidden_layers"] == theirs["llama.block_count"]
+    assert ours["num_key_value_heads"] == theirs["llama.attention.head_count_kv"]
+    assert ours["rms_norm_eps"] == theirs["llama.attention.layer_norm_rms_epsilon"]
+    assert ours["_name_or_path"] == theirs["general.name"]
+    assert ours["vocab_size"] == len(reader.fields["tokenizer.ggml.tokens"].data)
+    assert ours["tie_word_embeddings"] == ("output.weight" not in {t.name for t in reader.tensors})
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path):
+    from kthena_core._gguf import GGUFError, read_gguf_config
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(default_gguf_path(), "rb").read(4096))  # the header stops mid-vocab
+    with pytest.raises(GGUFError, match="is not a readable GGUF file"):
+        read_gguf_config(str(cut))
