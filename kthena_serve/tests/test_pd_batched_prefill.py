@@ -7,16 +7,20 @@ greedy, a 64-block pool on each side, a 256-token step budget: the three prompts
 and 120 tokens) take two forwards batched, three one at a time.
 
 The compute thread is held on an event while the jobs are queued, so which chunks share a
-forward is fixed, not a matter of timing.
+forward is fixed, not a matter of timing. Over Mooncake the KV goes layer by layer (each
+layer's completed blocks put from the model's per-layer hook) or in one batch after the
+prefill: both must land the same bytes and give the same tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import attrs
 import pytest
+import torch
 
 from kthena_comm.errors import TransferError
 from kthena_serve.config import EngineConfig
@@ -26,7 +30,13 @@ from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.prefill import PrefillCancelled, PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
-from kthena_serve.pd.transfer import BlockPutter, register_pool
+from kthena_serve.pd.transfer import (
+    BlockPutter,
+    PushSession,
+    register_pool,
+    shm_engine,
+    shm_segment_pool,
+)
 from kthena_serve.sampling_params import SamplingParams
 
 BUDGET = 256
@@ -169,7 +179,7 @@ def test_a_failed_handoff_fails_alone(decode, prefill, prompts, one_at_a_time) -
 
         def put(task: PrefillTask):  # noqa: ANN202
             layout = executor.layout_for(task.pool.num_blocks)
-            return lambda src, dst: putter.put(task.pool.mooncake_handle, layout, src, dst)
+            return putter.session(task.pool.mooncake_handle, layout, layerwise=False)
 
         with compute_held(executor):
             futures = [executor.submit_local(task, put(task)) for task in tasks]
@@ -225,8 +235,8 @@ def test_a_prompt_waits_for_a_batch_mates_blocks(model, decode, prompts, one_at_
         layout = executor.layout_for(ref.num_blocks)
         tasks = [reserve(decode, f"wait-{i}", prompts[i], ref, "wait") for i in (0, 2)]
         with compute_held(executor):
-            futures = [executor.submit_local(task, lambda src, dst: putter.put(
-                ref.mooncake_handle, layout, src, dst)) for task in tasks]
+            futures = [executor.submit_local(task, putter.session(
+                ref.mooncake_handle, layout, layerwise=True)) for task in tasks]
         results = [future.result(timeout=120) for future in futures]
         assert forwards(metrics) == (2, 2)  # one prompt per forward: the pool held one
         texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
@@ -236,3 +246,103 @@ def test_a_prompt_waits_for_a_batch_mates_blocks(model, decode, prompts, one_at_
         putter.close()
         engine.close()
         executor.close()
+
+
+def prompt_kv(pool, block_ids, num_tokens: int) -> torch.Tensor:  # noqa: ANN001
+    """[layers, 2, tokens, heads, dim]: the prompt's K and V as the pool holds them."""
+    size = pool.layout.shape.block_size
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    layers = []
+    for layer in range(pool.layout.shape.num_layers):
+        k, v = pool.k_cache(layer)[ids], pool.v_cache(layer)[ids]
+        layers.append(torch.stack([k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]]))
+    assert num_tokens <= len(block_ids) * size
+    return torch.stack(layers).clone()
+
+
+def test_layerwise_and_batched_pushes_land_the_same_kv(decode, prefill, prompts,  # noqa: ANN001
+                                                       one_at_a_time) -> None:
+    """The same three prompts, batched the same way, pushed over Mooncake layer by layer and
+    in one batch: byte-identical KV in the decode pool, each block of each layer sent once
+    (the 140-token prompt's two chunks: 6 blocks with the first, 3 with the second), and the
+    greedy text of a prompt prefilled alone."""
+    executor, _ = prefill
+    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
+    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
+    num_layers = executor.pool.layout.shape.num_layers
+    kv, calls = {}, {}
+    try:
+        ref = pool_ref(decode, handle.to_json())
+        layout = executor.layout_for(ref.num_blocks)
+        for mode in ("layerwise", "batched"):
+            tasks = [reserve(decode, f"{mode}-{i}", ids, ref, mode) for i, ids in enumerate(prompts)]
+            sessions = [putter.session(ref.mooncake_handle, layout, layerwise=mode == "layerwise")
+                        for _ in tasks]
+            with compute_held(executor):
+                futures = [executor.submit_local(t, p) for t, p in zip(tasks, sessions, strict=True)]
+            results = [future.result(timeout=120) for future in futures]
+            for task, result in zip(tasks, results, strict=True):
+                assert result.handoff_bytes == len(task.block_ids) * layout.bytes_per_block
+            kv[mode] = [prompt_kv(decode.runner.pool, t.block_ids, len(t.token_ids)) for t in tasks]
+            calls[mode] = [p.num_calls for p in sessions]
+            texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+            assert {rid.split("-")[1]: text for rid, text in texts.items()} == one_at_a_time
+            assert_no_blocks_held(decode, executor)
+        assert calls == {"layerwise": [num_layers, 2 * num_layers, num_layers],
+                         "batched": [1, 1, 1]}
+        for a, b in zip(kv["layerwise"], kv["batched"], strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit for bit
+    finally:
+        putter.close()
+        engine.close()
+
+
+def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prompts,  # noqa: ANN001
+                                                          one_at_a_time) -> None:
+    """The middle request pushes over shm into a segment whose owner goes away when layer
+    ``k`` is pushed: the put of layer k fails (the segment is gone), nothing more of it is sent,
+    its request fails once its earlier puts have settled, and its prefill blocks come back;
+    its batch-mates (Mooncake, layer-wise) land and decode as if alone."""
+    executor, _ = prefill
+    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
+    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
+    owner, pusher = shm_engine(30.0), shm_engine(30.0)
+    shm_before = set(os.listdir("/dev/shm"))
+    k = 7
+    try:
+        ref = pool_ref(decode, handle.to_json())
+        layout = executor.layout_for(ref.num_blocks)
+        segment_pool, segment = shm_segment_pool(owner, layout)
+        local = pusher.register(executor.pool.buffer)
+        tasks = [reserve(decode, f"layer-{i}", ids, ref, "layer") for i, ids in enumerate(prompts)]
+        failing = PushSession(pusher, local, executor.pool.layout, segment, layout, 30.0,
+                              layerwise=True)
+        real_push = failing.push_layer
+
+        def push_layer(layer, src, dst) -> None:  # noqa: ANN001
+            if layer == k:
+                segment_pool.close()
+                owner.close()  # the decode side's process is gone: its segment with it
+            real_push(layer, src, dst)
+
+        failing.push_layer = push_layer
+        sessions = [putter.session(ref.mooncake_handle, layout, layerwise=True), failing,
+                    putter.session(ref.mooncake_handle, layout, layerwise=True)]
+        with compute_held(executor):
+            futures = [executor.submit_local(t, p) for t, p in zip(tasks, sessions, strict=True)]
+        with pytest.raises(TransferError, match="unregistered segment"):
+            futures[1].result(timeout=120)
+        num_layers = executor.pool.layout.shape.num_layers
+        # layers 0..k of the first chunk went out, the second chunk sent nothing
+        assert k + 1 <= failing.num_calls <= num_layers
+        assert decode.release("layer-1")  # the decode worker's failure policy releases it
+        results = [futures[0].result(timeout=120), futures[2].result(timeout=120)]
+        texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+        assert texts == {"layer-0": one_at_a_time["0"], "layer-2": one_at_a_time["2"]}
+        assert_no_blocks_held(decode, executor)
+    finally:
+        putter.close()
+        engine.close()
+        pusher.close()
+        owner.close()
+    assert set(os.listdir("/dev/shm")) <= shm_before  # the segment went with its owner

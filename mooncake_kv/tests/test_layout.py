@@ -140,6 +140,40 @@ def test_int8_scales_follow_the_data_region_aligned():
     assert layout.total_bytes == 64 + 3 * 2 * 2 * 4
 
 
+@given(layouts_and_ids(), st.integers(0, 10), st.randoms(use_true_random=False))
+def test_pair_ranges_of_one_layer_move_that_layer_only(case, extra, rnd):
+    layout, ids = case
+    src_ids = sorted(set(ids))
+    dst = KVLayout(layout.shape, layout.num_blocks + extra, layout.kind)
+    dst_ids = rnd.sample(range(dst.num_blocks), len(src_ids))
+    src_buf = bytes(rnd.getrandbits(8) for _ in range(layout.total_bytes))
+    layer = rnd.randrange(layout.shape.num_layers)
+    dst_buf = bytearray(dst.total_bytes)
+    for p in layout.pair_ranges(src_ids, dst_ids, dst, layer=layer):
+        dst_buf[p.dst_offset : p.dst_offset + p.length] = src_buf[p.src_offset : p.src_offset + p.length]
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        for other in range(layout.shape.num_layers):
+            for part in KVPart:
+                segs = [(layout.segment(s, other, part), dst.segment(d, other, part))]
+                if layout.shape.dtype.is_quantized:
+                    segs.append((layout.scale_segment(s, other, part), dst.scale_segment(d, other, part)))
+                for src_seg, dst_seg in segs:
+                    got = bytes(dst_buf[dst_seg.offset : dst_seg.end])
+                    want = src_buf[src_seg.offset : src_seg.end] if other == layer else bytes(dst_seg.length)
+                    assert got == want
+    # every layer's ranges together move exactly what the whole-block ranges move
+    whole = sum(p.length for p in layout.pair_ranges(src_ids, dst_ids, dst))
+    assert sum(p.length for lay in range(layout.shape.num_layers)
+               for p in layout.pair_ranges(src_ids, dst_ids, dst, layer=lay)) == whole
+
+
+def test_pair_ranges_of_one_layer_coalesce_runs():
+    layout = KVLayout(SMOLLM2, 16, LayoutKind.PER_LAYER)
+    assert len(layout.pair_ranges(range(0, 6), range(8, 14), layer=2)) == 2  # K run, V run
+    with pytest.raises(LayerIndexError, match="valid layers"):
+        layout.pair_ranges([0], [1], layer=SMOLLM2.num_layers)
+
+
 def test_layer_ranges_for_layerwise_transfer():
     per_layer = KVLayout(SMOLLM2, 8, LayoutKind.PER_LAYER)
     assert len(per_layer.layer_ranges(range(2, 6), layer=3)) == 2  # K row and V row

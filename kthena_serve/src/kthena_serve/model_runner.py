@@ -6,6 +6,8 @@ prefill worker attached to) or device memory; the runner runs where the pool liv
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kthena_serve.config import EngineConfig
@@ -85,14 +87,23 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.pool.layout.num_blocks
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward ``batch``; fp32 logits [num sampled sequences, vocab], in batch order."""
-        return sampled_logits(self.forward(build_inputs(batch, self.block_size, self.device)),
-                              batch)
+    def execute(self, batch: ScheduledBatch,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward ``batch``; fp32 logits [num sampled sequences, vocab], in batch order.
+
+        ``on_layer(layer)`` runs after each layer has written its K/V (the model's hook).
+        """
+        return sampled_logits(
+            self.forward(build_inputs(batch, self.block_size, self.device), on_layer), batch)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches)
+    def forward(self, inputs: ModelInputs,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        if on_layer is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attention,
+                              self.kv_caches)
+        return self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches,
+                          on_layer=on_layer)
 
     def close(self) -> None:
         self.pool.close()

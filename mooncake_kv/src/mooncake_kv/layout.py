@@ -254,25 +254,52 @@ class KVLayout:
         src_block_ids: Sequence[BlockId],
         dst_block_ids: Sequence[BlockId],
         dst: KVLayout | None = None,
+        *,
+        layer: int | None = None,
     ) -> tuple[RangePair, ...]:
         """Copies that move src blocks (in this layout) into dst blocks (in `dst`, default self).
 
         The i-th source block lands in the i-th destination block. Runs that are consecutive
         on both sides coalesce, so a PD handoff of freshly allocated blocks is a few ranges.
+        With ``layer``, only that layer's K and V (and scales) move: what a layer-wise push
+        sends as soon as the layer has run (per-layer order: 2 ranges per run of blocks).
 
         Raises:
             LayoutMismatchError: lists of different length, or `dst` of another shape/order.
             BlockIdError: an id out of range, or an id repeated on either side.
+            LayerIndexError: ``layer`` is not a layer of this layout.
         """
         dst = self if dst is None else dst
         self._check_compatible(dst, len(src_block_ids), len(dst_block_ids))
         pairs = sorted(zip(self._distinct(src_block_ids), dst._distinct(dst_block_ids), strict=True))
+        if layer is not None:
+            self.check_layer(layer)
+        pieces = list(zip(self._pieces(layer), dst._pieces(layer), strict=True))
         spans = sorted(
-            (src_base + s * stride, dst_base + d * stride, count * stride)
+            span
             for s, d, count in _pair_runs(pairs)
-            for (src_base, stride), (dst_base, _) in zip(self.pieces(), dst.pieces(), strict=True)
+            for (src_base, stride, length), (dst_base, _, _) in pieces
+            for span in _piece_spans(src_base, dst_base, stride, length, s, d, count)
         )
         return tuple(RangePair(*span) for span in _merge_pairs(spans))
+
+    def _pieces(self, layer: int | None) -> list[tuple[int, int, int]]:
+        """(base, stride, length): block b holds [base + b*stride, + length) of each piece;
+        all layers (length == stride) or one layer's K, V and scale parts."""
+        if layer is None:
+            return [(base, stride, stride) for base, stride in self.pieces()]
+        unit, scale_unit = self.unit_bytes, self.scale_unit_elements * SCALE_BYTES
+        block_stride, layer_stride, part_stride = self.unit_strides()
+        out = []
+        for size, origin in ((unit, 0), (scale_unit, self.scale_offset)):
+            if not size:
+                continue
+            if self.kind is LayoutKind.BLOCK_MAJOR:  # K and V of a layer are adjacent in a block
+                out.append((origin + layer * layer_stride * size, block_stride * size, 2 * size))
+            else:
+                out.extend((origin + (layer * layer_stride + part * part_stride) * size, size,
+                            size) for part in (0, 1))
+        return out
 
     def layer_ranges(self, block_ids: Iterable[BlockId], layer: int) -> tuple[ByteRange, ...]:
         """Coalesced ranges of one layer's K and V (and scales) for the blocks.
@@ -348,6 +375,15 @@ def _pair_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             runs.append((src, dst, 1))
     return runs
+
+
+def _piece_spans(src_base: int, dst_base: int, stride: int, length: int, src: int, dst: int,
+                 count: int) -> list[tuple[int, int, int]]:
+    """(src, dst, length) spans of a run of ``count`` blocks in one piece."""
+    if length == stride:  # the run is contiguous in this piece
+        return [(src_base + src * stride, dst_base + dst * stride, count * stride)]
+    return [(src_base + (src + i) * stride, dst_base + (dst + i) * stride, length)
+            for i in range(count)]
 
 
 def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

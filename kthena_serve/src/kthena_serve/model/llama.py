@@ -15,7 +15,7 @@ knows about process groups.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from mooncake_ops import (
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, residual), both [num_tokens, hidden]
+LayerHook = Callable[[int], None]  # called with a layer's model-wide index once it has run
 # Every matmul weight a module may own (biases stay dense: the packed kernel takes them as they are).
 _MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
 
@@ -195,9 +196,9 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv_caches: Sequence[KVCache]) -> torch.Tensor:
+                kv_caches: Sequence[KVCache], on_layer: LayerHook | None = None) -> torch.Tensor:
         """Run one step of the whole model; float32 logits [num_seqs, vocab] at
-        ``batch.logits_indices``.
+        ``batch.logits_indices``. ``on_layer(layer)`` (see `forward_stage`) runs after each layer.
 
         Raises:
             BatchError: the token count or the number of KV caches does not match, or this
@@ -206,15 +207,22 @@ class LlamaForCausalLM(nn.Module):
         if self.stage.size > 1:
             raise BatchError(f"this model holds pipeline stage {self.stage.rank} of "
                              f"{self.stage.size}; run it with forward_stage")
-        out = self.forward_stage(input_ids, positions, batch, kv_caches)
+        out = self.forward_stage(input_ids, positions, batch, kv_caches, on_layer=on_layer)
         assert isinstance(out, torch.Tensor)
         return out
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: AttentionBatch, kv_caches: Sequence[KVCache],
-                      hidden: Hidden | None = None) -> torch.Tensor | Hidden:
+                      hidden: Hidden | None = None, *, on_layer: LayerHook | None = None,
+                      ) -> torch.Tensor | Hidden:
         """Run this stage's layers: from the token ids (first stage) or the previous stage's
         ``hidden`` pair; returns logits (last stage, as `forward`) or the pair for the next.
+
+        ``on_layer(layer)`` is called with the model-wide index of each layer as soon as it
+        has run, i.e. once this step's K/V of that layer are in ``kv_caches`` (on an
+        accelerator, once they are queued on its stream: the hook synchronises as it needs).
+        The model makes no other call through it; a PD prefill worker injects one that pushes
+        the layer's blocks to the decode worker while the next layers compute.
 
         Raises:
             BatchError: as `forward`, or ``hidden`` given to the first stage / missing on others.
@@ -228,8 +236,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = F.embedding(input_ids, self.embed_weight), None
         else:
             x, residual = hidden
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, layer, kv_cache in zip(self.stage.layers, self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache, context_lens)
+            if on_layer is not None:
+                on_layer(index)
         if not self.stage.is_last:
             return x, residual
         index = batch.logits_indices

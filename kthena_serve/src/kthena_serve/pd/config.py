@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-__all__ = ["FailurePolicy", "PDConfig", "Role", "RouterWeights", "Transport"]
+__all__ = ["FailurePolicy", "KVPush", "PDConfig", "Role", "RouterWeights", "Transport"]
 
 
 class Role(str, enum.Enum):
@@ -18,6 +18,11 @@ class Role(str, enum.Enum):
 class FailurePolicy(str, enum.Enum):
     RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
     FAIL = "fail"  # the request fails with 503 and a body that says why
+
+
+class KVPush(str, enum.Enum):
+    LAYERWISE = "layerwise"  # each layer's blocks are put as soon as the layer has run
+    BATCHED = "batched"  # one put of every block after the prefill
 
 
 class Transport(str, enum.Enum):
@@ -55,6 +60,8 @@ class PDConfig:
         policy: what a failed handoff does (``recompute`` or ``fail``).
         transfer_timeout_s: a prefill + handoff not done by then has failed.
         transport: ``shm`` (same host, zero copy) or ``mooncake`` (one-sided put).
+        kv_push: with ``mooncake``, put each layer's blocks while the prefill goes on
+            (``layerwise``, the default) or all blocks after it (``batched``).
         pd_threshold_tokens: prompts whose uncached part is shorter skip disaggregation and
             run on the decode worker (llm-d's threshold idea); 0 disaggregates everything.
         weights: the router's score weights.
@@ -66,6 +73,7 @@ class PDConfig:
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)
     transfer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
     transport: Transport = attrs.field(default=Transport.SHM, converter=Transport)
+    kv_push: KVPush = attrs.field(default=KVPush.LAYERWISE, converter=KVPush)
     pd_threshold_tokens: int = attrs.field(default=32, validator=_non_negative)
     weights: RouterWeights = attrs.field(factory=RouterWeights)
     health_interval_s: float = attrs.field(default=0.5, validator=_non_negative)

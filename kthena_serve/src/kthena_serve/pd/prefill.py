@@ -40,7 +40,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -60,7 +60,18 @@ from mooncake_kv.pool import KVPool, KVPoolHandle
 __all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor",
            "check_task"]
 
-PutBlocks = Callable[[Sequence[int], Sequence[int]], int]  # (own ids, decode ids) -> bytes
+
+
+class KVPush(Protocol):
+    """How a request's blocks reach the decode pool (``transfer.PushSession``)."""
+
+    layerwise: bool
+
+    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Start moving one layer of completed blocks (compute thread, in the model's hook)."""
+
+    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+        """Move what is left and wait for everything; the bytes moved (hand-off thread)."""
 
 
 class PrefillCancelled(Exception):
@@ -109,6 +120,9 @@ class _Job:
     compute_s: float = 0.0
     is_owned: bool = False  # computes into the own pool (blocks from the own KV manager)
     cancelled: bool = False
+    push: KVPush | None = None  # layer-wise: its completed blocks go out as each layer runs
+    push_dst: tuple[int, ...] = ()  # the decode pool's blocks for the prompt
+    num_pushed: int = 0  # blocks (from the start of the prompt) pushed or not to push
 
 
 def check_task(task: PrefillTask) -> None:
@@ -194,21 +208,24 @@ class PrefillExecutor:
                                  concurrent.futures.Future(), tuple(task.block_ids),
                                  task.num_cached_tokens, task.num_cached_tokens))
 
-    def submit_local(self, task: PrefillTask, put_blocks: PutBlocks) -> concurrent.futures.Future:
-        """Prefill into this worker's pool (own prefix cache), then ``put_blocks(src, dst)``.
-
-        ``put_blocks(src_block_ids, dst_block_ids) -> bytes`` moves the blocks the decode worker
-        does not hold yet (everything from ``task.num_cached_tokens`` on), as soon as this
-        request's prefill is done; its failure fails this request alone. Returns a future of
-        the ``PrefillResult``.
+    def submit_local(self, task: PrefillTask, push: KVPush) -> concurrent.futures.Future:
+        """Prefill into this worker's pool (own prefix cache) and ``push`` the blocks the decode
+        worker does not hold yet (everything from ``task.num_cached_tokens`` on) into
+        ``task.block_ids``: layer by layer while the prefill runs (``push.layerwise``), or all
+        at once after it; a failed push fails this request alone. Returns a future of the
+        ``PrefillResult`` (set once the last put has landed).
         """
         check_task(task)
 
         def finish(job: _Job, token: int, logprobs: TokenLogprobs | None) -> PrefillResult:
-            return self._finish_local(job, token, logprobs, task, put_blocks)
+            return self._finish_local(job, token, logprobs, task, push)
 
-        return self._submit_owned(task.request_id, task.token_ids,
-                                  params_from_json(task.params), task.cache_salt, finish)
+        job = self._owned_job(task.request_id, task.token_ids, params_from_json(task.params),
+                              task.cache_salt, finish)
+        if push.layerwise:
+            job.push, job.push_dst = push, tuple(task.block_ids)
+            job.num_pushed = task.num_cached_tokens // task.pool.block_size
+        return self._submit(job)
 
     def submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
                      cache_salt: str | None = None) -> concurrent.futures.Future:
@@ -222,10 +239,13 @@ class PrefillExecutor:
 
     def _submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
                       cache_salt: str | None, finish: Callable) -> concurrent.futures.Future:
+        return self._submit(self._owned_job(rid, token_ids, params, cache_salt, finish))
+
+    def _owned_job(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
+                   cache_salt: str | None, finish: Callable) -> _Job:
         assert self.kv is not None and self.runner is not None, "needs its own pool"
-        return self._submit(_Job(rid, tuple(token_ids), params, self.runner, finish,
-                                 concurrent.futures.Future(), cache_salt=cache_salt,
-                                 is_owned=True))
+        return _Job(rid, tuple(token_ids), params, self.runner, finish,
+                    concurrent.futures.Future(), cache_salt=cache_salt, is_owned=True)
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
         with self._lock:
@@ -357,7 +377,7 @@ class PrefillExecutor:
     def _run(self, seqs: list[ScheduledSeq], jobs: list[_Job]) -> None:
         start = time.perf_counter()
         try:
-            logits = jobs[0].runner.execute(ScheduledBatch(tuple(seqs)))
+            logits = jobs[0].runner.execute(ScheduledBatch(tuple(seqs)), self._layer_hook(seqs, jobs))
         except Exception as error:  # noqa: BLE001 - the forward's jobs fail, the worker goes on
             for job in jobs:
                 self._end(job, error)
@@ -376,6 +396,34 @@ class PrefillExecutor:
                 if not job.cancelled:  # a cancelled one is dropped at the next step
                     self._complete(job, logits[row : row + 1])
                 row += 1
+
+    def _layer_hook(self, seqs: list[ScheduledSeq], jobs: list[_Job],
+                    ) -> Callable[[int], None] | None:
+        """The model's per-layer hook for this step's layer-wise pushes, or None.
+
+        A job pushes the blocks this step completes (all its blocks on its last chunk): each
+        block of each layer goes out once, after its last token's K/V is written.
+        """
+        pushes = []
+        size = self.config.block_size
+        for seq, job in zip(seqs, jobs, strict=True):
+            if job.push is None:
+                continue
+            end = seq.start + len(seq.token_ids)
+            stop = -(-end // size) if end == len(job.token_ids) else end // size
+            if stop > job.num_pushed:
+                assert job.block_ids is not None
+                pushes.append((job.push, job.block_ids[job.num_pushed:stop],
+                               job.push_dst[job.num_pushed:stop]))
+                job.num_pushed = stop
+        if not pushes:
+            return None
+
+        def on_layer(layer: int) -> None:
+            for push, src, dst in pushes:
+                push.push_layer(layer, src, dst)
+
+        return on_layer
 
     def _complete(self, job: _Job, logits: torch.Tensor) -> None:
         """Sample the job's first token and hand it off; any failure is this job's alone."""
@@ -420,9 +468,10 @@ class PrefillExecutor:
         return OwnedPrefill(token, logprobs, job.block_ids, job.num_cached, job.compute_s)
 
     def _finish_local(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
-                      task: PrefillTask, put_blocks: PutBlocks) -> concurrent.futures.Future:
-        """Commit, then put the blocks the decode worker lacks on a hand-off thread (the next
-        forward does not wait for it) and free them (also when the put fails)."""
+                      task: PrefillTask, push: KVPush) -> concurrent.futures.Future:
+        """Commit, then finish the push on a hand-off thread (the next forward does not wait
+        for it: it puts the blocks, or waits for the layer puts) and free the blocks (also
+        when the push fails)."""
         owned = self._finish_owned(job, token, logprobs)
         job.block_ids = None  # the hand-off frees them from here on
         first = task.num_cached_tokens // task.pool.block_size
@@ -432,7 +481,7 @@ class PrefillExecutor:
         def handoff() -> PrefillResult:
             start = time.perf_counter()
             try:
-                num_bytes = put_blocks(owned.block_ids[first:], task.block_ids[first:])
+                num_bytes = push.finish(owned.block_ids[first:], task.block_ids[first:])
             finally:
                 with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # stopping
                     self.call(self._free_handed_off, job.rid).result()

@@ -33,6 +33,9 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd-timeout", type=float, default=30.0,
                         help="seconds a prefill + handoff may take")
     parser.add_argument("--pd-transport", default="shm", choices=("shm", "mooncake"))
+    parser.add_argument("--pd-kv-push", default="layerwise", choices=("layerwise", "batched"),
+                        help="with --pd-transport mooncake: put each layer's KV blocks while the "
+                             "prefill goes on, or all blocks after it")
     parser.add_argument("--pd-threshold", type=int, default=32,
                         help="uncached prompt tokens below which the decode worker prefills")
     parser.add_argument("--router-weights", default="1.0,0.5,0.25",
@@ -42,7 +45,8 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
 def _pd_fields(args: argparse.Namespace) -> dict:
     overlap, load, kv = (float(x) for x in args.router_weights.split(","))
     return {"policy": args.pd_policy, "transfer_timeout_s": args.pd_timeout,
-            "transport": args.pd_transport, "pd_threshold_tokens": args.pd_threshold,
+            "transport": args.pd_transport, "kv_push": args.pd_kv_push,
+            "pd_threshold_tokens": args.pd_threshold,
             "weights": {"overlap": overlap, "load": load, "kv_usage": kv}}
 
 

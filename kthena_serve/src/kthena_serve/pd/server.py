@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, LOOPBACK_HOSTS, check_prefill_url
-from kthena_serve.pd.config import PDConfig, Transport
+from kthena_serve.pd.config import KVPush, PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
 from kthena_serve.pd.events import EventLog
 from kthena_serve.pd.metrics import PDMetrics
@@ -290,8 +290,8 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
             return executor.submit_shared(task)
         layout = executor.layout_for(task.pool.num_blocks, task.pool.block_size,
                                      task.pool.dtype)
-        return executor.submit_local(task, lambda src, dst: putter.put(
-            task.pool.mooncake_handle, layout, src, dst))
+        return executor.submit_local(task, putter.session(
+            task.pool.mooncake_handle, layout, layerwise=pd.kv_push is KVPush.LAYERWISE))
 
     @app.post("/pd/prefill")
     async def prefill(request: Request) -> Response:

@@ -2,12 +2,22 @@
 
 Put (``BlockPutter``, the PD router's path across hosts): the decode worker registers its
 whole pool with a kthena_comm ``mooncake`` engine and sends the ``MemoryHandle`` in every
-``PoolRef``; the prefill worker, after computing into its own pool, turns (own block ids ->
-decode block ids) into byte ranges with ``KVLayout.pair_ranges`` (consecutive runs on both
-sides coalesce) and submits them as one asynchronous batch.
+``PoolRef``; the prefill worker computes into its own pool and moves (own block ids -> decode
+block ids) as byte ranges (``KVLayout.pair_ranges``: consecutive runs on both sides coalesce)
+through one ``PushSession`` per request, in one of two ways (``PDConfig.kv_push``):
 
-The model runs all layers in one call, so the put is batched *after* the prefill, not
-layer by layer (``KVLayout.layer_ranges`` is ready for a model with a per-layer hook).
+    layerwise  the model's per-layer hook (``ModelRunner.execute(on_layer=...)``) calls
+               ``push_layer`` as soon as a layer has written its K/V: that layer's ranges of
+               the blocks this step completed go out as one asynchronous put while the next
+               layers compute; at the end of the prefill ``finish`` only waits for them
+    batched    ``finish`` puts every block in one asynchronous batch after the prefill
+
+Each block of each layer is pushed once, when it is complete (chunked prefill: a block a chunk
+fills only partly goes with a later chunk). The session works over any kthena_comm engine
+(``mooncake`` across hosts; ``shm`` when the decode pool is a segment that engine allocated,
+as the benchmark does). A failed put is kept, not raised into the model's forward (the batch's
+other requests go on); ``finish`` raises it after every put of the request has settled, so
+the source blocks are never freed under a running put.
 
 Get (behind the Kthena router, ``BlockGetter``): the prefill worker serves its own pool — in a
 ``shm`` segment other processes on the host can map (``shm_segment_pool``), or registered with
@@ -16,6 +26,8 @@ Mooncake — and the decode worker copies the prompt blocks it lacks into its re
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -26,12 +38,14 @@ from kthena_comm.transfer import (
     ShmConfig,
     TransferBatch,
     TransferEngine,
+    TransferFuture,
     create_engine,
 )
-from mooncake_kv.layout import KVLayout
+from mooncake_kv.layout import KVLayout, RangePair
 from mooncake_kv.pool import KVPool
 
-__all__ = ["BlockGetter", "BlockPutter", "register_pool", "shm_engine", "shm_segment_pool"]
+__all__ = ["BlockGetter", "BlockPutter", "PushSession", "register_pool", "shm_engine",
+           "shm_segment_pool"]
 
 
 def register_pool(pool: KVPool, host: str, timeout_s: float):  # noqa: ANN201
@@ -40,30 +54,119 @@ def register_pool(pool: KVPool, host: str, timeout_s: float):  # noqa: ANN201
     return engine, engine.register(pool.buffer)
 
 
+class PushSession:
+    """One request's KV push from a local pool into a remote one (see the module docs).
+
+    Args:
+        engine: the transfer engine ``local`` is registered with.
+        local: the handle of the local (prefill) pool; ``layout`` is its layout.
+        remote: the handle of the decode pool; ``dst_layout`` is its layout.
+        timeout_s: the most ``finish`` waits for the puts.
+        layerwise: push layer by layer (``push_layer``) or all at once in ``finish``.
+    """
+
+    def __init__(self, engine: TransferEngine, local: MemoryHandle, layout: KVLayout,
+                 remote: MemoryHandle, dst_layout: KVLayout, timeout_s: float, *,
+                 layerwise: bool) -> None:
+        self.engine, self.local, self.layout = engine, local, layout
+        self.remote, self.dst_layout, self.timeout_s = remote, dst_layout, timeout_s
+        self.layerwise = layerwise
+        self.num_bytes = self.num_calls = 0
+        self.last_submit: float | None = None  # perf_counter of the last layer's put
+        self._futures: list[TransferFuture] = []
+        self._num_checked = 0  # futures _failed has seen finish
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Put ``layer``'s K/V of ``src_ids[i]`` -> remote ``dst_ids[i]`` asynchronously.
+
+        Called from the model's hook on the compute thread; never raises (a failure is kept
+        for ``finish``, and no later layer is sent).
+        """
+        if not src_ids or self._failed():
+            return
+        try:
+            pairs = self.layout.pair_ranges(src_ids, dst_ids, self.dst_layout, layer=layer)
+        except Exception as error:  # noqa: BLE001 - reported by finish, the forward goes on
+            self._error = error
+            return
+        self._put(pairs)
+
+    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+        """Complete the push: wait for the layer puts (layerwise) or put ``src_ids`` ->
+        ``dst_ids`` in one batch (batched); returns the bytes moved.
+
+        Raises:
+            kthena_comm.transfer errors (PeerUnreachableError, TransferTimeoutError ...),
+            the first a put met, once every put of this session has settled.
+        """
+        if not self.layerwise and src_ids and self._error is None:
+            self._put(self.layout.pair_ranges(src_ids, dst_ids, self.dst_layout))
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:  # every one settles (or times out) before the blocks go back
+            try:
+                future.wait(max(0.0, deadline - time.monotonic()))
+            except Exception as error:  # noqa: BLE001 - the first is raised below
+                self._error = self._error or error
+        if self._error is not None:
+            raise self._error
+        return self.num_bytes
+
+    def _failed(self) -> bool:
+        """Whether a put failed already (the ones that finished are looked at once)."""
+        with self._lock:
+            while self._error is None and self._num_checked < len(self._futures):
+                future = self._futures[self._num_checked]
+                if not future.done():
+                    break
+                self._num_checked += 1
+                try:
+                    future.wait(0)
+                except Exception as error:  # noqa: BLE001 - raised by finish
+                    self._error = error
+            return self._error is not None
+
+    def _put(self, pairs: Sequence[RangePair]) -> None:
+        """Submit one asynchronous put; a refusal is kept for ``finish``."""
+        batch = TransferBatch(self.local, self.remote, [p.src_offset for p in pairs],
+                              [p.dst_offset for p in pairs], [p.length for p in pairs])
+        try:
+            future = self.engine.batch_put_async(batch)
+        except Exception as error:  # noqa: BLE001 - raised by finish
+            self._error = error
+            return
+        with self._lock:
+            self._futures.append(future)
+            self.num_calls += 1
+            self.num_bytes += batch.nbytes
+        self.last_submit = time.perf_counter()
+
+
 class BlockPutter:
-    """Puts blocks of a local pool into a remote pool over Mooncake (batched, async + wait)."""
+    """Puts blocks of a local pool into remote pools over Mooncake (``PushSession`` per request)."""
 
     def __init__(self, pool: KVPool, host: str, timeout_s: float) -> None:
         self.layout = pool.layout
         self.engine, self.local = register_pool(pool, host, timeout_s)
         self.timeout_s = timeout_s
 
+    def session(self, remote_json: str, dst_layout: KVLayout, *, layerwise: bool) -> PushSession:
+        """A push of one request's blocks into the pool ``remote_json`` names."""
+        return PushSession(self.engine, self.local, self.layout,
+                           MemoryHandle.from_json(remote_json), dst_layout, self.timeout_s,
+                           layerwise=layerwise)
+
     def put(self, remote_json: str, dst_layout: KVLayout, src_ids: Sequence[int],
             dst_ids: Sequence[int]) -> int:
-        """Copy ``src_ids[i]`` -> remote ``dst_ids[i]``; returns the bytes moved.
+        """Copy ``src_ids[i]`` -> remote ``dst_ids[i]`` in one batch; returns the bytes moved.
 
         Raises:
             kthena_comm.transfer errors (PeerUnreachableError, TransferTimeoutError ...).
         """
-        if not src_ids:
-            return 0
-        remote = MemoryHandle.from_json(remote_json)
-        pairs = self.layout.pair_ranges(list(src_ids), list(dst_ids), dst_layout)
-        batch = TransferBatch(self.local, remote, [p.src_offset for p in pairs],
-                              [p.dst_offset for p in pairs], [p.length for p in pairs])
-        future = self.engine.batch_put_async(batch)
-        self.engine.wait([future], timeout_s=self.timeout_s)
-        return batch.nbytes
+        return self.session(remote_json, dst_layout, layerwise=False).finish(src_ids, dst_ids)
 
     def close(self) -> None:
         self.engine.close()
