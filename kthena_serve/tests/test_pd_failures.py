@@ -76,21 +76,35 @@ def fail_cluster():
         yield cluster
 
 
+def in_flight(cluster: PDCluster, prompts: list[list[int]], max_tokens: int) -> list:
+    """Send the prompts at once (the prefill worker batches them); their (thread, box)es."""
+    return [in_background(lambda ids=ids: cluster.complete(ids, max_tokens=max_tokens))
+            for ids in prompts]
+
+
+def replies(jobs: list) -> list[httpx.Response]:
+    for thread, _ in jobs:
+        thread.join(120)
+    return [box["result"] for _, box in jobs]
+
+
 def test_killed_prefill_recompute_gives_the_right_tokens(recompute_cluster) -> None:  # noqa: ANN001
+    """SIGKILL while the prefill worker runs a batch of three prompts: every one of them is
+    recomputed by the decode worker, with the tokens the recovered deployment gives."""
     cluster = recompute_cluster
-    ids = long_prompt(1200, "kill prefill. ")
+    prompts = [long_prompt(500, f"kill prefill {i}. ") for i in range(3)]
     cluster.router.config = cluster.pd_config  # (unchanged; documents the policy in use)
-    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=8))
+    jobs = in_flight(cluster, prompts, 8)
     wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
     old = cluster.launcher.kill("prefill-0", signal.SIGKILL)
-    thread.join(120)
-    reply = box["result"]
-    assert reply.status_code == 200, reply.text
-    # never wrong tokens: the same prompt served again after recovery gives the same text
+    answers = replies(jobs)
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    # never wrong tokens: the same prompts served again after recovery give the same texts
     wait_for(lambda: rejoined(cluster, "prefill-0") and cluster.launcher.pid("prefill-0") not in (old, None),
              120, "the prefill worker to rejoin")
-    again = cluster.complete(ids, max_tokens=8)
-    assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]
+    for ids, reply in zip(prompts, answers, strict=True):
+        again = cluster.complete(ids, max_tokens=8)
+        assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]
     decode = cluster.worker_metrics("decode-0")
     assert 'kthena_pd_transfer_failures_total{policy="recompute"' in decode
     assert_clean(cluster, [old])
@@ -113,22 +127,22 @@ def test_hung_prefill_times_out_and_blocks_stay_quarantined(recompute_cluster) -
 
 
 def test_killed_prefill_with_policy_fail_is_a_clear_503(fail_cluster) -> None:  # noqa: ANN001
+    """SIGKILL mid-batch with policy fail: every prompt of the batch gets the 503."""
     cluster = fail_cluster
-    ids = long_prompt(1200, "fail policy. ")
-    thread, box = in_background(lambda: cluster.complete(ids, max_tokens=8))
+    prompts = [long_prompt(500, f"fail policy {i}. ") for i in range(3)]
+    jobs = in_flight(cluster, prompts, 8)
     wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
     old = cluster.launcher.kill("prefill-0")
-    thread.join(120)
-    reply = box["result"]
-    assert reply.status_code == 503
-    assert "handoff failed" in reply.json()["error"]["message"]
+    answers = replies(jobs)
+    assert [r.status_code for r in answers] == [503, 503, 503], [r.text for r in answers]
+    assert all("handoff failed" in r.json()["error"]["message"] for r in answers)
     # the failed handoff marks the prefill worker down at once (passive health check) ...
     assert not rejoined(cluster, "prefill-0")
     # ... and only a poll of the restarted process brings it back
     wait_for(lambda: cluster.launcher.pid("prefill-0") not in (old, None)
              and rejoined(cluster, "prefill-0"),
              120, "the prefill worker to rejoin")
-    assert cluster.complete(ids[:100], max_tokens=2).status_code == 200
+    assert cluster.complete(prompts[0][:100], max_tokens=2).status_code == 200
     assert_clean(cluster, [old])
 
 

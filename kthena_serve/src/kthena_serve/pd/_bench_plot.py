@@ -1,4 +1,5 @@
-"""The PD benchmark's figure: handoff time vs KV bytes, and TPOT / TTFT per deployment."""
+"""The PD benchmark's figure: handoff time vs KV bytes, the layer-wise push's overlap, and
+TPOT / inter-token gaps per deployment."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     rows = result["handoff"]
     mib = [r["kv_bytes"] / 2**20 for r in rows]
     ax = axes[0]
@@ -31,10 +32,23 @@ def plot(result: dict, path: str) -> None:
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
-    serving = result.get("serving")
+    overlap = result.get("overlap")
     ax = axes[1]
+    if overlap:
+        sizes = sorted({r["tokens"] for r in overlap})
+        for offset, mode in ((-0.2, "layerwise"), (0.2, "batched")):
+            by_size = {r["tokens"]: r for r in overlap if r["kv_push"] == mode}
+            ax.bar([i + offset for i in range(len(sizes))],
+                   [by_size[t]["after_compute_s"] * 1e3 for t in sizes], width=0.4,
+                   label=f"{mode} push")
+        ax.set_xticks(range(len(sizes)), [f"{t} tokens" for t in sizes])
+        ax.set(yscale="log", ylabel="end of prefill compute → KV in decode pool (ms, log)",
+               title="Layer-wise vs batched push (Mooncake, workers)")
+        ax.legend(fontsize=8)
+    serving = result.get("serving")
+    ax = axes[2]
     if serving:
-        names = list(serving)
+        names = [n for n in ("colocated", "pd", "decode_only_baseline") if n in serving]
         x = range(len(names))
         for offset, key, label in ((-0.2, "tpot_p50", "TPOT p50"), (0.0, "tpot_p99", "TPOT p99"),
                                    (0.2, "itl_p99", "inter-token p99")):

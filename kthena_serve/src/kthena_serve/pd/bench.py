@@ -8,11 +8,18 @@ Part 1 (handoff, in one process, SmolLM2-135M KV geometry, bf16, 16-token blocks
                  blocks into the decode pool through host memory (one memcpy per range)
   mooncake_*     kthena_comm mooncake (TCP loopback) put of the blocks into a registered
                  pool: one batched put (sync / async + wait), and one put per token
-Part 2 (serving, real worker processes, same cores): streams decode while long prompts
-  (``--long-tokens``) arrive; TTFT / TPOT p50 / p99 for colocated (one worker on all cores)
-  vs PD (1 prefill + 1 decode), and the decode-only baseline (streams, no long prompts).
+Part 2 (article B's table, ``pd/kv_move_bench.py``): a LLaMA-2-70B-shaped KV moved from a
+  prefill pool to a decode pool by host copy, per-token puts, a batched put, a batched async
+  put, layer-wise async puts and zero-copy sharing, over shm, Mooncake loopback and (with
+  ``--kv-move-netns``) Mooncake across two network namespaces.
+Part 3 (overlap, real worker processes over Mooncake): the time from the end of a prompt's
+  prefill compute to its KV in the decode pool, layer-wise push vs one put after the prefill.
+Part 4 (serving, real worker processes): streams decode while long prompts
+  (``--long-tokens``) arrive; TTFT / TPOT / inter-token p50 / p99 for colocated (one worker on
+  all cores) vs PD (1 prefill + 1 decode), and the decode-only baseline (the same decode worker,
+  no long prompts); the benchmark's client and router run on the prefill worker's cores.
 
-Prints one JSON line and writes a PNG (``--plot``).
+Prints one JSON line and writes PNGs (``--plot``, and ``<plot>_kv_move.png``).
 """
 
 from __future__ import annotations
@@ -132,7 +139,8 @@ def _per_token_batches(layout, local, remote, src: list[int], dst: list[int],  #
 
 
 # ---- part 2: serving --------------------------------------------------------------------------
-async def _stream(client, url: str, ids: list[int], max_tokens: int) -> dict:  # noqa: ANN001
+async def _stream(client, url: str, ids: list[int], max_tokens: int,  # noqa: ANN001
+                  window_start: float = 0.0) -> dict:
     body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     start = time.perf_counter()
@@ -143,7 +151,7 @@ async def _stream(client, url: str, ids: list[int], max_tokens: int) -> dict:  #
                 stamps.append(time.perf_counter())
     if not stamps:
         return {"ttft": None, "tpot": None, "gaps": []}
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if a >= window_start]
     tpot = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
     return {"ttft": stamps[0] - start, "tpot": tpot, "gaps": gaps}
 
@@ -159,10 +167,13 @@ async def _workload(url: str, opts: argparse.Namespace, with_long: bool) -> dict
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
         await _stream(client, url, ids(32), 4)  # warm-up
-        streams = [asyncio.create_task(_stream(client, url, ids(32), opts.stream_tokens))
-                   for _ in range(opts.num_streams)]
+        # inter-token gaps count from when the long prompts start arriving (the streams'
+        # own admission is over by then), in the decode-only run from the same moment
+        window = time.perf_counter() + 0.5
+        streams = [asyncio.create_task(_stream(client, url, ids(32), opts.stream_tokens,
+                                               window)) for _ in range(opts.num_streams)]
         longs = []
         if with_long:
             await asyncio.sleep(0.5)
@@ -187,27 +198,121 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
+def _pin_process(cores: tuple[int, ...]) -> None:
+    """Move every thread of this process (client, router, OpenAI app) onto ``cores``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def bench_serving(opts: argparse.Namespace) -> dict:
+    """Streams decoding while long prompts arrive: colocated, PD, and PD's decode worker with
+    no long prompts (the decode-only baseline: the same process on the same cores).
+
+    The benchmark's own process (client, router, OpenAI app) runs on the prefill worker's
+    cores, so the decode worker's core serves only the decode worker in both PD runs.
+    """
     from kthena_serve.pd.cluster import PDCluster
 
     engine = {"num_kv_blocks": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 2048}
     pd = {"pd_threshold_tokens": 64, "transfer_timeout_s": 120}
     out = {}
-    with PDCluster(engine, pd, num_prefill=0, num_decode=1) as colocated:
-        out["colocated"] = asyncio.run(_workload(colocated.url, opts, True))
-    with PDCluster(engine, pd, num_prefill=1, num_decode=1) as disagg:
-        out["pd"] = asyncio.run(_workload(disagg.url, opts, True))
-        out["decode_only_baseline"] = asyncio.run(_workload(disagg.url, opts, False))
+    everywhere = tuple(sorted(os.sched_getaffinity(0)))
+    try:
+        with PDCluster(engine, pd, num_prefill=0, num_decode=1) as colocated:
+            out["colocated"] = asyncio.run(_workload(colocated.url, opts, True))
+        with PDCluster(engine, pd, num_prefill=1, num_decode=1) as disagg:
+            specs = {s.name: s.cores for s in disagg.launcher.specs}
+            _pin_process(specs["prefill-0"])
+            out["cores"] = {"prefill": specs["prefill-0"], "decode": specs["decode-0"],
+                            "client_and_router": specs["prefill-0"]}
+            out["pd"] = asyncio.run(_workload(disagg.url, opts, True))
+            out["decode_only_baseline"] = asyncio.run(_workload(disagg.url, opts, False))
+    finally:
+        _pin_process(everywhere)
+    base = out["decode_only_baseline"]
+    out["pd_vs_decode_only"] = {key: out["pd"][key] / base[key]
+                                for key in ("tpot_p50", "tpot_p99", "itl_p50", "itl_p99")
+                                if out["pd"][key] and base[key]}
     return out
 
 
+# ---- part 3: layer-wise push overlap ----------------------------------------------------------
+def _metric_sums(text: str) -> dict[str, float]:
+    """``name_sum`` / ``name_count`` samples of the prefill role from a /metrics page."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kthena_pd_") and 'role="prefill"' in line:
+            name = line.split("{", 1)[0]
+            if name.endswith(("_sum", "_count")):
+                out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def bench_overlap(token_counts: list[int], repeats: int) -> list[dict]:
+    """Prompts of each length through PD over Mooncake (1 prefill + 1 decode worker, TCP on
+    127.0.0.1, one core each), the KV pushed layer by layer vs in one batch after the prefill.
+
+    Per request, from the prefill worker's metrics: ``compute_s`` (its forwards) and
+    ``after_compute_s`` (from its last forward's end to the last put landed in the decode
+    pool: what the decode worker waits for beyond the prefill). Medians over ``repeats``.
+    """
+    import random
+
+    from kthena_serve.pd.cluster import PDCluster
+
+    rng = random.Random(7)
+    engine = {"num_kv_blocks": 2 * max(token_counts) // 16 + 64, "max_num_seqs": 4,
+              "max_num_batched_tokens": 2048}
+    rows = []
+    for mode in ("layerwise", "batched"):
+        pd = {"pd_threshold_tokens": 0, "transfer_timeout_s": 300, "transport": "mooncake",
+              "kv_push": mode}
+        with PDCluster(engine, pd, num_prefill=1, num_decode=1) as cluster:
+            cluster.complete([rng.randrange(100, 49000) for _ in range(64)], max_tokens=1)
+            for tokens in token_counts:
+                compute, after = [], []
+                for _ in range(repeats):
+                    before = _metric_sums(cluster.worker_metrics("prefill-0"))
+                    reply = cluster.complete([rng.randrange(100, 49000) for _ in range(tokens)],
+                                             max_tokens=1, timeout=600)
+                    reply.raise_for_status()
+                    now = _metric_sums(cluster.worker_metrics("prefill-0"))
+                    diff = {k: now[k] - before.get(k, 0.0) for k in now}
+                    if diff.get("kthena_pd_handoff_seconds_count") != 1:
+                        raise RuntimeError(f"the {tokens}-token prompt was not disaggregated: "
+                                           f"{diff}")
+                    compute.append(diff["kthena_pd_prefill_seconds_sum"])
+                    after.append(diff["kthena_pd_handoff_seconds_sum"])
+                rows.append({"kv_push": mode, "tokens": tokens,
+                             "compute_s": statistics.median(compute),
+                             "after_compute_s": statistics.median(after),
+                             "after_compute_all_s": after})
+    return rows
+
+
 # ---- main --------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _machine() -> dict:
     import platform
 
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+    return {"cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
             "load_1min": os.getloadavg()[0], "torch": torch.__version__,
             "python": platform.python_version()}
 
@@ -221,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-interval", type=float, default=2.0)
     parser.add_argument("--num-streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=96)
+    parser.add_argument("--overlap-tokens", default="1024,4096",
+                        help="prompt lengths of the layer-wise vs batched push comparison "
+                             "('' to skip)")
+    parser.add_argument("--overlap-repeats", type=int, default=3)
+    parser.add_argument("--kv-move-tokens", type=int, default=128,
+                        help="article B's table: a LLaMA-2-70B-shaped KV of this many tokens "
+                             "moved by each method (0 to skip; see pd/kv_move_bench.py)")
+    parser.add_argument("--kv-move-netns", action="store_true",
+                        help="article B's table also across two network namespaces (root)")
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--plot", default="bench_pd.png", help="PNG path ('' for none)")
     opts = parser.parse_args(argv)
@@ -228,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOG_minloglevel", "2")
     result = {"machine": _machine(), "options": vars(opts),
               "handoff": bench_handoff([int(t) for t in opts.tokens.split(",")], opts.repeats)}
+    if opts.kv_move_tokens:
+        from kthena_serve.pd.kv_move_bench import bench_kv_move
+
+        result["kv_move"] = bench_kv_move(opts.kv_move_tokens, opts.repeats, opts.kv_move_netns)
+    if opts.overlap_tokens:
+        result["overlap"] = bench_overlap([int(t) for t in opts.overlap_tokens.split(",")],
+                                          opts.overlap_repeats)
     if not opts.skip_serving:
         result["serving"] = bench_serving(opts)
     result["machine"]["load_1min_end"] = os.getloadavg()[0]
@@ -235,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         from kthena_serve.pd._bench_plot import plot
 
         plot(result, opts.plot)
+        if "kv_move" in result:
+            from kthena_serve.pd.kv_move_bench import plot_kv_move
+
+            root, ext = os.path.splitext(opts.plot)
+            plot_kv_move(result["kv_move"], f"{root}_kv_move{ext or '.png'}")
     print(json.dumps(result))
     return 0
 

@@ -34,9 +34,22 @@ from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
 from kthena_serve.request import EngineRequest, RequestOutput
 
-__all__ = ["DecodeService", "HandoffError"]
+__all__ = ["DecodeService", "HandoffError", "prefill_client"]
 
 log = logging.getLogger(__name__)
+
+
+def prefill_client() -> httpx.AsyncClient:
+    """The one HTTP client a decode worker calls prefill workers with (made at start-up).
+
+    A client per call would build an SSL context (reading the CA bundle: ~0.2 s here) and
+    import httpx's transport modules on the event loop that streams every running request's
+    tokens: each long prompt stalled all streams by that much. Proxies from the environment are
+    ignored (prefill workers are reached directly); deadlines are given per call.
+    """
+    return httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), trust_env=False,
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=32))
 
 
 class HandoffError(EngineDeadError):
@@ -59,11 +72,14 @@ class DecodeService:
         metrics: where handoff times and failures go.
         secret: the deployment secret; calls to prefill workers are signed with it, it is
             never sent (None: unsigned).
+        client: the HTTP client for prefill workers (default: a new ``prefill_client()``).
     """
 
     def __init__(self, engine: AsyncLLM, pool: PoolRef, config: PDConfig,
-                 metrics: PDMetrics, *, secret: str | None = None) -> None:
+                 metrics: PDMetrics, *, secret: str | None = None,
+                 client: httpx.AsyncClient | None = None) -> None:
         self.engine = engine
+        self.client = client or prefill_client()
         self._secret = secret
         self.pool = pool
         self.config = config
@@ -106,8 +122,9 @@ class DecodeService:
         timeout = self.config.transfer_timeout_s
         try:
             body, headers = signed_json(self._secret, "/pd/prefill", task.to_json())
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0)) as client:
-                response = await client.post(f"{url}/pd/prefill", content=body, headers=headers)
+            response = await self.client.post(f"{url}/pd/prefill", content=body,
+                                              headers=headers,
+                                              timeout=httpx.Timeout(timeout, connect=2.0))
         except httpx.TimeoutException as error:
             raise _PrefillFailed("timeout", f"prefill at {url} did not answer within "
                                  f"{timeout:g} s ({type(error).__name__})", False) from None
@@ -148,20 +165,19 @@ class DecodeService:
         """Wait until the prefill worker is not writing ``rid`` (or is dead), then free it."""
         self.num_quarantined += 1
         try:
-            async with httpx.AsyncClient(timeout=1.0) as client:
-                while True:
-                    try:
-                        body, headers = signed_json(self._secret, "/pd/cancel",
-                                                    {"request_id": rid})
-                        reply = await client.post(f"{url}/pd/cancel", content=body,
-                                                  headers=headers)
-                        if not reply.json().get("busy", False):
-                            break
-                    except httpx.ConnectError:
-                        break  # refused: the process is gone, nothing writes any more
-                    except httpx.TransportError:
-                        pass  # slow or stopped (SIGSTOP): it may still write; ask again
-                    await asyncio.sleep(0.1)
+            while True:
+                try:
+                    body, headers = signed_json(self._secret, "/pd/cancel",
+                                                {"request_id": rid})
+                    reply = await self.client.post(f"{url}/pd/cancel", content=body,
+                                                   headers=headers, timeout=1.0)
+                    if not reply.json().get("busy", False):
+                        break
+                except httpx.ConnectError:
+                    break  # refused: the process is gone, nothing writes any more
+                except httpx.TransportError:
+                    pass  # slow or stopped (SIGSTOP): it may still write; ask again
+                await asyncio.sleep(0.1)
             await self._release(rid)
         finally:
             self.num_quarantined -= 1

@@ -45,7 +45,7 @@ from kthena_serve.errors import InvalidRequestError
 from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.pd.auth import check_prefill_url, signed_json
 from kthena_serve.pd.config import FailurePolicy, PDConfig
-from kthena_serve.pd.decode import HandoffError
+from kthena_serve.pd.decode import HandoffError, prefill_client
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.transfer import BlockGetter
@@ -87,11 +87,14 @@ class DecodeConnector:
         metrics: where pulls, their bytes and failures go.
         secret: the deployment secret; calls to prefill workers are signed with it (never sent).
         prefill_hosts: hosts ``remote_host`` may name (the rest are a 400).
+        client: the HTTP client for prefill workers (default: a new ``prefill_client()``).
     """
 
     def __init__(self, engine: AsyncLLM, getter: BlockGetter, config: PDConfig,
-                 metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str]) -> None:
+                 metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str],
+                 client: httpx.AsyncClient | None = None) -> None:
         self.engine, self.getter, self.config, self.metrics = engine, getter, config, metrics
+        self.client = client or prefill_client()
         self._secret = secret
         self.prefill_hosts = frozenset(prefill_hosts)
         self.num_quarantined = 0
@@ -206,8 +209,8 @@ class DecodeConnector:
         timeout = httpx.Timeout(self.config.transfer_timeout_s, connect=2.0)
         try:
             content, headers = signed_json(self._secret, path, body)
-            async with httpx.AsyncClient(timeout=timeout) as client:
-                return await client.post(f"{remote.url}{path}", content=content, headers=headers)
+            return await self.client.post(f"{remote.url}{path}", content=content,
+                                          headers=headers, timeout=timeout)
         except httpx.HTTPError as error:
             raise _Unavailable(f"prefill worker at {remote.url} ({path}): "
                                f"{type(error).__name__}: {error}") from None

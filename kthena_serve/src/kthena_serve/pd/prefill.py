@@ -123,6 +123,7 @@ class _Job:
     push: KVPush | None = None  # layer-wise: its completed blocks go out as each layer runs
     push_dst: tuple[int, ...] = ()  # the decode pool's blocks for the prompt
     num_pushed: int = 0  # blocks (from the start of the prompt) pushed or not to push
+    forward_end: float = 0.0  # perf_counter at the end of its latest forward
 
 
 def check_task(task: PrefillTask) -> None:
@@ -382,7 +383,8 @@ class PrefillExecutor:
             for job in jobs:
                 self._end(job, error)
             return
-        spent = time.perf_counter() - start
+        ended = time.perf_counter()
+        spent = ended - start
         num_tokens = sum(len(s.token_ids) for s in seqs)
         self.num_steps += 1
         self.num_computed_tokens += num_tokens
@@ -391,6 +393,7 @@ class PrefillExecutor:
         row = 0
         for seq, job in zip(seqs, jobs, strict=True):
             job.compute_s += spent
+            job.forward_end = ended
             job.num_computed += len(seq.token_ids)
             if seq.is_sampled:
                 if not job.cancelled:  # a cancelled one is dropped at the next step
@@ -478,15 +481,14 @@ class PrefillExecutor:
         with self._lock:
             self._num_handoffs += 1
 
-        def handoff() -> PrefillResult:
-            start = time.perf_counter()
+        def handoff() -> PrefillResult:  # handoff_s: from the end of its last forward
             try:
                 num_bytes = push.finish(owned.block_ids[first:], task.block_ids[first:])
             finally:
                 with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # stopping
                     self.call(self._free_handed_off, job.rid).result()
             return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached,
-                                 job.compute_s, time.perf_counter() - start, num_bytes,
+                                 job.compute_s, time.perf_counter() - job.forward_end, num_bytes,
                                  job.num_cached, logprobs)
 
         return self._handoff.submit(handoff)

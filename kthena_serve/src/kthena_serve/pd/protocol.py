@@ -76,7 +76,7 @@ class PrefillResult:
     first_token_id: int
     num_computed_tokens: int
     compute_s: float
-    handoff_s: float  # after compute: nothing (shm) or the put + wait (mooncake)
+    handoff_s: float  # from the end of its last forward to the KV in the decode pool (0: shm)
     handoff_bytes: int  # KV bytes that crossed a wire or a copy (0 for zero copy)
     num_prefill_cached_tokens: int = 0  # tokens the prefill worker's own cache supplied
     first_token_logprobs: TokenLogprobs | None = attrs.field(default=None,

@@ -135,7 +135,7 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
     """
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.engine import LLMEngine, build_runner
-    from kthena_serve.pd.decode import DecodeService
+    from kthena_serve.pd.decode import DecodeService, prefill_client
     from kthena_serve.pd.decode_api import DecodeConnector
     from kthena_serve.pd.transfer import BlockGetter, register_pool, shm_engine
 
@@ -156,11 +156,12 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
     async_engine = AsyncLLM(engine).start()
     metrics = PDMetrics("decode")
     server_metrics = ServerMetrics(async_engine, _served_name(config, served_model_name))
-    service = DecodeService(async_engine, ref, pd, metrics, secret=secret)
+    client = prefill_client()  # one for every call to prefill workers (see prefill_client)
+    service = DecodeService(async_engine, ref, pd, metrics, secret=secret, client=client)
     allowed_hosts = frozenset(prefill_hosts)
     connector = DecodeConnector(
         async_engine, BlockGetter(pull_engine, pull_handle, pool.layout, pd.transfer_timeout_s),
-        pd, metrics, secret=secret, prefill_hosts=allowed_hosts)
+        pd, metrics, secret=secret, prefill_hosts=allowed_hosts, client=client)
     incarnation = _incarnation()
     app = _control_app(secret, public_metrics)
     _common_routes(app, lambda: server_metrics.render() + metrics.render(),
