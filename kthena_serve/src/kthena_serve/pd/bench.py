@@ -14,6 +14,8 @@ Part 2 (article B's table, ``pd/kv_move_bench.py``): a LLaMA-2-70B-shaped KV mov
   ``--kv-move-netns``) Mooncake across two network namespaces.
 Part 3 (overlap, real worker processes over Mooncake): the time from the end of a prompt's
   prefill compute to its KV in the decode pool, layer-wise push vs one put after the prefill.
+Part 5 (batched prefill, in one process): several prompts submitted at once to the prefill
+  worker's executor, one per forward vs batched per forward.
 Part 4 (serving, real worker processes): streams decode while long prompts
   (``--long-tokens``) arrive; TTFT / TPOT / inter-token p50 / p99 for colocated (one worker on
   all cores) vs PD (1 prefill + 1 decode), and the decode-only baseline (the same decode worker,
@@ -239,6 +241,63 @@ def bench_serving(opts: argparse.Namespace) -> dict:
     return out
 
 
+# ---- part 5: batched prefill -------------------------------------------------------------------
+def bench_batched_prefill(lengths: list[int], num_prompts: int, repeats: int) -> list[dict]:
+    """``num_prompts`` prompts of each length submitted at once to one prefill executor (the
+    prefill worker's, in this process, shm zero-copy into a decode pool), one prompt per forward
+    (``max_num_seqs=1``) vs batched (up to 16 per forward under a 2048-token budget): the time
+    until every first token is back. Medians of ``repeats``; same weights, same threads."""
+    import random
+
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.model import load_model
+    from kthena_serve.model_runner import create_pool, kv_layout_for
+    from kthena_serve.pd.prefill import PrefillExecutor
+    from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
+    from kthena_serve.sampling_params import SamplingParams
+
+    model, _ = load_model("default")
+    size = 16
+    num_blocks = num_prompts * (max(lengths) // size + 1)
+    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+                           model.head_dim, EngineConfig(num_kv_blocks=num_blocks))
+    pool = create_pool(layout, EngineConfig(), shared=True)
+    ref = PoolRef(num_blocks, size, "bfloat16", pool.name)
+    params = params_to_json(SamplingParams(temperature=0, max_tokens=1))
+    rng = random.Random(3)
+    rows = []
+    try:
+        for seats, label in ((1, "one_at_a_time"), (16, "batched")):
+            executor = PrefillExecutor(model, EngineConfig(max_num_seqs=seats,
+                                                           max_num_batched_tokens=2048))
+            try:
+                for tokens in lengths:
+                    per = -(-tokens // size)
+                    times = []
+                    steps_before = executor.num_steps
+                    for rep in range(repeats + 1):
+                        tasks = [PrefillTask(f"{label}-{tokens}-{rep}-{i}",
+                                             tuple(rng.randrange(100, 49000)
+                                                   for _ in range(tokens)),
+                                             0, tuple(range(i * per, (i + 1) * per)), params, ref)
+                                 for i in range(num_prompts)]
+                        start = time.perf_counter()
+                        futures = [executor.submit_shared(task) for task in tasks]
+                        for future in futures:
+                            future.result(timeout=600)
+                        if rep:  # the first round warms the kernels up
+                            times.append(time.perf_counter() - start)
+                    rows.append({"mode": label, "tokens": tokens, "num_prompts": num_prompts,
+                                 "total_s": statistics.median(times),
+                                 "forwards_per_round": (executor.num_steps - steps_before)
+                                 / (repeats + 1)})
+            finally:
+                executor.close()
+    finally:
+        pool.close()
+    return rows
+
+
 # ---- part 3: layer-wise push overlap ----------------------------------------------------------
 def _metric_sums(text: str) -> dict[str, float]:
     """``name_sum`` / ``name_count`` samples of the prefill role from a /metrics page."""
@@ -335,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                              "moved by each method (0 to skip; see pd/kv_move_bench.py)")
     parser.add_argument("--kv-move-netns", action="store_true",
                         help="article B's table also across two network namespaces (root)")
+    parser.add_argument("--batched-prefill-tokens", default="64,256",
+                        help="prompt lengths of the batched vs one-at-a-time prefill comparison "
+                             "('' to skip)")
+    parser.add_argument("--batched-prefill-prompts", type=int, default=8)
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--plot", default="bench_pd.png", help="PNG path ('' for none)")
     opts = parser.parse_args(argv)
@@ -346,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         from kthena_serve.pd.kv_move_bench import bench_kv_move
 
         result["kv_move"] = bench_kv_move(opts.kv_move_tokens, opts.repeats, opts.kv_move_netns)
+    if opts.batched_prefill_tokens:
+        result["batched_prefill"] = bench_batched_prefill(
+            [int(t) for t in opts.batched_prefill_tokens.split(",")],
+            opts.batched_prefill_prompts, opts.repeats)
     if opts.overlap_tokens:
         result["overlap"] = bench_overlap([int(t) for t in opts.overlap_tokens.split(",")],
                                           opts.overlap_repeats)
