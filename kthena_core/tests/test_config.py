@@ -43,7 +43,7 @@ def test_article_config_loads(tmp_path):
     assert (cfg.parallelism.tensor_parallel_size, cfg.parallelism.pipeline_parallel_size) == (4, 2)
     assert cfg.model.dtype == "fp16"  # normalised
     assert cfg.service.kv_cache_reuse is True
-    assert cfg.kv_cache.compression.method == "none"  # int8: refused (test_config_keys.py)
+    assert cfg.kv_cache.compression.method == "none"  # int8: kthena_serve's test_int8_kv.py
     cfg.validate_against(load_model_spec("llama-2-70b"))  # 64 heads / 4, 80 layers / 2: fine
 
 

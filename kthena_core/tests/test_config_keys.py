@@ -21,8 +21,6 @@ from kthena_core.topology import from_catalog
         ({"model": {"dtype": "bf16", "compute_dtype": "fp32"}}, "model.compute_dtype",
          "weight dtype"),
         ({"model": {"parameter_dtype": "fp16"}}, "model.parameter_dtype", "weight dtype"),
-        ({"kv_cache": {"compression": {"method": "int8", "group_size": 128}}},
-         "kv_cache.compression.method", "int8 KV is not served yet"),
         ({"kv_cache": {"max_tokens": 4096, "memory_pool_size": "1GiB"}}, "kv_cache.max_tokens",
          "keep one"),
         ({"parallelism": {"sequence_parallel_enabled": True}},
@@ -48,6 +46,8 @@ def test_every_supported_value_of_the_refused_keys_still_loads():
                                  "compute_dtype": "fp16"},
                        "kv_cache": {"compression": {"method": "none"}, "max_tokens": 4096}})
     assert (cfg.service.mode, cfg.model.compute_dtype, cfg.kv_cache.max_tokens) == ("pd", "fp16", 4096)
+    int8 = load_config({"kv_cache": {"compression": {"method": "int8", "group_size": 64}}})
+    assert (int8.kv_cache.compression.method, int8.kv_cache.compression.group_size) == ("int8", 64)
 
 
 def test_a_pinned_strategy_is_the_layout_planned():

@@ -171,11 +171,9 @@ def test_engine_config_reaches_the_kv_layer_parts():
      "one of 'hash', 'radix' (got 'trie')"),
     ("hash_algorithm", "md5", "EngineConfig.hash_algorithm must be a registered hash "
      "algorithm: one of 'sha256', 'xxh3_128' (got 'md5')"),
-    ("kv_cache_dtype", "int8", "EngineConfig.kv_cache_dtype must be 'auto' or the compute "
-     "dtype ('bfloat16') (got 'int8'); int8 KV is not served yet"),
-    ("kv_cache_dtype", "float16", "EngineConfig.kv_cache_dtype must be 'auto' or the compute "
-     "dtype ('bfloat16') (got 'float16'); the attention kernels read the cache in the compute "
-     "dtype"),
+    ("kv_cache_dtype", "float16", "EngineConfig.kv_cache_dtype must be 'auto', the compute "
+     "dtype ('bfloat16') or 'int8' (got 'float16'); the attention kernels read the cache in "
+     "the compute dtype"),
     ("dtype", "fp16", "EngineConfig.dtype must be one of 'bfloat16', 'float16', 'float32' "
      "(got 'fp16')"),
     ("device", "gpu", "EngineConfig.device must be one of 'cpu', 'cuda', 'cuda:N', 'npu', "
@@ -212,7 +210,7 @@ def test_engine_config_errors_name_the_cli_flag():
     for argv, message in [
         (["--max-num-seqs", "0"], "--max-num-seqs: EngineConfig.max_num_seqs must be a "
          "positive int (got 0)"),
-        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: EngineConfig.kv_cache_dtype must be"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: EngineConfig.kv_cache_dtype must be"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory: EngineConfig.kv_cache_memory must"),
     ]:
         with pytest.raises(ValueError) as caught:

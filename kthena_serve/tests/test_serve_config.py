@@ -53,11 +53,18 @@ BASE = "cluster: {topology: auto}\nparallelism: {strategy: auto}\n"
         ("kv_cache: {max_tokens: 1000, reuse_bucket_size: 16}", "num_kv_blocks", 63),
         ("model: {dtype: float32}", "dtype", "float32"),
         ("model: {dtype: fp16}", "dtype", "float16"),
+        ("kv_cache: {offload: 'host=64MiB'}", "kv_offload", 64 * 2**20),
     ],
 )
 def test_each_honoured_key_changes_the_engine_config(tmp_path, yaml_text, field, value):
     _, config, _ = _serve(tmp_path, BASE + yaml_text + "\n")
-    assert getattr(config, field) == value
+    got = getattr(config, field)
+    assert (got.host_bytes if field == "kv_offload" else got) == value
+
+
+def test_a_bad_offload_value_in_the_config_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--kv-offload"):
+        _serve(tmp_path, BASE + "kv_cache: {offload: 'disk=1GiB'}\n")
 
 
 def test_service_host_and_port_and_the_plans_tp_drive_the_flags(tmp_path):

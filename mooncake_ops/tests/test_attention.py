@@ -17,6 +17,7 @@ from _mops_support import (
     length,
     oracle_decode,
     oracle_prefill,
+    tokens64,
     using,
 )
 from hypothesis import given, settings
@@ -160,3 +161,80 @@ def test_cpu_prefill_groups_and_shared_prefix_match_oracle(dtype, int8, flash, m
     assert_close(got, oracle_prefill(*args, **cache.scales()), dtype)
     with using("reference"):  # what the cpu dispatch table runs
         assert torch.equal(mo.paged_prefill_attention(*args, **cache.scales()), got)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_native_int8_prefill_reads_the_prefix_in_place(dtype, threads, seed):
+    """With native kernels, an int8 cached prefix is attended by the decode kernel over the
+    paged blocks (every new token's query rows of a KV head as its group), not by gathering a
+    dequantised copy: the gather is made to fail, and the result must still match the float64
+    oracle on fresh random inputs (groups, a shared prefix, splits across threads)."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available():
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the int8 prefix was gathered into a dequantised copy")
+
+    g = dict(block_size=16, num_kv_heads=2, num_heads=6, head_dim=64, dtype=dtype, int8=True,
+             strided=True, seed=seed)
+    cached = [700, 0, 700, 17, 40, 33, 33]
+    queries = [5, 7, 5, 1, 40, 4, 4]
+    cache = PagedCache(g, cached)
+    cache.fill()
+    cache.block_tables[2, :44] = cache.block_tables[0, :44]  # a shared prompt prefix
+    total = sum(queries)
+    q = cache.randn(total, 6, 64)
+    k, v = (cache.randn(total, 2, 64) for _ in range(2))
+    queries_t = torch.tensor(queries, dtype=torch.int32)
+    args = (q, k, v, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens, queries_t,
+            64 ** -0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with using("native"), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sdpa, "_cached_tokens", no_gather)
+            got = mo.paged_prefill_attention(*args, out=torch.full_like(q, math.nan),
+                                             **cache.scales())
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(got, oracle_prefill(*args, **cache.scales()), dtype)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_native_decode_log_sum_exp_matches_float64(int8, seed):
+    """The kernel's optional log-sum-exp output (what the prefill merge weighs by), one split
+    and several, against log(sum(exp(scaled scores))) in float64; empty contexts give -inf."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available():
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+    g = dict(block_size=16, num_kv_heads=2, num_heads=16, head_dim=64, dtype=torch.float32,
+             int8=int8, strided=True, seed=seed)
+    cache = PagedCache(g, [2100, 37, 0])  # 2137 tokens x 16 heads x 64: big enough to split
+    cache.fill()
+    q = cache.randn(3, 16, 64)
+    expected = torch.full((3, 16), -math.inf, dtype=torch.float64)
+    for b, n in enumerate(cache.lens.tolist()):
+        if n:
+            keys = tokens64(cache.k_cache, cache.k_scale, cache.block_tables[b], n)  # [n, hk, d]
+            group = keys.repeat_interleave(8, dim=1)  # query head h reads KV head h // 8
+            scores = torch.einsum("hd,thd->ht", q[b].double(), group) * 64 ** -0.5
+            expected[b] = torch.logsumexp(scores, dim=-1)
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            lse = torch.empty(3, 16)
+            native._load().paged_decode_attention(
+                q, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens, 64 ** -0.5,
+                cache.k_scale, cache.v_scale, None, lse)
+        finally:
+            torch.set_num_threads(previous)
+        torch.testing.assert_close(lse.double(), expected, atol=1e-4, rtol=1e-5)

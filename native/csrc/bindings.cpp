@@ -11,6 +11,7 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor&, const at::Te
                                                  const at::Tensor&, const at::Tensor&, double,
                                                  const std::optional<at::Tensor>&,
                                                  const std::optional<at::Tensor>&,
+                                                 const std::optional<at::Tensor>&,
                                                  const std::optional<at::Tensor>&);
 bool write_kv(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
@@ -23,7 +24,9 @@ std::optional<at::Tensor> silu_and_mul(const at::Tensor&);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX-512)";
-  m.def("paged_decode_attention", &mops::paged_decode_attention);
+  m.def("paged_decode_attention", &mops::paged_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("k_scale"), py::arg("v_scale"), py::arg("out"), py::arg("lse") = py::none());
   m.def("write_kv", &mops::write_kv);
   m.def("rms_norm", &mops::rms_norm);
   m.def("rotary_embedding", &mops::rotary_embedding);

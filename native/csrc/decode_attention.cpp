@@ -12,6 +12,10 @@
 // With one split the item writes acc / l straight to out; with several (short batches on
 // many threads) each writes (m, l, acc) and a combine pass merges them:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,  M = max_s m_s.
+// Optionally each row's log-sum-exp m + log(l) (of the scaled scores; -inf for an empty
+// context) goes to `lse`: the CPU prefill uses this kernel for the cached-prefix half of a
+// chunk (the group then holds every new token's query rows of one KV head) and merges it with
+// the causal half by LSE, so an int8 prefix is read in place, block by block.
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
 
@@ -177,14 +181,15 @@ void attend(const DecodeArgs& a, const QT* q, int64_t b, int64_t h, int64_t j0, 
 }
 
 template <int NC, typename QT>
-void finish_row(const float* acc, float l, QT* out) {
+void finish_row(const float* acc, float m, float l, QT* out, float* lse) {
   const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
   for (int c = 0; c < 16 * NC; c += 16) store16(out + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), inv));
+  if (lse) *lse = l > 0.0f ? m + std::log(l) : kNegInf;
 }
 
 // Merges the splits of every (b, h, g) row: see the file comment.
 template <int NC, typename QT>
-void combine(const DecodeArgs& a, int64_t nsplit, const float* part, QT* out) {
+void combine(const DecodeArgs& a, int64_t nsplit, const float* part, QT* out, float* lse) {
   constexpr int D = 16 * NC;
   const int64_t G = a.group, rows = a.batch * a.num_kv_heads * G, stride = G * (D + 2);
   at::parallel_for(0, rows, rows, [&](int64_t r0, int64_t r1) {
@@ -204,13 +209,14 @@ void combine(const DecodeArgs& a, int64_t nsplit, const float* part, QT* out) {
           _mm512_storeu_ps(acc.data() + c, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p + 2 * G + g * D + c),
                                                            _mm512_loadu_ps(acc.data() + c)));
       }
-      finish_row<NC>(acc.data(), l, out + r * D);
+      finish_row<NC>(acc.data(), big, l, out + r * D, lse ? lse + r : nullptr);
     }
   });
 }
 
 template <int NC, typename QT, typename CT>
-void run(const DecodeArgs& a, const QT* q, QT* out, int64_t nsplit, int64_t bps, bool parallel) {
+void run(const DecodeArgs& a, const QT* q, QT* out, float* lse, int64_t nsplit, int64_t bps,
+         bool parallel) {
   constexpr int D = 16 * NC;
   const int64_t G = a.group, items = a.batch * a.num_kv_heads * nsplit, stride = G * (D + 2);
   std::vector<float> part(nsplit > 1 ? items * stride : 0);
@@ -226,10 +232,11 @@ void run(const DecodeArgs& a, const QT* q, QT* out, int64_t nsplit, int64_t bps,
       State st{base, base + G, base + 2 * G};
       attend<NC, QT, CT>(a, q, b, h, s * bps, std::min(nblk, (s + 1) * bps), st, w);
       if (nsplit == 1)
-        for (int64_t g = 0; g < G; ++g) finish_row<NC>(st.acc + g * D, st.l[g], out + (bh * G + g) * D);
+        for (int64_t g = 0; g < G; ++g)
+          finish_row<NC>(st.acc + g * D, st.m[g], st.l[g], out + (bh * G + g) * D, lse ? lse + bh * G + g : nullptr);
     }
   });
-  if (nsplit > 1) combine<NC>(a, nsplit, part.data(), out);
+  if (nsplit > 1) combine<NC>(a, nsplit, part.data(), out, lse);
 }
 
 struct Extent {
@@ -272,14 +279,20 @@ CacheView view_of(const at::Tensor& c, const std::optional<at::Tensor>& s) {
 }  // namespace
 
 // Returns nullopt when the call does not fit the kernel (the caller then runs the reference).
+// lse_buffer: optional contiguous float32 [batch, num_heads] for each row's log-sum-exp.
 std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                  const at::Tensor& context_lens, double scale,
                                                  const std::optional<at::Tensor>& k_scale,
                                                  const std::optional<at::Tensor>& v_scale,
-                                                 const std::optional<at::Tensor>& out_buffer) {
+                                                 const std::optional<at::Tensor>& out_buffer,
+                                                 const std::optional<at::Tensor>& lse_buffer) {
   if (k_cache.stride(3) != 1 || v_cache.stride(3) != 1 || k_cache.strides() != v_cache.strides())
     return std::nullopt;
+  if (lse_buffer && (lse_buffer->scalar_type() != at::kFloat || !lse_buffer->is_contiguous() ||
+                     lse_buffer->numel() != q.size(0) * q.size(1)))
+    return std::nullopt;
+  float* lse = lse_buffer ? lse_buffer->data_ptr<float>() : nullptr;
   const auto bt = block_tables.to(at::kInt).contiguous();
   const auto cl = context_lens.to(at::kInt).contiguous();
   const auto qc = q.contiguous();
@@ -302,10 +315,10 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::
     with_float_type(q.scalar_type(), [&](auto qt) {
       using QT = decltype(qt);
       if (k_cache.scalar_type() == at::kChar) {
-        run<NC, QT, int8_t>(a, qc.data_ptr<QT>(), out.data_ptr<QT>(), nsplit, bps, parallel);
+        run<NC, QT, int8_t>(a, qc.data_ptr<QT>(), out.data_ptr<QT>(), lse, nsplit, bps, parallel);
         done = true;
       } else if (k_cache.scalar_type() == q.scalar_type()) {
-        run<NC, QT, QT>(a, qc.data_ptr<QT>(), out.data_ptr<QT>(), nsplit, bps, parallel);
+        run<NC, QT, QT>(a, qc.data_ptr<QT>(), out.data_ptr<QT>(), lse, nsplit, bps, parallel);
         done = true;
       }
     });

@@ -10,7 +10,7 @@ kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: n
 ```
 
 Every section loads into a frozen attrs class. Every key is honoured by ``kthena serve --config``
-or ``kthena-run``, or refused by name (``_reject_unsupported``: gRPC, fused all-reduce, int8 KV,
+or ``kthena-run``, or refused by name (``_reject_unsupported``: gRPC, fused all-reduce,
 attention variants, SP, split compute/parameter dtypes), so no key validates and then does
 nothing (docs/kthena_core.md has the key reference). A bad file raises `ConfigError` whose message
 names the key path, the value and what is allowed; unknown keys are errors (with the nearest
@@ -74,8 +74,13 @@ class ModelConfig:
 
 @attrs.frozen
 class CompressionConfig:
+    """KV cache compression: ``int8`` stores K/V as int8 with a float32 scale per group of
+    ``group_size`` elements; the engine's groups are one token's head vector, so ``group_size``
+    must be the model's head_dim (unset means that; ``kthena serve`` checks it). With
+    ``method: none`` it is only type-checked."""
+
     method: str = "none"
-    group_size: int = 128
+    group_size: int | None = None
 
 
 @attrs.frozen
@@ -85,6 +90,10 @@ class KVCacheConfig:
     reuse_bucket_size: int = 16
     sharing_granularity: str = "block"
     compression: CompressionConfig = CompressionConfig()
+    offload: str | None = None
+    """Tiers below the device pool, as ``kthena serve --kv-offload`` reads them (e.g.
+    ``"host=2GiB"`` or ``"host=2GiB,store=mooncake@127.0.0.1:50051"``); checked by the
+    engine's config."""
 
 
 @attrs.frozen
@@ -272,9 +281,6 @@ def _reject_unsupported(cfg: KthenaConfig) -> None:
         value = getattr(model, key)
         _check(value in (None, model.dtype), f"model.{key}", value,
                f"unset or model.dtype ({model.dtype}); the engine computes in its weight dtype")
-    _check(kv.compression.method == "none", "kv_cache.compression.method", kv.compression.method,
-           "none (the engine's attention reads bf16/fp16/fp32 KV pools only; int8 KV is not "
-           "served yet)")
     _check(kv.max_tokens is None or kv.memory_pool_size is None, "kv_cache.max_tokens",
            kv.max_tokens, "unset when kv_cache.memory_pool_size is set (both size the one "
            "KV pool; keep one)")

@@ -298,8 +298,9 @@ class AsyncLLM:
         return self.engine.kv
 
     def stats(self) -> EngineStats:
-        """The engine thread's last counters with a fresh KV snapshot (never blocks)."""
-        return attrs.evolve(self._stats, kv=self.engine.kv.stats())
+        """The engine thread's last counters with a fresh KV and tier snapshot (never blocks)."""
+        return attrs.evolve(self._stats, kv=self.engine.kv.stats(),
+                            kv_tiers=self.engine.kv_tier_stats())
 
     def _submit(self, command: object) -> None:
         self._inbox.append(command)

@@ -1,18 +1,23 @@
-"""``kthena bench serve``: the engine on three workloads, against Hugging Face ``generate``.
+"""``kthena bench serve``: the engine on three workloads, against peers run in the same process tree.
 
     (a) batch 1: TTFT of a 128-token prompt, then decode tokens/s over 64 tokens
     (b) offline throughput: 32 requests x (128 prompt, 64 output) tokens
     (c) shared prefix: 32 requests = one 512-token system prompt + a 32-token question each,
         16 output tokens; prefix reuse on and off (total time, mean TTFT, computed prompt tokens)
-    (d) the same through transformers ``generate`` (batch-padded, no prefix reuse)
 
-Prompts are fixed-seed random token ids; outputs ignore EOS so every run does the same work.
-Each case runs once to warm up, then ``runs`` times; the JSON reports medians, the machine and
-its load average, and the PNG plots them with vLLM's figures from the issue for reference.
+The peers run the very same prompt token ids on the same threads, one after the other:
+transformers ``generate`` (batch-padded, no prefix reuse) in this process, and with ``--peer
+vllm`` vLLM's CPU build from its own venv (`kthena_serve._bench_peer`). Each workload is also
+set against the machine's physical limit, measured first on the same threads
+(`kthena_serve._bench_limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
+every run does the same work. Each case runs once to warm up, then ``runs`` times; the JSON
+reports medians, speed-ups of ours over each peer, the share of the limit each system reaches,
+the machine and its load average; the PNG plots the ratios. Only same-run figures are reported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -20,32 +25,64 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 
+from kthena_serve._bench_limits import (
+    COMPARED,
+    ModelShape,
+    achieved_fractions,
+    measure_limits,
+    peer_speedups,
+    workload_limits,
+)
+from kthena_serve._bench_peer import PeerSpec
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["BenchOptions", "run_bench"]
+__all__ = ["BenchOptions", "run_bench", "workload_prompts"]
 
-# vLLM CPU 0.32.0 (eager) on the same model and cores of a quiet machine, as quoted in the issue.
-VLLM_REFERENCE = {"a_decode_tok_s": 21.4, "b_output_tok_s": 350.0, "c_total_s_reuse": 2.05,
-                  "c_total_s_no_reuse": 7.5}
+CASES = ("a", "b", "c")
+
+
+def _check_cases(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    if not value or set(value) - set(CASES):
+        raise ValueError(f"cases {','.join(value)!r}: choose a non-empty subset of "
+                         f"{','.join(CASES)}")
 
 
 @attrs.frozen
 class BenchOptions:
-    runs: int = 3
-    cases: tuple[str, ...] = ("a", "b", "c")
+    """What ``kthena bench serve`` runs; ``peer`` None leaves transformers the only peer."""
+
+    runs: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    cases: tuple[str, ...] = attrs.field(default=CASES, validator=_check_cases)
     hf_baseline: bool = True
     plot: str | None = "bench_serve.png"
     num_threads: int | None = None
     seed: int = 0
+    peer: PeerSpec | None = None
 
 
 def _prompts(count: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def workload_prompts(cases: tuple[str, ...], seed: int = 0) -> dict[str, dict]:
+    """The prompt token ids and output length of each workload; every system runs these."""
+    rng = random.Random(seed)
+    out: dict[str, dict] = {}
+    if "a" in cases:
+        out["a_batch1"] = {"prompts": _prompts(1, 128, rng), "max_tokens": 64}
+    if "b" in cases:
+        out["b_offline"] = {"prompts": _prompts(32, 128, rng), "max_tokens": 64}
+    if "c" in cases:
+        system = _prompts(1, 512, rng)[0]
+        out["c_shared_prefix"] = {"prompts": [system + q for q in _prompts(32, 32, rng)],
+                                  "max_tokens": 16}
+    return out
 
 
 def _median(name: str, fn: Callable[[], dict], runs: int) -> dict:
@@ -76,43 +113,40 @@ def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
             "finals": finals}
 
 
-def _engine_cases(config: EngineConfig, options: BenchOptions) -> dict:
-    rng = random.Random(options.seed)
+def _engine_cases(config: EngineConfig, workloads: dict, runs: int) -> dict:
     out: dict = {}
-    label = "kthena"
     engines = {True: LLMEngine.from_config(config)}
-    if "a" in options.cases:
-        prompt = _prompts(1, 128, rng)
+    if "a_batch1" in workloads:
+        spec = workloads["a_batch1"]
 
         def case_a() -> dict:
-            run = _engine_run(engines[True], prompt, 64)
+            run = _engine_run(engines[True], spec["prompts"], spec["max_tokens"])
             final = run["finals"][0]
             decode = (final.finish_time - final.first_token_time) / (len(final.token_ids) - 1)
             return {"ttft_s": run["mean_ttft_s"], "decode_tok_s": 1.0 / decode}
 
-        out["a_batch1"] = _median(f"{label} a", case_a, options.runs)
-    if "b" in options.cases:
-        prompts = _prompts(32, 128, rng)
+        out["a_batch1"] = _median("kthena a", case_a, runs)
+    if "b_offline" in workloads:
+        spec = workloads["b_offline"]
 
         def case_b() -> dict:
-            run = _engine_run(engines[True], prompts, 64)
+            run = _engine_run(engines[True], spec["prompts"], spec["max_tokens"])
             return {"total_s": run["total_s"], "output_tok_s": run["output_tok_s"]}
 
-        out["b_offline"] = _median(f"{label} b", case_b, options.runs)
-    if "c" in options.cases:
-        system = _prompts(1, 512, rng)[0]
-        prompts = [system + q for q in _prompts(32, 32, rng)]
+        out["b_offline"] = _median("kthena b", case_b, runs)
+    if "c_shared_prefix" in workloads:
+        spec = workloads["c_shared_prefix"]
         engines[False] = LLMEngine.from_config(  # the same weights, reuse off
             attrs.evolve(config, enable_prefix_caching=False), model=engines[True].runner.model,
             tokenizer=engines[True].tokenizer)
         for reuse in (True, False):
 
             def case_c(reuse: bool = reuse) -> dict:
-                run = _engine_run(engines[reuse], prompts, 16)
+                run = _engine_run(engines[reuse], spec["prompts"], spec["max_tokens"])
                 return {k: run[k] for k in ("total_s", "mean_ttft_s", "computed_prompt_tokens")}
 
             name = f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"
-            out[name] = _median(f"kthena {name}", case_c, options.runs)
+            out[name] = _median(f"kthena {name}", case_c, runs)
         on, off = out["c_shared_prefix_reuse"], out["c_shared_prefix_no_reuse"]
         out["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
     return out
@@ -136,43 +170,40 @@ def _hf_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[floa
         return time.perf_counter() - start, first
 
 
-def _hf_cases(config: EngineConfig, options: BenchOptions) -> dict:
+def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # noqa: ANN001
     from transformers import AutoModelForCausalLM, logging
 
-    from kthena_serve.model import resolve_checkpoint
-
     logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_checkpoint(config.model)),
-                                                 dtype=config.torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
-    rng = random.Random(options.seed)
     out: dict = {}
-    label = "transformers"
-    if "a" in options.cases:
-        prompt = _prompts(1, 128, rng)
+    if "a_batch1" in workloads:
+        spec = workloads["a_batch1"]
 
         def case_a() -> dict:
-            total, first = _hf_generate(model, prompt, 64)
-            return {"ttft_s": first, "decode_tok_s": 63 / max(total - first, 1e-9)}
+            total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
+            return {"ttft_s": first,
+                    "decode_tok_s": (spec["max_tokens"] - 1) / max(total - first, 1e-9)}
 
-        out["a_batch1"] = _median(f"{label} a", case_a, options.runs)
-    if "b" in options.cases:
-        prompts = _prompts(32, 128, rng)
+        out["a_batch1"] = _median("transformers a", case_a, runs)
+    if "b_offline" in workloads:
+        spec = workloads["b_offline"]
 
         def case_b() -> dict:
-            total, _ = _hf_generate(model, prompts, 64)
-            return {"total_s": total, "output_tok_s": 32 * 64 / total}
+            total, _ = _hf_generate(model, spec["prompts"], spec["max_tokens"])
+            tokens = len(spec["prompts"]) * spec["max_tokens"]
+            return {"total_s": total, "output_tok_s": tokens / total}
 
-        out["b_offline"] = _median(f"{label} b", case_b, options.runs)
-    if "c" in options.cases:
-        system = _prompts(1, 512, rng)[0]
-        prompts = [system + q for q in _prompts(32, 32, rng)]
+        out["b_offline"] = _median("transformers b", case_b, runs)
+    if "c_shared_prefix" in workloads:
+        spec = workloads["c_shared_prefix"]
 
         def case_c() -> dict:
-            total, first = _hf_generate(model, prompts, 16)
+            total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
             return {"total_s": total, "mean_ttft_s": first}
 
-        out["c_shared_prefix"] = _median("transformers c", case_c, max(1, options.runs - 1))
+        # generate has no prefix reuse: every prompt token of every request is computed
+        out["c_shared_prefix_no_reuse"] = _median("transformers c", case_c, max(1, runs - 1))
     return out
 
 
@@ -191,18 +222,58 @@ def _machine(num_threads: int) -> dict:
             "load_avg_1m_before": round(os.getloadavg()[0], 2)}
 
 
+def _limits(checkpoint: Path) -> dict:
+    """Measure the machine's limits on this process's threads; the per-workload ideals."""
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    shape = ModelShape.from_hf_config(config)
+    limits, details = measure_limits(shape)
+    print(f"kthena bench serve: limits: {details}", file=sys.stderr, flush=True)
+    ideal = workload_limits(shape, limits)
+    return {"machine": details,
+            **{case: {k: round(v, 4) for k, v in figures.items()}
+               for case, figures in ideal.items()}}
+
+
+def _compare(result: dict) -> None:
+    """Add ``fraction_of_limit`` per system and ``speedup_vs`` per peer (ours over theirs)."""
+    metrics: dict[str, tuple[str, ...]] = {}
+    for _, case, metric in COMPARED:
+        metrics[case] = (*metrics.get(case, ()), metric)
+    systems = [name for name in ("kthena", "vllm", "transformers") if name in result]
+    limits = {case: v for case, v in result["limits"].items() if case != "machine"}
+    result["fraction_of_limit"] = {name: achieved_fractions(result[name], limits)
+                                   for name in systems}
+    result["speedup_vs"] = {name: peer_speedups(result["kthena"], result[name], metrics)
+                            for name in systems if name != "kthena"}
+
+
 def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
-    """Run the cases; returns the JSON-ready result (and writes the plot if asked)."""
-    from kthena_serve.threads import configure_threads
+    """Run the cases (ours, then each peer); returns the JSON-ready result (and the plot)."""
+    from kthena_serve._bench_plot import table
+    from kthena_serve.model import resolve_checkpoint
+    from kthena_serve.threads import configure_threads, owned_cores
 
     config = attrs.evolve(config, num_threads=options.num_threads)
+    threads = configure_threads(options.num_threads)
+    checkpoint = resolve_checkpoint(config.model)  # converted once, cached
     result = {"bench": "kthena serve", "model": config.model, "dtype": config.dtype,
-              "runs": options.runs, "machine": _machine(configure_threads(options.num_threads))}
-    result["kthena"] = _engine_cases(config, options)
+              "runs": options.runs, "machine": _machine(threads)}
+    result["limits"] = _limits(checkpoint)
+    workloads = workload_prompts(options.cases, options.seed)
+    result["kthena"] = _engine_cases(config, workloads, options.runs)
     if options.hf_baseline:
-        result["transformers"] = _hf_cases(config, options)
-    result["vllm_reference_from_issue"] = VLLM_REFERENCE
+        result["transformers"] = _hf_cases(checkpoint, config.torch_dtype, workloads,
+                                           options.runs)
+    if options.peer is not None:
+        from kthena_serve._bench_peer import run_peer
+
+        peer = run_peer(options.peer, checkpoint, workloads, owned_cores()[:threads],
+                        options.runs)
+        result[options.peer.name] = peer.pop(options.peer.name)
+        result["machine"][f"{options.peer.name}_run"] = peer
+    _compare(result)
     result["machine"]["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    print(table(result), file=sys.stderr, flush=True)
     if options.plot:
         from kthena_serve._bench_plot import plot
 

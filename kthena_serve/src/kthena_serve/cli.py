@@ -164,7 +164,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         limits = engine.limits()
         print(f"kthena serve: {name} on http://{args.host}:{port} "
-              f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}). Try:",
+              f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}, "
+              f"kv dtype={limits.kv_cache_dtype}). Try:",
               flush=True)
         print(curl_line(args.host, port, name, bool(args.api_key)), flush=True)
 
@@ -252,9 +253,14 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     if children is None:
         children = bench.add_subparsers(dest="bench_command", required=True)
     parser = children.add_parser("serve", help="engine throughput, latency and prefix reuse "
-                                 "vs Hugging Face transformers; writes a PNG plot")
+                                 "vs transformers (and --peer vllm) and the machine's limits; "
+                                 "writes a PNG plot")
     add_engine_args(parser)
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--runs", "--repeats", dest="runs", type=int, default=3,
+                        help="timed runs per case (median)")
+    parser.add_argument("--peer", default=None, metavar="vllm[=PYTHON]",
+                        help="also run the workloads through vLLM's CPU build, from the venv of "
+                        "benchmarks/peers/build_vllm_venv.py (or PYTHON)")
     parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--plot", default="bench_serve.png", help="PNG path ('' for none)")
@@ -268,17 +274,26 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     _prepare_process()
+    from kthena_serve._bench_peer import PeerRunError, check_peer, parse_peer
     from kthena_serve.bench import BenchOptions, run_bench
 
-    options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in args.cases.split(",")),
-                           hf_baseline=not args.no_hf, plot=args.plot or None,
-                           num_threads=args.threads)
     try:
+        peer = parse_peer(args.peer) if args.peer else None
+        if peer is not None:
+            check_peer(peer)  # before minutes of our own workloads
+        options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in
+                                                           args.cases.split(",")),
+                               hf_baseline=not args.no_hf, plot=args.plot or None,
+                               num_threads=args.threads, peer=peer)
         config = engine_config(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"kthena bench serve: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(run_bench(config, options)))
+    try:
+        print(json.dumps(run_bench(config, options)))
+    except PeerRunError as error:
+        print(f"kthena bench serve: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

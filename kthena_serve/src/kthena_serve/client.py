@@ -23,7 +23,8 @@ from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv import KVCacheStats
 
-__all__ = ["EngineClient", "EngineLimits", "EngineStats", "KVConnector", "KVSession"]
+__all__ = ["EngineClient", "EngineLimits", "EngineStats", "KVConnector", "KVSession",
+           "KVTierStats"]
 
 _KV_FIELDS = tuple(f.name for f in attrs.fields(KVCacheStats))
 
@@ -37,6 +38,8 @@ class EngineLimits:
         vocab_size: token ids lie in ``[0, vocab_size)``.
         max_n: choices per API call at most.
         num_kv_blocks, block_size: the KV pool (summed over PD decode workers).
+        kv_cache_dtype: the pool's element type (``"bf16"``, ``"fp16"``, ``"fp32"`` or
+            ``"int8"``); None where no pool has reported it (a PD frontend before its workers).
     """
 
     max_model_len: int
@@ -44,6 +47,36 @@ class EngineLimits:
     max_n: int
     num_kv_blocks: int
     block_size: int
+    kv_cache_dtype: str | None = None
+
+
+@attrs.frozen
+class KVTierStats:
+    """One KV tier below the pool (``--kv-offload``), counters since start.
+
+    Attributes:
+        tier: the tier's name (``host``, ``mooncake_store``).
+        num_hits, num_misses: promotion lookups this tier answered / reached it and missed.
+        num_promoted_blocks: blocks copied from this tier back into the pool.
+        num_stored_blocks: blocks put into it (offloads, or spills from the tier above).
+        num_bytes_in, num_bytes_out: bytes put into it / read back from it.
+        num_dropped: offloads dropped on the way in (queue full, block reused first, a spill
+            the tier did not take).
+        num_errors: failed or corrupt tier calls (each one a recompute, never wrong KV).
+        queue_depth: offloads waiting for the copier (the first tier's queue); None for a tier
+            fed synchronously by the one above.
+    """
+
+    tier: str
+    num_hits: int
+    num_misses: int
+    num_promoted_blocks: int
+    num_stored_blocks: int
+    num_bytes_in: int
+    num_bytes_out: int
+    num_dropped: int
+    num_errors: int
+    queue_depth: int | None
 
 
 @attrs.frozen
@@ -57,6 +90,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     kv: KVCacheStats
+    kv_tiers: tuple[KVTierStats, ...] = ()  # --kv-offload tiers, fastest first
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -65,6 +99,7 @@ class EngineStats:
     def from_json(cls, data: Mapping[str, Any]) -> EngineStats:
         fields = dict(data)
         fields["kv"] = KVCacheStats(**fields["kv"])
+        fields["kv_tiers"] = tuple(KVTierStats(**t) for t in fields.get("kv_tiers", ()))
         return cls(**fields)
 
     @classmethod
@@ -79,11 +114,25 @@ class EngineStats:
                 workers compute into decode workers' pools, so their KV is not counted twice.
         """
         counters = {f.name: sum(getattr(p, f.name) for p in parts)
-                    for f in attrs.fields(cls) if f.name != "kv"}
+                    for f in attrs.fields(cls) if f.name not in ("kv", "kv_tiers")}
         pools = parts if kv_from is None else kv_from
         kv = {name: sum(getattr(p.kv, name) for p in pools) for name in _KV_FIELDS}
         kv["block_size"] = block_size
-        return cls(**counters, kv=KVCacheStats(**kv))
+        return cls(**counters, kv=KVCacheStats(**kv), kv_tiers=_tier_totals(parts))
+
+
+def _tier_totals(parts: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:
+    """Each tier's counters summed over the engines that have it, in first-seen order."""
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for tier in part.kv_tiers:
+            entry = merged.setdefault(tier.tier, {"tier": tier.tier})
+            for name, value in attrs.asdict(tier).items():
+                if name != "tier" and value is not None:
+                    entry[name] = (entry.get(name) or 0) + value
+                elif name != "tier":
+                    entry.setdefault(name, None)
+    return tuple(KVTierStats(**fields) for fields in merged.values())
 
 
 @runtime_checkable

@@ -11,31 +11,10 @@ import re
 
 import attrs
 
+from kthena_serve.kv_offload_config import KVOffloadConfig
+from kthena_serve.sizes import parse_bytes
+
 __all__ = ["ConfigError", "EngineConfig", "parse_bytes"]
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: int | str) -> int:
-    """``1073741824``, ``"1GiB"``, ``"512MiB"``, ``"2G"`` -> bytes.
-
-    Raises:
-        ValueError: an unknown unit or a non-positive size.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = float(value), ""
-    else:
-        match = _SIZE.match(str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read {value!r} as a size; write e.g. 1GiB, 512MiB or 2G")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    num_bytes = int(number * _UNITS[unit])
-    if num_bytes <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return num_bytes
-
 
 class ConfigError(ValueError):
     """An ``EngineConfig`` field holds a value the engine cannot honour.
@@ -117,19 +96,39 @@ def _check_hash(instance: object, attribute: attrs.Attribute, value: str) -> Non
 
 
 def _check_kv_dtype(instance: EngineConfig, attribute: attrs.Attribute, value: str) -> None:
-    requirement = f"'auto' or the compute dtype ({instance.dtype!r})"
-    if value == "int8":
+    requirement = f"'auto', the compute dtype ({instance.dtype!r}) or 'int8'"
+    if value not in ("auto", instance.dtype, "int8"):
         raise ConfigError(attribute.name, requirement, value,
-                          "int8 KV is not served yet: the engine's attention path reads "
-                          "bf16/fp16/fp32 pools only (mooncake_ops has the int8 KV ops)")
-    if value not in ("auto", instance.dtype):
-        raise ConfigError(attribute.name, requirement, value,
-                          "the attention kernels read the cache in the compute dtype")
+                          "the attention kernels read the cache in the compute dtype, or int8 "
+                          "with a float32 scale per token per KV head")
 
 
 def _check_device(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not isinstance(value, str) or not _DEVICE.match(value):
         raise ConfigError(attribute.name, "one of 'cpu', 'cuda', 'cuda:N', 'npu', 'npu:N'", value)
+
+
+def _kv_offload(value: object) -> KVOffloadConfig | None:
+
+    if value is None or isinstance(value, KVOffloadConfig):
+        return value
+    try:
+        if isinstance(value, dict):  # attrs.asdict of a config, e.g. sent to DP replicas
+            return KVOffloadConfig(**value)
+        return KVOffloadConfig.parse(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        raise ConfigError("kv_offload", "None or host=SIZE[,...]", value, str(error)) from None
+
+
+def _check_kv_offload(instance: EngineConfig, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if instance.world_size > 1 or instance.ranks_from == "env":
+        raise ConfigError(attribute.name, "None with tp x pp > 1", str(value),
+                          "each rank holds its own pool; offload runs with tp=1 and pp=1")
+    if not instance.enable_prefix_caching:
+        raise ConfigError(attribute.name, "None without prefix caching", str(value),
+                          "only cached (committed) blocks are offloaded and promoted")
 
 
 @attrs.frozen(kw_only=True)
@@ -154,7 +153,8 @@ class EngineConfig:
         prefix_index: the KV manager's prefix index (``"hash"`` chain or ``"radix"`` tree).
         hash_algorithm: block-hash digest (``"xxh3_128"`` or ``"sha256"``; a deployment whose
             workers share an index must use one algorithm everywhere).
-        kv_cache_dtype: KV pool dtype; ``"auto"`` is ``dtype`` (int8 is refused for now).
+        kv_cache_dtype: KV pool dtype; ``"auto"`` is ``dtype``; ``"int8"`` stores K/V as int8
+            with a float32 scale per token per KV head (the model still computes in ``dtype``).
         tp: tensor-parallel degree (worker processes, one per core).
         pp: pipeline-parallel degree: the layers split into ``pp`` stages, each stage ``tp``
             processes; ``tp * pp`` processes in all (one per core where there are enough).
@@ -171,6 +171,9 @@ class EngineConfig:
         check_invariants: run the KV manager's self-check after every verb (tests).
         chat_special_tokens: ``"text"``: special tokens typed in chat content are encoded as
             text, so a user cannot forge a turn; ``"control"``: they act as control tokens.
+        kv_offload: tiers below the pool, as text (``"host=2GiB"``,
+            ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.kv_offload``)
+            or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.
     """
 
     model: str = attrs.field(default="default", converter=_model_path)
@@ -194,6 +197,8 @@ class EngineConfig:
     max_n: int = attrs.field(default=8, validator=_positive)
     check_invariants: bool = attrs.field(default=False, validator=_is_bool)
     chat_special_tokens: str = attrs.field(default="text", validator=_one_of("text", "control"))
+    kv_offload: KVOffloadConfig | None = attrs.field(default=None, converter=_kv_offload,
+                                                     validator=_check_kv_offload)
 
     @property
     def world_size(self) -> int:

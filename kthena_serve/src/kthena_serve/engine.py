@@ -26,7 +26,7 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.input_processor import InputProcessor
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model import IncrementalDetokenizer
-from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.request import EngineRequest, FinishReason, Request, RequestOutput
 from kthena_serve.sampler import Sampler
@@ -105,17 +105,30 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv = kv or create_kv_manager(config, runner.num_blocks)
+        self.offloader = None  # --kv-offload: tiers below the pool (kthena_serve.kv_offload)
+        if config.kv_offload is not None:
+            from kthena_serve.kv_offload import open_offloader
+
+            if scheduler is not None:
+                raise ValueError("config.kv_offload opens an offloader for the engine's own "
+                                 "scheduler; with an injected scheduler, give it the offloader "
+                                 "and leave kv_offload None")
+
+            self.offloader = open_offloader(config, runner.pool, self.kv)
         self.scheduler = scheduler or Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching, offloader=self.offloader,
+            promote_timeout_s=(config.kv_offload.promote_timeout_s
+                               if config.kv_offload is not None else 5.0))
         self.sampler = Sampler(runner.device)
         model_config = runner.model.config
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                             runner.num_blocks * config.block_size)
         self.processor = InputProcessor(tokenizer, EngineLimits(
             max_model_len=max_model_len, vocab_size=model_config.vocab_size,
-            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size),
+            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size,
+            kv_cache_dtype=kv_dtype_name(config)),
             config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -170,6 +183,8 @@ class LLMEngine:
         """Abort what is left and release the pool (and the parallel ranks)."""
         for request_id in self.live_request_ids():
             self.abort_request(request_id)
+        if self.offloader is not None:
+            self.offloader.close()  # its threads read the pool: stop them first
         self.runner.close()
 
     def live_request_ids(self) -> list[str]:
@@ -369,4 +384,13 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv=self.kv.stats(),
+            kv_tiers=self.kv_tier_stats(),
         )
+
+    def kv_tier_stats(self) -> tuple:
+        """Per-tier ``KVTierStats`` of ``--kv-offload`` (empty without it); any thread."""
+        if self.offloader is None:
+            return ()
+        from kthena_serve.kv_offload import tier_stats
+
+        return tier_stats(self.offloader.snapshot())

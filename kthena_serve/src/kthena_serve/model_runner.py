@@ -17,9 +17,26 @@ from mooncake_kv.layout import KVLayout, LayoutKind
 from mooncake_kv.pool import KVPool
 from mooncake_kv.sizing import KVShape
 
-__all__ = ["ModelRunner", "create_pool", "kv_layout_for", "sampled_logits"]
+__all__ = ["ModelRunner", "create_pool", "kv_dtype_name", "kv_layout_for", "layer_caches",
+           "sampled_logits"]
 
 _KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def kv_dtype_name(config: EngineConfig) -> str:
+    """The pool's element type as mooncake_kv names it: ``"int8"``, or the compute dtype's
+    ``"bf16"`` / ``"fp16"`` / ``"fp32"`` for ``kv_cache_dtype="auto"``."""
+    return "int8" if config.kv_cache_dtype == "int8" else _KV_DTYPES[config.torch_dtype]
+
+
+def layer_caches(pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, the views the model's attention reads: ``(k_cache, v_cache)``, and for an
+    int8 pool ``(k_cache, v_cache, k_scale, v_scale)`` (float32 scales, one per token per head)."""
+    layers = range(pool.layout.shape.num_layers)
+    if pool.layout.shape.dtype.is_quantized:
+        return [(pool.k_cache(i), pool.v_cache(i), pool.k_scale(i), pool.v_scale(i))
+                for i in layers]
+    return [(pool.k_cache(i), pool.v_cache(i)) for i in layers]
 
 
 def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -27,7 +44,8 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
     """The pool layout: ``num_kv_blocks`` exactly, or as many blocks as ``kv_cache_memory`` holds.
 
     PER_LAYER order keeps each layer's cache one contiguous [blocks, block_size, heads, dim]
-    tensor, the shape attention kernels index.
+    tensor, the shape attention kernels index. An int8 pool's float32 scales count in the
+    budget (``KVShape.bytes_per_block``), so it holds a little under twice bf16's blocks.
 
     Raises:
         ValueError: the memory budget holds no block at all.
@@ -37,7 +55,7 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=config.block_size,
-        dtype=_KV_DTYPES[config.torch_dtype],
+        dtype=kv_dtype_name(config),
     )
     if config.num_kv_blocks is not None:
         return KVLayout(shape, config.num_kv_blocks, LayoutKind.PER_LAYER)
@@ -80,8 +98,7 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.buffer.device
         self.block_size = pool.layout.shape.block_size
-        self.kv_caches = [(pool.k_cache(i), pool.v_cache(i))
-                          for i in range(pool.layout.shape.num_layers)]
+        self.kv_caches = layer_caches(pool)
 
     @property
     def num_blocks(self) -> int:

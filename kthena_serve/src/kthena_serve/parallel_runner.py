@@ -43,7 +43,7 @@ import torch
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import RankDiedError
 from kthena_serve.model_inputs import ModelInputs, build_inputs
-from kthena_serve.model_runner import create_pool, kv_layout_for, sampled_logits
+from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches, sampled_logits
 from kthena_serve.scheduler import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
 
@@ -115,8 +115,7 @@ class _Stage:
         self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp,
                                                 stage=stage)
         self.pool = create_pool(_layout(config, self.model), config)
-        self.kv_caches = [(self.pool.k_cache(i), self.pool.v_cache(i))
-                          for i in range(self.pool.layout.shape.num_layers)]
+        self.kv_caches = layer_caches(self.pool)
         self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
         ranks = pp.ranks
         self.prev = ranks[stage.rank - 1] if not stage.is_first else None

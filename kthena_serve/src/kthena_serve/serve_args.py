@@ -29,7 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV pool dtype: 'auto' (= --dtype); int8 is refused for now")
+                        help="KV pool dtype: 'auto' (= --dtype) or 'int8' (int8 K/V with a "
+                             "float32 scale per token per KV head: ~1.9x the blocks of bf16 in "
+                             "the same --kv-cache-memory; the model still computes in --dtype)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda[:N] or npu[:N] (only cpu is verified on hardware)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
@@ -41,6 +43,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="prefix index of the KV manager: hash chain or radix tree")
     parser.add_argument("--hash-algorithm", default="xxh3_128", choices=("xxh3_128", "sha256"),
                         help="block-hash digest (one per deployment)")
+    parser.add_argument("--kv-offload", default=None,
+                        metavar="host=SIZE[,store=mooncake@HOST:PORT]",
+                        help="tiers below the KV pool: committed blocks are copied to host "
+                             "memory in the background and promoted back on a prefix hit "
+                             "instead of recomputed; blocks the host tier pushes out go to the "
+                             "Mooncake Store of that mooncake_master (shared by every engine "
+                             "pointed at it); write=through sends every block to the store at "
+                             "once. Also segment=SIZE (RAM lent to the store, default "
+                             "64MiB), queue=N (offload queue bound, default 256), "
+                             "timeout=SECONDS (a promotion's wait, default 5); "
+                             "see docs/kthena_serve.md")
     parser.add_argument("--chat-special-tokens", default="text", choices=("text", "control"),
                         help="special tokens typed in chat content: text (no forged turns, "
                              "default) or control tokens")
@@ -78,10 +91,19 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                             enable_prefix_caching=not args.no_prefix_caching,
                             prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
                             kv_cache_dtype=args.kv_cache_dtype,
+                            kv_offload=_kv_offload_arg(args),
                             chat_special_tokens=args.chat_special_tokens)
     except ConfigError as error:
         flag = _FLAGS.get(error.field, "--" + error.field.replace("_", "-"))
         raise ValueError(f"{flag}: {error}") from None
+
+
+def _kv_offload_arg(args: argparse.Namespace) -> str | None:
+    value = getattr(args, "kv_offload", None)
+    if value is not None and getattr(args, "mode", "colocated") == "pd":
+        raise ValueError("--kv-offload: not supported with --mode pd yet (prefill workers "
+                         "write into the decode workers' pools); run it colocated or with --dp")
+    return value
 
 
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:

@@ -14,6 +14,9 @@ and the plan plus the config's keys become the values of ``kthena serve``'s own 
     kv_cache.reuse_bucket_size           -> --block-size
     kv_cache.memory_pool_size            -> --kv-cache-memory
     kv_cache.max_tokens                  -> EngineConfig.num_kv_blocks = ceil(max_tokens / block)
+    kv_cache.compression.method          -> --kv-cache-dtype (none: auto, int8: int8; group_size
+                                            must be the model's head_dim: one scale per head)
+    kv_cache.offload                     -> --kv-offload (e.g. "host=2GiB,store=mooncake")
 
 A flag given on the command line wins over the config. To tell "given" from "default" (a
 flag given with its default value still wins), those flags' actions record their dest when
@@ -34,7 +37,8 @@ __all__ = ["OVERRIDABLE", "ServedLayout", "UnservablePlanError", "apply_config",
            "check_servable", "deployment_report", "mark_defaults", "served_layout"]
 
 OVERRIDABLE = ("model", "dtype", "tp", "pp", "dp", "max_num_seqs", "block_size", "kv_cache_memory",
-               "no_prefix_caching", "host", "port", "mode", "prefill", "decode")
+               "no_prefix_caching", "host", "port", "mode", "prefill", "decode", "kv_cache_dtype",
+               "kv_offload")
 PLAN_CANDIDATES = 3  # runner-ups printed at start-up and carried in GET /plan
 _ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -148,6 +152,7 @@ def config_flags(cfg, plan) -> dict[str, object]:  # noqa: ANN001 - KthenaConfig
         "tp": plan.tp_size, "pp": plan.pp_size, "max_num_seqs": service.max_batch_size,
         "block_size": kv.reuse_bucket_size, "no_prefix_caching": not service.kv_cache_reuse,
         "host": service.host, "port": service.port, "mode": service.mode,
+        "kv_cache_dtype": _kv_cache_dtype(kv.compression, plan.model.head_dim),
     }
     if service.mode == "pd":
         est = plan.chosen.estimate
@@ -156,7 +161,24 @@ def config_flags(cfg, plan) -> dict[str, object]:  # noqa: ANN001 - KthenaConfig
         flags["dp"] = plan.dp_size
     if kv.memory_pool_size is not None:
         flags["kv_cache_memory"] = kv.memory_pool_size
+    if kv.offload is not None:
+        flags["kv_offload"] = kv.offload
     return flags
+
+
+def _kv_cache_dtype(compression, head_dim: int) -> str:  # noqa: ANN001 - CompressionConfig
+    """``--kv-cache-dtype`` for ``kv_cache.compression``.
+
+    Raises:
+        ValueError: an int8 ``group_size`` other than the head_dim (scales are per head).
+    """
+    if compression.method != "int8":
+        return "auto"
+    if compression.group_size not in (None, head_dim):
+        raise ValueError(f"kv_cache.compression.group_size: got {compression.group_size}; "
+                         f"allowed: {head_dim} (the model's head_dim) or unset: the int8 KV "
+                         "cache keeps one float32 scale per token per KV head")
+    return "int8"
 
 
 def apply_config(args: argparse.Namespace):  # noqa: ANN201 - Plan | None

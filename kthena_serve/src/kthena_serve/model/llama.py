@@ -37,7 +37,9 @@ from mooncake_ops import (
     write_kv,
 )
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# One layer's cache: (k_cache, v_cache) in the compute dtype, or for an int8 pool
+# (k_cache, v_cache, k_scale, v_scale): int8 K/V and a float32 scale per token per KV head.
+KVCache = tuple[torch.Tensor, ...]
 Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, residual), both [num_tokens, hidden]
 LayerHook = Callable[[int], None]  # called with a layer's model-wide index once it has run
 # Every matmul weight a module may own (biases stay dense: the packed kernel takes them as they are).
@@ -72,13 +74,16 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(positions, q, k, rope, is_neox=True)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_cache, v_cache, *scales = kv_cache
+        # int8 pool: the ops quantise on write and read the scales inside attention
+        quant = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **quant)
         if context_lens is not None:  # decode only: K/V of the new token are in the cache now
-            out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, context_lens, self.scale)
+            out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, context_lens,
+                                         self.scale, **quant)
         else:
             out = paged_prefill_attention(q, k, v, k_cache, v_cache, batch.block_tables,
-                                          batch.cached_lens, batch.query_lens, self.scale)
+                                          batch.cached_lens, batch.query_lens, self.scale, **quant)
         out = self.matmul(out.reshape(num_tokens, self.q_size), self.o_weight)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
@@ -253,4 +258,4 @@ class LlamaForCausalLM(nn.Module):
                              f"and slot_mapping ({batch.num_tokens},) must all be [num_tokens]")
         if len(kv_caches) != len(self.layers):
             raise BatchError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers; "
-                             f"pass one (k_cache, v_cache) pair per layer")
+                             f"pass one (k_cache, v_cache) pair per layer (int8: and k_scale, v_scale)")

@@ -148,7 +148,7 @@ class DecodeConnector:
         if data["fingerprint"] != own.shape.fingerprint() or data["kind"] != own.kind.value:
             raise ValueError(f"its KV blocks are {data['fingerprint']}/{data['kind']}, this "
                              f"worker's {own.shape.fingerprint()}/{own.kind.value}: run both "
-                             "with the same model, dtype and block size")
+                             "with the same model, dtype, --kv-cache-dtype and block size")
         handle = MemoryHandle.from_dict(data["handle"])
         if handle.backend != self.getter.engine.backend:
             raise ValueError(f"it serves KV over {handle.backend}, this worker pulls over "

@@ -80,7 +80,7 @@ class RemoteEngine:
             max_model_len=min(r["max_model_len"] for r in reported),
             vocab_size=min(r["vocab_size"] for r in reported), max_n=self.config.max_n,
             num_kv_blocks=sum(r["num_kv_blocks"] for r in reported),
-            block_size=self.config.block_size)
+            block_size=self.config.block_size, kv_cache_dtype=reported[0].get("kv_cache_dtype"))
 
     def _processor(self) -> InputProcessor:
         return InputProcessor(self.tokenizer, self.limits(), self.config.chat_special_tokens)

@@ -48,7 +48,7 @@ import torch
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
-from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
+from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
@@ -183,10 +183,22 @@ class PrefillExecutor:
         return self.runner.pool if self.runner is not None else None
 
     def layout_for(self, num_blocks: int, block_size: int | None = None,
-                   dtype: str | None = None) -> KVLayout:
+                   dtype: str | None = None, kv_cache_dtype: str | None = None) -> KVLayout:
+        """The layout of a pool of ``num_blocks`` (a decode worker's: its block size, dtype
+        and KV dtype; this worker's own where not given).
+
+        Raises:
+            ValueError: the pool's KV dtype is not the one this worker computes (int8 vs not):
+                its blocks would be read with the wrong element type.
+        """
         cfg = EngineConfig(model=self.config.model, dtype=dtype or self.config.dtype,
                            block_size=block_size or self.config.block_size,
-                           num_kv_blocks=num_blocks)
+                           num_kv_blocks=num_blocks,
+                           kv_cache_dtype=kv_cache_dtype or self.config.kv_cache_dtype)
+        if kv_dtype_name(cfg) != kv_dtype_name(self.config):
+            raise ValueError(f"the decode pool holds {kv_dtype_name(cfg)} KV but this prefill "
+                             f"worker writes {kv_dtype_name(self.config)}: start both with the "
+                             "same --dtype and --kv-cache-dtype")
         m = self.model
         return kv_layout_for(m.config.num_hidden_layers, m.num_kv_heads_per_rank, m.head_dim, cfg)
 
@@ -292,10 +304,11 @@ class PrefillExecutor:
         """A runner over the decode worker's shared pool (mapped once per pool name)."""
         if ref.shm_name is None:
             raise ValueError("the task names no shared pool; use the mooncake transport")
+        # checked on every task, not only on the first attach: a KV dtype mismatch is refused
+        layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype, ref.kv_cache_dtype)
         with self._lock:
             runner = self._attached.get(ref.shm_name)
             if runner is None:
-                layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype)
                 pool = KVPool.attach(KVPoolHandle(ref.shm_name, layout))
                 runner = ModelRunner(self.model, pool)
                 in_use = {id(j.runner) for j in self._queue}

@@ -96,9 +96,11 @@ def run_pd(args: argparse.Namespace, config, served_name: str) -> int:  # noqa: 
                            deployment=getattr(args, "deployment", None))
 
     def ready(port: int) -> None:
+        from kthena_serve.model_runner import kv_dtype_name
+
         workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
-        print(f"kthena serve --mode pd: {served_name} on http://{args.host}:{port} ({workers})."
-              " Try:", flush=True)
+        print(f"kthena serve --mode pd: {served_name} on http://{args.host}:{port} ({workers}; "
+              f"kv dtype={kv_dtype_name(config)}). Try:", flush=True)
         print(curl_line(args.host, port, served_name, bool(getattr(args, "api_key", None))),
               flush=True)
 

@@ -151,7 +151,7 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
         pull_engine = shm_engine(pd.transfer_timeout_s)
         pull_handle = pull_engine.register(pool.buffer)
     ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype, pool.name,
-                  handle.to_json() if handle is not None else None)
+                  handle.to_json() if handle is not None else None, config.kv_cache_dtype)
     events = EventLog(engine.kv)
     async_engine = AsyncLLM(engine).start()
     metrics = PDMetrics("decode")
@@ -290,7 +290,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         if putter is None:
             return executor.submit_shared(task)
         layout = executor.layout_for(task.pool.num_blocks, task.pool.block_size,
-                                     task.pool.dtype)
+                                     task.pool.dtype, task.pool.kv_cache_dtype)
         return executor.submit_local(task, putter.session(
             task.pool.mooncake_handle, layout, layerwise=pd.kv_push is KVPush.LAYERWISE))
 

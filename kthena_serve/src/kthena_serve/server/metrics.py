@@ -19,7 +19,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kthena_serve.client import EngineStats
+from kthena_serve.client import EngineLimits, EngineStats
 from kthena_serve.request import RequestOutput
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
 
@@ -31,6 +31,8 @@ class StatsSource(Protocol):
     PD prefill worker's view that adds its control-path queue."""
 
     def stats(self) -> EngineStats: ...
+
+    def limits(self) -> EngineLimits: ...
 
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,6 +57,7 @@ class _EngineCollector:
         yield _gauge("kthena_kv_blocks_free", "KV blocks free (incl. cached, evictable)",
                      kv.num_free_blocks)
         yield _gauge("kthena_kv_blocks_cached", "KV blocks in the prefix cache", kv.num_cached_blocks)
+        yield from _kv_cache_info(self.engine.limits())
         yield _counter("kthena_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        kv.num_query_tokens)
         yield _counter("kthena_prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -64,6 +67,49 @@ class _EngineCollector:
         yield _counter("kthena_generation_tokens", "Tokens generated", stats.num_generated_tokens)
         yield _counter("kthena_preemptions", "Requests preempted for lack of KV blocks",
                        stats.num_preemptions)
+        if stats.kv_tiers:
+            yield from _tier_families(stats.kv_tiers)
+
+
+_TIER_COUNTERS = (  # KVTierStats field -> (kthena_kv_tier_* name, help)
+    ("num_hits", "hits", "Promotion lookups this KV tier answered"),
+    ("num_misses", "misses", "Promotion lookups that reached this KV tier and missed"),
+    ("num_promoted_blocks", "promotions", "KV blocks copied from this tier back into the pool"),
+    ("num_stored_blocks", "stored_blocks", "KV blocks put into this tier"),
+    ("num_bytes_in", "bytes_in", "Bytes moved into this KV tier"),
+    ("num_bytes_out", "bytes_out", "Bytes moved from this KV tier back towards the pool"),
+    ("num_dropped", "dropped_offloads",
+     "Offloads dropped on the way into this tier (queue full, block reused first, store down)"),
+    ("num_errors", "errors", "Failed or corrupt calls to this tier (recomputed instead)"),
+)
+
+
+def _tier_families(tiers):  # noqa: ANN001, ANN202 - tuple[KVTierStats, ...] -> metric families
+    """``kthena_kv_tier_*{tier=...}`` of ``--kv-offload``."""
+    for field, name, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(f"kthena_kv_tier_{name}", doc, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier.tier], getattr(tier, field))
+        yield family
+    depth = GaugeMetricFamily("kthena_kv_tier_offload_queue_depth",
+                              "Offloads waiting for the background copier into this tier",
+                              labels=["tier"])
+    for tier in tiers:
+        if tier.queue_depth is not None:
+            depth.add_metric([tier.tier], tier.queue_depth)
+    yield depth
+
+
+def _kv_cache_info(limits: EngineLimits):  # noqa: ANN202 - a generator of 0 or 1 family
+    """``kthena_kv_cache_info{dtype, block_size, num_blocks} 1``: the pool's element type
+    (int8 pools hold ~1.9x bf16's blocks) and size; absent while no pool has reported."""
+    if limits.kv_cache_dtype is None:
+        return
+    info = GaugeMetricFamily("kthena_kv_cache_info", "The KV pool (labels: element dtype, "
+                             "tokens per block, blocks), always 1",
+                             labels=["dtype", "block_size", "num_blocks"])
+    info.add_metric([limits.kv_cache_dtype, str(limits.block_size), str(limits.num_kv_blocks)], 1)
+    yield info
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

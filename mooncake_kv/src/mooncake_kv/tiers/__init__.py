@@ -1,9 +1,16 @@
-"""KV tiers below the device pool: host memory, Mooncake Store, and the offload coordinator.
+"""KV tiers below the device pool: host memory, Mooncake Store, and the offload coordinators
+(`TieredKVCache`, synchronous; `AsyncOffloader`, on background threads).
 
 Importing this package does not import torch or the Mooncake wheel; the store tier loads
 `mooncake.store` only when one is opened.
 """
 
+from mooncake_kv.tiers.async_offload import (
+    AsyncOffloader,
+    OffloadSnapshot,
+    PromotionJob,
+    TierCounters,
+)
 from mooncake_kv.tiers.base import (
     CorruptBlockError,
     KVTier,
@@ -22,7 +29,11 @@ from mooncake_kv.tiers.offload import BlockStorage, OffloadStats, TieredKVCache,
 from mooncake_kv.tiers.store import MooncakeStoreTier, StoreTierConfig
 
 __all__ = [
+    "AsyncOffloader",
     "BlockStorage",
+    "OffloadSnapshot",
+    "PromotionJob",
+    "TierCounters",
     "OffloadStats",
     "TierStats",
     "TieredKVCache",

@@ -15,6 +15,7 @@ from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, OpImpl
 REFERENCE = "torch-reference"
 SDPA = "torch-sdpa"
 SDPA_CPU = "torch-sdpa (flash cpu, cached/new split)"
+SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
 TILED = "torch-tiled (kthena_comm async collectives)"
 NATIVE = "native-cpp"
 
@@ -50,6 +51,8 @@ class CpuBackend:
             from mooncake_ops.backends import native
             if native.is_available():
                 table.update({op: OpImpl(fn, NATIVE) for op, fn in native.ops().items()})
+                table["paged_prefill_attention"] = OpImpl(native.paged_prefill_attention,
+                                                          SDPA_CPU_NATIVE_INT8)
         return table
 
 

@@ -3,6 +3,11 @@
 Loaded on first use. When the extension is absent (or the CPU lacks AVX-512), one log line
 says so and the PyTorch reference runs instead. Each adapter falls back to the reference for
 calls the kernels do not cover (e.g. a head_dim that is not a multiple of 16).
+
+Prefill over an int8 cache: the CPU prefill path (``sdpa.paged_prefill_attention_cpu``) with
+its cached half run by the decode kernel, which reads the int8 blocks and their scales in place
+(every new token's query rows of a KV head form that kernel's GQA group) and returns the
+log-sum-exp the path merges by; no dequantised copy of the cached tokens is made.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 
 from mooncake_ops.backends import reference as ref
+from mooncake_ops.backends import sdpa
 from mooncake_ops.errors import BlockTableError
 
 _log = logging.getLogger("mooncake_ops")
@@ -52,7 +58,10 @@ def unavailable_reason() -> str | None:
 
 
 def ops() -> dict[str, Callable[..., Any]]:
-    """The ops this build implements natively (adapters that fall back when a call doesn't fit)."""
+    """The ops this build implements natively (adapters that fall back when a call doesn't fit).
+
+    `paged_prefill_attention` is not among them: it is the SDPA CPU path with the native kernel
+    for an int8 prefix only (the CPU backend names it so)."""
     return {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
             "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
             "silu_and_mul": silu_and_mul}
@@ -72,6 +81,28 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                           k_scale, v_scale, out)
     return result
+
+
+def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
+                            scale, k_scale=None, v_scale=None, out=None):
+    cached = _cached_in_place if k_scale is not None else None  # bf16 etc.: flash over a gather
+    return sdpa.paged_prefill_attention_cpu(q, k, v, k_cache, v_cache, block_tables, cached_lens,
+                                            query_lens, scale, k_scale, v_scale, out,
+                                            cached_attention=cached)
+
+
+def _cached_in_place(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached, scale):
+    """`sdpa.flash_cached`'s contract, by the decode kernel over the paged (int8) blocks."""
+    rows, num_kv_heads, group, head_dim = queries.shape
+    flat = queries.reshape(rows, num_kv_heads * group, head_dim)
+    lens = torch.full((rows,), num_cached, dtype=torch.int32)
+    lse = torch.empty(rows, num_kv_heads * group, dtype=torch.float32)
+    result = _state["module"].paged_decode_attention(
+        flat, k_cache, v_cache, ids.to(torch.int32), lens, scale, k_scale, v_scale, None, lse)
+    if result is None:
+        return sdpa.flash_cached(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached,
+                                 scale)
+    return result.view(queries.shape), lse.view(rows, num_kv_heads, group)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):

@@ -10,6 +10,10 @@ flash CPU kernel, which also returns the log-sum-exp per row:
     new token i ─┬─ cached keys 0..c-1   (no mask; the GQA group folded into the query rows)
                  └─ new keys 0..i        (square causal, ``is_causal=True``)
     out = lerp(o_new, o_cached, sigmoid(lse_cached - lse_new))     (the softmax-weighted merge)
+
+The cached half is a parameter (``cached_attention``): by default the cached tokens are gathered
+(int8 dequantised) and run through the flash kernel; the native backend passes a kernel that
+reads the paged int8 blocks in place instead.
 """
 
 from __future__ import annotations
@@ -54,8 +58,12 @@ def _tokens(cache, scale, ids, dtype) -> torch.Tensor:
 
 
 def paged_prefill_attention_cpu(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
-                                scale, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
-    """The CPU prefill path: batched by (cached, new) lengths, flash kernel, LSE merge."""
+                                scale, k_scale=None, v_scale=None, out=None, *,
+                                cached_attention=None) -> torch.Tensor:
+    """The CPU prefill path: batched by (cached, new) lengths, flash kernel, LSE merge.
+
+    ``cached_attention(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached, scale)``
+    computes the cached half (see `flash_cached`, the default)."""
     if _FLASH_CPU is None:  # a torch without the op: the per-sequence SDPA path
         return paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens,
                                        query_lens, scale, k_scale, v_scale, out)
@@ -75,7 +83,8 @@ def paged_prefill_attention_cpu(q, k, v, k_cache, v_cache, block_tables, cached_
         result = _uniform_batch(q[rows].reshape(*shape, *q.shape[1:]),
                                 k[rows].reshape(*shape, *k.shape[1:]),
                                 v[rows].reshape(*shape, *v.shape[1:]), seqs, num_cached, k_cache,
-                                v_cache, block_tables, scale, k_scale, v_scale)
+                                v_cache, block_tables, scale, k_scale, v_scale,
+                                cached_attention or flash_cached)
         out[rows] = result.flatten(0, 1).to(out.dtype)
     return out
 
@@ -86,7 +95,7 @@ def _flash(q, k, v, causal, scale):
 
 
 def _uniform_batch(q, k_new, v_new, seqs, num_cached, k_cache, v_cache, block_tables, scale,
-                   k_scale, v_scale) -> torch.Tensor:
+                   k_scale, v_scale, cached_attention) -> torch.Tensor:
     """Sequences ``seqs`` that all have ``num_cached`` cached and q.shape[1] new tokens.
 
     q [b, n, H, D], k_new / v_new [b, n, KVH, D]; returns [b, n, H, D]."""
@@ -106,20 +115,25 @@ def _uniform_batch(q, k_new, v_new, seqs, num_cached, k_cache, v_cache, block_ta
     shared = batch > 1 and bool((ids == ids[:1]).all())
     if shared:
         ids = ids[:1]
-    keys = _cached_tokens(k_cache, k_scale, ids, num_cached, q.dtype).transpose(1, 2)
-    values = _cached_tokens(v_cache, v_scale, ids, num_cached, q.dtype).transpose(1, 2)
     split = q.reshape(batch, num_new, num_kv_heads, group, head_dim)
     order = (2, 0, 3, 1, 4) if shared else (0, 2, 3, 1, 4)  # [(1|b), kvh, (b|1) g n, d]
-    rows = ids.shape[0]
-    o_cached, lse_cached = _flash(
-        split.permute(order).reshape(rows, num_kv_heads, -1, head_dim), keys, values, False,
-        scale)
+    queries = split.permute(order).reshape(ids.shape[0], num_kv_heads, -1, head_dim)
+    o_cached, lse_cached = cached_attention(queries, k_cache, v_cache, k_scale, v_scale, ids,
+                                            num_cached, scale)
     if shared:  # [1, kvh, b g n, ...] -> [b, kvh g, n, ...]
         o_cached = o_cached.reshape(num_kv_heads, batch, group * num_new, head_dim).transpose(0, 1)
         lse_cached = lse_cached.reshape(num_kv_heads, batch, group * num_new).transpose(0, 1)
     o_cached = o_cached.reshape(batch, num_heads, num_new, head_dim)
     weight = torch.sigmoid(lse_cached.reshape(batch, num_heads, num_new) - lse_new)[..., None]
     return torch.lerp(o_new.float(), o_cached.float(), weight).transpose(1, 2)
+
+
+def flash_cached(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached, scale):  # noqa: ANN201
+    """(out [rows, kvh, r, d], lse [rows, kvh, r]) of ``queries`` [rows, kvh, r, d] over the
+    first ``num_cached`` tokens of blocks ``ids`` [rows, cols] (no mask): gathered, flash."""
+    keys = _cached_tokens(k_cache, k_scale, ids, num_cached, queries.dtype).transpose(1, 2)
+    values = _cached_tokens(v_cache, v_scale, ids, num_cached, queries.dtype).transpose(1, 2)
+    return _flash(queries, keys, values, False, scale)
 
 
 def _cached_tokens(cache, scale, ids, num_cached, dtype) -> torch.Tensor:

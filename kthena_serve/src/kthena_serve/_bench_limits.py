@@ -1,0 +1,233 @@
+"""Physical limits of ``kthena bench serve``'s workloads on the machine they ran on.
+
+Two figures are measured on the bench's own torch threads, each the best of a few runs:
+
+* memory bandwidth: a ``sum`` over a 256 MiB tensor (bytes read ÷ seconds), in bf16 and in
+  float32; the larger counts, since the bf16 sum can be bound by its conversions, not memory;
+* matmul peak: ``F.linear`` of 2048 bf16 rows by the model's largest decoder linear weight.
+
+Each workload's ideal time is then a roofline over the work it must do (`WorkloadShape`):
+
+    prefill of tokens [start, end) of one sequence   FLOPs ÷ peak
+        FLOPs = 2 × linear params × (end - start)            (every decoder linear)
+              + 4 × heads × head_dim × layers × Σ (p + 1)    (QKᵀ and PV, token p sees p + 1)
+              + 2 × vocab × hidden                           (LM head, last token only)
+    one decode step of B sequences at contexts c_i   max(bytes ÷ bandwidth, FLOPs ÷ peak)
+        bytes = 2 × (linear params + vocab × hidden)         (every bf16 weight, once per step)
+              + Σ c_i × KV bytes per token                   (the cached keys and values)
+        FLOPs = B × 2 × (linear params + vocab × hidden) + 4 × heads × head_dim × layers × Σ c_i
+
+A batched step serves B tokens for one read of the weights, which is why (b) and (c) can be
+compute-bound where (a) is bandwidth-bound. The achieved fraction is achieved ÷ limit for a rate
+and limit ÷ achieved for a time, so 1.0 is the machine's limit for both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["COMPARED", "MachineLimits", "ModelShape", "achieved_fractions", "decode_step_s",
+           "measure_limits", "peer_speedups", "prefill_s", "workload_limits"]
+
+BF16_BYTES = 2
+# (label, workload, figure): what kthena bench serve's table, the speed-ups and the limit fractions compare
+COMPARED = (("(a) decode, batch 1, tok/s", "a_batch1", "decode_tok_s"),
+            ("(a) TTFT, 128-token prompt, s", "a_batch1", "ttft_s"),
+            ("(b) 32 x (128 -> 64), output tok/s", "b_offline", "output_tok_s"),
+            ("(c) shared prefix, reuse on, total s", "c_shared_prefix_reuse", "total_s"),
+            ("(c) shared prefix, reuse off, total s", "c_shared_prefix_no_reuse", "total_s"))
+BANDWIDTH_BYTES = 256 * 2**20
+MATMUL_ROWS = 2048
+
+
+@attrs.frozen
+class ModelShape:
+    """The sizes of a decoder-only transformer that set its FLOPs and bytes."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(int(config["num_hidden_layers"]), hidden, heads,
+                   int(config.get("num_key_value_heads") or heads),
+                   int(config.get("head_dim") or hidden // heads),
+                   int(config["intermediate_size"]), int(config["vocab_size"]))
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of every decoder linear (q, k, v, o, gate, up, down) over all layers."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (2 * q_out + 2 * kv_out)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BF16_BYTES
+
+    @property
+    def largest_linear(self) -> tuple[int, int]:
+        """(out, in) of the decoder linear with the most weights: the one the peak is measured on."""
+        q_out = self.num_heads * self.head_dim
+        shapes = [(q_out, self.hidden_size), (self.hidden_size, q_out),
+                  (self.intermediate_size, self.hidden_size),
+                  (self.hidden_size, self.intermediate_size)]
+        return max(shapes, key=lambda s: s[0] * s[1])
+
+    def attention_flops(self, contexts: int) -> int:
+        """QKᵀ and PV FLOPs over all layers for queries that see ``contexts`` keys in total."""
+        return 4 * self.num_heads * self.head_dim * self.num_layers * contexts
+
+
+@attrs.frozen
+class MachineLimits:
+    """What the machine can do on the bench's threads: bytes/s read and bf16 FLOP/s."""
+
+    bandwidth_bytes_s: float = attrs.field(validator=attrs.validators.gt(0))
+    peak_flop_s: float = attrs.field(validator=attrs.validators.gt(0))
+
+
+def prefill_s(shape: ModelShape, limits: MachineLimits, start: int, end: int) -> float:
+    """Ideal seconds to compute positions [start, end) of one sequence (compute-bound)."""
+    if not 0 <= start < end:
+        raise ValueError(f"prefill needs 0 <= start < end, got [{start}, {end})")
+    seen = (end * (end + 1) - start * (start + 1)) // 2  # Σ (p + 1) for p in [start, end)
+    flops = (2 * shape.linear_params * (end - start) + shape.attention_flops(seen)
+             + 2 * shape.lm_head_params)
+    return flops / limits.peak_flop_s
+
+
+def decode_step_s(shape: ModelShape, limits: MachineLimits, contexts: list[int]) -> float:
+    """Ideal seconds of one decode step, one new token per sequence at these context lengths."""
+    if not contexts or min(contexts) < 1:
+        raise ValueError(f"a decode step needs one or more contexts >= 1, got {contexts}")
+    weights = shape.linear_params + shape.lm_head_params
+    read = BF16_BYTES * weights + sum(contexts) * shape.kv_bytes_per_token
+    flops = len(contexts) * 2 * weights + shape.attention_flops(sum(contexts))
+    return max(read / limits.bandwidth_bytes_s, flops / limits.peak_flop_s)
+
+
+def _decode_s(shape: ModelShape, limits: MachineLimits, prompts: list[int], steps: int) -> float:
+    """Ideal seconds for ``steps`` decode steps after the prompts (the first token came from
+    prefill, so step j extends each sequence from prompt + j tokens)."""
+    return sum(decode_step_s(shape, limits, [p + j for p in prompts]) for j in range(1, steps))
+
+
+def workload_limits(shape: ModelShape, limits: MachineLimits) -> dict[str, dict[str, float]]:
+    """The ideal value of each workload's headline figure, keyed like the bench's JSON."""
+    decode_a = _decode_s(shape, limits, [128], 64) / 63
+    prefill_b = 32 * prefill_s(shape, limits, 0, 128)
+    b_total = prefill_b + _decode_s(shape, limits, [128] * 32, 64)
+    decode_c = _decode_s(shape, limits, [544] * 32, 16)
+    # reuse on: the 512-token prefix once, then each request's own 32 tokens after it
+    reuse = prefill_s(shape, limits, 0, 512) + 32 * prefill_s(shape, limits, 512, 544)
+    no_reuse = 32 * prefill_s(shape, limits, 0, 544)
+    return {"a_batch1": {"ttft_s": prefill_s(shape, limits, 0, 128), "decode_tok_s": 1 / decode_a},
+            "b_offline": {"total_s": b_total, "output_tok_s": 32 * 64 / b_total},
+            "c_shared_prefix_reuse": {"total_s": reuse + decode_c},
+            "c_shared_prefix_no_reuse": {"total_s": no_reuse + decode_c}}
+
+
+def _is_rate(metric: str) -> bool:
+    return metric.endswith("_tok_s")
+
+
+def achieved_fractions(achieved: Mapping[str, Mapping[str, float]],
+                       limits: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per workload and figure present in both: the share of the limit reached (1.0 = limit).
+
+    A rate (``*_tok_s``) gives achieved ÷ limit, a time (``*_s``) gives limit ÷ achieved.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for case, ideal in limits.items():
+        for metric, value in ideal.items():
+            got = achieved.get(case, {}).get(metric)
+            if got:
+                share = got / value if _is_rate(metric) else value / got
+                out.setdefault(case, {})[metric] = round(share, 4)
+    return out
+
+
+def peer_speedups(ours: Mapping[str, Mapping[str, float]],
+                  peer: Mapping[str, Mapping[str, float]],
+                  metrics: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, float]]:
+    """How many times faster we are than the peer per figure (> 1: ours is faster).
+
+    A rate gives ours ÷ peer, a time gives peer ÷ ours. ``metrics`` names the figures compared
+    per workload; one missing from either side is left out.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for case, names in metrics.items():
+        for metric in names:
+            a, b = ours.get(case, {}).get(metric), peer.get(case, {}).get(metric)
+            if a and b:
+                out.setdefault(case, {})[metric] = round(a / b if _is_rate(metric) else b / a, 4)
+    return out
+
+
+# ---- measurement -------------------------------------------------------------------------------
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after a warm-up: a limit is the best the machine
+    did, and on a shared machine the slower runs measure the neighbours, not the hardware."""
+    fn()  # warm-up: page faults, oneDNN primitive creation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _bandwidth(repeats: int) -> dict[str, float]:
+    """Bytes/s read by a sum over 256 MiB, bf16 and float32 (the larger one is the limit: on
+    some CPUs the bf16 -> float conversion, not memory, bounds the bf16 sum)."""
+    import torch
+
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        data = torch.ones(BANDWIDTH_BYTES // torch.empty((), dtype=dtype).element_size(),
+                          dtype=dtype)
+        out[str(dtype).removeprefix("torch.")] = BANDWIDTH_BYTES / _best_s(data.sum, repeats)
+        del data
+    return out
+
+
+def measure_limits(shape: ModelShape, repeats: int = 5) -> tuple[MachineLimits, dict[str, Any]]:
+    """Measure bandwidth and matmul peak on torch's current threads; (limits, JSON details)."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.inference_mode():
+        reads = _bandwidth(repeats)
+        out_features, in_features = shape.largest_linear
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(MATMUL_ROWS, in_features, generator=generator).to(torch.bfloat16)
+        w = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+        matmul_s = _best_s(lambda: F.linear(x, w), repeats)
+    limits = MachineLimits(max(reads.values()),
+                           2 * MATMUL_ROWS * in_features * out_features / matmul_s)
+    details = {"bandwidth_gb_s": round(limits.bandwidth_bytes_s / 1e9, 2),
+               **{f"sum_{name}_gb_s": round(v / 1e9, 2) for name, v in reads.items()},
+               "bandwidth_probe": f"sum over {BANDWIDTH_BYTES >> 20} MiB, best of {repeats}",
+               "matmul_peak_gflop_s": round(limits.peak_flop_s / 1e9, 1),
+               "matmul_probe": f"F.linear bf16 [{MATMUL_ROWS}, {in_features}] x "
+                               f"[{out_features}, {in_features}]ᵀ, best of {repeats}",
+               "torch_threads": torch.get_num_threads(),
+               "weight_bytes_per_step": BF16_BYTES * (shape.linear_params + shape.lm_head_params)}
+    return limits, details

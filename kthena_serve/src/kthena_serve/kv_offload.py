@@ -1,0 +1,93 @@
+"""Tiered KV offload of one engine: the ``--kv-offload`` value and the offloader it opens.
+
+``host=SIZE[,store=mooncake[@HOST:PORT]][,write=spill|through][,segment=SIZE][,queue=N]``
+``[,timeout=SECONDS]``
+
+* ``host=SIZE``: bytes of host memory (``2GiB``, ``512MiB``) holding offloaded blocks (LRU).
+* ``store=mooncake@HOST:PORT``: blocks the host tier pushes out go to the Mooncake Store whose
+  ``mooncake_master`` RPC port is HOST:PORT (``store=mooncake`` alone: ``127.0.0.1:50051``,
+  the master's default); engines pointed at one master reuse each other's blocks.
+* ``write=spill`` (default): the store gets what the host tier pushes out; ``write=through``:
+  every offloaded block goes to the store at once too, so other engines find it right away.
+* ``segment=SIZE``: bytes of this process's RAM lent to the store (default 64MiB; the store
+  holds what its clients and servers lend it).
+* ``queue=N``: offloads waiting for the background copier at most (default 256; more drop).
+* ``timeout=SECONDS``: how long a request waits for its promotion before recomputing the
+  blocks not yet copied (default 5).
+
+The engine side is ``mooncake_kv.tiers.AsyncOffloader`` (copier and promoter threads); this
+module names its keys (model, dtype, pool geometry) and turns its counters into ``KVTierStats``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from kthena_serve.client import KVTierStats
+from kthena_serve.kv_offload_config import DEFAULT_MASTER, KVOffloadConfig
+
+if TYPE_CHECKING:
+    from kthena_serve.config import EngineConfig
+    from mooncake_kv import KVCacheManager
+    from mooncake_kv.tiers import AsyncOffloader, OffloadSnapshot
+    from mooncake_kv.tiers.offload import BlockStorage
+
+__all__ = ["DEFAULT_MASTER", "KVOffloadConfig", "open_offloader", "tier_stats"]
+
+
+def namespace(config: EngineConfig) -> str:
+    """What every key of this engine starts with: the model (``default``, or the checkpoint's
+    real path) and the compute dtype; the pool's geometry and the block-hash chain follow."""
+    model = config.model if config.model == "default" else os.path.realpath(config.model)
+    return f"kthena|{model}|{config.dtype}|{config.hash_algorithm}"
+
+
+def open_offloader(config: EngineConfig, pool: BlockStorage, kv: KVCacheManager,
+                   ) -> AsyncOffloader:
+    """The offloader ``config.kv_offload`` asks for, following ``kv``'s events over ``pool``.
+
+    A store that cannot be reached is left out with a warning (host tier only).
+    """
+    import logging
+
+    from mooncake_kv.tiers import (
+        AsyncOffloader,
+        HostMemoryTier,
+        StoreTierConfig,
+        TierError,
+        open_tier,
+    )
+
+    spec: KVOffloadConfig = config.kv_offload
+    tiers = [HostMemoryTier(spec.host_bytes, "host")]
+    if spec.store_address is not None:
+        try:
+            tiers.append(open_tier(StoreTierConfig(
+                master_address=spec.store_address, namespace="kthena",
+                global_segment_size=spec.store_segment_bytes)))
+        except TierError as error:
+            logging.getLogger(__name__).warning(
+                "KV offload: the Mooncake Store at %s is left out, blocks past the host tier "
+                "are recomputed: %s", spec.store_address, error)
+    return AsyncOffloader(kv, pool, tiers, namespace=namespace(config),
+                          queue_depth=spec.queue_depth, write_through=spec.store_write_through)
+
+
+def tier_stats(snapshot: OffloadSnapshot) -> tuple[KVTierStats, ...]:
+    """Per-tier numbers for ``EngineStats``: the queue feeds the first tier, so its depth and
+    its dropped offloads are that tier's; a lower tier's drops are the spills it did not take
+    (it failed or was paused). With one lower tier or more, spills only reach the second."""
+    out = []
+    for level, tier in enumerate(snapshot.tiers):
+        first = level == 0
+        out.append(KVTierStats(
+            tier=tier.name, num_hits=tier.num_hits, num_misses=tier.num_misses,
+            num_promoted_blocks=tier.num_promoted_blocks,
+            num_stored_blocks=tier.num_stored_blocks,
+            num_bytes_in=tier.num_bytes_in, num_bytes_out=tier.num_bytes_out,
+            num_dropped=(snapshot.num_dropped + snapshot.num_failed if first
+                         else snapshot.num_spilled_lost),
+            num_errors=tier.num_errors + tier.num_corrupt,
+            queue_depth=snapshot.queue_depth if first else None))
+    return tuple(out)

@@ -1,0 +1,47 @@
+"""One engine process with ``--kv-offload``: serves one prompt, then stays up until told.
+
+Usage: python kv_offload_peer.py KV_OFFLOAD PROMPT_IDS_JSON
+  -> one JSON line on stdout (output tokens, cached and computed prompt tokens, tier stats),
+     then waits for a line on stdin before closing (its Mooncake Store client lends the
+     store memory that the blocks it put live in).
+Not a test module; test_kv_offload.py runs two of these against one mooncake_master.
+"""
+
+import json
+import sys
+
+import attrs
+import torch
+
+from kthena_serve.config import EngineConfig
+from kthena_serve.engine import LLMEngine
+from kthena_serve.model import load_model
+from kthena_serve.sampling_params import SamplingParams
+
+
+def main() -> None:
+    kv_offload, prompt = sys.argv[1], json.loads(sys.argv[2])
+    model, tokenizer = load_model("default", dtype=torch.float32)
+    config = EngineConfig(num_kv_blocks=8, dtype="float32", num_threads=1,
+                          kv_offload=kv_offload)
+    engine = LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
+    try:
+        engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+        engine.offloader.drain(30.0)
+        stats = engine.stats()
+        print(json.dumps({"tokens": list(final.token_ids),
+                          "num_cached_tokens": final.num_cached_tokens,
+                          "num_computed": stats.num_computed_prompt_tokens,
+                          "tiers": [attrs.asdict(t) for t in stats.kv_tiers]}), flush=True)
+        sys.stdin.readline()
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

