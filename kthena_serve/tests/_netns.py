@@ -1,67 +1,27 @@
-"""Two "hosts" for PD tests: two network namespaces joined by a veth pair (root only).
+"""Two "hosts" for PD tests: ``kthena_serve.netns.two_namespaces``, skipping the test (with the
+reason) where namespaces cannot be made.
 
     with two_host_network("kc", 214) as (ns_a, ns_b, addr_a, addr_b):
         ...  # ip netns exec ns_a ...; addr_b is reachable from ns_a
-
-Skips the test (with the reason) where namespaces cannot be made; removes both namespaces (the
-veth pair goes with them) afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 
+from kthena_serve.netns import NetnsUnavailable, netns_reason, two_namespaces
+
 __all__ = ["netns_reason", "two_host_network"]
-
-
-def netns_reason() -> str | None:
-    """Why this process cannot make network namespaces, or None if it can."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the iproute2 'ip' command is missing"
-    probe = f"kthena-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
 
 
 @contextlib.contextmanager
 def two_host_network(tag: str, subnet: int) -> Iterator[tuple[str, str, str, str]]:
-    """``(ns_a, ns_b, addr_a, addr_b)`` on ``10.<subnet>.<n>.0/30``; ``tag`` keeps the names of
-    concurrent users apart."""
-    reason = netns_reason()
-    if reason:
-        pytest.skip(reason)
-    n = (os.getpid() + subnet) % 250 + 1
-    ns_a, ns_b = f"kthena-{tag}-a-{os.getpid()}", f"kthena-{tag}-b-{os.getpid()}"
-    veth_a, veth_b = f"k{tag}a{n}", f"k{tag}b{n}"
-    addr_a, addr_b = f"10.{subnet}.{n}.1", f"10.{subnet}.{n}.2"
-    steps = [["ip", "netns", "add", ns_a], ["ip", "netns", "add", ns_b],
-             ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b],
-             ["ip", "link", "set", veth_a, "netns", ns_a],
-             ["ip", "link", "set", veth_b, "netns", ns_b],
-             ["ip", "-n", ns_a, "addr", "add", f"{addr_a}/30", "dev", veth_a],
-             ["ip", "-n", ns_b, "addr", "add", f"{addr_b}/30", "dev", veth_b],
-             ["ip", "-n", ns_a, "link", "set", veth_a, "up"],
-             ["ip", "-n", ns_b, "link", "set", veth_b, "up"],
-             ["ip", "-n", ns_a, "link", "set", "lo", "up"],
-             ["ip", "-n", ns_b, "link", "set", "lo", "up"]]
+    """``two_namespaces(tag, subnet)``, or a skip saying why it cannot be made."""
     try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                pytest.skip(f"cannot build the two-host network ({' '.join(step)}): "
-                            f"{done.stderr.strip()}")
-        yield ns_a, ns_b, addr_a, addr_b
-    finally:
-        subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)  # veth goes with it
-        subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)
+        with two_namespaces(tag, subnet) as names:
+            yield names
+    except NetnsUnavailable as reason:
+        pytest.skip(str(reason))

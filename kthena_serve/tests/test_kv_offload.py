@@ -12,11 +12,9 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -29,9 +27,9 @@ from kthena_serve.kv_offload import KVOffloadConfig
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.serve_args import add_engine_args, engine_config
 from kthena_serve.server.metrics import ServerMetrics
+from mooncake_kv.tiers.master import master_binary, start_local_master, stop_master
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-MASTER = Path(sys.executable).parent / "mooncake_master"
 PEER = Path(__file__).parent / "kv_offload_peer.py"
 
 
@@ -225,42 +223,11 @@ def test_request_aborted_while_promoting_gives_its_blocks_back(loaded, prompts):
 
 # ---- Mooncake Store: a real mooncake_master on 127.0.0.1 ---------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_master() -> tuple[subprocess.Popen, str]:
-    if not MASTER.exists():
-        pytest.skip(f"mooncake_master not found at {MASTER}; install mooncake-kv[store]")
     pytest.importorskip("mooncake.store", reason="Mooncake wheel (or libibverbs1) missing")
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [str(MASTER), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
-         "--enable_metric_reporting=false", "--rpc_thread_num=2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-            return proc, f"127.0.0.1:{rpc}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"mooncake_master did not open 127.0.0.1:{rpc}")
-
-
-def stop_master(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    if not master_binary().exists():
+        pytest.skip(f"mooncake_master not found at {master_binary()}; install mooncake-kv[store]")
+    return start_local_master()
 
 
 @pytest.fixture(scope="module")

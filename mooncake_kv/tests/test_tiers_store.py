@@ -4,7 +4,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,9 +16,10 @@ from mooncake_kv.tiers import (
     TierUnavailableError,
     open_tier,
 )
+from mooncake_kv.tiers.master import master_binary, start_local_master
+from mooncake_kv.tiers.master import stop_master as stop_local
 
 pytestmark = pytest.mark.mooncake
-MASTER = Path(sys.executable).parent / "mooncake_master"
 
 
 def free_port() -> int:
@@ -40,43 +40,15 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"mooncake_master exited with {proc.returncode}: {proc.stderr.read()!r}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    pytest.fail(f"mooncake_master did not open 127.0.0.1:{port} within {timeout_s} s")
-
-
 def start_master() -> tuple[subprocess.Popen, str]:
-    if not MASTER.exists():
-        pytest.skip(f"mooncake_master not found at {MASTER}; install mooncake-kv[store]")
+    if not master_binary().exists():
+        pytest.skip(f"mooncake_master not found at {master_binary()}; install mooncake-kv[store]")
     pytest.importorskip("mooncake.store", reason="Mooncake wheel (or libibverbs1) missing")
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [str(MASTER), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
-         "--enable_metric_reporting=false", "--rpc_thread_num=2",
-         "--default_kv_lease_ttl=100"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    wait_for_port(rpc, proc)
-    return proc, f"127.0.0.1:{rpc}"
+    return start_local_master("--default_kv_lease_ttl=100")
 
 
 def stop_master(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.stderr.close()
+    stop_local(proc)
     assert processes_with(f"--rpc_port={proc.args[1].split('=')[1]}") == [], "stray master"
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -38,6 +37,7 @@ from kthena_serve._bench_limits import (
     workload_limits,
 )
 from kthena_serve._bench_peer import PeerSpec
+from kthena_serve._machine import cpu_model
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
@@ -211,13 +211,7 @@ def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # n
 def _machine(num_threads: int) -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": num_threads,
+    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch_threads": num_threads,
             "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "load_avg_1m_before": round(os.getloadavg()[0], 2)}
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import attrs
+
+from kthena_serve._machine import host_info
 
 __all__ = ["main", "run_mode"]
 
@@ -129,43 +130,14 @@ def _block_bytes(model, shape: BenchShape, dtype: str) -> int:  # noqa: ANN001
             * shape.block_size * item)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_master() -> tuple[subprocess.Popen, str]:
-    binary = Path(sys.executable).parent / "mooncake_master"
-    if not binary.exists():
-        raise SystemExit(f"kv_bench: host+store needs --master or {binary} "
-                         "(install mooncake-kv[store])")
-    rpc, metrics = _free_port(), _free_port()
-    proc = subprocess.Popen([str(binary), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                             f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
-                             "--enable_metric_reporting=false", "--rpc_thread_num=2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-            return proc, f"127.0.0.1:{rpc}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise SystemExit("kv_bench: mooncake_master did not start")
+    from mooncake_kv.tiers.master import MasterUnavailableError, start_local_master
 
-
-def _machine() -> dict:
-    cpu = "unknown"
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)),
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+        return start_local_master()
+    except MasterUnavailableError as error:
+        raise SystemExit(f"kv_bench: host+store needs --master HOST:PORT or a local master: "
+                         f"{error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         master_proc, master = _start_master()
     report = {"bench": "kv_offload", "shape": attrs.asdict(shape),
               "pool_blocks": shape.pool_blocks, "working_set_blocks": shape.working_set_blocks,
-              "machine": _machine(), "runs": []}
+              "machine": host_info(), "runs": []}
     try:
         for mode in modes:
             result = run_mode(mode, shape, model, tokenizer, master, args.dtype)
@@ -204,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result), flush=True)
     finally:
         if master_proc is not None:
-            master_proc.terminate()
-            master_proc.wait(timeout=15)
+            from mooncake_kv.tiers.master import stop_master
+
+            stop_master(master_proc)
     report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report), flush=True)
     if args.out:

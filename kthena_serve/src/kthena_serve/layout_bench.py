@@ -43,6 +43,8 @@ from typing import Any
 
 import attrs
 
+from kthena_serve._machine import cpu_model
+
 __all__ = ["LayoutBenchError", "LayoutBenchOptions", "LayoutSpec", "add_parser", "assemble",
            "calibrate", "format_table", "parse_layouts", "predict_layout", "predictions",
            "run_layout_bench", "summarize"]
@@ -430,12 +432,7 @@ def _log(text: str) -> None:
 
 
 def _machine() -> dict[str, Any]:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         torch = version("torch")
     except PackageNotFoundError:

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
+from kthena_serve._machine import host_info
+
 __all__ = ["SoakOptions", "process_tree", "run_soak"]
 
 RSS_PERIOD_S = 5.0
@@ -479,24 +481,13 @@ def _report(options: SoakOptions, served_model: str, tally: _Tally, elapsed: flo
             "kv_after": gauges, "idle_after": is_idle, "finish_reasons": reasons}
 
 
-def _machine() -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)),
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
-
-
 def run_soak(options: SoakOptions) -> dict:
     """Start the server (unless ``options.url``), soak it, stop it; the JSON-ready result.
 
     Raises:
         RuntimeError: the server did not start, or did not answer /v1/models or the warm-up.
     """
-    machine = _machine()
+    machine = host_info()
     server = None if options.url else _ServerProcess(options)
     exit_code = None
     try:

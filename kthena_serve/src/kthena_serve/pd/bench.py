@@ -36,6 +36,8 @@ import time
 
 import attrs
 
+from kthena_serve._machine import cpu_model
+
 __all__ = ["main"]
 
 
@@ -353,25 +355,12 @@ def bench_overlap(token_counts: list[int], repeats: int) -> list[dict]:
 
 
 # ---- main --------------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _machine() -> dict:
     import platform
 
     import torch
 
-    return {"cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
+    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
             "load_1min": os.getloadavg()[0], "torch": torch.__version__,
             "python": platform.python_version()}
 

@@ -45,14 +45,16 @@ import json
 import os
 import platform
 import select
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+
+from kthena_serve._machine import cpu_model
+from kthena_serve.netns import NetnsUnavailable, two_namespaces
 
 __all__ = [
     "ARTICLE_CLAIMS",
@@ -701,71 +703,10 @@ def _prefill_side_main(config: dict) -> None:
                 p.close()
 
 
-class NetnsUnavailable(RuntimeError):
-    """Network namespaces cannot be made here (the reason is the message)."""
-
-
-def _netns_reason() -> str | None:
-    """Why this process cannot make network namespaces, or None if it can."""
-    if os.geteuid() != 0:
-        return "network namespaces need root (CAP_NET_ADMIN)"
-    if shutil.which("ip") is None:
-        return "the iproute2 'ip' command is missing"
-    probe = f"kthena-kvm-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-@contextlib.contextmanager
-def _two_namespaces(subnet: int = 216) -> Iterator[tuple[str, str, str, str]]:
-    """``(ns_a, ns_b, addr_a, addr_b)``: two namespaces joined by a veth pair on a /30.
-
-    The same construction as ``kthena_serve/tests/_netns.py`` (which skips a pytest test
-    instead of raising, and is not part of the package). Both namespaces are deleted on exit;
-    the veth pair goes with them.
-
-    Raises:
-        NetnsUnavailable: a step failed; the message says which and why.
-    """
-    reason = _netns_reason()
-    if reason:
-        raise NetnsUnavailable(reason)
-    pid = os.getpid()
-    n = (pid + subnet) % 250 + 1
-    ns_a, ns_b = f"kthena-kvm-a-{pid}", f"kthena-kvm-b-{pid}"
-    veth_a, veth_b = f"kkvma{n}", f"kkvmb{n}"
-    addr_a, addr_b = f"10.{subnet}.{n}.1", f"10.{subnet}.{n}.2"
-    steps = [["ip", "netns", "add", ns_a], ["ip", "netns", "add", ns_b],
-             ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b],
-             ["ip", "link", "set", veth_a, "netns", ns_a],
-             ["ip", "link", "set", veth_b, "netns", ns_b],
-             ["ip", "-n", ns_a, "addr", "add", f"{addr_a}/30", "dev", veth_a],
-             ["ip", "-n", ns_b, "addr", "add", f"{addr_b}/30", "dev", veth_b],
-             ["ip", "-n", ns_a, "link", "set", veth_a, "up"],
-             ["ip", "-n", ns_b, "link", "set", veth_b, "up"],
-             ["ip", "-n", ns_a, "link", "set", "lo", "up"],
-             ["ip", "-n", ns_b, "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise NetnsUnavailable(f"cannot build the two-namespace network "
-                                       f"({' '.join(step)}): {done.stderr.strip()}")
-        yield ns_a, ns_b, addr_a, addr_b
-    finally:
-        subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)
-        with contextlib.suppress(FileNotFoundError):  # a step failed before the move into ns_a
-            subprocess.run(["ip", "link", "del", veth_a], capture_output=True)
-
-
 def _netns_rows(config: dict, run_timeout_s: float) -> tuple[list[dict], str | None]:
     """Rows of ``mooncake_netns`` from a prefill child in namespace A; or ([], why not)."""
     try:
-        with _two_namespaces() as (ns_a, ns_b, addr_a, addr_b):
+        with two_namespaces("kvm", 216) as (ns_a, ns_b, addr_a, addr_b):
             child_config = dict(config, decode_ns=ns_b, prefill_addr=addr_a, decode_addr=addr_b)
             child = subprocess.Popen(
                 ["ip", "netns", "exec", ns_a, sys.executable, "-m", _MODULE, "--_prefill-side",
@@ -797,12 +738,7 @@ def _netns_rows(config: dict, run_timeout_s: float) -> tuple[list[dict], str | N
 def _machine() -> dict:
     import torch
 
-    model = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                          if line.startswith("model name")), "")
-    return {"processor": platform.processor() or platform.machine(), "cpu_model": model,
+    return {"processor": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
             "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "python": platform.python_version()}
 
