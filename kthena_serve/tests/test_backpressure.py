@@ -18,7 +18,7 @@ from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.testing import tiny_engine
 
 MODEL = "tiny"
-MAX_TOKENS = 3000
+MAX_TOKENS = 1200
 BODY = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": MAX_TOKENS,
         "temperature": 0, "ignore_eos": True, "stream": True}
 

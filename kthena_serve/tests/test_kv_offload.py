@@ -192,10 +192,16 @@ def test_evicted_prompt_is_promoted_from_host_memory(loaded, prompts, baseline):
         assert (host.tier, host.num_hits, host.num_promoted_blocks) == ("host", 3, 3)
         assert host.num_bytes_out > 3 * engine.runner.pool.layout.bytes_per_block
         assert host.queue_depth == 0 and host.num_dropped == 0
+        # each stored block is held once, framed (a header past its bytes), until evicted
+        block = engine.runner.pool.layout.bytes_per_block
+        assert host.num_stored_blocks * block < host.used_bytes <= host.num_bytes_in
         text = ServerMetrics(AsyncLLM(engine)).render().decode()  # not started: stats only
         assert 'kthena_kv_tier_promotions_total{tier="host"} 3.0' in text
         assert 'kthena_kv_tier_hits_total{tier="host"} 3.0' in text
         assert 'kthena_kv_tier_offload_queue_depth{tier="host"} 0.0' in text
+        (used,) = [line.split()[-1] for line in text.splitlines()
+                   if line.startswith('kthena_kv_tier_used_bytes{tier="host"}')]
+        assert float(used) == host.used_bytes
         assert 'kthena_kv_tier_dropped_offloads_total{tier="host"} 0.0' in text
     finally:
         engine.close()
@@ -319,17 +325,41 @@ def test_store_killed_mid_run_degrades_to_recompute(loaded, prompts, baseline):
     assert offload_threads() == [] and proc.returncode is not None
 
 
-# ---- the benchmark's smoke test (figures: python -m kthena_serve.kv_bench) ----------------------
+# ---- the benchmark's smoke test (figures: kthena bench kv, docs/bench_kv.md) --------------------
 
-def test_kv_bench_runs_and_host_tier_computes_less(loaded):
-    from kthena_serve.kv_bench import BenchShape, run_mode
+def test_kv_bench_cases_and_their_per_turn_figures(loaded):
+    from kthena_serve.kv_bench import BenchShape, run_case, table
 
     model, tokenizer = loaded
-    shape = BenchShape(sessions=3, turns=2, user_tokens=32, max_tokens=2)
-    off, host = (run_mode(mode, shape, model, tokenizer, dtype="float32")
-                 for mode in ("off", "host"))
-    json.dumps([off, host])
-    assert off["requests"] == host["requests"] == 6
+    shape = BenchShape(sessions=3, turns=3, user_tokens=32, max_tokens=2)
+    runs = [run_case(case, shape, model, tokenizer, dtype="float32")
+            for case in ("off", "host", "2x-host")]
+    off, host, two = json.loads(json.dumps(runs))
+    assert [r["requests"] for r in runs] == [9, 9, 9]
+    for run in runs:
+        turns = run["per_turn"]
+        assert [t["turn"] for t in turns] == [1, 2, 3]
+        assert sum(t["computed_prompt_tokens"] for t in turns) == run["computed_prompt_tokens"]
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
+    # the first turn is new to everyone; later turns, without tiers, recompute evicted history
+    assert off["per_turn"][0]["computed_prompt_tokens"] == 3 * 32
+    assert host["per_turn"][0]["computed_prompt_tokens"] == 3 * 32
     assert host["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+    assert host["per_turn"][2]["computed_prompt_tokens"] < off["per_turn"][2]["computed_prompt_tokens"]
     assert host["tiers"][0]["num_promoted_blocks"] > 0 and off["tiers"] == []
-    assert 0 < host["ttft_p50_s"] <= host["ttft_p99_s"]
+    # the pool never holds more than its blocks; the host tier holds what left it
+    pool_bytes = shape.pool_blocks * 2 * model.config.num_hidden_layers * model.num_kv_heads_per_rank \
+        * model.head_dim * shape.block_size * 4
+    assert all(t["pool_bytes"] <= pool_bytes and t["host_bytes"] == 0 for t in off["per_turn"])
+    assert host["per_turn"][-1]["host_bytes"] == host["tiers"][0]["used_bytes"] > 0
+    # two worker processes, each with its own host tier: each gets half the requests
+    assert two["instances"] == 2 and [t["tier"] for t in two["tiers"]] == ["host", "host"]
+    assert two["computed_prompt_tokens"] >= host["computed_prompt_tokens"]
+    assert table({"runs": runs}).count("\n") == 4  # header, rule, one row per case
+
+
+def test_kv_bench_refuses_an_unknown_case(capsys):
+    from kthena_serve.kv_bench import main
+
+    assert main(["--cases", "off,disk"]) == 2
+    assert "--cases takes off, host, host+store" in capsys.readouterr().err

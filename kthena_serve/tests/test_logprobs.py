@@ -10,7 +10,6 @@ The PD test does the same through a prefill worker (the first token) and a decod
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -45,10 +44,8 @@ def loaded():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    folder, name = os.path.split(kthena_known.default_gguf_path())
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32).eval()
+def hf(hf_gguf_model):
+    return hf_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -65,10 +65,9 @@ def prompts(ours):
 
 
 @pytest.fixture(scope="module")
-def expected(prompts):
+def expected(prompts, hf_gguf_model):
     """transformers' greedy tokens (stopping at EOS) and first-step logits, float32."""
-    folder, name = os.path.split(kthena_known.default_gguf_path())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_gguf_model
     tokens, logits = [], []
     with torch.inference_mode():
         for prompt in prompts:

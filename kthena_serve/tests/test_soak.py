@@ -27,7 +27,7 @@ def test_short_soak_is_clean() -> None:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     env.pop("KTHENA_API_KEY", None)
     done = subprocess.run([sys.executable, "-m", "kthena_core.cli", "bench", "soak", "--minutes",
-                           "0.25", "--clients", "4", "--seed", "0", "--kv-cache-memory", "64MiB"],
+                           "0.1", "--clients", "4", "--seed", "0", "--kv-cache-memory", "64MiB"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

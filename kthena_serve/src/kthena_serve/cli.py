@@ -1,4 +1,4 @@
-"""``kthena serve``, ``kthena bench serve`` and ``kthena bench soak``: registered on
+"""``kthena serve``, ``kthena bench serve``, ``soak``, ``layouts`` and ``kv``: registered on
 kthena_core's CLI by entry points.
 
 This is the one place in kthena_serve that reads argv and the environment
@@ -270,6 +270,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.layout_bench import add_parser as add_layouts_parser
 
     add_layouts_parser(children)  # kthena bench layouts
+    from kthena_serve.kv_bench import add_parser as add_kv_parser
+
+    add_kv_parser(children)  # kthena bench kv
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -65,6 +65,8 @@ class KVTierStats:
         num_errors: failed or corrupt tier calls (each one a recompute, never wrong KV).
         queue_depth: offloads waiting for the copier (the first tier's queue); None for a tier
             fed synchronously by the one above.
+        used_bytes: bytes the tier holds now (the host tier); None for the Mooncake Store,
+            which every engine pointed at its master shares.
     """
 
     tier: str
@@ -77,6 +79,7 @@ class KVTierStats:
     num_dropped: int
     num_errors: int
     queue_depth: int | None
+    used_bytes: int | None = None
 
 
 @attrs.frozen

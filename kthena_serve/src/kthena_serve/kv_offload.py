@@ -89,5 +89,5 @@ def tier_stats(snapshot: OffloadSnapshot) -> tuple[KVTierStats, ...]:
             num_dropped=(snapshot.num_dropped + snapshot.num_failed if first
                          else snapshot.num_spilled_lost),
             num_errors=tier.num_errors + tier.num_corrupt,
-            queue_depth=snapshot.queue_depth if first else None))
+            queue_depth=snapshot.queue_depth if first else None, used_bytes=tier.used_bytes))
     return tuple(out)

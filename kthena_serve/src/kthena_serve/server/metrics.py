@@ -94,10 +94,16 @@ def _tier_families(tiers):  # noqa: ANN001, ANN202 - tuple[KVTierStats, ...] -> 
     depth = GaugeMetricFamily("kthena_kv_tier_offload_queue_depth",
                               "Offloads waiting for the background copier into this tier",
                               labels=["tier"])
+    used = GaugeMetricFamily("kthena_kv_tier_used_bytes",
+                             "Bytes this KV tier holds now (absent for the shared Mooncake Store)",
+                             labels=["tier"])
     for tier in tiers:
         if tier.queue_depth is not None:
             depth.add_metric([tier.tier], tier.queue_depth)
+        if tier.used_bytes is not None:
+            used.add_metric([tier.tier], tier.used_bytes)
     yield depth
+    yield used
 
 
 def _kv_cache_info(limits: EngineLimits):  # noqa: ANN202 - a generator of 0 or 1 family

@@ -73,6 +73,8 @@ class TierCounters:
         num_bytes_out: framed bytes read back from it for promotion.
         num_errors: calls that raised (the tier is skipped a while after each).
         num_corrupt: values that failed their frame check (dropped, recomputed).
+        used_bytes: bytes the tier holds now, where it knows (the host tier); None for a tier
+            shared with other processes (the store).
     """
 
     name: str
@@ -84,6 +86,7 @@ class TierCounters:
     num_bytes_out: int = 0
     num_errors: int = 0
     num_corrupt: int = 0
+    used_bytes: int | None = None
 
 
 @attrs.frozen
@@ -190,8 +193,8 @@ class AsyncOffloader:
         self._counts = dict.fromkeys(("enqueued", "offloaded", "skipped", "dropped_full",
                                       "dropped_evicted", "failed", "spilled_lost", "evicted"),
                                      0)
-        self._tier_counts = [dict.fromkeys(list(attrs.fields_dict(TierCounters))[1:], 0)
-                             for _ in self.tiers]
+        counted = [n for n in attrs.fields_dict(TierCounters) if n not in ("name", "used_bytes")]
+        self._tier_counts = [dict.fromkeys(counted, 0) for _ in self.tiers]
         self._down_until: dict[int, float] = {}
         self.retry_after_s, self._clock = retry_after_s, clock
         self.write_through = write_through
@@ -413,7 +416,7 @@ class AsyncOffloader:
                 stack.enter_context(lock)
             stack.enter_context(self._lock)
             stack.enter_context(self._queue.mutex)
-            tiers = tuple(TierCounters(**{**c, "name": t.name})
+            tiers = tuple(TierCounters(t.name, **c, used_bytes=getattr(t, "used_bytes", None))
                           for t, c in zip(self.tiers, self._tier_counts, strict=True))
             keys = tuple(frozenset(t.keys()) if with_keys and hasattr(t, "keys") else None
                          for t in self.tiers)
