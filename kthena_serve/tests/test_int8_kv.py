@@ -16,6 +16,7 @@ import argparse
 
 import pytest
 import torch
+from _greedy_agreement import agreed, gap_at_divergence
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
@@ -81,26 +82,6 @@ def _run(engine: LLMEngine, prompts, params=GREEDY, *, one_at_a_time: bool = Fal
     return [finals[f"q{i}"] for i in range(len(prompts))]
 
 
-def _agreed(reference, other) -> int:
-    """Tokens before the first difference (after it the two continue different texts)."""
-    pairs = list(zip(reference.token_ids, other.token_ids, strict=True))
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-
-
-def _gap_at_divergence(reference, other) -> float | None:
-    """How far (log-probability) the reference's pick was ahead of the other's pick, at the
-    first step where they differ (the context is still the same there); None if they agree,
-    inf if the other's pick is not in the reference's top 5."""
-    step = _agreed(reference, other)
-    if step == len(reference.token_ids):
-        return None
-    lp = reference.logprobs[step]
-    chosen = other.token_ids[step]
-    if chosen not in lp.top_ids:
-        return float("inf")
-    return lp.logprob - lp.top_logprobs[lp.top_ids.index(chosen)]
-
-
 @pytest.fixture(scope="module")
 def both(loaded, prompts):  # noqa: ANN001
     bf16, int8 = _engine(loaded), _engine(loaded, kv_cache_dtype="int8")
@@ -139,12 +120,12 @@ def test_greedy_tokens_agree_with_the_bf16_engine(both):
     the first decode step, 0.28) says an int8 flip may only pick a token the bf16 engine nearly
     picked itself."""
     (_, ref), (_, got) = both
-    agreed = [_agreed(r, g) for r, g in zip(ref, got, strict=True)]
-    gaps = [_gap_at_divergence(r, g) for r, g in zip(ref, got, strict=True)]
-    print(f"\nint8 vs bf16 greedy: {sum(agreed)} of {NUM_TOKENS * len(ref)} tokens agree "
-          f"(per prompt {agreed}); bf16 margin at each divergence {gaps}")
+    counts = [agreed(r, g) for r, g in zip(ref, got, strict=True)]
+    gaps = [gap_at_divergence(r, g) for r, g in zip(ref, got, strict=True)]
+    print(f"\nint8 vs bf16 greedy: {sum(counts)} of {NUM_TOKENS * len(ref)} tokens agree "
+          f"(per prompt {counts}); bf16 margin at each divergence {gaps}")
     assert all(len(g.token_ids) == NUM_TOKENS for g in got)
-    assert sum(agreed) >= 72 and min(agreed) >= 6
+    assert sum(counts) >= 72 and min(counts) >= 6
     assert all(gap is None or gap < 0.5 for gap in gaps)
 
 
@@ -243,7 +224,7 @@ def test_preemption_on_a_tiny_int8_pool_completes(loaded, prompts, both):  # noq
         outs = _run(engine, prompts)
         assert engine.stats().num_preemptions > 0
         assert all(len(o.token_ids) == NUM_TOKENS for o in outs)
-        gaps = [_gap_at_divergence(r, o) for r, o in zip(roomy, outs, strict=True)]
+        gaps = [gap_at_divergence(r, o) for r, o in zip(roomy, outs, strict=True)]
         print(f"\npreempted {engine.stats().num_preemptions} times; margins {gaps}")
         assert all(gap is None or gap < 0.5 for gap in gaps)
         assert engine.kv.stats().num_used_blocks == 0
@@ -262,7 +243,7 @@ def test_tp2_int8_pools_give_the_tokens_of_one_rank(loaded, prompts, both):  # n
         outs = _run(engine, prompts[:2])
     finally:
         engine.close()
-    gaps = [_gap_at_divergence(r, o) for r, o in zip(one_rank, outs, strict=False)]
+    gaps = [gap_at_divergence(r, o) for r, o in zip(one_rank, outs, strict=False)]
     assert all(len(o.token_ids) == NUM_TOKENS for o in outs)
     assert all(gap is None or gap < 0.5 for gap in gaps), gaps
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _mops_support import assert_close
+from _mops_support import IMPLS, assert_close, using
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,3 +58,73 @@ def test_padded_rows_do_not_change_the_real_rows(rows, seed):
     got = BF16_KERNEL.linear(x, BF16_KERNEL.pack(weight))
     assert got.shape == (rows, 80) and got.is_contiguous()
     assert_close(got, torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16)
+
+
+# ---- weight-only int8 ----------------------------------------------------------------------------
+
+def _int8_oracle(x, packed, bias):
+    """By definition, float64: row n of the weight is q[n] * scale[n] (scale from its 4 bytes)."""
+    k = x.shape[-1]
+    q = packed[:, :k].double()
+    scale = torch.tensor([float(packed[n, k:].numpy().view("<f4")[0]) for n in range(len(packed))],
+                         dtype=torch.float64)
+    out = x.double() @ (q * scale[:, None]).T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=max(10, settings.default.max_examples // 4))
+@given(rows=st.integers(1, 16), in_features=st.sampled_from([16, 64, 576]),
+       out_features=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       with_bias=st.booleans(), seed=st.integers(0, 999))
+def test_int8_linear_matches_the_dequantised_weight(impl, rows, in_features, out_features, dtype,
+                                                    with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    packed = mo.pack_int8_weight(weight)
+    with using(impl):
+        got = mo.int8_linear(x, packed, bias)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    expected = _int8_oracle(x, packed, bias)
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 1e-2)
+    torch.testing.assert_close(got.double(), expected, atol=atol * in_features ** 0.5, rtol=rtol)
+
+
+def test_int8_weight_round_trips_within_half_a_step():
+    weight = torch.randn(33, 64) * torch.logspace(-3, 1, 33)[:, None]  # rows of every magnitude
+    packed = mo.pack_int8_weight(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (33, 68)
+    back = mo.dequantize_int8_weight(packed)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((back - weight).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert mo.dequantize_int8_weight(mo.pack_int8_weight(torch.zeros(2, 16))).eq(0).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int8_linear_past_the_native_rows_and_in_3d(impl):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 64, generator=gen)
+    packed = mo.pack_int8_weight(weight)
+    dense = mo.dequantize_int8_weight(packed)
+    x = torch.randn(2, 20, 64, generator=gen)  # 40 rows: the dequantise-and-F.linear path
+    with using(impl):
+        got = mo.int8_linear(x, packed)
+        one = mo.int8_linear(x[0, 0], packed)  # a single vector
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, dense), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(one, dense @ x[0, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_int8_linear_refuses_what_it_cannot_run():
+    packed = mo.pack_int8_weight(torch.randn(8, 32))
+    with pytest.raises(mo.OpsShapeError, match="x has 16 features; the weight takes 32"):
+        mo.int8_linear(torch.randn(2, 16), packed)
+    with pytest.raises(mo.OpsShapeError, match=r"packed by pack_int8_weight: int8 \[N, K \+ 4\]"):
+        mo.int8_linear(torch.randn(2, 32), torch.randn(8, 36))
+    with pytest.raises(mo.OpsDTypeError, match="int8_linear takes a floating point x"):
+        mo.int8_linear(torch.ones(2, 32, dtype=torch.int32), packed)
+    with pytest.raises(mo.OpsShapeError, match="2-D weight"):
+        mo.pack_int8_weight(torch.randn(2, 3, 4))
+    with pytest.raises(mo.OpsDTypeError, match="floating point weight"):
+        mo.pack_int8_weight(torch.ones(2, 16, dtype=torch.int8))

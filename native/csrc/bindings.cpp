@@ -20,6 +20,8 @@ std::optional<std::vector<at::Tensor>> rms_norm(const at::Tensor&, const at::Ten
 std::optional<std::vector<at::Tensor>> rotary_embedding(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&);
 std::optional<at::Tensor> silu_and_mul(const at::Tensor&);
+std::optional<at::Tensor> int8_linear(const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&);
 }  // namespace mops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,4 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &mops::rms_norm);
   m.def("rotary_embedding", &mops::rotary_embedding);
   m.def("silu_and_mul", &mops::silu_and_mul);
+  m.def("int8_linear", &mops::int8_linear, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
 }

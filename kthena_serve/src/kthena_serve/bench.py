@@ -251,7 +251,7 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     threads = configure_threads(options.num_threads)
     checkpoint = resolve_checkpoint(config.model)  # converted once, cached
     result = {"bench": "kthena serve", "model": config.model, "dtype": config.dtype,
-              "runs": options.runs, "machine": _machine(threads)}
+              "quantization": config.quantization, "runs": options.runs, "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)
     result["kthena"] = _engine_cases(config, workloads, options.runs)

@@ -103,6 +103,12 @@ def _check_kv_dtype(instance: EngineConfig, attribute: attrs.Attribute, value: s
                           "with a float32 scale per token per KV head")
 
 
+def _check_quantization(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and value != "int8":
+        raise ConfigError(attribute.name, "None (weights in dtype) or 'int8' (weight-only int8)",
+                          value)
+
+
 def _check_device(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not isinstance(value, str) or not _DEVICE.match(value):
         raise ConfigError(attribute.name, "one of 'cpu', 'cuda', 'cuda:N', 'npu', 'npu:N'", value)
@@ -171,6 +177,8 @@ class EngineConfig:
         check_invariants: run the KV manager's self-check after every verb (tests).
         chat_special_tokens: ``"text"``: special tokens typed in chat content are encoded as
             text, so a user cannot forge a turn; ``"control"``: they act as control tokens.
+        quantization: ``"int8"``: weight-only int8 matmul weights (one float32 scale per output
+            channel; activations and the KV cache keep ``dtype``); None: weights in ``dtype``.
         kv_offload: tiers below the pool, as text (``"host=2GiB"``,
             ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.kv_offload``)
             or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.
@@ -199,6 +207,7 @@ class EngineConfig:
     chat_special_tokens: str = attrs.field(default="text", validator=_one_of("text", "control"))
     kv_offload: KVOffloadConfig | None = attrs.field(default=None, converter=_kv_offload,
                                                      validator=_check_kv_offload)
+    quantization: str | None = attrs.field(default=None, validator=_check_quantization)
 
     @property
     def world_size(self) -> int:

@@ -82,7 +82,7 @@ def build_runner(config: EngineConfig, model=None, tokenizer=None, *,  # noqa: A
         from kthena_serve.model import load_model
 
         model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      device=config.device)
+                                      device=config.device, quantization=config.quantization)
     layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
                            model.head_dim, config)
     return ModelRunner(model, create_pool(layout, config, shared=shared_pool)), tokenizer

@@ -113,7 +113,7 @@ class _Stage:
         stage = PipelineStage.of(layers, config.pp, pp.group_rank)
         tp = TensorParallel.from_comm_group(self.groups.tp)
         self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp,
-                                                stage=stage)
+                                                stage=stage, quantization=config.quantization)
         self.pool = create_pool(_layout(config, self.model), config)
         self.kv_caches = layer_caches(self.pool)
         self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype

@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool dtype: 'auto' (= --dtype) or 'int8' (int8 K/V with a "
                              "float32 scale per token per KV head: ~1.9x the blocks of bf16 in "
                              "the same --kv-cache-memory; the model still computes in --dtype)")
+    parser.add_argument("--quantization", default=None, choices=("int8",),
+                        help="int8: weight-only int8 matmul weights (one scale per output "
+                             "channel; decode reads half bf16's bytes); default: --dtype")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda[:N] or npu[:N] (only cpu is verified on hardware)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
@@ -91,6 +94,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                             enable_prefix_caching=not args.no_prefix_caching,
                             prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
                             kv_cache_dtype=args.kv_cache_dtype,
+                            quantization=getattr(args, "quantization", None),
                             kv_offload=_kv_offload_arg(args),
                             chat_special_tokens=args.chat_special_tokens)
     except ConfigError as error:

@@ -27,6 +27,7 @@ from kthena_serve.model.errors import BatchError
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
 from mooncake_ops import (
+    INT8_WEIGHT_ONLY,
     build_rope_cache,
     paged_decode_attention,
     paged_prefill_attention,
@@ -175,6 +176,22 @@ class LlamaForCausalLM(nn.Module):
         table = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, rope_scaling=c.rope_scaling)
         device = next(self.parameters()).device
         self.rope_cache = table.to(device=device, dtype=torch.float32)
+
+    def quantize_linear_weights(self) -> None:
+        """Weight-only int8: every matmul weight (the LM head too; the embedding keeps its
+        dense table) becomes mooncake_ops' packed int8 form, one scale per output channel,
+        and each owning module's ``matmul`` the int8 kernel. Decode reads half the bytes of
+        bf16; activations, norms, attention and the KV cache keep the compute dtype. Like
+        packing, the last step of loading (after sharding: each rank quantises its shard)."""
+        for module in self.modules():
+            owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
+            for name in owned:
+                packed = INT8_WEIGHT_ONLY.pack(getattr(module, name))
+                module._parameters.pop(name, None)
+                module.__dict__.pop(name, None)
+                module.register_buffer(name, packed, persistent=False)
+            if owned:
+                module.matmul = INT8_WEIGHT_ONLY.linear
 
     def pack_linear_weights(self) -> bool:
         """Re-lay every matmul weight out for mooncake_ops' CPU linear kernel, when there is one.

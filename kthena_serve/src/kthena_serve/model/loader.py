@@ -55,7 +55,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
                device: str | torch.device = "cpu",
                tp: TensorParallel | None = None,
                stage: PipelineStage | None = None,
-               pack_weights: bool = True) -> tuple[LlamaForCausalLM, Tokenizer]:
+               pack_weights: bool = True,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
 
     Args:
@@ -68,11 +69,16 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
             it needs them, are read); None means the whole model.
         pack_weights: on CPU with bf16, pre-pack matmul weights for oneDNN (3-4x faster decode
             matmuls; the packed model has no dense matmul weights left to save or slice).
+        quantization: ``"int8"``: weight-only int8 matmul weights, one scale per output channel
+            (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
 
     Raises:
+        ValueError: an unknown ``quantization``.
         CheckpointError: the folder is incomplete, or a weight is missing or mis-shaped.
         UnsupportedModelError: the architecture is not Llama-family.
     """
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8)")
     folder = resolve_checkpoint(path_or_default)
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
@@ -82,7 +88,9 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         model.lm_head_weight = model.embed_weight
     load_weights(model, folder)
     model.reset_rope_cache()
-    if pack_weights:
+    if quantization == "int8":
+        model.quantize_linear_weights()
+    elif pack_weights:
         model.pack_linear_weights()
     return model.eval(), Tokenizer.from_pretrained(folder)
 

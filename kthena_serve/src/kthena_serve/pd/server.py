@@ -264,7 +264,8 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     from kthena_serve.threads import configure_threads
 
     configure_threads(config.num_threads)
-    model, tokenizer = load_model(config.model, dtype=config.torch_dtype)
+    model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
+                                  quantization=config.quantization)
     metrics = PDMetrics("prefill")
     executor, putter, kv_engine, kv_handle = _own_pool(model, config, pd, mooncake_host,
                                                        metrics.observe_batch)

@@ -14,7 +14,7 @@ import attrs
 __all__ = ["MC2_OPS", "OP_NAMES", "DeviceBackend", "OpImpl"]
 
 OP_NAMES = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-            "rotary_embedding", "silu_and_mul", "gather_blocks", "scatter_blocks",
+            "rotary_embedding", "silu_and_mul", "int8_linear", "gather_blocks", "scatter_blocks",
             "matmul_all_reduce", "all_gather_matmul", "matmul_reduce_scatter")
 MC2_OPS = OP_NAMES[-3:]
 

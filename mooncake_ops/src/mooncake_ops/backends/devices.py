@@ -26,6 +26,7 @@ NPU_OPS: Mapping[str, str] = {
     "rms_norm": "torch_npu.npu_rms_norm / npu_add_rms_norm",
     "rotary_embedding": REFERENCE,
     "silu_and_mul": "torch_npu.npu_swiglu",
+    "int8_linear": REFERENCE,
     "gather_blocks": REFERENCE,
     "scatter_blocks": REFERENCE,
     "matmul_all_reduce": "torch_npu.npu_mm_all_reduce_base",

@@ -20,7 +20,7 @@ import torch
 
 from mooncake_ops.backends import reference as ref
 from mooncake_ops.backends import sdpa
-from mooncake_ops.errors import BlockTableError
+from mooncake_ops.errors import BlockTableError, OpsShapeError
 
 _log = logging.getLogger("mooncake_ops")
 _state: dict[str, Any] = {"module": None, "reason": None, "loaded": False}
@@ -64,7 +64,7 @@ def ops() -> dict[str, Callable[..., Any]]:
     for an int8 prefix only (the CPU backend names it so)."""
     return {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
             "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
-            "silu_and_mul": silu_and_mul}
+            "silu_and_mul": silu_and_mul, "int8_linear": int8_linear}
 
 
 # The kernels return None / False for calls they do not cover (head_dim not 64/128/256, a
@@ -137,3 +137,11 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
 def silu_and_mul(x):
     out = _state["module"].silu_and_mul(x)
     return ref.silu_and_mul(x) if out is None else out
+
+
+def int8_linear(x, weight, bias=None):
+    try:
+        out = _state["module"].int8_linear(x, weight, bias)
+    except ValueError as exc:
+        raise OpsShapeError(str(exc)) from None
+    return ref.int8_linear(x, weight, bias) if out is None else out

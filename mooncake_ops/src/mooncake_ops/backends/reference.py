@@ -202,3 +202,13 @@ def _rotate(x, cos, sin, is_neox):
 def silu_and_mul(x):
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ---- weight-only int8 linear ------------------------------------------------------------------
+def int8_linear(x, weight, bias=None):
+    """``x @ (q * scale)^T + bias`` in fp32, in x's dtype; weight: int8 [N, K + 4] (each row K
+    values, then its float32 scale's 4 bytes: see mooncake_ops.linear)."""
+    k = x.shape[-1]
+    scale = weight[:, k:].contiguous().view(torch.float32)  # [N, 1]
+    dense = weight[:, :k].float() * scale
+    return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
