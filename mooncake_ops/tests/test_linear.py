@@ -75,7 +75,8 @@ def _int8_oracle(x, packed, bias):
 @pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=max(10, settings.default.max_examples // 4))
 @given(rows=st.integers(1, 16), in_features=st.sampled_from([16, 64, 576]),
-       out_features=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       out_features=st.integers(1, 70),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        with_bias=st.booleans(), seed=st.integers(0, 999))
 def test_int8_linear_matches_the_dequantised_weight(impl, rows, in_features, out_features, dtype,
                                                     with_bias, seed):
@@ -108,7 +109,7 @@ def test_int8_linear_past_the_native_rows_and_in_3d(impl):
     weight = torch.randn(40, 64, generator=gen)
     packed = mo.pack_int8_weight(weight)
     dense = mo.dequantize_int8_weight(packed)
-    x = torch.randn(2, 20, 64, generator=gen)  # 40 rows: the dequantise-and-F.linear path
+    x = torch.randn(2, 40, 64, generator=gen)  # 80 rows: the dequantise-and-F.linear path
     with using(impl):
         got = mo.int8_linear(x, packed)
         one = mo.int8_linear(x[0, 0], packed)  # a single vector

@@ -80,6 +80,26 @@ inline void dot_block_vnni(const int16_t* x, int64_t K, const int8_t* w, int64_t
     for (int r = 0; r < kRows; ++r) sums[m * kRows + r] = _mm512_reduce_add_epi32(acc[m][r]);
 }
 
+// The same over weights already widened to int16 (rows of K), for x with many rows: the
+// widening is done once per weight block instead of once per block of x rows.
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+inline void dot_block_vnni16(const int16_t* x, int64_t K, const int16_t* w, int32_t* sums) {
+  __m512i acc[MB][kRows];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = _mm512_load_si512(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < kRows; ++r) sums[m * kRows + r] = _mm512_reduce_add_epi32(acc[m][r]);
+}
+
 template <typename XT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, const XT* bias, XT* y,
@@ -89,6 +109,7 @@ void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, con
   const int64_t grain = at::get_num_threads() > 1 && N * K >= (1 << 17) ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     int32_t sums[kCols * kRows];
+    alignas(64) int16_t wide[kRows * kVnniMaxK];  // this weight block widened (M > kCols)
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
       const int8_t* wb = w + n0 * ldw;
@@ -97,13 +118,24 @@ void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, con
         std::memcpy(&scale[r], wb + r * ldw + K, sizeof(float));
         add[r] = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f;
       }
+      const bool widen = M > kCols;
+      if (widen) {  // rows past nr are zeros: their sums are never stored
+        for (int64_t r = 0; r < kRows; ++r)
+          for (int64_t k = 0; k < K; k += 32)
+            _mm512_store_si512(wide + r * K + k, r < nr ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(wb + r * ldw + k))) : _mm512_setzero_si512());
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kCols) {
         const int64_t mb = std::min<int64_t>(kCols, M - m0);
         const int16_t* xb = xq + m0 * K;
-        switch (mb) {
-          case 1: dot_block_vnni<1>(xb, K, wb, ldw, nr, sums); break;
-          case 2: dot_block_vnni<2>(xb, K, wb, ldw, nr, sums); break;
-          case 3: dot_block_vnni<3>(xb, K, wb, ldw, nr, sums); break;
+        switch (widen ? mb : -mb) {
+          case 1: dot_block_vnni16<1>(xb, K, wide, sums); break;
+          case 2: dot_block_vnni16<2>(xb, K, wide, sums); break;
+          case 3: dot_block_vnni16<3>(xb, K, wide, sums); break;
+          case 4: dot_block_vnni16<4>(xb, K, wide, sums); break;
+          case -1: dot_block_vnni<1>(xb, K, wb, ldw, nr, sums); break;
+          case -2: dot_block_vnni<2>(xb, K, wb, ldw, nr, sums); break;
+          case -3: dot_block_vnni<3>(xb, K, wb, ldw, nr, sums); break;
           default: dot_block_vnni<4>(xb, K, wb, ldw, nr, sums); break;
         }
         for (int64_t m = 0; m < mb; ++m)

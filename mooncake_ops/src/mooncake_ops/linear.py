@@ -23,9 +23,9 @@ the primitive for a recurring size is built once instead of every step.
 Weight-only int8 (``INT8_WEIGHT_ONLY``, ``--quantization int8``) halves the bytes a decode step
 reads. `pack_int8_weight` quantises each output channel symmetrically (``mooncake_ops.quant``:
 scale = absmax / 127) into one int8 tensor [N, K + 4]: a row's K values, then its float32
-scale's 4 bytes. `int8_linear` runs up to `INT8_NATIVE_MAX_ROWS` rows (decode) through the
-native kernel, which reads the int8 bytes in place; larger calls (prefill) are compute-bound
-and dequantise to x's dtype for F.linear.
+scale's 4 bytes. `int8_linear` runs decode-sized calls (up to `INT8_MAX_OP_ROWS` rows)
+through the native kernel, which reads the int8 bytes in place (half bf16's bytes), and larger
+calls (prefill, compute-bound) through F.linear over the weight dequantised to x's dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.quant import quantize_int8
 
-__all__ = ["INT8_NATIVE_MAX_ROWS", "INT8_WEIGHT_ONLY", "LinearKernel", "dequantize_int8_weight",
+__all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "LinearKernel", "dequantize_int8_weight",
            "int8_linear", "pack_int8_weight", "row_bucket", "select_linear_kernel"]
 
 
@@ -107,7 +107,7 @@ def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
 
 
 # ---- weight-only int8 ----------------------------------------------------------------------------
-INT8_NATIVE_MAX_ROWS = 16
+INT8_MAX_OP_ROWS = 64
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -137,10 +137,12 @@ def dequantize_int8_weight(packed: torch.Tensor, dtype: torch.dtype = torch.floa
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, dequantize_int8_weight(packed), bias)`` in x's dtype; x [M, K] (or [K]).
+    """``F.linear(x, dequantize_int8_weight(packed), bias)`` in x's dtype; x [M, K] (or [..., K]).
 
-    Up to `INT8_NATIVE_MAX_ROWS` rows run the ``int8_linear`` op (native kernel on AVX-512 CPUs,
-    fp32 accumulation); more rows dequantise to x's dtype and run F.linear.
+    Up to `INT8_MAX_OP_ROWS` rows (decode batches) run the ``int8_linear`` op: the native kernel
+    on AVX-512 CPUs, else the fp32 reference. More rows (prefill chunks, compute-bound) run
+    F.linear over the weight dequantised to x's dtype: as fast as the native kernel there, and
+    x keeps its own precision.
 
     Raises:
         OpsShapeError: x's last dim is not the weight's K; the weight is not packed int8.
@@ -152,7 +154,7 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
         raise OpsShapeError(f"x has {x.shape[-1]} features; the weight takes "
                             f"{packed.shape[1] - 4} (packed [N, K + 4] = {tuple(packed.shape)})")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > INT8_NATIVE_MAX_ROWS:
+    if rows.shape[0] > INT8_MAX_OP_ROWS:
         out = F.linear(rows, dequantize_int8_weight(packed, x.dtype), bias)
     else:
         out = impl("int8_linear", x.device.type)(rows, packed, bias)
