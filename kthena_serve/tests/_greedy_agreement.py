@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+QUESTIONS = [  # chat prompts, each answered with 16 greedy tokens by both engines
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain photosynthesis in one sentence.",
+    "用一句话介绍长城。",
+    "How do I reverse a list in Python?",
+]
+
 
 def agreed(reference, other) -> int:  # noqa: ANN001 - RequestOutputs
     """Tokens before the first difference (after it the two continue different texts)."""

@@ -16,7 +16,7 @@ import argparse
 
 import pytest
 import torch
-from _greedy_agreement import agreed, gap_at_divergence
+from _greedy_agreement import QUESTIONS, agreed, gap_at_divergence
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
@@ -34,14 +34,6 @@ from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
 from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv.pool import SHM_DIR
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain photosynthesis in one sentence.",
-    "用一句话介绍长城。",
-    "How do I reverse a list in Python?",
-]
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
 MEMORY = "32MiB"

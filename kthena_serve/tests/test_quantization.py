@@ -14,21 +14,13 @@ import sys
 
 import pytest
 import torch
-from _greedy_agreement import agreed, gap_at_divergence
+from _greedy_agreement import QUESTIONS, agreed, gap_at_divergence
 
 from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.model import load_model
 from kthena_serve.sampling_params import SamplingParams
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain photosynthesis in one sentence.",
-    "用一句话介绍长城。",
-    "How do I reverse a list in Python?",
-]
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
 

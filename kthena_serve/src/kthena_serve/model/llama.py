@@ -28,6 +28,7 @@ from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
 from mooncake_ops import (
     INT8_WEIGHT_ONLY,
+    LinearKernel,
     build_rope_cache,
     paged_decode_attention,
     paged_prefill_attention,
@@ -183,15 +184,7 @@ class LlamaForCausalLM(nn.Module):
         and each owning module's ``matmul`` the int8 kernel. Decode reads half the bytes of
         bf16; activations, norms, attention and the KV cache keep the compute dtype. Like
         packing, the last step of loading (after sharding: each rank quantises its shard)."""
-        for module in self.modules():
-            owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
-            for name in owned:
-                packed = INT8_WEIGHT_ONLY.pack(getattr(module, name))
-                module._parameters.pop(name, None)
-                module.__dict__.pop(name, None)
-                module.register_buffer(name, packed, persistent=False)
-            if owned:
-                module.matmul = INT8_WEIGHT_ONLY.linear
+        self._swap_matmul_weights(INT8_WEIGHT_ONLY)
 
     def pack_linear_weights(self) -> bool:
         """Re-lay every matmul weight out for mooncake_ops' CPU linear kernel, when there is one.
@@ -206,6 +199,12 @@ class LlamaForCausalLM(nn.Module):
         kernel = select_linear_kernel(next(self.parameters()))
         if kernel is None:
             return False
+        self._swap_matmul_weights(kernel)
+        return True
+
+    def _swap_matmul_weights(self, kernel: LinearKernel) -> None:
+        """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
+        owning module's ``matmul`` -> ``kernel.linear``."""
         for module in self.modules():
             owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
             for name in owned:
@@ -215,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
                 module.register_buffer(name, packed, persistent=False)
             if owned:
                 module.matmul = kernel.linear
-        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: Sequence[KVCache], on_layer: LayerHook | None = None) -> torch.Tensor:
