@@ -26,6 +26,9 @@ namespace mops {
 namespace {
 
 constexpr int64_t kRows = 4;  // output rows (weight rows) per inner block
+// Fewer multiply-adds run on the calling thread: waking the pool costs more (see
+// mooncake_ops.linear.ONE_THREAD_MAX_MACS, the same bound for the bf16 kernel).
+constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
 constexpr int64_t kCols = 4;  // x rows per inner block (kRows * kCols accumulators)
 
 template <int MB>
@@ -106,7 +109,7 @@ void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, con
                     int64_t M, int64_t N, int64_t K) {
   const int64_t ldw = K + 4;
   const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t grain = at::get_num_threads() > 1 && N * K >= (1 << 17) ? 16 : blocks;
+  const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     int32_t sums[kCols * kRows];
     alignas(64) int16_t wide[kRows * kVnniMaxK];  // this weight block widened (M > kCols)
@@ -173,8 +176,7 @@ void int8_rows(const float* xf, const int8_t* w, const XT* bias, XT* y, int64_t 
                int64_t K) {
   const int64_t ldw = K + 4;
   const int64_t blocks = (N + kRows - 1) / kRows;
-  // One thread per at least 64 weight rows: a parallel region costs more than a small matmul.
-  const int64_t grain = at::get_num_threads() > 1 && N * K >= (1 << 17) ? 16 : blocks;
+  const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     float sums[kCols * kRows];
     for (int64_t b = b0; b < b1; ++b) {

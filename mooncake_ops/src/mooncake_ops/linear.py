@@ -63,6 +63,14 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+# Matmuls of fewer multiply-adds run on the calling thread alone: waking the other OpenMP
+# threads costs more than they save (a decode step's per-layer matmuls, ~0.5-2 M each, ran
+# ~3x slower on 2 threads than on 1 on this project's shared 2-core machines; its LM head,
+# 28 M, runs ~2x faster on 2). Measured end to end: batch-1 decode 24 tok/s on 2 threads,
+# 30 on 1 (`kthena bench serve --cases a --threads 1|2`).
+ONE_THREAD_MAX_MACS = 1 << 21
+
+
 def row_bucket(rows: int) -> int:
     """The row count a packed matmul of ``rows`` rows runs with (>= rows; zero rows padded).
 
@@ -82,7 +90,15 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     padded = row_bucket(rows) if x.dim() == 2 else rows
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-    y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    threads = torch.get_num_threads()
+    if threads > 1 and padded * weight.shape[0] * weight.shape[1] < ONE_THREAD_MAX_MACS:
+        torch.set_num_threads(1)  # this calling thread's OpenMP setting; ~0.3 us each way
+        try:
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     return y if padded == rows else y[:rows]
 
 
