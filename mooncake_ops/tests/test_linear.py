@@ -129,3 +129,21 @@ def test_int8_linear_refuses_what_it_cannot_run():
         mo.pack_int8_weight(torch.randn(2, 3, 4))
     with pytest.raises(mo.OpsDTypeError, match="floating point weight"):
         mo.pack_int8_weight(torch.ones(2, 16, dtype=torch.int8))
+
+
+@pytest.mark.skipif(BF16_KERNEL is None, reason="this CPU's oneDNN has no bf16 kernels")
+def test_small_matmuls_run_on_one_thread_and_give_the_thread_count_back():
+    from mooncake_ops.linear import ONE_THREAD_MAX_MACS
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for rows, out_features in ((1, 64), (64, ONE_THREAD_MAX_MACS // (64 * 64))):  # below, above
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            weight = torch.randn(out_features, 64, generator=gen).bfloat16()
+            got = BF16_KERNEL.linear(x, BF16_KERNEL.pack(weight))
+            assert torch.get_num_threads() == 2
+            assert_close(got, torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)

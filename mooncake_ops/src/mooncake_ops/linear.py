@@ -18,7 +18,8 @@ tokens), so a long-running server's RSS climbed by about 2 MiB/s until both cach
 (measured: ``kthena bench soak``, docs/bench_serve.md). The packed kernel therefore runs on
 row counts from a fixed set (`row_bucket`: exact up to 16 rows, then 8 sizes per power of two,
 fewer than 16 or 12.5% padding rows), so the caches hold a few hundred primitives and stop growing, and
-the primitive for a recurring size is built once instead of every step.
+the primitive for a recurring size is built once instead of every step. Matmuls smaller than
+`ONE_THREAD_MAX_MACS` run on the calling thread alone (see there).
 
 Weight-only int8 (``INT8_WEIGHT_ONLY``, ``--quantization int8``) halves the bytes a decode step
 reads. `pack_int8_weight` quantises each output channel symmetrically (``mooncake_ops.quant``:
@@ -40,7 +41,7 @@ from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.quant import quantize_int8
 
-__all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "LinearKernel", "dequantize_int8_weight",
+__all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "ONE_THREAD_MAX_MACS", "LinearKernel", "dequantize_int8_weight",
            "int8_linear", "pack_int8_weight", "row_bucket", "select_linear_kernel"]
 
 
