@@ -125,7 +125,11 @@ class _Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kthena_serve.kv_bench", "--worker", spec],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._blocks = self._call({"op": "num_blocks"})["num_blocks"]
+        try:
+            self._blocks = self._call({"op": "num_blocks"})["num_blocks"]
+        except BaseException:
+            self.close()  # a worker that failed to start is not left running
+            raise
 
     def _call(self, message: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
