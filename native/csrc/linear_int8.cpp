@@ -50,6 +50,16 @@ inline void dot_block(const float* x, int64_t K, const int8_t* w, int64_t ldw, i
     for (int r = 0; r < kRows; ++r) sums[m * kRows + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+// A weight block's per-row scales (the 4 bytes after each row's K values) and bias.
+template <typename XT>
+inline void block_scales(const int8_t* wb, int64_t ldw, int64_t K, int64_t nr, const XT* bias,
+                         float* scale, float* add) {
+  for (int64_t r = 0; r < nr; ++r) {
+    std::memcpy(&scale[r], wb + r * ldw + K, sizeof(float));
+    add[r] = bias != nullptr ? static_cast<float>(bias[r]) : 0.0f;
+  }
+}
+
 // ---- bf16 / fp16 x: int16 activations, VNNI -----------------------------------------------------
 constexpr float kXLevels = 16383.0f;
 constexpr int64_t kVnniMaxK = 8192;
@@ -117,10 +127,7 @@ void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, con
       const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
       const int8_t* wb = w + n0 * ldw;
       float scale[kRows], add[kRows];
-      for (int64_t r = 0; r < nr; ++r) {
-        std::memcpy(&scale[r], wb + r * ldw + K, sizeof(float));
-        add[r] = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f;
-      }
+      block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
       const bool widen = M > kCols;
       if (widen) {  // rows past nr are zeros: their sums are never stored
         for (int64_t r = 0; r < kRows; ++r)
@@ -183,10 +190,7 @@ void int8_rows(const float* xf, const int8_t* w, const XT* bias, XT* y, int64_t 
       const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
       const int8_t* wb = w + n0 * ldw;
       float scale[kRows], add[kRows];
-      for (int64_t r = 0; r < nr; ++r) {
-        std::memcpy(&scale[r], wb + r * ldw + K, sizeof(float));
-        add[r] = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f;
-      }
+      block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
       for (int64_t m0 = 0; m0 < M; m0 += kCols) {
         const int64_t mb = std::min<int64_t>(kCols, M - m0);
         const float* xb = xf + m0 * K;

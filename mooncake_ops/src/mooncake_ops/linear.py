@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
-from mooncake_ops.quant import quantize_int8
+from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
 __all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "ONE_THREAD_MAX_MACS", "LinearKernel", "dequantize_int8_weight",
            "int8_linear", "pack_int8_weight", "row_bucket", "select_linear_kernel"]
@@ -147,9 +147,8 @@ def dequantize_int8_weight(packed: torch.Tensor, dtype: torch.dtype = torch.floa
                            ) -> torch.Tensor:
     """The dense [N, K] weight a packed int8 weight stands for (q * scale), in ``dtype``."""
     _check_packed(packed)
-    k = packed.shape[1] - 4
-    scale = packed[:, k:].contiguous().view(torch.float32)
-    return (packed[:, :k].float() * scale).to(dtype)
+    q, scale = unpack_int8_rows(packed)
+    return (q.float() * scale).to(dtype)
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 from mooncake_ops._validate import check_tensor
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError, OpsTypeError
 
-__all__ = ["dequantize_int8", "quantize_int8"]
+__all__ = ["dequantize_int8", "quantize_int8", "unpack_int8_rows"]
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +62,10 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
         raise OpsShapeError(f"scale must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; got "
                             f"{tuple(scale.shape)} (q is {tuple(q.shape)})")
     return (q.float() * scale[..., None]).to(dtype)
+
+
+def unpack_int8_rows(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight packed by ``mooncake_ops.pack_int8_weight`` ([N, K + 4]: each row's K
+    values, then its float32 scale's 4 bytes) -> (q int8 [N, K] view, scale float32 [N, 1])."""
+    k = packed.shape[1] - 4
+    return packed[:, :k], packed[:, k:].contiguous().view(torch.float32)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from mooncake_ops._validate import check_lengths
 from mooncake_ops.errors import BlockTableError, OpsShapeError
-from mooncake_ops.quant import quantize_int8
+from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
 
 # ---- KV cache writes and block copies -------------------------------------------------------
@@ -208,7 +208,6 @@ def silu_and_mul(x):
 def int8_linear(x, weight, bias=None):
     """``x @ (q * scale)^T + bias`` in fp32, in x's dtype; weight: int8 [N, K + 4] (each row K
     values, then its float32 scale's 4 bytes: see mooncake_ops.linear)."""
-    k = x.shape[-1]
-    scale = weight[:, k:].contiguous().view(torch.float32)  # [N, 1]
-    dense = weight[:, :k].float() * scale
+    q, scale = unpack_int8_rows(weight)
+    dense = q.float() * scale
     return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
