@@ -238,3 +238,64 @@ def test_native_decode_log_sum_exp_matches_float64(int8, seed):
         finally:
             torch.set_num_threads(previous)
         torch.testing.assert_close(lse.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([64, 128, 256]),
+       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]))
+def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, group, block_size):
+    """The AVX512_BF16 prefill kernel itself (not a fallback) on fresh random inputs: q/k/v as
+    strided views of one fused projection (as the model passes them), several 32-token tiles
+    per sequence and 32-key tiles that straddle the cached/new boundary, a NaN-poisoned pool
+    with garbage past each table's used columns, one thread and two."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available():
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+    if not _cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512_BF16: the kernel declines and the SDPA path runs")
+    g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
+             dtype=torch.bfloat16, int8=False, strided=True, seed=seed)
+    cached, queries = [75, 0, 0, 33], [70, 1, 97, 2]
+    cache = PagedCache(g, cached)
+    cache.fill()
+    total, q_size, kv_size = sum(queries), g["num_heads"] * head_dim, 2 * head_dim
+    fused = cache.randn(total, q_size + 2 * kv_size)
+    q, k, v = fused.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(total, -1, head_dim), k.view(total, 2, head_dim), v.view(total, 2, head_dim)
+    queries_t = torch.tensor(queries, dtype=torch.int32)
+    args = (q, k, v, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens, queries_t,
+            head_dim ** -0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native._load().paged_prefill_attention(*args, torch.full_like(q, math.nan))
+    finally:
+        torch.set_num_threads(previous)
+    assert got is not None, "the kernel declined a bf16 call it covers"
+    assert_close(got, oracle_prefill(*args), torch.bfloat16)
+
+
+def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():
+    from mooncake_ops.backends import native
+
+    if not native.is_available() or not _cpu_has_avx512_bf16():
+        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    g = dict(block_size=16, num_kv_heads=1, num_heads=2, head_dim=64, dtype=torch.bfloat16,
+             int8=False, strided=False, seed=1)
+    cache = PagedCache(g, [20])
+    cache.fill()
+    cache.block_tables[0, 1] = cache.k_cache.shape[0]  # one past the pool, inside the context
+    q, k, v = cache.randn(3, 2, 64), cache.randn(3, 1, 64), cache.randn(3, 1, 64)
+    with using("native"), pytest.raises(mo.BlockTableError, match=r"block_tables\[0, 1\]"):
+        mo.paged_prefill_attention(q, k, v, cache.k_cache, cache.v_cache, cache.block_tables,
+                                   cache.lens, torch.tensor([3], dtype=torch.int32), 0.125)

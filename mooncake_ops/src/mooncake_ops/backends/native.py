@@ -85,6 +85,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
                             scale, k_scale=None, v_scale=None, out=None):
+    if k_scale is None and q.dtype == torch.bfloat16:  # the AVX512_BF16 kernel, where it fits
+        ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)  # value checks
+        try:
+            result = _state["module"].paged_prefill_attention(
+                q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale, out)
+        except ValueError as exc:
+            raise BlockTableError(str(exc)) from None
+        if result is not None:
+            return result
     cached = _cached_in_place if k_scale is not None else None  # bf16 etc.: flash over a gather
     return sdpa.paged_prefill_attention_cpu(q, k, v, k_cache, v_cache, block_tables, cached_lens,
                                             query_lens, scale, k_scale, v_scale, out,

@@ -1,0 +1,319 @@
+// Causal prefill attention on CPU for bf16 q / k / v and a bf16 paged cache, through
+// AVX512_BF16 dot products (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per
+// instruction), checked at run time. Other dtypes, int8 caches and CPUs without AVX512_BF16
+// are declined (the caller runs the SDPA path).
+//
+// Sequence s has c cached tokens (in the paged cache) and n new ones (packed in q / k / v);
+// new token i attends to keys 0 .. c + i. Work item = (sequence, KV head, tile of TQ new
+// tokens); its rows are the tile's tokens x the G query heads sharing the KV head (GQA).
+// Per item, keys are re-laid-out once per thread and (sequence, KV head), in tiles of KT = 32:
+//
+//   Kp[tile][p][j] = (k_j[2p], k_j[2p+1])     one 32-bit pair per key j: a row's scores for 32
+//                                             keys are 2 x D/2 vdpbf16ps with q's pair p broadcast
+//   Vp[tile][u][c][l] = (v_2u[16c+l], v_2u+1[16c+l])   key pair u, output lanes 16c..16c+15:
+//                                             out += (p_2u, p_2u+1) broadcast . Vp[u][c]
+//
+// and RB rows at a time run flash-style over the key tiles: scores (fp32) -> causal mask ->
+// online softmax (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)) ->
+// probabilities rounded to bf16 for the P.V products (fp32 accumulation), as flash attention
+// does on GPUs. out = acc / l, rounded to bf16.
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "vec.h"
+
+#define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+namespace mops {
+namespace {
+
+constexpr int64_t KT = 32;  // keys per tile
+constexpr int64_t TQ = 32;  // new tokens per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Fewer multiply-adds run on the calling thread (see mooncake_ops.linear.ONE_THREAD_MAX_MACS).
+constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
+
+using bf16 = c10::BFloat16;
+
+struct Seq {
+  int64_t cached, num_new, start;  // start: the sequence's first row in q / k / v
+};
+
+struct PrefillArgs {
+  const bf16 *q, *k, *v, *kc, *vc;
+  bf16* out;
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // row / head strides of q, k, v
+  int64_t cb, ct, ch, vcb, vct, vch;      // block / token / head strides of the caches
+  int64_t os0, os1;
+  const int32_t* block_tables;
+  int64_t max_blocks, block_size, num_kv_heads, group;
+  float scale;
+  std::vector<Seq> seqs;
+};
+
+// Key or value row j of sequence b, KV head h: cached tokens from the pool, new ones from k / v.
+inline const bf16* key_row(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t j,
+                           bool value) {
+  if (j < s.cached) {
+    const int64_t blk = a.block_tables[b * a.max_blocks + j / a.block_size], t = j % a.block_size;
+    return value ? a.vc + blk * a.vcb + t * a.vct + h * a.vch : a.kc + blk * a.cb + t * a.ct + h * a.ch;
+  }
+  const int64_t r = s.start + j - s.cached;
+  return value ? a.v + r * a.vs0 + h * a.vs1 : a.k + r * a.ks0 + h * a.ks1;
+}
+
+// Packs key tiles [t0, t1) of (b, h) into kp / vp (layouts in the file comment); keys at or
+// past `total` are zeros (their scores are masked; zero values keep 0 * v finite).
+template <int NC>
+void pack_tiles(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t total, int64_t t0,
+                int64_t t1, uint32_t* kp, uint32_t* vp) {
+  constexpr int64_t D = 16 * NC, P = D / 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint32_t* kt = kp + t * P * KT;
+    uint32_t* vt = vp + t * KT * D / 2;
+    for (int64_t jj = 0; jj < KT; ++jj) {
+      const int64_t j = t * KT + jj;
+      if (j < total) {
+        uint32_t row[P];
+        std::memcpy(row, key_row(a, s, b, h, j, false), sizeof(row));
+        for (int64_t p = 0; p < P; ++p) kt[p * KT + jj] = row[p];
+      } else {
+        for (int64_t p = 0; p < P; ++p) kt[p * KT + jj] = 0;
+      }
+    }
+    for (int64_t u = 0; u < KT / 2; ++u) {
+      const int64_t j = t * KT + 2 * u;
+      const bf16* r0 = j < total ? key_row(a, s, b, h, j, true) : nullptr;
+      const bf16* r1 = j + 1 < total ? key_row(a, s, b, h, j + 1, true) : nullptr;
+      for (int c = 0; c < NC; ++c) {
+        const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c)))
+                              : _mm512_setzero_si512();
+        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * c)))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(vt + (u * NC + c) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+}
+
+// RB query rows (pointers q_rows, last key each may see: last[r]) over key tiles [0, ntiles).
+template <int NC, int RB>
+MOPS_BF16_TARGET void attend_rows(const uint32_t* const* q_rows, const int64_t* last, int64_t ntiles,
+                                  const uint32_t* kp, const uint32_t* vp, float scale, float* acc_out,
+                                  float* l_out) {
+  constexpr int64_t D = 16 * NC, P = D / 2;
+  __m512 acc[RB][NC];
+  float m[RB], l[RB];
+  alignas(64) uint32_t pr[RB][KT / 2];
+  for (int r = 0; r < RB; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const uint32_t* kt = kp + t * P * KT;
+    const uint32_t* vt = vp + t * KT * D / 2;
+    __m512 s[RB][2];
+    for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * KT);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * KT + 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_rows[r][p]));
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, k1);
+      }
+    }
+    const int64_t j0 = t * KT;
+    for (int r = 0; r < RB; ++r) {
+      __m512 s0 = _mm512_mul_ps(s[r][0], vscale), s1 = _mm512_mul_ps(s[r][1], vscale);
+      __mmask16 v0 = 0xFFFF, v1 = 0xFFFF;
+      if (j0 + KT - 1 > last[r]) {  // the causal edge (or past it): keys j > last[r] are hidden
+        const __m512i limit = _mm512_set1_epi32(static_cast<int>(last[r] - j0));
+        v0 = _mm512_cmple_epi32_mask(lane, limit);
+        v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+      }
+      const float tile_max = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), v0, s0),
+                        _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), v1, s1)));
+      const float m_new = std::max(m[r], tile_max);
+      if (m_new > m[r]) {
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+        l[r] *= alpha;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], va);
+        m[r] = m_new;
+      }
+      const __m512 vm = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, vm)));
+      const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, vm)));
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm512_store_si512(pr[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0..15 low, 16..31 high
+    }
+    for (int64_t u = 0; u < KT / 2; ++u) {
+      __m512bh vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (u * NC + c) * 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[r][u]));
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_out + r * D + 16 * c, acc[r][c]);
+    l_out[r] = l[r];
+  }
+}
+
+template <int NC>
+constexpr int rows_per_block() {
+  return NC <= 4 ? 4 : NC <= 8 ? 2 : 1;  // accumulators RB x NC, scores RB x 2: within 32 registers
+}
+
+template <int NC>
+void run(const PrefillArgs& a, bool parallel) {
+  constexpr int64_t D = 16 * NC, P = D / 2;
+  constexpr int RB = rows_per_block<NC>();
+  const int64_t G = a.group, H = a.num_kv_heads;
+  // Items: (sequence, KV head, tile); tiles of one (sequence, head) alternate from both ends
+  // (0, T-1, 1, T-2, ...) so that the contiguous ranges threads get hold similar causal work.
+  std::vector<int64_t> first(a.seqs.size() + 1, 0);
+  int64_t max_keys = 0;
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const int64_t tiles = (a.seqs[b].num_new + TQ - 1) / TQ;
+    first[b + 1] = first[b] + tiles * H;
+    max_keys = std::max(max_keys, a.seqs[b].cached + a.seqs[b].num_new);
+  }
+  const int64_t items = first.back();
+  const int64_t max_tiles = (max_keys + KT - 1) / KT;
+  at::parallel_for(0, items, parallel ? 1 : items, [&](int64_t i0, int64_t i1) {
+    std::vector<uint32_t> kp(max_tiles * KT * P), vp(max_tiles * KT * P);
+    std::vector<float> acc(RB * D), l(RB);
+    int64_t cur_b = -1, cur_h = -1, packed = 0;
+    int64_t b = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+    for (int64_t i = i0; i < i1; ++i) {
+      while (i >= first[b + 1]) ++b;
+      const Seq& s = a.seqs[b];
+      const int64_t tiles = (s.num_new + TQ - 1) / TQ, local = i - first[b];
+      const int64_t h = local / tiles, u = local % tiles;
+      const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
+      const int64_t q0 = tile * TQ, q1 = std::min(s.num_new, q0 + TQ);
+      const int64_t total = s.cached + s.num_new;
+      const int64_t need = (s.cached + q1 + KT - 1) / KT;  // key tiles the last token reads
+      if (b != cur_b || h != cur_h) {
+        cur_b = b;
+        cur_h = h;
+        packed = 0;
+      }
+      if (need > packed) {
+        pack_tiles<NC>(a, s, b, h, total, packed, need, kp.data(), vp.data());
+        packed = need;
+      }
+      const int64_t rows = (q1 - q0) * G;
+      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        const uint32_t* q_rows[RB];
+        int64_t last[RB], max_last = 0;
+        for (int r = 0; r < RB; ++r) {
+          const int64_t row = std::min(r0 + r, rows - 1);  // a short block repeats its last row
+          const int64_t tok = q0 + row / G, head = h * G + row % G;
+          q_rows[r] = reinterpret_cast<const uint32_t*>(a.q + (s.start + tok) * a.qs0 + head * a.qs1);
+          last[r] = s.cached + tok;
+          max_last = std::max(max_last, last[r]);
+        }
+        attend_rows<NC, RB>(q_rows, last, max_last / KT + 1, kp.data(), vp.data(), a.scale, acc.data(), l.data());
+        for (int r = 0; r < RB && r0 + r < rows; ++r) {
+          const int64_t row = r0 + r, tok = q0 + row / G, head = h * G + row % G;
+          const __m512 inv = _mm512_set1_ps(1.0f / l[r]);  // l >= 1: the row's max key adds exp(0)
+          bf16* o = a.out + (s.start + tok) * a.os0 + head * a.os1;
+          for (int c = 0; c < NC; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c), inv));
+        }
+      }
+    }
+  });
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+}  // namespace
+
+// q [total_q, H, D], k / v [total_q, KVH, D] (bf16, head_dim contiguous, any row / head
+// strides), bf16 caches [blocks, block_size, KVH, D]; lengths as the Python op checked them
+// (cached_lens within the table, query_lens summing to total_q). Block ids a sequence reads are
+// checked here (ValueError). None when the call does not fit (other dtypes, head_dim not
+// 64 / 128 / 256, no AVX512_BF16, an out that is not contiguous bf16 like q).
+std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                  const at::Tensor& block_tables, const at::Tensor& cached_lens,
+                                                  const at::Tensor& query_lens, double scale,
+                                                  const std::optional<at::Tensor>& out_buffer) {
+  if (!has_avx512_bf16()) return std::nullopt;
+  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache})
+    if (t->scalar_type() != at::kBFloat16 || t->stride(-1) != 1) return std::nullopt;
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || k_cache.dim() != 4 || v_cache.dim() != 4) return std::nullopt;
+  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
+  if (KVH == 0 || H % KVH || k.size(1) != KVH || v.size(1) != KVH || k.size(2) != D || k_cache.size(3) != D)
+    return std::nullopt;
+  if (out_buffer && (out_buffer->scalar_type() != at::kBFloat16 || !out_buffer->is_contiguous() ||
+                     out_buffer->sizes() != q.sizes()))
+    return std::nullopt;
+  const auto bt = block_tables.to(at::kInt).contiguous();
+  const auto cl = cached_lens.to(at::kLong).contiguous();
+  const auto ql = query_lens.to(at::kLong).contiguous();
+  auto out = out_buffer ? *out_buffer : at::empty(q.sizes(), q.options());
+  PrefillArgs a{};
+  a.q = q.data_ptr<bf16>();
+  a.k = k.data_ptr<bf16>();
+  a.v = v.data_ptr<bf16>();
+  a.kc = k_cache.data_ptr<bf16>();
+  a.vc = v_cache.data_ptr<bf16>();
+  a.out = out.data_ptr<bf16>();
+  a.qs0 = q.stride(0), a.qs1 = q.stride(1), a.ks0 = k.stride(0), a.ks1 = k.stride(1);
+  a.vs0 = v.stride(0), a.vs1 = v.stride(1);
+  a.cb = k_cache.stride(0), a.ct = k_cache.stride(1), a.ch = k_cache.stride(2);
+  a.vcb = v_cache.stride(0), a.vct = v_cache.stride(1), a.vch = v_cache.stride(2);
+  a.os0 = out.stride(0), a.os1 = out.stride(1);
+  a.block_tables = bt.data_ptr<int32_t>();
+  a.max_blocks = bt.size(1);
+  a.block_size = k_cache.size(1);
+  a.num_kv_heads = KVH;
+  a.group = H / KVH;
+  a.scale = static_cast<float>(scale);
+  const int64_t batch = ql.size(0), num_blocks = k_cache.size(0);
+  int64_t start = 0, macs = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t c = cl.data_ptr<int64_t>()[b], n = ql.data_ptr<int64_t>()[b];
+    for (int64_t j = 0; j * a.block_size < c; ++j) {
+      const int64_t id = a.block_tables[b * a.max_blocks + j];
+      if (id < 0 || id >= num_blocks)
+        throw std::invalid_argument("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " +
+                                    std::to_string(id) + " is used but outside the cache's " +
+                                    std::to_string(num_blocks) + " blocks");
+    }
+    a.seqs.push_back({c, n, start});
+    start += n;
+    macs += n * (c + n / 2 + 1) * H * D * 2;
+  }
+  if (start != q.size(0)) return std::nullopt;  // the Python op checks this first
+  const bool parallel = macs >= kOneThreadMaxMacs && at::get_num_threads() > 1;
+  const bool done = with_chunks(D, [&](auto nc) { run<decltype(nc)::value>(a, parallel); });
+  if (!done) return std::nullopt;
+  return out;
+}
+
+}  // namespace mops
