@@ -299,3 +299,26 @@ def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():
     with using("native"), pytest.raises(mo.BlockTableError, match=r"block_tables\[0, 1\]"):
         mo.paged_prefill_attention(q, k, v, cache.k_cache, cache.v_cache, cache.block_tables,
                                    cache.lens, torch.tensor([3], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([64, 128, 256]),
+       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]))
+def test_native_bf16_decode_matches_float64(threads, seed, head_dim, group, block_size):
+    """Decode over a bf16 cache (the AVX512_BF16 path when the CPU has it): a batch of 24 with
+    empty, odd and multi-block contexts in a NaN-poisoned strided pool, one thread and two."""
+    g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
+             dtype=torch.bfloat16, int8=False, strided=True, seed=seed)
+    lens = [0, 1, 2, 31, 33, 100, 161, 17] * 3
+    cache = PagedCache(g, lens)
+    cache.fill()
+    q = cache.randn(len(lens), g["num_heads"], head_dim)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode("native", q, cache, torch.full_like(q, math.nan))
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(got, oracle_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                    cache.lens, head_dim ** -0.5), torch.bfloat16)

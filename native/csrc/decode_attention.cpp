@@ -278,6 +278,10 @@ CacheView view_of(const at::Tensor& c, const std::optional<at::Tensor>& s) {
 
 }  // namespace
 
+bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                 float scale, at::Tensor& out, bool parallel);
+
 // Returns nullopt when the call does not fit the kernel (the caller then runs the reference).
 // lse_buffer: optional contiguous float32 [batch, num_heads] for each row's log-sum-exp.
 std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -309,6 +313,10 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::
   const int64_t base = a.batch * num_kv_heads, want = 2 * at::get_num_threads();
   const int64_t nsplit = parallel && base < want ? std::max<int64_t>(1, std::min(e.max_blocks, (want + base - 1) / base)) : 1;
   const int64_t bps = std::max<int64_t>(1, (e.max_blocks + nsplit - 1) / nsplit);
+  // bf16 over a bf16 cache, one split, no LSE asked: the AVX512_BF16 kernel (attention_bf16.cpp)
+  if (nsplit == 1 && !lse && decode_bf16(qc, k_cache, v_cache, a.block_tables, a.max_blocks, a.context_lens,
+                                         a.scale, out, parallel))
+    return out;
   bool done = false;
   with_chunks(q.size(2), [&](auto nc) {
     constexpr int NC = decltype(nc)::value;

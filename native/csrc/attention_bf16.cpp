@@ -1,8 +1,9 @@
-// Causal prefill attention on CPU for bf16 q / k / v and a bf16 paged cache, through
-// AVX512_BF16 dot products (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per
-// instruction), checked at run time. Other dtypes, int8 caches and CPUs without AVX512_BF16
-// are declined (the caller runs the SDPA path).
+// Attention on CPU for bf16 queries over a bf16 paged cache through AVX512_BF16 dot products
+// (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per instruction), checked at run
+// time: causal prefill (below) and decode (`decode_bf16`, at the end). Other dtypes, int8
+// caches and CPUs without AVX512_BF16 are declined (the callers run their other paths).
 //
+// Prefill.
 // Sequence s has c cached tokens (in the paged cache) and n new ones (packed in q / k / v);
 // new token i attends to keys 0 .. c + i. Work item = (sequence, KV head, tile of TQ new
 // tokens); its rows are the tile's tokens x the G query heads sharing the KV head (GQA).
@@ -314,6 +315,138 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
   const bool done = with_chunks(D, [&](auto nc) { run<decltype(nc)::value>(a, parallel); });
   if (!done) return std::nullopt;
   return out;
+}
+
+// ---- decode -------------------------------------------------------------------------------------
+// One query token per sequence; item = (sequence, KV head) with its G query heads, over the
+// whole context in three passes (no per-block online softmax):
+//   scores[g][t] = q_g . k_t      two vdpbf16ps per key row (D = 64), 16 keys' lane sums at once
+//   p[g][t] = exp(scores - max)   one vectorised pass per row; p rounded to bf16, l = sum(p)
+//   acc[g] += (p_2u, p_2u+1) . (v_2u, v_2u+1)     value rows interleaved in pairs on the fly
+namespace {
+
+template <int NC>
+MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* rows,
+                                  int64_t ctx, int64_t G, float scale, float* sc, uint16_t* pb, bf16* out) {
+  constexpr int64_t D = 16 * NC, NZ = D / 32;  // a bf16 row is NZ registers
+  constexpr int GB = rows_per_block<NC>();
+  const int64_t ctx32 = (ctx + 31) / 32 * 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[NZ];
+    for (int64_t z = 0; z < NZ; ++z) qv[z] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * z);
+    float* sg = sc + g * ctx32;
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      if (g == 0)  // rows are scattered over blocks: ask for the next keys and these values early
+        for (int64_t t = t0; t < std::min(ctx, t0 + 16); ++t)
+          for (int64_t z = 0; z < 2 * NZ; ++z) {
+            if (t + 16 < ctx) _mm_prefetch(reinterpret_cast<const char*>(kbase + rows[t + 16] + 32 * z), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vbase + rows[t] + 32 * z), _MM_HINT_T1);
+          }
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        if (t0 + t < ctx) {
+          const bf16* kr = kbase + rows[t0 + t];
+          for (int64_t z = 0; z < NZ; ++z) acc[t] = _mm512_dpbf16_ps(acc[t], qv[z], (__m512bh)_mm512_loadu_si512(kr + 32 * z));
+        }
+      }
+      _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+  float l[16];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = sc + g * ctx32;
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    for (int64_t t = 0; t < ctx; t += 16)
+      vmax = _mm512_mask_max_ps(vmax, tail_mask(ctx - t), vmax, _mm512_maskz_loadu_ps(tail_mask(ctx - t), sg + t));
+    const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx32; t += 32) {
+      const __m512 p0 = _mm512_maskz_mov_ps(tail_mask(ctx - t), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm)));
+      const __m512 p1 = ctx > t + 16 ? _mm512_maskz_mov_ps(tail_mask(ctx - t - 16), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t + 16), vm)))
+                                     : _mm512_setzero_ps();
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pb + g * ctx32 + t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[g] = _mm512_reduce_add_ps(sum);  // >= 1: the max key adds exp(0); G <= 16 (the caller)
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min<int64_t>(GB, G - g0);
+    __m512 acc[GB][NC];
+    for (int r = 0; r < GB; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < (ctx + 1) / 2; ++u) {
+      const bf16* r0 = vbase + rows[2 * u];
+      const bf16* r1 = 2 * u + 1 < ctx ? vbase + rows[2 * u + 1] : nullptr;
+      __m512bh vv[NC];
+      for (int c = 0; c < NC; ++c) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c)));
+        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * c)))
+                              : _mm512_setzero_si512();
+        vv[c] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+      for (int r = 0; r < GB; ++r) {
+        if (r >= gn) break;
+        uint32_t pair;
+        std::memcpy(&pair, pb + (g0 + r) * ctx32 + 2 * u, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
+      }
+    }
+    for (int64_t r = 0; r < gn; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[g0 + r]);
+      for (int c = 0; c < NC; ++c) store16(out + (g0 + r) * D + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+    }
+  }
+}
+
+}  // namespace
+
+// q [batch, H, D] contiguous bf16; caches bf16 with equal strides (head_dim contiguous); the
+// tables and lengths already checked by the caller. False when it does not apply (another
+// dtype, head_dim, more than 16 query heads per KV head, or no AVX512_BF16).
+bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                 float scale, at::Tensor& out, bool parallel) {
+  if (!has_avx512_bf16() || q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
+      v_cache.scalar_type() != at::kBFloat16 || !q.is_contiguous() || !out.is_contiguous())
+    return false;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  const int64_t G = H / KVH, bs = k_cache.size(1), sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  if (G > 16) return false;
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) max_ctx = std::max<int64_t>(max_ctx, context_lens[b]);
+  const int64_t ctx32 = (max_ctx + 31) / 32 * 32;
+  const bf16* qd = q.data_ptr<bf16>();
+  const bf16* kd = k_cache.data_ptr<bf16>();
+  const bf16* vd = v_cache.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  return with_chunks(D, [&](auto nc) {
+    constexpr int NC = decltype(nc)::value;
+    at::parallel_for(0, B * KVH, parallel ? 1 : B * KVH, [&](int64_t i0, int64_t i1) {
+      std::vector<int64_t> rows(ctx32);
+      std::vector<float> sc(G * ctx32);
+      std::vector<uint16_t> pb(G * ctx32);
+      int64_t cur = -1;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / KVH, h = i % KVH, ctx = context_lens[b];
+        bf16* o = od + (b * H + h * G) * D;
+        if (ctx == 0) {
+          std::fill(o, o + G * D, bf16(0.0f));
+          continue;
+        }
+        if (b != cur) {  // the sequence's row offsets, shared by its heads
+          for (int64_t j0 = 0, col = 0; j0 < ctx; j0 += bs, ++col) {
+            const int64_t base = block_tables[b * max_blocks + col] * sb;
+            for (int64_t t = 0; t < std::min(bs, ctx - j0); ++t) rows[j0 + t] = base + t * st;
+          }
+          cur = b;
+        }
+        const int64_t off = h * sh;
+        decode_item<NC>(qd + (b * H + h * G) * D, kd + off, vd + off, rows.data(), ctx, G, scale, sc.data(), pb.data(), o);
+      }
+    });
+  });
 }
 
 }  // namespace mops
