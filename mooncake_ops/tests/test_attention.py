@@ -251,12 +251,14 @@ def _cpu_has_avx512_bf16() -> bool:
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([64, 128, 256]),
-       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]))
-def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, group, block_size):
+       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]), int8=st.booleans())
+def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, group, block_size,
+                                                    int8):
     """The AVX512_BF16 prefill kernel itself (not a fallback) on fresh random inputs: q/k/v as
     strided views of one fused projection (as the model passes them), several 32-token tiles
-    per sequence and 32-key tiles that straddle the cached/new boundary, a NaN-poisoned pool
-    with garbage past each table's used columns, one thread and two."""
+    per sequence and 32-key tiles that straddle the cached/new boundary, a NaN-poisoned bf16 or
+    int8 pool (int8 rows dequantised as they are packed) with garbage past each table's used
+    columns, one thread and two."""
     from mooncake_ops.backends import native
 
     if not native.is_available():
@@ -264,7 +266,7 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
     if not _cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX512_BF16: the kernel declines and the SDPA path runs")
     g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
-             dtype=torch.bfloat16, int8=False, strided=True, seed=seed)
+             dtype=torch.bfloat16, int8=int8, strided=True, seed=seed)
     cached, queries = [75, 0, 0, 33], [70, 1, 97, 2]
     cache = PagedCache(g, cached)
     cache.fill()
@@ -278,11 +280,12 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = native._load().paged_prefill_attention(*args, torch.full_like(q, math.nan))
+        got = native._load().paged_prefill_attention(*args, out=torch.full_like(q, math.nan),
+                                                     **cache.scales())
     finally:
         torch.set_num_threads(previous)
     assert got is not None, "the kernel declined a bf16 call it covers"
-    assert_close(got, oracle_prefill(*args), torch.bfloat16)
+    assert_close(got, oracle_prefill(*args, **cache.scales()), torch.bfloat16)
 
 
 def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():

@@ -1,10 +1,10 @@
 // Attention on CPU for bf16 queries over a bf16 paged cache through AVX512_BF16 dot products
 // (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per instruction), checked at run
-// time: causal prefill (below) and decode (`decode_bf16`, at the end). Other dtypes, int8
-// caches and CPUs without AVX512_BF16 are declined (the callers run their other paths).
+// time: causal prefill (below; the cache bf16 or int8, whose rows are dequantised to bf16 as
+// keys are laid out) and decode (`decode_bf16`, at the end; bf16 cache). Other dtypes and CPUs
+// without AVX512_BF16 are declined (the callers run their other paths).
 //
-// Prefill.
-// Sequence s has c cached tokens (in the paged cache) and n new ones (packed in q / k / v);
+// Prefill. Sequence s has c cached tokens (in the paged cache) and n new ones (packed in q / k / v);
 // new token i attends to keys 0 .. c + i. Work item = (sequence, KV head, tile of TQ new
 // tokens); its rows are the tile's tokens x the G query heads sharing the KV head (GQA).
 // Per item, keys are re-laid-out once per thread and (sequence, KV head), in tiles of KT = 32:
@@ -52,7 +52,10 @@ struct Seq {
 };
 
 struct PrefillArgs {
-  const bf16 *q, *k, *v, *kc, *vc;
+  const bf16 *q, *k, *v;
+  const void *kc, *vc;                    // bf16, or int8 with per-token scales ks / vs
+  const float *ks, *vs;
+  int64_t kssb, ksst, kssh, vssb, vsst, vssh;
   bf16* out;
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // row / head strides of q, k, v
   int64_t cb, ct, ch, vcb, vct, vch;      // block / token / head strides of the caches
@@ -63,15 +66,24 @@ struct PrefillArgs {
   std::vector<Seq> seqs;
 };
 
-// Key or value row j of sequence b, KV head h: cached tokens from the pool, new ones from k / v.
-inline const bf16* key_row(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t j,
-                           bool value) {
-  if (j < s.cached) {
-    const int64_t blk = a.block_tables[b * a.max_blocks + j / a.block_size], t = j % a.block_size;
-    return value ? a.vc + blk * a.vcb + t * a.vct + h * a.vch : a.kc + blk * a.cb + t * a.ct + h * a.ch;
+// Key or value row j of sequence b, KV head h as bf16: cached tokens from the pool (int8 rows
+// dequantised into `tmp`), new ones from k / v in place.
+template <int NC>
+inline const bf16* key_row(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t j, bool value,
+                           bf16* tmp) {
+  if (j >= s.cached) {
+    const int64_t r = s.start + j - s.cached;
+    return value ? a.v + r * a.vs0 + h * a.vs1 : a.k + r * a.ks0 + h * a.ks1;
   }
-  const int64_t r = s.start + j - s.cached;
-  return value ? a.v + r * a.vs0 + h * a.vs1 : a.k + r * a.ks0 + h * a.ks1;
+  const int64_t blk = a.block_tables[b * a.max_blocks + j / a.block_size], t = j % a.block_size;
+  const int64_t off = value ? blk * a.vcb + t * a.vct + h * a.vch : blk * a.cb + t * a.ct + h * a.ch;
+  const void* base = value ? a.vc : a.kc;
+  if (a.ks == nullptr) return static_cast<const bf16*>(base) + off;
+  const int8_t* row = static_cast<const int8_t*>(base) + off;
+  const float scale = value ? a.vs[blk * a.vssb + t * a.vsst + h * a.vssh] : a.ks[blk * a.kssb + t * a.ksst + h * a.kssh];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int c = 0; c < NC; ++c) store16(tmp + 16 * c, _mm512_mul_ps(load16(row + 16 * c), vscale));
+  return tmp;
 }
 
 // Packs key tiles [t0, t1) of (b, h) into kp / vp (layouts in the file comment); keys at or
@@ -87,7 +99,8 @@ void pack_tiles(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_
       const int64_t j = t * KT + jj;
       if (j < total) {
         uint32_t row[P];
-        std::memcpy(row, key_row(a, s, b, h, j, false), sizeof(row));
+        bf16 tmp[D];
+        std::memcpy(row, key_row<NC>(a, s, b, h, j, false, tmp), sizeof(row));
         for (int64_t p = 0; p < P; ++p) kt[p * KT + jj] = row[p];
       } else {
         for (int64_t p = 0; p < P; ++p) kt[p * KT + jj] = 0;
@@ -95,8 +108,9 @@ void pack_tiles(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_
     }
     for (int64_t u = 0; u < KT / 2; ++u) {
       const int64_t j = t * KT + 2 * u;
-      const bf16* r0 = j < total ? key_row(a, s, b, h, j, true) : nullptr;
-      const bf16* r1 = j + 1 < total ? key_row(a, s, b, h, j + 1, true) : nullptr;
+      bf16 tmp0[D], tmp1[D];
+      const bf16* r0 = j < total ? key_row<NC>(a, s, b, h, j, true, tmp0) : nullptr;
+      const bf16* r1 = j + 1 < total ? key_row<NC>(a, s, b, h, j + 1, true, tmp1) : nullptr;
       for (int c = 0; c < NC; ++c) {
         const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c)))
                               : _mm512_setzero_si512();
@@ -254,7 +268,8 @@ bool has_avx512_bf16() {
 }  // namespace
 
 // q [total_q, H, D], k / v [total_q, KVH, D] (bf16, head_dim contiguous, any row / head
-// strides), bf16 caches [blocks, block_size, KVH, D]; lengths as the Python op checked them
+// strides), caches [blocks, block_size, KVH, D] in bf16, or int8 with float32 k_scale / v_scale
+// [blocks, block_size, KVH]; lengths as the Python op checked them
 // (cached_lens within the table, query_lens summing to total_q). Block ids a sequence reads are
 // checked here (ValueError). None when the call does not fit (other dtypes, head_dim not
 // 64 / 128 / 256, no AVX512_BF16, an out that is not contiguous bf16 like q).
@@ -262,10 +277,18 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
                                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                   const at::Tensor& block_tables, const at::Tensor& cached_lens,
                                                   const at::Tensor& query_lens, double scale,
+                                                  const std::optional<at::Tensor>& k_scale,
+                                                  const std::optional<at::Tensor>& v_scale,
                                                   const std::optional<at::Tensor>& out_buffer) {
   if (!has_avx512_bf16()) return std::nullopt;
-  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache})
+  for (const at::Tensor* t : {&q, &k, &v})
     if (t->scalar_type() != at::kBFloat16 || t->stride(-1) != 1) return std::nullopt;
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  if (int8 != (v_cache.scalar_type() == at::kChar) || int8 != (k_scale.has_value() && v_scale.has_value()))
+    return std::nullopt;
+  if (!int8 && (k_cache.scalar_type() != at::kBFloat16 || v_cache.scalar_type() != at::kBFloat16)) return std::nullopt;
+  if (k_cache.stride(-1) != 1 || v_cache.stride(-1) != 1) return std::nullopt;
+  if (int8 && (k_scale->scalar_type() != at::kFloat || v_scale->scalar_type() != at::kFloat)) return std::nullopt;
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || k_cache.dim() != 4 || v_cache.dim() != 4) return std::nullopt;
   const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
   if (KVH == 0 || H % KVH || k.size(1) != KVH || v.size(1) != KVH || k.size(2) != D || k_cache.size(3) != D)
@@ -281,8 +304,14 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
   a.q = q.data_ptr<bf16>();
   a.k = k.data_ptr<bf16>();
   a.v = v.data_ptr<bf16>();
-  a.kc = k_cache.data_ptr<bf16>();
-  a.vc = v_cache.data_ptr<bf16>();
+  a.kc = k_cache.data_ptr();
+  a.vc = v_cache.data_ptr();
+  if (int8) {
+    a.ks = k_scale->data_ptr<float>();
+    a.vs = v_scale->data_ptr<float>();
+    a.kssb = k_scale->stride(0), a.ksst = k_scale->stride(1), a.kssh = k_scale->stride(2);
+    a.vssb = v_scale->stride(0), a.vsst = v_scale->stride(1), a.vssh = v_scale->stride(2);
+  }
   a.out = out.data_ptr<bf16>();
   a.qs0 = q.stride(0), a.qs1 = q.stride(1), a.ks0 = k.stride(0), a.ks1 = k.stride(1);
   a.vs0 = v.stride(0), a.vs1 = v.stride(1);

@@ -25,6 +25,8 @@ std::optional<at::Tensor> int8_linear(const at::Tensor&, const at::Tensor&,
 std::optional<at::Tensor> paged_prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const at::Tensor&, double,
+                                                  const std::optional<at::Tensor>&,
+                                                  const std::optional<at::Tensor>&,
                                                   const std::optional<at::Tensor>&);
 }  // namespace mops
 
@@ -35,7 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale"), py::arg("v_scale"), py::arg("out"), py::arg("lse") = py::none());
   m.def("paged_prefill_attention", &mops::paged_prefill_attention, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("cached_lens"), py::arg("query_lens"), py::arg("scale"), py::arg("out") = py::none());
+        py::arg("cached_lens"), py::arg("query_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::arg("out") = py::none());
   m.def("write_kv", &mops::write_kv);
   m.def("rms_norm", &mops::rms_norm);
   m.def("rotary_embedding", &mops::rotary_embedding);

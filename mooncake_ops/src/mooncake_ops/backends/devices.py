@@ -15,7 +15,8 @@ from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, OpImpl
 REFERENCE = "torch-reference"
 SDPA = "torch-sdpa"
 SDPA_CPU = "torch-sdpa (flash cpu, cached/new split)"
-SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
+SDPA_CPU_NATIVE = ("native-cpp (bf16, AVX512_BF16); else torch-sdpa (flash cpu, cached/new split; "
+                   "int8 prefix: native-cpp)")
 TILED = "torch-tiled (kthena_comm async collectives)"
 NATIVE = "native-cpp"
 
@@ -53,7 +54,7 @@ class CpuBackend:
             if native.is_available():
                 table.update({op: OpImpl(fn, NATIVE) for op, fn in native.ops().items()})
                 table["paged_prefill_attention"] = OpImpl(native.paged_prefill_attention,
-                                                          SDPA_CPU_NATIVE_INT8)
+                                                          SDPA_CPU_NATIVE)
         return table
 
 

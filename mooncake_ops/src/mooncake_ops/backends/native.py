@@ -4,10 +4,13 @@ Loaded on first use. When the extension is absent (or the CPU lacks AVX-512), on
 says so and the PyTorch reference runs instead. Each adapter falls back to the reference for
 calls the kernels do not cover (e.g. a head_dim that is not a multiple of 16).
 
-Prefill over an int8 cache: the CPU prefill path (``sdpa.paged_prefill_attention_cpu``) with
-its cached half run by the decode kernel, which reads the int8 blocks and their scales in place
-(every new token's query rows of a KV head form that kernel's GQA group) and returns the
-log-sum-exp the path merges by; no dequantised copy of the cached tokens is made.
+Prefill with bf16 q/k/v over a bf16 or int8 cache on a CPU with AVX512_BF16: the native kernel
+(``native/csrc/attention_bf16.cpp``; decode over a bf16 cache uses the same instructions, from
+the decode entry point). Other prefill calls run the CPU prefill path
+(``sdpa.paged_prefill_attention_cpu``); over an int8 cache its cached half is run by the decode
+kernel, which reads the int8 blocks and their scales in place (every new token's query rows of
+a KV head form that kernel's GQA group) and returns the log-sum-exp the path merges by; no
+dequantised copy of the cached tokens is made.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ def unavailable_reason() -> str | None:
 def ops() -> dict[str, Callable[..., Any]]:
     """The ops this build implements natively (adapters that fall back when a call doesn't fit).
 
-    `paged_prefill_attention` is not among them: it is the SDPA CPU path with the native kernel
-    for an int8 prefix only (the CPU backend names it so)."""
+    `paged_prefill_attention` is not among them: it is the native bf16 kernel where it fits,
+    else the SDPA CPU path with the native kernel for an int8 prefix (the CPU backend names it
+    so)."""
     return {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
             "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
             "silu_and_mul": silu_and_mul, "int8_linear": int8_linear}
@@ -85,11 +89,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
                             scale, k_scale=None, v_scale=None, out=None):
-    if k_scale is None and q.dtype == torch.bfloat16:  # the AVX512_BF16 kernel, where it fits
+    if q.dtype == torch.bfloat16:  # the AVX512_BF16 kernel (bf16 or int8 cache), where it fits
         ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)  # value checks
         try:
             result = _state["module"].paged_prefill_attention(
-                q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale, out)
+                q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale,
+                k_scale=k_scale, v_scale=v_scale, out=out)
         except ValueError as exc:
             raise BlockTableError(str(exc)) from None
         if result is not None:
