@@ -1,4 +1,5 @@
-"""select_linear_kernel: the packed oneDNN bf16 matmul against a float64 F.linear, and when it is chosen."""
+"""select_linear_kernel: the packed bf16 matmuls (native AVX512_BF16, oneDNN) against a float64
+F.linear, and when each is chosen; the weight-only int8 matmul."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 import mooncake_ops as mo
 
 BF16_KERNEL = mo.select_linear_kernel(torch.empty(1, dtype=torch.bfloat16))
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+NATIVE_BF16 = mo.linear.native_bf16_linear_available()
 
 
 @pytest.mark.skipif(BF16_KERNEL is None, reason="this CPU's oneDNN has no bf16 kernels")
@@ -48,16 +51,77 @@ def test_row_buckets_are_few_and_pad_less_than_16_rows_or_an_eighth():
     assert len(buckets) == 16 + 15 + 8 * 4
 
 
-@pytest.mark.skipif(BF16_KERNEL is None, reason="this CPU's oneDNN has no bf16 kernels")
+@pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU's oneDNN has no bf16 kernels")
 @settings(max_examples=max(10, settings.default.max_examples // 4))
 @given(rows=st.integers(17, 700), seed=st.integers(0, 999))
 def test_padded_rows_do_not_change_the_real_rows(rows, seed):
+    kernel = mo.linear.ONEDNN_PACKED_BF16  # the kernel that pads rows to a bucket
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     weight = torch.randn(80, 64, generator=gen).bfloat16()
-    got = BF16_KERNEL.linear(x, BF16_KERNEL.pack(weight))
+    got = kernel.linear(x, kernel.pack(weight))
     assert got.shape == (rows, 80) and got.is_contiguous()
     assert_close(got, torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16)
+
+
+# ---- native bf16 ------------------------------------------------------------------------------------
+
+native_only = pytest.mark.skipif(not NATIVE_BF16, reason="no native build, or no AVX512_BF16 on this CPU")
+
+
+@native_only
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
+@given(rows=st.one_of(st.integers(1, 70), st.sampled_from([129, 300])),
+       in_features=st.sampled_from([2, 30, 64, 100, 576]),
+       blocks=st.integers(1, 13), with_bias=st.booleans(), strided=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_native_bf16_linear_matches_float64_linear(threads, rows, in_features, blocks, with_bias,
+                                                   strided, seed):
+    """The native kernel itself on fresh random inputs: row counts across its 4-row tiles and
+    thread splits (columns or rows), out_features = 16 x blocks (partial 64-column panels), K
+    not a multiple of 32, x as rows of a wider tensor (the model's fused-projection slices)."""
+    assert mo.select_linear_kernel(torch.empty(1, dtype=torch.bfloat16)) is mo.linear.NATIVE_PACKED_BF16
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, in_features + (7 if strided else 0), generator=gen).bfloat16()
+    x = wide[:, :in_features]
+    weight = torch.randn(16 * blocks, in_features, generator=gen).bfloat16()
+    bias = torch.randn(16 * blocks, generator=gen).bfloat16() if with_bias else None
+    packed = mo.linear.NATIVE_PACKED_BF16.pack(weight)
+    assert packed.shape == (blocks, in_features // 2, 16, 2)
+    assert torch.equal(mo.linear.unpack_native_bf16_weight(packed), weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = mo.linear.NATIVE_PACKED_BF16.linear(x, packed, bias)
+        batched = mo.linear.NATIVE_PACKED_BF16.linear(x.reshape(1, rows, in_features), packed, bias)
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 16 * blocks)
+    assert_close(got, expected, torch.bfloat16)
+    assert torch.equal(batched[0], got)
+
+
+@native_only
+def test_native_bf16_weights_outside_its_layout_get_onednn_packing():
+    """out_features not a multiple of 16 (or odd in_features): that weight is packed and run by
+    oneDNN inside the same kernel, and a float32 x runs the dense weight."""
+    gen = torch.Generator().manual_seed(3)
+    kernel = mo.linear.NATIVE_PACKED_BF16
+    for shape in ((40, 64), (32, 63)):
+        weight = torch.randn(*shape, generator=gen).bfloat16()
+        packed = kernel.pack(weight)
+        assert packed.dim() == 2  # oneDNN's opaque layout, not [N/16, K/2, 16, 2]
+        x = torch.randn(5, shape[1], generator=gen).bfloat16()
+        assert_close(kernel.linear(x, packed), torch.nn.functional.linear(x.double(), weight.double()),
+                     torch.bfloat16)
+    weight = torch.randn(32, 64, generator=gen).bfloat16()
+    x = torch.randn(3, 64, generator=gen)
+    got = kernel.linear(x, kernel.pack(weight))
+    assert got.dtype == torch.float32
+    assert_close(got, torch.nn.functional.linear(x.double(), weight.double()), torch.float32)
 
 
 # ---- weight-only int8 ----------------------------------------------------------------------------

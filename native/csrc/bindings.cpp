@@ -22,6 +22,10 @@ std::optional<std::vector<at::Tensor>> rotary_embedding(const at::Tensor&, const
 std::optional<at::Tensor> silu_and_mul(const at::Tensor&);
 std::optional<at::Tensor> int8_linear(const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&);
+std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&);
+at::Tensor bf16_pack_weight(const at::Tensor&);
+bool bf16_linear_supported();
 std::optional<at::Tensor> paged_prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const at::Tensor&, double,
@@ -45,4 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &mops::silu_and_mul);
   m.def("int8_linear", &mops::int8_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("bf16_pack_weight", &mops::bf16_pack_weight);
+  m.def("bf16_linear_supported", &mops::bf16_linear_supported);
 }

@@ -1,11 +1,15 @@
-"""Which kernel runs a linear layer's matmul on CPU: oneDNN over pre-packed bf16 weights, or F.linear.
+"""Which kernel runs a linear layer's matmul on CPU: a kernel over pre-packed bf16 weights
+(native AVX512_BF16, else oneDNN), or F.linear.
 
-On CPUs whose oneDNN has bf16 kernels (AMX / AVX512-BF16) a batch-1 ``F.linear`` in bf16 runs at
-half the memory bandwidth of fp32 (the generic path converts as it goes), and a 56 MB LM head
-alone costs ~10 ms. oneDNN's ``_linear_pointwise`` over a weight re-ordered once into its blocked
-layout streams the weight at full speed: ~3-4x faster per decode matmul. The packed tensors are
-opaque (no slicing, no state_dict), so a model packs its weights as the last step of loading,
-after TP sharding.
+A batch-1 ``F.linear`` in bf16 runs at half the memory bandwidth of fp32 (the generic path
+converts as it goes), and a 56 MB LM head alone costs ~10 ms. Where the native build runs on a
+CPU with AVX512_BF16, `NATIVE_PACKED_BF16` (``native/csrc/linear_bf16.cpp``) lays each weight out
+as bf16 pairs for 16 outputs side by side ([N/16, K/2, 16, 2]) and runs every row count on it:
+decode rows stream the weight once, prefill chunks run a register-tiled GEMM. Elsewhere
+oneDNN's ``_linear_pointwise`` over a weight re-ordered once into its blocked layout streams the
+weight at full speed: ~3-4x faster per decode matmul than F.linear. Packed tensors are not
+plain weights (no slicing; oneDNN's are opaque), so a model packs its weights as the last step
+of loading, after TP sharding.
 
     kernel = select_linear_kernel(weight)       # None: keep F.linear
     packed = kernel.pack(weight)                # once, at load
@@ -15,7 +19,7 @@ oneDNN builds one primitive per input shape and keeps it in two caches (its own 
 and ideep's LRU above it, 1024 entries each by default), about 0.3 MiB per entry with its
 buffers. A server's batches have a new row count almost every step (prefill chunks plus decode
 tokens), so a long-running server's RSS climbed by about 2 MiB/s until both caches were full
-(measured: ``kthena bench soak``, docs/bench_serve.md). The packed kernel therefore runs on
+(measured: ``kthena bench soak``, docs/bench_serve.md). The oneDNN kernel therefore runs on
 row counts from a fixed set (`row_bucket`: exact up to 16 rows, then 8 sizes per power of two,
 fewer than 16 or 12.5% padding rows), so the caches hold a few hundred primitives and stop growing, and
 the primitive for a recurring size is built once instead of every step. Matmuls smaller than
@@ -41,8 +45,10 @@ from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
-__all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "ONE_THREAD_MAX_MACS", "LinearKernel", "dequantize_int8_weight",
-           "int8_linear", "pack_int8_weight", "row_bucket", "select_linear_kernel"]
+__all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16",
+           "ONE_THREAD_MAX_MACS", "LinearKernel", "dequantize_int8_weight", "int8_linear",
+           "native_bf16_linear_available", "pack_int8_weight", "row_bucket", "select_linear_kernel",
+           "unpack_native_bf16_weight"]
 
 
 @attrs.frozen
@@ -106,6 +112,55 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 ONEDNN_PACKED_BF16 = LinearKernel("onednn-packed-bf16", _onednn_pack, _onednn_linear)
 
 
+# ---- native bf16 (AVX512_BF16) -------------------------------------------------------------------
+_NATIVE: dict[str, object] = {}
+
+
+def _native_module():  # noqa: ANN202 - the extension module, or None
+    if "module" not in _NATIVE:
+        from mooncake_ops.backends import native
+
+        _NATIVE["module"] = native._load()
+    return _NATIVE["module"]
+
+
+def native_bf16_linear_available() -> bool:
+    """Whether the native bf16 matmul runs here: the extension is built, mooncake_ops may use
+    it (``use_native``), and the CPU has AVX512_BF16."""
+    from mooncake_ops.dispatch import native_enabled
+
+    module = _native_module() if native_enabled() else None
+    return module is not None and bool(module.bf16_linear_supported())
+
+
+def _native_pack(weight: torch.Tensor) -> torch.Tensor:
+    w = weight.detach()
+    if w.shape[0] % 16 or w.shape[1] % 2:  # outside the kernel's layout: oneDNN's packing
+        return _onednn_pack(w)
+    return _native_module().bf16_pack_weight(w.contiguous())
+
+
+def unpack_native_bf16_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight of a natively packed [N/16, K/2, 16, 2] one."""
+    blocks, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+
+
+def _native_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dim() != 4:  # a weight _native_pack left to oneDNN
+        return _onednn_linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    y = _native_module().bf16_linear(rows, weight, bias)
+    if y is None:  # a call the kernel does not take (e.g. a float32 x): the dense weight
+        y = F.linear(rows, unpack_native_bf16_weight(weight).to(x.dtype),
+                     None if bias is None else bias.to(x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+NATIVE_PACKED_BF16 = LinearKernel("native-packed-bf16", _native_pack, _native_linear)
+
+
 def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
     """The packed-weight kernel for weights like ``weight`` on this host, if one beats F.linear.
 
@@ -113,12 +168,16 @@ def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
         weight: a representative weight: its device and dtype decide.
 
     Returns:
-        `ONEDNN_PACKED_BF16` for a bf16 weight on a CPU whose oneDNN has bf16 kernels; None
+        For a bf16 weight on CPU: `NATIVE_PACKED_BF16` where `native_bf16_linear_available`
+        (weights whose out_features is not a multiple of 16 or in_features odd get oneDNN's
+        packing inside it), else `ONEDNN_PACKED_BF16` where oneDNN has bf16 kernels; None
         otherwise (keep ``F.linear`` and the dense weights).
     """
-    if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if native_bf16_linear_available():
+        return NATIVE_PACKED_BF16
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return ONEDNN_PACKED_BF16
     return None
 

@@ -1,0 +1,149 @@
+// bf16 linear on CPU through AVX512_BF16 dot products (vdpbf16ps), checked at run time, over a
+// weight re-laid-out once (`bf16_pack_weight`): y = x @ w^T + bias, any row count.
+//
+// Packed weight, for a dense [N, K] (N a multiple of 16, K even), as bf16 [N/16, K/2, 16, 2]:
+//
+//   wp[j][p][l] = (w[16j + l][2p], w[16j + l][2p + 1])      one 32-bit pair per output lane l
+//
+// so one vdpbf16ps with x's pair p broadcast adds 2 products to 16 outputs, and nothing needs
+// a horizontal sum. Micro-tile: MR x rows by NR blocks of 16 outputs (MR x NR fp32
+// accumulators; 4 x 4 = 64 outputs for 4 rows), per pair p NR weight loads, MR broadcasts and
+// MR x NR vdpbf16ps. Loop: threads split the output blocks (panels of NR x 16 columns, whose
+// K x NR x 16 weights stay in L2 while every row block passes over them), or, when a call has
+// fewer panels than threads and many rows, the rows. Row counts <= 4 stream the weight once
+// at close to memory bandwidth; large ones are bound by the dot products.
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "vec.h"
+
+#define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+namespace mops {
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kMR = 4;  // x rows per micro-tile
+constexpr int64_t kNR = 4;  // 16-output blocks per micro-tile
+// Fewer multiply-adds run on the calling thread (mooncake_ops.linear.ONE_THREAD_MAX_MACS).
+constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
+
+// y[MR rows][NB blocks of 16] = x rows . packed blocks, + bias; K2 = K / 2 pairs.
+template <int MR, int NB>
+MOPS_BF16_TARGET inline void micro_tile(const bf16* x, int64_t ldx, const uint32_t* wp, int64_t K2,
+                                        const bf16* bias, bf16* y, int64_t ldy) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const uint32_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = reinterpret_cast<const uint32_t*>(x + m * ldx);
+  const int64_t block = K2 * 16;  // uint32 per 16-output block
+  for (int64_t p = 0; p < K2; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][p]));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 b = bias != nullptr ? load16(bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store16(y + m * ldy + 16 * j, _mm512_add_ps(acc[m][j], b));
+  }
+}
+
+template <int MR>
+inline void row_block(const bf16* x, int64_t ldx, const uint32_t* wp, int64_t K2, const bf16* bias, bf16* y,
+                      int64_t ldy, int64_t nb) {  // nb: 1..kNR blocks
+  switch (nb) {
+    case 1: micro_tile<MR, 1>(x, ldx, wp, K2, bias, y, ldy); break;
+    case 2: micro_tile<MR, 2>(x, ldx, wp, K2, bias, y, ldy); break;
+    case 3: micro_tile<MR, 3>(x, ldx, wp, K2, bias, y, ldy); break;
+    default: micro_tile<MR, 4>(x, ldx, wp, K2, bias, y, ldy); break;
+  }
+}
+
+// Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs).
+void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
+               int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+  const int64_t blocks = N / 16;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t b0 = j * kNR, nb = std::min(kNR, blocks - b0);
+    const uint32_t* w = wp + b0 * K2 * 16;
+    const bf16* bj = bias != nullptr ? bias + b0 * 16 : nullptr;
+    if (j + 1 < j1)  // the next panel's first pairs: the rest streams behind the hardware prefetcher
+      for (int64_t q = 0; q < std::min(kNR, blocks - b0 - kNR); ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kNR + q) * K2 * 16), _MM_HINT_T0);
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int64_t mr = std::min(kMR, m1 - m);
+      const bf16* xm = x + m * ldx;
+      bf16* ym = y + m * N + b0 * 16;
+      switch (mr) {
+        case 1: row_block<1>(xm, ldx, w, K2, bj, ym, N, nb); break;
+        case 2: row_block<2>(xm, ldx, w, K2, bj, ym, N, nb); break;
+        case 3: row_block<3>(xm, ldx, w, K2, bj, ym, N, nb); break;
+        default: row_block<4>(xm, ldx, w, K2, bj, ym, N, nb); break;
+      }
+    }
+  }
+}
+
+bool has_avx512_bf16_isa() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+}  // namespace
+
+// Whether this CPU runs the kernel (AVX512_BF16).
+bool bf16_linear_supported() { return has_avx512_bf16_isa(); }
+
+// Dense bf16 [N, K] -> packed bf16 [N/16, K/2, 16, 2] (see the file comment).
+at::Tensor bf16_pack_weight(const at::Tensor& w) {
+  if (w.dim() != 2 || w.scalar_type() != at::kBFloat16 || w.size(0) % 16 || w.size(1) % 2)
+    throw std::invalid_argument("bf16_pack_weight takes a bf16 [N, K] weight with N a multiple of 16 and K even");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] bf16 (rows contiguous, any row stride), packed weight as bf16_pack_weight returns,
+// bias [N] bf16 or None. None when the call does not fit (no AVX512_BF16, other dtypes).
+std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
+                                      const std::optional<at::Tensor>& bias) {
+  if (!has_avx512_bf16_isa() || x.dim() != 2 || wp.dim() != 4 || x.scalar_type() != at::kBFloat16 ||
+      wp.scalar_type() != at::kBFloat16 || !wp.is_contiguous() || x.stride(1) != 1 || wp.size(2) != 16 ||
+      wp.size(3) != 2)
+    return std::nullopt;
+  const int64_t M = x.size(0), K = x.size(1), K2 = wp.size(1), N = wp.size(0) * 16;
+  if (K2 * 2 != K)
+    throw std::invalid_argument("bf16_linear: x has " + std::to_string(K) + " features but the packed weight takes " +
+                                std::to_string(K2 * 2));
+  if (bias && (bias->scalar_type() != at::kBFloat16 || bias->numel() != N || !bias->is_contiguous()))
+    return std::nullopt;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const bf16* xd = x.data_ptr<bf16>();
+  const auto* wd = reinterpret_cast<const uint32_t*>(wp.data_ptr<bf16>());
+  const bf16* bd = bias ? bias->data_ptr<bf16>() : nullptr;
+  bf16* yd = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), panels = (N / 16 + kNR - 1) / kNR;
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || M * N * K < kOneThreadMaxMacs) {
+    run_tiles(xd, ldx, wd, bd, yd, N, K2, 0, M, 0, panels);
+  } else if (panels >= 4 * threads || M < 4 * kMR * threads) {  // split the columns
+    at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) { run_tiles(xd, ldx, wd, bd, yd, N, K2, 0, M, j0, j1); });
+  } else {  // few panels, many rows: split the rows (in whole micro-tiles)
+    const int64_t tiles = (M + kMR - 1) / kMR;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      run_tiles(xd, ldx, wd, bd, yd, N, K2, t0 * kMR, std::min(M, t1 * kMR), 0, panels);
+    });
+  }
+  return y;
+}
+
+}  // namespace mops
