@@ -114,6 +114,12 @@ def test_packed_bf16_matmuls_give_the_dense_logits(tiny):
     weights = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
     assert not [n for n, _ in packed.named_parameters() if n.endswith(weights)]
     assert packed.embed_weight.shape == (TINY["vocab_size"], TINY["hidden_size"])  # stays dense
+    from mooncake_ops.linear import NATIVE_PACKED_BF16, select_linear_kernel
+
+    if select_linear_kernel(packed.embed_weight) is NATIVE_PACKED_BF16:  # the fused SwiGLU input
+        width = TINY["intermediate_size"]
+        fused = width % 16 == 0 and TINY["hidden_size"] % 2 == 0
+        assert all((layer.mlp.gate_up_silu is not None) == fused for layer in packed.layers)
     seqs = [(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)]
     got = GreedyRunner(packed, block_size=4, num_blocks=64).step(seqs)
     expected = GreedyRunner(dense, block_size=4, num_blocks=64).step(seqs)

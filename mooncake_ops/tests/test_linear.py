@@ -124,6 +124,48 @@ def test_native_bf16_weights_outside_its_layout_get_onednn_packing():
     assert_close(got, torch.nn.functional.linear(x.double(), weight.double()), torch.float32)
 
 
+@native_only
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
+@given(rows=st.one_of(st.integers(1, 40), st.sampled_from([129, 300])),
+       width_blocks=st.sampled_from([1, 3, 4, 96]), in_features=st.sampled_from([30, 64, 576]),
+       seed=st.integers(0, 2**31 - 1))
+def test_native_fused_gate_up_silu_equals_matmul_then_silu_and_mul(threads, rows, width_blocks,
+                                                                    in_features, seed):
+    """The fused SwiGLU input rounds the gate and up sums to bf16 before silu * up, as the
+    unfused matmul's bf16 output does: the two agree bit for bit, on fresh random inputs (an odd
+    number of gate/up block pairs leaves a half panel), and both match float64."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 16 * width_blocks
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = (torch.randn(2 * width, in_features, generator=gen) / in_features ** 0.5).bfloat16()
+    kernel = mo.linear.NATIVE_PACKED_BF16
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = kernel.gate_up_silu(x, kernel.pack_gate_up(weight))
+        unfused = mo.silu_and_mul(kernel.linear(x, kernel.pack(weight)))
+    finally:
+        torch.set_num_threads(previous)
+    assert fused.shape == (rows, width) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, unfused)
+    both = torch.nn.functional.linear(x.double(), weight.double())
+    gate, up = both[:, :width], both[:, width:]
+    assert_close(fused, gate * torch.sigmoid(gate) * up, torch.bfloat16)
+
+
+@native_only
+def test_native_fused_gate_up_declines_what_it_cannot_lay_out():
+    kernel = mo.linear.NATIVE_PACKED_BF16
+    assert kernel.pack_gate_up(torch.randn(2 * 24, 64).bfloat16()) is None  # width not 16k
+    assert kernel.pack_gate_up(torch.randn(2 * 16, 63).bfloat16()) is None  # odd in_features
+    weight = torch.randn(2 * 32, 64).bfloat16()
+    x = torch.randn(3, 64)  # float32 x: the unfused path over the dense weight
+    got = kernel.gate_up_silu(x, kernel.pack_gate_up(weight))
+    both = torch.nn.functional.linear(x.double(), weight.double())
+    assert_close(got, both[:, :32] * torch.sigmoid(both[:, :32]) * both[:, 32:], torch.float32)
+
+
 # ---- weight-only int8 ----------------------------------------------------------------------------
 
 def _int8_oracle(x, packed, bias):

@@ -33,8 +33,16 @@ constexpr int64_t kNR = 4;  // 16-output blocks per micro-tile
 // Fewer multiply-adds run on the calling thread (mooncake_ops.linear.ONE_THREAD_MAX_MACS).
 constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
 
-// y[MR rows][NB blocks of 16] = x rows . packed blocks, + bias; K2 = K / 2 pairs.
-template <int MR, int NB>
+// fp32 -> bf16 -> fp32 (round to nearest even): what storing and reloading a bf16 tensor gives.
+MOPS_BF16_TARGET inline __m512 round_bf16(__m512 v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[MR rows][NB blocks of 16] = x rows . packed blocks, + bias; K2 = K / 2 pairs. SILU: the
+// blocks come in (gate, up) pairs and y gets silu(gate) * up per pair (NB / 2 blocks), each
+// rounded to bf16 first, exactly as the unfused matmul + silu_and_mul compute it.
+template <int MR, int NB, bool SILU>
 MOPS_BF16_TARGET inline void micro_tile(const bf16* x, int64_t ldx, const uint32_t* wp, int64_t K2,
                                         const bf16* bias, bf16* y, int64_t ldy) {
   __m512 acc[MR][NB];
@@ -51,27 +59,44 @@ MOPS_BF16_TARGET inline void micro_tile(const bf16* x, int64_t ldx, const uint32
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const __m512 b = bias != nullptr ? load16(bias + 16 * j) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) store16(y + m * ldy + 16 * j, _mm512_add_ps(acc[m][j], b));
+  if constexpr (SILU) {
+    static_assert(NB % 2 == 0, "gate and up blocks come in pairs");
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int j = 0; j < NB; j += 2)
+      for (int m = 0; m < MR; ++m) {
+        const __m512 g = round_bf16(acc[m][j]), u = round_bf16(acc[m][j + 1]);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(y + m * ldy + 8 * j, _mm512_mul_ps(silu, u));
+      }
+  } else {
+    for (int j = 0; j < NB; ++j) {
+      const __m512 b = bias != nullptr ? load16(bias + 16 * j) : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m) store16(y + m * ldy + 16 * j, _mm512_add_ps(acc[m][j], b));
+    }
   }
 }
 
-template <int MR>
+template <int MR, bool SILU>
 inline void row_block(const bf16* x, int64_t ldx, const uint32_t* wp, int64_t K2, const bf16* bias, bf16* y,
-                      int64_t ldy, int64_t nb) {  // nb: 1..kNR blocks
-  switch (nb) {
-    case 1: micro_tile<MR, 1>(x, ldx, wp, K2, bias, y, ldy); break;
-    case 2: micro_tile<MR, 2>(x, ldx, wp, K2, bias, y, ldy); break;
-    case 3: micro_tile<MR, 3>(x, ldx, wp, K2, bias, y, ldy); break;
-    default: micro_tile<MR, 4>(x, ldx, wp, K2, bias, y, ldy); break;
+                      int64_t ldy, int64_t nb) {  // nb: 1..kNR blocks (SILU: 2 or 4)
+  if constexpr (SILU) {
+    if (nb == 2) micro_tile<MR, 2, true>(x, ldx, wp, K2, bias, y, ldy);
+    else micro_tile<MR, 4, true>(x, ldx, wp, K2, bias, y, ldy);
+  } else {
+    switch (nb) {
+      case 1: micro_tile<MR, 1, false>(x, ldx, wp, K2, bias, y, ldy); break;
+      case 2: micro_tile<MR, 2, false>(x, ldx, wp, K2, bias, y, ldy); break;
+      case 3: micro_tile<MR, 3, false>(x, ldx, wp, K2, bias, y, ldy); break;
+      default: micro_tile<MR, 4, false>(x, ldx, wp, K2, bias, y, ldy); break;
+    }
   }
 }
 
-// Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs).
+// Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs; SILU: y is N / 2 wide).
+template <bool SILU>
 void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
                int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
-  const int64_t blocks = N / 16;
+  const int64_t blocks = N / 16, ldy = SILU ? N / 2 : N;
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t b0 = j * kNR, nb = std::min(kNR, blocks - b0);
     const uint32_t* w = wp + b0 * K2 * 16;
@@ -82,12 +107,12 @@ void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias,
     for (int64_t m = m0; m < m1; m += kMR) {
       const int64_t mr = std::min(kMR, m1 - m);
       const bf16* xm = x + m * ldx;
-      bf16* ym = y + m * N + b0 * 16;
+      bf16* ym = y + m * ldy + (SILU ? b0 * 8 : b0 * 16);
       switch (mr) {
-        case 1: row_block<1>(xm, ldx, w, K2, bj, ym, N, nb); break;
-        case 2: row_block<2>(xm, ldx, w, K2, bj, ym, N, nb); break;
-        case 3: row_block<3>(xm, ldx, w, K2, bj, ym, N, nb); break;
-        default: row_block<4>(xm, ldx, w, K2, bj, ym, N, nb); break;
+        case 1: row_block<1, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb); break;
+        case 2: row_block<2, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb); break;
+        case 3: row_block<3, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb); break;
+        default: row_block<4, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb); break;
       }
     }
   }
@@ -111,13 +136,13 @@ at::Tensor bf16_pack_weight(const at::Tensor& w) {
   return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x [M, K] bf16 (rows contiguous, any row stride), packed weight as bf16_pack_weight returns,
-// bias [N] bf16 or None. None when the call does not fit (no AVX512_BF16, other dtypes).
-std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
-                                      const std::optional<at::Tensor>& bias) {
+namespace {
+
+std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
+                                     bool silu) {
   if (!has_avx512_bf16_isa() || x.dim() != 2 || wp.dim() != 4 || x.scalar_type() != at::kBFloat16 ||
       wp.scalar_type() != at::kBFloat16 || !wp.is_contiguous() || x.stride(1) != 1 || wp.size(2) != 16 ||
-      wp.size(3) != 2)
+      wp.size(3) != 2 || (silu && (bias || wp.size(0) % 2)))
     return std::nullopt;
   const int64_t M = x.size(0), K = x.size(1), K2 = wp.size(1), N = wp.size(0) * 16;
   if (K2 * 2 != K)
@@ -125,7 +150,7 @@ std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
                                 std::to_string(K2 * 2));
   if (bias && (bias->scalar_type() != at::kBFloat16 || bias->numel() != N || !bias->is_contiguous()))
     return std::nullopt;
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, silu ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const bf16* xd = x.data_ptr<bf16>();
   const auto* wd = reinterpret_cast<const uint32_t*>(wp.data_ptr<bf16>());
@@ -133,17 +158,35 @@ std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
   bf16* yd = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0), panels = (N / 16 + kNR - 1) / kNR;
   const int64_t threads = at::get_num_threads();
+  auto tiles = [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+    if (silu) run_tiles<true>(xd, ldx, wd, bd, yd, N, K2, m0, m1, j0, j1);
+    else run_tiles<false>(xd, ldx, wd, bd, yd, N, K2, m0, m1, j0, j1);
+  };
   if (threads <= 1 || M * N * K < kOneThreadMaxMacs) {
-    run_tiles(xd, ldx, wd, bd, yd, N, K2, 0, M, 0, panels);
+    tiles(0, M, 0, panels);
   } else if (panels >= 4 * threads || M < 4 * kMR * threads) {  // split the columns
-    at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) { run_tiles(xd, ldx, wd, bd, yd, N, K2, 0, M, j0, j1); });
+    at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) { tiles(0, M, j0, j1); });
   } else {  // few panels, many rows: split the rows (in whole micro-tiles)
-    const int64_t tiles = (M + kMR - 1) / kMR;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      run_tiles(xd, ldx, wd, bd, yd, N, K2, t0 * kMR, std::min(M, t1 * kMR), 0, panels);
-    });
+    const int64_t row_tiles = (M + kMR - 1) / kMR;
+    at::parallel_for(0, row_tiles, 1, [&](int64_t t0, int64_t t1) { tiles(t0 * kMR, std::min(M, t1 * kMR), 0, panels); });
   }
   return y;
+}
+
+}  // namespace
+
+// x [M, K] bf16 (rows contiguous, any row stride), packed weight as bf16_pack_weight returns,
+// bias [N] bf16 or None. None when the call does not fit (no AVX512_BF16, other dtypes).
+std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
+                                      const std::optional<at::Tensor>& bias) {
+  return run_linear(x, wp, bias, false);
+}
+
+// silu(x @ gate^T) * (x @ up^T), [M, W], over a packed weight whose 16-row blocks alternate
+// gate block j, up block j (mooncake_ops.linear packs it so): the SwiGLU input of a down
+// projection in one pass, the [M, 2W] intermediate never written. No bias.
+std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor& x, const at::Tensor& wp) {
+  return run_linear(x, wp, std::nullopt, true);
 }
 
 }  // namespace mops

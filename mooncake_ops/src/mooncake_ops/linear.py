@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from mooncake_ops.dispatch import impl
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
+from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
 __all__ = ["INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16",
@@ -59,11 +60,17 @@ class LinearKernel:
         name: for reports, e.g. ``onednn-packed-bf16``.
         pack: a dense ``[out_features, in_features]`` weight -> the kernel's opaque layout.
         linear: ``(x, packed_weight, bias=None) -> y``, the F.linear signature.
+        pack_gate_up, gate_up_silu: optional fused SwiGLU input: ``pack_gate_up(w)`` takes a
+            ``[2W, in_features]`` weight (gate rows, then up rows) and returns its packed form,
+            or None when this weight does not fit; ``gate_up_silu(x, packed)`` computes
+            ``silu_and_mul(linear(x, w))`` ([rows, W]) without writing the [rows, 2W] half-way.
     """
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    pack_gate_up: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -158,7 +165,32 @@ def _native_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-NATIVE_PACKED_BF16 = LinearKernel("native-packed-bf16", _native_pack, _native_linear)
+def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> 16-row blocks alternating gate block j, up block j."""
+    width, k = weight.shape[0] // 2, weight.shape[1]
+    return weight.reshape(2, width // 16, 16, k).transpose(0, 1).reshape(2 * width, k)
+
+
+def _native_pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
+    w = weight.detach()
+    if w.shape[0] % 32 or w.shape[1] % 2:
+        return None
+    return _native_module().bf16_pack_weight(_interleave_gate_up(w).contiguous())
+
+
+def _native_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    y = _native_module().bf16_gate_up_silu(rows, packed)
+    if y is None:  # a call the kernel does not take (e.g. a float32 x): unfused, dense weight
+        blocks = unpack_native_bf16_weight(packed)
+        width, k = blocks.shape[0] // 2, blocks.shape[1]
+        dense = blocks.reshape(width // 16, 2, 16, k).transpose(0, 1).reshape(2 * width, k)
+        y = silu_and_mul(F.linear(rows, dense.to(x.dtype)))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+NATIVE_PACKED_BF16 = LinearKernel("native-packed-bf16", _native_pack, _native_linear,
+                                  _native_pack_gate_up, _native_gate_up_silu)
 
 
 def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:

@@ -100,9 +100,15 @@ class MLP(nn.Module):
         self.down_weight = _empty(config.hidden_size, width)
         self.tp = tp
         self.matmul = F.linear
+        # silu_and_mul(matmul(x, gate_up)) in one kernel, when the packing kernel has one
+        self.gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(silu_and_mul(self.matmul(x, self.gate_up_weight)), self.down_weight)
+        if self.gate_up_silu is not None:
+            hidden = self.gate_up_silu(x, self.gate_up_weight)
+        else:
+            hidden = silu_and_mul(self.matmul(x, self.gate_up_weight))
+        out = self.matmul(hidden, self.down_weight)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
@@ -204,11 +210,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _swap_matmul_weights(self, kernel: LinearKernel) -> None:
         """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
-        owning module's ``matmul`` -> ``kernel.linear``."""
+        owning module's ``matmul`` -> ``kernel.linear``; an MLP's gate/up weight goes to the
+        kernel's fused SwiGLU input instead where it has one (``pack_gate_up``)."""
         for module in self.modules():
             owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
             for name in owned:
-                packed = kernel.pack(getattr(module, name))
+                packed = None
+                if name == "gate_up_weight" and kernel.pack_gate_up is not None:
+                    packed = kernel.pack_gate_up(getattr(module, name))  # fused SwiGLU input
+                    if packed is not None:
+                        module.gate_up_silu = kernel.gate_up_silu
+                if packed is None:
+                    packed = kernel.pack(getattr(module, name))
                 module._parameters.pop(name, None)
                 module.__dict__.pop(name, None)
                 module.register_buffer(name, packed, persistent=False)
