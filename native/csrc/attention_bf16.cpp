@@ -260,11 +260,6 @@ void run(const PrefillArgs& a, bool parallel) {
   });
 }
 
-bool has_avx512_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
-
 }  // namespace
 
 // q [total_q, H, D], k / v [total_q, KVH, D] (bf16, head_dim contiguous, any row / head
@@ -280,7 +275,7 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& k_scale,
                                                   const std::optional<at::Tensor>& v_scale,
                                                   const std::optional<at::Tensor>& out_buffer) {
-  if (!has_avx512_bf16()) return std::nullopt;
+  if (!cpu_has_avx512_bf16()) return std::nullopt;
   for (const at::Tensor* t : {&q, &k, &v})
     if (t->scalar_type() != at::kBFloat16 || t->stride(-1) != 1) return std::nullopt;
   const bool int8 = k_cache.scalar_type() == at::kChar;
@@ -328,13 +323,7 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
   int64_t start = 0, macs = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t c = cl.data_ptr<int64_t>()[b], n = ql.data_ptr<int64_t>()[b];
-    for (int64_t j = 0; j * a.block_size < c; ++j) {
-      const int64_t id = a.block_tables[b * a.max_blocks + j];
-      if (id < 0 || id >= num_blocks)
-        throw std::invalid_argument("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " +
-                                    std::to_string(id) + " is used but outside the cache's " +
-                                    std::to_string(num_blocks) + " blocks");
-    }
+    check_used_blocks(a.block_tables, a.max_blocks, a.block_size, b, c, num_blocks);
     a.seqs.push_back({c, n, start});
     start += n;
     macs += n * (c + n / 2 + 1) * H * D * 2;
@@ -437,7 +426,7 @@ MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* 
 bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                  float scale, at::Tensor& out, bool parallel) {
-  if (!has_avx512_bf16() || q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
+  if (!cpu_has_avx512_bf16() || q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
       v_cache.scalar_type() != at::kBFloat16 || !q.is_contiguous() || !out.is_contiguous())
     return false;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);

@@ -252,13 +252,7 @@ Extent check_tables(const DecodeArgs& a, int64_t num_blocks) {
       throw std::invalid_argument("context_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) +
                                   " does not fit block_tables' " + std::to_string(a.max_blocks) + " blocks x " +
                                   std::to_string(a.block_size) + " tokens; lengths must be >= 0 and fit the table");
-    for (int64_t j = 0; j * a.block_size < ctx; ++j) {
-      const int64_t id = a.block_tables[b * a.max_blocks + j];
-      if (id < 0 || id >= num_blocks)
-        throw std::invalid_argument("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " +
-                                    std::to_string(id) + " is used but outside the cache's " +
-                                    std::to_string(num_blocks) + " blocks");
-    }
+    check_used_blocks(a.block_tables, a.max_blocks, a.block_size, b, ctx, num_blocks);
     e.total_tokens += ctx;
     e.max_blocks = std::max(e.max_blocks, (ctx + a.block_size - 1) / a.block_size);
   }

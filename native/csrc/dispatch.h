@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace mops {
 
@@ -27,6 +29,25 @@ bool with_chunks(int64_t head_dim, F&& f) {
     case 256: f(std::integral_constant<int, 16>{}); return true;
     default: return false;
   }
+}
+
+// Throws ValueError (std::invalid_argument) when a block the first `tokens` tokens of sequence
+// b occupy lies outside the cache's num_blocks.
+inline void check_used_blocks(const int32_t* block_tables, int64_t max_blocks, int64_t block_size, int64_t b,
+                              int64_t tokens, int64_t num_blocks) {
+  for (int64_t j = 0; j * block_size < tokens; ++j) {
+    const int64_t id = block_tables[b * max_blocks + j];
+    if (id < 0 || id >= num_blocks)
+      throw std::invalid_argument("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " +
+                                  std::to_string(id) + " is used but outside the cache's " +
+                                  std::to_string(num_blocks) + " blocks");
+  }
+}
+
+// Whether this CPU has AVX512_BF16 (the bf16 attention and matmul kernels' per-function target).
+inline bool cpu_has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
 }
 
 }  // namespace mops

@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dispatch.h"
 #include "vec.h"
 
 #define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -118,15 +119,10 @@ void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias,
   }
 }
 
-bool has_avx512_bf16_isa() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
-
 }  // namespace
 
 // Whether this CPU runs the kernel (AVX512_BF16).
-bool bf16_linear_supported() { return has_avx512_bf16_isa(); }
+bool bf16_linear_supported() { return cpu_has_avx512_bf16(); }
 
 // Dense bf16 [N, K] -> packed bf16 [N/16, K/2, 16, 2] (see the file comment).
 at::Tensor bf16_pack_weight(const at::Tensor& w) {
@@ -140,7 +136,7 @@ namespace {
 
 std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
                                      bool silu) {
-  if (!has_avx512_bf16_isa() || x.dim() != 2 || wp.dim() != 4 || x.scalar_type() != at::kBFloat16 ||
+  if (!cpu_has_avx512_bf16() || x.dim() != 2 || wp.dim() != 4 || x.scalar_type() != at::kBFloat16 ||
       wp.scalar_type() != at::kBFloat16 || !wp.is_contiguous() || x.stride(1) != 1 || wp.size(2) != 16 ||
       wp.size(3) != 2 || (silu && (bias || wp.size(0) % 2)))
     return std::nullopt;
