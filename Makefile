@@ -34,7 +34,7 @@ $(STAMP): $(DEPS)
 # the config; `make run ARGS="--mode pd --prefill 1 --decode 1"` serves without a config.
 ARGS ?= --config docs/examples/cpu-smollm2.yaml
 run: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/kthena serve $(ARGS)
+	$(BIN)/kthena serve $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/lint-imports

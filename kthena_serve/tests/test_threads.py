@@ -31,3 +31,25 @@ def test_prepare_worker_env_sets_openmp_before_torch():
 
     env = prepare_worker_env({}, 3)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
+
+
+def test_cli_sets_passive_only_for_a_launcher_rank(monkeypatch):
+    """A process alone on its cores keeps OpenMP's default wait policy (PASSIVE would wake the
+    pool through the kernel at every parallel region); a launcher rank, which shares the cores
+    with its siblings, gets PASSIVE; a value the user set stays."""
+    from kthena_serve.cli import _prepare_process
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for world in (None, "1", " "):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        _prepare_process()
+        assert "OMP_WAIT_POLICY" not in os.environ, world
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _prepare_process()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _prepare_process()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -288,6 +288,41 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
     assert_close(got, oracle_prefill(*args, **cache.scales()), torch.bfloat16)
 
 
+@pytest.mark.parametrize("slope", [0.03, 0.2, 0.6, -0.3])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_native_bf16_prefill_kernel_follows_rising_and_falling_scores(slope, seed):
+    """Scores that climb by `slope` per key (scaled): the kernel raises its running max only
+    when a score passes it by more than its margin (e^8), so a slow climb runs on a stale max
+    (probabilities up to e^8 before the divide) and a steep one rescales at every 32-key tile;
+    a falling run never rescales after its first tile. Against float64, for 190 new tokens
+    after 40 cached ones."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available() or not _cpu_has_avx512_bf16():
+        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    g = dict(block_size=16, num_kv_heads=1, num_heads=3, head_dim=64, dtype=torch.bfloat16,
+             int8=False, strided=False, seed=seed)
+    cached, new = 40, 190
+    cache = PagedCache(g, [cached])
+    cache.fill()
+    direction = torch.nn.functional.normalize(cache.randn(64).float(), dim=0)
+    ramp = torch.arange(cached + new, dtype=torch.float32) * slope / 64 ** -0.5
+    keys = (ramp[:, None] * direction + 0.05 * cache.randn(cached + new, 64).float())
+    keys = keys.to(torch.bfloat16)
+    for j in range(cached):  # the cached part of the ramp goes into the pool
+        block, slot = cache.block_tables[0, j // 16], j % 16
+        cache.k_cache[block, slot, 0] = keys[j]
+    q = (direction + 0.05 * cache.randn(new, 3, 64).float()).to(torch.bfloat16)
+    k = keys[cached:, None, :].contiguous()
+    v = cache.randn(new, 1, 64)
+    args = (q, k, v, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens,
+            torch.tensor([new], dtype=torch.int32), 64 ** -0.5)
+    got = native._load().paged_prefill_attention(*args, out=torch.full_like(q, math.nan))
+    assert got is not None, "the kernel declined a bf16 call it covers"
+    assert_close(got, oracle_prefill(*args), torch.bfloat16)
+
+
 def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():
     from mooncake_ops.backends import native
 

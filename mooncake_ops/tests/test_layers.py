@@ -52,19 +52,26 @@ def rope64(positions, x, theta, is_neox, rot):
 @pytest.mark.parametrize("name", IMPLS)
 @EXAMPLES
 @given(dtype=st.sampled_from(DTYPES), tokens=st.integers(1, 7), head_dim=st.sampled_from([64, 128]),
-       partial=st.booleans(), is_neox=st.booleans(), seed=st.integers(0, 999))
-def test_rotary_embedding(name, dtype, tokens, head_dim, partial, is_neox, seed):
+       partial=st.booleans(), is_neox=st.booleans(), strided=st.booleans(),
+       seed=st.integers(0, 999))
+def test_rotary_embedding(name, dtype, tokens, head_dim, partial, is_neox, strided, seed):
+    """Against float64; q / k contiguous or (as the model passes them) strided views of one
+    fused q|k|v projection, which stays untouched."""
     gen = torch.Generator().manual_seed(seed)
     rot = head_dim // 2 if partial else head_dim
     cache = mo.build_rope_cache(head_dim, 4096, 10000.0, rotary_dim=rot)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
-    q = torch.randn(tokens, 6, head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, 2, head_dim, generator=gen).to(dtype)
+    fused = torch.randn(tokens, 10 * head_dim, generator=gen).to(dtype)
+    before = fused.clone()
+    q, k, _ = fused.split([6 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+    q, k = q.view(tokens, 6, head_dim), k.view(tokens, 2, head_dim)
+    if not strided:
+        q, k = q.contiguous(), k.contiguous()
     with using(name):
         q2, k2 = mo.rotary_embedding(positions, q, k, cache, is_neox=is_neox)
     assert_close(q2, rope64(positions, q, 10000.0, is_neox, rot), dtype)
     assert_close(k2, rope64(positions, k, 10000.0, is_neox, rot), dtype)
-    assert q2.data_ptr() != q.data_ptr()  # inputs are not modified in place
+    assert torch.equal(fused, before)  # inputs are not modified in place
 
 
 @pytest.mark.parametrize("name", IMPLS)

@@ -15,7 +15,7 @@
 //                                             out += (p_2u, p_2u+1) broadcast . Vp[u][c]
 //
 // and RB rows at a time run flash-style over the key tiles: scores (fp32) -> causal mask ->
-// online softmax (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)) ->
+// online softmax (running max m, raised lazily; sum l; the accumulator rescaled by exp(m_old - m_new)) ->
 // probabilities rounded to bf16 for the P.V products (fp32 accumulation), as flash attention
 // does on GPUs. out = acc / l, rounded to bf16.
 #include <ATen/Parallel.h>
@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t KT = 32;  // keys per tile
 constexpr int64_t TQ = 32;  // new tokens per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kRescale = 8.0f;  // lazy-max margin (natural log units): see attend_rows
 // Fewer multiply-adds run on the calling thread (see mooncake_ops.linear.ONE_THREAD_MAX_MACS).
 constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
 
@@ -123,20 +124,24 @@ void pack_tiles(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_
 }
 
 // RB query rows (pointers q_rows, last key each may see: last[r]) over key tiles [0, ntiles).
+// Lazy running max: a row's max m is raised (and its accumulators and sum rescaled) only when a
+// scaled score passes it by more than kRescale, so most tiles skip the horizontal max; the
+// probabilities exp(s - m) stay <= e^kRescale meanwhile, and the sum l stays a vector until
+// the end. Both change nothing but rounding: out = acc / l for any m.
 template <int NC, int RB>
 MOPS_BF16_TARGET void attend_rows(const uint32_t* const* q_rows, const int64_t* last, int64_t ntiles,
                                   const uint32_t* kp, const uint32_t* vp, float scale, float* acc_out,
                                   float* l_out) {
   constexpr int64_t D = 16 * NC, P = D / 2;
-  __m512 acc[RB][NC];
-  float m[RB], l[RB];
+  __m512 acc[RB][NC], lsum[RB];
+  float m[RB];
   alignas(64) uint32_t pr[RB][KT / 2];
   for (int r = 0; r < RB; ++r) {
     m[r] = kNegInf;
-    l[r] = 0.0f;
+    lsum[r] = _mm512_setzero_ps();
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(kNegInf);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t t = 0; t < ntiles; ++t) {
     const uint32_t* kt = kp + t * P * KT;
@@ -153,29 +158,27 @@ MOPS_BF16_TARGET void attend_rows(const uint32_t* const* q_rows, const int64_t* 
       }
     }
     const int64_t j0 = t * KT;
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
-      __m512 s0 = _mm512_mul_ps(s[r][0], vscale), s1 = _mm512_mul_ps(s[r][1], vscale);
       __mmask16 v0 = 0xFFFF, v1 = 0xFFFF;
       if (j0 + KT - 1 > last[r]) {  // the causal edge (or past it): keys j > last[r] are hidden
         const __m512i limit = _mm512_set1_epi32(static_cast<int>(last[r] - j0));
         v0 = _mm512_cmple_epi32_mask(lane, limit);
         v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
       }
-      const float tile_max = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), v0, s0),
-                        _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), v1, s1)));
-      const float m_new = std::max(m[r], tile_max);
-      if (m_new > m[r]) {
-        const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
-        l[r] *= alpha;
-        const __m512 va = _mm512_set1_ps(alpha);
+      const __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_mask_mov_ps(neg_inf, v0, s[r][0]),
+                                                    _mm512_mask_mov_ps(neg_inf, v1, s[r][1])), vscale);
+      if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + kRescale), _CMP_GT_OQ)) {
+        const float m_new = _mm512_reduce_max_ps(mx);
+        const __m512 va = _mm512_set1_ps(std::exp(m[r] - m_new));  // 0 on the first tile (m = -inf)
+        lsum[r] = _mm512_mul_ps(lsum[r], va);
         for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], va);
         m[r] = m_new;
       }
-      const __m512 vm = _mm512_set1_ps(m_new);
-      const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, vm)));
-      const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, vm)));
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      const __m512 vm = _mm512_set1_ps(m[r]);
+      const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_fmsub_ps(s[r][0], vscale, vm)));
+      const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_fmsub_ps(s[r][1], vscale, vm)));
+      lsum[r] = _mm512_add_ps(lsum[r], _mm512_add_ps(p0, p1));
       _mm512_store_si512(pr[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0..15 low, 16..31 high
     }
     for (int64_t u = 0; u < KT / 2; ++u) {
@@ -189,7 +192,7 @@ MOPS_BF16_TARGET void attend_rows(const uint32_t* const* q_rows, const int64_t* 
   }
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_out + r * D + 16 * c, acc[r][c]);
-    l_out[r] = l[r];
+    l_out[r] = _mm512_reduce_add_ps(lsum[r]);
   }
 }
 
@@ -251,7 +254,7 @@ void run(const PrefillArgs& a, bool parallel) {
         attend_rows<NC, RB>(q_rows, last, max_last / KT + 1, kp.data(), vp.data(), a.scale, acc.data(), l.data());
         for (int r = 0; r < RB && r0 + r < rows; ++r) {
           const int64_t row = r0 + r, tok = q0 + row / G, head = h * G + row % G;
-          const __m512 inv = _mm512_set1_ps(1.0f / l[r]);  // l >= 1: the row's max key adds exp(0)
+          const __m512 inv = _mm512_set1_ps(1.0f / l[r]);  // l >= 1: the row's max key adds exp(>= 0)
           bf16* o = a.out + (s.start + tok) * a.os0 + head * a.os1;
           for (int c = 0; c < NC; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c), inv));
         }
@@ -461,6 +464,19 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           cur = b;
         }
         const int64_t off = h * sh;
+        if (i + 1 < i1) {  // the next item's rows, into L2 while this one computes (DRAM latency,
+                           // not bandwidth, bounds a cold cache's scattered rows otherwise)
+          const int64_t nb_ = (i + 1) / KVH, nh = (i + 1) % KVH, nctx = context_lens[nb_];
+          const int64_t lines = (D * 2 + 63) / 64;
+          for (int64_t j0 = 0, col = 0; j0 < nctx; j0 += bs, ++col) {
+            const int64_t base = block_tables[nb_ * max_blocks + col] * sb + nh * sh;
+            for (int64_t t = 0; t < std::min(bs, nctx - j0); ++t)
+              for (int64_t z = 0; z < lines; ++z) {
+                _mm_prefetch(reinterpret_cast<const char*>(kd + base + t * st) + 64 * z, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(vd + base + t * st) + 64 * z, _MM_HINT_T1);
+              }
+          }
+        }
         decode_item<NC>(qd + (b * H + h * G) * D, kd + off, vd + off, rows.data(), ctx, G, scale, sc.data(), pb.data(), o);
       }
     });

@@ -2,7 +2,7 @@
 kthena_core's CLI by entry points.
 
 This is the one place in kthena_serve that reads argv and the environment
-(``KTHENA_API_KEY``; ``OMP_WAIT_POLICY`` is set here before torch is imported).
+(``KTHENA_API_KEY``; ``OMP_WAIT_POLICY`` is decided here before torch is imported).
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ __all__ = ["register_bench", "register_serve"]
 
 
 def _prepare_process() -> None:
-    """OpenMP reads its wait policy once, when torch loads: set it first (see threads.py)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """OpenMP reads its wait policy once, when torch loads: decide it first (see threads.py).
+
+    A launcher rank (WORLD_SIZE > 1) shares the machine's cores with its sibling ranks, so it
+    gets ``OMP_WAIT_POLICY=PASSIVE``. A process that owns its cores alone keeps OpenMP's
+    default (spin for a few milliseconds, then sleep); the processes it starts (PD workers, DP
+    replicas, TP ranks) set PASSIVE for themselves. A value already set is left as it is.
+    """
+    if os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # ---- kthena serve -------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""Threads vs cores: one torch thread per core this process owns, and no spin-waiting.
+"""Threads vs cores: one torch thread per core this process owns; no spin-waiting on shared cores.
 
 A worker is given cores by its affinity mask (``taskset``, a container, or the launcher that
 pins one rank per core). Using more threads than that, or OpenMP pools that spin while idle,
 makes two workers on two cores steal each other's time and collapses throughput. So:
 
 * ``OMP_WAIT_POLICY=PASSIVE`` must be in the environment *before* torch is imported (OpenMP
-  reads it once); ``prepare_worker_env`` sets it for processes we start, and the CLI sets it
-  for itself before importing torch.
+  reads it once) wherever processes share cores; ``prepare_worker_env`` sets it for processes
+  we start, and the CLI for a launcher rank. A process alone on its cores (one engine, or
+  ``kthena bench serve``) keeps OpenMP's default, a short spin before sleeping: PASSIVE wakes
+  the pool through the kernel at every parallel region, ~12 ms of a 50 ms batch-32 decode step
+  (docs/kthena_serve.md, "Threads vs cores").
 * ``configure_threads`` sets torch's intra-op threads to the cores in the affinity mask.
 """
 
