@@ -217,7 +217,28 @@ void run(const PrefillArgs& a, bool parallel) {
   }
   const int64_t items = first.back();
   const int64_t max_tiles = (max_keys + KT - 1) / KT;
-  at::parallel_for(0, items, parallel ? 1 : items, [&](int64_t i0, int64_t i1) {
+  auto tile_of = [](int64_t u, int64_t tiles) { return u % 2 == 0 ? u / 2 : tiles - 1 - u / 2; };
+  // Threads get contiguous item ranges of equal cost (rows x keys they read), not equal counts:
+  // a chunk often holds a sequence with a long cached prefix beside one that starts from zero.
+  std::vector<double> cum(items + 1, 0.0);
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const Seq& s = a.seqs[b];
+    const int64_t tiles = (s.num_new + TQ - 1) / TQ;
+    for (int64_t local = 0; local < first[b + 1] - first[b]; ++local) {
+      const int64_t q0 = tile_of(local % tiles, tiles) * TQ, q1 = std::min(s.num_new, q0 + TQ);
+      const double cost = static_cast<double>(q1 - q0) * static_cast<double>(s.cached + (q0 + q1) / 2 + KT);
+      cum[first[b] + local + 1] = cum[first[b] + local] + cost;
+    }
+  }
+  const int64_t nt = parallel ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)) : 1;
+  std::vector<int64_t> bound(nt + 1, items);
+  bound[0] = 0;
+  for (int64_t t = 1; t < nt; ++t)
+    bound[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+   for (int64_t part = t0; part < t1; ++part) {
+    const int64_t i0 = std::min(bound[part], items), i1 = std::max(i0, std::min(bound[part + 1], items));
+    if (i0 >= i1) continue;
     std::vector<uint32_t> kp(max_tiles * KT * P), vp(max_tiles * KT * P);
     std::vector<float> acc(RB * D), l(RB);
     int64_t cur_b = -1, cur_h = -1, packed = 0;
@@ -227,7 +248,7 @@ void run(const PrefillArgs& a, bool parallel) {
       const Seq& s = a.seqs[b];
       const int64_t tiles = (s.num_new + TQ - 1) / TQ, local = i - first[b];
       const int64_t h = local / tiles, u = local % tiles;
-      const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
+      const int64_t tile = tile_of(u, tiles);
       const int64_t q0 = tile * TQ, q1 = std::min(s.num_new, q0 + TQ);
       const int64_t total = s.cached + s.num_new;
       const int64_t need = (s.cached + q1 + KT - 1) / KT;  // key tiles the last token reads
@@ -260,6 +281,7 @@ void run(const PrefillArgs& a, bool parallel) {
         }
       }
     }
+   }
   });
 }
 
