@@ -235,10 +235,8 @@ void run(const PrefillArgs& a, bool parallel) {
   bound[0] = 0;
   for (int64_t t = 1; t < nt; ++t)
     bound[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-   for (int64_t part = t0; part < t1; ++part) {
-    const int64_t i0 = std::min(bound[part], items), i1 = std::max(i0, std::min(bound[part + 1], items));
-    if (i0 >= i1) continue;
+  auto work = [&](int64_t i0, int64_t i1) {  // items [i0, i1) on the calling thread
+    if (i0 >= i1) return;
     std::vector<uint32_t> kp(max_tiles * KT * P), vp(max_tiles * KT * P);
     std::vector<float> acc(RB * D), l(RB);
     int64_t cur_b = -1, cur_h = -1, packed = 0;
@@ -281,7 +279,9 @@ void run(const PrefillArgs& a, bool parallel) {
         }
       }
     }
-   }
+  };
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) work(bound[t], bound[t + 1]);
   });
 }
 
