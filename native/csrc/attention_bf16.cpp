@@ -470,6 +470,14 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       std::vector<int64_t> rows(ctx32);
       std::vector<float> sc(G * ctx32);
       std::vector<uint16_t> pb(G * ctx32);
+      // Calls f(j, offset of token j's row in the cache, before the head) for j < ctx of sequence b.
+      auto for_each_row = [&](int64_t b, int64_t ctx, auto&& f) {
+        for (int64_t j0 = 0, col = 0; j0 < ctx; j0 += bs, ++col) {
+          const int64_t base = block_tables[b * max_blocks + col] * sb;
+          for (int64_t t = 0; t < std::min(bs, ctx - j0); ++t) f(j0 + t, base + t * st);
+        }
+      };
+      const int64_t lines = (D * 2 + 63) / 64;  // cache lines per row
       int64_t cur = -1;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KVH, h = i % KVH, ctx = context_lens[b];
@@ -479,25 +487,19 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           continue;
         }
         if (b != cur) {  // the sequence's row offsets, shared by its heads
-          for (int64_t j0 = 0, col = 0; j0 < ctx; j0 += bs, ++col) {
-            const int64_t base = block_tables[b * max_blocks + col] * sb;
-            for (int64_t t = 0; t < std::min(bs, ctx - j0); ++t) rows[j0 + t] = base + t * st;
-          }
+          for_each_row(b, ctx, [&](int64_t j, int64_t row) { rows[j] = row; });
           cur = b;
         }
         const int64_t off = h * sh;
         if (i + 1 < i1) {  // the next item's rows, into L2 while this one computes (DRAM latency,
                            // not bandwidth, bounds a cold cache's scattered rows otherwise)
-          const int64_t nb_ = (i + 1) / KVH, nh = (i + 1) % KVH, nctx = context_lens[nb_];
-          const int64_t lines = (D * 2 + 63) / 64;
-          for (int64_t j0 = 0, col = 0; j0 < nctx; j0 += bs, ++col) {
-            const int64_t base = block_tables[nb_ * max_blocks + col] * sb + nh * sh;
-            for (int64_t t = 0; t < std::min(bs, nctx - j0); ++t)
-              for (int64_t z = 0; z < lines; ++z) {
-                _mm_prefetch(reinterpret_cast<const char*>(kd + base + t * st) + 64 * z, _MM_HINT_T1);
-                _mm_prefetch(reinterpret_cast<const char*>(vd + base + t * st) + 64 * z, _MM_HINT_T1);
-              }
-          }
+          const int64_t next_off = ((i + 1) % KVH) * sh;
+          for_each_row((i + 1) / KVH, context_lens[(i + 1) / KVH], [&](int64_t, int64_t row) {
+            for (int64_t z = 0; z < lines; ++z) {
+              _mm_prefetch(reinterpret_cast<const char*>(kd + row + next_off) + 64 * z, _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(vd + row + next_off) + 64 * z, _MM_HINT_T1);
+            }
+          });
         }
         decode_item<NC>(qd + (b * H + h * G) * D, kd + off, vd + off, rows.data(), ctx, G, scale, sc.data(), pb.data(), o);
       }

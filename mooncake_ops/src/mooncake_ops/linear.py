@@ -171,6 +171,12 @@ def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(2, width // 16, 16, k).transpose(0, 1).reshape(2 * width, k)
 
 
+def _deinterleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_interleave_gate_up`: back to [gate; up] rows."""
+    width, k = weight.shape[0] // 2, weight.shape[1]
+    return weight.reshape(width // 16, 2, 16, k).transpose(0, 1).reshape(2 * width, k)
+
+
 def _native_pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
     w = weight.detach()
     if w.shape[0] % 32 or w.shape[1] % 2:
@@ -182,9 +188,7 @@ def _native_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     y = _native_module().bf16_gate_up_silu(rows, packed)
     if y is None:  # a call the kernel does not take (e.g. a float32 x): unfused, dense weight
-        blocks = unpack_native_bf16_weight(packed)
-        width, k = blocks.shape[0] // 2, blocks.shape[1]
-        dense = blocks.reshape(width // 16, 2, 16, k).transpose(0, 1).reshape(2 * width, k)
+        dense = _deinterleave_gate_up(unpack_native_bf16_weight(packed))
         y = silu_and_mul(F.linear(rows, dense.to(x.dtype)))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
