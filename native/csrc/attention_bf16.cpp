@@ -368,9 +368,10 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
 //   acc[g] += (p_2u, p_2u+1) . (v_2u, v_2u+1)     value rows interleaved in pairs on the fly
 namespace {
 
-template <int NC>
+template <int NC, typename OnTile>
 MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* rows,
-                                  int64_t ctx, int64_t G, float scale, float* sc, uint16_t* pb, bf16* out) {
+                                  int64_t ctx, int64_t G, float scale, float* sc, uint16_t* pb, bf16* out,
+                                  OnTile&& on_tile) {
   constexpr int64_t D = 16 * NC, NZ = D / 32;  // a bf16 row is NZ registers
   constexpr int GB = rows_per_block<NC>();
   const int64_t ctx32 = (ctx + 31) / 32 * 32;
@@ -379,9 +380,10 @@ MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* 
     for (int64_t z = 0; z < NZ; ++z) qv[z] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * z);
     float* sg = sc + g * ctx32;
     for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      on_tile();
       if (g == 0)  // rows are scattered over blocks: ask for the next keys and these values early
         for (int64_t t = t0; t < std::min(ctx, t0 + 16); ++t)
-          for (int64_t z = 0; z < 2 * NZ; ++z) {
+          for (int64_t z = 0; z < NZ; ++z) {
             if (t + 16 < ctx) _mm_prefetch(reinterpret_cast<const char*>(kbase + rows[t + 16] + 32 * z), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vbase + rows[t] + 32 * z), _MM_HINT_T1);
           }
@@ -477,7 +479,23 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           for (int64_t t = 0; t < std::min(bs, ctx - j0); ++t) f(j0 + t, base + t * st);
         }
       };
-      const int64_t lines = (D * 2 + 63) / 64;  // cache lines per row
+      // The next sequence's key and value rows (all KV heads: bytes [0, span) of each token's
+      // row) go to L2 a few rows per key tile while this sequence computes: blocks are
+      // scattered, so neither the hardware prefetcher nor a burst at the item's start keeps DRAM
+      // busy (cold pools, batch 32 x ~160 tokens: 0.35-0.37 -> 0.19-0.23 ms per call).
+      const int64_t span = ((KVH - 1) * sh + D) * 2;
+      std::vector<int64_t> ahead(ctx32);
+      int64_t ahead_n = 0, ahead_done = 0, ahead_per_tile = 0;
+      auto on_tile = [&] {
+        for (int64_t k = 0; k < ahead_per_tile && ahead_done < ahead_n; ++k, ++ahead_done) {
+          const char* kr = reinterpret_cast<const char*>(kd + ahead[ahead_done]);
+          const char* vr = reinterpret_cast<const char*>(vd + ahead[ahead_done]);
+          for (int64_t z = 0; z < span; z += 64) {
+            _mm_prefetch(kr + z, _MM_HINT_T1);
+            _mm_prefetch(vr + z, _MM_HINT_T1);
+          }
+        }
+      };
       int64_t cur = -1;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KVH, h = i % KVH, ctx = context_lens[b];
@@ -486,22 +504,20 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           std::fill(o, o + G * D, bf16(0.0f));
           continue;
         }
-        if (b != cur) {  // the sequence's row offsets, shared by its heads
+        if (b != cur) {  // the sequence's row offsets, shared by its heads; the next one's ahead
           for_each_row(b, ctx, [&](int64_t j, int64_t row) { rows[j] = row; });
           cur = b;
+          ahead_n = ahead_done = 0;
+          if (b + 1 <= (i1 - 1) / KVH) {  // the next sequence is this thread's too
+            ahead_n = context_lens[b + 1];
+            for_each_row(b + 1, ahead_n, [&](int64_t j, int64_t row) { ahead[j] = row; });
+            const int64_t tiles = std::min(KVH - h, i1 - i) * G * ((ctx + 15) / 16);  // on_tile calls left
+            ahead_per_tile = (ahead_n + tiles - 1) / tiles;
+          }
         }
         const int64_t off = h * sh;
-        if (i + 1 < i1) {  // the next item's rows, into L2 while this one computes (DRAM latency,
-                           // not bandwidth, bounds a cold cache's scattered rows otherwise)
-          const int64_t next_off = ((i + 1) % KVH) * sh;
-          for_each_row((i + 1) / KVH, context_lens[(i + 1) / KVH], [&](int64_t, int64_t row) {
-            for (int64_t z = 0; z < lines; ++z) {
-              _mm_prefetch(reinterpret_cast<const char*>(kd + row + next_off) + 64 * z, _MM_HINT_T1);
-              _mm_prefetch(reinterpret_cast<const char*>(vd + row + next_off) + 64 * z, _MM_HINT_T1);
-            }
-          });
-        }
-        decode_item<NC>(qd + (b * H + h * G) * D, kd + off, vd + off, rows.data(), ctx, G, scale, sc.data(), pb.data(), o);
+        decode_item<NC>(qd + (b * H + h * G) * D, kd + off, vd + off, rows.data(), ctx, G, scale, sc.data(), pb.data(), o,
+                        on_tile);
       }
     });
   });
