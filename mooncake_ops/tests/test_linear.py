@@ -125,6 +125,30 @@ def test_native_bf16_weights_outside_its_layout_get_onednn_packing():
 
 
 @native_only
+@pytest.mark.parametrize("rows", [129, 300, 1024])
+def test_native_bf16_linear_gives_two_threads_the_same_answer_as_one(rows):
+    """Prefill-sized calls whose 64-column panels do not divide among the threads (9 panels:
+    576 outputs, the model's o and down projections) split each panel's rows as well; every
+    output is still summed by one micro-tile in one order, so two threads agree with one bit
+    for bit, and both with float64, on fresh random inputs."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    weight = (torch.randn(576, 576, generator=gen) / 24).bfloat16()
+    kernel = mo.linear.NATIVE_PACKED_BF16
+    packed = kernel.pack(weight)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.linear(x, packed)
+        torch.set_num_threads(2)
+        two = kernel.linear(x, packed)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+    assert_close(two, torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16)
+
+
+@native_only
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
 @given(rows=st.one_of(st.integers(1, 40), st.sampled_from([129, 300])),

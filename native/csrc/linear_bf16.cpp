@@ -10,11 +10,12 @@
 // accumulators; 4 x 4 = 64 outputs for 4 rows), per pair p NR weight loads, MR broadcasts and
 // MR x NR vdpbf16ps. Loop: threads split the output blocks (panels of NR x 16 columns, whose
 // K x NR x 16 weights stay in L2 while every row block passes over them), or, when a call has
-// fewer panels than threads and many rows, the rows. Row counts <= 4 stream the weight once
-// at close to memory bandwidth; large ones are bound by the dot products. With several row
-// blocks the next panel is prefetched a few lines per pair while this one is computed, so a
-// batched decode step's weights arrive from DRAM behind the arithmetic (without: 1.2-1.25x slower
-// for 32 rows over weights not in cache).
+// fewer panels than threads and many rows, the rows; a prefill-sized call whose panels do not
+// divide among the threads splits each panel's rows too (e.g. 9 panels x 2 chunks on 2
+// threads). Row counts <= 4 stream the weight once at close to memory bandwidth; large ones
+// are bound by the dot products. With several row blocks the next panel is prefetched a few
+// lines per pair while this one is computed, so a batched decode step's weights arrive from
+// DRAM behind the arithmetic (without: 1.2-1.25x slower for 32 rows over cold weights).
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
 
@@ -22,6 +23,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <numeric>
 
 #include "dispatch.h"
 #include "vec.h"
@@ -177,8 +179,19 @@ std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, 
     if (silu) run_tiles<true>(xd, ldx, wd, bd, yd, N, K2, m0, m1, j0, j1);
     else run_tiles<false>(xd, ldx, wd, bd, yd, N, K2, m0, m1, j0, j1);
   };
+  // Row chunks per panel that make the (panel, chunk) tasks divide evenly among the threads:
+  // 9 panels (576 outputs) on 2 threads split 5 / 4 by columns alone.
+  const int64_t R = threads / std::gcd(panels, threads);
   if (threads <= 1 || M * N * K < kOneThreadMaxMacs) {
     tiles(0, M, 0, panels);
+  } else if (R > 1 && M >= 64 * R && panels < 16 * threads) {  // prefill-sized: even tasks
+    const int64_t chunk = ((M + R - 1) / R + kMR - 1) / kMR * kMR;  // whole micro-tiles
+    at::parallel_for(0, panels * R, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j = t / R, r = t % R;
+        tiles(std::min(M, r * chunk), std::min(M, (r + 1) * chunk), j, j + 1);
+      }
+    });
   } else if (panels >= 4 * threads || M < 4 * kMR * threads) {  // split the columns
     at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) { tiles(0, M, j0, j1); });
   } else {  // few panels, many rows: split the rows (in whole micro-tiles)
