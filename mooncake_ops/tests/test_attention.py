@@ -323,6 +323,48 @@ def test_native_bf16_prefill_kernel_follows_rising_and_falling_scores(slope, see
     assert_close(got, oracle_prefill(*args), torch.bfloat16)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_native_bf16_prefill_one_new_token_gets_the_decode_kernels_answer(threads, seed):
+    """A sequence with one new token in a prefill batch (a decode riding along with a chunk)
+    reads its cached context in place through the decode kernel, its own K/V from k / v: the
+    rows match float64, and equal bit for bit what paged_decode_attention gives the same token
+    once its K/V are in the pool, so a token's output does not depend on the batch it is in."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available() or not _cpu_has_avx512_bf16():
+        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    g = dict(block_size=16, num_kv_heads=2, num_heads=6, head_dim=64, dtype=torch.bfloat16,
+             int8=False, strided=True, seed=seed)
+    cached, new = [75, 130, 0, 40], [1, 1, 50, 1]
+    totals = [c + n for c, n in zip(cached, new)]
+    cache = PagedCache(g, totals)
+    cache.fill()
+    total = sum(new)
+    fused = cache.randn(total, 6 * 64 + 2 * 2 * 64)
+    q, k, v = fused.split([6 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k, v = q.view(total, 6, 64), k.view(total, 2, 64), v.view(total, 2, 64)
+    with using("reference"):  # the new tokens' K/V into the pool, as the model writes them
+        mo.write_kv(k, v, cache.k_cache, cache.v_cache, cache.slots(new, starts=cached))
+    args = (q, k, v, cache.k_cache, cache.v_cache, cache.block_tables,
+            torch.tensor(cached, dtype=torch.int32), torch.tensor(new, dtype=torch.int32), 0.125)
+    ones = [b for b, n in enumerate(new) if n == 1]
+    rows = [sum(new[:b]) for b in ones]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native._load().paged_prefill_attention(*args, out=torch.full_like(q, math.nan))
+        decoded = native._load().paged_decode_attention(
+            q[rows].contiguous(), cache.k_cache, cache.v_cache, cache.block_tables[ones],
+            torch.tensor(totals, dtype=torch.int32)[ones], 0.125, None, None, None)
+    finally:
+        torch.set_num_threads(previous)
+    assert got is not None and decoded is not None
+    assert_close(got, oracle_prefill(*args), torch.bfloat16)
+    assert torch.equal(got[rows], decoded)
+
+
 def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():
     from mooncake_ops.backends import native
 

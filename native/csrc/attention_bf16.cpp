@@ -201,6 +201,89 @@ constexpr int rows_per_block() {
   return NC <= 4 ? 4 : NC <= 8 ? 2 : 1;  // accumulators RB x NC, scores RB x 2: within 32 registers
 }
 
+// One query token of G heads (q [G][D], out [G][D], both contiguous) over ctx cached keys
+// whose rows start at kbase + rows[t] / vbase + rows[t]: the decode kernel (see "decode" at
+// the end of the file), also used by the prefill for a sequence with one new token.
+template <int NC, typename OnTile>
+MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* rows,
+                                  int64_t ctx, int64_t G, float scale, float* sc, uint16_t* pb, bf16* out,
+                                  OnTile&& on_tile, const bf16* k_last = nullptr, const bf16* v_last = nullptr) {
+  constexpr int64_t D = 16 * NC, NZ = D / 32;  // a bf16 row is NZ registers
+  constexpr int GB = rows_per_block<NC>();
+  const int64_t ctx32 = (ctx + 31) / 32 * 32;
+  // token t's key / value row; k_last / v_last, when given, hold the last token's (rows[ctx - 1] unused)
+  auto krow = [&](int64_t t) { return k_last != nullptr && t == ctx - 1 ? k_last : kbase + rows[t]; };
+  auto vrow = [&](int64_t t) { return v_last != nullptr && t == ctx - 1 ? v_last : vbase + rows[t]; };
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[NZ];
+    for (int64_t z = 0; z < NZ; ++z) qv[z] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * z);
+    float* sg = sc + g * ctx32;
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      on_tile();
+      if (g == 0)  // rows are scattered over blocks: ask for the next keys and these values early
+        for (int64_t t = t0; t < std::min(ctx, t0 + 16); ++t)
+          for (int64_t z = 0; z < NZ; ++z) {
+            if (t + 16 < ctx) _mm_prefetch(reinterpret_cast<const char*>(krow(t + 16) + 32 * z), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vrow(t) + 32 * z), _MM_HINT_T1);
+          }
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        if (t0 + t < ctx) {
+          const bf16* kr = krow(t0 + t);
+          for (int64_t z = 0; z < NZ; ++z) acc[t] = _mm512_dpbf16_ps(acc[t], qv[z], (__m512bh)_mm512_loadu_si512(kr + 32 * z));
+        }
+      }
+      _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+  float l[16];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = sc + g * ctx32;
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    for (int64_t t = 0; t < ctx; t += 16)
+      vmax = _mm512_mask_max_ps(vmax, tail_mask(ctx - t), vmax, _mm512_maskz_loadu_ps(tail_mask(ctx - t), sg + t));
+    const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx32; t += 32) {
+      const __m512 p0 = _mm512_maskz_mov_ps(tail_mask(ctx - t), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm)));
+      const __m512 p1 = ctx > t + 16 ? _mm512_maskz_mov_ps(tail_mask(ctx - t - 16), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t + 16), vm)))
+                                     : _mm512_setzero_ps();
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pb + g * ctx32 + t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[g] = _mm512_reduce_add_ps(sum);  // >= 1: the max key adds exp(0); G <= 16 (the caller)
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min<int64_t>(GB, G - g0);
+    __m512 acc[GB][NC];
+    for (int r = 0; r < GB; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < (ctx + 1) / 2; ++u) {
+      const bf16* r0 = vrow(2 * u);
+      const bf16* r1 = 2 * u + 1 < ctx ? vrow(2 * u + 1) : nullptr;
+      __m512bh vv[NC];
+      for (int c = 0; c < NC; ++c) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c)));
+        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * c)))
+                              : _mm512_setzero_si512();
+        vv[c] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+      for (int r = 0; r < GB; ++r) {
+        if (r >= gn) break;
+        uint32_t pair;
+        std::memcpy(&pair, pb + (g0 + r) * ctx32 + 2 * u, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
+      }
+    }
+    for (int64_t r = 0; r < gn; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[g0 + r]);
+      for (int c = 0; c < NC; ++c) store16(out + (g0 + r) * D + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+    }
+  }
+}
+
 template <int NC>
 void run(const PrefillArgs& a, bool parallel) {
   constexpr int64_t D = 16 * NC, P = D / 2;
@@ -216,7 +299,11 @@ void run(const PrefillArgs& a, bool parallel) {
     max_keys = std::max(max_keys, a.seqs[b].cached + a.seqs[b].num_new);
   }
   const int64_t items = first.back();
-  const int64_t max_tiles = (max_keys + KT - 1) / KT;
+  const int64_t max_tiles = (max_keys + KT - 1) / KT, max_keys32 = max_tiles * KT;
+  // A sequence with one new token (a decode in a mixed batch) reads its cached keys in place
+  // through the decode kernel (its own K/V from k / v) instead of re-laying its whole context
+  // out for one query row: for a bf16 cache with K and V laid out alike, heads contiguous.
+  const bool by_rows = a.ks == nullptr && a.cb == a.vcb && a.ct == a.vct && a.qs1 == D && a.os1 == D && G <= 16;
   auto tile_of = [](int64_t u, int64_t tiles) { return u % 2 == 0 ? u / 2 : tiles - 1 - u / 2; };
   // Threads get contiguous item ranges of equal cost (rows x keys they read), not equal counts:
   // a chunk often holds a sequence with a long cached prefix beside one that starts from zero.
@@ -239,7 +326,10 @@ void run(const PrefillArgs& a, bool parallel) {
     if (i0 >= i1) return;
     std::vector<uint32_t> kp(max_tiles * KT * P), vp(max_tiles * KT * P);
     std::vector<float> acc(RB * D), l(RB);
-    int64_t cur_b = -1, cur_h = -1, packed = 0;
+    int64_t cur_b = -1, cur_h = -1, packed = 0, rows_of = -1;
+    std::vector<int64_t> rows(by_rows ? max_keys32 : 0);
+    std::vector<float> sc(by_rows ? G * max_keys32 : 0);
+    std::vector<uint16_t> pb(by_rows ? G * max_keys32 : 0);
     int64_t b = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= first[b + 1]) ++b;
@@ -250,6 +340,18 @@ void run(const PrefillArgs& a, bool parallel) {
       const int64_t q0 = tile * TQ, q1 = std::min(s.num_new, q0 + TQ);
       const int64_t total = s.cached + s.num_new;
       const int64_t need = (s.cached + q1 + KT - 1) / KT;  // key tiles the last token reads
+      if (s.num_new == 1 && by_rows) {  // a decode token in a mixed batch: no re-layout
+        if (b != rows_of) {
+          for (int64_t j = 0; j < s.cached; ++j)
+            rows[j] = a.block_tables[b * a.max_blocks + j / a.block_size] * a.cb + (j % a.block_size) * a.ct;
+          rows_of = b;
+        }
+        decode_item<NC>(a.q + s.start * a.qs0 + h * G * a.qs1, static_cast<const bf16*>(a.kc) + h * a.ch,
+                        static_cast<const bf16*>(a.vc) + h * a.vch, rows.data(), total, G, a.scale, sc.data(),
+                        pb.data(), a.out + s.start * a.os0 + h * G * a.os1, [] {},
+                        a.k + s.start * a.ks0 + h * a.ks1, a.v + s.start * a.vs0 + h * a.vs1);
+        continue;
+      }
       if (b != cur_b || h != cur_h) {
         cur_b = b;
         cur_h = h;
@@ -367,83 +469,6 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
 //   p[g][t] = exp(scores - max)   one vectorised pass per row; p rounded to bf16, l = sum(p)
 //   acc[g] += (p_2u, p_2u+1) . (v_2u, v_2u+1)     value rows interleaved in pairs on the fly
 namespace {
-
-template <int NC, typename OnTile>
-MOPS_BF16_TARGET void decode_item(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* rows,
-                                  int64_t ctx, int64_t G, float scale, float* sc, uint16_t* pb, bf16* out,
-                                  OnTile&& on_tile) {
-  constexpr int64_t D = 16 * NC, NZ = D / 32;  // a bf16 row is NZ registers
-  constexpr int GB = rows_per_block<NC>();
-  const int64_t ctx32 = (ctx + 31) / 32 * 32;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512bh qv[NZ];
-    for (int64_t z = 0; z < NZ; ++z) qv[z] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * z);
-    float* sg = sc + g * ctx32;
-    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-      on_tile();
-      if (g == 0)  // rows are scattered over blocks: ask for the next keys and these values early
-        for (int64_t t = t0; t < std::min(ctx, t0 + 16); ++t)
-          for (int64_t z = 0; z < NZ; ++z) {
-            if (t + 16 < ctx) _mm_prefetch(reinterpret_cast<const char*>(kbase + rows[t + 16] + 32 * z), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vbase + rows[t] + 32 * z), _MM_HINT_T1);
-          }
-      __m512 acc[16];
-      for (int t = 0; t < 16; ++t) {
-        acc[t] = _mm512_setzero_ps();
-        if (t0 + t < ctx) {
-          const bf16* kr = kbase + rows[t0 + t];
-          for (int64_t z = 0; z < NZ; ++z) acc[t] = _mm512_dpbf16_ps(acc[t], qv[z], (__m512bh)_mm512_loadu_si512(kr + 32 * z));
-        }
-      }
-      _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
-    }
-  }
-  float l[16];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = sc + g * ctx32;
-    __m512 vmax = _mm512_set1_ps(kNegInf);
-    for (int64_t t = 0; t < ctx; t += 16)
-      vmax = _mm512_mask_max_ps(vmax, tail_mask(ctx - t), vmax, _mm512_maskz_loadu_ps(tail_mask(ctx - t), sg + t));
-    const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < ctx32; t += 32) {
-      const __m512 p0 = _mm512_maskz_mov_ps(tail_mask(ctx - t), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm)));
-      const __m512 p1 = ctx > t + 16 ? _mm512_maskz_mov_ps(tail_mask(ctx - t - 16), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t + 16), vm)))
-                                     : _mm512_setzero_ps();
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_storeu_si512(pb + g * ctx32 + t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    l[g] = _mm512_reduce_add_ps(sum);  // >= 1: the max key adds exp(0); G <= 16 (the caller)
-  }
-  for (int64_t g0 = 0; g0 < G; g0 += GB) {
-    const int64_t gn = std::min<int64_t>(GB, G - g0);
-    __m512 acc[GB][NC];
-    for (int r = 0; r < GB; ++r)
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < (ctx + 1) / 2; ++u) {
-      const bf16* r0 = vbase + rows[2 * u];
-      const bf16* r1 = 2 * u + 1 < ctx ? vbase + rows[2 * u + 1] : nullptr;
-      __m512bh vv[NC];
-      for (int c = 0; c < NC; ++c) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c)));
-        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * c)))
-                              : _mm512_setzero_si512();
-        vv[c] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-      }
-      for (int r = 0; r < GB; ++r) {
-        if (r >= gn) break;
-        uint32_t pair;
-        std::memcpy(&pair, pb + (g0 + r) * ctx32 + 2 * u, sizeof(pair));
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
-      }
-    }
-    for (int64_t r = 0; r < gn; ++r) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[g0 + r]);
-      for (int c = 0; c < NC; ++c) store16(out + (g0 + r) * D + 16 * c, _mm512_mul_ps(acc[r][c], inv));
-    }
-  }
-}
 
 }  // namespace
 
