@@ -338,7 +338,7 @@ def test_native_bf16_prefill_one_new_token_gets_the_decode_kernels_answer(thread
     g = dict(block_size=16, num_kv_heads=2, num_heads=6, head_dim=64, dtype=torch.bfloat16,
              int8=False, strided=True, seed=seed)
     cached, new = [75, 130, 0, 40], [1, 1, 50, 1]
-    totals = [c + n for c, n in zip(cached, new)]
+    totals = [c + n for c, n in zip(cached, new, strict=True)]
     cache = PagedCache(g, totals)
     cache.fill()
     total = sum(new)
