@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.request import FinishReason, Request
@@ -36,6 +40,31 @@ def test_greedy_is_argmax_and_top_k_one_matches_it():
     assert top1 == greedy
     tiny_p = sampler(logits, [_req(str(i), SamplingParams(top_p=1e-6)) for i in range(4)])
     assert tiny_p == greedy
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.sampled_from([100, 4096, 4100, 5000, 49152]),
+       kind=st.sampled_from(["random", "bf16 ties", "few values", "-inf rows", "nan", "max in tail"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_greedy_argmax_is_torchs_first_maximum(rows, vocab, kind, seed):
+    """The chunked greedy argmax gives max(dim=-1)'s index on fresh random logits: ties (bf16
+    rounding, a handful of values) resolved to the first, all -inf rows, NaN (counted as the
+    maximum, as torch does), a maximum in the part past the last whole chunk."""
+    from kthena_serve.sampler import _argmax
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if kind == "bf16 ties":
+        logits = (logits * 4).bfloat16().float()
+    elif kind == "few values":
+        logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    elif kind == "-inf rows":
+        logits[: max(1, rows // 2)] = -math.inf
+    elif kind == "nan":
+        logits[0, int(torch.randint(0, vocab, (1,), generator=gen))] = math.nan
+    elif kind == "max in tail":
+        logits[:, -1] = 100.0
+    assert torch.equal(_argmax(logits), logits.max(dim=-1).indices)
 
 
 def test_sampling_follows_the_distribution():

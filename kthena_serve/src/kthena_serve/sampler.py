@@ -88,9 +88,36 @@ class Sampler:
         return noise
 
 
+_ARGMAX_CHUNK = 1024
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    # max(dim).indices: same first-maximum answer as argmax, several times faster on CPU.
-    return logits.max(dim=-1).indices
+    """Index of each row's first maximum (a NaN counts as the maximum), as ``max(dim=-1)``.
+
+    torch's CPU ``max(dim)`` / ``argmax`` scan a [32, 49152] batch in ~1.2 ms on this machine's
+    two threads, while ``amax`` takes ~0.05: so the rows are cut into 1,024-wide chunks, the
+    first chunk holding the row's maximum is found from the chunk maxima, and only that chunk
+    is scanned for the index (~0.15 ms). Ties resolve as torch does: the first chunk that holds
+    the maximum, then the first index in it.
+    """
+    rows, vocab = logits.shape
+    chunks = vocab // _ARGMAX_CHUNK
+    if rows < 2 or chunks < 4 or logits.stride(-1) != 1:
+        return logits.max(dim=-1).indices
+    width = chunks * _ARGMAX_CHUNK
+    main = logits[:, :width].view(rows, chunks, _ARGMAX_CHUNK)
+    chunk_max = main.amax(dim=-1)
+    best = chunk_max.amax(dim=-1)
+    tail = logits[:, width:]
+    if tail.shape[1]:
+        best = torch.maximum(best, tail.amax(dim=-1))
+    hit = chunk_max == best[:, None]
+    found = hit.any(dim=-1)
+    if not bool(found.all()):  # a NaN row (no chunk equals it) or a maximum only in the tail
+        return logits.max(dim=-1).indices
+    first = hit.to(torch.uint8).argmax(dim=-1)
+    inside = main[torch.arange(rows, device=logits.device), first].max(dim=-1).indices
+    return first * _ARGMAX_CHUNK + inside
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> torch.Tensor:
