@@ -333,8 +333,10 @@ def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prom
         with pytest.raises(TransferError, match="unregistered segment"):
             futures[1].result(timeout=120)
         num_layers = executor.pool.layout.shape.num_layers
-        # layers 0..k of the first chunk went out, the second chunk sent nothing
-        assert k + 1 <= failing.num_calls <= num_layers
+        # layers 0..k-1 went out; layer k's put is either refused as it is submitted (the
+        # transfer engine already saw the segment go: no call counted) or submitted and fails
+        # when it runs; later layers may be submitted before that failure is seen, no more
+        assert k <= failing.num_calls <= num_layers
         assert decode.release("layer-1")  # the decode worker's failure policy releases it
         results = [futures[0].result(timeout=120), futures[2].result(timeout=120)]
         texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
