@@ -201,6 +201,16 @@ constexpr int rows_per_block() {
   return NC <= 4 ? 4 : NC <= 8 ? 2 : 1;  // accumulators RB x NC, scores RB x 2: within 32 registers
 }
 
+// out[j] = offset of token j's row (before the head) in a paged cache, for j < n, through one
+// sequence's block table row; blocks of block_size tokens at stride sb, tokens at stride st.
+inline void row_offsets(const int32_t* table, int64_t n, int64_t block_size, int64_t sb, int64_t st,
+                        int64_t* out) {
+  for (int64_t j0 = 0, col = 0; j0 < n; j0 += block_size, ++col) {
+    const int64_t base = table[col] * sb;
+    for (int64_t t = 0; t < std::min(block_size, n - j0); ++t) out[j0 + t] = base + t * st;
+  }
+}
+
 // One query token of G heads (q [G][D], out [G][D], both contiguous) over ctx cached keys
 // whose rows start at kbase + rows[t] / vbase + rows[t]: the decode kernel (see "decode" at
 // the end of the file), also used by the prefill for a sequence with one new token.
@@ -342,8 +352,7 @@ void run(const PrefillArgs& a, bool parallel) {
       const int64_t need = (s.cached + q1 + KT - 1) / KT;  // key tiles the last token reads
       if (s.num_new == 1 && by_rows) {  // a decode token in a mixed batch: no re-layout
         if (b != rows_of) {
-          for (int64_t j = 0; j < s.cached; ++j)
-            rows[j] = a.block_tables[b * a.max_blocks + j / a.block_size] * a.cb + (j % a.block_size) * a.ct;
+          row_offsets(a.block_tables + b * a.max_blocks, s.cached, a.block_size, a.cb, a.ct, rows.data());
           rows_of = b;
         }
         decode_item<NC>(a.q + s.start * a.qs0 + h * G * a.qs1, static_cast<const bf16*>(a.kc) + h * a.ch,
@@ -497,13 +506,6 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       std::vector<int64_t> rows(ctx32);
       std::vector<float> sc(G * ctx32);
       std::vector<uint16_t> pb(G * ctx32);
-      // Calls f(j, offset of token j's row in the cache, before the head) for j < ctx of sequence b.
-      auto for_each_row = [&](int64_t b, int64_t ctx, auto&& f) {
-        for (int64_t j0 = 0, col = 0; j0 < ctx; j0 += bs, ++col) {
-          const int64_t base = block_tables[b * max_blocks + col] * sb;
-          for (int64_t t = 0; t < std::min(bs, ctx - j0); ++t) f(j0 + t, base + t * st);
-        }
-      };
       // The next sequence's key and value rows (all KV heads: bytes [0, span) of each token's
       // row) go to L2 a few rows per key tile while this sequence computes: blocks are
       // scattered, so neither the hardware prefetcher nor a burst at the item's start keeps DRAM
@@ -530,12 +532,12 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           continue;
         }
         if (b != cur) {  // the sequence's row offsets, shared by its heads; the next one's ahead
-          for_each_row(b, ctx, [&](int64_t j, int64_t row) { rows[j] = row; });
+          row_offsets(block_tables + b * max_blocks, ctx, bs, sb, st, rows.data());
           cur = b;
           ahead_n = ahead_done = 0;
           if (b + 1 <= (i1 - 1) / KVH) {  // the next sequence is this thread's too
             ahead_n = context_lens[b + 1];
-            for_each_row(b + 1, ahead_n, [&](int64_t j, int64_t row) { ahead[j] = row; });
+            row_offsets(block_tables + (b + 1) * max_blocks, ahead_n, bs, sb, st, ahead.data());
             const int64_t tiles = std::min(KVH - h, i1 - i) * G * ((ctx + 15) / 16);  // on_tile calls left
             ahead_per_tile = (ahead_n + tiles - 1) / tiles;
           }
