@@ -1,27 +1,31 @@
 """``kthena bench serve``'s workloads through vLLM's offline ``LLM`` API (the peer side).
 
-Run with the peer venv's python (built by ``build_vllm_venv.py``), never with the project's::
-
-    benchmarks/peers/.venv-vllm/bin/python benchmarks/peers/vllm_workloads.py \
-        --model ~/.cache/kthena/SmolLM2-135M-Instruct --workloads workloads.json \
-        --cores 0-1 --repeats 3
-
-``--workloads`` is the JSON file ``kthena bench serve --peer vllm`` writes: per workload the
-prompt token ids and output length (``{"a_batch1": {"prompts": [[...]], "max_tokens": 64},
-"b_offline": ..., "c_shared_prefix": ...}``), so both sides run the very same prompts. To run
-this script alone, write the file with the project's python::
+Run with the peer venv's python (built by ``build_vllm_venv.py``), never with the project's.
+``kthena bench serve --peer vllm`` starts it and asks for one run at a time, so that its runs
+and kthena's alternate on the same cores (see docs/bench_serve.md). It builds one ``LLM`` and
+then serves requests, one JSON object per line: on stdin ``{"case": "a" | "b" | "c"}``, on
+stdout ``{"peer": "vllm", "case": ..., "result": {...}}`` with the figures of that one run,
+keyed as kthena's. Its first such line is ``{"peer": "vllm", "ready": {...}}`` (version,
+cores, settings). It exits when stdin closes. vLLM logs to stdout too, so only lines that are
+JSON objects with a ``"peer"`` key are answers. By hand::
 
     .venv/bin/python -c "import json; from kthena_serve.bench import workload_prompts; \
         print(json.dumps(workload_prompts(('a', 'b', 'c'))))" > workloads.json
+    printf '{"case": "b"}\n{"case": "b"}\n' | benchmarks/peers/.venv-vllm/bin/python \
+        benchmarks/peers/vllm_workloads.py --model ~/.cache/kthena/SmolLM2-135M-Instruct \
+        --workloads workloads.json --cores 0-1 --prefix-caching on
+
+``--workloads`` is the JSON file ``kthena bench serve --peer vllm`` writes: per workload the
+prompt token ids and output length (``{"a_batch1": {"prompts": [[...]], "max_tokens": 64},
+"b_offline": ..., "c_shared_prefix": ...}``), so both sides run the very same prompts.
 
 vLLM runs eager (``enforce_eager=True``), bf16, greedy with ``ignore_eos``, its OpenMP threads
 bound to ``--cores`` (``VLLM_CPU_OMP_THREADS_BIND``) and a ``--kv-cache-gib`` KV cache
 (``VLLM_CPU_KVCACHE_SPACE``). Requests go through ``LLM.llm_engine``'s ``add_request`` /
 ``step`` loop, timed as kthena's engine is: TTFT is the first step that returns a token for a
-request, decode tokens/s is (tokens - 1) ÷ (finish - first token). Each workload runs once to
-warm up, then ``--repeats`` times on a reset prefix cache; medians are printed as one JSON line
-on stdout with the keys ``kthena bench serve`` uses. Prefix reuse off needs a second ``LLM``
-(``enable_prefix_caching=False``), so that workload runs in a child process of this script.
+request, decode tokens/s is (tokens - 1) ÷ (finish - first token). Every run starts on a
+reset prefix cache. Prefix reuse off needs another ``LLM`` (``--prefix-caching off``), so the
+bench runs a second process of this script for it.
 """
 
 from __future__ import annotations
@@ -30,17 +34,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-CASES = ("a", "b", "c_reuse", "c_no_reuse")
-WORKLOAD_KEYS = ("a_batch1", "b_offline", "c_shared_prefix", "c_shared_prefix")
+# case -> the workload it runs
+WORKLOADS = {"a": "a_batch1", "b": "b_offline", "c": "c_shared_prefix"}
 
 
 def _log(message: str) -> None:
     print(f"vllm_workloads: {message}", file=sys.stderr, flush=True)
+
+
+def _answer(**fields: object) -> None:
+    print(json.dumps({"peer": "vllm", **fields}), flush=True)
 
 
 def _cores(text: str) -> list[int]:
@@ -100,69 +107,17 @@ def _run(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             "output_tokens": sum(n for _, n in done.values())}
 
 
-def _median(name: str, fn, repeats: int) -> dict:
-    fn()  # warm-up
-    results = [fn() for _ in range(repeats)]
-    median = {k: round(statistics.median(r[k] for r in results), 4) for k in results[0]}
-    _log(f"{name}: {median}")
-    return median
-
-
-def _case_a(llm, spec: dict) -> dict:
+def run_case(llm, case: str, spec: dict) -> dict:
+    """One timed run of ``case`` ("a", "b" or "c") on ``spec``; kthena's keys for it."""
     run = _run(llm, spec["prompts"], spec["max_tokens"])
-    (rid, (finish, tokens)), = run["done"].items()
-    return {"ttft_s": run["first"][rid] - run["start"],
-            "decode_tok_s": (tokens - 1) / (finish - run["first"][rid])}
-
-
-def _case_b(llm, spec: dict) -> dict:
-    run = _run(llm, spec["prompts"], spec["max_tokens"])
-    return {"total_s": run["total_s"], "output_tok_s": run["output_tokens"] / run["total_s"]}
-
-
-def _case_c(llm, spec: dict) -> dict:
-    run = _run(llm, spec["prompts"], spec["max_tokens"])
+    if case == "a":
+        (rid, (finish, tokens)), = run["done"].items()
+        return {"ttft_s": run["first"][rid] - run["start"],
+                "decode_tok_s": (tokens - 1) / (finish - run["first"][rid])}
+    if case == "b":
+        return {"total_s": run["total_s"], "output_tok_s": run["output_tokens"] / run["total_s"]}
     ttfts = [t - run["start"] for t in run["first"].values()]
     return {"total_s": run["total_s"], "mean_ttft_s": statistics.mean(ttfts)}
-
-
-def run_cases(args: argparse.Namespace, workloads: dict, cases: list[str]) -> dict:
-    """Run ``cases`` in this process (one ``LLM``); results keyed like kthena's JSON."""
-    reuse = "c_no_reuse" not in cases
-    llm = _make_llm(args.model, prefix_caching=reuse)
-    out = {}
-    try:
-        if "a" in cases:
-            out["a_batch1"] = _median("a", lambda: _case_a(llm, workloads["a_batch1"]),
-                                      args.repeats)
-        if "b" in cases:
-            out["b_offline"] = _median("b", lambda: _case_b(llm, workloads["b_offline"]),
-                                       args.repeats)
-        if "c_reuse" in cases or "c_no_reuse" in cases:
-            name = "c_shared_prefix_reuse" if reuse else "c_shared_prefix_no_reuse"
-            out[name] = _median(name, lambda: _case_c(llm, workloads["c_shared_prefix"]),
-                                args.repeats)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    return out
-
-
-def _child_no_reuse(args: argparse.Namespace) -> dict:
-    """Reuse off needs its own ``LLM``: run it in a fresh process of this script."""
-    command = [sys.executable, __file__, "--model", args.model, "--workloads",
-               str(args.workloads), "--cores", args.cores, "--repeats", str(args.repeats),
-               "--kv-cache-gib", str(args.kv_cache_gib), "--cases", "c_no_reuse"]
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-    result = None
-    for line in done.stdout.splitlines():  # vLLM logs to stdout: pass them on, keep the JSON
-        if line.startswith('{"vllm"'):
-            result = json.loads(line)["vllm"]
-        else:
-            print(line, file=sys.stderr)
-    if done.returncode != 0 or result is None:
-        raise RuntimeError(f"the reuse-off child exited with {done.returncode} and no JSON "
-                           f"line: {' '.join(command)}")
-    return result
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -170,26 +125,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     parser.add_argument("--workloads", type=Path, required=True, help="workloads JSON file")
     parser.add_argument("--cores", required=True, help="cores to bind, e.g. 0-1")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--cases", default=None, help=f"subset of {','.join(CASES)} (default: "
-                        "every workload in the file)")
+    parser.add_argument("--prefix-caching", choices=("on", "off"), required=True,
+                        help="the LLM's enable_prefix_caching")
     args = parser.parse_args(argv)
     if not args.workloads.is_file():
         parser.error(f"--workloads {args.workloads}: no such file")
     args.workload_specs = json.loads(args.workloads.read_text(encoding="utf-8"))
-    present = [case for case, key in zip(CASES, WORKLOAD_KEYS, strict=True)
-               if key in args.workload_specs]
-    cases = ([c.strip() for c in args.cases.split(",") if c.strip()] if args.cases is not None
-             else present)
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown or not cases:
-        parser.error(f"--cases {args.cases!r}: unknown {unknown}; choose from {', '.join(CASES)}")
-    if set(cases) - set(present):
-        parser.error(f"--cases {','.join(cases)}: {args.workloads} holds workloads for "
-                     f"{','.join(present) or 'none'} only")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; pass a converted Hugging "
                      "Face checkpoint folder")
@@ -197,24 +139,31 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         _cores(args.cores)
     except ValueError as error:
         parser.error(str(error))
-    args.case_list = cases
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    workloads = args.workload_specs
     _environment(args.cores, args.kv_cache_gib)
-    cases = args.case_list
-    here = [c for c in cases if c != "c_no_reuse"] if len(cases) > 1 else cases
-    result = run_cases(args, workloads, here) if here else {}
-    if "c_no_reuse" in cases and here != cases:
-        result.update(_child_no_reuse(args))
     import vllm
 
-    print(json.dumps({"vllm": result, "version": vllm.__version__, "cores": args.cores,
-                      "kv_cache_gib": args.kv_cache_gib, "enforce_eager": True,
-                      "dtype": "bfloat16"}), flush=True)
+    llm = _make_llm(args.model, prefix_caching=args.prefix_caching == "on")
+    try:
+        _answer(ready={"version": vllm.__version__, "cores": args.cores,
+                       "kv_cache_gib": args.kv_cache_gib, "enforce_eager": True,
+                       "dtype": "bfloat16"})
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            case = json.loads(line).get("case")
+            if case not in WORKLOADS or WORKLOADS[case] not in args.workload_specs:
+                raise ValueError(f"request {line.strip()!r}: case must be one of "
+                                 f"{sorted(c for c, w in WORKLOADS.items() if w in args.workload_specs)}")
+            result = run_case(llm, case, args.workload_specs[WORKLOADS[case]])
+            _log(f"{case} (prefix caching {args.prefix_caching}): {result}")
+            _answer(case=case, result=result)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     return 0
 
 

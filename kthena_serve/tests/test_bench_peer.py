@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -172,14 +173,6 @@ def test_report_holds_only_same_run_figures(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
-def test_peer_json_is_found_among_log_lines():
-    from kthena_serve._bench_peer import _last_json
-
-    lines = ["INFO starting", '{"vllm": {"a_batch1": {"ttft_s": 0.1}}}', "WARNING shutdown"]
-    assert _last_json(lines, "vllm") == {"vllm": {"a_batch1": {"ttft_s": 0.1}}}
-    assert _last_json(["{not json", '{"other": 1}'], "vllm") is None
-
-
 def test_build_script_keeps_requirements_but_torch_and_extras():
     import importlib.util
 
@@ -197,11 +190,155 @@ def test_build_script_keeps_requirements_but_torch_and_extras():
         "regex", "numba==0.65.0", "xgrammar==0.2.8; platform_machine == \"x86_64\""]
 
 
-def test_a_failing_peer_is_one_error_with_its_exit_status(tmp_path):
+def test_interleave_warms_each_system_then_alternates_rounds():
+    calls = []
+
+    def runner(name, case):
+        def run():
+            calls.append((name, case))
+            return {"total_s": float(len(calls))}
+        return run
+
+    systems = {name: {case: runner(name, case) for case in cases}
+               for name, cases in (("ours", ("b_offline", "a_batch1")), ("peer", ("a_batch1",)),
+                                   ("hf", ("a_batch1", "b_offline")))}
+    settled = []
+    medians = bench.interleave(systems, runs=3, fewer={("hf", "b_offline"): 1},
+                               settle=lambda: settled.append(len(calls)))
+    assert settled == list(range(len(calls)))  # before every run
+    a = [name for name, case in calls if case == "a_batch1"]
+    assert a == ["ours", "peer", "hf",   # warm-up
+                 "ours", "peer", "hf", "hf", "peer", "ours", "ours", "peer", "hf"]
+    assert [name for name, case in calls if case == "b_offline"] == ["ours", "hf", "ours", "hf", "ours", "ours"]
+    assert [case for _, case in calls[:12]] == ["a_batch1"] * 12  # cases in CASE_KEYS order
+    # medians of the call indices each system's timed runs got
+    assert medians["ours"]["a_batch1"] == {"total_s": 9.0}   # runs 4, 9, 10
+    assert medians["hf"]["b_offline"] == {"total_s": 16.0}   # one round only (13, 14: warm-ups)
+    assert medians["peer"] == {"a_batch1": {"total_s": 8.0}}  # runs 5, 8, 11
+
+
+def _busy(seconds: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                             f"while time.time() - t < {seconds}: pass"])
+
+
+def test_wait_until_idle_waits_out_a_busy_core():
+    from kthena_serve._machine import wait_until_idle
+
+    procs = [_busy(1.5), _busy(1.5)]  # both cores busy for 1.5 s
+    try:
+        time.sleep(0.3)
+        waited = wait_until_idle(max_s=20)
+        assert waited >= 0.9 and all(p.poll() is not None for p in procs), waited
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_wait_until_idle_gives_up_after_max_s():
+    from kthena_serve._machine import wait_until_idle
+
+    procs = [_busy(10), _busy(10)]
+    try:
+        time.sleep(0.3)
+        assert 0.5 <= wait_until_idle(max_s=0.5) < 2
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# A test double of the vLLM peer process (vLLM itself is not installed for `make test`): a
+# real child process speaking vllm_workloads.py's line protocol, with log lines mixed in.
+PEER_DOUBLE = """
+import json, os, sys, time
+args = sys.argv[1:]
+caching = args[args.index("--prefix-caching") + 1]
+log = open(os.environ["PEER_DOUBLE_LOG"], "a")
+print("INFO loading model", flush=True)
+print(json.dumps({"peer": "vllm", "ready": {"version": "double", "caching": caching}}), flush=True)
+for n, line in enumerate(sys.stdin, 1):
+    case = json.loads(line)["case"]
+    log.write(f"{os.getpid()} {caching} {case}\\n"); log.flush()
+    if n == int(os.environ.get("PEER_DOUBLE_FAIL_AT", "0")):
+        print("boom: the double fails here", flush=True)
+        sys.exit(3)
+    if os.environ.get("PEER_DOUBLE_HANG"):
+        time.sleep(600)  # never answers
+    print("WARNING a log line between answers", flush=True)
+    print(json.dumps({"peer": "vllm", "case": case, "result": {"total_s": float(n)}}), flush=True)
+"""
+
+
+def _double_session(tmp_path, monkeypatch, **env):
     from pathlib import Path
 
-    from kthena_serve._bench_peer import PeerRunError, run_peer
+    from kthena_serve._bench_peer import PeerSession, PeerSpec
 
-    peer = parse_peer("vllm=/bin/false")  # a real program that exits 1
-    with pytest.raises(PeerRunError, match="exited with 1 and no JSON line"):
-        run_peer(peer, Path(tmp_path), {"a_batch1": {"prompts": [[1]], "max_tokens": 1}}, [0], 1)
+    script = tmp_path / "peer_double.py"
+    script.write_text(PEER_DOUBLE, encoding="utf-8")
+    monkeypatch.setenv("PEER_DOUBLE_LOG", str(tmp_path / "log"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    peer = PeerSpec("vllm", Path(sys.executable), script)
+    return PeerSession(peer, tmp_path, bench.workload_prompts(("a",)), [0], timeout_s=30)
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_peer_session_serves_one_run_per_request_and_one_process_at_a_time(tmp_path, monkeypatch, capsys):
+    with _double_session(tmp_path, monkeypatch) as session:
+        assert session.run("a_batch1") == {"total_s": 1.0}
+        assert session.run("b_offline") == {"total_s": 2.0}
+        assert session.run("c_shared_prefix_reuse") == {"total_s": 3.0}
+        assert session.info == {"version": "double", "caching": "on"}
+        assert session.run("c_shared_prefix_no_reuse") == {"total_s": 1.0}  # a new process
+        assert session.info == {"version": "double", "caching": "off"}
+    log = [line.split() for line in (tmp_path / "log").read_text().splitlines()]
+    assert [(caching, case) for _, caching, case in log] == [
+        ("on", "a"), ("on", "b"), ("on", "c"), ("off", "c")]
+    first, second = int(log[0][0]), int(log[3][0])
+    assert first != second and _gone(first) and _gone(second)
+    err = capsys.readouterr().err
+    assert "INFO loading model" in err and "WARNING a log line between answers" in err
+
+
+def test_a_failing_peer_is_one_error_with_its_exit_status_and_last_output(tmp_path, monkeypatch):
+    from kthena_serve._bench_peer import PeerRunError
+
+    session = _double_session(tmp_path, monkeypatch, PEER_DOUBLE_FAIL_AT="2")
+    assert session.run("a_batch1") == {"total_s": 1.0}
+    with pytest.raises(PeerRunError, match=r"exited with 3; its last output:\n(.|\n)*boom"):
+        session.run("a_batch1")
+    pid = int((tmp_path / "log").read_text().split()[0])
+    assert _gone(pid)
+
+
+def test_a_silent_peer_times_out_and_its_group_is_killed(tmp_path, monkeypatch):
+    from kthena_serve._bench_peer import PeerRunError
+
+    session = _double_session(tmp_path, monkeypatch, PEER_DOUBLE_HANG="1")
+    session.timeout_s = 1
+    with pytest.raises(PeerRunError, match="gave no answer within 1 s"):
+        session.run("a_batch1")
+    assert _gone(int((tmp_path / "log").read_text().split()[0]))
+
+
+def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
+    from pathlib import Path
+
+    from kthena_serve._bench_peer import PeerRunError, PeerSession
+
+    peer = parse_peer("vllm=/bin/false")  # a real program that exits 1 at once
+    with PeerSession(peer, Path(tmp_path), bench.workload_prompts(("a",)), [0]) as session, \
+            pytest.raises(PeerRunError, match="exited with 1"):
+        session.run("a_batch1")

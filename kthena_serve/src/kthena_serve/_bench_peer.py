@@ -3,31 +3,35 @@
 vLLM cannot share this venv (it pins its own transformers and friends), so it lives in
 ``benchmarks/peers/.venv-vllm`` (built by ``benchmarks/peers/build_vllm_venv.py``) and runs
 ``benchmarks/peers/vllm_workloads.py`` as a child process: same checkpoint folder, same prompt
-token ids (handed over as a JSON file), same cores. The child prints one JSON line of medians
-keyed like our own cases; its logs are passed on to stderr.
+token ids (handed over as a JSON file), same cores. The child serves one timed run per request
+(a JSON line each way), so the bench can alternate its runs with ours; its logs are passed on
+to stderr.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 
-__all__ = ["BUILD_SCRIPT", "PEERS", "PeerMissingError", "PeerRunError", "PeerSpec", "check_peer",
-           "parse_peer", "run_peer"]
+__all__ = ["BUILD_SCRIPT", "PEERS", "PEER_CASES", "PeerMissingError", "PeerRunError", "PeerSession",
+           "PeerSpec", "check_peer", "parse_peer"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PEER_DIR = REPO_ROOT / "benchmarks" / "peers"
 BUILD_SCRIPT = PEER_DIR / "build_vllm_venv.py"
 PEERS = {"vllm": (PEER_DIR / ".venv-vllm" / "bin" / "python", PEER_DIR / "vllm_workloads.py")}
-PEER_TIMEOUT_S = 3600
+PEER_TIMEOUT_S = 1800  # per answer: the peer's start-up, or one timed run
 
 
 class PeerRunError(RuntimeError):
@@ -83,63 +87,127 @@ def check_peer(peer: PeerSpec) -> None:
             f"wheel and its requirements, ~3.6 GB), or pass --peer {peer.name}=/path/to/python")
 
 
-def run_peer(peer: PeerSpec, checkpoint: Path, workloads: dict, cores: list[int],
-             repeats: int) -> dict:
-    """Run the peer's workloads; returns its JSON line (``{"vllm": {case: medians}, ...}``).
+# result key -> (the peer script's case, its LLM's prefix caching)
+PEER_CASES = {"a_batch1": ("a", "on"), "b_offline": ("b", "on"),
+              "c_shared_prefix_reuse": ("c", "on"), "c_shared_prefix_no_reuse": ("c", "off")}
+_EOF = object()
 
-    Raises:
-        PeerMissingError: see `check_peer`.
-        PeerRunError: the peer exited non-zero, printed no JSON, or ran past an hour (its
-            process group is killed then; its last output is in the message).
+
+class PeerSession:
+    """The peer's workloads one run at a time, so that its runs and ours can alternate.
+
+    The peer script serves one ``LLM`` per process (prefix caching on for (a), (b) and (c)
+    with reuse, off for (c) without): `run` starts the process a case needs, stopping the
+    other first, so one peer process at most is alive. Use as a context manager: leaving it
+    ends the peer's process group (vLLM's engine processes included).
     """
-    check_peer(peer)
-    with tempfile.TemporaryDirectory(prefix="kthena-peer-") as tmp:
-        path = Path(tmp) / "workloads.json"
-        path.write_text(json.dumps(workloads), encoding="utf-8")
-        command = [str(peer.python), str(peer.script), "--model", str(checkpoint),
-                   "--workloads", str(path), "--cores", ",".join(map(str, cores)),
-                   "--repeats", str(repeats)]
-        print(f"kthena bench serve: peer: {' '.join(command)}", file=sys.stderr, flush=True)
-        returncode, lines = _run_group(command)
-    result = _last_json(lines, peer.name) if returncode == 0 else None
-    if result is None:
-        tail = "\n".join(lines[-20:])
-        raise PeerRunError(f"--peer {peer.name}: {peer.script.name} exited with {returncode} "
-                           f"and no JSON line; its last output:\n{tail}")
-    return result
 
+    def __init__(self, peer: PeerSpec, checkpoint: Path, workloads: dict, cores: list[int],
+                 timeout_s: float = PEER_TIMEOUT_S) -> None:
+        check_peer(peer)
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="kthena-peer-")
+        self._workloads = Path(self._tmp.name) / "workloads.json"
+        self._workloads.write_text(json.dumps(workloads), encoding="utf-8")
+        self._base = [str(peer.python), str(peer.script), "--model", str(checkpoint),
+                      "--workloads", str(self._workloads), "--cores", ",".join(map(str, cores))]
+        self._proc: subprocess.Popen | None = None
+        self._caching: str | None = None
+        self._answers: queue.Queue = queue.Queue()
+        self._tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.info: dict = {}  # the peer's "ready" fields (version, cores, settings)
 
-def _last_json(lines: list[str], name: str) -> dict | None:
-    """The last line that is a JSON object holding ``name`` (log lines may follow it)."""
-    for line in reversed(lines):
+    def __enter__(self) -> PeerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, key: str) -> dict:
+        """One timed run of result key ``key`` (see `PEER_CASES`) on the peer; its figures.
+
+        Raises:
+            PeerRunError: the peer exited, answered with something else, or took longer than
+                ``timeout_s`` (its process group is killed; its last output is in the message).
+        """
+        case, caching = PEER_CASES[key]
+        if self._caching != caching:
+            self.close()
+            self._start(caching)
+        self._send({"case": case})
+        answer = self._next()
+        if answer.get("case") != case or not isinstance(answer.get("result"), dict):
+            self._fail(f"answered {answer} to case {case!r}")
+        return answer["result"]
+
+    def close(self) -> None:
+        """End the peer process: stdin closed (it shuts its LLM down), then its group killed."""
+        proc, self._proc, self._caching = self._proc, None, None
+        if proc is None:
+            return
         try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict) and name in value:
-            return value
-    return None
-
-
-def _run_group(command: list[str]) -> tuple[int, list[str]]:
-    """Run ``command`` in its own process group, passing its stdout on to our stderr (vLLM
-    logs to stdout; ours stays clean for the one JSON line). The group (vLLM's engine
-    processes included) is killed on a time-out or an interrupt."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    timer = threading.Timer(PEER_TIMEOUT_S, _kill_group, (proc,))
-    timer.start()
-    lines: list[str] = []
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line.rstrip("\n"))
-            print(line, end="", file=sys.stderr, flush=True)
-        returncode = proc.wait()
-    except BaseException:
+            proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
         _kill_group(proc)
-        raise
-    finally:
-        timer.cancel()
+        self._reader.join()
         proc.stdout.close()  # type: ignore[union-attr]
-    if returncode < 0:
-        lines.append(f"(killed by signal {-returncode}; the limit is {PEER_TIMEOUT_S} s)")
-    return returncode, [line for line in lines if line.strip()]
+
+    def _start(self, caching: str) -> None:
+        command = [*self._base, "--prefix-caching", caching]
+        print(f"kthena bench serve: peer: {' '.join(command)}", file=sys.stderr, flush=True)
+        self._answers = queue.Queue()
+        self._tail.clear()
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+        self._caching = caching
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader.start()
+        ready = self._next()
+        if not isinstance(ready.get("ready"), dict):
+            self._fail(f"sent {ready} before its ready line")
+        self.info = ready["ready"]
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        """Answers (JSON objects naming the peer) to the queue; vLLM's logs on to stderr."""
+        for line in proc.stdout:  # type: ignore[union-attr]
+            line = line.rstrip("\n")
+            try:
+                value = json.loads(line)
+            except ValueError:
+                value = None
+            if isinstance(value, dict) and value.get("peer") == self.peer.name:
+                self._answers.put(value)
+                continue
+            if line.strip():
+                self._tail.append(line)
+                print(line, file=sys.stderr, flush=True)
+        self._answers.put(_EOF)
+
+    def _send(self, request: dict) -> None:
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            self._fail("closed its stdin")
+
+    def _next(self) -> dict:
+        try:
+            answer = self._answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self._fail(f"gave no answer within {self.timeout_s} s")
+        if answer is _EOF:
+            self._proc.wait()  # type: ignore[union-attr]
+            self._fail(f"exited with {self._proc.returncode}")  # type: ignore[union-attr]
+        return answer
+
+    def _fail(self, what: str) -> NoReturn:
+        self.close()
+        tail = "\n".join(self._tail)
+        raise PeerRunError(f"--peer {self.peer.name}: {self.peer.script.name} {what}; "
+                           f"its last output:\n{tail}")

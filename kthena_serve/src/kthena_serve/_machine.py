@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
-__all__ = ["cpu_model", "host_info"]
+__all__ = ["cpu_model", "host_info", "wait_until_idle"]
 
 
 def cpu_model() -> str:
@@ -24,3 +25,39 @@ def host_info() -> dict:
     """CPU model, the cores this process may use, and the load averages now."""
     return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
             "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat: busy is user, nice, system, irq and
+    softirq; total adds idle, iowait and steal. None without /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq
+    return busy, busy + idle + iowait + steal
+
+
+def wait_until_idle(busy_below: float = 0.1, window_s: float = 0.25, max_s: float = 10.0) -> float:
+    """Block until a ``window_s`` window in which the CPUs were busy less than ``busy_below`` of
+    the time (all processes, ours included), or ``max_s`` passed; returns the seconds waited.
+
+    Benchmarks call it before each timed run: a system that just ran may keep a core busy for a
+    while after its last answer (vLLM's workers poll their message queue for a second before
+    they sleep), which would land on the next system's run. Without /proc/stat it waits one
+    window.
+    """
+    start = time.perf_counter()
+    before = _cpu_times()
+    while True:
+        time.sleep(window_s)
+        now = _cpu_times()
+        waited = time.perf_counter() - start
+        if before is None or now is None:
+            return waited
+        busy, total = now[0] - before[0], now[1] - before[1]
+        if (total > 0 and busy < busy_below * total) or waited >= max_s:
+            return waited
+        before = now

@@ -5,18 +5,21 @@
     (c) shared prefix: 32 requests = one 512-token system prompt + a 32-token question each,
         16 output tokens; prefix reuse on and off (total time, mean TTFT, computed prompt tokens)
 
-The peers run the very same prompt token ids on the same threads, one after the other:
-transformers ``generate`` (batch-padded, no prefix reuse) in this process, and with ``--peer
-vllm`` vLLM's CPU build from its own venv (`kthena_serve._bench_peer`). Each workload is also
-set against the machine's physical limit, measured first on the same threads
+The peers run the very same prompt token ids on the same threads: transformers ``generate``
+(batch-padded, no prefix reuse) in this process, and with ``--peer vllm`` vLLM's CPU build from
+its own venv (`kthena_serve._bench_peer`). Their runs alternate with ours case by case
+(`interleave`), so the machine's drift over minutes does not land on one system. Each workload
+is also set against the machine's physical limit, measured first on the same threads
 (`kthena_serve._bench_limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
-every run does the same work. Each case runs once to warm up, then ``runs`` times; the JSON
-reports medians, speed-ups of ours over each peer, the share of the limit each system reaches,
+every run does the same work. Each case runs once per system to warm up, then ``runs`` rounds;
+the JSON reports medians, speed-ups of ours over each peer, the share of the limit each system reaches,
 the machine and its load average; the PNG plots the ratios. Only same-run figures are reported.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import random
@@ -36,13 +39,13 @@ from kthena_serve._bench_limits import (
     peer_speedups,
     workload_limits,
 )
-from kthena_serve._bench_peer import PeerSpec
-from kthena_serve._machine import cpu_model
+from kthena_serve._bench_peer import PEER_CASES, PeerSession, PeerSpec
+from kthena_serve._machine import cpu_model, wait_until_idle
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["BenchOptions", "run_bench", "workload_prompts"]
+__all__ = ["CASE_KEYS", "BenchOptions", "interleave", "run_bench", "workload_prompts"]
 
 CASES = ("a", "b", "c")
 
@@ -85,12 +88,40 @@ def workload_prompts(cases: tuple[str, ...], seed: int = 0) -> dict[str, dict]:
     return out
 
 
-def _median(name: str, fn: Callable[[], dict], runs: int) -> dict:
-    fn()  # warm-up
-    results = [fn() for _ in range(runs)]
-    median = {k: round(statistics.median(r[k] for r in results), 4) for k in results[0]}
-    print(f"kthena bench serve: {name}: {median}", file=sys.stderr, flush=True)
-    return median
+Runner = Callable[[], dict]  # one timed run of a case: its figures
+# result keys, in the order the cases run
+CASE_KEYS = ("a_batch1", "b_offline", "c_shared_prefix_reuse", "c_shared_prefix_no_reuse")
+
+
+def interleave(systems: dict[str, dict[str, Runner]], runs: int,
+               fewer: dict[tuple[str, str], int] | None = None,
+               settle: Callable[[], object] = wait_until_idle) -> dict[str, dict[str, dict]]:
+    """Each case in turn (`CASE_KEYS` order): every system that has it runs once to warm up,
+    then ``runs`` rounds of one run per system, the order reversed every other round (ours,
+    transformers, vLLM; then vLLM, transformers, ours; ...), so that the machine's drift over a
+    case weighs on every system alike. ``fewer[(system, case)]`` caps that system's rounds;
+    ``settle()`` runs before every run (by default: until the CPUs are idle, so that no
+    system's leftover work lands on the next one's run).
+    Returns the medians, ``{system: {case: {figure: median}}}``."""
+    fewer = fewer or {}
+    out: dict[str, dict[str, dict]] = {name: {} for name in systems}
+    for case in CASE_KEYS:
+        names = [name for name in systems if case in systems[name]]
+        for name in names:
+            settle()
+            systems[name][case]()  # warm-up (a peer process starts here)
+        results: dict[str, list[dict]] = {name: [] for name in names}
+        for round_ in range(runs):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                if round_ < fewer.get((name, case), runs):
+                    settle()
+                    results[name].append(systems[name][case]())
+        for name in names:
+            median = {k: round(statistics.median(r[k] for r in results[name]), 4)
+                      for k in results[name][0]}
+            print(f"kthena bench serve: {name} {case}: {median}", file=sys.stderr, flush=True)
+            out[name][case] = median
+    return out
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -113,42 +144,44 @@ def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
             "finals": finals}
 
 
-def _engine_cases(config: EngineConfig, workloads: dict, runs: int) -> dict:
-    out: dict = {}
+def _engine_runners(config: EngineConfig, workloads: dict) -> dict[str, Runner]:
     engines = {True: LLMEngine.from_config(config)}
+
+    def engine(reuse: bool) -> LLMEngine:
+        if reuse not in engines:  # the same weights, reuse off
+            engines[reuse] = LLMEngine.from_config(
+                attrs.evolve(config, enable_prefix_caching=False), model=engines[True].runner.model,
+                tokenizer=engines[True].tokenizer)
+        return engines[reuse]
+
+    out: dict[str, Runner] = {}
     if "a_batch1" in workloads:
         spec = workloads["a_batch1"]
 
         def case_a() -> dict:
-            run = _engine_run(engines[True], spec["prompts"], spec["max_tokens"])
+            run = _engine_run(engine(True), spec["prompts"], spec["max_tokens"])
             final = run["finals"][0]
             decode = (final.finish_time - final.first_token_time) / (len(final.token_ids) - 1)
             return {"ttft_s": run["mean_ttft_s"], "decode_tok_s": 1.0 / decode}
 
-        out["a_batch1"] = _median("kthena a", case_a, runs)
+        out["a_batch1"] = case_a
     if "b_offline" in workloads:
         spec = workloads["b_offline"]
 
         def case_b() -> dict:
-            run = _engine_run(engines[True], spec["prompts"], spec["max_tokens"])
+            run = _engine_run(engine(True), spec["prompts"], spec["max_tokens"])
             return {"total_s": run["total_s"], "output_tok_s": run["output_tok_s"]}
 
-        out["b_offline"] = _median("kthena b", case_b, runs)
+        out["b_offline"] = case_b
     if "c_shared_prefix" in workloads:
         spec = workloads["c_shared_prefix"]
-        engines[False] = LLMEngine.from_config(  # the same weights, reuse off
-            attrs.evolve(config, enable_prefix_caching=False), model=engines[True].runner.model,
-            tokenizer=engines[True].tokenizer)
         for reuse in (True, False):
 
             def case_c(reuse: bool = reuse) -> dict:
-                run = _engine_run(engines[reuse], spec["prompts"], spec["max_tokens"])
+                run = _engine_run(engine(reuse), spec["prompts"], spec["max_tokens"])
                 return {k: run[k] for k in ("total_s", "mean_ttft_s", "computed_prompt_tokens")}
 
-            name = f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"
-            out[name] = _median(f"kthena {name}", case_c, runs)
-        on, off = out["c_shared_prefix_reuse"], out["c_shared_prefix_no_reuse"]
-        out["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
+            out[f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"] = case_c
     return out
 
 
@@ -170,13 +203,13 @@ def _hf_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[floa
         return time.perf_counter() - start, first
 
 
-def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # noqa: ANN001
+def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]:  # noqa: ANN001
     from transformers import AutoModelForCausalLM, logging
 
     logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
-    out: dict = {}
+    out: dict[str, Runner] = {}
     if "a_batch1" in workloads:
         spec = workloads["a_batch1"]
 
@@ -185,7 +218,7 @@ def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # n
             return {"ttft_s": first,
                     "decode_tok_s": (spec["max_tokens"] - 1) / max(total - first, 1e-9)}
 
-        out["a_batch1"] = _median("transformers a", case_a, runs)
+        out["a_batch1"] = case_a
     if "b_offline" in workloads:
         spec = workloads["b_offline"]
 
@@ -194,7 +227,7 @@ def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # n
             tokens = len(spec["prompts"]) * spec["max_tokens"]
             return {"total_s": total, "output_tok_s": tokens / total}
 
-        out["b_offline"] = _median("transformers b", case_b, runs)
+        out["b_offline"] = case_b
     if "c_shared_prefix" in workloads:
         spec = workloads["c_shared_prefix"]
 
@@ -203,11 +236,16 @@ def _hf_cases(checkpoint: Path, dtype, workloads: dict, runs: int) -> dict:  # n
             return {"total_s": total, "mean_ttft_s": first}
 
         # generate has no prefix reuse: every prompt token of every request is computed
-        out["c_shared_prefix_no_reuse"] = _median("transformers c", case_c, max(1, runs - 1))
+        out["c_shared_prefix_no_reuse"] = case_c
     return out
 
 
 # ---- report ------------------------------------------------------------------------------------
+def _peer_keys(workloads: dict) -> list[str]:
+    return [key for key in PEER_CASES
+            if ("c_shared_prefix" if key.startswith("c_") else key) in workloads]
+
+
 def _machine(num_threads: int) -> dict:
     import torch
 
@@ -254,17 +292,27 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
               "quantization": config.quantization, "runs": options.runs, "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)
-    result["kthena"] = _engine_cases(config, workloads, options.runs)
+    systems = {"kthena": _engine_runners(config, workloads)}
+    fewer = {}
     if options.hf_baseline:
-        result["transformers"] = _hf_cases(checkpoint, config.torch_dtype, workloads,
-                                           options.runs)
-    if options.peer is not None:
-        from kthena_serve._bench_peer import run_peer
-
-        peer = run_peer(options.peer, checkpoint, workloads, owned_cores()[:threads],
-                        options.runs)
-        result[options.peer.name] = peer.pop(options.peer.name)
-        result["machine"][f"{options.peer.name}_run"] = peer
+        systems["transformers"] = _hf_runners(checkpoint, config.torch_dtype, workloads)
+        # its (c) takes ~2x ours without reuse: one round fewer
+        fewer[("transformers", "c_shared_prefix_no_reuse")] = max(1, options.runs - 1)
+    with contextlib.ExitStack() as stack:
+        if options.peer is not None:
+            session = stack.enter_context(PeerSession(options.peer, checkpoint, workloads,
+                                                      owned_cores()[:threads]))
+            systems[options.peer.name] = {key: functools.partial(session.run, key)
+                                          for key in _peer_keys(workloads)}
+        result.update(interleave(systems, options.runs, fewer))
+        if options.peer is not None:
+            result["machine"][f"{options.peer.name}_run"] = session.info
+    result["schedule"] = ("per case: each system once to warm up, then runs rounds of one run "
+                          "each, the order reversed every other round; every run starts once "
+                          "the CPUs are idle")
+    if "c_shared_prefix_reuse" in result["kthena"]:
+        on, off = result["kthena"]["c_shared_prefix_reuse"], result["kthena"]["c_shared_prefix_no_reuse"]
+        result["kthena"]["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
     _compare(result)
     result["machine"]["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     print(table(result), file=sys.stderr, flush=True)
