@@ -8,9 +8,11 @@ holds only same-run figures (no quoted vLLM numbers).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -209,7 +211,8 @@ def test_interleave_warms_each_system_then_alternates_rounds():
     a = [name for name, case in calls if case == "a_batch1"]
     assert a == ["ours", "peer", "hf",   # warm-up
                  "ours", "peer", "hf", "hf", "peer", "ours", "ours", "peer", "hf"]
-    assert [name for name, case in calls if case == "b_offline"] == ["ours", "hf", "ours", "hf", "ours", "ours"]
+    b = [name for name, case in calls if case == "b_offline"]
+    assert b == ["ours", "hf", "ours", "hf", "ours", "ours"]
     assert [case for _, case in calls[:12]] == ["a_batch1"] * 12  # cases in CASE_KEYS order
     # medians of the call indices each system's timed runs got
     assert medians["ours"]["a_batch1"] == {"total_s": 9.0}   # runs 4, 9, 10
@@ -217,15 +220,17 @@ def test_interleave_warms_each_system_then_alternates_rounds():
     assert medians["peer"] == {"a_batch1": {"total_s": 8.0}}  # runs 5, 8, 11
 
 
-def _busy(seconds: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
-                             f"while time.time() - t < {seconds}: pass"])
+def _busy(seconds: float) -> list[subprocess.Popen]:
+    """One busy-looping process per core this process may use, for ``seconds``."""
+    code = f"import time\nt = time.time()\nwhile time.time() - t < {seconds}: pass"
+    return [subprocess.Popen([sys.executable, "-c", code])
+            for _ in os.sched_getaffinity(0)]
 
 
-def test_wait_until_idle_waits_out_a_busy_core():
+def test_wait_until_idle_waits_out_busy_cores():
     from kthena_serve._machine import wait_until_idle
 
-    procs = [_busy(1.5), _busy(1.5)]  # both cores busy for 1.5 s
+    procs = _busy(1.5)
     try:
         time.sleep(0.3)
         waited = wait_until_idle(max_s=20)
@@ -239,7 +244,7 @@ def test_wait_until_idle_waits_out_a_busy_core():
 def test_wait_until_idle_gives_up_after_max_s():
     from kthena_serve._machine import wait_until_idle
 
-    procs = [_busy(10), _busy(10)]
+    procs = _busy(10)
     try:
         time.sleep(0.3)
         assert 0.5 <= wait_until_idle(max_s=0.5) < 2
@@ -249,93 +254,148 @@ def test_wait_until_idle_gives_up_after_max_s():
             p.wait()
 
 
-# A test double of the vLLM peer process (vLLM itself is not installed for `make test`): a
-# real child process speaking vllm_workloads.py's line protocol, with log lines mixed in.
-PEER_DOUBLE = """
-import json, os, sys, time
-args = sys.argv[1:]
-caching = args[args.index("--prefix-caching") + 1]
-log = open(os.environ["PEER_DOUBLE_LOG"], "a")
-print("INFO loading model", flush=True)
-print(json.dumps({"peer": "vllm", "ready": {"version": "double", "caching": caching}}), flush=True)
-for n, line in enumerate(sys.stdin, 1):
-    case = json.loads(line)["case"]
-    log.write(f"{os.getpid()} {caching} {case}\\n"); log.flush()
-    if n == int(os.environ.get("PEER_DOUBLE_FAIL_AT", "0")):
-        print("boom: the double fails here", flush=True)
-        sys.exit(3)
-    if os.environ.get("PEER_DOUBLE_HANG"):
-        time.sleep(600)  # never answers
-    print("WARNING a log line between answers", flush=True)
-    print(json.dumps({"peer": "vllm", "case": case, "result": {"total_s": float(n)}}), flush=True)
+# A test double of the `vllm` package (vLLM itself is not installed for `make test`): the real
+# benchmarks/peers/vllm_workloads.py runs against it. Its LLM starts a child process, as vLLM's
+# engine core is, and logs "pid child_pid prefix_caching requests x max_tokens" per run; one
+# token per request per step. STUB_VLLM_FAIL_AT=N: the Nth run's step raises;
+# STUB_VLLM_HANG=1: a step never returns.
+STUB_VLLM = """
+import os, subprocess, sys, time
+__version__ = "stub"
+_run = 0
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+
+class _Completion:
+    def __init__(self, tokens):
+        self.token_ids = tokens
+
+class _Output:
+    def __init__(self, request_id, tokens, finished):
+        self.request_id, self.outputs, self.finished = request_id, [_Completion(tokens)], finished
+
+class _Core:
+    def __init__(self):
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    def shutdown(self):
+        self.child.kill()
+        self.child.wait()
+
+class _Engine:
+    def __init__(self, llm):
+        self.llm, self.requests, self.engine_core = llm, {}, _Core()
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = (len(prompt["prompt_token_ids"]), params.max_tokens, [])
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+    def step(self):
+        global _run
+        if all(not tokens for _, _, tokens in self.requests.values()):
+            _run += 1
+            with open(os.environ["STUB_VLLM_LOG"], "a") as log:
+                log.write(f"{os.getpid()} {self.engine_core.child.pid} {self.llm.caching} "
+                          f"{len(self.requests)}x{next(iter(self.requests.values()))[1]}\\n")
+            if _run == int(os.environ.get("STUB_VLLM_FAIL_AT", "0")):
+                raise RuntimeError("boom: the stand-in engine fails")
+            if os.environ.get("STUB_VLLM_HANG"):
+                time.sleep(600)
+        out = []
+        for request_id, (_, max_tokens, tokens) in list(self.requests.items()):
+            tokens.append(7)
+            out.append(_Output(request_id, list(tokens), len(tokens) == max_tokens))
+            if len(tokens) == max_tokens:
+                del self.requests[request_id]
+        return out
+
+class LLM:
+    def __init__(self, model, dtype, enforce_eager, seed, enable_prefix_caching, disable_log_stats):
+        print("INFO stand-in vLLM loading", flush=True)
+        self.caching = enable_prefix_caching
+        self.llm_engine = _Engine(self)
+    def reset_prefix_cache(self):
+        return True
 """
 
 
-def _double_session(tmp_path, monkeypatch, **env):
-    from pathlib import Path
+def _stub_session(tmp_path, monkeypatch, **env):
+    from kthena_serve._bench_peer import PEERS, PeerSession, PeerSpec
 
-    from kthena_serve._bench_peer import PeerSession, PeerSpec
-
-    script = tmp_path / "peer_double.py"
-    script.write_text(PEER_DOUBLE, encoding="utf-8")
-    monkeypatch.setenv("PEER_DOUBLE_LOG", str(tmp_path / "log"))
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(STUB_VLLM, encoding="utf-8")
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("STUB_VLLM_LOG", str(tmp_path / "log"))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    peer = PeerSpec("vllm", Path(sys.executable), script)
-    return PeerSession(peer, tmp_path, bench.workload_prompts(("a",)), [0], timeout_s=30)
+    peer = PeerSpec("vllm", Path(sys.executable), PEERS["vllm"][1])  # the real peer script
+    return PeerSession(peer, tmp_path, bench.workload_prompts(("a", "b", "c")), [0],
+                       timeout_s=30)
+
+
+def _log(tmp_path) -> list[list[str]]:
+    return [line.split() for line in (tmp_path / "log").read_text().splitlines()]
 
 
 def _gone(pid: int) -> bool:
-    import os
+    """Whether ``pid`` has exited (a zombie counts: its parent may not be there to reap it)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z" or time.monotonic() > deadline:
+            return state == "Z"
+        time.sleep(0.05)
 
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
-
-def test_peer_session_serves_one_run_per_request_and_one_process_at_a_time(tmp_path, monkeypatch, capsys):
-    with _double_session(tmp_path, monkeypatch) as session:
-        assert session.run("a_batch1") == {"total_s": 1.0}
-        assert session.run("b_offline") == {"total_s": 2.0}
-        assert session.run("c_shared_prefix_reuse") == {"total_s": 3.0}
-        assert session.info == {"version": "double", "caching": "on"}
-        assert session.run("c_shared_prefix_no_reuse") == {"total_s": 1.0}  # a new process
-        assert session.info == {"version": "double", "caching": "off"}
-    log = [line.split() for line in (tmp_path / "log").read_text().splitlines()]
-    assert [(caching, case) for _, caching, case in log] == [
-        ("on", "a"), ("on", "b"), ("on", "c"), ("off", "c")]
-    first, second = int(log[0][0]), int(log[3][0])
-    assert first != second and _gone(first) and _gone(second)
+def test_peer_session_serves_one_run_per_request_and_one_process_at_a_time(
+        tmp_path, monkeypatch, capsys):
+    with _stub_session(tmp_path, monkeypatch) as session:
+        assert session.run("a_batch1").keys() == {"ttft_s", "decode_tok_s"}
+        assert session.run("b_offline")["output_tok_s"] > 0
+        assert session.run("c_shared_prefix_reuse").keys() == {"total_s", "mean_ttft_s"}
+        assert session.info["version"] == "stub"
+        assert session.run("c_shared_prefix_no_reuse").keys() == {"total_s", "mean_ttft_s"}
+        log = _log(tmp_path)
+        first, first_child = int(log[0][0]), int(log[0][1])
+        assert _gone(first) and _gone(first_child)  # stopped before the second started
+    assert [(caching, run) for _, _, caching, run in log] == [
+        ("True", "1x64"), ("True", "32x64"), ("True", "32x16"), ("False", "32x16")]
+    assert len({pid for pid, *_ in log}) == 2
+    assert _gone(int(log[3][0])) and _gone(int(log[3][1]))
     err = capsys.readouterr().err
-    assert "INFO loading model" in err and "WARNING a log line between answers" in err
+    assert "INFO stand-in vLLM loading" in err and "vllm_workloads: a (prefix caching on)" in err
 
 
 def test_a_failing_peer_is_one_error_with_its_exit_status_and_last_output(tmp_path, monkeypatch):
     from kthena_serve._bench_peer import PeerRunError
 
-    session = _double_session(tmp_path, monkeypatch, PEER_DOUBLE_FAIL_AT="2")
-    assert session.run("a_batch1") == {"total_s": 1.0}
-    with pytest.raises(PeerRunError, match=r"exited with 3; its last output:\n(.|\n)*boom"):
+    with _stub_session(tmp_path, monkeypatch, STUB_VLLM_FAIL_AT="2") as session:
         session.run("a_batch1")
-    pid = int((tmp_path / "log").read_text().split()[0])
-    assert _gone(pid)
+        with pytest.raises(PeerRunError, match=r"exited with 1; its last output:\n(.|\n)*boom"):
+            session.run("a_batch1")
+    (pid, child, *_), _ = _log(tmp_path)
+    assert _gone(int(pid)) and _gone(int(child))
 
 
 def test_a_silent_peer_times_out_and_its_group_is_killed(tmp_path, monkeypatch):
     from kthena_serve._bench_peer import PeerRunError
 
-    session = _double_session(tmp_path, monkeypatch, PEER_DOUBLE_HANG="1")
-    session.timeout_s = 1
-    with pytest.raises(PeerRunError, match="gave no answer within 1 s"):
+    session = _stub_session(tmp_path, monkeypatch, STUB_VLLM_HANG="1")
+    session.timeout_s = 2
+    start = time.monotonic()
+    with pytest.raises(PeerRunError, match="gave no answer within 2 s"):
         session.run("a_batch1")
-    assert _gone(int((tmp_path / "log").read_text().split()[0]))
+    assert time.monotonic() - start < 30  # killed at once, not after a graceful minute
+    (pid, child, *_), = _log(tmp_path)
+    assert _gone(int(pid)) and _gone(int(child))  # the whole group, the engine child too
 
 
 def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
-    from pathlib import Path
-
     from kthena_serve._bench_peer import PeerRunError, PeerSession
 
     peer = parse_peer("vllm=/bin/false")  # a real program that exits 1 at once

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -87,10 +88,13 @@ def check_peer(peer: PeerSpec) -> None:
             f"wheel and its requirements, ~3.6 GB), or pass --peer {peer.name}=/path/to/python")
 
 
-# result key -> (the peer script's case, its LLM's prefix caching)
-PEER_CASES = {"a_batch1": ("a", "on"), "b_offline": ("b", "on"),
-              "c_shared_prefix_reuse": ("c", "on"), "c_shared_prefix_no_reuse": ("c", "off")}
+# result key -> (workload, the peer script's case, its LLM's prefix caching), in the order the
+# bench runs the cases
+PEER_CASES = {"a_batch1": ("a_batch1", "a", "on"), "b_offline": ("b_offline", "b", "on"),
+              "c_shared_prefix_reuse": ("c_shared_prefix", "c", "on"),
+              "c_shared_prefix_no_reuse": ("c_shared_prefix", "c", "off")}
 _EOF = object()
+_POLL_S = 1.0  # how often a wait for an answer checks that the peer is still alive
 
 
 class PeerSession:
@@ -99,7 +103,8 @@ class PeerSession:
     The peer script serves one ``LLM`` per process (prefix caching on for (a), (b) and (c)
     with reuse, off for (c) without): `run` starts the process a case needs, stopping the
     other first, so one peer process at most is alive. Use as a context manager: leaving it
-    ends the peer's process group (vLLM's engine processes included).
+    ends the peer's process group (vLLM's engine processes included) and removes the prompt
+    file; on an error or interrupt at once, otherwise after the peer shut its ``LLM`` down.
     """
 
     def __init__(self, peer: PeerSpec, checkpoint: Path, workloads: dict, cores: list[int],
@@ -113,6 +118,7 @@ class PeerSession:
         self._base = [str(peer.python), str(peer.script), "--model", str(checkpoint),
                       "--workloads", str(self._workloads), "--cores", ",".join(map(str, cores))]
         self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self._caching: str | None = None
         self._answers: queue.Queue = queue.Queue()
         self._tail: collections.deque[str] = collections.deque(maxlen=20)
@@ -121,8 +127,11 @@ class PeerSession:
     def __enter__(self) -> PeerSession:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.close(graceful=exc_type is None)
+        finally:
+            self._tmp.cleanup()
 
     def run(self, key: str) -> dict:
         """One timed run of result key ``key`` (see `PEER_CASES`) on the peer; its figures.
@@ -131,32 +140,50 @@ class PeerSession:
             PeerRunError: the peer exited, answered with something else, or took longer than
                 ``timeout_s`` (its process group is killed; its last output is in the message).
         """
-        case, caching = PEER_CASES[key]
+        _, case, caching = PEER_CASES[key]
         if self._caching != caching:
             self.close()
             self._start(caching)
+        self._signal(signal.SIGCONT)
         self._send({"case": case})
         answer = self._next()
         if answer.get("case") != case or not isinstance(answer.get("result"), dict):
             self._fail(f"answered {answer} to case {case!r}")
+        self._signal(signal.SIGSTOP)
         return answer["result"]
 
-    def close(self) -> None:
-        """End the peer process: stdin closed (it shuts its LLM down), then its group killed."""
+    def _signal(self, sig: signal.Signals) -> None:
+        """Stop (SIGSTOP) the peer's process group between its runs, continue it (SIGCONT)
+        for the next: an idle vLLM is not idle (its workers poll their queue for a second
+        after each run, a dozen gloo threads wake 100 times a second each), and those
+        wake-ups would land on the other systems' runs."""
+        try:
+            os.killpg(self._proc.pid, sig)  # type: ignore[union-attr]
+        except ProcessLookupError:
+            pass
+
+    def close(self, graceful: bool = True) -> None:
+        """End the peer process: with ``graceful``, stdin closed and up to a minute for it to
+        shut its ``LLM`` down; then, always, its process group killed."""
         proc, self._proc, self._caching = self._proc, None, None
         if proc is None:
             return
         try:
-            proc.stdin.close()  # type: ignore[union-attr]
-        except OSError:
+            os.killpg(proc.pid, signal.SIGCONT)
+            if graceful:
+                proc.stdin.close()  # type: ignore[union-attr]
+                proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):  # ProcessLookupError: the group is gone
             pass
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        _kill_group(proc)
-        self._reader.join()
-        proc.stdout.close()  # type: ignore[union-attr]
+        finally:
+            _kill_group(proc)
+            if self._reader is not None:
+                self._reader.join(timeout=10)
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
 
     def _start(self, caching: str) -> None:
         command = [*self._base, "--prefix-caching", caching]
@@ -164,30 +191,36 @@ class PeerSession:
         self._answers = queue.Queue()
         self._tail.clear()
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True, start_new_session=True)
+                                      stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+                                      errors="replace", start_new_session=True)
         self._caching = caching
-        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(self._proc, self._answers),
+                                        daemon=True)
         self._reader.start()
         ready = self._next()
         if not isinstance(ready.get("ready"), dict):
             self._fail(f"sent {ready} before its ready line")
         self.info = ready["ready"]
+        self._signal(signal.SIGSTOP)
 
-    def _read(self, proc: subprocess.Popen) -> None:
-        """Answers (JSON objects naming the peer) to the queue; vLLM's logs on to stderr."""
-        for line in proc.stdout:  # type: ignore[union-attr]
-            line = line.rstrip("\n")
-            try:
-                value = json.loads(line)
-            except ValueError:
-                value = None
-            if isinstance(value, dict) and value.get("peer") == self.peer.name:
-                self._answers.put(value)
-                continue
-            if line.strip():
-                self._tail.append(line)
-                print(line, file=sys.stderr, flush=True)
-        self._answers.put(_EOF)
+    def _read(self, proc: subprocess.Popen, answers: queue.Queue) -> None:
+        """Answers (JSON objects naming the peer) to ``answers``; its logs on to stderr."""
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                line = line.rstrip("\n")
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    value = None
+                if isinstance(value, dict) and value.get("peer") == self.peer.name:
+                    answers.put(value)
+                elif line.strip():
+                    self._tail.append(line)
+                    print(line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # the pipe closed under us (close())
+            pass
+        finally:
+            answers.put(_EOF)
 
     def _send(self, request: dict) -> None:
         try:
@@ -197,17 +230,29 @@ class PeerSession:
             self._fail("closed its stdin")
 
     def _next(self) -> dict:
-        try:
-            answer = self._answers.get(timeout=self.timeout_s)
-        except queue.Empty:
-            self._fail(f"gave no answer within {self.timeout_s} s")
-        if answer is _EOF:
-            self._proc.wait()  # type: ignore[union-attr]
-            self._fail(f"exited with {self._proc.returncode}")  # type: ignore[union-attr]
-        return answer
+        """The peer's next answer; fails when it exits first or gives none in ``timeout_s``."""
+        proc = self._proc
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                answer = self._answers.get(timeout=min(_POLL_S, self.timeout_s))
+            except queue.Empty:
+                # its engine processes may keep the pipe open after it died: no EOF then
+                if proc.poll() is not None:  # type: ignore[union-attr]
+                    self._fail(f"exited with {proc.returncode}")  # type: ignore[union-attr]
+                if time.monotonic() >= deadline:
+                    self._fail(f"gave no answer within {self.timeout_s} s")
+                continue
+            if answer is _EOF:
+                try:
+                    proc.wait(timeout=10)  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    pass
+                self._fail(f"exited with {proc.returncode}")  # type: ignore[union-attr]
+            return answer
 
     def _fail(self, what: str) -> NoReturn:
-        self.close()
+        self.close(graceful=False)
         tail = "\n".join(self._tail)
         raise PeerRunError(f"--peer {self.peer.name}: {self.peer.script.name} {what}; "
                            f"its last output:\n{tail}")

@@ -28,21 +28,27 @@ def host_info() -> dict:
 
 
 def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs from /proc/stat: busy is user, nice, system, irq and
-    softirq; total adds idle, iowait and steal. None without /proc/stat."""
+    """(busy, total) jiffies of the CPUs this process may run on, from /proc/stat: busy is
+    user, nice, system, irq and softirq; total adds idle, iowait and steal. None without it."""
+    cores = {f"cpu{core}" for core in os.sched_getaffinity(0)}
+    busy = total = 0
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
+            for line in f:
+                name, *fields = line.split()
+                if name in cores:
+                    user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+                    busy += user + nice + system + irq + softirq
+                    total += user + nice + system + irq + softirq + idle + iowait + steal
     except (OSError, ValueError):
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = fields
-    busy = user + nice + system + irq + softirq
-    return busy, busy + idle + iowait + steal
+    return (busy, total) if total else None
 
 
 def wait_until_idle(busy_below: float = 0.1, window_s: float = 0.25, max_s: float = 10.0) -> float:
-    """Block until a ``window_s`` window in which the CPUs were busy less than ``busy_below`` of
-    the time (all processes, ours included), or ``max_s`` passed; returns the seconds waited.
+    """Block until a ``window_s`` window in which this process's CPUs (its affinity mask) were
+    busy less than ``busy_below`` of the time, all processes counted, or ``max_s`` passed;
+    returns the seconds waited.
 
     Benchmarks call it before each timed run: a system that just ran may keep a core busy for a
     while after its last answer (vLLM's workers poll their message queue for a second before

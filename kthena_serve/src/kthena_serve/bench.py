@@ -1,4 +1,4 @@
-"""``kthena bench serve``: the engine on three workloads, against peers run in the same process tree.
+"""``kthena bench serve``: the engine on three workloads, against peers on the same cores.
 
     (a) batch 1: TTFT of a 128-token prompt, then decode tokens/s over 64 tokens
     (b) offline throughput: 32 requests x (128 prompt, 64 output) tokens
@@ -12,8 +12,9 @@ its own venv (`kthena_serve._bench_peer`). Their runs alternate with ours case b
 is also set against the machine's physical limit, measured first on the same threads
 (`kthena_serve._bench_limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
 every run does the same work. Each case runs once per system to warm up, then ``runs`` rounds;
-the JSON reports medians, speed-ups of ours over each peer, the share of the limit each system reaches,
-the machine and its load average; the PNG plots the ratios. Only same-run figures are reported.
+the JSON reports medians, speed-ups of ours over each peer, the share of the limit each system
+reaches, the machine and its load average; the PNG plots the ratios. Only same-run figures are
+reported.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def workload_prompts(cases: tuple[str, ...], seed: int = 0) -> dict[str, dict]:
 
 
 Runner = Callable[[], dict]  # one timed run of a case: its figures
-# result keys, in the order the cases run
-CASE_KEYS = ("a_batch1", "b_offline", "c_shared_prefix_reuse", "c_shared_prefix_no_reuse")
+CASE_KEYS = tuple(PEER_CASES)  # result keys, in the order the cases run
 
 
 def interleave(systems: dict[str, dict[str, Runner]], runs: int,
@@ -103,7 +103,7 @@ def interleave(systems: dict[str, dict[str, Runner]], runs: int,
     ``settle()`` runs before every run (by default: until the CPUs are idle, so that no
     system's leftover work lands on the next one's run).
     Returns the medians, ``{system: {case: {figure: median}}}``."""
-    fewer = fewer or {}
+    fewer = {key: max(1, n) for key, n in (fewer or {}).items()}
     out: dict[str, dict[str, dict]] = {name: {} for name in systems}
     for case in CASE_KEYS:
         names = [name for name in systems if case in systems[name]]
@@ -116,6 +116,9 @@ def interleave(systems: dict[str, dict[str, Runner]], runs: int,
                 if round_ < fewer.get((name, case), runs):
                     settle()
                     results[name].append(systems[name][case]())
+                    print(f"kthena bench serve: round {round_ + 1}: {name} {case}: "
+                          f"{ {k: round(v, 4) for k, v in results[name][-1].items()} }",
+                          file=sys.stderr, flush=True)
         for name in names:
             median = {k: round(statistics.median(r[k] for r in results[name]), 4)
                       for k in results[name][0]}
@@ -242,8 +245,7 @@ def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]: 
 
 # ---- report ------------------------------------------------------------------------------------
 def _peer_keys(workloads: dict) -> list[str]:
-    return [key for key in PEER_CASES
-            if ("c_shared_prefix" if key.startswith("c_") else key) in workloads]
+    return [key for key, (workload, _, _) in PEER_CASES.items() if workload in workloads]
 
 
 def _machine(num_threads: int) -> dict:
@@ -280,7 +282,8 @@ def _compare(result: dict) -> None:
 
 
 def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
-    """Run the cases (ours, then each peer); returns the JSON-ready result (and the plot)."""
+    """Run the cases, ours and the peers' alternating (`interleave`); returns the JSON-ready
+    result (and writes the plot)."""
     from kthena_serve._bench_plot import table
     from kthena_serve.model import resolve_checkpoint
     from kthena_serve.threads import configure_threads, owned_cores
@@ -289,11 +292,12 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     threads = configure_threads(options.num_threads)
     checkpoint = resolve_checkpoint(config.model)  # converted once, cached
     result = {"bench": "kthena serve", "model": config.model, "dtype": config.dtype,
-              "quantization": config.quantization, "runs": options.runs, "machine": _machine(threads)}
+              "quantization": config.quantization, "runs": options.runs,
+              "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)
     systems = {"kthena": _engine_runners(config, workloads)}
-    fewer = {}
+    fewer: dict[tuple[str, str], int] = {}
     if options.hf_baseline:
         systems["transformers"] = _hf_runners(checkpoint, config.torch_dtype, workloads)
         # its (c) takes ~2x ours without reuse: one round fewer
@@ -304,15 +308,20 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
                                                       owned_cores()[:threads]))
             systems[options.peer.name] = {key: functools.partial(session.run, key)
                                           for key in _peer_keys(workloads)}
-        result.update(interleave(systems, options.runs, fewer))
+        waits: list[float] = []
+        result.update(interleave(systems, options.runs, fewer,
+                                 settle=lambda: waits.append(wait_until_idle())))
         if options.peer is not None:
             result["machine"][f"{options.peer.name}_run"] = session.info
     result["schedule"] = ("per case: each system once to warm up, then runs rounds of one run "
                           "each, the order reversed every other round; every run starts once "
-                          "the CPUs are idle")
-    if "c_shared_prefix_reuse" in result["kthena"]:
-        on, off = result["kthena"]["c_shared_prefix_reuse"], result["kthena"]["c_shared_prefix_no_reuse"]
-        result["kthena"]["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
+                          "this process's cores are idle")
+    result["machine"]["idle_wait_s"] = {"total": round(sum(waits), 1),
+                                        "max": round(max(waits, default=0.0), 1)}
+    ours = result["kthena"]
+    if "c_shared_prefix_reuse" in ours:
+        on, off = ours["c_shared_prefix_reuse"], ours["c_shared_prefix_no_reuse"]
+        ours["c_speedup"] = round(off["total_s"] / on["total_s"], 2)
     _compare(result)
     result["machine"]["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     print(table(result), file=sys.stderr, flush=True)
