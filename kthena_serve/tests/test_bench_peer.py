@@ -402,3 +402,23 @@ def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
     with PeerSession(peer, Path(tmp_path), bench.workload_prompts(("a",)), [0]) as session, \
             pytest.raises(PeerRunError, match="exited with 1"):
         session.run("a_batch1")
+
+
+def test_each_engine_runner_runs_its_own_workload():
+    # Regression: runners once closed over one loop variable, so (a) ran (c)'s prompts.
+    from kthena_serve.testing import tiny_engine
+
+    engine = tiny_engine(max_num_batched_tokens=2048, max_num_seqs=32, num_kv_blocks=5000,
+                         check_invariants=False, num_threads=None)  # no preemption
+    workloads = bench.workload_prompts(("a", "b", "c"))
+    runners = bench._engine_runners(engine.config, workloads, engine=engine)
+    assert list(runners) == list(bench.CASE_KEYS)
+    computed = []
+    for key in ("a_batch1", "b_offline"):
+        before = engine.stats().num_computed_prompt_tokens
+        assert runners[key]()
+        computed.append(engine.stats().num_computed_prompt_tokens - before)
+    assert computed == [128, 32 * 128]
+    # (c): the 512-token prefix computed once with reuse (block size 4), every token without
+    assert runners["c_shared_prefix_reuse"]()["computed_prompt_tokens"] == 544 + 31 * 32
+    assert runners["c_shared_prefix_no_reuse"]()["computed_prompt_tokens"] == 32 * 544

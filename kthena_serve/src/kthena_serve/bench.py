@@ -147,45 +147,37 @@ def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
             "finals": finals}
 
 
-def _engine_runners(config: EngineConfig, workloads: dict) -> dict[str, Runner]:
-    engines = {True: LLMEngine.from_config(config)}
+def _engine_case(engine_of: Callable[[bool], LLMEngine], key: str, spec: dict) -> dict:
+    """One timed run of case ``key`` on workload ``spec``; its figures."""
+    reuse = key != "c_shared_prefix_no_reuse"
+    run = _engine_run(engine_of(reuse), spec["prompts"], spec["max_tokens"])
+    if key == "a_batch1":
+        final = run["finals"][0]
+        decode = (final.finish_time - final.first_token_time) / (len(final.token_ids) - 1)
+        return {"ttft_s": run["mean_ttft_s"], "decode_tok_s": 1.0 / decode}
+    if key == "b_offline":
+        return {"total_s": run["total_s"], "output_tok_s": run["output_tok_s"]}
+    return {k: run[k] for k in ("total_s", "mean_ttft_s", "computed_prompt_tokens")}
 
-    def engine(reuse: bool) -> LLMEngine:
+
+def _engine_runners(config: EngineConfig, workloads: dict,
+                    engine: LLMEngine | None = None) -> dict[str, Runner]:
+    """A runner per case whose workload is in ``workloads``, on ``engine`` (default: one from
+    ``config``) and, for reuse off, a second engine over the same weights made when first run.
+    Each runner holds its own workload (`functools.partial`, not a closure over a loop
+    variable)."""
+    engines = {True: engine or LLMEngine.from_config(config)}
+
+    def engine_of(reuse: bool) -> LLMEngine:
         if reuse not in engines:  # the same weights, reuse off
+            first = engines[True]
             engines[reuse] = LLMEngine.from_config(
-                attrs.evolve(config, enable_prefix_caching=False), model=engines[True].runner.model,
-                tokenizer=engines[True].tokenizer)
+                attrs.evolve(first.config, enable_prefix_caching=False),
+                model=first.runner.model, tokenizer=first.tokenizer)
         return engines[reuse]
 
-    out: dict[str, Runner] = {}
-    if "a_batch1" in workloads:
-        spec = workloads["a_batch1"]
-
-        def case_a() -> dict:
-            run = _engine_run(engine(True), spec["prompts"], spec["max_tokens"])
-            final = run["finals"][0]
-            decode = (final.finish_time - final.first_token_time) / (len(final.token_ids) - 1)
-            return {"ttft_s": run["mean_ttft_s"], "decode_tok_s": 1.0 / decode}
-
-        out["a_batch1"] = case_a
-    if "b_offline" in workloads:
-        spec = workloads["b_offline"]
-
-        def case_b() -> dict:
-            run = _engine_run(engine(True), spec["prompts"], spec["max_tokens"])
-            return {"total_s": run["total_s"], "output_tok_s": run["output_tok_s"]}
-
-        out["b_offline"] = case_b
-    if "c_shared_prefix" in workloads:
-        spec = workloads["c_shared_prefix"]
-        for reuse in (True, False):
-
-            def case_c(reuse: bool = reuse) -> dict:
-                run = _engine_run(engine(reuse), spec["prompts"], spec["max_tokens"])
-                return {k: run[k] for k in ("total_s", "mean_ttft_s", "computed_prompt_tokens")}
-
-            out[f"c_shared_prefix_{'reuse' if reuse else 'no_reuse'}"] = case_c
-    return out
+    return {key: functools.partial(_engine_case, engine_of, key, workloads[workload])
+            for key, (workload, _, _) in PEER_CASES.items() if workload in workloads}
 
 
 # ---- transformers baseline ---------------------------------------------------------------------
@@ -206,41 +198,28 @@ def _hf_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[floa
         return time.perf_counter() - start, first
 
 
+def _hf_case(model, key: str, spec: dict) -> dict:  # noqa: ANN001
+    """One timed run of case ``key`` with transformers ``generate``; its figures."""
+    total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
+    if key == "a_batch1":
+        decode_s = max(total - first, 1e-9)
+        return {"ttft_s": first, "decode_tok_s": (spec["max_tokens"] - 1) / decode_s}
+    if key == "b_offline":
+        return {"total_s": total, "output_tok_s": len(spec["prompts"]) * spec["max_tokens"] / total}
+    return {"total_s": total, "mean_ttft_s": first}
+
+
 def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]:  # noqa: ANN001
     from transformers import AutoModelForCausalLM, logging
 
     logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
-    out: dict[str, Runner] = {}
-    if "a_batch1" in workloads:
-        spec = workloads["a_batch1"]
-
-        def case_a() -> dict:
-            total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
-            return {"ttft_s": first,
-                    "decode_tok_s": (spec["max_tokens"] - 1) / max(total - first, 1e-9)}
-
-        out["a_batch1"] = case_a
-    if "b_offline" in workloads:
-        spec = workloads["b_offline"]
-
-        def case_b() -> dict:
-            total, _ = _hf_generate(model, spec["prompts"], spec["max_tokens"])
-            tokens = len(spec["prompts"]) * spec["max_tokens"]
-            return {"total_s": total, "output_tok_s": tokens / total}
-
-        out["b_offline"] = case_b
-    if "c_shared_prefix" in workloads:
-        spec = workloads["c_shared_prefix"]
-
-        def case_c() -> dict:
-            total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
-            return {"total_s": total, "mean_ttft_s": first}
-
-        # generate has no prefix reuse: every prompt token of every request is computed
-        out["c_shared_prefix_no_reuse"] = case_c
-    return out
+    # generate has no prefix reuse: every prompt token of every request is computed, so (c)
+    # is reported as reuse off
+    return {key: functools.partial(_hf_case, model, key, workloads[workload])
+            for key, (workload, _, _) in PEER_CASES.items()
+            if workload in workloads and key != "c_shared_prefix_reuse"}
 
 
 # ---- report ------------------------------------------------------------------------------------
