@@ -405,12 +405,15 @@ def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
 
 
 def test_each_engine_runner_runs_its_own_workload():
-    # Regression: runners once closed over one loop variable, so (a) ran (c)'s prompts.
+    # Regression: runners once closed over one loop variable, so (a) ran (c)'s prompts. Small
+    # workloads of distinct sizes, keyed as the bench's.
     from kthena_serve.testing import tiny_engine
 
-    engine = tiny_engine(max_num_batched_tokens=2048, max_num_seqs=32, num_kv_blocks=5000,
-                         check_invariants=False, num_threads=None)  # no preemption
-    workloads = bench.workload_prompts(("a", "b", "c"))
+    engine = tiny_engine(max_num_seqs=8, num_kv_blocks=64)
+    workloads = {"a_batch1": {"prompts": [[5] * 8], "max_tokens": 2},
+                 "b_offline": {"prompts": [[6 + i] * 8 for i in range(3)], "max_tokens": 2},
+                 "c_shared_prefix": {"prompts": [[7] * 16 + [9 + i] * 4 for i in range(4)],
+                                     "max_tokens": 2}}
     runners = bench._engine_runners(engine.config, workloads, engine=engine)
     assert list(runners) == list(bench.CASE_KEYS)
     computed = []
@@ -418,7 +421,7 @@ def test_each_engine_runner_runs_its_own_workload():
         before = engine.stats().num_computed_prompt_tokens
         assert runners[key]()
         computed.append(engine.stats().num_computed_prompt_tokens - before)
-    assert computed == [128, 32 * 128]
-    # (c): the 512-token prefix computed once with reuse (block size 4), every token without
-    assert runners["c_shared_prefix_reuse"]()["computed_prompt_tokens"] == 544 + 31 * 32
-    assert runners["c_shared_prefix_no_reuse"]()["computed_prompt_tokens"] == 32 * 544
+    assert computed == [8, 3 * 8]
+    # (c): the 16-token prefix (4 blocks of 4) computed once with reuse, every token without
+    assert runners["c_shared_prefix_reuse"]()["computed_prompt_tokens"] == 20 + 3 * 4
+    assert runners["c_shared_prefix_no_reuse"]()["computed_prompt_tokens"] == 4 * 20
