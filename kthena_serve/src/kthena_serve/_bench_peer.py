@@ -144,21 +144,24 @@ class PeerSession:
         if self._caching != caching:
             self.close()
             self._start(caching)
-        self._signal(signal.SIGCONT)
+        self._signal(self._proc, signal.SIGCONT)
         self._send({"case": case})
         answer = self._next()
         if answer.get("case") != case or not isinstance(answer.get("result"), dict):
             self._fail(f"answered {answer} to case {case!r}")
-        self._signal(signal.SIGSTOP)
+        self._signal(self._proc, signal.SIGSTOP)
         return answer["result"]
 
-    def _signal(self, sig: signal.Signals) -> None:
+    @staticmethod
+    def _signal(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
         """Stop (SIGSTOP) the peer's process group between its runs, continue it (SIGCONT)
         for the next: an idle vLLM is not idle (its workers poll their queue for a second
         after each run, a dozen gloo threads wake 100 times a second each), and those
         wake-ups would land on the other systems' runs."""
+        if proc is None:
+            return
         try:
-            os.killpg(self._proc.pid, sig)  # type: ignore[union-attr]
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
 
@@ -168,12 +171,12 @@ class PeerSession:
         proc, self._proc, self._caching = self._proc, None, None
         if proc is None:
             return
+        self._signal(proc, signal.SIGCONT)  # a stopped peer cannot read its closed stdin
         try:
-            os.killpg(proc.pid, signal.SIGCONT)
             if graceful:
                 proc.stdin.close()  # type: ignore[union-attr]
                 proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):  # ProcessLookupError: the group is gone
+        except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
             _kill_group(proc)
@@ -201,7 +204,7 @@ class PeerSession:
         if not isinstance(ready.get("ready"), dict):
             self._fail(f"sent {ready} before its ready line")
         self.info = ready["ready"]
-        self._signal(signal.SIGSTOP)
+        self._signal(self._proc, signal.SIGSTOP)
 
     def _read(self, proc: subprocess.Popen, answers: queue.Queue) -> None:
         """Answers (JSON objects naming the peer) to ``answers``; its logs on to stderr."""

@@ -93,6 +93,12 @@ Runner = Callable[[], dict]  # one timed run of a case: its figures
 CASE_KEYS = tuple(PEER_CASES)  # result keys, in the order the cases run
 
 
+def _case_keys(workloads: dict) -> list[tuple[str, str]]:
+    """(result key, workload) of the cases whose workload is in ``workloads``, in run order."""
+    return [(key, workload) for key, (workload, _, _) in PEER_CASES.items()
+            if workload in workloads]
+
+
 def interleave(systems: dict[str, dict[str, Runner]], runs: int,
                fewer: dict[tuple[str, str], int] | None = None,
                settle: Callable[[], object] = wait_until_idle) -> dict[str, dict[str, dict]]:
@@ -177,7 +183,7 @@ def _engine_runners(config: EngineConfig, workloads: dict,
         return engines[reuse]
 
     return {key: functools.partial(_engine_case, engine_of, key, workloads[workload])
-            for key, (workload, _, _) in PEER_CASES.items() if workload in workloads}
+            for key, workload in _case_keys(workloads)}
 
 
 # ---- transformers baseline ---------------------------------------------------------------------
@@ -218,13 +224,10 @@ def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]: 
     # generate has no prefix reuse: every prompt token of every request is computed, so (c)
     # is reported as reuse off
     return {key: functools.partial(_hf_case, model, key, workloads[workload])
-            for key, (workload, _, _) in PEER_CASES.items()
-            if workload in workloads and key != "c_shared_prefix_reuse"}
+            for key, workload in _case_keys(workloads) if key != "c_shared_prefix_reuse"}
 
 
 # ---- report ------------------------------------------------------------------------------------
-def _peer_keys(workloads: dict) -> list[str]:
-    return [key for key, (workload, _, _) in PEER_CASES.items() if workload in workloads]
 
 
 def _machine(num_threads: int) -> dict:
@@ -286,7 +289,7 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
             session = stack.enter_context(PeerSession(options.peer, checkpoint, workloads,
                                                       owned_cores()[:threads]))
             systems[options.peer.name] = {key: functools.partial(session.run, key)
-                                          for key in _peer_keys(workloads)}
+                                          for key, _ in _case_keys(workloads)}
         waits: list[float] = []
         result.update(interleave(systems, options.runs, fewer,
                                  settle=lambda: waits.append(wait_until_idle())))
