@@ -34,6 +34,7 @@ from kthena_serve.pd.prefill import PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
 from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv.pool import SHM_DIR
+from mooncake_ops.backends import native
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
@@ -165,6 +166,11 @@ def _errors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
             float((a.exp() * diff).sum()))
 
 
+# bf16 native vs PyTorch kernels, worst of the 6 prompts (max over the vocabulary, over the 10
+# likeliest tokens, KL), measured on a Zen 4 (AVX512_BF16) where both run.
+_BF16_KERNEL_NOISE = (0.62, 0.37, 5.1e-3)
+
+
 def test_first_decode_step_logit_error_is_bounded(loaded, prompts, both):  # noqa: ANN001
     """The first decode step of each prompt (the first that reads the cache), log-softmax over
     the vocabulary. What int8 itself changes is measured with the kernels held fixed: int8 pool
@@ -176,7 +182,10 @@ def test_first_decode_step_logit_error_is_bounded(loaded, prompts, both):  # noq
     0.37, 5.1e-3. So int8's error must stay within 1.5x the yardstick's. The served paths
     (native kernels, which differ per pool: bf16 decode vs the int8 kernel) measured 1.52, 0.63,
     KL 2.0e-2 on one prompt, the others <= 0.75, 0.37, 5e-3: bounded outright at 1 nat over the
-    10 likeliest tokens and KL 5e-2."""
+    10 likeliest tokens and KL 5e-2. Where the native kernels do not run (no build, or a CPU
+    without AVX-512) both sides of the yardstick are the PyTorch kernels: the yardstick is then
+    the one measured above on Zen 4, `_BF16_KERNEL_NOISE` (int8 measured 0.56, 0.24, 2.9e-3 on
+    a Zen 3 there)."""
     (_, ref), _ = both
     int8, noise, served = [], [], []
     for prompt, out in zip(prompts, ref, strict=True):
@@ -199,6 +208,9 @@ def test_first_decode_step_logit_error_is_bounded(loaded, prompts, both):  # noq
           f"{[f'{x:.3g}' for x in worst_noise]}, served int8 vs bf16 "
           f"{[f'{x:.3g}' for x in worst_served]}")
     assert worst_int8[0] > 0  # the int8 path really ran (a bf16 pool would match exactly)
+    if not native.is_available():
+        assert worst_noise == [0.0, 0.0, 0.0]  # the same kernels on both sides
+        worst_noise = list(_BF16_KERNEL_NOISE)
     assert all(x <= 1.5 * y for x, y in zip(worst_int8, worst_noise, strict=True))
     assert worst_served[1] < 1.0 and worst_served[2] < 5e-2
 
@@ -290,13 +302,17 @@ def _task(decode: LLMEngine, rid: str, ids: list[int], ref: PoolRef) -> PrefillT
 
 
 def _decode_all(decode: LLMEngine, firsts: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Each prefilled request decoded to its end alone, as ``_run(..., one_at_a_time=True)``
+    runs the colocated reference: where the matmul kernel is not batch-invariant (fp32 compute
+    on a CPU without bf16 arithmetic), a 3-row decode step may round a logit differently from
+    a 1-row one and flip a near-tie."""
+    tokens = {}
     for rid, token in firsts.items():
         decode.admit_prefilled(rid, token)
-    tokens = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                tokens[out.request_id] = tuple(out.token_ids)
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.finished:
+                    tokens[out.request_id] = tuple(out.token_ids)
     return tokens
 
 

@@ -1,5 +1,5 @@
-"""select_linear_kernel: the packed bf16 matmuls (native AVX512_BF16, oneDNN) against a float64
-F.linear, and when each is chosen; the weight-only int8 matmul."""
+"""select_linear_kernel: the packed bf16 matmuls (native AVX512_BF16, oneDNN, fp32 compute)
+against a float64 F.linear, and when each is chosen; the weight-only int8 matmul."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 NATIVE_BF16 = mo.linear.native_bf16_linear_available()
 
 
-@pytest.mark.skipif(BF16_KERNEL is None, reason="this CPU's oneDNN has no bf16 kernels")
 @settings(max_examples=max(10, settings.default.max_examples // 4))
 @given(rows=st.integers(1, 9), in_features=st.sampled_from([48, 64, 100]),
        out_features=st.sampled_from([8, 80, 96]), with_bias=st.booleans(), seed=st.integers(0, 999))
@@ -30,6 +29,37 @@ def test_packed_linear_matches_float64_linear(rows, in_features, out_features, w
                                           None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     assert_close(got, expected, torch.bfloat16)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 4))
+@given(rows=st.integers(1, 40), in_features=st.sampled_from([48, 64, 100]),
+       out_features=st.sampled_from([8, 80, 96]), with_bias=st.booleans(), batched=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_features,
+                                                         with_bias, batched, seed):
+    """The kernel for CPUs without bf16 arithmetic, on every CPU: fp32 weights, bf16 in and out."""
+    kernel = mo.linear.FP32_COMPUTE_BF16
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    packed = kernel.pack(weight)
+    assert packed.dtype == torch.float32 and torch.equal(packed.bfloat16(), weight)
+    got = kernel.linear(x.unsqueeze(0) if batched else x, packed, bias)
+    expected = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16
+    assert got.shape == ((1, rows, out_features) if batched else (rows, out_features))
+    assert_close(got.reshape(rows, out_features), expected, torch.bfloat16)
+
+
+def test_bf16_weights_get_fp32_compute_where_the_cpu_has_no_bf16_arithmetic():
+    if NATIVE_BF16:
+        assert BF16_KERNEL is mo.linear.NATIVE_PACKED_BF16
+    elif ONEDNN_BF16:
+        assert BF16_KERNEL is mo.linear.ONEDNN_PACKED_BF16
+    else:  # e.g. x86 without AVX-512 (AMD Zen 3): a bf16 F.linear converts as it goes
+        assert BF16_KERNEL is mo.linear.FP32_COMPUTE_BF16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

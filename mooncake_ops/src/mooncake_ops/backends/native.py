@@ -35,14 +35,16 @@ def _load() -> Any:
     if _state["loaded"]:
         return _state["module"]
     _state["loaded"] = True
+    # Checked before the import: the extension is compiled for AVX-512 throughout, so loading
+    # it on a CPU without it (e.g. AMD Zen 3) dies of SIGILL in its initialisers.
     capability = torch.backends.cpu.get_cpu_capability()
-    try:
-        import mooncake_ops_native as module  # type: ignore[import-not-found]
-    except ImportError as exc:
-        _state["reason"] = f"extension not built ({exc}); build it with `{BUILD_HINT}`"
+    if "AVX512" not in capability:
+        _state["reason"] = f"this CPU runs torch at {capability}; the kernels need AVX512"
     else:
-        if "AVX512" not in capability:
-            _state["reason"] = f"this CPU runs torch at {capability}; the kernels need AVX512"
+        try:
+            import mooncake_ops_native as module  # type: ignore[import-not-found]
+        except ImportError as exc:
+            _state["reason"] = f"extension not built ({exc}); build it with `{BUILD_HINT}`"
         else:
             _state["module"] = module
     if _state["module"] is None:
