@@ -31,26 +31,35 @@ def test_packed_linear_matches_float64_linear(rows, in_features, out_features, w
     assert_close(got, expected, torch.bfloat16)
 
 
-@settings(max_examples=max(10, settings.default.max_examples // 4))
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
 @given(rows=st.integers(1, 40), in_features=st.sampled_from([48, 64, 100]),
        out_features=st.sampled_from([8, 80, 96]), with_bias=st.booleans(), batched=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
+       slice_elements=st.sampled_from([64, 1 << 20]), seed=st.integers(0, 2**31 - 1))
 def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_features,
-                                                         with_bias, batched, seed):
-    """The kernel for CPUs without bf16 arithmetic, on every CPU: fp32 weights, bf16 in and out."""
+                                                         with_bias, batched, slice_elements, seed):
+    """The kernel for CPUs without bf16 arithmetic, on every CPU: the bf16 weight as it is
+    (bf16 F.linear below FP32_MIN_ROWS rows), else fp32 over weight slices (one slice, or
+    several of 16 rows when a slice holds 64 elements)."""
     kernel = mo.linear.FP32_COMPUTE_BF16
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     packed = kernel.pack(weight)
-    assert packed.dtype == torch.float32 and torch.equal(packed.bfloat16(), weight)
-    got = kernel.linear(x.unsqueeze(0) if batched else x, packed, bias)
+    assert packed.dtype == torch.bfloat16 and torch.equal(packed, weight)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mo.linear, "_FP32_SLICE_ELEMENTS", slice_elements)
+        got = kernel.linear(x.unsqueeze(0) if batched else x, packed, bias)
     expected = torch.nn.functional.linear(x.double(), weight.double(),
                                           None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16
     assert got.shape == ((1, rows, out_features) if batched else (rows, out_features))
     assert_close(got.reshape(rows, out_features), expected, torch.bfloat16)
+    if rows >= mo.linear.FP32_MIN_ROWS:  # exactly fp32 compute, rounded once
+        fp32 = torch.nn.functional.linear(x.float(), weight.float(),
+                                          None if bias is None else bias.float())
+        torch.testing.assert_close(got.reshape(rows, out_features), fp32.bfloat16(),
+                                   atol=0, rtol=2**-7)
 
 
 def test_bf16_weights_get_fp32_compute_where_the_cpu_has_no_bf16_arithmetic():

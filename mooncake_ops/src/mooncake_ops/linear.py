@@ -1,5 +1,5 @@
 """Which kernel runs a linear layer's matmul on CPU: a kernel over pre-packed bf16 weights
-(native AVX512_BF16, else oneDNN), bf16 weights held in fp32 where the CPU has no bf16
+(native AVX512_BF16, else oneDNN), bf16 weights computed in fp32 where the CPU has no bf16
 arithmetic (`FP32_COMPUTE_BF16`), or F.linear.
 
 A batch-1 ``F.linear`` in bf16 runs at half the memory bandwidth of fp32 (the generic path
@@ -47,10 +47,10 @@ from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
-__all__ = ["FP32_COMPUTE_BF16", "INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY", "NATIVE_PACKED_BF16",
-           "ONEDNN_PACKED_BF16", "ONE_THREAD_MAX_MACS", "LinearKernel", "dequantize_int8_weight", "int8_linear",
-           "native_bf16_linear_available", "pack_int8_weight", "row_bucket", "select_linear_kernel",
-           "unpack_native_bf16_weight"]
+__all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY",
+           "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16", "ONE_THREAD_MAX_MACS", "LinearKernel",
+           "dequantize_int8_weight", "int8_linear", "native_bf16_linear_available",
+           "pack_int8_weight", "row_bucket", "select_linear_kernel", "unpack_native_bf16_weight"]
 
 
 @attrs.frozen
@@ -122,22 +122,39 @@ ONEDNN_PACKED_BF16 = LinearKernel("onednn-packed-bf16", _onednn_pack, _onednn_li
 
 # ---- bf16 weights computed in fp32 (CPUs without bf16 arithmetic) -------------------------------
 # Where neither the native kernel nor oneDNN has bf16 instructions to run (x86 without AVX-512,
-# e.g. AMD Zen 3), a bf16 F.linear converts as it goes: a 1,024-row prefill matmul of this
-# project's default model ran at ~9 GFLOP/s on one Zen 3 thread against ~80 for the same
-# matmul in fp32, and a one-row decode matmul 1.6x slower than in fp32. So the weight is held in
-# fp32 (twice bf16's bytes) and each call runs F.linear in fp32 on x upcast, rounding y to x's
-# dtype: the products and sums are what a bf16 F.linear computes in its fp32 accumulator.
+# e.g. AMD Zen 3), a bf16 F.linear converts as it goes and its time grows with every row: a
+# 1,024-row matmul of this project's default model's gate/up shape ran at ~9 GFLOP/s on one Zen 3
+# thread, ~80 in fp32. One row is a weight stream, where bf16's half bytes win (the 49,152 x 576
+# LM head: 3.5 ms in bf16, 11.5 from an fp32 copy, 2 threads). So the weight stays bf16 (the
+# bytes a plan counts) and calls of more than `FP32_MIN_ROWS` rows upcast it a slice of about
+# 2^20 elements at a time (4 MB, cache-sized: no 113 MB fp32 LM head is ever allocated) and run
+# F.linear in fp32 on x upcast, each slice's y rounded into the bf16 output. Measured, 2 threads,
+# ms (bf16 F.linear / fp32 copy of the weight / sliced upcast): gate_up 32 rows 6.7 / 1.9 / 2.3;
+# qkv 1,024 rows - / 10.1 / 10.6; LM head 32 rows 107 / 42 / 25.
+FP32_MIN_ROWS = 5
+_FP32_SLICE_ELEMENTS = 1 << 20
+
+
 def _fp32_pack(weight: torch.Tensor) -> torch.Tensor:
-    return weight.detach().float().contiguous()
+    return weight.detach().contiguous()
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = F.linear(x.float(), weight, None if bias is None else bias.float())
-    return y.to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] < FP32_MIN_ROWS or x.dtype != torch.bfloat16:
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    n, k = weight.shape
+    step = max(16, _FP32_SLICE_ELEMENTS // max(k, 1))
+    x32 = rows.float()
+    y = rows.new_empty(rows.shape[0], n)
+    for n0 in range(0, n, step):
+        part = None if bias is None else bias[n0:n0 + step].float()
+        y[:, n0:n0 + step] = F.linear(x32, weight[n0:n0 + step].float(), part)
+    return y.reshape(*x.shape[:-1], n)
 
 
-FP32_COMPUTE_BF16 = LinearKernel("fp32-compute-bf16", _fp32_pack, _fp32_linear)
+FP32_COMPUTE_BF16 = LinearKernel("bf16-fp32-compute", _fp32_pack, _fp32_linear)
 
 
 # ---- native bf16 (AVX512_BF16) -------------------------------------------------------------------
@@ -228,8 +245,8 @@ def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
         For a bf16 weight on CPU: `NATIVE_PACKED_BF16` where `native_bf16_linear_available`
         (weights whose out_features is not a multiple of 16 or in_features odd get oneDNN's
         packing inside it), else `ONEDNN_PACKED_BF16` where oneDNN has bf16 kernels, else
-        `FP32_COMPUTE_BF16` (no bf16 arithmetic on this CPU: fp32 weights). None for other
-        dtypes and devices (keep ``F.linear`` and the dense weights).
+        `FP32_COMPUTE_BF16` (no bf16 arithmetic on this CPU: matmuls of several rows in fp32).
+        None for other dtypes and devices (keep ``F.linear`` and the dense weights).
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
