@@ -24,8 +24,12 @@ $(STAMP): $(DEPS)
 	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
 	# Native CPU kernels, built against the installed torch (no isolation: no other torch is
 	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.
-	$(BIN)/pip install -q ninja
-	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"
+	# They are AVX-512 code: on a CPU without it (e.g. AMD Zen 3) they could never load, so the
+	# minutes of compiling are skipped there.
+	if $(BIN)/python -c "import sys, torch; sys.exit('AVX512' not in torch.backends.cpu.get_cpu_capability())"; then \
+	  $(BIN)/pip install -q ninja && \
+	  MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"; \
+	else echo "native kernels not built: this CPU has no AVX-512; reference ops will run"; fi
 	touch $(STAMP)
 
 # The main job: plan docs/examples/cpu-smollm2.yaml on this machine, print the plan and serve
