@@ -22,6 +22,7 @@ from kthena_serve._bench_limits import (
     ModelShape,
     achieved_fractions,
     decode_step_s,
+    measure_limits,
     peer_speedups,
     prefill_s,
     workload_limits,
@@ -78,6 +79,17 @@ def test_batch1_decode_limit_is_bandwidth_over_bytes_read():
     assert ideal["b_offline"]["output_tok_s"] == pytest.approx(
         32 * 64 / ideal["b_offline"]["total_s"])
     assert ideal["c_shared_prefix_reuse"]["total_s"] < ideal["c_shared_prefix_no_reuse"]["total_s"]
+
+
+def test_matmul_peak_is_the_faster_of_bf16_and_float32():
+    """A CPU without bf16 arithmetic runs a bf16 F.linear far below its fp32 one, and the
+    engine's matmuls there run in fp32: the limit is what the machine can do, either way."""
+    limits, details = measure_limits(ModelShape.from_hf_config(SMOLLM2), repeats=1)
+    peaks = [details["matmul_bfloat16_gflop_s"], details["matmul_float32_gflop_s"]]
+    assert min(peaks) > 0
+    assert details["matmul_peak_gflop_s"] == max(peaks)
+    assert limits.peak_flop_s / 1e9 == pytest.approx(max(peaks), abs=0.05)
+    assert "bf16 and float32" in details["matmul_probe"]
 
 
 def test_bad_ranges_are_rejected_by_name():

@@ -4,7 +4,10 @@ Two figures are measured on the bench's own torch threads, each the best of a fe
 
 * memory bandwidth: a ``sum`` over a 256 MiB tensor (bytes read ÷ seconds), in bf16 and in
   float32; the larger counts, since the bf16 sum can be bound by its conversions, not memory;
-* matmul peak: ``F.linear`` of 2048 bf16 rows by the model's largest decoder linear weight.
+* matmul peak: ``F.linear`` of 2048 rows by the model's largest decoder linear weight, in bf16
+  and in float32; the larger counts, since a CPU without bf16 arithmetic (x86 without AVX-512)
+  runs a bf16 ``F.linear`` ~8x below its fp32 one, and the engine's matmuls there run in fp32
+  (``mooncake_ops.linear.FP32_COMPUTE_BF16``).
 
 Each workload's ideal time is then a roofline over the work it must do (`WorkloadShape`):
 
@@ -217,17 +220,23 @@ def measure_limits(shape: ModelShape, repeats: int = 5) -> tuple[MachineLimits, 
         reads = _bandwidth(repeats)
         out_features, in_features = shape.largest_linear
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(MATMUL_ROWS, in_features, generator=generator).to(torch.bfloat16)
-        w = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-        matmul_s = _best_s(lambda: F.linear(x, w), repeats)
-    limits = MachineLimits(max(reads.values()),
-                           2 * MATMUL_ROWS * in_features * out_features / matmul_s)
+        x = torch.randn(MATMUL_ROWS, in_features, generator=generator)
+        w = torch.randn(out_features, in_features, generator=generator)
+        flops = 2 * MATMUL_ROWS * in_features * out_features
+        peaks = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            xd, wd = x.to(dtype), w.to(dtype)
+            peaks[str(dtype).removeprefix("torch.")] = flops / _best_s(
+                lambda xd=xd, wd=wd: F.linear(xd, wd), repeats)
+    limits = MachineLimits(max(reads.values()), max(peaks.values()))
     details = {"bandwidth_gb_s": round(limits.bandwidth_bytes_s / 1e9, 2),
                **{f"sum_{name}_gb_s": round(v / 1e9, 2) for name, v in reads.items()},
                "bandwidth_probe": f"sum over {BANDWIDTH_BYTES >> 20} MiB, best of {repeats}",
                "matmul_peak_gflop_s": round(limits.peak_flop_s / 1e9, 1),
-               "matmul_probe": f"F.linear bf16 [{MATMUL_ROWS}, {in_features}] x "
-                               f"[{out_features}, {in_features}]ᵀ, best of {repeats}",
+               **{f"matmul_{name}_gflop_s": round(v / 1e9, 1) for name, v in peaks.items()},
+               "matmul_probe": f"F.linear [{MATMUL_ROWS}, {in_features}] x "
+                               f"[{out_features}, {in_features}]ᵀ in bf16 and float32, "
+                               f"best of {repeats}",
                "torch_threads": torch.get_num_threads(),
                "weight_bytes_per_step": BF16_BYTES * (shape.linear_params + shape.lm_head_params)}
     return limits, details
