@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,17 @@ def test_report_holds_only_same_run_figures(tmp_path):
     assert "vllm" not in json.dumps(result).lower()
     plot(result, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_a_run_without_peers_plots_without_warnings(tmp_path):
+    result = _fixed_result()
+    del result["transformers"]
+    bench._compare(result)
+    assert not result.get("speedup_vs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warned of a legend with no labelled bars
+        plot(result, str(tmp_path / "alone.png"))
+    assert (tmp_path / "alone.png").stat().st_size > 1000
 
 
 def test_build_script_keeps_requirements_but_torch_and_extras():

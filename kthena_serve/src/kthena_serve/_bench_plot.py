@@ -60,7 +60,11 @@ def _grouped(ax, title: str, groups: dict[str, dict[str, float | None]]) -> None
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))], list(groups),
                   fontsize=7, rotation=15)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if names:
+        ax.legend(fontsize=7)
+    else:  # e.g. the speed-ups of a run without peers (--no-hf, no --peer)
+        ax.text(0.5, 0.5, "no figures in this run", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8)
 
 
 def plot(result: dict, path: str) -> None:
