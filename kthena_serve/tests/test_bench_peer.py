@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kthena_serve import bench
+from kthena_serve import _machine, bench
 from kthena_serve._bench_limits import (
     MachineLimits,
     ModelShape,
@@ -197,6 +197,21 @@ def test_a_run_without_peers_plots_without_warnings(tmp_path):
         warnings.simplefilter("error")  # matplotlib warned of a legend with no labelled bars
         plot(result, str(tmp_path / "alone.png"))
     assert (tmp_path / "alone.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(("family", "model", "flags", "expected"), [
+    (25, 1, "fpu sse2 avx avx2 fma", "family 25 model 1: avx2, no avx512"),  # Zen 3
+    (25, 17, "avx2 avx512f avx512bw avx512_bf16", "family 25 model 17: avx512, avx512_bf16"),
+    (6, 143, "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "family 6 model 143: avx512, "
+     "avx512_bf16, amx"),  # Sapphire Rapids
+])
+def test_cpu_isa_names_what_the_kernels_choose_by(tmp_path, family, model, flags, expected):
+    info = tmp_path / "cpuinfo"
+    block = f"processor\t: {{}}\ncpu family\t: {family}\nmodel\t\t: {model}\n" \
+            f"model name\t: AMD EPYC\nflags\t\t: {flags}\n\n"
+    info.write_text(block.format(0) + block.format(1).replace(flags, "other"), encoding="utf-8")
+    assert _machine.cpu_isa(str(info)) == expected
+    assert _machine.cpu_isa(str(tmp_path / "missing")) == ""
 
 
 def test_build_script_keeps_requirements_but_torch_and_extras():

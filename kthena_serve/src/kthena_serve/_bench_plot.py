@@ -87,7 +87,8 @@ def plot(result: dict, path: str) -> None:
     right.axhline(1.0, color="black", linewidth=0.8)
     machine, limits = result["machine"], result["limits"]["machine"]
     fig.suptitle(f"kthena bench serve — {result['model']} {result['dtype']}, "
-                 f"{machine['cores']} cores ({machine['cpu']}), load "
+                 f"{machine['cores']} cores ({machine['cpu']}"
+                 f"{'; ' + machine['cpu_isa'] if machine.get('cpu_isa') else ''}), load "
                  f"{machine['load_avg_1m_before']}→{machine['load_avg_1m_after']}, median of "
                  f"{result['runs']}; limits: {limits['bandwidth_gb_s']} GB/s, "
                  f"{limits['matmul_peak_gflop_s']} GFLOP/s", fontsize=8)

@@ -6,7 +6,7 @@ import os
 import platform
 import time
 
-__all__ = ["cpu_model", "host_info", "wait_until_idle"]
+__all__ = ["cpu_isa", "cpu_model", "host_info", "wait_until_idle"]
 
 
 def cpu_model() -> str:
@@ -21,9 +21,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's family / model and the vector ISA the kernels choose by, from ``/proc/cpuinfo``
+    (a VM's model name can be just "AMD EPYC", Zen 3 and Zen 4 alike), e.g. ``family 25 model
+    17: avx512, avx512_bf16`` or ``family 25 model 1: avx2, no avx512``; "" where unknown."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return ""
+    flags = set(fields.get("flags", "").split())
+    if "avx512f" in flags:
+        isa = ["avx512"] + [name for flag, name in (("avx512_bf16", "avx512_bf16"),
+                                                    ("amx_tile", "amx")) if flag in flags]
+    else:
+        isa = ["avx2" if "avx2" in flags else "no avx2", "no avx512"]
+    where = f"family {fields['cpu family']} model {fields['model']}: " if (
+        "cpu family" in fields and "model" in fields) else ""
+    return (where + ", ".join(isa)) if flags else where.removesuffix(": ")
+
+
 def host_info() -> dict:
-    """CPU model, the cores this process may use, and the load averages now."""
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+    """CPU model and ISA, the cores this process may use, and the load averages now."""
+    return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(os.sched_getaffinity(0)),
             "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
 
 

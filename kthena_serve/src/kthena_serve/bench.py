@@ -41,7 +41,7 @@ from kthena_serve._bench_limits import (
     workload_limits,
 )
 from kthena_serve._bench_peer import PEER_CASES, PeerSession, PeerSpec
-from kthena_serve._machine import cpu_model, wait_until_idle
+from kthena_serve._machine import cpu_isa, cpu_model, wait_until_idle
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
@@ -233,7 +233,8 @@ def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]: 
 def _machine(num_threads: int) -> dict:
     import torch
 
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch_threads": num_threads,
+    return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(os.sched_getaffinity(0)),
+            "torch_threads": num_threads,
             "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "load_avg_1m_before": round(os.getloadavg()[0], 2)}
 
