@@ -9,6 +9,9 @@ DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile nat
 
 .PHONY: install run test lint clean
 
+HAS_AVX512 := import sys, torch; sys.exit('AVX512' not in torch.backends.cpu.get_cpu_capability())
+NO_NATIVE  := native kernels not built; reference ops will run
+
 install: $(STAMP)
 
 $(STAMP): $(DEPS)
@@ -26,10 +29,10 @@ $(STAMP): $(DEPS)
 	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.
 	# They are AVX-512 code: on a CPU without it (e.g. AMD Zen 3) they could never load, so the
 	# minutes of compiling are skipped there.
-	if $(BIN)/python -c "import sys, torch; sys.exit('AVX512' not in torch.backends.cpu.get_cpu_capability())"; then \
+	if $(BIN)/python -c "$(HAS_AVX512)"; then \
 	  $(BIN)/pip install -q ninja && \
-	  MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "native kernels not built; reference ops will run"; \
-	else echo "native kernels not built: this CPU has no AVX-512; reference ops will run"; fi
+	  MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "$(NO_NATIVE)"; \
+	else echo "$(NO_NATIVE) (torch reports no AVX-512 on this CPU)"; fi
 	touch $(STAMP)
 
 # The main job: plan docs/examples/cpu-smollm2.yaml on this machine, print the plan and serve

@@ -208,7 +208,7 @@ def test_first_decode_step_logit_error_is_bounded(loaded, prompts, both):  # noq
           f"{[f'{x:.3g}' for x in worst_noise]}, served int8 vs bf16 "
           f"{[f'{x:.3g}' for x in worst_served]}")
     assert worst_int8[0] > 0  # the int8 path really ran (a bf16 pool would match exactly)
-    if not native.is_available():
+    if not (native.is_available() and mooncake_ops.dispatch.native_enabled()):
         assert worst_noise == [0.0, 0.0, 0.0]  # the same kernels on both sides
         worst_noise = list(_BF16_KERNEL_NOISE)
     assert all(x <= 1.5 * y for x, y in zip(worst_int8, worst_noise, strict=True))
@@ -303,9 +303,11 @@ def _task(decode: LLMEngine, rid: str, ids: list[int], ref: PoolRef) -> PrefillT
 
 def _decode_all(decode: LLMEngine, firsts: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """Each prefilled request decoded to its end alone, as ``_run(..., one_at_a_time=True)``
-    runs the colocated reference: where the matmul kernel is not batch-invariant (fp32 compute
-    on a CPU without bf16 arithmetic), a 3-row decode step may round a logit differently from
-    a 1-row one and flip a near-tie."""
+    runs the colocated reference. Where the kernels are not batch-invariant (the PyTorch
+    reference decode attention, on a CPU without AVX-512, pads every context to the batch's
+    longest, so its matmuls sum in another order), a 3-sequence decode step may round a logit
+    differently from a 1-sequence one and flip a near-tie. What this checks is the handoff;
+    batched against batch-1 decode is test_engine_real.py's."""
     tokens = {}
     for rid, token in firsts.items():
         decode.admit_prefilled(rid, token)

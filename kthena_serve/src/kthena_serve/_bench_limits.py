@@ -6,7 +6,7 @@ Two figures are measured on the bench's own torch threads, each the best of a fe
   float32; the larger counts, since the bf16 sum can be bound by its conversions, not memory;
 * matmul peak: ``F.linear`` of 2048 rows by the model's largest decoder linear weight, in bf16
   and in float32; the larger counts, since a CPU without bf16 arithmetic (x86 without AVX-512)
-  runs a bf16 ``F.linear`` ~8x below its fp32 one, and the engine's matmuls there run in fp32
+  runs a bf16 ``F.linear`` ~8-10x below its fp32 one, and the engine's matmuls there run in fp32
   (``mooncake_ops.linear.FP32_COMPUTE_BF16``).
 
 Each workload's ideal time is then a roofline over the work it must do (`WorkloadShape`):
