@@ -6,6 +6,8 @@ import os
 import platform
 import time
 
+from kthena_core.discovery.cpu import parse_cpuinfo
+
 __all__ = ["cpu_isa", "cpu_model", "host_info", "wait_until_idle"]
 
 
@@ -25,25 +27,20 @@ def cpu_isa(path: str = "/proc/cpuinfo") -> str:
     """The CPU's family / model and the vector ISA the kernels choose by, from ``/proc/cpuinfo``
     (a VM's model name can be just "AMD EPYC", Zen 3 and Zen 4 alike), e.g. ``family 25 model
     17: avx512, avx512_bf16`` or ``family 25 model 1: avx2, no avx512``; "" where unknown."""
-    fields: dict[str, str] = {}
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
+            info = parse_cpuinfo(f.read())
     except OSError:
         return ""
-    flags = set(fields.get("flags", "").split())
+    flags = info["flags"]
     if "avx512f" in flags:
         isa = ["avx512"] + [name for flag, name in (("avx512_bf16", "avx512_bf16"),
                                                     ("amx_tile", "amx")) if flag in flags]
     else:
         isa = ["avx2" if "avx2" in flags else "no avx2", "no avx512"]
-    where = f"family {fields['cpu family']} model {fields['model']}: " if (
-        "cpu family" in fields and "model" in fields) else ""
-    return (where + ", ".join(isa)) if flags else where.removesuffix(": ")
+    where = (f"family {info['family']} model {info['model_number']}"
+             if info["family"] and info["model_number"] else "")
+    return ": ".join(part for part in (where, ", ".join(isa) if flags else "") if part)
 
 
 def host_info() -> dict:

@@ -127,8 +127,8 @@ ONEDNN_PACKED_BF16 = LinearKernel("onednn-packed-bf16", _onednn_pack, _onednn_li
 # thread, ~80 in fp32. One row is a weight stream, where bf16's half bytes win (the 49,152 x 576
 # LM head: 3.5 ms in bf16, 11.5 from an fp32 copy, 2 threads). So the weight stays bf16 (the
 # bytes a plan counts) and calls of `FP32_MIN_ROWS` rows or more upcast it a slice of about
-# 2^20 elements at a time (4 MB, cache-sized: no 113 MB fp32 LM head is allocated for bf16 x) and run
-# F.linear in fp32 on x upcast, each slice's y rounded into the bf16 output. Measured, 2 threads,
+# 2^20 elements at a time (4 MB, cache-sized: no 113 MB fp32 LM head is allocated for bf16 x)
+# and run F.linear in fp32 on x upcast, each slice's y rounded into the bf16 output. Measured, 2 threads,
 # ms (bf16 F.linear / fp32 copy of the weight / sliced upcast): gate_up 32 rows 6.7 / 1.9 / 2.3;
 # qkv 1,024 rows - / 10.1 / 10.6; LM head 32 rows 107 / 42 / 25.
 FP32_MIN_ROWS = 5

@@ -196,8 +196,9 @@ def parse_numactl_hardware(text: str) -> NumactlInfo:
 
 
 def parse_cpuinfo(text: str) -> dict[str, object]:
-    """The few /proc/cpuinfo facts discovery needs: model, vendor, flags, sockets, cores, MHz."""
-    model = vendor = ""
+    """The few /proc/cpuinfo facts discovery needs: model, vendor, flags, sockets, cores, MHz,
+    and x86's family / model numbers (a VM's model name can be just "AMD EPYC")."""
+    model = vendor = family = model_number = ""
     flags: set[str] = set()
     sockets: set[str] = set()
     cores: set[tuple[str, str]] = set()
@@ -210,6 +211,10 @@ def parse_cpuinfo(text: str) -> dict[str, object]:
             model = value
         elif key == "vendor_id" and not vendor:
             vendor = value
+        elif key == "cpu family" and not family:
+            family = value
+        elif key == "model" and not model_number:
+            model_number = value
         elif key in ("flags", "Features") and not flags:
             flags = set(value.split())
         elif key == "physical id":
@@ -222,7 +227,8 @@ def parse_cpuinfo(text: str) -> dict[str, object]:
                 mhz = float(value)
             except ValueError:
                 pass
-    return {"model_name": model, "vendor": vendor, "flags": frozenset(flags),
+    return {"model_name": model, "vendor": vendor, "family": family,
+            "model_number": model_number, "flags": frozenset(flags),
             "num_sockets": len(sockets) or None, "num_physical_cores": len(cores) or None,
             "num_logical": text.count("\nprocessor") + text.startswith("processor"), "mhz": mhz}
 
