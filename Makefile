@@ -5,11 +5,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LAYERS := kthena_core kthena_comm mooncake_kv mooncake_ops kthena_serve
 STAMP  := $(VENV)/.installed
-DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile native/setup.py $(wildcard native/csrc/*)
+DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile native/setup.py $(wildcard native/csrc*/*)
 
 .PHONY: install run test lint clean
 
-HAS_AVX512 := import sys, torch; sys.exit('AVX512' not in torch.backends.cpu.get_cpu_capability())
+# The native build this CPU loads: avx512 (every kernel), avx2 (decode attention), or none.
+NATIVE_ISA := import torch; c = torch.backends.cpu.get_cpu_capability(); \
+              print('avx512' if 'AVX512' in c else 'avx2' if c == 'AVX2' else '')
 NO_NATIVE  := native kernels not built; reference ops will run
 
 install: $(STAMP)
@@ -27,12 +29,12 @@ $(STAMP): $(DEPS)
 	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
 	# Native CPU kernels, built against the installed torch (no isolation: no other torch is
 	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.
-	# They are AVX-512 code: on a CPU without it (e.g. AMD Zen 3) they could never load, so the
-	# minutes of compiling are skipped there.
-	if $(BIN)/python -c "$(HAS_AVX512)"; then \
-	  $(BIN)/pip install -q ninja && \
-	  MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation ./native || echo "$(NO_NATIVE)"; \
-	else echo "$(NO_NATIVE) (torch reports no AVX-512 on this CPU)"; fi
+	# Only the build this CPU can load is compiled (AVX-512, or AVX2 e.g. on AMD Zen 3).
+	isa=$$($(BIN)/python -c "$(NATIVE_ISA)"); \
+	if [ -n "$$isa" ]; then \
+	  $(BIN)/pip install -q ninja && MOONCAKE_OPS_NATIVE_ISAS=$$isa MAX_JOBS=2 \
+	    $(BIN)/pip install -q --no-build-isolation ./native || echo "$(NO_NATIVE)"; \
+	else echo "$(NO_NATIVE) (torch reports neither AVX-512 nor AVX2 on this CPU)"; fi
 	touch $(STAMP)
 
 # The main job: plan docs/examples/cpu-smollm2.yaml on this machine, print the plan and serve

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from _mops_support import (
+    DTYPES,
     PagedCache,
     assert_close,
     geometry,
@@ -238,6 +239,41 @@ def test_native_decode_log_sum_exp_matches_float64(int8, seed):
         finally:
             torch.set_num_threads(previous)
         torch.testing.assert_close(lse.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(DTYPES), int8=st.booleans(),
+       head_dim=st.sampled_from([64, 128, 256]), group=st.sampled_from([1, 3, 8]),
+       block_size=st.sampled_from([5, 16, 32]), strided=st.booleans())
+def test_native_decode_kernel_itself_matches_float64(threads, seed, dtype, int8, head_dim, group,
+                                                     block_size, strided):
+    """The loaded build's decode kernel called directly, so a call it declined (None) fails
+    instead of passing on the reference: every dtype over its own or an int8 cache, every
+    head_dim it covers, a block size that is not a multiple of the vector width, empty and
+    multi-block contexts long enough for the parallel path, one thread and two."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available():
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+    g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
+             dtype=dtype, int8=int8, strided=strided, seed=seed)
+    lens = [0, 1, block_size - 1, block_size + 1, 7 * block_size + 3, 300]
+    cache = PagedCache(g, lens)
+    cache.fill()
+    q = cache.randn(len(lens), g["num_heads"], head_dim)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native._load().paged_decode_attention(
+            q, cache.k_cache, cache.v_cache, cache.block_tables, cache.lens, head_dim ** -0.5,
+            cache.k_scale, cache.v_scale, torch.full_like(q, math.nan))
+    finally:
+        torch.set_num_threads(previous)
+    assert got is not None, f"the {native.isa()} kernel declined a call it covers"
+    assert_close(got, oracle_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                    cache.lens, head_dim ** -0.5, cache.k_scale, cache.v_scale),
+                 dtype)
 
 
 def _cpu_has_avx512_bf16() -> bool:

@@ -37,6 +37,7 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor&, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX-512)";
+  m.attr("isa") = "avx512";
   m.def("paged_decode_attention", &mops::paged_decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("k_scale"), py::arg("v_scale"), py::arg("out"), py::arg("lse") = py::none());

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_common.h"
 #include "dispatch.h"
 #include "vec.h"
 
@@ -34,21 +35,6 @@ namespace mops {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct CacheView {
-  const void* data;
-  int64_t sb, st, sh;  // element strides of block, token, head
-  const float* scale;  // int8 caches only
-  int64_t ssb, sst, ssh;
-};
-
-struct DecodeArgs {
-  int64_t batch, num_kv_heads, group, max_blocks, block_size;
-  float scale;
-  const int32_t* block_tables;
-  const int32_t* context_lens;
-  CacheView k, v;
-};
 
 struct State {  // running softmax state of one item: m[G], l[G], acc[G][D]
   float* m;
@@ -239,37 +225,6 @@ void run(const DecodeArgs& a, const QT* q, QT* out, float* lse, int64_t nsplit, 
   if (nsplit > 1) combine<NC>(a, nsplit, part.data(), out, lse);
 }
 
-struct Extent {
-  int64_t total_tokens, max_blocks;  // over the batch
-};
-
-// Checks every value the kernel will dereference; returns the batch's extent (for the split).
-Extent check_tables(const DecodeArgs& a, int64_t num_blocks) {
-  Extent e{0, 0};
-  for (int64_t b = 0; b < a.batch; ++b) {
-    const int64_t ctx = a.context_lens[b];
-    if (ctx < 0 || ctx > a.max_blocks * a.block_size)
-      throw std::invalid_argument("context_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) +
-                                  " does not fit block_tables' " + std::to_string(a.max_blocks) + " blocks x " +
-                                  std::to_string(a.block_size) + " tokens; lengths must be >= 0 and fit the table");
-    check_used_blocks(a.block_tables, a.max_blocks, a.block_size, b, ctx, num_blocks);
-    e.total_tokens += ctx;
-    e.max_blocks = std::max(e.max_blocks, (ctx + a.block_size - 1) / a.block_size);
-  }
-  return e;
-}
-
-CacheView view_of(const at::Tensor& c, const std::optional<at::Tensor>& s) {
-  CacheView v{c.data_ptr(), c.stride(0), c.stride(1), c.stride(2), nullptr, 0, 0, 0};
-  if (s) {
-    v.scale = s->data_ptr<float>();
-    v.ssb = s->stride(0);
-    v.sst = s->stride(1);
-    v.ssh = s->stride(2);
-  }
-  return v;
-}
-
 }  // namespace
 
 bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -285,25 +240,16 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& v_scale,
                                                  const std::optional<at::Tensor>& out_buffer,
                                                  const std::optional<at::Tensor>& lse_buffer) {
-  if (k_cache.stride(3) != 1 || v_cache.stride(3) != 1 || k_cache.strides() != v_cache.strides())
-    return std::nullopt;
-  if (lse_buffer && (lse_buffer->scalar_type() != at::kFloat || !lse_buffer->is_contiguous() ||
-                     lse_buffer->numel() != q.size(0) * q.size(1)))
-    return std::nullopt;
-  float* lse = lse_buffer ? lse_buffer->data_ptr<float>() : nullptr;
-  const auto bt = block_tables.to(at::kInt).contiguous();
-  const auto cl = context_lens.to(at::kInt).contiguous();
-  const auto qc = q.contiguous();
-  const int64_t num_kv_heads = k_cache.size(2);
-  DecodeArgs a{q.size(0), num_kv_heads, q.size(1) / num_kv_heads, bt.size(1), k_cache.size(1),
-               static_cast<float>(scale), bt.data_ptr<int32_t>(), cl.data_ptr<int32_t>(),
-               view_of(k_cache, k_scale), view_of(v_cache, v_scale)};
-  const Extent e = check_tables(a, k_cache.size(0));
-  auto out = out_buffer ? *out_buffer : at::empty_like(qc);  // caller checked shape, contiguity
-  // A parallel region costs ~10 us on an idle machine but a whole scheduler slice (~8 ms,
-  // measured) when the other cores are busy; only calls of >= ~2M multiply-adds (~150 us on
-  // one core) are worth that risk.
-  const bool parallel = e.total_tokens * q.size(1) * q.size(2) >= (1 << 21) && at::get_num_threads() > 1;
+  auto call = prepare_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                             out_buffer, lse_buffer);
+  if (!call) return std::nullopt;
+  const DecodeArgs& a = call->a;
+  const Extent& e = call->e;
+  const at::Tensor& qc = call->qc;
+  at::Tensor& out = call->out;
+  float* lse = call->lse;
+  const bool parallel = call->parallel;
+  const int64_t num_kv_heads = a.num_kv_heads;
   const int64_t base = a.batch * num_kv_heads, want = 2 * at::get_num_threads();
   const int64_t nsplit = parallel && base < want ? std::max<int64_t>(1, std::min(e.max_blocks, (want + base - 1) / base)) : 1;
   const int64_t bps = std::max<int64_t>(1, (e.max_blocks + nsplit - 1) / nsplit);

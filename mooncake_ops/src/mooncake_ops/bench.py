@@ -59,7 +59,8 @@ def machine() -> dict:
     return {"bench": "machine", "cpu": model, "cores": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native": native.is_available(), "native_reason": native.unavailable_reason(),
+            "native": native.is_available(), "native_isa": native.isa(),
+            "native_reason": native.unavailable_reason(),
             "loadavg": os.getloadavg()}
 
 
@@ -195,7 +196,8 @@ def bench_layers() -> None:
         previous = mo.use_native(False)
         row["reference_us"] = median_us(fn)
         mo.use_native(True)
-        if native.is_available():
+        kernel = {"write_kv_int8": "write_kv", "rms_norm_fused_add": "rms_norm"}.get(op, op)
+        if native.is_available() and kernel in native.ops():  # the AVX2 build has no layer ops
             row["native_us"] = median_us(fn)
             row["native_vs_reference"] = row["reference_us"] / row["native_us"]
         mo.use_native(previous)

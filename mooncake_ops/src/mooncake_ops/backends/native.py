@@ -1,8 +1,10 @@
-"""Adapter over the native C++ CPU kernels (the ``mooncake_ops_native`` extension, native/).
+"""Adapter over the native C++ CPU kernels (native/), loaded on first use.
 
-Loaded on first use. When the extension is absent (or the CPU lacks AVX-512), one log line
-says so and the PyTorch reference runs instead. Each adapter falls back to the reference for
-calls the kernels do not cover (e.g. a head_dim that is not a multiple of 16).
+Two builds: ``mooncake_ops_native`` (every kernel, AVX-512) where torch runs at AVX512, else
+``mooncake_ops_native_avx2`` (paged decode attention only) where it runs at AVX2; the other ops
+run the PyTorch reference there. When neither loads, one log line says why and the reference
+runs for everything. Each adapter falls back to the reference for calls the kernels do not
+cover (e.g. a head_dim that is not 64, 128 or 256).
 
 Prefill with bf16 q/k/v over a bf16 or int8 cache on a CPU with AVX512_BF16: the native kernel
 (``native/csrc/attention_bf16.cpp``; decode over a bf16 cache uses the same instructions, from
@@ -15,6 +17,7 @@ dequantised copy of the cached tokens is made.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,26 +34,38 @@ _state: dict[str, Any] = {"module": None, "reason": None, "loaded": False}
 BUILD_HINT = "pip install --no-build-isolation ./native"
 
 
+# torch's CPU capability -> the build that runs at it (each is compiled for its ISA throughout:
+# importing the AVX-512 one on a CPU without it dies of SIGILL, so the check comes first)
+_BUILDS = {"AVX512": "mooncake_ops_native", "AVX2": "mooncake_ops_native_avx2"}
+_AVX2_OPS = ("paged_decode_attention",)
+
+
 def _load() -> Any:
     if _state["loaded"]:
         return _state["module"]
     _state["loaded"] = True
-    # Checked before the import: the extension is compiled for AVX-512 throughout, so loading
-    # it on a CPU without it (e.g. AMD Zen 3) dies of SIGILL in its initialisers.
     capability = torch.backends.cpu.get_cpu_capability()
-    if "AVX512" not in capability:
-        _state["reason"] = f"this CPU runs torch at {capability}; the kernels need AVX512"
+    name = _BUILDS.get("AVX512" if "AVX512" in capability else capability)
+    if name is None:
+        _state["reason"] = (f"this CPU runs torch at {capability}; the kernels need AVX512 "
+                            "or AVX2")
     else:
         try:
-            import mooncake_ops_native as module  # type: ignore[import-not-found]
+            module = importlib.import_module(name)
         except ImportError as exc:
             _state["reason"] = f"extension not built ({exc}); build it with `{BUILD_HINT}`"
         else:
             _state["module"] = module
     if _state["module"] is None:
         _log.warning("mooncake_ops: native CPU kernels unavailable (%s); using the PyTorch "
-                  "reference", _state["reason"])
+                     "reference", _state["reason"])
     return _state["module"]
+
+
+def isa() -> str | None:
+    """The ISA of the loaded build (``"avx512"`` or ``"avx2"``); None when none loaded."""
+    module = _load()
+    return None if module is None else module.isa
 
 
 def is_available() -> bool:
@@ -68,9 +83,12 @@ def ops() -> dict[str, Callable[..., Any]]:
     `paged_prefill_attention` is not among them: it is the native bf16 kernel where it fits,
     else the SDPA CPU path with the native kernel for an int8 prefix (the CPU backend names it
     so)."""
-    return {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
-            "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
-            "silu_and_mul": silu_and_mul, "int8_linear": int8_linear}
+    table = {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
+             "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
+             "silu_and_mul": silu_and_mul, "int8_linear": int8_linear}
+    if isa() == "avx2":
+        return {op: table[op] for op in _AVX2_OPS}
+    return table
 
 
 # The kernels return None / False for calls they do not cover (head_dim not 64/128/256, a
@@ -91,7 +109,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
                             scale, k_scale=None, v_scale=None, out=None):
-    if q.dtype == torch.bfloat16:  # the AVX512_BF16 kernel (bf16 or int8 cache), where it fits
+    if q.dtype == torch.bfloat16 and isa() == "avx512":  # the AVX512_BF16 kernel, where it fits
         ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)  # value checks
         try:
             result = _state["module"].paged_prefill_attention(
