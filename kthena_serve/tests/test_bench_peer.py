@@ -214,6 +214,19 @@ def test_cpu_isa_names_what_the_kernels_choose_by(tmp_path, family, model, flags
     assert _machine.cpu_isa(str(tmp_path / "missing")) == ""
 
 
+def test_machine_record_names_the_native_build_that_ran():
+    """Which kernels a figure came from: the AVX-512 build, the AVX2 one (decode attention
+    only) or none, matching what torch's capability lets load."""
+    import torch
+
+    record = bench._machine(1)
+    capability = torch.backends.cpu.get_cpu_capability()
+    allowed = {"AVX2": {"avx2", "none"}}.get(capability, {"none"})
+    if "AVX512" in capability:
+        allowed = {"avx512", "none"}
+    assert record["native_kernels"] in allowed, (capability, record["native_kernels"])
+
+
 def test_build_script_keeps_requirements_but_torch_and_extras():
     import importlib.util
 

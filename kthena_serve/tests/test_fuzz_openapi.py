@@ -107,8 +107,10 @@ def _resolve(node: dict, root: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
+    # a short context: a body without max_tokens generates up to it (the tiny random model
+    # rarely ends), and n up to 4 times over; 2,048 tokens made one run take minutes
     engine = AsyncLLM(tiny_engine(num_kv_blocks=512, max_num_batched_tokens=256,
-                                  max_num_seqs=16, max_n=4)).start()
+                                  max_num_seqs=16, max_n=4, max_model_len=128)).start()
     with BackgroundServer(build_app(engine, model_name=MODEL)) as running:
         yield engine, running.url
     engine.shutdown()

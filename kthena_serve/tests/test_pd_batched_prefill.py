@@ -297,6 +297,12 @@ def test_layerwise_and_batched_pushes_land_the_same_kv(decode, prefill, prompts,
         engine.close()
 
 
+def own_shm_entries() -> set[str]:
+    """This process's /dev/shm entries (shm transfer segments are named <prefix>-<pid>-...):
+    other processes' may come and go meanwhile (another test worker)."""
+    return {name for name in os.listdir("/dev/shm") if f"-{os.getpid()}-" in name}
+
+
 def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prompts,  # noqa: ANN001
                                                           one_at_a_time) -> None:
     """The middle request pushes over shm into a segment whose owner goes away when layer
@@ -307,7 +313,7 @@ def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prom
     engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
     putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
     owner, pusher = shm_engine(30.0), shm_engine(30.0)
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = own_shm_entries()
     k = 7
     try:
         ref = pool_ref(decode, handle.to_json())
@@ -347,4 +353,4 @@ def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prom
         engine.close()
         pusher.close()
         owner.close()
-    assert set(os.listdir("/dev/shm")) <= shm_before  # the segment went with its owner
+    assert own_shm_entries() <= shm_before  # the segment went with its owner

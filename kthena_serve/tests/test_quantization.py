@@ -57,17 +57,22 @@ def test_greedy_tokens_agree_with_bf16_weights(both):
     ahead by 0.0, 0.125 and 0.25 nats; at the first prompt's first token its top two bf16
     logits are equal, so either pick is its own coin toss).
 
-    The floor (64 of 96; a prompt below 6 only through an exact or one-step tie, <= 0.125
-    nats) is the int8 KV test's (test_int8_kv.py), with room for another CPU's kernel order;
-    the near-tie bound (0.5 nats) says a flip may only pick a token the bf16 engine nearly
-    picked itself."""
+    On a Zen 3 (AVX2: fp32-compute matmuls, the AVX2 decode kernel): 58 of 96 (0, 4, 10, 16,
+    12, 16), every divergence again a near-tie (0.0 and three at 0.125 nats, one bf16 logit
+    step).
+
+    Each prompt is compared up to its first divergence only, so what says int8 weights did not
+    change the model is that every divergence is a near-tie: a prompt below 6 only through an
+    exact or one-step tie (<= 0.125 nats), any flip within 0.5 nats (a token the bf16 engine
+    nearly picked itself). The floor (48 of 96, half) leaves room for CPUs whose kernel order
+    makes one-step ties fall the other way more often, as on that Zen 3."""
     ref, got = both
     counts = [agreed(r, g) for r, g in zip(ref, got, strict=True)]
     gaps = [gap_at_divergence(r, g) for r, g in zip(ref, got, strict=True)]
     print(f"\nint8 weights vs bf16: {sum(counts)} of {NUM_TOKENS * len(ref)} tokens agree "
           f"(per prompt {counts}); bf16 margin at each divergence {gaps}")
     assert all(len(g.token_ids) == NUM_TOKENS and g.error is None for g in got)
-    assert sum(counts) >= 64
+    assert sum(counts) >= 48
     assert all(c >= 6 or gap <= 0.125 for c, gap in zip(counts, gaps, strict=True))
     assert all(gap is None or gap < 0.5 for gap in gaps)
 

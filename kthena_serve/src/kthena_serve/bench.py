@@ -232,9 +232,10 @@ def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]: 
 
 def _machine(num_threads: int) -> dict:
     import torch
+    from mooncake_ops.backends import native
 
     return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(os.sched_getaffinity(0)),
-            "torch_threads": num_threads,
+            "native_kernels": native.isa() or "none", "torch_threads": num_threads,
             "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "load_avg_1m_before": round(os.getloadavg()[0], 2)}
 
