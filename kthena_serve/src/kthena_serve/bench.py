@@ -232,6 +232,7 @@ def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]: 
 
 def _machine(num_threads: int) -> dict:
     import torch
+
     from mooncake_ops.backends import native
 
     return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(os.sched_getaffinity(0)),
