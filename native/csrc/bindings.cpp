@@ -6,13 +6,9 @@
 #include <optional>
 #include <vector>
 
+#include "bind_decode.h"
+
 namespace mops {
-std::optional<at::Tensor> paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, const at::Tensor&, double,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&);
 bool write_kv(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 std::optional<std::vector<at::Tensor>> rms_norm(const at::Tensor&, const at::Tensor&, double,
@@ -38,9 +34,7 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor&, const at::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX-512)";
   m.attr("isa") = "avx512";
-  m.def("paged_decode_attention", &mops::paged_decode_attention, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("k_scale"), py::arg("v_scale"), py::arg("out"), py::arg("lse") = py::none());
+  mops::def_paged_decode_attention(m);
   m.def("paged_prefill_attention", &mops::paged_prefill_attention, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("cached_lens"), py::arg("query_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),

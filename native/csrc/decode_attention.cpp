@@ -231,8 +231,7 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                  float scale, at::Tensor& out, bool parallel);
 
-// Returns nullopt when the call does not fit the kernel (the caller then runs the reference).
-// lse_buffer: optional contiguous float32 [batch, num_heads] for each row's log-sum-exp.
+// See decode_common.h.
 std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                  const at::Tensor& context_lens, double scale,

@@ -62,6 +62,17 @@ inline CacheView view_of(const at::Tensor& c, const std::optional<at::Tensor>& s
   return v;
 }
 
+// The entry point each build defines (decode_attention.cpp, decode_attention_avx2.cpp): nullopt
+// when the call does not fit the kernel (the caller then runs the reference); lse_buffer:
+// optional contiguous float32 [batch, num_heads] for each row's log-sum-exp.
+std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                 const at::Tensor& context_lens, double scale,
+                                                 const std::optional<at::Tensor>& k_scale,
+                                                 const std::optional<at::Tensor>& v_scale,
+                                                 const std::optional<at::Tensor>& out_buffer,
+                                                 const std::optional<at::Tensor>& lse_buffer);
+
 // One checked call: the tensors it reads (kept alive here) and their raw view.
 struct DecodeCall {
   at::Tensor bt, cl, qc, out;

@@ -4,21 +4,10 @@
 // module.
 #include <torch/extension.h>
 
-#include <optional>
-
-namespace mops {
-std::optional<at::Tensor> paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, const at::Tensor&, double,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&,
-                                                 const std::optional<at::Tensor>&);
-}  // namespace mops
+#include "../csrc/bind_decode.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX2: paged decode attention)";
   m.attr("isa") = "avx2";
-  m.def("paged_decode_attention", &mops::paged_decode_attention, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("k_scale"), py::arg("v_scale"), py::arg("out"), py::arg("lse") = py::none());
+  mops::def_paged_decode_attention(m);
 }

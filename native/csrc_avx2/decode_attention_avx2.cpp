@@ -204,7 +204,7 @@ void run(const DecodeArgs& a, const QT* q, QT* out, float* lse, bool parallel) {
 
 }  // namespace
 
-// Returns nullopt when the call does not fit the kernel (the caller then runs the reference).
+// See decode_common.h.
 std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                  const at::Tensor& context_lens, double scale,
