@@ -33,19 +33,23 @@ def _leaked(before: set[str], grace_s: float = 5.0) -> list[str]:
     A dead owner's entry counts if it is still there after ``grace_s``: another test (another
     pytest worker) may have just killed a process whose janitor is removing its segments.
     """
-    def suspects() -> list[str]:
-        found = []
+    def suspects() -> tuple[list[str], list[str]]:  # (ours, a dead owner's)
+        ours, orphans = [], []
         for name in set(os.listdir("/dev/shm")) - before:
             match = re.search(r"\d+", name)
             pid = int(match.group()) if match else os.getpid()
-            if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
-                found.append(name)
-        return found
+            if pid == os.getpid():
+                ours.append(name)
+            elif not os.path.exists(f"/proc/{pid}"):
+                orphans.append(name)
+        return ours, orphans
 
+    ours, orphans = suspects()
     deadline = time.monotonic() + grace_s
-    while (leaked := suspects()) and time.monotonic() < deadline:
+    while orphans and time.monotonic() < deadline:
         time.sleep(0.1)
-    return leaked
+        orphans = suspects()[1]
+    return ours + orphans
 
 
 @pytest.fixture(scope="module")

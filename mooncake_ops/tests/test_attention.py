@@ -251,14 +251,16 @@ def test_native_decode_kernel_itself_matches_float64(threads, seed, dtype, int8,
     """The loaded build's decode kernel called directly, so a call it declined (None) fails
     instead of passing on the reference: every dtype over its own or an int8 cache, every
     head_dim it covers, a block size that is not a multiple of the vector width, empty and
-    multi-block contexts long enough for the parallel path, one thread and two."""
+    multi-block contexts and one long enough for the kernel's threads (>= 2^21 multiply-adds
+    in all), one thread and two."""
     from mooncake_ops.backends import native
 
     if not native.is_available():
         pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
     g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
              dtype=dtype, int8=int8, strided=strided, seed=seed)
-    lens = [0, 1, block_size - 1, block_size + 1, 7 * block_size + 3, 300]
+    parallel = -(-(1 << 21) // (g["num_heads"] * head_dim))  # tokens for the kernel's threads
+    lens = [0, 1, block_size - 1, block_size + 1, 7 * block_size + 3, parallel]
     cache = PagedCache(g, lens)
     cache.fill()
     q = cache.randn(len(lens), g["num_heads"], head_dim)

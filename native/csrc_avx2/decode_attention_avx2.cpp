@@ -61,8 +61,9 @@ inline __m256 lanes_below(int64_t n) {
 }
 
 // exp(x) = 2^n e^f, n = round(x log2 e), f = x - n ln2 (Cody-Waite), degree-6 Taylor of e^f
-// (relative error ~1.2e-7). x is clamped to [-87, 88] so that 2^n stays a normal float: below
-// -87 the result (~1.6e-38) is not 0, so callers zero the lanes that must be 0.
+// (relative error ~1.2e-7). x is clamped to [-87, 88] so that 2^n stays a normal float: a score
+// more than 87 below the running max adds ~1.6e-38 instead of ~0 (to a sum that is >= 1: the
+// AVX-512 exp underflows there instead), and callers zero the padded lanes themselves.
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

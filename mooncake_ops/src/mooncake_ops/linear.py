@@ -172,10 +172,12 @@ def _native_module():  # noqa: ANN202 - the extension module, or None
 def native_bf16_linear_available() -> bool:
     """Whether the native bf16 matmul runs here: the AVX-512 build is loaded, mooncake_ops may
     use it (``use_native``), and the CPU has AVX512_BF16 (the AVX2 build has no matmul)."""
+    from mooncake_ops.backends import native
     from mooncake_ops.dispatch import native_enabled
 
     module = _native_module() if native_enabled() else None
-    return module is not None and module.isa == "avx512" and bool(module.bf16_linear_supported())
+    return (module is not None and native.isa() == "avx512"
+            and bool(module.bf16_linear_supported()))
 
 
 def _native_pack(weight: torch.Tensor) -> torch.Tensor:

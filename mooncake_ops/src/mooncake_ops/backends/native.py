@@ -65,7 +65,8 @@ def _load() -> Any:
 def isa() -> str | None:
     """The ISA of the loaded build (``"avx512"`` or ``"avx2"``); None when none loaded."""
     module = _load()
-    return None if module is None else module.isa
+    # a build from before the attribute existed can only be the AVX-512 one
+    return None if module is None else getattr(module, "isa", "avx512")
 
 
 def is_available() -> bool:
