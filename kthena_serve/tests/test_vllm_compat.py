@@ -50,7 +50,7 @@ TWINS = {  # vLLM name -> our name, same value by construction
 
 @pytest.fixture(scope="module")
 def engine():
-    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=256, max_num_batched_tokens=256,
+    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=1024, max_num_batched_tokens=256,
                                         max_num_seqs=8, max_n=4)).start()
     yield async_engine
     async_engine.shutdown()
@@ -126,9 +126,11 @@ def test_vllm_values_are_the_kthena_values(client, engine):
         choices = extra.get("n", 1)
         gaps += usage["completion_tokens"] - choices  # every choice ran to max_tokens
         prompt_tokens += usage["prompt_tokens"] * choices
-    with client.stream("POST", "/v1/completions", json={  # one request held in flight
-            "model": MODEL, "prompt": "Hold on", "max_tokens": 500, "ignore_eos": True,
-            "stream": True}) as held:
+    # one request held in flight: the whole 4,096-token context (500 tokens of the tiny model
+    # once ended before the scrape, on a busy machine)
+    with client.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "Hold on", "ignore_eos": True, "stream": True,
+            "max_tokens": engine.limits().max_model_len - 16}) as held:
         next(held.iter_lines())
         _, samples = scrape(client.get("/metrics").text)
     _wait_idle(engine)
