@@ -8,6 +8,7 @@ of the same scrape (one source, two names). Tokenisation is checked against Hugg
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import httpx
@@ -126,13 +127,20 @@ def test_vllm_values_are_the_kthena_values(client, engine):
         choices = extra.get("n", 1)
         gaps += usage["completion_tokens"] - choices  # every choice ran to max_tokens
         prompt_tokens += usage["prompt_tokens"] * choices
-    # one request held in flight: the whole 4,096-token context (500 tokens of the tiny model
-    # once ended before the scrape, on a busy machine)
+    # one request in flight while /metrics is scraped from another thread: its stream is read
+    # all along (a stream left unread is paused by backpressure, and a paused request is not
+    # running), and it asks for the whole 4,096-token context so it outlasts the scrape
     with client.stream("POST", "/v1/completions", json={
             "model": MODEL, "prompt": "Hold on", "ignore_eos": True, "stream": True,
-            "max_tokens": engine.limits().max_model_len - 16}) as held:
-        next(held.iter_lines())
-        _, samples = scrape(client.get("/metrics").text)
+            "max_tokens": engine.limits().max_model_len - 16}) as held, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        lines = held.iter_lines()
+        next(lines)
+        scraped = pool.submit(lambda: scrape(client.get("/metrics").text))
+        for _ in lines:
+            if scraped.done():
+                break
+        _, samples = scraped.result(timeout=60)
     _wait_idle(engine)
     label = {"model_name": MODEL}
     for vllm_name, our_name in TWINS.items():
