@@ -176,7 +176,7 @@ def native_bf16_linear_available() -> bool:
     from mooncake_ops.dispatch import native_enabled
 
     module = _native_module() if native_enabled() else None
-    return (module is not None and native.isa() == "avx512"
+    return (module is not None and native.has("bf16_linear_supported")
             and bool(module.bf16_linear_supported()))
 
 

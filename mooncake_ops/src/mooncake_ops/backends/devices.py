@@ -17,7 +17,7 @@ SDPA = "torch-sdpa"
 SDPA_CPU = "torch-sdpa (flash cpu, cached/new split)"
 SDPA_CPU_NATIVE = ("native-cpp (bf16, AVX512_BF16); else torch-sdpa (flash cpu, cached/new split; "
                    "int8 prefix: native-cpp)")
-SDPA_CPU_NATIVE_AVX2 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
+SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
 TILED = "torch-tiled (kthena_comm async collectives)"
 NATIVE = "native-cpp"
 
@@ -54,7 +54,8 @@ class CpuBackend:
             from mooncake_ops.backends import native
             if native.is_available():
                 table.update({op: OpImpl(fn, NATIVE) for op, fn in native.ops().items()})
-                label = SDPA_CPU_NATIVE if native.isa() == "avx512" else SDPA_CPU_NATIVE_AVX2
+                label = (SDPA_CPU_NATIVE if native.has("paged_prefill_attention")
+                         else SDPA_CPU_NATIVE_INT8)
                 table["paged_prefill_attention"] = OpImpl(native.paged_prefill_attention, label)
         return table
 

@@ -37,7 +37,6 @@ BUILD_HINT = "pip install --no-build-isolation ./native"
 # torch's CPU capability -> the build that runs at it (each is compiled for its ISA throughout:
 # importing the AVX-512 one on a CPU without it dies of SIGILL, so the check comes first)
 _BUILDS = {"AVX512": "mooncake_ops_native", "AVX2": "mooncake_ops_native_avx2"}
-_AVX2_OPS = ("paged_decode_attention",)
 
 
 def _load() -> Any:
@@ -69,6 +68,13 @@ def isa() -> str | None:
     return None if module is None else getattr(module, "isa", "avx512")
 
 
+def has(entry: str) -> bool:
+    """Whether the loaded build has this entry point (the AVX2 build has decode attention
+    only); False when none loaded."""
+    module = _load()
+    return module is not None and hasattr(module, entry)
+
+
 def is_available() -> bool:
     return _load() is not None
 
@@ -87,9 +93,7 @@ def ops() -> dict[str, Callable[..., Any]]:
     table = {"paged_decode_attention": paged_decode_attention, "write_kv": write_kv,
              "rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
              "silu_and_mul": silu_and_mul, "int8_linear": int8_linear}
-    if isa() == "avx2":
-        return {op: table[op] for op in _AVX2_OPS}
-    return table
+    return {op: fn for op, fn in table.items() if has(op)}
 
 
 # The kernels return None / False for calls they do not cover (head_dim not 64/128/256, a
@@ -110,7 +114,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
                             scale, k_scale=None, v_scale=None, out=None):
-    if q.dtype == torch.bfloat16 and isa() == "avx512":  # the AVX512_BF16 kernel, where it fits
+    if q.dtype == torch.bfloat16 and has("paged_prefill_attention"):  # AVX512_BF16, if it fits
         ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)  # value checks
         try:
             result = _state["module"].paged_prefill_attention(
