@@ -9,7 +9,7 @@ DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile nat
 
 .PHONY: install run test lint clean
 
-# The native build this CPU loads: avx512 (every kernel), avx2 (decode attention), or none.
+# The native build this CPU loads: avx512 (every kernel), avx2 (all but the AVX512_BF16 ones), or none.
 NATIVE_ISA := import torch; c = torch.backends.cpu.get_cpu_capability(); \
               print('avx512' if 'AVX512' in c else 'avx2' if c == 'AVX2' else '')
 NO_NATIVE  := native kernels not built; reference ops will run

@@ -1,8 +1,8 @@
 """Build of the native CPU kernels mooncake_ops loads when present:
 
 * ``mooncake_ops_native`` (csrc/): every kernel, AVX-512 throughout (AVX512_BF16 per function);
-* ``mooncake_ops_native_avx2`` (csrc_avx2/): paged decode attention for CPUs with AVX2 + FMA +
-  F16C but no AVX-512, where the first cannot load.
+* ``mooncake_ops_native_avx2`` (csrc_avx2/): for CPUs with AVX2 + FMA + F16C but no AVX-512,
+  where the first cannot load: all but the AVX512_BF16 kernels, plus a dense small-row matmul.
 
     pip install --no-build-isolation ./native     (uses the torch already installed)
 

@@ -92,6 +92,45 @@ def test_silu_and_mul(name, dtype):
     assert_close(got, a / (1 + torch.exp(-a)) * b, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 1024])
+def test_native_layer_kernels_themselves_match_float64(dtype, rows):
+    """The loaded build's rms_norm (plain and fused), rotary_embedding (strided views, partial
+    rotation) and silu_and_mul called directly, so a call they declined (None) fails instead of
+    passing on the reference; 1,024 rows cross the kernels' parallel threshold (2 threads)."""
+    from mooncake_ops.backends import native
+
+    if not native.has("rms_norm"):
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+    module, gen = native._load(), torch.Generator().manual_seed(rows)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+        res, w = torch.randn(rows, 576, generator=gen).to(dtype), torch.rand(576).to(dtype)
+        plain, fused = module.rms_norm(x, w, 1e-6, None), module.rms_norm(x, w, 1e-6, res)
+        cache = mo.build_rope_cache(64, 4096, 10000.0, rotary_dim=32)
+        positions = torch.randint(0, 4096, (rows,), generator=gen)
+        qkv = torch.randn(rows, 10 * 64, generator=gen).to(dtype)
+        q, k, _ = qkv.split([6 * 64, 2 * 64, 2 * 64], dim=-1)
+        q, k = q.view(rows, 6, 64), k.view(rows, 2, 64)
+        rotated = module.rotary_embedding(positions, q, k, cache)
+        gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(dtype)
+        silu = module.silu_and_mul(gate_up)
+    finally:
+        torch.set_num_threads(previous)
+    assert None not in (plain, fused, rotated, silu), f"a {native.isa()} kernel declined"
+    h = x.double() + res.double()
+    assert_close(fused[1], h, dtype)
+    for got, src in ((plain[0], x.double()), (fused[0], fused[1].double())):
+        assert_close(got, src / torch.sqrt(src.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double(),
+                     dtype)
+    assert_close(rotated[0], rope64(positions, q, 10000.0, True, 32), dtype)
+    assert_close(rotated[1], rope64(positions, k, 10000.0, True, 32), dtype)
+    a, b = gate_up.double().chunk(2, dim=-1)
+    assert_close(silu, a / (1 + torch.exp(-a)) * b, dtype)
+
+
 SCALINGS = [
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

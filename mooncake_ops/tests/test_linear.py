@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _mops_support import IMPLS, assert_close, using
+from _mops_support import DTYPES, IMPLS, TOLERANCES, assert_close, using
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,9 +37,10 @@ def test_packed_linear_matches_float64_linear(rows, in_features, out_features, w
        slice_elements=st.sampled_from([64, 1 << 20]), seed=st.integers(0, 2**31 - 1))
 def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_features,
                                                          with_bias, batched, slice_elements, seed):
-    """The kernel for CPUs without bf16 arithmetic, on every CPU: the bf16 weight as it is
-    (bf16 F.linear below FP32_MIN_ROWS rows), else fp32 over weight slices (one slice, or
-    several of 16 rows when a slice holds 64 elements)."""
+    """The kernel for CPUs without bf16 arithmetic, on every CPU: up to DENSE_MAX_ROWS rows the
+    AVX2 build's dense kernel where it is loaded (it declines in_features 100: not a multiple
+    of 8), else the bf16 weight as it is (bf16 F.linear below FP32_MIN_ROWS rows), else fp32
+    over weight slices (one slice, or several of 16 rows when a slice holds 64 elements)."""
     kernel = mo.linear.FP32_COMPUTE_BF16
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
@@ -60,6 +61,61 @@ def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_
                                           None if bias is None else bias.float())
         torch.testing.assert_close(got.reshape(rows, out_features), fp32.bfloat16(),
                                    atol=1e-3, rtol=2**-7)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 40), in_features=st.sampled_from([8, 64, 576]),
+       out_features=st.integers(1, 70), x_dtype=st.sampled_from(DTYPES),
+       w_dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), strided=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_native_dense_linear_itself_matches_float64(threads, rows, in_features, out_features,
+                                                    x_dtype, w_dtype, with_bias, strided, seed):
+    """The AVX2 build's dense_linear called directly (a declined call fails): rows 1-2 read the
+    weight in place, more rows widen each block of 4 weight rows first; output counts that are
+    not a multiple of the 4-row block; every x and weight dtype; weight rows further apart than
+    in_features; one thread and two (the LM head-sized call crosses the kernel's threshold)."""
+    from mooncake_ops.backends import native
+
+    if not native.has("dense_linear"):
+        pytest.skip("the loaded native build has no dense_linear (only the AVX2 build has it)")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
+    wide = torch.randn(out_features, in_features + (8 if strided else 0), generator=gen)
+    weight = wide.to(w_dtype)[:, :in_features]
+    bias = torch.randn(out_features, generator=gen).to(x_dtype) if with_bias else None
+    big_w = torch.randn(4099, 576, generator=gen).to(w_dtype)  # >= 2^21 multiply-adds
+    big_x = torch.randn(1, 576, generator=gen).to(x_dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native._load().dense_linear(x, weight, bias)
+        big = native._load().dense_linear(big_x, big_w, None)
+    finally:
+        torch.set_num_threads(previous)
+    assert got is not None and big is not None, "the AVX2 kernel declined a call it covers"
+    assert got.dtype == x_dtype and got.shape == (rows, out_features)
+    expected = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if bias is None else bias.double())
+    atol, rtol = (1e-4, 1e-4) if x_dtype == torch.float32 else TOLERANCES[x_dtype]
+    torch.testing.assert_close(got.double(), expected, atol=atol * in_features ** 0.5, rtol=rtol)
+    torch.testing.assert_close(big.double(), big_x.double() @ big_w.double().T,
+                               atol=atol * 24, rtol=rtol)
+
+
+def test_native_dense_linear_declines_or_refuses_what_it_cannot_run():
+    from mooncake_ops.backends import native
+
+    if not native.has("dense_linear"):
+        pytest.skip("the loaded native build has no dense_linear (only the AVX2 build has it)")
+    kernel = native._load().dense_linear
+    w = torch.randn(16, 64).bfloat16()
+    assert kernel(torch.randn(2, 60).bfloat16(), torch.randn(16, 60).bfloat16(), None) is None
+    assert kernel(torch.randn(2, 64).bfloat16(), w.T.contiguous().T, None) is None  # columns
+    assert kernel(torch.randn(2, 64, dtype=torch.float64), w, None) is None
+    assert kernel(torch.randn(2, 64), w, torch.randn(16).bfloat16()) is None  # bias dtype
+    with pytest.raises(ValueError, match=r"dense_linear: weight is \[16, 64\]; x has 32"):
+        kernel(torch.randn(2, 32), w, None)
 
 
 def test_bf16_weights_get_fp32_compute_where_the_cpu_has_no_bf16_arithmetic():
@@ -260,6 +316,34 @@ def test_int8_linear_matches_the_dequantised_weight(impl, rows, in_features, out
     expected = _int8_oracle(x, packed, bias)
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 1e-2)
     torch.testing.assert_close(got.double(), expected, atol=atol * in_features ** 0.5, rtol=rtol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+def test_native_int8_linear_itself_matches_float64(threads, rows):
+    """The loaded build's int8 kernel called directly (a declined call fails), every x dtype,
+    with and without bias, an output count that is not a multiple of its 4-row block, and an
+    LM-head-sized weight that crosses its thread threshold."""
+    from mooncake_ops.backends import native
+
+    if not native.has("int8_linear"):
+        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(rows * 10 + threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in DTYPES:
+            for out_features, with_bias in ((70, True), (4099, False)):
+                x = torch.randn(rows, 576, generator=gen).to(dtype)
+                packed = mo.pack_int8_weight(torch.randn(out_features, 576, generator=gen))
+                bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+                got = native._load().int8_linear(x, packed, bias)
+                assert got is not None, f"the {native.isa()} int8 kernel declined"
+                atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 1e-2)
+                torch.testing.assert_close(got.double(), _int8_oracle(x, packed, bias),
+                                           atol=atol * 24, rtol=rtol)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_int8_weight_round_trips_within_half_a_step():

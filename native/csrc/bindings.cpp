@@ -7,17 +7,9 @@
 #include <vector>
 
 #include "bind_decode.h"
+#include "bind_layer.h"
 
 namespace mops {
-bool write_kv(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-std::optional<std::vector<at::Tensor>> rms_norm(const at::Tensor&, const at::Tensor&, double,
-                                                const std::optional<at::Tensor>&);
-std::optional<std::vector<at::Tensor>> rotary_embedding(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        const at::Tensor&);
-std::optional<at::Tensor> silu_and_mul(const at::Tensor&);
-std::optional<at::Tensor> int8_linear(const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&);
 std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&);
 at::Tensor bf16_pack_weight(const at::Tensor&);
@@ -39,12 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("cached_lens"), py::arg("query_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("out") = py::none());
-  m.def("write_kv", &mops::write_kv);
-  m.def("rms_norm", &mops::rms_norm);
-  m.def("rotary_embedding", &mops::rotary_embedding);
-  m.def("silu_and_mul", &mops::silu_and_mul);
-  m.def("int8_linear", &mops::int8_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
+  mops::def_layer_ops(m);
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("bf16_pack_weight", &mops::bf16_pack_weight);

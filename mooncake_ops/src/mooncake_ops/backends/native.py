@@ -1,8 +1,8 @@
 """Adapter over the native C++ CPU kernels (native/), loaded on first use.
 
 Two builds: ``mooncake_ops_native`` (every kernel, AVX-512) where torch runs at AVX512, else
-``mooncake_ops_native_avx2`` (paged decode attention only) where it runs at AVX2; the other ops
-run the PyTorch reference there. When neither loads, one log line says why and the reference
+``mooncake_ops_native_avx2`` (all but the prefill attention and the packed bf16 matmul, which
+need AVX512_BF16) where it runs at AVX2. When neither loads, one log line says why and the reference
 runs for everything. Each adapter falls back to the reference for calls the kernels do not
 cover (e.g. a head_dim that is not 64, 128 or 256).
 
@@ -69,8 +69,8 @@ def isa() -> str | None:
 
 
 def has(entry: str) -> bool:
-    """Whether the loaded build has this entry point (the AVX2 build has decode attention
-    only); False when none loaded."""
+    """Whether the loaded build has this entry point (the AVX2 build has no prefill attention
+    or packed bf16 matmul, the AVX-512 one no ``dense_linear``); False when none loaded."""
     module = _load()
     return module is not None and hasattr(module, entry)
 
