@@ -370,6 +370,27 @@ def test_int8_linear_past_the_native_rows_and_in_3d(impl):
     torch.testing.assert_close(one, dense @ x[0, 0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_prefill_rows_of_bf16_in_fp32_match_the_oracle(with_bias):
+    """The path bf16 rows past INT8_MAX_OP_ROWS take where the CPU has no bf16 arithmetic
+    (fp32 over weight slices dequantised to fp32), called directly on every CPU with three
+    slices (16, 16 and 8 rows), and int8_linear's own choice for the same call."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(80, 64, generator=gen).bfloat16()
+    packed = mo.pack_int8_weight(torch.randn(40, 64, generator=gen))
+    bias = torch.randn(40, generator=gen).bfloat16() if with_bias else None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mo.linear, "_FP32_SLICE_ELEMENTS", 16 * 64)
+        direct = mo.linear._int8_linear_fp32(x, packed, bias)
+    chosen = mo.int8_linear(x, packed, bias)
+    for got in (direct, chosen):
+        assert got.dtype == torch.bfloat16 and got.shape == (80, 40)
+        assert_close(got, _int8_oracle(x, packed, bias), torch.bfloat16)
+    fp32 = torch.nn.functional.linear(x.float(), mo.dequantize_int8_weight(packed),
+                                      None if bias is None else bias.float())
+    torch.testing.assert_close(direct, fp32.bfloat16(), atol=1e-3, rtol=2**-7)
+
+
 def test_int8_linear_refuses_what_it_cannot_run():
     packed = mo.pack_int8_weight(torch.randn(8, 32))
     with pytest.raises(mo.OpsShapeError, match="x has 16 features; the weight takes 32"):

@@ -319,7 +319,8 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
     Up to `INT8_MAX_OP_ROWS` rows (decode batches) run the ``int8_linear`` op: the native kernel
     (either build), else the fp32 reference. More rows (prefill chunks, compute-bound) run
     F.linear over the weight dequantised to x's dtype: as fast as the native kernel there, and
-    x keeps its own precision.
+    x keeps its own precision; bf16 x on a CPU without bf16 arithmetic runs that in fp32 over
+    weight slices dequantised to fp32 (`_int8_linear_fp32`), rounded once into bf16.
 
     Raises:
         OpsShapeError: x's last dim is not the weight's K; the weight is not packed int8.
@@ -331,11 +332,40 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
         raise OpsShapeError(f"x has {x.shape[-1]} features; the weight takes "
                             f"{packed.shape[1] - 4} (packed [N, K + 4] = {tuple(packed.shape)})")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > INT8_MAX_OP_ROWS:
+    if rows.shape[0] > INT8_MAX_OP_ROWS and x.dtype == torch.bfloat16 and not _bf16_arithmetic():
+        out = _int8_linear_fp32(rows, packed, bias)
+    elif rows.shape[0] > INT8_MAX_OP_ROWS:
         out = F.linear(rows, dequantize_int8_weight(packed, x.dtype), bias)
     else:
         out = impl("int8_linear", x.device.type)(rows, packed, bias)
     return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+_BF16_ARITHMETIC: dict[str, bool] = {}
+
+
+def _bf16_arithmetic() -> bool:
+    """Whether this CPU has bf16 arithmetic for torch's kernels (oneDNN's bf16 support: AVX-512
+    at least); without it (e.g. AMD Zen 3) a bf16 F.linear of many rows runs ~9 GFLOP/s."""
+    if "cpu" not in _BF16_ARITHMETIC:
+        _BF16_ARITHMETIC["cpu"] = bool(torch.backends.mkldnn.is_available()
+                                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _BF16_ARITHMETIC["cpu"]
+
+
+def _int8_linear_fp32(rows: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """A prefill-sized int8 matmul of bf16 rows where the CPU has no bf16 arithmetic: fp32
+    F.linear over slices of the weight dequantised to fp32 (cache-sized, as
+    `FP32_COMPUTE_BF16` slices its weights), each slice's y rounded into the bf16 output."""
+    n, k = packed.shape[0], packed.shape[1] - 4
+    step = max(16, _FP32_SLICE_ELEMENTS // max(k, 1))
+    x32 = rows.float()
+    y = rows.new_empty(rows.shape[0], n)
+    for n0 in range(0, n, step):
+        part = None if bias is None else bias[n0:n0 + step].float()
+        y[:, n0:n0 + step] = F.linear(x32, dequantize_int8_weight(packed[n0:n0 + step]), part)
+    return y
 
 
 def _check_packed(packed: torch.Tensor) -> None:
