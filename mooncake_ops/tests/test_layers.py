@@ -97,7 +97,8 @@ def test_silu_and_mul(name, dtype):
 def test_native_layer_kernels_themselves_match_float64(dtype, rows):
     """The loaded build's rms_norm (plain and fused), rotary_embedding (strided views, partial
     rotation) and silu_and_mul called directly, so a call they declined (None) fails instead of
-    passing on the reference; 1,024 rows cross the kernels' parallel threshold (2 threads)."""
+    passing on the reference; 1,024 rows cross each kernel's parallel threshold, 2^19 elements
+    (RoPE: 16 q heads and 8 k heads of 64), on 2 threads."""
     from mooncake_ops.backends import native
 
     if not native.has("rms_norm"):
@@ -111,9 +112,9 @@ def test_native_layer_kernels_themselves_match_float64(dtype, rows):
         plain, fused = module.rms_norm(x, w, 1e-6, None), module.rms_norm(x, w, 1e-6, res)
         cache = mo.build_rope_cache(64, 4096, 10000.0, rotary_dim=32)
         positions = torch.randint(0, 4096, (rows,), generator=gen)
-        qkv = torch.randn(rows, 10 * 64, generator=gen).to(dtype)
-        q, k, _ = qkv.split([6 * 64, 2 * 64, 2 * 64], dim=-1)
-        q, k = q.view(rows, 6, 64), k.view(rows, 2, 64)
+        qkv = torch.randn(rows, 32 * 64, generator=gen).to(dtype)
+        q, k, _ = qkv.split([16 * 64, 8 * 64, 8 * 64], dim=-1)
+        q, k = q.view(rows, 16, 64), k.view(rows, 8, 64)
         rotated = module.rotary_embedding(positions, q, k, cache)
         gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(dtype)
         silu = module.silu_and_mul(gate_up)

@@ -84,7 +84,7 @@ def test_native_dense_linear_itself_matches_float64(threads, rows, in_features, 
     wide = torch.randn(out_features, in_features + (8 if strided else 0), generator=gen)
     weight = wide.to(w_dtype)[:, :in_features]
     bias = torch.randn(out_features, generator=gen).to(x_dtype) if with_bias else None
-    big_w = torch.randn(4099, 576, generator=gen).to(w_dtype)  # >= 2^21 multiply-adds
+    big_w = torch.randn(4099, 576, generator=gen).to(w_dtype)  # past the 2^17 thread bound
     big_x = torch.randn(1, 576, generator=gen).to(x_dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

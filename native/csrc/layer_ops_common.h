@@ -42,7 +42,7 @@ void silu_rows(const XT* x, XT* out, int64_t rows, int64_t d);
 
 }  // namespace
 
-// [out] or [out, residual_out]; nullopt when the call does not fit (hidden % 16, dtypes).
+// [out] or [out, residual_out]; nullopt when the call does not fit (hidden % kLayerLanes, dtypes).
 std::optional<std::vector<at::Tensor>> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const std::optional<at::Tensor>& residual) {
   const int64_t hidden = x.size(-1);

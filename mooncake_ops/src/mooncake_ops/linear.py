@@ -32,7 +32,8 @@ reads. `pack_int8_weight` quantises each output channel symmetrically (``mooncak
 scale = absmax / 127) into one int8 tensor [N, K + 4]: a row's K values, then its float32
 scale's 4 bytes. `int8_linear` runs decode-sized calls (up to `INT8_MAX_OP_ROWS` rows)
 through the native kernel, which reads the int8 bytes in place (half bf16's bytes), and larger
-calls (prefill, compute-bound) through F.linear over the weight dequantised to x's dtype.
+calls (prefill, compute-bound) through F.linear over the weight dequantised to x's dtype (bf16
+x on a CPU without bf16 arithmetic: in fp32 over weight slices dequantised to fp32).
 """
 
 from __future__ import annotations
@@ -332,7 +333,8 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
         raise OpsShapeError(f"x has {x.shape[-1]} features; the weight takes "
                             f"{packed.shape[1] - 4} (packed [N, K + 4] = {tuple(packed.shape)})")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > INT8_MAX_OP_ROWS and x.dtype == torch.bfloat16 and not _bf16_arithmetic():
+    if (rows.shape[0] > INT8_MAX_OP_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not _bf16_arithmetic()):
         out = _int8_linear_fp32(rows, packed, bias)
     elif rows.shape[0] > INT8_MAX_OP_ROWS:
         out = F.linear(rows, dequantize_int8_weight(packed, x.dtype), bias)
