@@ -38,13 +38,14 @@ x on a CPU without bf16 arithmetic: in fp32 over weight slices dequantised to fp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from mooncake_ops.dispatch import impl
+from mooncake_ops.dispatch import impl, native_enabled
 from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
@@ -151,14 +152,14 @@ def _fp32_pack(weight: torch.Tensor) -> torch.Tensor:
 def _native_dense_linear(rows: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor | None:
     """The AVX2 build's ``dense_linear`` over ``rows`` [M, K], or None where it does not run
-    (no such build, native kernels switched off, or a call it declines)."""
-    from mooncake_ops.backends import native
-    from mooncake_ops.dispatch import native_enabled
-
-    if rows.shape[0] > DENSE_MAX_ROWS or not native_enabled() or not native.has("dense_linear"):
+    (no such build, native kernels switched off, or a call it declines). On every decode
+    matmul: no imports or lookups beyond the cached module's attribute."""
+    if rows.shape[0] > DENSE_MAX_ROWS or not native_enabled():
         return None
-    return _native_module().dense_linear(rows, weight, None if bias is None
-                                         else bias.to(rows.dtype))
+    dense = getattr(_native_module(), "dense_linear", None)  # None: no build, or not the AVX2 one
+    if dense is None:
+        return None
+    return dense(rows, weight, None if bias is None else bias.to(rows.dtype))
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -199,7 +200,6 @@ def native_bf16_linear_available() -> bool:
     use it (``use_native``), and the CPU has AVX512_BF16 (the AVX2 build has no packed bf16 matmul:
     its ``dense_linear`` runs inside `FP32_COMPUTE_BF16`)."""
     from mooncake_ops.backends import native
-    from mooncake_ops.dispatch import native_enabled
 
     module = _native_module() if native_enabled() else None
     return (module is not None and native.has("bf16_linear_supported")
@@ -343,16 +343,12 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
     return out.reshape(*x.shape[:-1], packed.shape[0])
 
 
-_BF16_ARITHMETIC: dict[str, bool] = {}
-
-
+@functools.cache
 def _bf16_arithmetic() -> bool:
     """Whether this CPU has bf16 arithmetic for torch's kernels (oneDNN's bf16 support: AVX-512
     at least); without it (e.g. AMD Zen 3) a bf16 F.linear of many rows runs ~9 GFLOP/s."""
-    if "cpu" not in _BF16_ARITHMETIC:
-        _BF16_ARITHMETIC["cpu"] = bool(torch.backends.mkldnn.is_available()
-                                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return _BF16_ARITHMETIC["cpu"]
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _int8_linear_fp32(rows: torch.Tensor, packed: torch.Tensor,
