@@ -294,9 +294,9 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
                                                     int8):
     """The AVX512_BF16 prefill kernel itself (not a fallback) on fresh random inputs: q/k/v as
     strided views of one fused projection (as the model passes them), several 32-token tiles
-    per sequence and 32-key tiles that straddle the cached/new boundary, a NaN-poisoned bf16 or
-    int8 pool (int8 rows dequantised as they are packed) with garbage past each table's used
-    columns, one thread and two."""
+    per sequence, 64-key tiles that straddle the cached/new boundary and half tiles at rows'
+    causal edges, a NaN-poisoned bf16 or int8 pool (int8 rows dequantised as they are packed)
+    with garbage past each table's used columns, one thread and two."""
     from mooncake_ops.backends import native
 
     if not native.is_available():
@@ -330,11 +330,11 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
 @settings(max_examples=2, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_native_bf16_prefill_kernel_follows_rising_and_falling_scores(slope, seed):
-    """Scores that climb by `slope` per key (scaled): the kernel raises its running max only
-    when a score passes it by more than its margin (e^8), so a slow climb runs on a stale max
-    (probabilities up to e^8 before the divide) and a steep one rescales at every 32-key tile;
-    a falling run never rescales after its first tile. Against float64, for 190 new tokens
-    after 40 cached ones."""
+    """Scores that climb by `slope` per key (scaled), so each row's largest score is its last
+    key (rising) or its first (falling), with e^(slope x 230) between a row's extremes: the
+    kernel's softmax subtracts each row's max over the keys it sees (the causal edge masked in
+    the scores pass), and keys far below it underflow to 0, not NaN. Against float64, for 190
+    new tokens after 40 cached ones."""
     from mooncake_ops.backends import native
 
     if not native.is_available() or not _cpu_has_avx512_bf16():

@@ -270,8 +270,9 @@ def _reject_unsupported(cfg: KthenaConfig) -> None:
            "unset (it sizes the fused all-reduce's buckets, and fused_communication is not "
            "supported)")
     _check(model.attention_kernel == "flash", "model.attention_kernel", model.attention_kernel,
-           "flash (the engine's one attention path: paged attention with a tiled, "
-           "flash-style softmax; no memory_efficient or high_throughput variant exists)")
+           "flash (the engine's one attention path: tiled paged attention that never "
+           "materialises a sequence's full score matrix; no memory_efficient or "
+           "high_throughput variant exists)")
     _check(model.dtype in ("bf16", "fp16", "fp32"), "model.dtype", model.dtype,
            "bfloat16, float16 or float32 (the dtypes the engine serves weights in)")
     _check(not par.sequence_parallel_enabled, "parallelism.sequence_parallel_enabled", True,
