@@ -174,8 +174,9 @@ native_only = pytest.mark.skipif(not NATIVE_BF16, reason="no native build, or no
 def test_native_bf16_linear_matches_float64_linear(threads, rows, in_features, blocks, with_bias,
                                                    strided, seed):
     """The native kernel itself on fresh random inputs: row counts across its 4-row tiles and
-    thread splits (columns or rows), out_features = 16 x blocks (partial 64-column panels), K
-    not a multiple of 32, x as rows of a wider tensor (the model's fused-projection slices)."""
+    thread splits (columns, rows, or at 300 rows (panel, 256-row) tasks taken as threads free
+    up, the second partial), out_features = 16 x blocks (partial 64-column panels), K not a
+    multiple of 32, x as rows of a wider tensor (the model's fused-projection slices)."""
     assert mo.select_linear_kernel(torch.empty(1, dtype=torch.bfloat16)) is mo.linear.NATIVE_PACKED_BF16
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, in_features + (7 if strided else 0), generator=gen).bfloat16()

@@ -3,6 +3,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <cstdint>
 #include <stdexcept>
@@ -42,6 +46,23 @@ inline void check_used_blocks(const int32_t* block_tables, int64_t max_blocks, i
                                   std::to_string(id) + " is used but outside the cache's " +
                                   std::to_string(num_blocks) + " blocks");
   }
+}
+
+// f(i) for every i in [0, n) over the torch threads, each thread taking the next index when it
+// finishes one (a shared counter): a thread that runs slower (a busy neighbour on its core, a
+// costlier task) takes fewer, where a static split would leave the other waiting at the end.
+template <typename F>
+void parallel_dynamic(int64_t n, F&& f) {
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  if (nt <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+      f(i);
+  });
 }
 
 // Whether this CPU has AVX512_BF16 (the bf16 attention and matmul kernels' per-function target).

@@ -10,10 +10,12 @@
 // accumulators; 4 x 4 = 64 outputs for 4 rows), per pair p NR weight loads, MR broadcasts and
 // MR x NR vdpbf16ps. Loop: threads split the output blocks (panels of NR x 16 columns, whose
 // K x NR x 16 weights stay in L2 while every row block passes over them), or, when a call has
-// fewer panels than threads and many rows, the rows; a prefill-sized call whose panels do not
-// divide among the threads splits each panel's rows too (e.g. 9 panels x 2 chunks on 2
-// threads). Row counts <= 4 stream the weight once at close to memory bandwidth; large ones
-// are bound by the dot products. With several row blocks the next panel is prefetched a few
+// fewer panels than threads and many rows, the rows; calls of 256 rows or more (prefill
+// chunks) split into (panel, 256 rows) tasks that each thread takes as it finishes the last
+// (a static split left one thread waiting whenever the other core ran slower), and smaller
+// ones whose panels do not divide among the threads split each panel's rows too (e.g. 9
+// panels x 2 chunks on 2 threads). Row counts <= 4 stream the weight once at close to memory
+// bandwidth; large ones are bound by the dot products. With several row blocks the next panel is prefetched a few
 // lines per pair while this one is computed, so a batched decode step's weights arrive from
 // DRAM behind the arithmetic (without: 1.2-1.25x slower for 32 rows over cold weights).
 #include <ATen/Parallel.h>
@@ -38,6 +40,9 @@ constexpr int64_t kMR = 4;  // x rows per micro-tile
 constexpr int64_t kNR = 4;  // 16-output blocks per micro-tile
 // Fewer multiply-adds run on the calling thread (mooncake_ops.linear.ONE_THREAD_MAX_MACS).
 constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
+// Calls of at least this many rows split into tasks of one panel x this many rows, which the
+// threads take one at a time (~0.1 ms each at the default model's shapes).
+constexpr int64_t kTaskRows = 256;
 
 // fp32 -> bf16 -> fp32 (round to nearest even): what storing and reloading a bf16 tensor gives.
 MOPS_BF16_TARGET inline __m512 round_bf16(__m512 v) {
@@ -184,6 +189,12 @@ std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, 
   const int64_t R = threads / std::gcd(panels, threads);
   if (threads <= 1 || M * N * K < kOneThreadMaxMacs) {
     tiles(0, M, 0, panels);
+  } else if (M >= kTaskRows) {  // prefill-sized: (panel, row chunk) tasks, taken as threads free up
+    const int64_t chunks = (M + kTaskRows - 1) / kTaskRows;
+    parallel_dynamic(panels * chunks, [&](int64_t t) {
+      const int64_t j = t / chunks, r = t % chunks;
+      tiles(r * kTaskRows, std::min(M, (r + 1) * kTaskRows), j, j + 1);
+    });
   } else if (R > 1 && M >= 64 * R && panels < 16 * threads) {  // prefill-sized: even tasks
     const int64_t chunk = ((M + R - 1) / R + kMR - 1) / kMR * kMR;  // whole micro-tiles
     at::parallel_for(0, panels * R, 1, [&](int64_t t0, int64_t t1) {
