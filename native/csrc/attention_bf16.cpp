@@ -22,7 +22,7 @@
 // those keys, rounded to bf16 for the P.V products, and l = sum(p) in fp32; then out = P.V / l
 // with fp32 accumulation, 4 x RB accumulators per 64 output lanes. The exact max needs no
 // rescaling, and keeps both dot-product passes at the matmul's register tile; the scores of RB
-// rows (4 x keys floats) stay in L1 for the softmax.
+// rows (4 x keys floats) stay in L1 for the softmax at prompt lengths of a few thousand.
 //
 // A sequence with one new token in a prefill batch (a decode riding along with prefill chunks)
 // takes the decode routine instead, reading its context in place; threads split those and
