@@ -435,6 +435,17 @@ void decode_range(int64_t i0, int64_t i1, const DecodeCache& c, float scale, int
   }
 }
 
+// Boundaries of nt contiguous ranges of equal cost over items [0, n), cum[i] = cost of items
+// before i (n + 1 entries): range t is [out[t], out[t + 1]).
+inline std::vector<int64_t> equal_cost_bounds(const std::vector<double>& cum, int64_t nt) {
+  const int64_t n = static_cast<int64_t>(cum.size()) - 1;
+  std::vector<int64_t> out(nt + 1, n);
+  out[0] = 0;
+  for (int64_t t = 1; t < nt; ++t)
+    out[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
+  return out;
+}
+
 template <int NC>
 void run(const PrefillArgs& a, bool parallel) {
   constexpr int64_t D = 16 * NC, P = D / 2;
@@ -478,17 +489,12 @@ void run(const PrefillArgs& a, bool parallel) {
     }
   }
   const int64_t nt = parallel ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items + rider_items)) : 1;
-  std::vector<int64_t> bound(nt + 1, items);
-  bound[0] = 0;
-  for (int64_t t = 1; t < nt; ++t)
-    bound[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
+  const std::vector<int64_t> bound = equal_cost_bounds(cum, nt);
   // riders by equal context (keys read): items (rider, KV head), whole riders per thread
   std::vector<double> rider_cum(riders.size() + 1, 0.0);
   for (size_t n = 0; n < riders.size(); ++n) rider_cum[n + 1] = rider_cum[n] + static_cast<double>(a.seqs[riders[n]].cached + 1);
-  std::vector<int64_t> rider_bound(nt + 1, rider_items);
-  rider_bound[0] = 0;
-  for (int64_t t = 1; t < nt; ++t)
-    rider_bound[t] = H * (std::lower_bound(rider_cum.begin(), rider_cum.end(), rider_cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - rider_cum.begin());
+  std::vector<int64_t> rider_bound = equal_cost_bounds(rider_cum, nt);
+  for (int64_t& r : rider_bound) r *= H;
   const DecodeCache cache{static_cast<const bf16*>(a.kc), static_cast<const bf16*>(a.vc), a.block_size, a.cb, a.ct, a.ch,
                           H, G, a.ks1, a.vs1};
   auto rider_at = [&](int64_t n) {

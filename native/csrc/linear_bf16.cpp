@@ -15,9 +15,10 @@
 // (a static split left one thread waiting whenever the other core ran slower), and smaller
 // ones whose panels do not divide among the threads split each panel's rows too (e.g. 9
 // panels x 2 chunks on 2 threads). Row counts <= 4 stream the weight once at close to memory
-// bandwidth; large ones are bound by the dot products. With several row blocks the next panel is prefetched a few
-// lines per pair while this one is computed, so a batched decode step's weights arrive from
-// DRAM behind the arithmetic (without: 1.2-1.25x slower for 32 rows over cold weights).
+// bandwidth; large ones are bound by the dot products. With several row blocks the next panel
+// is prefetched a few lines per pair while this one is computed, so a batched decode step's
+// weights arrive from DRAM behind the arithmetic (without: 1.2-1.25x slower for 32 rows over
+// cold weights).
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
 
