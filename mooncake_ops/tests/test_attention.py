@@ -286,25 +286,40 @@ def _cpu_has_avx512_bf16() -> bool:
         return False
 
 
+def _prefill_kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """The q dtypes the loaded build's own prefill kernel takes on this CPU: every float dtype
+    for the AVX2 build (fp32 arithmetic), bf16 for the AVX-512 one where the CPU has
+    AVX512_BF16; none without a build."""
+    from mooncake_ops.backends import native
+
+    if not native.is_available() or not native.has("paged_prefill_attention"):
+        return ()
+    if native.isa() == "avx2":
+        return DTYPES
+    return (torch.bfloat16,) if _cpu_has_avx512_bf16() else ()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([64, 128, 256]),
-       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]), int8=st.booleans())
-def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, group, block_size,
-                                                    int8):
-    """The AVX512_BF16 prefill kernel itself (not a fallback) on fresh random inputs: q/k/v as
-    strided views of one fused projection (as the model passes them), several 32-token tiles
-    per sequence, 64-key tiles that straddle the cached/new boundary and half tiles at rows'
-    causal edges, a NaN-poisoned bf16 or int8 pool (int8 rows dequantised as they are packed)
-    with garbage past each table's used columns, one thread and two."""
+       group=st.sampled_from([1, 3, 8]), block_size=st.sampled_from([16, 32]), int8=st.booleans(),
+       dtype=st.sampled_from(DTYPES))
+def test_native_prefill_kernel_matches_float64(threads, seed, head_dim, group, block_size, int8,
+                                               dtype):
+    """The loaded build's prefill kernel itself (not a fallback) on fresh random inputs: q/k/v
+    as strided views of one fused projection (as the model passes them), several 32-token
+    tiles per sequence, key tiles that straddle the cached/new boundary and rows' causal edges
+    inside them, a NaN-poisoned pool of q's dtype or int8 (rows dequantised as they are laid
+    out) with garbage past each table's used columns, one thread and two. A dtype the build
+    does not cover (the AVX-512 kernel takes bf16 only) must be declined (None)."""
     from mooncake_ops.backends import native
 
-    if not native.is_available():
-        pytest.skip(f"native kernels not built: {native.unavailable_reason()}")
-    if not _cpu_has_avx512_bf16():
-        pytest.skip("this CPU has no AVX512_BF16: the kernel declines and the SDPA path runs")
+    covered = _prefill_kernel_dtypes()
+    if not covered:
+        pytest.skip("no prefill kernel runs here: the build is absent, or it is the AVX-512 "
+                    "one on a CPU without AVX512_BF16 (the SDPA path runs)")
     g = dict(block_size=block_size, num_kv_heads=2, num_heads=2 * group, head_dim=head_dim,
-             dtype=torch.bfloat16, int8=int8, strided=True, seed=seed)
+             dtype=dtype, int8=int8, strided=True, seed=seed)
     cached, queries = [75, 0, 0, 33], [70, 1, 97, 2]
     cache = PagedCache(g, cached)
     cache.fill()
@@ -322,8 +337,11 @@ def test_native_bf16_prefill_kernel_matches_float64(threads, seed, head_dim, gro
                                                      **cache.scales())
     finally:
         torch.set_num_threads(previous)
-    assert got is not None, "the kernel declined a bf16 call it covers"
-    assert_close(got, oracle_prefill(*args, **cache.scales()), torch.bfloat16)
+    if dtype not in covered:
+        assert got is None, f"the {native.isa()} kernel took a {dtype} call it does not cover"
+        return
+    assert got is not None, f"the {native.isa()} kernel declined a {dtype} call it covers"
+    assert_close(got, oracle_prefill(*args, **cache.scales()), dtype)
 
 
 @pytest.mark.parametrize("slope", [0.03, 0.2, 0.6, -0.3])
@@ -337,8 +355,8 @@ def test_native_bf16_prefill_kernel_follows_rising_and_falling_scores(slope, see
     new tokens after 40 cached ones."""
     from mooncake_ops.backends import native
 
-    if not native.is_available() or not _cpu_has_avx512_bf16():
-        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    if torch.bfloat16 not in _prefill_kernel_dtypes():
+        pytest.skip("no native bf16 prefill kernel runs here")
     g = dict(block_size=16, num_kv_heads=1, num_heads=3, head_dim=64, dtype=torch.bfloat16,
              int8=False, strided=False, seed=seed)
     cached, new = 40, 190
@@ -371,8 +389,9 @@ def test_native_bf16_prefill_one_new_token_gets_the_decode_kernels_answer(thread
     once its K/V are in the pool, so a token's output does not depend on the batch it is in."""
     from mooncake_ops.backends import native
 
-    if not native.is_available() or not _cpu_has_avx512_bf16():
-        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    if not native.is_available() or not _cpu_has_avx512_bf16() or native.isa() != "avx512":
+        pytest.skip("the AVX512_BF16 kernel's property (the AVX2 kernel runs a one-token "
+                    "sequence as a prefill item of its own)")
     g = dict(block_size=16, num_kv_heads=2, num_heads=6, head_dim=64, dtype=torch.bfloat16,
              int8=False, strided=True, seed=seed)
     cached, new = [75, 130, 0, 40], [1, 1, 50, 1]
@@ -404,10 +423,8 @@ def test_native_bf16_prefill_one_new_token_gets_the_decode_kernels_answer(thread
 
 
 def test_native_bf16_prefill_kernel_rejects_a_bad_block_id():
-    from mooncake_ops.backends import native
-
-    if not native.is_available() or not _cpu_has_avx512_bf16():
-        pytest.skip("needs the native kernels on a CPU with AVX512_BF16")
+    if torch.bfloat16 not in _prefill_kernel_dtypes():
+        pytest.skip("no native bf16 prefill kernel runs here")
     g = dict(block_size=16, num_kv_heads=1, num_heads=2, head_dim=64, dtype=torch.bfloat16,
              int8=False, strided=False, seed=1)
     cache = PagedCache(g, [20])

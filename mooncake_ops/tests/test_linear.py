@@ -37,10 +37,10 @@ def test_packed_linear_matches_float64_linear(rows, in_features, out_features, w
        slice_elements=st.sampled_from([64, 1 << 20]), seed=st.integers(0, 2**31 - 1))
 def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_features,
                                                          with_bias, batched, slice_elements, seed):
-    """The kernel for CPUs without bf16 arithmetic, on every CPU: up to DENSE_MAX_ROWS rows the
-    AVX2 build's dense kernel where it is loaded (it declines in_features 100: not a multiple
-    of 8), else the bf16 weight as it is (bf16 F.linear below FP32_MIN_ROWS rows), else fp32
-    over weight slices (one slice, or several of 16 rows when a slice holds 64 elements)."""
+    """The kernel for CPUs without bf16 arithmetic, on every CPU: the AVX2 build's dense
+    kernel where it is loaded (it declines in_features 100: not a multiple of 8), else the bf16
+    weight as it is (bf16 F.linear below FP32_MIN_ROWS rows), else fp32 over weight slices (one
+    slice, or several of 64 rows when a slice holds 64 elements)."""
     kernel = mo.linear.FP32_COMPUTE_BF16
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
@@ -65,16 +65,19 @@ def test_fp32_compute_bf16_kernel_matches_float64_linear(rows, in_features, out_
 
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=8, deadline=None)
-@given(rows=st.integers(1, 40), in_features=st.sampled_from([8, 64, 576]),
+@given(rows=st.one_of(st.integers(1, 40), st.integers(235, 490)),
+       in_features=st.sampled_from([8, 64, 576]),
        out_features=st.integers(1, 70), x_dtype=st.sampled_from(DTYPES),
        w_dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), strided=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
 def test_native_dense_linear_itself_matches_float64(threads, rows, in_features, out_features,
                                                     x_dtype, w_dtype, with_bias, strided, seed):
     """The AVX2 build's dense_linear called directly (a declined call fails): rows 1-2 read the
-    weight in place, more rows widen each block of 4 weight rows first; output counts that are
-    not a multiple of the 4-row block; every x and weight dtype; weight rows further apart than
-    in_features; one thread and two (the LM head-sized call crosses the kernel's threshold)."""
+    weight in place 4 rows at a time, more rows run the 16-row weight panels in blocks of 6 x
+    rows (and K slices of 256 at in_features 576), past 240 rows in several row chunks; output
+    counts that are not a multiple of 4 or 16; every x and weight dtype; weight rows further
+    apart than in_features; one thread and two (the LM head-sized call, and the larger row
+    counts, cross the kernel's threshold)."""
     from mooncake_ops.backends import native
 
     if not native.has("dense_linear"):
@@ -320,7 +323,7 @@ def test_int8_linear_matches_the_dequantised_weight(impl, rows, in_features, out
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 250])
 def test_native_int8_linear_itself_matches_float64(threads, rows):
     """The loaded build's int8 kernel called directly (a declined call fails), every x dtype,
     with and without bias, an output count that is not a multiple of its 4-row block, and an

@@ -435,17 +435,6 @@ void decode_range(int64_t i0, int64_t i1, const DecodeCache& c, float scale, int
   }
 }
 
-// Boundaries of nt contiguous ranges of equal cost over items [0, n), cum[i] = cost of items
-// before i (n + 1 entries): range t is [out[t], out[t + 1]).
-inline std::vector<int64_t> equal_cost_bounds(const std::vector<double>& cum, int64_t nt) {
-  const int64_t n = static_cast<int64_t>(cum.size()) - 1;
-  std::vector<int64_t> out(nt + 1, n);
-  out[0] = 0;
-  for (int64_t t = 1; t < nt; ++t)
-    out[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
-  return out;
-}
-
 template <int NC>
 void run(const PrefillArgs& a, bool parallel) {
   constexpr int64_t D = 16 * NC, P = D / 2;

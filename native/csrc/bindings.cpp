@@ -8,6 +8,7 @@
 
 #include "bind_decode.h"
 #include "bind_layer.h"
+#include "bind_prefill.h"
 
 namespace mops {
 std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
@@ -15,22 +16,13 @@ std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
 at::Tensor bf16_pack_weight(const at::Tensor&);
 std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor&, const at::Tensor&);
 bool bf16_linear_supported();
-std::optional<at::Tensor> paged_prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&, double,
-                                                  const std::optional<at::Tensor>&,
-                                                  const std::optional<at::Tensor>&,
-                                                  const std::optional<at::Tensor>&);
 }  // namespace mops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX-512)";
   m.attr("isa") = "avx512";
   mops::def_paged_decode_attention(m);
-  m.def("paged_prefill_attention", &mops::paged_prefill_attention, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("cached_lens"), py::arg("query_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("out") = py::none());
+  mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());

@@ -7,10 +7,10 @@
 
 #include <algorithm>
 #include <atomic>
-
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace mops {
 
@@ -63,6 +63,17 @@ void parallel_dynamic(int64_t n, F&& f) {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
       f(i);
   });
+}
+
+// Boundaries of nt contiguous ranges of equal cost over items [0, n), cum[i] = cost of items
+// before i (n + 1 entries): range t is [out[t], out[t + 1]).
+inline std::vector<int64_t> equal_cost_bounds(const std::vector<double>& cum, int64_t nt) {
+  const int64_t n = static_cast<int64_t>(cum.size()) - 1;
+  std::vector<int64_t> out(nt + 1, n);
+  out[0] = 0;
+  for (int64_t t = 1; t < nt; ++t)
+    out[t] = std::lower_bound(cum.begin(), cum.end(), cum.back() * static_cast<double>(t) / static_cast<double>(nt)) - cum.begin();
+  return out;
 }
 
 // Whether this CPU has AVX512_BF16 (the bf16 attention and matmul kernels' per-function target).

@@ -1,16 +1,18 @@
-// Matmuls of few rows (decode steps) for CPUs with AVX2 + FMA + F16C: y = x @ W^T + bias, over
+// Matmuls for CPUs with AVX2 + FMA + F16C: y = x @ W^T + bias, over
 //   dense_linear: a dense [N, K] fp32 / bf16 / fp16 weight, F.linear's own layout (nothing packed);
 //   int8_linear:  mooncake_ops.linear's packed int8 weight [N, K + 4] (a row's K int8 values, then
 //                 its float32 scale in 4 bytes), the contract of the AVX-512 module's entry.
 // Torch has no bf16 arithmetic on these CPUs: its bf16 F.linear of one row converts as it goes
-// and streams the weight at ~5 GB/s per thread (Zen 3), a third of what the memory gives. Here
-// every weight byte is read from memory once per call and widened to fp32 in registers: 4 weight
-// rows at a time against the x rows in pairs (8 accumulators + 4 weight vectors + x: AVX2's 16
-// registers). With more than 2 x rows, each block of 4 weight rows is first widened into an
-// fp32 buffer (16 K bytes: L1-sized for K up to ~2,000), so the widening is done once per block,
-// not once per pair of x rows.
-// Sums are fp32 (x is converted to fp32 first), each output rounded once to x's dtype; an int8
-// row's sum is multiplied by its scale. K must be a multiple of 8, else the entry declines (None).
+// and streams the weight at ~5 GB/s per thread (Zen 3), a third of what the memory gives, and
+// its many-row bf16 matmuls run ~10x below its fp32 ones. Here the arithmetic is fp32 FMAs (x is
+// converted to fp32 first, each output rounded once to x's dtype; an int8 row's sum is
+// multiplied by its scale), and every weight byte is read from memory once per call (per 240 x
+// rows beyond that):
+//   * 1-2 x rows (batch-1 decode, a weight stream): dot products of 4 weight rows at a time
+//     against the x rows, widened in registers, with software prefetch;
+//   * more rows: 16-row weight panels widened and transposed into an fp32 buffer, then an
+//     outer-product micro-kernel of 6 x rows x 16 outputs (below).
+// K must be a multiple of 8, else the entry declines (None).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -79,15 +81,178 @@ inline void dot_rows(const float* x, int64_t mb, int64_t K, const WT* const (&w)
     dot_block<2>(x, K, w, sums, ahead, lines);
 }
 
+// ---- more than kCols rows: an outer-product micro-kernel over 16-column panels ----------------
+// Each panel of kPanel weight rows is widened to fp32 and transposed once per call into
+// wp[k][c] = W[n0 + c][k] (K x 64 bytes: L1 / L2-sized for K up to a few thousand), then every
+// block of up to kRowBlock x rows runs acc[r][h] += x[r][k] (broadcast) * wp[k][8h .. 8h + 7]:
+// 2 x kRowBlock FMAs per k against 2 loads and kRowBlock broadcasts (12 of AVX2's 16
+// registers accumulate), the fp32 FMA units' rate instead of the dot-product loop's, whose
+// horizontal sums and 6 loads per 8 FMAs held it at ~60 % of it.
+constexpr int64_t kPanel = 16;
+constexpr int kRowBlock = 6;
+constexpr int64_t kDepth = 256;      // K per slice of the panel (a multiple of 8)
+constexpr int64_t kChunkRows = 240;  // x rows per task (40 blocks of 6; 540 KB of fp32 x at K = 576)
+
+// m[i] lane j -> m[j] lane i.
+inline void transpose8x8(__m256 (&m)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(m[i], m[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(m[i], m[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    m[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    m[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// wp[k * kPanel + c] = rows[c][k] as fp32 (c < kPanel; rows past the weight's last are zeros).
+template <typename WT>
+void widen_panel(const WT* const (&rows)[kPanel], int64_t nr, int64_t K, float* wp) {
+  for (int64_t k0 = 0; k0 < K; k0 += 8)
+    for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
+      __m256 m[8];
+      for (int i = 0; i < 8; ++i) m[i] = c0 + i < nr ? load8(rows[c0 + i] + k0) : _mm256_setzero_ps();
+      transpose8x8(m);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (k0 + i) * kPanel + c0, m[i]);
+    }
+}
+
+// out[r * kPanel + c] = sum_k x[r][k] wp[k][c] for r < MB. The sums are named variables, not
+// an array: GCC 12 kept an array of them in memory and stored all 12 on every k (~27 GFLOP/s
+// on a Zen 3 core, ~60 with them in registers).
+template <int MB>
+inline void panel_block(const float* x, int64_t ldx, int64_t K, const float* wp, float* out, bool add) {
+  static_assert(MB >= 1 && MB <= kRowBlock);
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
+         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  if (add) {
+#define MOPS_PANEL_LOAD(r)                              \
+  if constexpr (MB > r) {                               \
+    a##r##0 = _mm256_loadu_ps(out + r * kPanel);        \
+    a##r##1 = _mm256_loadu_ps(out + r * kPanel + 8);    \
+  }
+    MOPS_PANEL_LOAD(0)
+    MOPS_PANEL_LOAD(1)
+    MOPS_PANEL_LOAD(2)
+    MOPS_PANEL_LOAD(3)
+    MOPS_PANEL_LOAD(4)
+    MOPS_PANEL_LOAD(5)
+#undef MOPS_PANEL_LOAD
+  }
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+#define MOPS_PANEL_ROW(r)                                      \
+  if constexpr (MB > r) {                                      \
+    const __m256 xb = _mm256_broadcast_ss(x##r + k);           \
+    a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);                \
+    a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);                \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wp + k * kPanel), w1 = _mm256_loadu_ps(wp + k * kPanel + 8);
+    MOPS_PANEL_ROW(0)
+    MOPS_PANEL_ROW(1)
+    MOPS_PANEL_ROW(2)
+    MOPS_PANEL_ROW(3)
+    MOPS_PANEL_ROW(4)
+    MOPS_PANEL_ROW(5)
+  }
+#undef MOPS_PANEL_ROW
+  const __m256 sums[kRowBlock][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < MB; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, sums[r][0]);
+    _mm256_storeu_ps(out + r * kPanel + 8, sums[r][1]);
+  }
+}
+
+inline void panel_rows(const float* x, int64_t ldx, int64_t mb, int64_t K, const float* wp, float* out, bool add) {
+  switch (mb) {
+    case 1: panel_block<1>(x, ldx, K, wp, out, add); break;
+    case 2: panel_block<2>(x, ldx, K, wp, out, add); break;
+    case 3: panel_block<3>(x, ldx, K, wp, out, add); break;
+    case 4: panel_block<4>(x, ldx, K, wp, out, add); break;
+    case 5: panel_block<5>(x, ldx, K, wp, out, add); break;
+    default: panel_block<kRowBlock>(x, ldx, K, wp, out, add); break;
+  }
+}
+
 // y [M, N] = xf [M, K] @ W^T (+ bias); W rows `ldw` elements apart. Scaled: the row's float32
 // scale is stored right after its K values (the packed int8 layout).
 template <typename XT, typename WT, bool Scaled>
+void linear_panels(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* y, int64_t M, int64_t N,
+                   int64_t K) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, chunks = (M + kChunkRows - 1) / kChunkRows;
+  // task t: panel t % panels over x rows [kChunkRows (t / panels), ...): a thread's next task is
+  // mostly the next panel over the same rows, which stay in its L2
+  auto task = [&](int64_t t) {
+    thread_local std::vector<float> wp, sums;
+    wp.resize(K * kPanel);
+    sums.resize(kChunkRows * kPanel);
+    const int64_t n0 = t % panels * kPanel, nr = std::min<int64_t>(kPanel, N - n0);
+    const int64_t m0 = t / panels * kChunkRows, mc = std::min<int64_t>(kChunkRows, M - m0);
+    const WT* rows[kPanel];
+    alignas(32) float scale[kPanel], add[kPanel];
+    for (int64_t c = 0; c < kPanel; ++c) {
+      rows[c] = w + (n0 + (c < nr ? c : 0)) * ldw;
+      scale[c] = 1.0f;
+      add[c] = 0.0f;
+      if (c >= nr) continue;
+      if constexpr (Scaled) std::memcpy(&scale[c], rows[c] + K, sizeof(float));
+      if (bias != nullptr) add[c] = static_cast<float>(bias[n0 + c]);
+    }
+    widen_panel(rows, nr, K, wp.data());
+    // The next panel's weight rows (contiguous after this panel's) are prefetched into L2 a
+    // share before each row block: a decode step's weights come from DRAM, and 16 rows read
+    // side by side give the hardware prefetcher short runs only.
+    const char* next = reinterpret_cast<const char*>(w + std::min<int64_t>(n0 + kPanel, N - 1) * ldw);
+    const int64_t lines = n0 + kPanel < N ? (std::min<int64_t>(kPanel, N - n0 - kPanel) * ldw * sizeof(WT) + 63) / 64 : 0;
+    const int64_t calls = (K + kDepth - 1) / kDepth * ((mc + kRowBlock - 1) / kRowBlock);
+    int64_t call = 0;
+    // K in slices of kDepth: a slice of the panel (16 KB) and of 6 x rows stay in L1 while all
+    // the row blocks pass over them
+    for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+      const int64_t kc = std::min<int64_t>(kDepth, K - k0);
+      for (int64_t r0 = 0; r0 < mc; r0 += kRowBlock, ++call) {
+        for (int64_t line = call * lines / calls; line < (call + 1) * lines / calls; ++line)
+          _mm_prefetch(next + line * 64, _MM_HINT_T1);
+        panel_rows(xf + (m0 + r0) * K + k0, K, std::min<int64_t>(kRowBlock, mc - r0), kc, wp.data() + k0 * kPanel,
+                   sums.data() + r0 * kPanel, k0 > 0);
+      }
+    }
+    for (int64_t m = 0; m < mc; ++m) {
+      XT* yr = y + (m0 + m) * N + n0;
+      const float* sr = sums.data() + m * kPanel;
+      if (nr == kPanel) {
+        for (int h = 0; h < 2; ++h)
+          store8(yr + 8 * h,
+                 _mm256_fmadd_ps(_mm256_loadu_ps(sr + 8 * h), _mm256_load_ps(scale + 8 * h), _mm256_load_ps(add + 8 * h)));
+      } else {
+        for (int64_t c = 0; c < nr; ++c) yr[c] = static_cast<XT>(sr[c] * scale[c] + add[c]);
+      }
+    }
+  };
+  if (at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs) {
+    parallel_dynamic(panels * chunks, task);
+  } else {
+    for (int64_t t = 0; t < panels * chunks; ++t) task(t);
+  }
+}
+
+// y [M, N] = xf [M, K] @ W^T (+ bias); W rows `ldw` elements apart. Scaled: the row's float32
+// scale is stored right after its K values (the packed int8 layout). Up to kCols rows (batch-1
+// decode: a weight stream) by dot products with prefetch; more by weight panels.
+template <typename XT, typename WT, bool Scaled>
 void linear_rows(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* y, int64_t M, int64_t N,
                  int64_t K) {
+  if (M > kCols) return linear_panels<XT, WT, Scaled>(xf, w, ldw, bias, y, M, N, K);
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> wide(M > kCols ? kRows * K : 0);
     alignas(16) float sums[kCols * kRows];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
@@ -103,21 +268,9 @@ void linear_rows(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* 
       // The block kAhead blocks on (the rows of a block and of the next ones are contiguous).
       const char* ahead = reinterpret_cast<const char*>(w + (n0 + kAhead * kRows) * ldw);
       const int64_t lines = (kRows * ldw * static_cast<int64_t>(sizeof(WT)) + 63) / 64;
-      const float* wide_rows[kRows];
-      if (M > kCols) {
-        for (int64_t r = 0; r < kRows; ++r) {
-          for (int64_t line = r * lines / kRows; line < (r + 1) * lines / kRows; ++line)
-            _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-          for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(wide.data() + r * K + k, load8(rows[r] + k));
-          wide_rows[r] = wide.data() + r * K;
-        }
-      }
       for (int64_t m0 = 0; m0 < M; m0 += kCols) {
         const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        if (M > kCols)
-          dot_rows(xf + m0 * K, mb, K, wide_rows, sums);
-        else
-          dot_rows(xf + m0 * K, mb, K, rows, sums, ahead, lines);
+        dot_rows(xf + m0 * K, mb, K, rows, sums, ahead, lines);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < nr; ++r)
             y[(m0 + m) * N + n0 + r] = static_cast<XT>(sums[m * kRows + r] * scale[r] + add[r]);

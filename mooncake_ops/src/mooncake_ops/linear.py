@@ -129,20 +129,23 @@ ONEDNN_PACKED_BF16 = LinearKernel("onednn-packed-bf16", _onednn_pack, _onednn_li
 # 1,024-row matmul of this project's default model's gate/up shape ran at ~9 GFLOP/s on one Zen 3
 # thread, ~80 in fp32. One row is a weight stream, where bf16's half bytes win (the 49,152 x 576
 # LM head: 3.5 ms in bf16, 11.5 from an fp32 copy, 2 threads). So the weight stays bf16 (the
-# bytes a plan counts) and calls of `FP32_MIN_ROWS` rows or more upcast it a slice of about
-# 2^20 elements at a time (4 MB, cache-sized: no 113 MB fp32 LM head is allocated for bf16 x)
-# and run F.linear in fp32 on x upcast, each slice's y rounded into the bf16 output. Measured, 2 threads,
-# ms (bf16 F.linear / fp32 copy of the weight / sliced upcast): gate_up 32 rows 6.7 / 1.9 / 2.3;
-# qkv 1,024 rows - / 10.1 / 10.6; LM head 32 rows 107 / 42 / 25.
-# Where the AVX2 native build is loaded, calls of up to `DENSE_MAX_ROWS` rows (decode steps) run
-# its ``dense_linear`` instead (``native/csrc_avx2/linear_avx2.cpp``): the dense bf16 weight
-# widened in registers, each weight byte read once per call, with software prefetch. Measured on
-# a Zen 3 (one thread, this model's shapes, ms; F.linear in bf16 / the path below / native): LM
-# head 1 row 14.3 / 10.7 / 7.8, 4 rows 25.2 / 25.2 / 11.5; a decode step's matmuls at 32 rows,
-# 2 threads, 243 ms on the path below vs 152 native. From 64 rows on, the two are level.
+# bytes a plan counts) and calls of `FP32_MIN_ROWS` rows or more upcast it a slice of at most
+# 2^22 elements at a time (16 MB, within the L3: no 113 MB fp32 LM head is allocated for bf16
+# x), in multiples of 64 rows, and run F.linear in fp32 on x upcast, each slice's y rounded into
+# the bf16 output. Measured, 2 threads, ms (bf16 F.linear / fp32 copy of the weight / sliced
+# upcast): gate_up 32 rows 6.7 / 1.9 / 2.3; qkv 1,024 rows - / 10.1 / 10.6; LM head 32 rows
+# 107 / 42 / 25. Slices of 2^20 elements cut the 3,072-row gate/up weight at row 1,820; its
+# 967-row prefill matmul took 43 ms so, 31 cut at row 1,792 and 26-27 in one slice (Zen 3).
+# Where the AVX2 native build is loaded, every call runs its ``dense_linear`` instead
+# (``native/csrc_avx2/linear_avx2.cpp``) over the dense bf16 weight as it is, widened to fp32
+# inside the kernel: no fp32 copy of a weight slice is made. Measured on a Zen 3 (2 threads,
+# this model's shapes, the same run, weights cycling through 30 copies so they come from DRAM
+# as in a decode step; GFLOP/s, native / the sliced upcast below): 32 rows 73-93 / 44-59, the
+# LM head at 32 rows 83 / 35; 64 rows 95-106 / 51-71; 967 rows (a prefill chunk) 113-133 /
+# 118-135. Up to 2 rows (one weight stream) the native kernel reads ~8.5 GB/s per thread
+# against ~4.5 for bf16 F.linear: the LM head at 1 row, one thread, 7.8 ms against 14.3.
 FP32_MIN_ROWS = 5
-DENSE_MAX_ROWS = 32
-_FP32_SLICE_ELEMENTS = 1 << 20
+_FP32_SLICE_ELEMENTS = 1 << 22
 
 
 def _fp32_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -152,9 +155,9 @@ def _fp32_pack(weight: torch.Tensor) -> torch.Tensor:
 def _native_dense_linear(rows: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor | None:
     """The AVX2 build's ``dense_linear`` over ``rows`` [M, K], or None where it does not run
-    (no such build, native kernels switched off, or a call it declines). On every decode
-    matmul: no imports or lookups beyond the cached module's attribute."""
-    if rows.shape[0] > DENSE_MAX_ROWS or not native_enabled():
+    (no such build, native kernels switched off, or a call it declines). On every matmul: no
+    imports or lookups beyond the cached module's attribute."""
+    if not native_enabled():
         return None
     dense = getattr(_native_module(), "dense_linear", None)  # None: no build, or not the AVX2 one
     if dense is None:
@@ -171,7 +174,7 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor,
     if rows.shape[0] < FP32_MIN_ROWS or x.dtype != torch.bfloat16:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     n, k = weight.shape
-    step = max(16, _FP32_SLICE_ELEMENTS // max(k, 1))
+    step = max(64, _FP32_SLICE_ELEMENTS // max(k, 1) // 64 * 64)
     x32 = rows.float()
     y = rows.new_empty(rows.shape[0], n)
     for n0 in range(0, n, step):
@@ -354,10 +357,10 @@ def _bf16_arithmetic() -> bool:
 def _int8_linear_fp32(rows: torch.Tensor, packed: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """A prefill-sized int8 matmul of bf16 rows where the CPU has no bf16 arithmetic: fp32
-    F.linear over slices of the weight dequantised to fp32 (cache-sized, as
+    F.linear over slices of the weight dequantised to fp32 (L3-sized, as
     `FP32_COMPUTE_BF16` slices its weights), each slice's y rounded into the bf16 output."""
     n, k = packed.shape[0], packed.shape[1] - 4
-    step = max(16, _FP32_SLICE_ELEMENTS // max(k, 1))
+    step = max(64, _FP32_SLICE_ELEMENTS // max(k, 1) // 64 * 64)
     x32 = rows.float()
     y = rows.new_empty(rows.shape[0], n)
     for n0 in range(0, n, step):

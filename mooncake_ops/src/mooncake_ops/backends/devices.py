@@ -17,6 +17,8 @@ SDPA = "torch-sdpa"
 SDPA_CPU = "torch-sdpa (flash cpu, cached/new split)"
 SDPA_CPU_NATIVE = ("native-cpp (bf16, AVX512_BF16); else torch-sdpa (flash cpu, cached/new split; "
                    "int8 prefix: native-cpp)")
+NATIVE_CPU_PREFILL = ("native-cpp (fp32 arithmetic, AVX2); else torch-sdpa (flash cpu, cached/new "
+                      "split; int8 prefix: native-cpp)")
 SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
 TILED = "torch-tiled (kthena_comm async collectives)"
 NATIVE = "native-cpp"
@@ -54,8 +56,9 @@ class CpuBackend:
             from mooncake_ops.backends import native
             if native.is_available():
                 table.update({op: OpImpl(fn, NATIVE) for op, fn in native.ops().items()})
-                label = (SDPA_CPU_NATIVE if native.has("paged_prefill_attention")
-                         else SDPA_CPU_NATIVE_INT8)
+                label = SDPA_CPU_NATIVE_INT8  # a build without the entry point
+                if native.has("paged_prefill_attention"):
+                    label = NATIVE_CPU_PREFILL if native.isa() == "avx2" else SDPA_CPU_NATIVE
                 table["paged_prefill_attention"] = OpImpl(native.paged_prefill_attention, label)
         return table
 

@@ -1,14 +1,16 @@
 """Adapter over the native C++ CPU kernels (native/), loaded on first use.
 
 Two builds: ``mooncake_ops_native`` (every kernel, AVX-512) where torch runs at AVX512, else
-``mooncake_ops_native_avx2`` (all but the prefill attention and the packed bf16 matmul, which
-need AVX512_BF16) where it runs at AVX2. When neither loads, one log line says why and the reference
+``mooncake_ops_native_avx2`` (all but the packed bf16 matmul, which needs AVX512_BF16) where it
+runs at AVX2. When neither loads, one log line says why and the reference
 runs for everything. Each adapter falls back to the reference for calls the kernels do not
 cover (e.g. a head_dim that is not 64, 128 or 256).
 
-Prefill with bf16 q/k/v over a bf16 or int8 cache on a CPU with AVX512_BF16: the native kernel
-(``native/csrc/attention_bf16.cpp``; decode over a bf16 cache uses the same instructions, from
-the decode entry point). Other prefill calls run the CPU prefill path
+Prefill over a cache of q's dtype or int8: the native kernel, with bf16 q/k/v on a CPU with
+AVX512_BF16 (``native/csrc/attention_bf16.cpp``; decode over a bf16 cache uses the same
+instructions, from the decode entry point), or with fp32 / bf16 / fp16 ones in fp32 arithmetic
+in the AVX2 build (``native/csrc_avx2/prefill_attention_avx2.cpp``). Other prefill calls run
+the CPU prefill path
 (``sdpa.paged_prefill_attention_cpu``); over an int8 cache its cached half is run by the decode
 kernel, which reads the int8 blocks and their scales in place (every new token's query rows of
 a KV head form that kernel's GQA group) and returns the log-sum-exp the path merges by; no
@@ -69,8 +71,8 @@ def isa() -> str | None:
 
 
 def has(entry: str) -> bool:
-    """Whether the loaded build has this entry point (the AVX2 build has no prefill attention
-    or packed bf16 matmul, the AVX-512 one no ``dense_linear``); False when none loaded."""
+    """Whether the loaded build has this entry point (the AVX2 build has no packed bf16
+    matmul, the AVX-512 one no ``dense_linear``); False when none loaded."""
     module = _load()
     return module is not None and hasattr(module, entry)
 
@@ -112,9 +114,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return result
 
 
+# The q dtypes each build's prefill kernel takes (the AVX-512 one also needs AVX512_BF16 at run
+# time, and declines without it).
+_PREFILL_DTYPES = {"avx512": (torch.bfloat16,),
+                   "avx2": (torch.float32, torch.bfloat16, torch.float16)}
+
+
 def paged_prefill_attention(q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens,
                             scale, k_scale=None, v_scale=None, out=None):
-    if q.dtype == torch.bfloat16 and has("paged_prefill_attention"):  # AVX512_BF16, if it fits
+    if q.dtype in _PREFILL_DTYPES.get(isa(), ()) and has("paged_prefill_attention"):
         ref.prefill_lens(q, block_tables, cached_lens, query_lens, k_cache)  # value checks
         try:
             result = _state["module"].paged_prefill_attention(
