@@ -350,9 +350,9 @@ def test_native_prefill_kernel_matches_float64(threads, seed, head_dim, group, b
 def test_native_bf16_prefill_kernel_follows_rising_and_falling_scores(slope, seed):
     """Scores that climb by `slope` per key (scaled), so each row's largest score is its last
     key (rising) or its first (falling), with e^(slope x 230) between a row's extremes: the
-    kernel's softmax subtracts each row's max over the keys it sees (the causal edge masked in
-    the scores pass), and keys far below it underflow to 0, not NaN. Against float64, for 190
-    new tokens after 40 cached ones."""
+    loaded build's bf16 kernel subtracts each row's max over the keys it sees (the causal edge
+    masked), and keys far below it underflow to 0, not NaN. Against float64, for 190 new
+    tokens after 40 cached ones."""
     from mooncake_ops.backends import native
 
     if torch.bfloat16 not in _prefill_kernel_dtypes():
