@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "prefill_args.h"
 #include "vec.h"
 
 #define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -57,29 +58,13 @@ constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
 
 using bf16 = c10::BFloat16;
 
-struct Seq {
-  int64_t cached, num_new, start;  // start: the sequence's first row in q / k / v
-};
-
-struct PrefillArgs {
-  const bf16 *q, *k, *v;
-  const void *kc, *vc;                    // bf16, or int8 with per-token scales ks / vs
-  const float *ks, *vs;
-  int64_t kssb, ksst, kssh, vssb, vsst, vssh;
-  bf16* out;
-  int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // row / head strides of q, k, v
-  int64_t cb, ct, ch, vcb, vct, vch;      // block / token / head strides of the caches
-  int64_t os0, os1;
-  const int32_t* block_tables;
-  int64_t max_blocks, block_size, num_kv_heads, group;
-  float scale;
-  std::vector<Seq> seqs;
-};
+using Seq = PrefillSeq;
+using Args = PrefillArgs<bf16>;
 
 // Key or value row j of sequence b, KV head h as bf16: cached tokens from the pool (int8 rows
 // dequantised into `tmp`), new ones from k / v in place.
 template <int NC>
-inline const bf16* key_row(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t j, bool value,
+inline const bf16* key_row(const Args& a, const Seq& s, int64_t b, int64_t h, int64_t j, bool value,
                            bf16* tmp) {
   if (j >= s.cached) {
     const int64_t r = s.start + j - s.cached;
@@ -127,7 +112,7 @@ inline void transpose16x16(__m512i (&m)[16]) {
 // Packs key tiles [t0, t1) of (b, h) into kp / vp (layouts in the file comment); keys at or
 // past `total` are zeros (their scores are masked; zero values keep 0 * v finite).
 template <int NC>
-void pack_tiles(const PrefillArgs& a, const Seq& s, int64_t b, int64_t h, int64_t total, int64_t t0,
+void pack_tiles(const Args& a, const Seq& s, int64_t b, int64_t h, int64_t total, int64_t t0,
                 int64_t t1, uint32_t* kp, uint32_t* vp) {
   constexpr int64_t D = 16 * NC, P = D / 2;
   for (int64_t t = t0; t < t1; ++t) {
@@ -436,7 +421,7 @@ void decode_range(int64_t i0, int64_t i1, const DecodeCache& c, float scale, int
 }
 
 template <int NC>
-void run(const PrefillArgs& a, bool parallel) {
+void run(const Args& a, bool parallel) {
   constexpr int64_t D = 16 * NC, P = D / 2;
   const int64_t G = a.group, H = a.num_kv_heads;
   // A sequence with one new token (a decode in a mixed batch, a "rider") reads its cached keys
@@ -457,28 +442,12 @@ void run(const PrefillArgs& a, bool parallel) {
       max_keys = std::max(max_keys, s.cached + s.num_new);
     }
   }
-  // Prefill items: (sequence, KV head, tile of TQ tokens); tiles of one (sequence, head)
-  // alternate from both ends (0, T-1, 1, T-2, ...) so that contiguous ranges hold similar
-  // causal work.
-  std::vector<int64_t> first(seqs.size() + 1, 0);
-  for (size_t n = 0; n < seqs.size(); ++n) first[n + 1] = first[n] + (a.seqs[seqs[n]].num_new + TQ - 1) / TQ * H;
-  const int64_t items = first.back(), rider_items = static_cast<int64_t>(riders.size()) * H;
+  // Prefill items: (sequence, KV head, tile of TQ tokens), threads' ranges of equal cost
+  const PrefillItems items_of(a.seqs, std::move(seqs), H, TQ, KT);
+  const int64_t items = items_of.size(), rider_items = static_cast<int64_t>(riders.size()) * H;
   const int64_t max_tiles = (max_keys + KT - 1) / KT, max_keys64 = max_tiles * KT;
-  auto tile_of = [](int64_t u, int64_t tiles) { return u % 2 == 0 ? u / 2 : tiles - 1 - u / 2; };
-  // Threads get contiguous item ranges of equal cost (rows x keys they read), not equal counts:
-  // a chunk often holds a sequence with a long cached prefix beside one that starts from zero.
-  std::vector<double> cum(items + 1, 0.0);
-  for (size_t n = 0; n < seqs.size(); ++n) {
-    const Seq& s = a.seqs[seqs[n]];
-    const int64_t tiles = (s.num_new + TQ - 1) / TQ;
-    for (int64_t local = 0; local < first[n + 1] - first[n]; ++local) {
-      const int64_t q0 = tile_of(local % tiles, tiles) * TQ, q1 = std::min(s.num_new, q0 + TQ);
-      const double cost = static_cast<double>(q1 - q0) * static_cast<double>(s.cached + (q0 + q1) / 2 + KT);
-      cum[first[n] + local + 1] = cum[first[n] + local] + cost;
-    }
-  }
   const int64_t nt = parallel ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items + rider_items)) : 1;
-  const std::vector<int64_t> bound = equal_cost_bounds(cum, nt);
+  const std::vector<int64_t> bound = equal_cost_bounds(items_of.cum(), nt);
   // riders by equal context (keys read): items (rider, KV head), whole riders per thread
   std::vector<double> rider_cum(riders.size() + 1, 0.0);
   for (size_t n = 0; n < riders.size(); ++n) rider_cum[n + 1] = rider_cum[n] + static_cast<double>(a.seqs[riders[n]].cached + 1);
@@ -497,14 +466,10 @@ void run(const PrefillArgs& a, bool parallel) {
     std::vector<float> acc(RB * D), l(RB), sc(RB * max_keys64);
     std::vector<uint16_t> pb(RB * max_keys64);
     int64_t cur_b = -1, cur_h = -1, packed = 0;
-    int64_t n = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+    int64_t n = -1;
     for (int64_t i = i0; i < i1; ++i) {
-      while (i >= first[n + 1]) ++n;
-      const int64_t b = seqs[n];
+      const auto [b, h, q0, q1] = items_of.at(i, n);
       const Seq& s = a.seqs[b];
-      const int64_t tiles = (s.num_new + TQ - 1) / TQ, local = i - first[n];
-      const int64_t h = local / tiles, tile = tile_of(local % tiles, tiles);
-      const int64_t q0 = tile * TQ, q1 = std::min(s.num_new, q0 + TQ);
       const int64_t total = s.cached + s.num_new;
       const int64_t need = (s.cached + q1 + KT - 1) / KT;  // key tiles the last token reads
       if (b != cur_b || h != cur_h) {
@@ -569,64 +534,14 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& k_scale,
                                                   const std::optional<at::Tensor>& v_scale,
                                                   const std::optional<at::Tensor>& out_buffer) {
-  if (!cpu_has_avx512_bf16()) return std::nullopt;
-  for (const at::Tensor* t : {&q, &k, &v})
-    if (t->scalar_type() != at::kBFloat16 || t->stride(-1) != 1) return std::nullopt;
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  if (int8 != (v_cache.scalar_type() == at::kChar) || int8 != (k_scale.has_value() && v_scale.has_value()))
-    return std::nullopt;
-  if (!int8 && (k_cache.scalar_type() != at::kBFloat16 || v_cache.scalar_type() != at::kBFloat16)) return std::nullopt;
-  if (k_cache.stride(-1) != 1 || v_cache.stride(-1) != 1) return std::nullopt;
-  if (int8 && (k_scale->scalar_type() != at::kFloat || v_scale->scalar_type() != at::kFloat)) return std::nullopt;
-  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || k_cache.dim() != 4 || v_cache.dim() != 4) return std::nullopt;
-  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
-  if (KVH == 0 || H % KVH || k.size(1) != KVH || v.size(1) != KVH || k.size(2) != D || k_cache.size(3) != D)
-    return std::nullopt;
-  if (out_buffer && (out_buffer->scalar_type() != at::kBFloat16 || !out_buffer->is_contiguous() ||
-                     out_buffer->sizes() != q.sizes()))
-    return std::nullopt;
-  const auto bt = block_tables.to(at::kInt).contiguous();
-  const auto cl = cached_lens.to(at::kLong).contiguous();
-  const auto ql = query_lens.to(at::kLong).contiguous();
-  auto out = out_buffer ? *out_buffer : at::empty(q.sizes(), q.options());
-  PrefillArgs a{};
-  a.q = q.data_ptr<bf16>();
-  a.k = k.data_ptr<bf16>();
-  a.v = v.data_ptr<bf16>();
-  a.kc = k_cache.data_ptr();
-  a.vc = v_cache.data_ptr();
-  if (int8) {
-    a.ks = k_scale->data_ptr<float>();
-    a.vs = v_scale->data_ptr<float>();
-    a.kssb = k_scale->stride(0), a.ksst = k_scale->stride(1), a.kssh = k_scale->stride(2);
-    a.vssb = v_scale->stride(0), a.vsst = v_scale->stride(1), a.vssh = v_scale->stride(2);
-  }
-  a.out = out.data_ptr<bf16>();
-  a.qs0 = q.stride(0), a.qs1 = q.stride(1), a.ks0 = k.stride(0), a.ks1 = k.stride(1);
-  a.vs0 = v.stride(0), a.vs1 = v.stride(1);
-  a.cb = k_cache.stride(0), a.ct = k_cache.stride(1), a.ch = k_cache.stride(2);
-  a.vcb = v_cache.stride(0), a.vct = v_cache.stride(1), a.vch = v_cache.stride(2);
-  a.os0 = out.stride(0), a.os1 = out.stride(1);
-  a.block_tables = bt.data_ptr<int32_t>();
-  a.max_blocks = bt.size(1);
-  a.block_size = k_cache.size(1);
-  a.num_kv_heads = KVH;
-  a.group = H / KVH;
-  a.scale = static_cast<float>(scale);
-  const int64_t batch = ql.size(0), num_blocks = k_cache.size(0);
-  int64_t start = 0, macs = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t c = cl.data_ptr<int64_t>()[b], n = ql.data_ptr<int64_t>()[b];
-    check_used_blocks(a.block_tables, a.max_blocks, a.block_size, b, c, num_blocks);
-    a.seqs.push_back({c, n, start});
-    start += n;
-    macs += n * (c + n / 2 + 1) * H * D * 2;
-  }
-  if (start != q.size(0)) return std::nullopt;  // the Python op checks this first
-  const bool parallel = macs >= kOneThreadMaxMacs && at::get_num_threads() > 1;
-  const bool done = with_chunks(D, [&](auto nc) { run<decltype(nc)::value>(a, parallel); });
+  if (!cpu_has_avx512_bf16() || q.scalar_type() != at::kBFloat16) return std::nullopt;
+  Args a;
+  const auto call = fill_prefill_args(a, q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale,
+                                      k_scale, v_scale, out_buffer, kOneThreadMaxMacs);
+  if (!call) return std::nullopt;
+  const bool done = with_chunks(call->head_dim, [&](auto nc) { run<decltype(nc)::value>(a, call->parallel); });
   if (!done) return std::nullopt;
-  return out;
+  return call->out;
 }
 
 // ---- decode -------------------------------------------------------------------------------------

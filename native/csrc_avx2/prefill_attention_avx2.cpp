@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "../csrc/dispatch.h"
+#include "../csrc/prefill_args.h"
 #include "vec_avx2.h"
 
 namespace mops {
@@ -44,23 +45,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // ~30 GFLOP/s, so 2^19 multiply-adds take ~35 us, about what waking the pool may cost).
 constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 19;
 
-struct Seq {
-  int64_t cached, num_new, start;  // start: the sequence's first row in q / k / v
-};
-
-struct Args {
-  const void *q, *k, *v, *kc, *vc;  // q / k / v and the caches: QT, or int8 caches with scales
-  const float *ks, *vs;
-  int64_t kssb, ksst, kssh, vssb, vsst, vssh;
-  void* out;
-  int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // row / head strides of q, k, v
-  int64_t cb, ct, ch, vcb, vct, vch;      // block / token / head strides of the caches
-  int64_t os0, os1;
-  const int32_t* block_tables;
-  int64_t max_blocks, block_size, num_kv_heads, group;
-  float scale;
-  std::vector<Seq> seqs;
-};
+using Seq = PrefillSeq;
+using Args = PrefillArgs<void>;
 
 // Key (or value) row j of sequence b, KV head h, widened to fp32 into dst: cached tokens from
 // the pool (int8 rows times their scale), new ones from k / v.
@@ -197,38 +183,21 @@ void run(const Args& a, bool parallel) {
       seqs.push_back(static_cast<int64_t>(b));
       max_keys = std::max(max_keys, a.seqs[b].cached + a.seqs[b].num_new);
     }
-  // Items: (sequence, KV head, tile of TQ tokens); the tiles of one (sequence, head) alternate
-  // from both ends (0, T-1, 1, T-2, ...) so that contiguous ranges hold similar causal work.
-  std::vector<int64_t> first(seqs.size() + 1, 0);
-  for (size_t n = 0; n < seqs.size(); ++n) first[n + 1] = first[n] + (a.seqs[seqs[n]].num_new + TQ - 1) / TQ * H;
-  const int64_t items = first.back();
+  // Items: (sequence, KV head, tile of TQ tokens), threads' ranges of equal cost
+  const PrefillItems items_of(a.seqs, std::move(seqs), H, TQ, KG);
+  const int64_t items = items_of.size();
   const int64_t max_groups = (max_keys + 2 * KG - 1) / (2 * KG) * 2, max_pad = max_groups * KG;
-  auto tile_of = [](int64_t u, int64_t tiles) { return u % 2 == 0 ? u / 2 : tiles - 1 - u / 2; };
-  // Threads get contiguous item ranges of equal cost (rows x keys), not equal counts.
-  std::vector<double> cum(items + 1, 0.0);
-  for (size_t n = 0; n < seqs.size(); ++n) {
-    const Seq& s = a.seqs[seqs[n]];
-    const int64_t tiles = (s.num_new + TQ - 1) / TQ;
-    for (int64_t local = 0; local < first[n + 1] - first[n]; ++local) {
-      const int64_t q0 = tile_of(local % tiles, tiles) * TQ, q1 = std::min(s.num_new, q0 + TQ);
-      const double cost = static_cast<double>(q1 - q0) * static_cast<double>(s.cached + (q0 + q1) / 2 + KG);
-      cum[first[n] + local + 1] = cum[first[n] + local] + cost;
-    }
-  }
   const int64_t nt = parallel ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)) : 1;
-  const std::vector<int64_t> bound = equal_cost_bounds(cum, nt);
+  const std::vector<int64_t> bound = equal_cost_bounds(items_of.cum(), nt);
   auto work = [&](int64_t i0, int64_t i1) {
     if (i0 >= i1) return;
     std::vector<float> kt(max_groups * KG * D), vf(max_groups * KG * D), sc(RB * max_pad), qf(RB * D), acc(RB * D);
     int64_t cur_b = -1, cur_h = -1, widened = 0;  // key groups of (cur_b, cur_h) in kt / vf
-    int64_t n = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+    int64_t n = -1;
     for (int64_t i = i0; i < i1; ++i) {
-      while (i >= first[n + 1]) ++n;
-      const int64_t b = seqs[n];
+      const auto [b, h, q0, q1] = items_of.at(i, n);
       const Seq& s = a.seqs[b];
-      const int64_t tiles = (s.num_new + TQ - 1) / TQ, local = i - first[n];
-      const int64_t h = local / tiles, tile = tile_of(local % tiles, tiles);
-      const int64_t q0 = tile * TQ, q1 = std::min(s.num_new, q0 + TQ), total = s.cached + s.num_new;
+      const int64_t total = s.cached + s.num_new;
       const int64_t need = (s.cached + q1 + 2 * KG - 1) / (2 * KG) * 2;  // groups, even, the last token reads
       if (b != cur_b || h != cur_h) {
         cur_b = b;
@@ -288,74 +257,25 @@ std::optional<at::Tensor> paged_prefill_attention(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& v_scale,
                                                   const std::optional<at::Tensor>& out_buffer) {
   const auto dtype = q.scalar_type();
-  for (const at::Tensor* t : {&q, &k, &v})
-    if (t->scalar_type() != dtype || t->stride(-1) != 1) return std::nullopt;
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  if (int8 != (v_cache.scalar_type() == at::kChar) || int8 != (k_scale.has_value() && v_scale.has_value()))
-    return std::nullopt;
-  if (!int8 && (k_cache.scalar_type() != dtype || v_cache.scalar_type() != dtype)) return std::nullopt;
-  if (k_cache.stride(-1) != 1 || v_cache.stride(-1) != 1) return std::nullopt;
-  if (int8 && (k_scale->scalar_type() != at::kFloat || v_scale->scalar_type() != at::kFloat)) return std::nullopt;
-  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || k_cache.dim() != 4 || v_cache.dim() != 4) return std::nullopt;
-  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
-  if (KVH == 0 || H % KVH || k.size(1) != KVH || v.size(1) != KVH || k.size(2) != D || k_cache.size(3) != D)
-    return std::nullopt;
-  if (out_buffer && (out_buffer->scalar_type() != dtype || !out_buffer->is_contiguous() ||
-                     out_buffer->sizes() != q.sizes()))
-    return std::nullopt;
-  const auto bt = block_tables.to(at::kInt).contiguous();
-  const auto cl = cached_lens.to(at::kLong).contiguous();
-  const auto ql = query_lens.to(at::kLong).contiguous();
-  auto out = out_buffer ? *out_buffer : at::empty(q.sizes(), q.options());
-  Args a{};
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.kc = k_cache.data_ptr();
-  a.vc = v_cache.data_ptr();
-  if (int8) {
-    a.ks = k_scale->data_ptr<float>();
-    a.vs = v_scale->data_ptr<float>();
-    a.kssb = k_scale->stride(0), a.ksst = k_scale->stride(1), a.kssh = k_scale->stride(2);
-    a.vssb = v_scale->stride(0), a.vsst = v_scale->stride(1), a.vssh = v_scale->stride(2);
-  }
-  a.out = out.data_ptr();
-  a.qs0 = q.stride(0), a.qs1 = q.stride(1), a.ks0 = k.stride(0), a.ks1 = k.stride(1);
-  a.vs0 = v.stride(0), a.vs1 = v.stride(1);
-  a.cb = k_cache.stride(0), a.ct = k_cache.stride(1), a.ch = k_cache.stride(2);
-  a.vcb = v_cache.stride(0), a.vct = v_cache.stride(1), a.vch = v_cache.stride(2);
-  a.os0 = out.stride(0), a.os1 = out.stride(1);
-  a.block_tables = bt.data_ptr<int32_t>();
-  a.max_blocks = bt.size(1);
-  a.block_size = k_cache.size(1);
-  a.num_kv_heads = KVH;
-  a.group = H / KVH;
-  a.scale = static_cast<float>(scale);
-  const int64_t batch = ql.size(0), num_blocks = k_cache.size(0);
-  int64_t start = 0, macs = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t c = cl.data_ptr<int64_t>()[b], n = ql.data_ptr<int64_t>()[b];
-    check_used_blocks(a.block_tables, a.max_blocks, a.block_size, b, c, num_blocks);
-    a.seqs.push_back({c, n, start});
-    start += n;
-    macs += n * (c + n / 2 + 1) * H * D * 2;
-  }
-  if (start != q.size(0)) return std::nullopt;  // the Python op checks this first
-  const bool parallel = macs >= kOneThreadMaxMacs && at::get_num_threads() > 1;
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
+  Args a;
+  const auto call = fill_prefill_args(a, q, k, v, k_cache, v_cache, block_tables, cached_lens, query_lens, scale,
+                                      k_scale, v_scale, out_buffer, kOneThreadMaxMacs);
+  if (!call) return std::nullopt;
   bool done = false;
-  with_chunks(D, [&](auto nc) {
+  with_chunks(call->head_dim, [&](auto nc) {
     constexpr int DD = 16 * decltype(nc)::value;
     with_float_type(dtype, [&](auto qt) {
       using QT = decltype(qt);
-      if (int8)
-        run<DD, QT, int8_t>(a, parallel);
+      if (call->int8)
+        run<DD, QT, int8_t>(a, call->parallel);
       else
-        run<DD, QT, QT>(a, parallel);
+        run<DD, QT, QT>(a, call->parallel);
       done = true;
     });
   });
   if (!done) return std::nullopt;
-  return out;
+  return call->out;
 }
 
 }  // namespace mops
