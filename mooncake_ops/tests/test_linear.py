@@ -403,6 +403,102 @@ def test_int8_prefill_rows_of_bf16_in_fp32_match_the_oracle(with_bias):
     torch.testing.assert_close(direct, fp32.bfloat16(), atol=1e-3, rtol=2**-7)
 
 
+@native_only
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
+@given(rows=st.one_of(st.integers(9, 140), st.sampled_from([300, 600])),
+       blocks=st.integers(1, 13), in_features=st.sampled_from([32, 64, 576]),
+       with_bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_native_int8_weight_prefill_equals_the_bf16_matmul_over_the_dequantised_weight(
+        threads, rows, blocks, in_features, with_bias, strided, seed):
+    """bf16 int8 calls of INT8_PANEL_MIN_ROWS rows or more (batched decode, prefill chunks) run
+    the AVX-512 build's panel-dequantising kernel: on fresh random inputs it gives bit for bit what the native bf16
+    matmul gives over ``dequantize_int8_weight(packed, bf16)`` packed (the same micro-tile, the
+    weight rounded the same way), and matches the float64 oracle over that rounded weight.
+    Row counts across the 256-row tasks, partial 64-output panels, x as rows of a wider tensor."""
+    from mooncake_ops.backends import native
+
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, in_features + (5 if strided else 0), generator=gen).bfloat16()
+    x = wide[:, :in_features]
+    packed = mo.pack_int8_weight(torch.randn(16 * blocks, in_features, generator=gen))
+    bias = torch.randn(16 * blocks, generator=gen).bfloat16() if with_bias else None
+    dense = mo.dequantize_int8_weight(packed, torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        direct = native._load().bf16_int8_weight_linear(x, packed, bias)
+        got = mo.int8_linear(x, packed, bias)
+        bf16 = mo.linear.NATIVE_PACKED_BF16.linear(x, mo.linear.NATIVE_PACKED_BF16.pack(dense), bias)
+    finally:
+        torch.set_num_threads(previous)
+    assert direct is not None, "the native int8-weight prefill kernel declined"
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 16 * blocks)
+    assert torch.equal(direct, got) and torch.equal(got, bf16)
+    oracle = x.double() @ dense.double().T + (0 if bias is None else bias.double())
+    assert_close(got, oracle, torch.bfloat16)
+
+
+@native_only
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [3, 16, 65, 300])
+@pytest.mark.parametrize("width_blocks", [1, 3, 96])
+def test_int8_fused_gate_up_silu_equals_the_unfused_path(threads, rows, width_blocks):
+    """INT8_WEIGHT_ONLY's SwiGLU input: bf16 calls of INT8_PANEL_MIN_ROWS rows or more in one
+    pass (gate and up sums rounded to bf16 before silu * up), equal bit for bit to the native
+    bf16 fused kernel over the dequantised weight and to silu_and_mul over the unfused int8
+    matmul; smaller ones (3 rows) are that unfused path. An odd number of gate/up block pairs leaves a half panel."""
+    gen = torch.Generator().manual_seed(rows * 100 + width_blocks * 10 + threads)
+    width = 16 * width_blocks
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    weight = torch.randn(2 * width, 576, generator=gen) / 24
+    kernel = mo.INT8_WEIGHT_ONLY
+    packed = kernel.pack_gate_up(weight)
+    assert torch.equal(packed, mo.pack_int8_weight(weight))  # the same int8 layout, unfused or not
+    dense = mo.dequantize_int8_weight(packed, torch.bfloat16)
+    bf16 = mo.linear.NATIVE_PACKED_BF16
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = kernel.gate_up_silu(x, packed)
+        unfused = mo.silu_and_mul(mo.int8_linear(x, packed))
+        over_dense = bf16.gate_up_silu(x, bf16.pack_gate_up(dense))
+    finally:
+        torch.set_num_threads(previous)
+    assert fused.shape == (rows, width) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, unfused)
+    if rows >= mo.linear.INT8_PANEL_MIN_ROWS:
+        assert torch.equal(fused, over_dense)
+    both = x.double() @ dense.double().T
+    gate, up = both[:, :width], both[:, width:]
+    assert_close(fused, gate * torch.sigmoid(gate) * up, torch.bfloat16)
+
+
+@native_only
+def test_native_int8_weight_prefill_declines_or_refuses_what_it_cannot_run():
+    """Outside its layout (outputs not a multiple of 16, features not of 32, float32 x, a
+    float32 bias) the kernel declines, and int8_linear's other path runs the first three; x whose features are
+    not the weight's is refused by the kernel itself (ValueError) and by int8_linear first."""
+    from mooncake_ops.backends import native
+
+    module = native._load()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(80, 64, generator=gen).bfloat16()
+    for packed, xx, bias in ((mo.pack_int8_weight(torch.randn(40, 64, generator=gen)), x, None),
+                             (mo.pack_int8_weight(torch.randn(32, 48, generator=gen)), x[:, :48], None),
+                             (mo.pack_int8_weight(torch.randn(32, 64, generator=gen)), x.float(), None)):
+        assert module.bf16_int8_weight_linear(xx, packed, bias) is None
+        got = mo.int8_linear(xx, packed, bias)
+        expected = torch.nn.functional.linear(xx, mo.dequantize_int8_weight(packed, xx.dtype))
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    packed = mo.pack_int8_weight(torch.randn(32, 64, generator=gen))
+    assert module.bf16_int8_weight_linear(x, packed, torch.randn(32, generator=gen)) is None
+    with pytest.raises(ValueError, match="x has 32 features but the packed int8 weight takes 64"):
+        module.bf16_int8_weight_linear(x[:, :32], packed, None)
+    with pytest.raises(mo.OpsShapeError, match="x has 32 features; the weight takes 64"):
+        mo.INT8_WEIGHT_ONLY.gate_up_silu(x[:, :32], packed)
+
+
 def test_int8_linear_refuses_what_it_cannot_run():
     packed = mo.pack_int8_weight(torch.randn(8, 32))
     with pytest.raises(mo.OpsShapeError, match="x has 16 features; the weight takes 32"):

@@ -16,6 +16,9 @@ std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
 at::Tensor bf16_pack_weight(const at::Tensor&);
 std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor&, const at::Tensor&);
 bool bf16_linear_supported();
+std::optional<at::Tensor> bf16_int8_weight_linear(const at::Tensor&, const at::Tensor&,
+                                                  const std::optional<at::Tensor>&);
+std::optional<at::Tensor> bf16_int8_weight_gate_up_silu(const at::Tensor&, const at::Tensor&);
 }  // namespace mops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,4 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack_weight", &mops::bf16_pack_weight);
   m.def("bf16_gate_up_silu", &mops::bf16_gate_up_silu, py::arg("x"), py::arg("weight"));
   m.def("bf16_linear_supported", &mops::bf16_linear_supported);
+  m.def("bf16_int8_weight_linear", &mops::bf16_int8_weight_linear, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("bf16_int8_weight_gate_up_silu", &mops::bf16_int8_weight_gate_up_silu, py::arg("x"), py::arg("weight"));
 }

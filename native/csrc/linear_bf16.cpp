@@ -23,6 +23,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -213,7 +216,108 @@ std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, 
   return y;
 }
 
+// ---- int8 weights (pack_int8_weight's layout), dequantised a panel at a time --------------------
+
+// Packed int8 rows [N, K + 4]: row n's K int8 values, then its float32 scale. Weight rows
+// [r0, r0 + 16) (`w` points at row r0) -> one 16-output block of the packed bf16 layout,
+// [K / 2][16] pairs into `out`: w[r][k] = bf16(q[r][k] * scale[r]) rounded to nearest even,
+// exactly what dequantize_int8_weight then bf16_pack_weight give. K a multiple of 32: per 32
+// columns, 16 rows of 32 int8 -> 16 registers of 16 bf16 pairs, transposed to 16 pairs of 16
+// rows.
+MOPS_BF16_TARGET inline void dequant_block(const int8_t* w, int64_t ldw, int64_t K, uint32_t* out) {
+  float scale[16];
+  for (int r = 0; r < 16; ++r) std::memcpy(&scale[r], w + r * ldw + K, sizeof(float));
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    __m512i m[16];
+    for (int r = 0; r < 16; ++r) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw + k0));
+      const __m512 s = _mm512_set1_ps(scale[r]);
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s);
+      m[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // columns k0 .. k0 + 31 of row r: 16 pairs
+    }
+    transpose16x16(m);  // m[p]: pair p of the 16 rows
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k0 / 2 + p) * 16, m[p]);
+  }
+}
+
+// y = x @ dequant(w8)^T + bias (SILU: silu(gate) * up over w8 = [gate; up] rows, no bias): the
+// micro-tile of the bf16 kernel over each panel's weights dequantised into a per-thread buffer
+// (L1 / L2-sized: 4 x 16 x K bf16). Tasks are (panel, up to kTaskRows rows), taken as threads
+// free up; each dequantises its panel once (about a tenth of its dot products at 128 rows).
+std::optional<at::Tensor> run_int8_linear(const at::Tensor& x, const at::Tensor& w8,
+                                          const std::optional<at::Tensor>& bias, bool silu) {
+  if (!cpu_has_avx512_bf16() || x.dim() != 2 || w8.dim() != 2 || x.scalar_type() != at::kBFloat16 ||
+      w8.scalar_type() != at::kChar || !w8.is_contiguous() || x.stride(1) != 1 || (silu && bias))
+    return std::nullopt;
+  const int64_t M = x.size(0), K = x.size(1), ldw = w8.size(1), N = w8.size(0);
+  if (ldw != K + 4)
+    throw std::invalid_argument("int8 linear: x has " + std::to_string(K) + " features but the packed int8 weight takes " +
+                                std::to_string(ldw - 4));
+  if (N % (silu ? 32 : 16) || K % 32) return std::nullopt;
+  if (bias && (bias->scalar_type() != at::kBFloat16 || bias->numel() != N || !bias->is_contiguous()))
+    return std::nullopt;
+  auto y = at::empty({M, silu ? N / 2 : N}, x.options());
+  if (M == 0) return y;
+  const bf16* xd = x.data_ptr<bf16>();
+  const auto* wd = w8.data_ptr<int8_t>();
+  const bf16* bd = bias ? bias->data_ptr<bf16>() : nullptr;
+  bf16* yd = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), K2 = K / 2, blocks = N / 16, panels = (blocks + kNR - 1) / kNR;
+  const int64_t ldy = silu ? N / 2 : N, chunks = (M + kTaskRows - 1) / kTaskRows;
+  auto task = [&](int64_t t) {
+    thread_local std::vector<uint32_t> buf;
+    buf.resize(kNR * K2 * 16);
+    const int64_t j = t / chunks, r = t % chunks, b0 = j * kNR, nb = std::min(kNR, blocks - b0);
+    for (int64_t b = 0; b < nb; ++b) {
+      // SILU: packed block b0 + b is gate block (b0 + b) / 2 or the up block of that index,
+      // alternating, as _interleave_gate_up orders the bf16 weight
+      const int64_t row = silu ? ((b0 + b) % 2) * (N / 2) + ((b0 + b) / 2) * 16 : (b0 + b) * 16;
+      dequant_block(wd + row * ldw, ldw, K, buf.data() + b * K2 * 16);
+    }
+    const bf16* bj = bd != nullptr ? bd + b0 * 16 : nullptr;
+    for (int64_t m = r * kTaskRows, m1 = std::min(M, (r + 1) * kTaskRows); m < m1; m += kMR) {
+      const bf16* xm = xd + m * ldx;
+      bf16* ym = yd + m * ldy + (silu ? b0 * 8 : b0 * 16);
+      const int64_t mr = std::min(kMR, m1 - m);
+      auto rows = [&](auto mr_c) {
+        constexpr int MR = decltype(mr_c)::value;
+        if (silu) row_block<MR, true>(xm, ldx, buf.data(), K2, nullptr, ym, ldy, nb, nullptr, 0);
+        else row_block<MR, false>(xm, ldx, buf.data(), K2, bj, ym, ldy, nb, nullptr, 0);
+      };
+      switch (mr) {
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        default: rows(std::integral_constant<int, 4>{}); break;
+      }
+    }
+  };
+  if (at::get_num_threads() <= 1 || M * N * K < kOneThreadMaxMacs) {
+    for (int64_t t = 0; t < panels * chunks; ++t) task(t);
+  } else {
+    parallel_dynamic(panels * chunks, task);
+  }
+  return y;
+}
+
 }  // namespace
+
+// x [M, K] bf16 (rows contiguous, any row stride), int8 weight as pack_int8_weight lays it out
+// ([N, K + 4], per-row float32 scales), bias [N] bf16 or None: x @ (q * scale)^T + bias with the
+// weight rounded to bf16 first (the dense bf16 matmul over dequantize_int8_weight(w, bf16)).
+// None when the call does not fit (no AVX512_BF16, other dtypes, N not a multiple of 16, K
+// not of 32); ValueError when x's features are not the weight's.
+std::optional<at::Tensor> bf16_int8_weight_linear(const at::Tensor& x, const at::Tensor& w8,
+                                                  const std::optional<at::Tensor>& bias) {
+  return run_int8_linear(x, w8, bias, false);
+}
+
+// silu(x @ gate^T) * (x @ up^T) over an int8 [gate; up] weight (pack_int8_weight of the
+// [2W, K] weight; W a multiple of 16): bf16_gate_up_silu over the dequantised weight.
+std::optional<at::Tensor> bf16_int8_weight_gate_up_silu(const at::Tensor& x, const at::Tensor& w8) {
+  return run_int8_linear(x, w8, std::nullopt, true);
+}
 
 // x [M, K] bf16 (rows contiguous, any row stride), packed weight as bf16_pack_weight returns,
 // bias [N] bf16 or None. None when the call does not fit (no AVX512_BF16, other dtypes).

@@ -83,4 +83,32 @@ inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// m[i] lane j -> m[j] lane i (32-bit lanes).
+inline void transpose16x16(__m512i (&m)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // m[4q + r], 128-bit block L: column 4L + r, rows 4q .. 4q + 3; gather each column's blocks
+  for (int r = 0; r < 4; ++r) {
+    t[r] = _mm512_shuffle_i32x4(m[r], m[4 + r], 0x88);           // blocks 0, 2 of rows 0-3, 4-7
+    t[4 + r] = _mm512_shuffle_i32x4(m[r], m[4 + r], 0xDD);       // blocks 1, 3
+    t[8 + r] = _mm512_shuffle_i32x4(m[8 + r], m[12 + r], 0x88);  // rows 8-11, 12-15
+    t[12 + r] = _mm512_shuffle_i32x4(m[8 + r], m[12 + r], 0xDD);
+  }
+  for (int r = 0; r < 4; ++r) {
+    m[r] = _mm512_shuffle_i32x4(t[r], t[8 + r], 0x88);
+    m[8 + r] = _mm512_shuffle_i32x4(t[r], t[8 + r], 0xDD);
+    m[4 + r] = _mm512_shuffle_i32x4(t[4 + r], t[12 + r], 0x88);
+    m[12 + r] = _mm512_shuffle_i32x4(t[4 + r], t[12 + r], 0xDD);
+  }
+}
+
 }  // namespace mops

@@ -30,10 +30,13 @@ the primitive for a recurring size is built once instead of every step. Matmuls 
 Weight-only int8 (``INT8_WEIGHT_ONLY``, ``--quantization int8``) halves the bytes a decode step
 reads. `pack_int8_weight` quantises each output channel symmetrically (``mooncake_ops.quant``:
 scale = absmax / 127) into one int8 tensor [N, K + 4]: a row's K values, then its float32
-scale's 4 bytes. `int8_linear` runs decode-sized calls (up to `INT8_MAX_OP_ROWS` rows)
-through the native kernel, which reads the int8 bytes in place (half bf16's bytes), and larger
-calls (prefill, compute-bound) through F.linear over the weight dequantised to x's dtype (bf16
-x on a CPU without bf16 arithmetic: in fp32 over weight slices dequantised to fp32).
+scale's 4 bytes. Where the AVX-512 build runs, bf16 calls of at least `INT8_PANEL_MIN_ROWS`
+rows (batched decode, prefill chunks) take its panel-dequantising bf16 matmul
+(``bf16_int8_weight_linear``; ``bf16_int8_weight_gate_up_silu`` for the MLP's fused SwiGLU
+input). Other calls of up to `INT8_MAX_OP_ROWS` rows run the ``int8_linear`` op, which reads
+the int8 bytes in place (half bf16's bytes); larger ones F.linear over the weight dequantised to
+x's dtype (bf16 x on a CPU without bf16 arithmetic: in fp32 over weight slices dequantised to
+fp32).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
-__all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_MAX_OP_ROWS", "INT8_WEIGHT_ONLY",
+__all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_MAX_OP_ROWS", "INT8_PANEL_MIN_ROWS",
+           "INT8_WEIGHT_ONLY",
            "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16", "ONE_THREAD_MAX_MACS", "LinearKernel",
            "dequantize_int8_weight", "int8_linear", "native_bf16_linear_available",
            "pack_int8_weight", "row_bucket", "select_linear_kernel", "unpack_native_bf16_weight"]
@@ -290,6 +294,11 @@ def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
 
 # ---- weight-only int8 ----------------------------------------------------------------------------
 INT8_MAX_OP_ROWS = 64
+# bf16 calls of at least this many rows run the AVX-512 build's panel-dequantising matmul where
+# it runs: per SmolLM2 step (30 layers' matmuls, cold weights, Zen 5, 2 threads) it ties the
+# int8 op at 8 rows (8.3 ms) and wins from there (16 rows 10.8 against 12.7 ms, 32 rows 14.7
+# against 20.0); at 4 rows the op, which reads each int8 byte once, takes 3.9 against 9.7.
+INT8_PANEL_MIN_ROWS = 9
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -320,30 +329,75 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize_int8_weight(packed), bias)`` in x's dtype; x [M, K] (or [..., K]).
 
-    Up to `INT8_MAX_OP_ROWS` rows (decode batches) run the ``int8_linear`` op: the native kernel
-    (either build), else the fp32 reference. More rows (prefill chunks, compute-bound) run
-    F.linear over the weight dequantised to x's dtype: as fast as the native kernel there, and
-    x keeps its own precision; bf16 x on a CPU without bf16 arithmetic runs that in fp32 over
-    weight slices dequantised to fp32 (`_int8_linear_fp32`), rounded once into bf16.
+    bf16 x on CPU of at least `INT8_PANEL_MIN_ROWS` rows (batched decode, prefill chunks) runs
+    the AVX-512 build's ``bf16_int8_weight_linear`` where it runs (the bf16 matmul's
+    micro-kernel over each 64-output panel dequantised into a per-thread buffer: the weight
+    rounded to bf16 exactly as ``dequantize_int8_weight(packed, torch.bfloat16)``). Otherwise
+    up to `INT8_MAX_OP_ROWS` rows run the ``int8_linear`` op: the native kernel (either build),
+    else the fp32 reference; more rows F.linear over the weight dequantised to x's dtype, or,
+    for bf16 x on a CPU without bf16 arithmetic, fp32 over weight slices dequantised to fp32
+    (`_int8_linear_fp32`), rounded once into bf16.
 
     Raises:
         OpsShapeError: x's last dim is not the weight's K; the weight is not packed int8.
+        OpsDTypeError: x is not floating point.
     """
+    _check_int8_call(x, packed)
+    rows = x.reshape(-1, x.shape[-1])
+    out = None
+    if rows.shape[0] >= INT8_PANEL_MIN_ROWS:
+        out = _native_int8_rows("bf16_int8_weight_linear", rows, packed, bias)
+    if out is None and rows.shape[0] <= INT8_MAX_OP_ROWS:
+        out = impl("int8_linear", x.device.type)(rows, packed, bias)
+    elif out is None:
+        out = _int8_linear_rows(rows, packed, bias)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def _check_int8_call(x: torch.Tensor, packed: torch.Tensor) -> None:
     _check_packed(packed)
     if not x.is_floating_point():
         raise OpsDTypeError(f"x has dtype {x.dtype}; int8_linear takes a floating point x")
     if x.shape[-1] != packed.shape[1] - 4:
         raise OpsShapeError(f"x has {x.shape[-1]} features; the weight takes "
                             f"{packed.shape[1] - 4} (packed [N, K + 4] = {tuple(packed.shape)})")
+
+
+def _native_int8_rows(entry: str, rows: torch.Tensor, *args: torch.Tensor | None
+                      ) -> torch.Tensor | None:
+    """The AVX-512 build's prefill-sized int8 matmul ``entry`` on bf16 CPU rows; None where it
+    does not run (native off or not built, no AVX512_BF16, shapes outside its layout)."""
+    if rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or not native_enabled():
+        return None
+    from mooncake_ops.backends import native
+
+    if not native.has(entry):
+        return None
+    return getattr(_native_module(), entry)(rows, *args)
+
+
+def _int8_linear_rows(rows: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """A prefill-sized (more than `INT8_MAX_OP_ROWS` rows) int8 matmul the panel kernel did not
+    take; see `int8_linear`."""
+    if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and not _bf16_arithmetic():
+        return _int8_linear_fp32(rows, packed, bias)
+    return F.linear(rows, dequantize_int8_weight(packed, rows.dtype), bias)
+
+
+def _int8_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(int8_linear(x, packed))`` for a packed [gate; up] weight; bf16 calls of at
+    least `INT8_PANEL_MIN_ROWS` rows in one pass where the AVX-512 build runs (``bf16_int8_weight_gate_up_silu``:
+    the [rows, 2W] half-way never written, each product rounded to bf16 first as the unfused
+    path rounds it)."""
+    _check_int8_call(x, packed)
     rows = x.reshape(-1, x.shape[-1])
-    if (rows.shape[0] > INT8_MAX_OP_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and not _bf16_arithmetic()):
-        out = _int8_linear_fp32(rows, packed, bias)
-    elif rows.shape[0] > INT8_MAX_OP_ROWS:
-        out = F.linear(rows, dequantize_int8_weight(packed, x.dtype), bias)
-    else:
-        out = impl("int8_linear", x.device.type)(rows, packed, bias)
-    return out.reshape(*x.shape[:-1], packed.shape[0])
+    out = None
+    if rows.shape[0] >= INT8_PANEL_MIN_ROWS:
+        out = _native_int8_rows("bf16_int8_weight_gate_up_silu", rows, packed)
+    if out is None:
+        out = silu_and_mul(int8_linear(rows, packed))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @functools.cache
@@ -375,4 +429,5 @@ def _check_packed(packed: torch.Tensor) -> None:
                             f"{packed.dtype} {tuple(packed.shape)}")
 
 
-INT8_WEIGHT_ONLY = LinearKernel("int8-weight-only", pack_int8_weight, int8_linear)
+INT8_WEIGHT_ONLY = LinearKernel("int8-weight-only", pack_int8_weight, int8_linear,
+                                pack_int8_weight, _int8_gate_up_silu)
