@@ -244,7 +244,7 @@ MOPS_BF16_TARGET inline void dequant_block(const int8_t* w, int64_t ldw, int64_t
 // y = x @ dequant(w8)^T + bias (SILU: silu(gate) * up over w8 = [gate; up] rows, no bias): the
 // micro-tile of the bf16 kernel over each panel's weights dequantised into a per-thread buffer
 // (L1 / L2-sized: 4 x 16 x K bf16). Tasks are (panel, up to kTaskRows rows), taken as threads
-// free up; each dequantises its panel once (about a tenth of its dot products at 128 rows).
+// free up; each dequantises its panel once (at 128 rows the call takes ~1.15x the bf16 matmul).
 std::optional<at::Tensor> run_int8_linear(const at::Tensor& x, const at::Tensor& w8,
                                           const std::optional<at::Tensor>& bias, bool silu) {
   if (!cpu_has_avx512_bf16() || x.dim() != 2 || w8.dim() != 2 || x.scalar_type() != at::kBFloat16 ||
