@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 #include <optional>
 #include <stdexcept>
@@ -114,6 +113,29 @@ inline void row_block(const bf16* x, int64_t ldx, const uint32_t* wp, int64_t K2
   }
 }
 
+// Rows [m0, m1) of x against one panel's packed weights `w` (nb blocks of 16 outputs) into y,
+// the panel's first output column (ldy apart), bias bj; `next_lines` cache lines from `next`
+// (the next panel's weights) are prefetched, an equal share per row block.
+template <bool SILU>
+void panel_rows(const bf16* x, int64_t ldx, const uint32_t* w, int64_t K2, const bf16* bj, bf16* y, int64_t ldy,
+                int64_t nb, int64_t m0, int64_t m1, const char* next, int64_t next_lines) {
+  const int64_t row_blocks = (m1 - m0 + kMR - 1) / kMR;
+  for (int64_t m = m0; m < m1; m += kMR) {
+    const int64_t r = (m - m0) / kMR, l0 = next_lines * r / row_blocks, l1 = next_lines * (r + 1) / row_blocks;
+    const char* pf = next + 64 * l0;
+    const int64_t pfl = l1 - l0;
+    const int64_t mr = std::min(kMR, m1 - m);
+    const bf16* xm = x + m * ldx;
+    bf16* ym = y + m * ldy;
+    switch (mr) {
+      case 1: row_block<1, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
+      case 2: row_block<2, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
+      case 3: row_block<3, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
+      default: row_block<4, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
+    }
+  }
+}
+
 // Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs; SILU: y is N / 2 wide).
 template <bool SILU>
 void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
@@ -132,20 +154,7 @@ void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias,
     const char* next = reinterpret_cast<const char*>(w + kNR * K2 * 16);
     if (row_blocks == 1)
       for (int64_t q = 0; q < next_blocks; ++q) _mm_prefetch(next + q * K2 * 64, _MM_HINT_T0);
-    for (int64_t m = m0; m < m1; m += kMR) {
-      const int64_t r = (m - m0) / kMR, l0 = next_lines * r / row_blocks, l1 = next_lines * (r + 1) / row_blocks;
-      const char* pf = next + 64 * l0;
-      const int64_t pfl = l1 - l0;
-      const int64_t mr = std::min(kMR, m1 - m);
-      const bf16* xm = x + m * ldx;
-      bf16* ym = y + m * ldy + (SILU ? b0 * 8 : b0 * 16);
-      switch (mr) {
-        case 1: row_block<1, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
-        case 2: row_block<2, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
-        case 3: row_block<3, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
-        default: row_block<4, SILU>(xm, ldx, w, K2, bj, ym, ldy, nb, pf, pfl); break;
-      }
-    }
+    panel_rows<SILU>(x, ldx, w, K2, bj, y + (SILU ? b0 * 8 : b0 * 16), ldy, nb, m0, m1, next, next_lines);
   }
 }
 
@@ -275,23 +284,10 @@ std::optional<at::Tensor> run_int8_linear(const at::Tensor& x, const at::Tensor&
       const int64_t row = silu ? ((b0 + b) % 2) * (N / 2) + ((b0 + b) / 2) * 16 : (b0 + b) * 16;
       dequant_block(wd + row * ldw, ldw, K, buf.data() + b * K2 * 16);
     }
-    const bf16* bj = bd != nullptr ? bd + b0 * 16 : nullptr;
-    for (int64_t m = r * kTaskRows, m1 = std::min(M, (r + 1) * kTaskRows); m < m1; m += kMR) {
-      const bf16* xm = xd + m * ldx;
-      bf16* ym = yd + m * ldy + (silu ? b0 * 8 : b0 * 16);
-      const int64_t mr = std::min(kMR, m1 - m);
-      auto rows = [&](auto mr_c) {
-        constexpr int MR = decltype(mr_c)::value;
-        if (silu) row_block<MR, true>(xm, ldx, buf.data(), K2, nullptr, ym, ldy, nb, nullptr, 0);
-        else row_block<MR, false>(xm, ldx, buf.data(), K2, bj, ym, ldy, nb, nullptr, 0);
-      };
-      switch (mr) {
-        case 1: rows(std::integral_constant<int, 1>{}); break;
-        case 2: rows(std::integral_constant<int, 2>{}); break;
-        case 3: rows(std::integral_constant<int, 3>{}); break;
-        default: rows(std::integral_constant<int, 4>{}); break;
-      }
-    }
+    const int64_t m0 = r * kTaskRows, m1 = std::min(M, m0 + kTaskRows);
+    if (silu) panel_rows<true>(xd, ldx, buf.data(), K2, nullptr, yd + b0 * 8, ldy, nb, m0, m1, nullptr, 0);
+    else panel_rows<false>(xd, ldx, buf.data(), K2, bd != nullptr ? bd + b0 * 16 : nullptr, yd + b0 * 16, ldy, nb, m0,
+                           m1, nullptr, 0);
   };
   if (at::get_num_threads() <= 1 || M * N * K < kOneThreadMaxMacs) {
     for (int64_t t = 0; t < panels * chunks; ++t) task(t);

@@ -343,15 +343,21 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor,
         OpsDTypeError: x is not floating point.
     """
     _check_int8_call(x, packed)
-    rows = x.reshape(-1, x.shape[-1])
+    out = _int8_matmul(x.reshape(-1, x.shape[-1]), packed, bias)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def _int8_matmul(rows: torch.Tensor, packed: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """`int8_linear` of checked 2-D rows: the choice of path its docstring describes."""
     out = None
     if rows.shape[0] >= INT8_PANEL_MIN_ROWS:
         out = _native_int8_rows("bf16_int8_weight_linear", rows, packed, bias)
     if out is None and rows.shape[0] <= INT8_MAX_OP_ROWS:
-        out = impl("int8_linear", x.device.type)(rows, packed, bias)
+        out = impl("int8_linear", rows.device.type)(rows, packed, bias)
     elif out is None:
         out = _int8_linear_rows(rows, packed, bias)
-    return out.reshape(*x.shape[:-1], packed.shape[0])
+    return out
 
 
 def _check_int8_call(x: torch.Tensor, packed: torch.Tensor) -> None:
@@ -387,16 +393,16 @@ def _int8_linear_rows(rows: torch.Tensor, packed: torch.Tensor,
 
 def _int8_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul(int8_linear(x, packed))`` for a packed [gate; up] weight; bf16 calls of at
-    least `INT8_PANEL_MIN_ROWS` rows in one pass where the AVX-512 build runs (``bf16_int8_weight_gate_up_silu``:
-    the [rows, 2W] half-way never written, each product rounded to bf16 first as the unfused
-    path rounds it)."""
+    least `INT8_PANEL_MIN_ROWS` rows in one pass where the AVX-512 build runs
+    (``bf16_int8_weight_gate_up_silu``: the [rows, 2W] half-way never written, each sum rounded
+    to bf16 first as the unfused path rounds it)."""
     _check_int8_call(x, packed)
     rows = x.reshape(-1, x.shape[-1])
     out = None
     if rows.shape[0] >= INT8_PANEL_MIN_ROWS:
         out = _native_int8_rows("bf16_int8_weight_gate_up_silu", rows, packed)
     if out is None:
-        out = silu_and_mul(int8_linear(rows, packed))
+        out = silu_and_mul(_int8_matmul(rows, packed, None))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
