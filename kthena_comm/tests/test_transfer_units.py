@@ -93,6 +93,30 @@ def test_shm_private_memory_is_not_a_valid_remote(shm_prefix):
             engine.batch_put([TransferOp(private, 0, private, 0, 8)])
 
 
+def test_shm_peer_being_reaped_counts_as_gone(monkeypatch):
+    """A peer that exits mid-transfer can be in the kernel's reaping window, where its
+    /proc/<pid>/stat opens and the read fails with ESRCH: that is a gone peer
+    (PeerUnreachableError), not a ProcessLookupError escaping the transfer. The open() double
+    stands in for that window, which a test cannot hit on purpose."""
+    import builtins
+
+    from kthena_comm.errors import PeerUnreachableError
+    from kthena_comm.transfer import shm
+
+    assert shm._pid_alive(os.getpid())
+    real_open = builtins.open
+
+    def reaping_open(path, *args, **kwargs):
+        if str(path).startswith("/proc/") and str(path).endswith("/stat"):
+            raise ProcessLookupError(3, "No such process")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", reaping_open)
+    assert not shm._pid_alive(os.getpid())
+    handle = MemoryHandle("shm", f"shm:{os.getpid()}:inbox", 0, 4096, "kthena-x")
+    assert isinstance(shm._gone_error("shm", "read", handle), PeerUnreachableError)
+
+
 def test_buckets_respect_dtype_and_limit():
     tensors = [torch.zeros(2), torch.zeros(2), torch.zeros(1, dtype=torch.int64),
                torch.zeros(10), torch.zeros(1)]

@@ -281,10 +281,12 @@ def _gone_error(backend: str, op: str, handle: MemoryHandle) -> Exception:
 
 
 def _pid_alive(pid: int) -> bool:
+    # A process being reaped can still open and then fail the read with ESRCH
+    # (ProcessLookupError): any OSError here means the process is gone.
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError):
         return False
 
 
