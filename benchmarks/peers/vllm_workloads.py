@@ -9,7 +9,7 @@ keyed as kthena's. Its first such line is ``{"peer": "vllm", "ready": {...}}`` (
 cores, settings). It exits when stdin closes. vLLM logs to stdout too, so only lines that are
 JSON objects with a ``"peer"`` key are answers. By hand::
 
-    .venv/bin/python -c "import json; from kthena_serve.bench import workload_prompts; \
+    .venv/bin/python -c "import json; from kthena_serve.bench.serve import workload_prompts; \
         print(json.dumps(workload_prompts(('a', 'b', 'c'))))" > workloads.json
     printf '{"case": "b"}\n{"case": "b"}\n' | benchmarks/peers/.venv-vllm/bin/python \
         benchmarks/peers/vllm_workloads.py --model ~/.cache/kthena/SmolLM2-135M-Instruct \
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-# case -> the workload it runs (kthena_serve._bench_peer.PEER_CASES holds the same pairs: this
+# case -> the workload it runs (kthena_serve.bench.peer.PEER_CASES holds the same pairs: this
 # script runs in the peer venv, which does not have the project installed)
 WORKLOADS = {"a": "a_batch1", "b": "b_offline", "c": "c_shared_prefix"}
 

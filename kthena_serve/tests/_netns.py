@@ -1,4 +1,4 @@
-"""Two "hosts" for PD tests: ``kthena_serve.netns.two_namespaces``, skipping the test (with the
+"""Two "hosts" for PD tests: ``kthena_serve.bench.netns.two_namespaces``, skipping the test (with the
 reason) where namespaces cannot be made.
 
     with two_host_network("kc", 214) as (ns_a, ns_b, addr_a, addr_b):
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kthena_serve.netns import NetnsUnavailable, netns_reason, two_namespaces
+from kthena_serve.bench.netns import NetnsUnavailable, netns_reason, two_namespaces
 
 __all__ = ["netns_reason", "two_host_network"]
 

@@ -1,5 +1,6 @@
-"""Makes this folder's shared test helpers (``_netns``) importable, and the transformers
-reference model shared by the modules that compare against it."""
+"""Makes this folder's shared test helpers (``_netns``, ``_tiny``, ``_model_testing``,
+``_kthena_proxy``, ...) importable, and the transformers reference model shared by the modules
+that compare against it."""
 
 import os
 import sys

@@ -11,9 +11,11 @@ import sys
 import time
 
 import httpx
+from _kthena_proxy import decode_body, prefill_body, proxy
 
+from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import auth_headers
-from kthena_serve.pd.kthena_proxy import decode_body, prefill_body, proxy
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
 
 
@@ -46,7 +48,7 @@ def main() -> None:
     pd = {"transport": "mooncake", "transfer_timeout_s": 60, "kv_pin_timeout_s": 30}
     hosts = {"decode-0": addr_a, "prefill-0": addr_b}
     prefix = {"prefill-0": ["ip", "netns", "exec", ns_b]}
-    launcher = PDLauncher(engine, pd, 1, 1, quiet=True, worker_hosts=hosts,
+    launcher = PDLauncher(EngineConfig(**engine), PDConfig(**pd), 1, 1, quiet=True, worker_hosts=hosts,
                           worker_prefix=prefix).start()
     pids = [launcher.pid(name) for name in launcher.workers]
     try:

@@ -7,7 +7,9 @@ Not a test module; test_pd_mooncake.py runs it under ``ip netns exec``.
 import json
 import sys
 
+from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
+from kthena_serve.pd.config import PDConfig
 
 
 def main() -> None:
@@ -16,7 +18,7 @@ def main() -> None:
     pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
     hosts = {"decode-0": addr_a, "prefill-0": addr_b}
     prefix = {"prefill-0": ["ip", "netns", "exec", ns_b]}
-    with PDCluster(engine, pd, worker_hosts=hosts, worker_prefix=prefix) as cluster:
+    with PDCluster(EngineConfig(**engine), PDConfig(**pd), worker_hosts=hosts, worker_prefix=prefix) as cluster:
         texts = []
         for ids in prompts:
             reply = cluster.complete(ids, max_tokens=8)

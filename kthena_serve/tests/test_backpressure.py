@@ -12,10 +12,10 @@ import time
 
 import httpx
 import pytest
+from _tiny import tiny_engine
 
 from kthena_serve.async_engine import STALLED_MESSAGE, AsyncLLM
 from kthena_serve.server import BackgroundServer, build_app
-from kthena_serve.testing import tiny_engine
 
 MODEL = "tiny"
 MAX_TOKENS = 1200

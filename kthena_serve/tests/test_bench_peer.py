@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kthena_serve import _machine, bench
-from kthena_serve._bench_limits import (
+from kthena_serve.bench import machine, serve
+from kthena_serve.bench.limits import (
     MachineLimits,
     ModelShape,
     achieved_fractions,
@@ -28,8 +28,8 @@ from kthena_serve._bench_limits import (
     prefill_s,
     workload_limits,
 )
-from kthena_serve._bench_peer import BUILD_SCRIPT, PeerMissingError, check_peer, parse_peer
-from kthena_serve._bench_plot import plot, table
+from kthena_serve.bench.peer import BUILD_SCRIPT, PeerMissingError, check_peer, parse_peer
+from kthena_serve.bench.plot import plot, table
 
 SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
@@ -145,13 +145,13 @@ def test_cli_peer_with_missing_venv_fails_before_running(tmp_path):
 
 def test_options_reject_bad_cases_and_runs():
     with pytest.raises(ValueError, match="subset of a,b,c"):
-        bench.BenchOptions(cases=("a", "d"))
+        serve.BenchOptions(cases=("a", "d"))
     with pytest.raises(ValueError, match="runs"):
-        bench.BenchOptions(runs=0)
+        serve.BenchOptions(runs=0)
 
 
 def test_every_system_runs_the_same_prompts():
-    one, two = bench.workload_prompts(("a", "b", "c")), bench.workload_prompts(("a", "b", "c"))
+    one, two = serve.workload_prompts(("a", "b", "c")), serve.workload_prompts(("a", "b", "c"))
     assert one == two
     c = one["c_shared_prefix"]["prompts"]
     assert len(c) == 32 and {tuple(p[:512]) for p in c} == {tuple(c[0][:512])}
@@ -168,12 +168,12 @@ def _fixed_result() -> dict:
               "kthena": {"a_batch1": {"ttft_s": 0.2, "decode_tok_s": 20.0},
                          "b_offline": {"total_s": 8.0, "output_tok_s": 256.0}},
               "transformers": {"a_batch1": {"ttft_s": 0.4, "decode_tok_s": 10.0}}}
-    bench._compare(result)
+    serve._compare(result)
     return result
 
 
 def test_report_holds_only_same_run_figures(tmp_path):
-    assert not hasattr(bench, "VLLM_REFERENCE")
+    assert not hasattr(serve, "VLLM_REFERENCE")
     result = _fixed_result()
     assert result["speedup_vs"] == {"transformers": {"a_batch1": {"decode_tok_s": 2.0,
                                                                   "ttft_s": 2.0}}}
@@ -191,7 +191,7 @@ def test_report_holds_only_same_run_figures(tmp_path):
 def test_a_run_without_peers_plots_without_warnings(tmp_path):
     result = _fixed_result()
     del result["transformers"]
-    bench._compare(result)
+    serve._compare(result)
     assert not result.get("speedup_vs")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib warned of a legend with no labelled bars
@@ -210,8 +210,8 @@ def test_cpu_isa_names_what_the_kernels_choose_by(tmp_path, family, model, flags
     block = f"processor\t: {{}}\ncpu family\t: {family}\nmodel\t\t: {model}\n" \
             f"model name\t: AMD EPYC\nflags\t\t: {flags}\n\n"
     info.write_text(block.format(0) + block.format(1).replace(flags, "other"), encoding="utf-8")
-    assert _machine.cpu_isa(str(info)) == expected
-    assert _machine.cpu_isa(str(tmp_path / "missing")) == ""
+    assert machine.cpu_isa(str(info)) == expected
+    assert machine.cpu_isa(str(tmp_path / "missing")) == ""
 
 
 def test_machine_record_names_the_native_build_that_ran():
@@ -219,7 +219,7 @@ def test_machine_record_names_the_native_build_that_ran():
     only) or none, matching what torch's capability lets load."""
     import torch
 
-    record = bench._machine(1)
+    record = serve._machine(1)
     capability = torch.backends.cpu.get_cpu_capability()
     allowed = {"AVX2": {"avx2", "none"}}.get(capability, {"none"})
     if "AVX512" in capability:
@@ -257,7 +257,7 @@ def test_interleave_warms_each_system_then_alternates_rounds():
                for name, cases in (("ours", ("b_offline", "a_batch1")), ("peer", ("a_batch1",)),
                                    ("hf", ("a_batch1", "b_offline")))}
     settled = []
-    medians = bench.interleave(systems, runs=3, fewer={("hf", "b_offline"): 1},
+    medians = serve.interleave(systems, runs=3, fewer={("hf", "b_offline"): 1},
                                settle=lambda: settled.append(len(calls)))
     assert settled == list(range(len(calls)))  # before every run
     a = [name for name, case in calls if case == "a_batch1"]
@@ -280,7 +280,7 @@ def _busy(seconds: float) -> list[subprocess.Popen]:
 
 
 def test_wait_until_idle_waits_out_busy_cores():
-    from kthena_serve._machine import wait_until_idle
+    from kthena_serve.bench.machine import wait_until_idle
 
     procs = _busy(1.5)
     try:
@@ -296,7 +296,7 @@ def test_wait_until_idle_waits_out_busy_cores():
 
 
 def test_wait_until_idle_gives_up_after_max_s():
-    from kthena_serve._machine import wait_until_idle
+    from kthena_serve.bench.machine import wait_until_idle
 
     procs = _busy(10)
     try:
@@ -374,7 +374,7 @@ class LLM:
 
 
 def _stub_session(tmp_path, monkeypatch, **env):
-    from kthena_serve._bench_peer import PEERS, PeerSession, PeerSpec
+    from kthena_serve.bench.peer import PEERS, PeerSession, PeerSpec
 
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(STUB_VLLM, encoding="utf-8")
@@ -384,7 +384,7 @@ def _stub_session(tmp_path, monkeypatch, **env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     peer = PeerSpec("vllm", Path(sys.executable), PEERS["vllm"][1])  # the real peer script
-    return PeerSession(peer, tmp_path, bench.workload_prompts(("a", "b", "c")), [0],
+    return PeerSession(peer, tmp_path, serve.workload_prompts(("a", "b", "c")), [0],
                        timeout_s=30)
 
 
@@ -426,7 +426,7 @@ def test_peer_session_serves_one_run_per_request_and_one_process_at_a_time(
 
 
 def test_a_failing_peer_is_one_error_with_its_exit_status_and_last_output(tmp_path, monkeypatch):
-    from kthena_serve._bench_peer import PeerRunError
+    from kthena_serve.bench.peer import PeerRunError
 
     with _stub_session(tmp_path, monkeypatch, STUB_VLLM_FAIL_AT="2") as session:
         session.run("a_batch1")
@@ -437,7 +437,7 @@ def test_a_failing_peer_is_one_error_with_its_exit_status_and_last_output(tmp_pa
 
 
 def test_a_silent_peer_times_out_and_its_group_is_killed(tmp_path, monkeypatch):
-    from kthena_serve._bench_peer import PeerRunError
+    from kthena_serve.bench.peer import PeerRunError
 
     session = _stub_session(tmp_path, monkeypatch, STUB_VLLM_HANG="1")
     session.timeout_s = 2
@@ -450,10 +450,10 @@ def test_a_silent_peer_times_out_and_its_group_is_killed(tmp_path, monkeypatch):
 
 
 def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
-    from kthena_serve._bench_peer import PeerRunError, PeerSession
+    from kthena_serve.bench.peer import PeerRunError, PeerSession
 
     peer = parse_peer("vllm=/bin/false")  # a real program that exits 1 at once
-    with PeerSession(peer, Path(tmp_path), bench.workload_prompts(("a",)), [0]) as session, \
+    with PeerSession(peer, Path(tmp_path), serve.workload_prompts(("a",)), [0]) as session, \
             pytest.raises(PeerRunError, match="exited with 1"):
         session.run("a_batch1")
 
@@ -461,15 +461,15 @@ def test_a_peer_that_never_gets_ready_is_an_error(tmp_path):
 def test_each_engine_runner_runs_its_own_workload():
     # Regression: runners once closed over one loop variable, so (a) ran (c)'s prompts. Small
     # workloads of distinct sizes, keyed as the bench's.
-    from kthena_serve.testing import tiny_engine
+    from _tiny import tiny_engine
 
     engine = tiny_engine(max_num_seqs=8, num_kv_blocks=64)
     workloads = {"a_batch1": {"prompts": [[5] * 8], "max_tokens": 2},
                  "b_offline": {"prompts": [[6 + i] * 8 for i in range(3)], "max_tokens": 2},
                  "c_shared_prefix": {"prompts": [[7] * 16 + [9 + i] * 4 for i in range(4)],
                                      "max_tokens": 2}}
-    runners = bench._engine_runners(engine.config, workloads, engine=engine)
-    assert list(runners) == list(bench.CASE_KEYS)
+    runners = serve._engine_runners(engine.config, workloads, engine=engine)
+    assert list(runners) == list(serve.CASE_KEYS)
     computed = []
     for key in ("a_batch1", "b_offline"):
         before = engine.stats().num_computed_prompt_tokens

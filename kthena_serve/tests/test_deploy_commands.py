@@ -20,12 +20,11 @@ from fastapi import FastAPI
 from kthena_core.cli import build_parser
 from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_serving
 from kthena_core.deploy.k8s import HEALTH_PATH, PD_SECRET_ENV
-from kthena_serve.cli import _cmd_serve
+from kthena_serve.cli import _cmd_serve, spec_from_args
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd import worker
 from kthena_serve.pd.auth import SECRET_ENV, check_prefill_url
 from kthena_serve.pd.config import PDConfig, Transport
-from kthena_serve.serve_args import engine_config
 
 ATLAS = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "atlas-800t-a2.yaml")
 POD_NETWORK = "10.244.0.0/16"
@@ -87,15 +86,16 @@ def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data):
     assert script.value == "kthena_core.cli:main"
     args = build_parser().parse_args(expand(container["args"]))
     assert args.func is _cmd_serve
-    assert (args.host, args.port, args.mode) == ("0.0.0.0", 8000, "colocated")
-    assert args.public_metrics  # kthena-router scrapes /metrics without the API key
-    config = engine_config(args)  # the same check `kthena serve` runs before loading anything
+    spec = spec_from_args(args)  # the same check `kthena serve` runs before loading anything
+    assert (spec.host, spec.port, spec.mode) == ("0.0.0.0", 8000, "colocated")
+    assert spec.public_metrics  # kthena-router scrapes /metrics without the API key
+    config = spec.engine
     assert config.tp == int(container["args"][container["args"].index("--tp") + 1])
 
 
 def test_llama_pods_ask_the_engine_for_the_plans_tp_on_the_npu():
     (container,) = containers(LLAMA_ATLAS).values()
-    config = engine_config(build_parser().parse_args(container["args"]))
+    config = spec_from_args(build_parser().parse_args(container["args"])).engine
     assert (config.tp, config.device, config.model) == (8, "npu", "/mnt/models/Llama-2-70b-hf")
 
 

@@ -146,6 +146,24 @@ def test_bad_launch_arguments_are_refused_by_name():
         assert error.value.argument == argument and says in str(error.value)
 
 
+def test_the_seeds_model_init_fn_is_called_with_rank_and_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = {**CONFIG, "service": {**CONFIG["service"], "port": 8000}}
+    seen = []
+
+    def model_init_fn(rank, world_size):
+        seen.append((rank, world_size))
+        return DistributedModel("default", num_kv_blocks=8)  # refused once made: no serving
+
+    with pytest.raises(DistributedArgumentError, match="kthena serve has no flag"):
+        launch_distributed_inference(model_init_fn, config)
+    assert seen == [(0, 1)]  # one process, no launcher
+    with pytest.raises(DistributedArgumentError) as error:
+        launch_distributed_inference(lambda rank: "default", config)
+    assert error.value.argument == "model_init_fn"
+    assert "takes 1 positional arguments; allowed: none, or (rank, world_size)" in str(error.value)
+
+
 def test_an_invalid_config_fails_before_the_model_is_made(tmp_path):
     made = []
     bad = {**CONFIG, "parallelism": {"strategy": "tp_pp", "tensor_parallel_size": 2}}

@@ -8,7 +8,6 @@ engine in this process gives the reference tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,16 +21,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _tiny import default_tokenizer, greedy_text
 
+from kthena_serve.bench.soak import process_tree
 from kthena_serve.config import EngineConfig
 from kthena_serve.dp.frontend import REPLICA_HEADER, routing_prompt
 from kthena_serve.dp.launcher import ROLE, ReplicaLauncher, replica_specs
 from kthena_serve.dp.metrics import merge_replica_metrics
-from kthena_serve.dp.serve import check_dp_flags
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.router import Router
-from kthena_serve.soak import process_tree
-from kthena_serve.testing import default_tokenizer, greedy_text
+from kthena_serve.spec import ServeSpec
 from mooncake_kv import BlockHasher, BlockStored
 
 API_KEY = "dp-test-key"
@@ -113,7 +112,7 @@ def test_replica_cores_and_threads() -> None:
     assert [s.name for s in replica_specs([0], 3)] == ["replica-0", "replica-1", "replica-2"]
     with pytest.raises(ValueError, match="at least one"):
         replica_specs([0, 1], 0)
-    launcher = ReplicaLauncher({"tp": 2}, 2, "m", cores=[0, 1, 2, 3, 4, 5])
+    launcher = ReplicaLauncher(EngineConfig(tp=2), 2, "m", cores=[0, 1, 2, 3, 4, 5])
     try:
         worker = launcher.workers["replica-0"]
         assert worker.spec.cores == (0, 1, 2) and launcher.threads_per_rank(worker) == 1
@@ -154,8 +153,8 @@ def test_replica_metrics_merge_with_a_replica_label() -> None:
     assert merge_replica_metrics({}) == b""
 
 
-def _flags(**values) -> argparse.Namespace:
-    return argparse.Namespace(**{"dp": 2, "mode": "colocated", "kv_events": None, **values})
+def _flags(**values) -> dict:
+    return {"dp": 2, "mode": "colocated", "kv_events": None, **values}
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -165,8 +164,8 @@ def _flags(**values) -> argparse.Namespace:
 ])
 def test_refused_flag_combinations(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_dp_flags(_flags(**values))
-    check_dp_flags(_flags(dp=1, mode="pd", kv_events="redis://x"))  # no --dp: nothing to check
+        ServeSpec.resolve(_flags(**values))
+    ServeSpec.resolve(_flags(dp=1, mode="colocated"))  # no --dp: nothing to check
 
 
 # ---- one real deployment ------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import random
 import re
 
 import pytest
+from _tiny import tiny_engine
 
 from kthena_serve.request import FinishReason
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.testing import tiny_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -203,9 +203,10 @@ def test_engine_config_refuses_what_it_cannot_honour(field, value, message):
 def test_engine_config_errors_name_the_cli_flag():
     import argparse
 
-    from kthena_serve.serve_args import add_engine_args, engine_config
+    from kthena_serve.serve_args import add_engine_args
+    from kthena_serve.spec import engine_config
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
     add_engine_args(parser)
     for argv, message in [
         (["--max-num-seqs", "0"], "--max-num-seqs: EngineConfig.max_num_seqs must be a "
@@ -214,9 +215,9 @@ def test_engine_config_errors_name_the_cli_flag():
         (["--kv-cache-memory", "lots"], "--kv-cache-memory: EngineConfig.kv_cache_memory must"),
     ]:
         with pytest.raises(ValueError) as caught:
-            engine_config(parser.parse_args(argv))
+            engine_config(vars(parser.parse_args(argv)))
         assert str(caught.value).startswith(message)
-    assert engine_config(parser.parse_args([])).model == "default"
+    assert engine_config(vars(parser.parse_args([]))).model == "default"
 
 
 def test_engine_config_takes_a_path_for_model(tmp_path):

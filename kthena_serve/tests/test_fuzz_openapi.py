@@ -16,12 +16,12 @@ import time
 
 import httpx
 import pytest
+from _tiny import tiny_engine
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.server import BackgroundServer, build_app
-from kthena_serve.testing import tiny_engine
 
 MODEL = "tiny"
 _SERVED = {

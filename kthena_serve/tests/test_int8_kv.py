@@ -403,31 +403,33 @@ def test_pd_refuses_a_kv_dtype_mismatch(pd_pair):  # noqa: ANN001
 # ---- flags and config ------------------------------------------------------------------------
 def test_cli_flag_and_yaml_compression_select_int8(tmp_path):  # noqa: ANN001
     from kthena_core.cli import build_parser
-    from kthena_serve.serve_args import add_engine_args, engine_config
-    from kthena_serve.serve_config import apply_config
+    from kthena_serve.cli import spec_from_args
+    from kthena_serve.serve_args import add_engine_args
+    from kthena_serve.spec import engine_config
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
     add_engine_args(parser)
     assert "int8" in parser.format_help()
-    assert engine_config(parser.parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    flags = vars(parser.parse_args(["--kv-cache-dtype", "int8"]))
+    assert engine_config(flags).kv_cache_dtype == "int8"
     path = tmp_path / "kthena_config.yaml"
     base = "cluster: {topology: auto}\nparallelism: {strategy: auto}\n"
     for compression, expected in [("{method: int8, group_size: 64}", "int8"),
                                   ("{method: int8}", "int8"), ("{method: none}", "auto")]:
         path.write_text(base + f"kv_cache: {{compression: {compression}}}\n")
         args = build_parser().parse_args(["serve", "--config", str(path)])
-        apply_config(args)
-        assert engine_config(args).kv_cache_dtype == expected
+        assert spec_from_args(args).engine.kv_cache_dtype == expected
     path.write_text(base + "kv_cache: {compression: {method: int8, group_size: 128}}\n")
     with pytest.raises(ValueError, match=r"group_size: got 128; allowed: 64 \(the model's "
                                          r"head_dim\)"):
-        apply_config(build_parser().parse_args(["serve", "--config", str(path)]))
+        spec_from_args(build_parser().parse_args(["serve", "--config", str(path)]))
 
 
 def test_metrics_export_the_kv_dtype_and_block_count():
+    from _tiny import tiny_engine
+
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.server.metrics import ServerMetrics
-    from kthena_serve.testing import tiny_engine
 
     for kv_cache_dtype, name in (("int8", "int8"), ("auto", "fp32")):
         engine = AsyncLLM(tiny_engine(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40))

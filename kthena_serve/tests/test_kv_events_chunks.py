@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kthena_serve.kv_events import RouterChunks, chunk_hash, prompt_chunk_hashes, redis_key
-from kthena_serve.serve_args import add_kv_events_args, kv_events_config
+from kthena_serve.serve_args import add_kv_events_args
+from kthena_serve.spec import ServeSpec
 from mooncake_kv import AllCleared, BlockRemoved, BlockStored, ExtraKeys, KVCacheManager
 
 
@@ -208,18 +209,21 @@ TestChunksMachine.settings = settings(stateful_step_count=30)
 
 
 # ---- flags -----------------------------------------------------------------------------------------
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+def _kv_events(*argv: str):  # noqa: ANN202 - KVEventsConfig | None
+    """What ``kthena serve ARGV --served-model-name m`` publishes with (ServeSpec.resolve)."""
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
     add_kv_events_args(parser)
-    parser.add_argument("--mode", default="colocated")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    return parser.parse_args(list(argv))
+    parser.add_argument("--mode")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false")
+    flags = vars(parser.parse_args(list(argv)))
+    return ServeSpec.resolve({**flags, "served_model_name": "m"}).kv_events
 
 
 def test_flags_build_the_config():
-    assert kv_events_config(_args(), "m") is None
-    config = kv_events_config(_args("--kv-events", "redis://10.0.0.7:6379", "--pod-name",
-                                    "vllm-0.abc.kthena", "--kv-events-chunk-size", "32"), "m")
+    assert _kv_events() is None
+    config = _kv_events("--kv-events", "redis://10.0.0.7:6379", "--pod-name",
+                        "vllm-0.abc.kthena", "--kv-events-chunk-size", "32")
     assert (config.redis_url, config.pod, config.model, config.chunk_size, config.max_chunks) \
         == ("redis://10.0.0.7:6379", "vllm-0.abc.kthena", "m", 32, 128)
 
@@ -242,12 +246,11 @@ def test_flags_build_the_config():
 ])
 def test_flags_are_refused_by_name(argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
-        kv_events_config(_args(*argv), "m")
+        _kv_events(*argv)
     assert str(info.value).startswith("--")
 
 
 def test_password_is_not_echoed():
     with pytest.raises(ValueError) as info:
-        kv_events_config(_args("--kv-events", "rediss://u:hunter2@h:1", "--pod-name", "p.ns"),
-                         "m")
+        _kv_events("--kv-events", "rediss://u:hunter2@h:1", "--pod-name", "p.ns")
     assert "hunter2" not in str(info.value) and "***" in str(info.value)

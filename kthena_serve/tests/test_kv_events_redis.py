@@ -21,11 +21,11 @@ import time
 import httpx
 import pytest
 import redis  # the dev extra installs it (kthena-serve[kv-events])
+from _tiny import tiny_engine
 
 from kthena_serve.kv_events import KVEventsCollector, KVEventsConfig, RedisKVPublisher
 from kthena_serve.kv_events.publisher import CLIENT_NAME
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.testing import tiny_engine
 
 POD = "kthena-0.default"
 MODEL = "tiny"

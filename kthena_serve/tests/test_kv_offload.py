@@ -26,8 +26,9 @@ from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.kv_offload import KVOffloadConfig
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.serve_args import add_engine_args, engine_config
+from kthena_serve.serve_args import add_engine_args
 from kthena_serve.server.metrics import ServerMetrics
+from kthena_serve.spec import ServeSpec, engine_config
 from mooncake_kv.tiers.master import master_binary, start_local_master, stop_master
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -84,10 +85,11 @@ def test_kv_offload_needs_one_rank_and_prefix_caching():
         EngineConfig(kv_offload="host=1G", enable_prefix_caching=False)
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+def _args(*argv: str) -> dict:
+    """The engine flags given, as ``kthena serve`` parses them (no defaults of their own)."""
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
     add_engine_args(parser)
-    return parser.parse_args(list(argv))
+    return vars(parser.parse_args(list(argv)))
 
 
 def test_flag_reaches_the_config_and_shows_in_help():
@@ -98,10 +100,9 @@ def test_flag_reaches_the_config_and_shows_in_help():
     assert config.kv_offload == KVOffloadConfig(64 << 20)
     with pytest.raises(ValueError, match="^--kv-offload: EngineConfig.kv_offload"):
         engine_config(_args("--kv-offload", "host=64MiB,queue=-1"))
-    pd = _args("--kv-offload", "host=64MiB")
-    pd.mode = "pd"
+    pd = {**_args("--kv-offload", "host=64MiB"), "mode": "pd"}
     with pytest.raises(ValueError, match="--kv-offload: not supported with --mode pd"):
-        engine_config(pd)
+        ServeSpec.resolve(pd)
 
 
 def test_tier_stats_survive_json_and_add_up():
@@ -337,7 +338,7 @@ def test_store_killed_mid_run_degrades_to_recompute(loaded, prompts, baseline):
 # ---- the benchmark's smoke test (figures: kthena bench kv, docs/bench_kv.md) --------------------
 
 def test_kv_bench_cases_and_their_per_turn_figures(loaded):
-    from kthena_serve.kv_bench import BenchShape, run_case, table
+    from kthena_serve.bench.kv import BenchShape, run_case, table
 
     model, tokenizer = loaded
     shape = BenchShape(sessions=3, turns=3, user_tokens=32, max_tokens=2)
@@ -368,7 +369,7 @@ def test_kv_bench_cases_and_their_per_turn_figures(loaded):
 
 
 def test_kv_bench_refuses_an_unknown_case(capsys):
-    from kthena_serve.kv_bench import main
+    from kthena_serve.bench.kv import main
 
     assert main(["--cases", "off,disk"]) == 2
     assert "--cases takes off, host, host+store" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import torch
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kthena_serve.server import BackgroundServer, build_app
 
@@ -255,7 +256,7 @@ def test_pd_logprobs_match_transformers(loaded, hf, offline) -> None:  # noqa: A
     chat_output = list(generate(offline, chat_ids, greedy(2, 4)).token_ids)
     pd = {"pd_threshold_tokens": 8, "transfer_timeout_s": 60, "health_interval_s": 0.2}
     engine = {"num_kv_blocks": 64, "max_num_seqs": 4, "dtype": "float32"}
-    with PDCluster(engine, pd, tokenizer=tokenizer) as cluster:
+    with PDCluster(EngineConfig(**engine), PDConfig(**pd), tokenizer=tokenizer) as cluster:
         reply = cluster.complete(ids, max_tokens=6, logprobs=2)
         assert reply.status_code == 200, reply.text
         stream = _stream(cluster.url, "/v1/chat/completions", {

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from _model_testing import GreedyRunner
 
 from kthena_serve.model import (
     AttentionBatch,
@@ -24,7 +25,6 @@ from kthena_serve.model import (
     load_weights,
     plan_shards,
 )
-from kthena_serve.model.testing import GreedyRunner
 
 transformers = pytest.importorskip("transformers")
 

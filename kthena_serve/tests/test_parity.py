@@ -17,9 +17,9 @@ import textwrap
 
 import pytest
 import torch
+from _model_testing import GreedyRunner
 
 from kthena_serve.model import ensure_default_checkpoint, load_model
-from kthena_serve.model.testing import GreedyRunner
 
 transformers = pytest.importorskip("transformers")
 kthena_known = pytest.importorskip("kthena_core.known_models")
@@ -135,7 +135,7 @@ _WORKER = textwrap.dedent("""
     try:
         from kthena_comm.groups import CommGroup
         from kthena_serve.model import TensorParallel, load_model
-        from kthena_serve.model.testing import GreedyRunner
+        from _model_testing import GreedyRunner
         tp = TensorParallel.from_comm_group(CommGroup("tp", (0, 1), rank, dist.group.WORLD))
         model, tokenizer = load_model(checkpoint, dtype=torch.float32, tp=tp)
         prompts = json.load(open(prompts_file))
@@ -158,7 +158,9 @@ def test_tp2_over_gloo_matches_tp1(checkpoint, ours, prompts, tmp_path):
     expected = [t[:16] for t in expected]
     (tmp_path / "worker.py").write_text(_WORKER)
     (tmp_path / "prompts.json").write_text(json.dumps(chosen))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    here = os.path.dirname(os.path.abspath(__file__))  # the worker imports _model_testing
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(rank), port, str(checkpoint),
                                str(tmp_path / "prompts.json"), str(tmp_path / f"out{rank}.json")], env=env,

@@ -11,11 +11,12 @@ import time
 
 import httpx
 import pytest
+from _tiny import default_tokenizer
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster, shm_pools
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.testing import default_tokenizer
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
@@ -30,7 +31,7 @@ def prompt_ids(num_tokens: int, salt: str = "") -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    pd = PDCluster(ENGINE, PD, tokenizer=default_tokenizer()).start()
+    pd = PDCluster(EngineConfig(**ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
     pids = [pd.launcher.pid(name) for name in pd.launcher.workers]
     try:
         yield pd

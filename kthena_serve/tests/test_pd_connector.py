@@ -1,7 +1,7 @@
 """PD workers behind the Kthena router: its ``nixl`` / ``mooncake`` connector protocol.
 
 Real prefill and decode worker processes get exactly the request sequence the router's
-connector sends (``kthena_serve.pd.kthena_proxy``, built from connectors/nixl.go and
+connector sends (``_kthena_proxy`` beside this file, built from connectors/nixl.go and
 transport.go): the prefill body (no stream, max_tokens 1, kv_transfer_params
 do_remote_decode), then the original body plus the prefill answer's kv_transfer_params on the
 decode worker, which pulls the KV with a one-sided get. Same host over shm here (one
@@ -21,17 +21,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _kthena_proxy import decode_body, prefill_body, proxy
 from _netns import two_host_network
+from _tiny import default_tokenizer, greedy_text
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import auth_headers
-from kthena_serve.pd.kthena_proxy import decode_body, prefill_body, proxy
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
-from kthena_serve.serve_args import DEFAULT_MODEL_NAME
-from kthena_serve.testing import default_tokenizer, greedy_text
+from kthena_serve.spec import DEFAULT_MODEL_NAME
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"kv_pin_timeout_s": 8.0, "transfer_timeout_s": 30}
@@ -60,7 +61,7 @@ def shm_files(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workers():
-    launcher = PDLauncher(ENGINE, PD, 1, 1, quiet=True, api_key=API_KEY,
+    launcher = PDLauncher(EngineConfig(**ENGINE), PDConfig(**PD), 1, 1, quiet=True, api_key=API_KEY,
                           public_metrics=True).start()
     pids = [launcher.pid(name) for name in launcher.workers]
     try:
@@ -271,9 +272,10 @@ TestPinMachine = PinMachine.TestCase
 
 
 def test_a_server_without_a_connector_refuses_kv_transfer_params() -> None:
+    from _tiny import tiny_engine
+
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.server import BackgroundServer, build_app
-    from kthena_serve.testing import tiny_engine
 
     engine = AsyncLLM(tiny_engine()).start()
     try:

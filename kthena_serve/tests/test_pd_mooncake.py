@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 from _netns import two_host_network
+from _tiny import default_tokenizer, greedy_text
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
-from kthena_serve.testing import default_tokenizer, greedy_text
+from kthena_serve.pd.config import PDConfig
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel (and libibverbs1) is missing")
 
@@ -50,7 +51,7 @@ def _metric(text: str, name: str) -> float:
 def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
     pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
     base = prompt(96, "loopback. ")
-    with PDCluster(ENGINE, pd, tokenizer=default_tokenizer()) as cluster:
+    with PDCluster(EngineConfig(**ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
         first = base + prompt(30, "first ")
         reply = cluster.complete(first, max_tokens=8)
         assert reply.status_code == 200, reply.text

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _tiny import default_tokenizer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, check_prefill_url
 from kthena_serve.pd.cluster import PDCluster
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.events import EventLog, event_from_json
 from kthena_serve.pd.protocol import params_to_json
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
-from kthena_serve.testing import default_tokenizer
 from mooncake_kv import KVCacheManager
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
@@ -115,7 +117,7 @@ def test_worker_refuses_to_start_without_the_secret() -> None:
 # ---- one deployment ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    pd = PDCluster(ENGINE, PD, tokenizer=default_tokenizer()).start()
+    pd = PDCluster(EngineConfig(**ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
     try:
         yield pd
     finally:

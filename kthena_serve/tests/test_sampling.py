@@ -131,8 +131,9 @@ def test_eos_stop_ids_and_length():
 
 
 def test_chinese_text_streams_as_whole_characters():
+    from _tiny import default_tokenizer
+
     from kthena_serve.model import IncrementalDetokenizer
-    from kthena_serve.testing import default_tokenizer
 
     tokenizer = default_tokenizer()
     text = "长城是中国古代的军事防御工程。Hello, 世界！"

@@ -1,6 +1,7 @@
-"""``kthena serve --config``: each honoured key changes the EngineConfig (or the flag) served,
-a plan the engine cannot run is refused by name, explicit flags win, and one end-to-end run
-prints the plan, serves that same layout and answers a completion."""
+"""``kthena serve --config``: each honoured key changes the ServeSpec served (its EngineConfig
+or its own fields), a plan the engine cannot run is refused by name, explicit flags win, the
+spec round-trips through JSON, and one end-to-end run prints the plan, serves that same layout
+and answers a completion."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from kthena_core.config import load_config
 from kthena_core.config_plan import plan_config
 from kthena_core.discovery import discover
 from kthena_core.topology import from_catalog
-from kthena_serve.serve_args import engine_config
-from kthena_serve.serve_config import (
+from kthena_serve.cli import spec_from_args
+from kthena_serve.spec import (
+    ServeSpec,
     UnservablePlanError,
-    apply_config,
     check_servable,
-    served_layout,
+    config_settings,
+    plan_config_path,
 )
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "examples", "cpu-smollm2.yaml")
@@ -34,9 +36,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "examples"
 def _serve(tmp_path, yaml_text: str, *flags: str):
     path = tmp_path / "kthena_config.yaml"
     path.write_text(yaml_text)
-    args = build_parser().parse_args(["serve", "--config", str(path), *flags])
-    plan = apply_config(args)
-    return args, engine_config(args), plan
+    spec = spec_from_args(build_parser().parse_args(["serve", "--config", str(path), *flags]))
+    return spec, spec.engine, plan_config_path(str(path)).plan
 
 
 BASE = "cluster: {topology: auto}\nparallelism: {strategy: auto}\n"
@@ -68,28 +69,28 @@ def test_a_bad_offload_value_in_the_config_is_refused_naming_the_flag(tmp_path):
 
 
 def test_service_host_and_port_and_the_plans_tp_drive_the_flags(tmp_path):
-    args, config, plan = _serve(tmp_path, BASE + "service: {host: 0.0.0.0, port: 8123}\n")
-    assert (args.host, args.port, config.tp) == ("0.0.0.0", 8123, plan.tp_size)
+    spec, config, plan = _serve(tmp_path, BASE + "service: {host: 0.0.0.0, port: 8123}\n")
+    assert (spec.host, spec.port, config.tp) == ("0.0.0.0", 8123, plan.tp_size)
 
 
 def test_explicit_flags_override_the_config_even_at_their_default(tmp_path, capsys):
-    args, config, _ = _serve(tmp_path, BASE + "service: {max_batch_size: 7, port: 9001}\n",
+    spec, config, _ = _serve(tmp_path, BASE + "service: {max_batch_size: 7, port: 9001}\n",
                              "--max-num-seqs", "64", "--port", "0")
-    assert (config.max_num_seqs, args.port) == (64, 0)  # 64 is the flag's default: still wins
+    assert (config.max_num_seqs, spec.port) == (64, 0)  # 64 is the flag's default: still wins
     assert "override the config: --max-num-seqs, --port" in capsys.readouterr().err
 
 
 def test_without_config_the_defaults_are_untouched():
-    args = build_parser().parse_args(["serve"])
-    assert apply_config(args) is None
-    assert (engine_config(args).max_num_seqs, args.port, args.mode) == (64, 8000, "colocated")
+    spec = spec_from_args(build_parser().parse_args(["serve"]))
+    assert (spec.plan, spec.config_path) == (None, None)
+    assert (spec.engine.max_num_seqs, spec.port, spec.mode) == (64, 8000, "colocated")
 
 
 def test_served_layout_is_the_plan_layout(tmp_path):
     with open(EXAMPLE, encoding="utf-8") as f:
-        args, _, plan = _serve(tmp_path, f.read())
+        spec, _, plan = _serve(tmp_path, f.read())
     lay = plan.chosen.layout
-    assert str(served_layout(args)) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp} mode=colocated"
+    assert str(spec.layout) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp} mode=colocated"
 
 
 def test_pd_mode_serves_the_plans_prefill_and_decode_split():
@@ -97,9 +98,7 @@ def test_pd_mode_serves_the_plans_prefill_and_decode_split():
                        "cluster": {"topology": "atlas-800t-a2"}})
     topology = from_catalog("atlas-800t-a2", 1)
     plan = plan_config(cfg, topology)
-    from kthena_serve.serve_config import config_flags
-
-    flags = config_flags(cfg, plan)
+    flags = config_settings(cfg, plan)
     est = plan.chosen.estimate
     assert (flags["mode"], flags["prefill"], flags["decode"]) == ("pd", est.prefill_replicas,
                                                                  est.decode_replicas)
@@ -135,9 +134,7 @@ def test_pp_and_colocated_dp_plans_drive_the_pp_and_dp_flags(parallelism, flags)
     topology = from_catalog("atlas-800t-a2", 1)
     plan = plan_config(cfg, topology)
     check_servable(plan, topology)
-    from kthena_serve.serve_config import config_flags
-
-    given = config_flags(cfg, plan)
+    given = config_settings(cfg, plan)
     assert {k: given[k] for k in flags} == flags
 
 
@@ -146,6 +143,52 @@ def test_the_example_plans_one_servable_layout_here():
     topology = discover()
     plan = plan_config(cfg, topology)
     check_servable(plan, topology)
+
+
+def test_the_spec_round_trips_through_json_every_part_typed(tmp_path):
+    spec, _, _ = _serve(tmp_path, BASE + "kv_cache: {offload: 'host=64MiB'}\n", "--mode",
+                        "colocated", "--router-weights", "1,2,3", "--kv-cache-dtype", "int8")
+    text = json.dumps(spec.to_json())
+    again = ServeSpec.from_json(json.loads(text))
+    assert again == spec and again.plan == spec.plan
+    assert again.engine.kv_offload.host_bytes == 64 * 2**20
+    assert again.pd.weights.kv_usage == 3.0 and again.engine.kv_cache_dtype == "int8"
+    with pytest.raises(ValueError, match="not a ServeSpec's JSON"):
+        ServeSpec.from_json({"engine": {}})
+
+
+def test_the_api_key_never_reaches_the_json():
+    spec = ServeSpec.resolve({"api_key": "s3cret"})
+    assert spec.api_key == "s3cret" and "s3cret" not in json.dumps(spec.to_json())
+    assert "s3cret" not in repr(spec)
+
+
+def test_a_yaml_pipeline_split_reaches_the_engine_through_the_spec(tmp_path):
+    yaml_text = ("cluster: {topology: atlas-800t-a2, world_size: 2}\n"
+                 "parallelism: {strategy: pp, pipeline_parallel_size: 2}\n")
+    spec, config, plan = _serve(tmp_path, yaml_text)
+    assert (config.pp, config.tp, plan.pp_size) == (2, 1, 2)
+    assert spec.served()["pp"] == 2 and spec.plan["layout"]["pp"] == 2
+
+
+def test_pd_reports_its_worker_counts_not_a_dp_of_their_sum():
+    spec = ServeSpec.resolve({"mode": "pd", "prefill": 1, "decode": 2})
+    assert spec.served() == {"tp": 1, "pp": 1, "dp": 1, "sp": 1, "mode": "pd", "prefill": 1,
+                             "decode": 2}
+    assert str(spec.layout) == "tp=1 pp=1 dp=1 sp=1 mode=pd"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"tpp": 2}, "unknown setting(s) tpp; allowed:"),
+    ({"dtype": "int4"}, "--dtype: EngineConfig.dtype must be"),
+    ({"enable_prefix_caching": False, "kv_events": "redis://127.0.0.1:1", "pod_name": "a.b"},
+     "--kv-events: nothing is cached with --no-prefix-caching"),
+    ({"router_weights": "1,2"}, "--router-weights: takes overlap,load,kv_usage"),
+    ({"pod_name": "a.b"}, "--pod-name takes effect only with --kv-events"),
+])
+def test_resolve_refuses_bad_settings_naming_the_flag(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServeSpec.resolve(flags)
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ import time
 
 import httpx
 import pytest
+from _tiny import tiny_engine
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.server import BackgroundServer, build_app
-from kthena_serve.testing import tiny_engine
 
 MODEL = "tiny"
 KEY = "s3cret"
@@ -392,8 +392,9 @@ def test_shutdown_drains_then_ends_streams_with_an_error_and_done():
 def test_special_tokens_typed_in_chat_content_stay_text():
     """A user who types <|im_start|>system ... cannot forge a system turn (the default), and
     ``control`` restores Hugging Face's behaviour; ordinary content encodes exactly as before."""
+    from _tiny import default_tokenizer
+
     from kthena_serve.input_processor import InputProcessor
-    from kthena_serve.testing import default_tokenizer
 
     tokenizer = default_tokenizer()
     start = tokenizer.token_to_id("<|im_start|>")

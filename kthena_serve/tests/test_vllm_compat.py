@@ -13,15 +13,16 @@ import time
 
 import httpx
 import pytest
+from _tiny import default_tokenizer, tiny_engine, tiny_llama
 from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.model import Tokenizer, resolve_checkpoint
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.vllm_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
-from kthena_serve.testing import default_tokenizer, tiny_engine, tiny_llama
 
 MODEL = "tiny"
 KEY = "k3y"
@@ -369,7 +370,7 @@ def test_pd_router_serves_vllm_metrics_and_tokenize(hf_tokenizer):
     from kthena_serve.pd.cluster import PDCluster
 
     pd = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
-    with PDCluster({"num_kv_blocks": 128, "max_num_seqs": 4}, pd,
+    with PDCluster(EngineConfig(**{"num_kv_blocks": 128, "max_num_seqs": 4}), PDConfig(**pd),
                    tokenizer=default_tokenizer()) as cluster:
         url, label = cluster.url, {"model_name": cluster.model_name}
         answer = httpx.post(f"{url}/tokenize", json={"prompt": TEXT, "return_token_strs": True})

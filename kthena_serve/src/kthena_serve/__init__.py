@@ -4,7 +4,9 @@
 * ``AsyncLLM``: the engine on a background thread with per-request async streams (the server's);
 * ``LLMEngine``: ``step()`` = schedule -> run -> postprocess, continuous batching with chunked
   prefill, prefix reuse and preemption through mooncake_kv;
-* ``kthena serve`` / ``kthena bench serve``: the command line (see docs/kthena_serve.md);
+* ``kthena serve``: the command line (see docs/kthena_serve.md);
+* ``kthena_serve.bench``: every benchmark (``kthena bench serve``, ``soak``, ``layouts``, ``kv``,
+  ``python -m kthena_serve.bench.pd`` ...); the serving modules never import it;
 * ``load_config`` -> ``DistributedModel`` -> ``launch_distributed_inference``: the source
   article's Python entry points, over ``LLM`` and ``kthena serve --config``.
 

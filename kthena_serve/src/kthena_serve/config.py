@@ -209,6 +209,20 @@ class EngineConfig:
                                                      validator=_check_kv_offload)
     quantization: str | None = attrs.field(default=None, validator=_check_quantization)
 
+    def to_json(self) -> dict:
+        """Every field as JSON (what workers and replicas get); ``from_json`` reads it back."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, fields: dict) -> EngineConfig:
+        """The config ``to_json`` wrote (or any subset of its fields: the rest default).
+
+        Raises:
+            ConfigError: a field's value is refused.
+            TypeError: an unknown field.
+        """
+        return cls(**fields)
+
     @property
     def world_size(self) -> int:
         """Processes one engine runs on: tp x pp."""

@@ -7,19 +7,19 @@
 
 Nothing here is a second engine or server. ``DistributedModel`` is an ``EngineConfig`` plus an
 ``LLM`` built on first use; ``launch_distributed_inference`` is ``kthena serve --config FILE``
-(the same parser and the same ``_cmd_serve``), with the arguments the caller gave
-``DistributedModel`` set like command-line flags, so they override the config and the plan
-decides the rest:
+(the same ``ServeSpec.resolve`` and the same ``serve``), with the arguments the caller gave
+``DistributedModel`` as the flags, so they override the config and the plan decides the rest:
 
-    DistributedModel(model=...)                   -> --model
-    tp_size / pp_size                             -> --tp / --pp
-    enable_kv_cache_reuse                         -> --no-prefix-caching (inverted)
-    any other EngineConfig field with a flag      -> that flag (max_num_seqs -> --max-num-seqs)
+    DistributedModel(model=...)                   -> model (--model)
+    tp_size / pp_size                             -> tp / pp (--tp / --pp)
+    enable_kv_cache_reuse                         -> enable_prefix_caching (--no-prefix-caching)
+    any other EngineConfig field with a flag      -> that field (max_num_seqs: --max-num-seqs)
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -148,7 +148,7 @@ class DistributedModel:
         return self._llm
 
 
-def launch_distributed_inference(model_init_fn: Callable[[], Any],
+def launch_distributed_inference(model_init_fn: Callable[..., Any],
                                  config: str | os.PathLike[str] | KthenaConfig | Mapping[str, Any],
                                  service_type: str = "http") -> int:
     """Serve a model over the OpenAI HTTP API exactly as ``kthena serve --config FILE`` does.
@@ -165,8 +165,10 @@ def launch_distributed_inference(model_init_fn: Callable[[], Any],
     launcher rule applies: rank 0 serves the API, the others run its steps.
 
     Args:
-        model_init_fn: called once, with no arguments; returns a ``DistributedModel`` or a
-            checkpoint path (``"default"`` or a folder).
+        model_init_fn: called once, with no arguments or, as in the seed's API, with
+            ``(rank, world_size)`` (this process's rank under ``kthena-run``; 0 and 1 run as
+            one process); returns a ``DistributedModel`` or a checkpoint path (``"default"``
+            or a folder).
         config: a ``kthena_config.yaml`` path (relative paths in it are relative to the file),
             a ``KthenaConfig`` or a mapping (relative paths are relative to the current folder).
         service_type: ``"http"``; gRPC is refused, as in the config's ``service.api_type``.
@@ -187,15 +189,24 @@ def launch_distributed_inference(model_init_fn: Callable[[], Any],
         raise DistributedArgumentError("model_init_fn", f"got a {type(model_init_fn).__name__}; "
                                        "allowed: a function returning the DistributedModel "
                                        "(e.g. lambda: model)")
-    from kthena_core.cli import build_parser
+    from kthena_serve.cli import launcher_world, resolve_spec, serve
+    from kthena_serve.serve_args import ENGINE_FLAG_FIELDS
 
     with _config_path(config) as path:
         model = _init_model(model_init_fn)
-        args = build_parser().parse_args(["serve", "--config", path])
-        _set_flags(args, model.explicit_choices)
+        for field in model.explicit_choices:
+            if field not in ENGINE_FLAG_FIELDS:
+                raise DistributedArgumentError(
+                    field, "kthena serve has no flag for it, so the server cannot take it; "
+                    + _NO_FLAG_HINTS.get(field, "leave it out of the DistributedModel you serve"))
         print(f"launch_distributed_inference: {model!r}: its arguments act as explicit "
               "kthena serve flags", file=sys.stderr, flush=True)
-        return int(args.func(args) or 0)
+        try:
+            spec = resolve_spec(dict(model.explicit_choices), path, launcher_world())
+        except ValueError as error:
+            print(f"kthena serve: {error}", file=sys.stderr)
+            return 2
+        return serve(spec)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -242,14 +253,37 @@ def _check_folder(folder: str, what: str) -> str:
     return folder
 
 
-def _init_model(model_init_fn: Callable[[], Any]) -> DistributedModel:
-    model = model_init_fn()
+def _init_model(model_init_fn: Callable[..., Any]) -> DistributedModel:
+    """Call ``model_init_fn`` as it asks: with no arguments, or with ``(rank, world_size)``
+    as the seed's API does (this process's launcher rank; 0 and 1 without a launcher)."""
+    from kthena_serve.cli import launcher_rank
+
+    wanted = _positional_parameters(model_init_fn)
+    if wanted == 0:
+        model = model_init_fn()
+    elif wanted == 2:
+        model = model_init_fn(*launcher_rank())
+    else:
+        raise DistributedArgumentError("model_init_fn", f"takes {wanted} positional "
+                                       "arguments; allowed: none, or (rank, world_size)")
     if isinstance(model, DistributedModel):
         return model
     if isinstance(model, (str, os.PathLike)):
         return DistributedModel(model)
     raise DistributedArgumentError("model_init_fn", f"returned a {type(model).__name__}; "
                                    "allowed: a DistributedModel or a checkpoint path")
+
+
+def _positional_parameters(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` requires (2 if it takes ``*args``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        return 0
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return 2
+    return sum(1 for p in parameters if p.kind in kinds and p.default is p.empty)
 
 
 @contextlib.contextmanager
@@ -283,21 +317,3 @@ def _absolute_paths(data: dict[str, Any]) -> None:
         model["checkpoint_path"] = os.path.abspath(os.path.expanduser(model["checkpoint_path"]))
     if cluster["topology"].endswith((".yaml", ".yml")):
         cluster["topology"] = os.path.abspath(cluster["topology"])
-
-
-def _set_flags(args: Any, choices: Mapping[str, Any]) -> None:
-    """Set each choice as its ``kthena serve`` flag, marked explicit so it beats the config.
-
-    Raises:
-        DistributedArgumentError: a choice with no flag (it could not reach the server).
-    """
-    explicit = set(getattr(args, "explicit_flags", None) or ())
-    for field, value in choices.items():
-        dest = "no_prefix_caching" if field == "enable_prefix_caching" else field
-        if not hasattr(args, dest):
-            raise DistributedArgumentError(
-                field, "kthena serve has no flag for it, so the server cannot take it; "
-                + _NO_FLAG_HINTS.get(field, "leave it out of the DistributedModel you serve"))
-        setattr(args, dest, not value if dest == "no_prefix_caching" else value)
-        explicit.add(dest)
-    args.explicit_flags = explicit

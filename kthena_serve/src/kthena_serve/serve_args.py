@@ -1,52 +1,77 @@
-"""The engine flags ``kthena serve`` and ``python -m kthena_serve.pd.serve`` share, and the
-lines they print; one home so the colocated and PD entry points cannot drift apart."""
+"""The flags of ``kthena serve`` (its engine flags are shared with ``kthena bench serve``) and
+the lines it prints. A flag here only parses: ``ServeSpec.resolve`` (spec.py) turns the flags a
+user gave into typed values, with the config's plan and the defaults below them."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 
-__all__ = ["DEFAULT_MODEL_NAME", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
-           "add_public_metrics_arg", "curl_line", "engine_config", "kv_events_config",
-           "model_name"]
+import attrs
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+__all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args", "add_public_metrics_arg",
+           "curl_line"]
+
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
                     "replica")
 
+# The EngineConfig fields add_engine_args gives a flag (each flag's dest is its field).
+ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                      "kv_cache_memory", "max_model_len", "dtype", "kv_cache_dtype",
+                      "quantization", "device", "tp", "pp", "enable_prefix_caching",
+                      "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens")
+
+
+def _default(field: str) -> object:
+    """An ``EngineConfig`` field's default (the help shows it; the flag itself has none)."""
+    from kthena_serve.config import EngineConfig
+
+    return attrs.fields_dict(EngineConfig)[field].default
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every ``EngineConfig`` knob a user sets from the command line."""
-    parser.add_argument("--model", default="default",
-                        help="'default' (SmolLM2-135M-Instruct) or a Hugging Face checkpoint folder")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="tokens computed per step (prefill chunks + decodes)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB, 2GiB")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV pool dtype: 'auto' (= --dtype) or 'int8' (int8 K/V with a "
-                             "float32 scale per token per KV head: ~1.9x the blocks of bf16 in "
-                             "the same --kv-cache-memory; the model still computes in --dtype)")
-    parser.add_argument("--quantization", default=None, choices=("int8",),
+    """Every ``EngineConfig`` knob a user sets from the command line, each stored under its
+    field's name. The flags have no defaults of their own (the parser's
+    ``argument_default=argparse.SUPPRESS``): a flag not given is absent, and
+    ``ServeSpec.resolve`` takes it from the config or ``EngineConfig``'s default."""
+    parser.add_argument("--model", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face "
+                        "checkpoint folder (default: default)")
+    parser.add_argument("--max-num-seqs", type=int,
+                        help=f"requests running at once (default {_default('max_num_seqs')})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens computed per step (prefill chunks + decodes; default "
+                             f"{_default('max_num_batched_tokens')})")
+    parser.add_argument("--block-size", type=int,
+                        help=f"tokens per KV block (default {_default('block_size')})")
+    parser.add_argument("--kv-cache-memory",
+                        help="KV pool size, e.g. 512MiB, 2GiB (default 1GiB)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="context length cap (default: the model's, capped by the pool)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help=f"weight and compute dtype (default {_default('dtype')})")
+    parser.add_argument("--kv-cache-dtype",
+                        help="KV pool dtype: 'auto' (= --dtype, the default) or 'int8' (int8 "
+                             "K/V with a float32 scale per token per KV head: ~1.9x the blocks "
+                             "of bf16 in the same --kv-cache-memory; the model still computes "
+                             "in --dtype)")
+    parser.add_argument("--quantization", choices=("int8",),
                         help="int8: weight-only int8 matmul weights (one scale per output "
                              "channel; decode reads half bf16's bytes); default: --dtype")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu, cuda[:N] or npu[:N] (only cpu is verified on hardware)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one core each)")
-    parser.add_argument("--pp", type=int, default=1,
+    parser.add_argument("--device",
+                        help="cpu (default), cuda[:N] or npu[:N] (only cpu is verified on "
+                             "hardware)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel ranks (one core each; default 1)")
+    parser.add_argument("--pp", type=int,
                         help="pipeline-parallel stages (layers split into PP stages, each of "
-                             "--tp ranks; tp x pp processes)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix reuse off")
-    parser.add_argument("--prefix-index", default="hash", choices=("hash", "radix"),
-                        help="prefix index of the KV manager: hash chain or radix tree")
-    parser.add_argument("--hash-algorithm", default="xxh3_128", choices=("xxh3_128", "sha256"),
-                        help="block-hash digest (one per deployment)")
-    parser.add_argument("--kv-offload", default=None,
+                             "--tp ranks; tp x pp processes; default 1)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn prefix reuse off (default on)")
+    parser.add_argument("--prefix-index", choices=("hash", "radix"),
+                        help="prefix index of the KV manager: hash chain (default) or radix tree")
+    parser.add_argument("--hash-algorithm", choices=("xxh3_128", "sha256"),
+                        help="block-hash digest (one per deployment; default xxh3_128)")
+    parser.add_argument("--kv-offload",
                         metavar="host=SIZE[,store=mooncake@HOST:PORT]",
                         help="tiers below the KV pool: committed blocks are copied to host "
                              "memory in the background and promoted back on a prefix hit "
@@ -56,8 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "once. Also segment=SIZE (RAM lent to the store, default "
                              "64MiB), queue=N (offload queue bound, default 256), "
                              "timeout=SECONDS (a promotion's wait, default 5); "
-                             "see docs/kthena_serve.md")
-    parser.add_argument("--chat-special-tokens", default="text", choices=("text", "control"),
+                             "see docs/kthena_serve.md (default: none)")
+    parser.add_argument("--chat-special-tokens", choices=("text", "control"),
                         help="special tokens typed in chat content: text (no forged turns, "
                              "default) or control tokens")
 
@@ -71,45 +96,6 @@ def add_public_metrics_arg(parser: argparse.ArgumentParser, credential: str) -> 
                              "docs/security.md); every other route still needs it")
 
 
-_FLAGS = {"enable_prefix_caching": "--no-prefix-caching"}  # where the flag is not --<field>
-
-
-def engine_config(args: argparse.Namespace):  # noqa: ANN201
-    """The ``EngineConfig`` the flags describe.
-
-    Raises:
-        ValueError: a flag's value is refused; the message starts with the flag, then says
-            what the config field takes (``--dtype: EngineConfig.dtype must be ...``).
-    """
-    from kthena_serve.config import ConfigError, EngineConfig
-
-    try:
-        return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                            max_model_len=args.max_model_len, tp=args.tp,
-                            pp=getattr(args, "pp", 1),
-                            num_kv_blocks=getattr(args, "num_kv_blocks", None),
-                            enable_prefix_caching=not args.no_prefix_caching,
-                            prefix_index=args.prefix_index, hash_algorithm=args.hash_algorithm,
-                            kv_cache_dtype=args.kv_cache_dtype,
-                            quantization=getattr(args, "quantization", None),
-                            kv_offload=_kv_offload_arg(args),
-                            chat_special_tokens=args.chat_special_tokens)
-    except ConfigError as error:
-        flag = _FLAGS.get(error.field, "--" + error.field.replace("_", "-"))
-        raise ValueError(f"{flag}: {error}") from None
-
-
-def _kv_offload_arg(args: argparse.Namespace) -> str | None:
-    value = getattr(args, "kv_offload", None)
-    if value is not None and getattr(args, "mode", "colocated") == "pd":
-        raise ValueError("--kv-offload: not supported with --mode pd yet (prefill workers "
-                         "write into the decode workers' pools); run it colocated or with --dp")
-    return value
-
-
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
     """A chat request that works against the server just started."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -120,59 +106,16 @@ def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
             f"{auth} -d {shlex.quote(json.dumps(body))}")
 
 
-def model_name(model: str) -> str:
-    """The id clients send for ``--model`` (the folder name, or SmolLM2's for the default)."""
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model)) or model
-
-
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
     """The flags of KV-cache-aware routing data for the Kthena router (docs/kv_events.md)."""
-    parser.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT",
+    parser.add_argument("--kv-events", metavar="redis://HOST:PORT",
                         help="publish the KV cache's router chunks to this Redis (the Kthena "
                              "router's kvcache-aware plugin reads it); needs --pod-name")
-    parser.add_argument("--pod-name", default=None, metavar="NAME.NAMESPACE",
+    parser.add_argument("--pod-name", metavar="NAME.NAMESPACE",
                         help="this server's owner name in those keys: its pod's name and "
                              "namespace, as the router names candidate pods")
-    parser.add_argument("--kv-events-chunk-size", type=int, default=16,
-                        help="tokens per router chunk (the plugin's blockSizeToHash)")
-    parser.add_argument("--kv-events-max-chunks", type=int, default=128,
-                        help="leading chunks the router matches (the plugin's maxBlocksToMatch)")
-
-
-_KV_EVENTS_FLAGS = {"redis_url": "--kv-events", "pod": "--pod-name",
-                    "chunk_size": "--kv-events-chunk-size",
-                    "max_chunks": "--kv-events-max-chunks", "model": "--served-model-name"}
-
-
-def kv_events_config(args: argparse.Namespace, served_model: str):  # noqa: ANN201
-    """The ``KVEventsConfig`` the flags describe, or None without ``--kv-events``.
-
-    Raises:
-        ValueError: a refused value or combination; the message starts with the flag.
-    """
-    from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
-
-    if args.kv_events is None:
-        for flag, value, default in (("--pod-name", args.pod_name, None),
-                                     ("--kv-events-chunk-size", args.kv_events_chunk_size, 16),
-                                     ("--kv-events-max-chunks", args.kv_events_max_chunks, 128)):
-            if value != default:
-                raise ValueError(f"{flag} takes effect only with --kv-events redis://HOST:PORT")
-        return None
-    if args.pod_name is None:
-        raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
-                         "router looks for")
-    if getattr(args, "mode", "colocated") == "pd":
-        raise ValueError("--kv-events: not supported with --mode pd (the decode workers of one "
-                         "pod would share one owner name); run it colocated")
-    if getattr(args, "no_prefix_caching", False):
-        raise ValueError("--kv-events: nothing is cached with --no-prefix-caching, so there "
-                         "is nothing to announce; drop one of them")
-    try:
-        return KVEventsConfig(redis_url=args.kv_events, pod=args.pod_name, model=served_model,
-                              chunk_size=args.kv_events_chunk_size,
-                              max_chunks=args.kv_events_max_chunks)
-    except KVEventsConfigError as error:
-        raise ValueError(f"{_KV_EVENTS_FLAGS[error.field]}: {error}") from None
+    parser.add_argument("--kv-events-chunk-size", type=int,
+                        help="tokens per router chunk (the plugin's blockSizeToHash; default 16)")
+    parser.add_argument("--kv-events-max-chunks", type=int,
+                        help="leading chunks the router matches (the plugin's "
+                             "maxBlocksToMatch; default 128)")

@@ -291,7 +291,7 @@ def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metric
     draining on shutdown (``app.state.drain``, read by ``run_server``).
 
     Args:
-        deployment: what GET /plan answers (``serve_config.deployment_report``); its
+        deployment: what GET /plan answers (``ServeSpec.report``); its
             ``served`` layout also labels ``kthena_deployment_info``. None: not known.
     """
     app = FastAPI(title="kthena serve --dp", docs_url=None, redoc_url=None, openapi_url=None)

@@ -18,10 +18,14 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kthena_serve.pd.config import Role
 from kthena_serve.pd.launcher import ProcessLauncher, WorkerProcess, WorkerSpec, share_cores
 from kthena_serve.threads import owned_cores
+
+if TYPE_CHECKING:
+    from kthena_serve.config import EngineConfig
 
 __all__ = ["ReplicaLauncher", "replica_specs"]
 
@@ -42,7 +46,7 @@ class ReplicaLauncher(ProcessLauncher):
     """The replica processes of one data-parallel deployment on this host (127.0.0.1 only).
 
     Args:
-        engine_config: ``EngineConfig`` fields (JSON-able) for every replica.
+        engine_config: every replica's engine (sent to each as JSON).
         num_replicas: how many replicas.
         served_model_name: the ``model`` the replicas' OpenAI routes accept.
         cores: CPU ids to split (default: this process's affinity mask).
@@ -58,7 +62,7 @@ class ReplicaLauncher(ProcessLauncher):
     kind = "DP replica"
     folder_prefix = "kthena-dp-"
 
-    def __init__(self, engine_config: dict, num_replicas: int, served_model_name: str, *,
+    def __init__(self, engine_config: EngineConfig, num_replicas: int, served_model_name: str, *,
                  cores: list[int] | None = None, restart: bool = True,
                  on_restart: Callable[[str, str], None] | None = None,
                  stream_stall_timeout: float | None = None, quiet: bool = False) -> None:
@@ -67,7 +71,7 @@ class ReplicaLauncher(ProcessLauncher):
         self.engine_config = engine_config
         self.served_model_name = served_model_name
         self.stream_stall_timeout = stream_stall_timeout
-        self.num_ranks = engine_config.get("tp", 1) * engine_config.get("pp", 1)
+        self.num_ranks = engine_config.world_size
 
     def threads_per_rank(self, worker: WorkerProcess) -> int:
         return max(1, len(worker.spec.cores) // self.num_ranks)
@@ -76,7 +80,7 @@ class ReplicaLauncher(ProcessLauncher):
         cmd = [sys.executable, "-m", "kthena_serve.dp.replica", "--name", worker.spec.name,
                "--cores", ",".join(map(str, worker.spec.cores)),
                "--ranks", str(self.num_ranks), "--port", str(worker.port),
-               "--ready-file", str(ready), "--engine-config", json.dumps(self.engine_config),
+               "--ready-file", str(ready), "--engine-config", json.dumps(self.engine_config.to_json()),
                "--served-model-name", self.served_model_name]
         if self.stream_stall_timeout is not None:
             cmd += ["--stream-stall-timeout", str(self.stream_stall_timeout)]

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     fields = json.loads(args.engine_config)
     if fields.get("tp", 1) * fields.get("pp", 1) == 1:
         fields["num_threads"] = num_threads
-    config = EngineConfig(**fields)
+    config = EngineConfig.from_json(fields)
     engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout
                                   or STALL_TIMEOUT_S)
     served = args.served_model_name

@@ -12,10 +12,12 @@ See docs/pd.md. Modules, one concept each:
 * ``kv_params`` ``kv_transfer_params`` as the Kthena router's nixl / mooncake connectors carry it
 * ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
 * ``prefill_api``, ``decode_api``  each worker's side of that protocol on its OpenAI routes
-* ``kthena_proxy``  the router's connector request sequence, in Python (tests, trials)
 * ``router``    worker registry, health checks, KV-aware + load-aware scoring, PD decider
 * ``launcher``  starts the workers on split cores, restarts them, cleans their shared memory
 * ``metrics``   Prometheus metrics per role
+
+Its benchmarks live in ``kthena_serve.bench`` (``pd``, ``kv_move``); the router's connector
+request sequence in Python, in the tests (``kthena_serve/tests/_kthena_proxy.py``).
 """
 
 from kthena_serve.pd.config import FailurePolicy, PDConfig, Role, RouterWeights

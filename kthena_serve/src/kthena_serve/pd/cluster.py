@@ -2,7 +2,7 @@
 
 Example::
 
-    with PDCluster({"num_kv_blocks": 256}, {"policy": "fail"}, num_prefill=1) as cluster:
+    with PDCluster(EngineConfig(num_kv_blocks=256), PDConfig(policy="fail")) as cluster:
         httpx.post(f"{cluster.url}/v1/completions", json={...})
 """
 
@@ -12,7 +12,7 @@ import httpx
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.auth import auth_headers
-from kthena_serve.pd.config import PDConfig, RouterWeights
+from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.pd.router import Router
@@ -27,22 +27,15 @@ def shm_pools() -> list[str]:
     return [str(path) for path in shared_pool_paths()]
 
 
-def _pd_config(fields: dict) -> PDConfig:
-    fields = dict(fields)
-    if "weights" in fields:
-        fields["weights"] = RouterWeights(**fields["weights"])
-    return PDConfig(**fields)
-
-
 class PDCluster:
     """Workers on split cores, a router, and the OpenAI app on a free local port."""
 
-    def __init__(self, engine_fields: dict, pd_fields: dict, *, num_prefill: int = 1,
-                 num_decode: int = 1, model_name: str = "default", tokenizer=None,  # noqa: ANN001
-                 **launcher_options) -> None:
-        self.engine_config = EngineConfig(**engine_fields)
-        self.pd_config = _pd_config(pd_fields)
-        self.launcher = PDLauncher(engine_fields, pd_fields, num_prefill, num_decode,
+    def __init__(self, engine_config: EngineConfig, pd_config: PDConfig, *,
+                 num_prefill: int = 1, num_decode: int = 1, model_name: str = "default",
+                 tokenizer=None, **launcher_options) -> None:  # noqa: ANN001
+        self.engine_config = engine_config
+        self.pd_config = pd_config
+        self.launcher = PDLauncher(engine_config, pd_config, num_prefill, num_decode,
                                    quiet=True, **launcher_options)
         self.model_name = model_name
         self._tokenizer = tokenizer

@@ -51,6 +51,20 @@ class RouterWeights:
     load: float = attrs.field(default=0.5, validator=_non_negative)
     kv_usage: float = attrs.field(default=0.25, validator=_non_negative)
 
+    @classmethod
+    def parse(cls, text: str) -> RouterWeights:
+        """``"overlap,load,kv_usage"`` (``--router-weights``).
+
+        Raises:
+            ValueError: not three numbers >= 0.
+        """
+        try:
+            overlap, load, kv_usage = (float(x) for x in text.split(","))
+            return cls(overlap=overlap, load=load, kv_usage=kv_usage)
+        except ValueError as error:
+            raise ValueError(f"takes overlap,load,kv_usage as three numbers >= 0 (default "
+                             f"1.0,0.5,0.25), got {text!r} ({error})") from None
+
 
 @attrs.frozen(kw_only=True)
 class PDConfig:
@@ -78,3 +92,19 @@ class PDConfig:
     weights: RouterWeights = attrs.field(factory=RouterWeights)
     health_interval_s: float = attrs.field(default=0.5, validator=_non_negative)
     kv_pin_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+
+    def to_json(self) -> dict:
+        """Every field as JSON (what workers get); ``from_json`` reads it back."""
+        return attrs.asdict(self, value_serializer=lambda _i, _a, v: getattr(v, "value", v))
+
+    @classmethod
+    def from_json(cls, fields: dict) -> PDConfig:
+        """The config ``to_json`` wrote (or any subset of its fields: the rest default).
+
+        Raises:
+            ValueError: a refused value. TypeError: an unknown field.
+        """
+        fields = dict(fields)
+        if isinstance(fields.get("weights"), dict):
+            fields["weights"] = RouterWeights(**fields["weights"])
+        return cls(**fields)

@@ -36,11 +36,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, new_secret
 from mooncake_kv import shared_pool_paths
+
+if TYPE_CHECKING:
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.pd.config import PDConfig
 
 __all__ = ["PDLauncher", "ProcessLauncher", "WorkerProcess", "WorkerSpec", "cleanup_shm",
            "share_cores", "split_cores"]
@@ -286,8 +291,8 @@ class PDLauncher(ProcessLauncher):
     """Worker processes for one PD deployment on this host.
 
     Args:
-        engine_config: ``EngineConfig`` fields (JSON-able) for every worker.
-        pd_config: ``PDConfig`` fields (JSON-able).
+        engine_config: every worker's engine (sent to each as JSON).
+        pd_config: the deployment's PD settings (sent as JSON).
         num_prefill, num_decode: worker counts.
         cores: CPU ids to split (default: this process's affinity mask).
         restart: start a worker again when it dies.
@@ -302,7 +307,8 @@ class PDLauncher(ProcessLauncher):
     kind = "PD worker"
     folder_prefix = "kthena-pd-"
 
-    def __init__(self, engine_config: dict, pd_config: dict, num_prefill: int, num_decode: int,
+    def __init__(self, engine_config: EngineConfig, pd_config: PDConfig, num_prefill: int,
+                 num_decode: int,
                  *, cores: list[int] | None = None, host: str = "127.0.0.1", restart: bool = True,
                  on_restart: Callable[[str, str], None] | None = None,
                  mooncake_host: str | None = None, quiet: bool = False,
@@ -329,8 +335,8 @@ class PDLauncher(ProcessLauncher):
                "kthena_serve.pd.worker", "--role", worker.spec.role,
                "--name", name, "--host", self._host(name), "--port", str(worker.port),
                "--cores", ",".join(map(str, worker.spec.cores)), "--ready-file", str(ready),
-               "--engine-config", json.dumps(self.engine_config),
-               "--pd-config", json.dumps(self.pd_config)]
+               "--engine-config", json.dumps(self.engine_config.to_json()),
+               "--pd-config", json.dumps(self.pd_config.to_json())]
         mooncake_host = self.mooncake_host or self.worker_hosts.get(name)
         if mooncake_host:
             cmd += ["--mooncake-host", mooncake_host]

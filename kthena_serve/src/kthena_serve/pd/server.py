@@ -85,7 +85,7 @@ class _OnePort:
 
 
 def _served_name(config: EngineConfig, served_model_name: str | None) -> str:
-    from kthena_serve.serve_args import model_name
+    from kthena_serve.spec import model_name
 
     return served_model_name or model_name(config.model)
 

@@ -130,15 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     import attrs
 
     from kthena_serve.config import EngineConfig
-    from kthena_serve.pd.config import PDConfig, RouterWeights
+    from kthena_serve.pd.config import PDConfig
     from kthena_serve.pd.server import build_decode_app, build_prefill_app
     from kthena_serve.server import run_server
 
-    engine_config = EngineConfig(**{**json.loads(args.engine_config), "num_threads": num_threads})
-    pd_fields = json.loads(args.pd_config)
-    if "weights" in pd_fields:
-        pd_fields["weights"] = RouterWeights(**pd_fields["weights"])
-    pd_config = PDConfig(**pd_fields)
+    engine_config = EngineConfig.from_json({**json.loads(args.engine_config),
+                                            "num_threads": num_threads})
+    pd_config = PDConfig.from_json(json.loads(args.pd_config))
     if args.role == "decode":
         hosts = [h.strip() for h in args.prefill_hosts.split(",") if h.strip()]
         app, close = build_decode_app(args.name, engine_config, pd_config, secret=secret,

@@ -312,7 +312,7 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
             Kthena router scrape without credentials).
         deployment: what GET /plan answers: ``{"served": {tp, pp, dp, sp, mode}, "plan": the
             planner's JSON or None, "config": the config file or None}`` (see
-            ``serve_config.deployment_report``); ``served`` also labels
+            ``ServeSpec.report``); ``served`` also labels
             ``kthena_deployment_info``. None: not known here (``served`` is null).
 
     Raises:

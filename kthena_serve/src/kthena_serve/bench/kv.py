@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from kthena_serve._machine import host_info
+from kthena_serve.bench.machine import host_info
 
 __all__ = ["CASES", "BenchShape", "add_parser", "main", "plot", "run_case"]
 
@@ -123,7 +123,7 @@ class _Worker:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "GLOG_minloglevel": "2"}
         spec = json.dumps({"config": attrs.asdict(config), "model": model_name, "dtype": dtype})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kthena_serve.kv_bench", "--worker", spec],
+            [sys.executable, "-m", "kthena_serve.bench.kv", "--worker", spec],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             self._blocks = self._call({"op": "num_blocks"})["num_blocks"]
@@ -137,10 +137,10 @@ class _Worker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"kv_bench worker exited with {self.proc.wait()}")
+            raise RuntimeError(f"bench kv worker exited with {self.proc.wait()}")
         answer = json.loads(line)
         if "error" in answer:
-            raise RuntimeError(f"kv_bench worker: {answer['error']}")
+            raise RuntimeError(f"bench kv worker: {answer['error']}")
         return answer
 
     def serve(self, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:

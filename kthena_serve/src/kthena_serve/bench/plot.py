@@ -1,12 +1,12 @@
 """The report of ``kthena bench serve``: a text table and a PNG of the same-run ratios.
 
-Both read only the result dict `kthena_serve.bench.run_bench` builds: the per-system medians,
+Both read only the result dict `kthena_serve.bench.serve.run_bench` builds: the per-system medians,
 ``limits``, ``fraction_of_limit`` and ``speedup_vs``. Nothing is quoted from elsewhere.
 """
 
 from __future__ import annotations
 
-from kthena_serve._bench_limits import COMPARED
+from kthena_serve.bench.limits import COMPARED
 
 __all__ = ["plot", "table"]
 

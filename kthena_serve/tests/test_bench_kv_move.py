@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kthena_serve.pd.kv_move_bench import (
+from kthena_serve.bench.kv_move import (
     METHODS,
     KVMoveMismatchError,
     _fresh_kv,

@@ -1,4 +1,4 @@
-"""``python -m kthena_serve.pd.kv_move_bench``: article B's KV-move table, on our transfer engines.
+"""``python -m kthena_serve.bench.kv_move``: article B's KV-move table, on our transfer engines.
 
 Moves the KV of one request (LLaMA-2-70B shape by default: 80 layers, 8 KV heads, head_dim 128,
 bf16, 16-token blocks, PER_LAYER pools) from a prefill pool to a decode pool by six methods:
@@ -53,8 +53,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kthena_serve._machine import cpu_model
-from kthena_serve.netns import NetnsUnavailable, two_namespaces
+from kthena_serve.bench.machine import cpu_model
+from kthena_serve.bench.netns import NetnsUnavailable, two_namespaces
 
 __all__ = [
     "ARTICLE_CLAIMS",
@@ -70,7 +70,7 @@ METHODS = ("host_copy", "per_token_put", "batched_put", "batched_async_put",
 BLOCK_SIZE = 16
 _SEED = 20240521
 _NOTIFY = b"kv-ready"
-_MODULE = "kthena_serve.pd.kv_move_bench"  # run as -m, __name__ is "__main__"
+_MODULE = "kthena_serve.bench.kv_move"  # run as -m, __name__ is "__main__"
 _PROTO = "KVMB "  # prefix of protocol lines from the child processes (Mooncake logs elsewhere)
 
 ARTICLE_CLAIMS = {
@@ -859,7 +859,7 @@ def plot_kv_move(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kthena_serve.pd.kv_move_bench",
+    parser = argparse.ArgumentParser(prog="python -m kthena_serve.bench.kv_move",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)

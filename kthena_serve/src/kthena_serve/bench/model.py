@@ -1,4 +1,4 @@
-"""Batch-1 decode step time of the model alone (no engine): ``python -m kthena_serve.model.bench``.
+"""Batch-1 decode step time of the model alone (no engine): ``python -m kthena_serve.bench.model``.
 
 Prints one JSON line: median / p10 / p90 step time and tokens/s for a decode step at a given
 context length, the dtype, threads, whether matmul weights are pre-packed, and the machine.

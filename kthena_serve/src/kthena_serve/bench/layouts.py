@@ -43,7 +43,7 @@ from typing import Any
 
 import attrs
 
-from kthena_serve._machine import cpu_model
+from kthena_serve.bench.machine import cpu_model
 
 __all__ = ["LayoutBenchError", "LayoutBenchOptions", "LayoutSpec", "add_parser", "assemble",
            "calibrate", "format_table", "parse_layouts", "predict_layout", "predictions",
@@ -253,7 +253,7 @@ def format_table(result: Mapping[str, Any]) -> str:
 # ---- the server ---------------------------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc/*/stat)."""
-    from kthena_serve.soak import process_tree
+    from kthena_serve.bench.soak import process_tree
 
     return process_tree(pid)[1:]
 

@@ -28,7 +28,7 @@ import attrs
 __all__ = ["BUILD_SCRIPT", "PEERS", "PEER_CASES", "PeerMissingError", "PeerRunError", "PeerSession",
            "PeerSpec", "check_peer", "parse_peer"]
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 PEER_DIR = REPO_ROOT / "benchmarks" / "peers"
 BUILD_SCRIPT = PEER_DIR / "build_vllm_venv.py"
 PEERS = {"vllm": (PEER_DIR / ".venv-vllm" / "bin" / "python", PEER_DIR / "vllm_workloads.py")}

@@ -4,7 +4,7 @@
         ...  # ip netns exec ns_a ...; addr_b is reachable from ns_a
 
 Used by the multi-host tests (``kthena_serve/tests/_netns.py`` turns the refusal into a skip)
-and by ``pd.kv_move_bench --netns``. Both namespaces are deleted on exit; the veth pair goes
+and by ``bench.kv_move --netns``. Both namespaces are deleted on exit; the veth pair goes
 with them.
 """
 

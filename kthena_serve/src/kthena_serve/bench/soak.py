@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-from kthena_serve._machine import host_info
+from kthena_serve.bench.machine import host_info
 
 __all__ = ["SoakOptions", "process_tree", "run_soak"]
 

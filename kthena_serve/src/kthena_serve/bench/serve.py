@@ -7,10 +7,10 @@
 
 The peers run the very same prompt token ids on the same threads: transformers ``generate``
 (batch-padded, no prefix reuse) in this process, and with ``--peer vllm`` vLLM's CPU build from
-its own venv (`kthena_serve._bench_peer`). Their runs alternate with ours case by case
+its own venv (`kthena_serve.bench.peer`). Their runs alternate with ours case by case
 (`interleave`), so the machine's drift over minutes does not land on one system. Each workload
 is also set against the machine's physical limit, measured first on the same threads
-(`kthena_serve._bench_limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
+(`kthena_serve.bench.limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
 every run does the same work. Each case runs once per system to warm up, then ``runs`` rounds;
 the JSON reports medians, speed-ups of ours over each peer, the share of the limit each system
 reaches, the machine and its load average; the PNG plots the ratios. Only same-run figures are
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import attrs
 
-from kthena_serve._bench_limits import (
+from kthena_serve.bench.limits import (
     COMPARED,
     ModelShape,
     achieved_fractions,
@@ -40,8 +40,8 @@ from kthena_serve._bench_limits import (
     peer_speedups,
     workload_limits,
 )
-from kthena_serve._bench_peer import PEER_CASES, PeerSession, PeerSpec
-from kthena_serve._machine import cpu_isa, cpu_model, wait_until_idle
+from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
+from kthena_serve.bench.peer import PEER_CASES, PeerSession, PeerSpec
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
@@ -269,7 +269,7 @@ def _compare(result: dict) -> None:
 def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     """Run the cases, ours and the peers' alternating (`interleave`); returns the JSON-ready
     result (and writes the plot)."""
-    from kthena_serve._bench_plot import table
+    from kthena_serve.bench.plot import table
     from kthena_serve.model import resolve_checkpoint
     from kthena_serve.threads import configure_threads, owned_cores
 
@@ -311,7 +311,7 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     result["machine"]["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     print(table(result), file=sys.stderr, flush=True)
     if options.plot:
-        from kthena_serve._bench_plot import plot
+        from kthena_serve.bench.plot import plot
 
         plot(result, options.plot)
         result["plot"] = options.plot

@@ -15,7 +15,7 @@ import sys
 import attrs
 import pytest
 
-from kthena_serve.soak import SoakOptions, _judge, _Outcome, _Plan, _plan, _Target
+from kthena_serve.bench.soak import SoakOptions, _judge, _Outcome, _Plan, _plan, _Target
 
 _TARGET = _Target("http://127.0.0.1:1", "m", 2048, ("shared opening",))
 

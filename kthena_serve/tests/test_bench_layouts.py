@@ -18,7 +18,7 @@ from kthena_core.calibrate import load_bench
 from kthena_core.cost_model import CostParams
 from kthena_core.discovery import CpuFacts, NumaNode, cpu_topology
 from kthena_core.known_models import load_model_spec
-from kthena_serve.layout_bench import (
+from kthena_serve.bench.layouts import (
     MEASURES,
     LayoutBenchOptions,
     LayoutSpec,

@@ -1,4 +1,4 @@
-"""``python -m kthena_serve.pd.bench``: PD vs colocated serving, and handoff cost vs KV bytes.
+"""``python -m kthena_serve.bench.pd``: PD vs colocated serving, and handoff cost vs KV bytes.
 
 Part 1 (handoff, in one process, SmolLM2-135M KV geometry, bf16, 16-token blocks):
   zero_copy      what the same-host handoff adds: the control message (request id, block ids,
@@ -8,7 +8,7 @@ Part 1 (handoff, in one process, SmolLM2-135M KV geometry, bf16, 16-token blocks
                  blocks into the decode pool through host memory (one memcpy per range)
   mooncake_*     kthena_comm mooncake (TCP loopback) put of the blocks into a registered
                  pool: one batched put (sync / async + wait), and one put per token
-Part 2 (article B's table, ``pd/kv_move_bench.py``): a LLaMA-2-70B-shaped KV moved from a
+Part 2 (article B's table, ``bench/kv_move.py``): a LLaMA-2-70B-shaped KV moved from a
   prefill pool to a decode pool by host copy, per-token puts, a batched put, a batched async
   put, layer-wise async puts and zero-copy sharing, over shm, Mooncake loopback and (with
   ``--kv-move-netns``) Mooncake across two network namespaces.
@@ -36,7 +36,9 @@ import time
 
 import attrs
 
-from kthena_serve._machine import cpu_model
+from kthena_serve.bench.machine import cpu_model
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd.config import PDConfig
 
 __all__ = ["main"]
 
@@ -225,9 +227,9 @@ def bench_serving(opts: argparse.Namespace) -> dict:
     out = {}
     everywhere = tuple(sorted(os.sched_getaffinity(0)))
     try:
-        with PDCluster(engine, pd, num_prefill=0, num_decode=1) as colocated:
+        with PDCluster(EngineConfig(**engine), PDConfig(**pd), num_prefill=0, num_decode=1) as colocated:
             out["colocated"] = asyncio.run(_workload(colocated.url, opts, True))
-        with PDCluster(engine, pd, num_prefill=1, num_decode=1) as disagg:
+        with PDCluster(EngineConfig(**engine), PDConfig(**pd), num_prefill=1, num_decode=1) as disagg:
             specs = {s.name: s.cores for s in disagg.launcher.specs}
             _pin_process(specs["prefill-0"])
             out["cores"] = {"prefill": specs["prefill-0"], "decode": specs["decode-0"],
@@ -331,7 +333,7 @@ def bench_overlap(token_counts: list[int], repeats: int) -> list[dict]:
     for mode in ("layerwise", "batched"):
         pd = {"pd_threshold_tokens": 0, "transfer_timeout_s": 300, "transport": "mooncake",
               "kv_push": mode}
-        with PDCluster(engine, pd, num_prefill=1, num_decode=1) as cluster:
+        with PDCluster(EngineConfig(**engine), PDConfig(**pd), num_prefill=1, num_decode=1) as cluster:
             cluster.complete([rng.randrange(100, 49000) for _ in range(64)], max_tokens=1)
             for tokens in token_counts:
                 compute, after = [], []
@@ -366,7 +368,7 @@ def _machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kthena_serve.pd.bench")
+    parser = argparse.ArgumentParser(prog="python -m kthena_serve.bench.pd")
     parser.add_argument("--tokens", default="64,256,1024,2048", help="handoff sizes (tokens)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--long-tokens", type=int, default=1024)
@@ -380,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap-repeats", type=int, default=3)
     parser.add_argument("--kv-move-tokens", type=int, default=128,
                         help="article B's table: a LLaMA-2-70B-shaped KV of this many tokens "
-                             "moved by each method (0 to skip; see pd/kv_move_bench.py)")
+                             "moved by each method (0 to skip; see bench/kv_move.py)")
     parser.add_argument("--kv-move-netns", action="store_true",
                         help="article B's table also across two network namespaces (root)")
     parser.add_argument("--batched-prefill-tokens", default="64,256",
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": _machine(), "options": vars(opts),
               "handoff": bench_handoff([int(t) for t in opts.tokens.split(",")], opts.repeats)}
     if opts.kv_move_tokens:
-        from kthena_serve.pd.kv_move_bench import bench_kv_move
+        from kthena_serve.bench.kv_move import bench_kv_move
 
         result["kv_move"] = bench_kv_move(opts.kv_move_tokens, opts.repeats, opts.kv_move_netns)
     if opts.batched_prefill_tokens:
@@ -409,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         result["serving"] = bench_serving(opts)
     result["machine"]["load_1min_end"] = os.getloadavg()[0]
     if opts.plot:
-        from kthena_serve.pd._bench_plot import plot
+        from kthena_serve.bench.pd_plot import plot
 
         plot(result, opts.plot)
         if "kv_move" in result:
-            from kthena_serve.pd.kv_move_bench import plot_kv_move
+            from kthena_serve.bench.kv_move import plot_kv_move
 
             root, ext = os.path.splitext(opts.plot)
             plot_kv_move(result["kv_move"], f"{root}_kv_move{ext or '.png'}")

@@ -1,0 +1,20 @@
+"""kthena_serve's benchmarks: measure the serving code, never part of it.
+
+Every module here may import the serving modules; no serving module imports this package (an
+import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may). Modules:
+
+* ``cli``       ``kthena bench serve``, ``soak``, ``layouts`` and ``kv`` (entry point ``bench-serve``)
+* ``serve``     ``kthena bench serve``: the engine on three workloads vs transformers / vLLM
+* ``peer``      the ``--peer vllm`` system, run from its own venv as a child process
+* ``limits``    the machine's bandwidth and matmul peak, and each workload's roofline
+* ``plot``      ``kthena bench serve``'s table and PNG
+* ``soak``      ``kthena bench soak``: N streaming clients against one server for T minutes
+* ``layouts``   ``kthena bench layouts``: TP / PP / DP layouts measured vs the planner
+* ``kv``        ``kthena bench kv``: multi-turn chat over a small KV pool, tiered offload
+* ``model``     ``python -m kthena_serve.bench.model``: the model's batch-1 decode step alone
+* ``pd``        ``python -m kthena_serve.bench.pd``: PD vs colocated, handoff cost vs KV bytes
+* ``pd_plot``   the PD benchmark's figure
+* ``kv_move``   ``python -m kthena_serve.bench.kv_move``: article B's KV-move table
+* ``machine``   what every benchmark records about the machine it ran on
+* ``netns``     two network namespaces as two "hosts" (``kv_move --netns``, multi-host tests)
+"""

@@ -1,0 +1,117 @@
+"""``kthena bench serve``, ``soak``, ``layouts`` and ``kv``: registered on kthena_core's CLI by
+an entry point (group ``kthena.commands``, ``bench-serve``).
+
+Reads argv and ``KTHENA_API_KEY`` (``soak --url``); ``OMP_WAIT_POLICY`` is decided by
+``kthena_serve.cli._prepare_process`` before torch is imported, as for ``kthena serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kthena_serve.cli import _prepare_process
+from kthena_serve.serve_args import add_engine_args
+from kthena_serve.spec import engine_config
+
+__all__ = ["register_bench"]
+
+
+# ---- kthena bench serve -------------------------------------------------------------------------
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    """Entry point: add ``kthena bench serve``, ``soak``, ``layouts`` and ``kv`` (sharing
+    ``kthena bench`` with other layers)."""
+    bench = subparsers.choices.get("bench") or subparsers.add_parser(
+        "bench", help="benchmarks (JSON on stdout)")
+    children = next((a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if children is None:
+        children = bench.add_subparsers(dest="bench_command", required=True)
+    parser = children.add_parser("serve", help="engine throughput, latency and prefix reuse "
+                                 "vs transformers (and --peer vllm) and the machine's limits; "
+                                 "writes a PNG plot", argument_default=argparse.SUPPRESS)
+    add_engine_args(parser)  # no defaults: a flag not given takes EngineConfig's
+    parser.add_argument("--runs", "--repeats", dest="runs", type=int, default=3,
+                        help="timed runs per case (median)")
+    parser.add_argument("--peer", default=None, metavar="vllm[=PYTHON]",
+                        help="also run the workloads through vLLM's CPU build, from the venv of "
+                        "benchmarks/peers/build_vllm_venv.py (or PYTHON)")
+    parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--plot", default="bench_serve.png", help="PNG path ('' for none)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    parser.set_defaults(func=_cmd_bench_serve)
+    _register_soak(children)
+    from kthena_serve.bench.layouts import add_parser as add_layouts_parser
+
+    add_layouts_parser(children)  # kthena bench layouts
+    from kthena_serve.bench.kv import add_parser as add_kv_parser
+
+    add_kv_parser(children)  # kthena bench kv
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    _prepare_process()
+    from kthena_serve.bench.peer import PeerRunError, check_peer, parse_peer
+    from kthena_serve.bench.serve import BenchOptions, run_bench
+
+    try:
+        peer = parse_peer(args.peer) if args.peer else None
+        if peer is not None:
+            check_peer(peer)  # before minutes of our own workloads
+        options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in
+                                                           args.cases.split(",")),
+                               hf_baseline=not args.no_hf, plot=args.plot or None,
+                               num_threads=args.threads, peer=peer)
+        config = engine_config(vars(args))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kthena bench serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(run_bench(config, options)))
+    except PeerRunError as error:
+        print(f"kthena bench serve: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- kthena bench soak --------------------------------------------------------------------------
+def _register_soak(children: argparse._SubParsersAction) -> None:
+    parser = children.add_parser("soak", help="N streaming clients (good, disconnecting, bad) "
+                                 "for T minutes: errors, TTFT/ITL, server RSS, KV after")
+    parser.add_argument("--mode", default="colocated", choices=("colocated", "pd"),
+                        help="the server to start (pd: 1 prefill + 1 decode worker); with "
+                             "--url, only a label")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    parser.add_argument("--minutes", type=float, default=5.0,
+                        help="how long clients start new requests (in-flight ones then finish)")
+    parser.add_argument("--seed", type=int, default=0, help="client i draws from seed + i")
+    parser.add_argument("--url", default=None,
+                        help="attach to this loopback server instead of starting one "
+                             "(sends $KTHENA_API_KEY if set)")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: the process whose tree's RSS is sampled")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV pool of the server")
+    parser.add_argument("--model", default="default", help="model of the server it starts")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds one request may take, headers to [DONE]")
+    parser.set_defaults(func=_cmd_bench_soak)
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    """Prints the JSON line; exit status 1 if the run saw any error, 2 if it could not run."""
+    from kthena_serve.bench.soak import SoakOptions, run_soak
+
+    try:
+        options = SoakOptions(mode=args.mode, clients=args.clients, minutes=args.minutes,
+                              seed=args.seed, url=args.url, server_pid=args.server_pid,
+                              kv_cache_memory=args.kv_cache_memory, model=args.model,
+                              request_timeout_s=args.request_timeout,
+                              api_key=os.environ.get("KTHENA_API_KEY") if args.url else None)
+        result = run_soak(options)
+    except (ValueError, RuntimeError) as error:
+        print(f"kthena bench soak: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 1 if result["num_errors"] else 0
