@@ -27,8 +27,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 def make_request(client: EngineClient, request_id: str, prompt: str) -> EngineRequest:
     """Tokenise and validate once, as the server does (``InvalidRequestError`` if refused)."""
-    prompt_ids = client.encode(prompt)
-    return EngineRequest(request_id, tuple(prompt_ids), PARAMS, client.check(prompt_ids, PARAMS))
+    return client.processor.make_request(request_id, prompt, PARAMS)
 
 
 async def consume(client: EngineClient, request: EngineRequest, max_outputs: int | None = None,

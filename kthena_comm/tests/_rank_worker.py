@@ -20,7 +20,7 @@ from kthena_comm import collectives as C  # noqa: E402
 from kthena_comm.bucketing import bucketed_all_reduce  # noqa: E402
 from kthena_comm.env import RankEnv  # noqa: E402
 from kthena_comm.groups import GroupConfig, init_parallel_groups  # noqa: E402
-from kthena_comm.layout import ParallelConfig  # noqa: E402
+from kthena_core.layout import Layout  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -102,7 +102,7 @@ def bucketed(g, world: int, rank: int) -> None:
 
 
 def scenario_collectives(env: RankEnv) -> dict:
-    groups = init_parallel_groups(ParallelConfig(tp_size=env.world_size), env, GroupConfig(timeout_s=60))
+    groups = init_parallel_groups(Layout(tp=env.world_size), env, GroupConfig(timeout_s=60))
     g = groups.tp
     reductions(g, env.world_size, g.group_rank)
     movement(g, env.world_size, g.group_rank)
@@ -112,7 +112,7 @@ def scenario_collectives(env: RankEnv) -> dict:
 
 
 def scenario_groups(env: RankEnv) -> dict:
-    groups = init_parallel_groups(ParallelConfig(tp_size=2, dp_size=2, sp_size=2), env)
+    groups = init_parallel_groups(Layout(tp=2, dp=2, sp=2), env)
     result = {kind: list(getattr(groups, kind).ranks) for kind in ("tp", "pp", "dp", "sp")}
     # A reduction over a group must sum exactly its members' values.
     for kind in ("tp", "dp"):

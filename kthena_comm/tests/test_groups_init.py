@@ -14,24 +14,17 @@ from kthena_comm.device import backend_for_device, device_backend
 from kthena_comm.env import RankEnv
 from kthena_comm.errors import InitError, LayoutError, RankEnvError, UnknownBackendError
 from kthena_comm.groups import GroupConfig, connect_store, init_parallel_groups
-from kthena_comm.layout import (
-    ParallelConfig,
-    ParallelLayout,
-    coords_of,
-    global_rank,
-    group_of,
-    group_ranks,
-    world_size_of,
-)
+from kthena_comm.layout import coords_of, global_rank, group_of, group_ranks
 from kthena_comm.store import open_store
+from kthena_core.layout import Layout
 
 sizes = st.integers(1, 4)
 
 
 @given(tp=sizes, pp=sizes, dp=sizes, use_sp=st.booleans())
 def test_every_rank_is_in_exactly_one_group_of_each_kind(tp, pp, dp, use_sp):
-    layout = ParallelConfig(tp, pp, dp, tp if use_sp else 1)
-    world = world_size_of(layout)
+    layout = Layout(tp, pp, dp, tp if use_sp else 1)
+    world = layout.num_devices
     expected = {"tp": tp, "pp": pp, "dp": dp, "sp": tp if use_sp else 1}
     for kind, size in expected.items():
         groups = group_ranks(layout, kind)
@@ -45,18 +38,21 @@ def test_every_rank_is_in_exactly_one_group_of_each_kind(tp, pp, dp, use_sp):
 
 
 def test_tp_is_innermost_in_rank_order():
-    layout = ParallelConfig(tp_size=2, pp_size=2, dp_size=2)
+    layout = Layout(tp=2, pp=2, dp=2)
     assert group_ranks(layout, "tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert group_ranks(layout, "pp") == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert group_ranks(layout, "dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
 
 
-def test_config_satisfies_layout_protocol_and_validates():
-    assert isinstance(ParallelConfig(2), ParallelLayout)
-    with pytest.raises(LayoutError, match="tp_size must be a positive int"):
-        ParallelConfig(0)
-    with pytest.raises(LayoutError, match="must be 1 or equal tp_size"):
-        group_ranks(ParallelConfig(tp_size=2, sp_size=4), "sp")
+def test_layout_errors_are_comm_layout_errors():
+    """kthena_core's Layout refuses impossible sizes (kthena_core/tests/test_layout.py), with
+    the LayoutError kthena_comm raises for a layout that does not fit its world."""
+    with pytest.raises(LayoutError, match="tp must be a positive int"):
+        Layout(0)
+    with pytest.raises(LayoutError, match="outside layout of 2 ranks"):
+        coords_of(Layout(2), 2)
+    with pytest.raises(LayoutError, match="unknown group kind 'ep'"):
+        group_ranks(Layout(2), "ep")
 
 
 def test_rank_env_from_env_reads_torchrun_variables():
@@ -103,7 +99,7 @@ def test_backend_follows_device_and_can_be_overridden():
 def test_layout_needing_another_world_size_is_rejected():
     env = RankEnv(0, 2, master_port=_free_port())
     with pytest.raises(LayoutError, match="needs 4 ranks but WORLD_SIZE=2"):
-        init_parallel_groups(ParallelConfig(tp_size=2, dp_size=2), env)
+        init_parallel_groups(Layout(tp=2, dp=2), env)
 
 
 def test_unreachable_master_fails_in_bounded_time_naming_rank_and_address():
@@ -131,7 +127,7 @@ def test_taken_master_port_names_master_port():
         s.listen()
         env = RankEnv(0, 1, master_port=s.getsockname()[1])
         with pytest.raises(InitError, match="MASTER_PORT"):
-            init_parallel_groups(ParallelConfig(1), env, GroupConfig(timeout_s=2))
+            init_parallel_groups(Layout(1), env, GroupConfig(timeout_s=2))
 
 
 def _free_port() -> int:

@@ -54,13 +54,13 @@ def test_a_pinned_strategy_is_the_layout_planned():
     cfg = load_config({"cluster": {"world_size": 2}, "model": {"checkpoint_path": "default"},
                        "parallelism": {"strategy": "tp", "tensor_parallel_size": 2}})
     plan = plan_config(cfg, from_catalog("atlas-800t-a2", 1))
-    assert (plan.tp_size, plan.pp_size, plan.dp_size, plan.sp_size) == (2, 1, 1, 1)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.sp) == (2, 1, 1, 1)
 
 
 def test_auto_lets_the_planner_choose_without_sp():
     cfg = load_config({"parallelism": {"strategy": "auto"}})
     plan = plan_config(cfg, from_catalog("atlas-800t-a2", 1))
-    assert plan.sp_size == 1 and all(e.layout.sp == 1 for e in plan.evaluations)
+    assert plan.layout.sp == 1 and all(e.layout.sp == 1 for e in plan.evaluations)
 
 
 def test_a_pinned_layout_larger_than_the_topology_is_refused():

@@ -11,7 +11,6 @@ import pytest
 
 from kthena_core.cli import main
 from kthena_core.config_plan import plan_config_file, resolve_topology
-from kthena_core.cost_model import Layout
 from kthena_core.discovery import (
     CpuFacts,
     NumaNode,
@@ -22,6 +21,7 @@ from kthena_core.discovery import (
 )
 from kthena_core.discovery.cpu import GLOO_LOOPBACK_BW, GLOO_LOOPBACK_LATENCY
 from kthena_core.known_models import load_model_spec
+from kthena_core.layout import Layout
 from kthena_core.planner import Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
@@ -126,4 +126,4 @@ def test_a_config_pins_pp2_on_auto_cores(tmp_path):
                     "model: {checkpoint_path: default, dtype: bfloat16}\n", encoding="utf-8")
     _, topology, plan = plan_config_file(str(path))
     assert topology.source == "discovered:cpu:per-core"
-    assert (plan.tp_size, plan.pp_size, plan.dp_size) == (1, 2, 1) and plan.device_ids == (0, 1)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.dp) == (1, 2, 1) and plan.device_ids == (0, 1)

@@ -121,11 +121,11 @@ def test_the_strict_walk_catches_a_misspelt_key():
 def test_pd_on_cpu_runs_the_plan_split_as_prefill_and_decode_workers():
     dep, (serving, server, route) = render(PD_CPU)
     plan = dep.plan
-    assert (plan.tp_size, plan.dp_size) == (1, 2)
+    assert (plan.layout.tp, plan.layout.dp) == (1, 2)
     est = plan.chosen.estimate
     roles = {r["name"]: r["replicas"] for r in serving["spec"]["template"]["roles"]}
     assert roles == {"prefill": est.prefill_replicas, "decode": est.decode_replicas}
-    assert serving["spec"]["replicas"] == 1 and sum(roles.values()) == plan.dp_size
+    assert serving["spec"]["replicas"] == 1 and sum(roles.values()) == plan.layout.dp
     for role, container in pods(serving).items():
         assert container["command"] == ["python3", "-m", "kthena_serve.pd.worker"]
         args = container["args"]
@@ -151,12 +151,12 @@ def test_llama_70b_on_two_atlas_nodes_runs_the_plans_tp_and_replicas():
     dep, (serving, server, route) = render(LLAMA_ATLAS)
     plan = Planner().plan(dep.spec.model, dep.spec.topology, dep.spec.workload)
     assert dep.spec.topology.num_devices == 16 and dep.spec.topology.num_nodes == 2
-    assert (dep.tp, dep.plan.dp_size) == (plan.tp_size, plan.dp_size) == (8, 2)
-    assert serving["spec"]["replicas"] == plan.dp_size
+    assert (dep.tp, dep.plan.layout.dp) == (plan.layout.tp, plan.layout.dp) == (8, 2)
+    assert serving["spec"]["replicas"] == plan.layout.dp
     (container,) = pods(serving).values()
     args = container["args"]
     assert container["command"] == ["kthena"] and args[0] == "serve"
-    assert args[args.index("--tp") + 1] == str(plan.tp_size)
+    assert args[args.index("--tp") + 1] == str(plan.layout.tp)
     assert args[args.index("--device") + 1] == "npu"
     assert container["resources"]["limits"]["huawei.com/Ascend910"] == "8"
     assert container["resources"]["requests"] == container["resources"]["limits"]
@@ -172,7 +172,7 @@ def test_kv_pool_and_sequence_cap_are_what_the_plan_sized():
     args = pods(serving)["serve"]["args"]
     mem = dep.plan.chosen.memory
     assert args[args.index("--kv-cache-memory") + 1] == f"{-(-int(mem.kv_cache) // 2**20)}MiB"
-    assert args[args.index("--max-num-seqs") + 1] == str(32 // dep.plan.dp_size)
+    assert args[args.index("--max-num-seqs") + 1] == str(32 // dep.plan.layout.dp)
 
 
 def test_decode_workers_take_kv_only_from_the_pod_network():
@@ -191,7 +191,7 @@ def test_a_dual_stack_pod_network_is_a_list_and_is_normalised():
 
 def test_an_explicit_pd_split_must_cover_the_plans_instances():
     dep, (serving, _, _) = render({**PD_CPU, "num_nodes": 3, "num_prefill": 1})
-    assert dep.plan.dp_size == 3
+    assert dep.plan.layout.dp == 3
     assert {r["name"]: r["replicas"] for r in serving["spec"]["template"]["roles"]} == {
         "prefill": 1, "decode": 2}
 
@@ -268,7 +268,7 @@ def test_a_tp_group_larger_than_a_node_is_refused():
 
 def test_a_pipeline_inside_one_pod_is_served_with_pp_and_sized_for_its_ranks():
     from kthena_core.config_plan import _PinnedPlanner
-    from kthena_core.cost_model import Layout
+    from kthena_core.layout import Layout
 
     spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
     dep = plan_deployment(spec, _PinnedPlanner(Layout(4, 2, 1)))

@@ -74,7 +74,8 @@ def test_mla_splits_only_query_heads():
 def test_shape_and_checkpoint_dtype():
     spec = ModelSpec.from_hf_config({**KNOWN_CONFIGS["smollm2-135m-instruct"], "torch_dtype": "bfloat16"})
     assert spec.shape == ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
-                                    hidden_size=576, vocab_size=49152, dtype="bf16")
+                                    hidden_size=576, intermediate_size=1536, vocab_size=49152,
+                                    dtype="bf16")
     assert ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "dtype": "float16"}).dtype == "fp16"
     with pytest.raises(ModelSpecError, match="dtype: unknown dtype 'float64'"):
         ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "torch_dtype": "float64"})

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kthena_core.cost_model import Layout
 from kthena_core.hardware import cpu_host_spec, get_device
 from kthena_core.known_models import load_model_spec
+from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.planner import NoFeasiblePlanError, Planner
 from kthena_core.report import format_plan
@@ -127,7 +127,7 @@ def test_llama2_70b_never_tp1_on_64gb_devices():
     for e in plan.evaluations:
         if e.layout.tp * e.layout.pp == 1:
             assert not e.feasible and "needs" in e.reasons[0]
-    assert plan.tp_size * plan.pp_size >= 3
+    assert plan.layout.tp * plan.layout.pp >= 3
     # One device alone cannot hold it at all.
     with pytest.raises(NoFeasiblePlanError, match="needs"):
         Planner().plan(model, small_topology(1), Workload(dtype="fp16"))
@@ -137,7 +137,7 @@ def test_small_model_on_one_cpu_host_is_tp1():
     spec = cpu_host_spec(2, 24 * GiB, flags={"avx512f", "amx_bf16"}, arch="x86_64")
     topo = Topology(devices=(Device(0, 0, 0, spec),), name="this-host")
     plan = Planner().plan(load_model_spec("default"), topo, Workload(concurrency=8))
-    assert (plan.tp_size, plan.pp_size, plan.dp_size) == (1, 1, 1)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.dp) == (1, 1, 1)
 
 
 def test_tp_stays_inside_a_node_on_two_nodes():
@@ -153,7 +153,7 @@ def test_pd_mode_splits_replicas():
     plan = Planner().plan(load_model_spec("llama-2-70b"), topo, Workload(mode="pd", concurrency=64))
     est = plan.chosen.estimate
     assert est.prefill_replicas >= 1 and est.decode_replicas >= 1
-    assert est.prefill_replicas + est.decode_replicas == plan.dp_size
+    assert est.prefill_replicas + est.decode_replicas == plan.layout.dp
     assert est.kv_transfer_s > 0
 
 

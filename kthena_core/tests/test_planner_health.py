@@ -74,7 +74,7 @@ def test_a_straddling_tp_group_is_scored_at_the_slow_link():
     # Healthy: 0, 1, 2 in A and 4 in B. TP2 x DP2 would pair 2 with 4 over PCIe.
     topo = two_domain_box(["ok", "ok", "ok", "unhealthy", "ok", "unhealthy", "unhealthy", "unhealthy"])
     planner, model, wl = Planner(), load_model_spec("llama-2-7b"), Workload(concurrency=8)
-    from kthena_core.cost_model import Layout
+    from kthena_core.layout import Layout
     straddle = planner.evaluate(model, topo, wl, Layout(2, 1, 2))
     inside = planner.evaluate(model, topo, wl, Layout(2, 1, 1))
     assert straddle.estimate.tpot_s > inside.estimate.tpot_s / 2  # not twice as good per replica

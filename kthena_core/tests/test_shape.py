@@ -68,13 +68,15 @@ def test_errors_say_what_is_allowed():
 
 def test_model_shape_validates():
     shape = ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
-                       vocab_size=49152, dtype="bfloat16")
+                       intermediate_size=1536, vocab_size=49152, dtype="bfloat16")
     assert shape.dtype == "bf16"
     shape.check_tp(2)
     with pytest.raises(ModelShapeError, match="num_kv_heads must be a positive int, got 0"):
-        ModelShape(num_layers=1, num_attention_heads=1, num_kv_heads=0, head_dim=1, hidden_size=1, vocab_size=1)
+        ModelShape(num_layers=1, num_attention_heads=1, num_kv_heads=0, head_dim=1, hidden_size=1, intermediate_size=1,
+                   vocab_size=1)
     with pytest.raises(ModelShapeError, match="must be a multiple of num_kv_heads=4"):
-        ModelShape(num_layers=1, num_attention_heads=6, num_kv_heads=4, head_dim=1, hidden_size=1, vocab_size=1)
+        ModelShape(num_layers=1, num_attention_heads=6, num_kv_heads=4, head_dim=1, hidden_size=1, intermediate_size=1,
+                   vocab_size=1)
     with pytest.raises(ModelShapeError, match="unknown dtype 'float64'"):
-        ModelShape(num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1, vocab_size=1,
-                   dtype="float64")
+        ModelShape(num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1, intermediate_size=1,
+                   vocab_size=1, dtype="float64")

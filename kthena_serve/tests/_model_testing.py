@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kthena_serve.model.batch import AttentionBatch
 from kthena_serve.model.llama import LlamaForCausalLM
+from mooncake_kv.paged import paged_batch
 
 
 class GreedyRunner:
@@ -53,21 +53,10 @@ class GreedyRunner:
     @torch.inference_mode()
     def step(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> torch.Tensor:
         """One forward over ``(new_tokens, num_cached, block_table)`` per sequence -> logits."""
-        bs, width = self.block_size, max(len(t) for _, _, t in seqs)
-        ids, positions, slots = [], [], []
-        for new, cached, table in seqs:
-            ids += new
-            for pos in range(cached, cached + len(new)):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-        query_lens = torch.tensor([len(new) for new, _, _ in seqs], dtype=torch.int32)
-        batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for _, _, t in seqs], dtype=torch.int32),
-            cached_lens=torch.tensor([c for _, c, _ in seqs], dtype=torch.int32), query_lens=query_lens,
-            logits_indices=query_lens.cumsum(0).to(torch.int64) - 1,
-            is_decode_only=all(len(new) == 1 for new, _, _ in seqs))
-        return self.model(torch.tensor(ids), torch.tensor(positions), batch, self.kv_caches)
+        batch = paged_batch([(table, cached, len(new)) for new, cached, table in seqs],
+                            block_size=self.block_size)
+        ids = torch.tensor([token for new, _, _ in seqs for token in new])
+        return self.model(ids, batch.positions, batch, self.kv_caches)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  prefill_chunk: int | None = None, reuse_prefix: bool = False,

@@ -18,6 +18,7 @@ from kthena_core.calibrate import load_bench
 from kthena_core.cost_model import CostParams
 from kthena_core.discovery import CpuFacts, NumaNode, cpu_topology
 from kthena_core.known_models import load_model_spec
+from kthena_core.layout import Layout
 from kthena_serve.bench.layouts import (
     MEASURES,
     LayoutBenchOptions,
@@ -41,10 +42,11 @@ FACTS = CpuFacts(model_name="AMD EPYC", num_cpus=2, num_cores=2, threads_per_cor
 
 
 def test_parse_layouts():
-    assert parse_layouts("tp1,pp2,dp2") == (LayoutSpec("tp1"), LayoutSpec("pp2", pp=2),
-                                            LayoutSpec("dp2", dp=2))
-    assert parse_layouts(" tp2 , tp1pp2 ") == (LayoutSpec("tp2", tp=2), LayoutSpec("tp1pp2", pp=2))
-    assert parse_layouts("tp2pp2dp2")[0].num_ranks == 8
+    assert parse_layouts("tp1,pp2,dp2") == (LayoutSpec("tp1"), LayoutSpec("pp2", Layout(1, pp=2)),
+                                            LayoutSpec("dp2", Layout(1, dp=2)))
+    assert parse_layouts(" tp2 , tp1pp2 ") == (LayoutSpec("tp2", Layout(2)),
+                                               LayoutSpec("tp1pp2", Layout(1, pp=2)))
+    assert parse_layouts("tp2pp2dp2")[0].layout.num_devices == 8
 
 
 @pytest.mark.parametrize("text, pattern", [
@@ -113,19 +115,19 @@ def test_one_rank_is_calibrated_on_the_host_bench_several_on_the_one_thread_benc
     cals = {"host": cal, "cores": calibrate(one_thread, model, FACTS, "one thread")}
     options = LayoutBenchOptions()
     tp1 = predictions(model, LayoutSpec("tp1"), options, cals, host, cores)
-    pp2 = predictions(model, LayoutSpec("pp2", pp=2), options, cals, host, cores)
+    pp2 = predictions(model, LayoutSpec("pp2", Layout(1, pp=2)), options, cals, host, cores)
     assert tp1["predicted_calibrated"]["calibration"] == str(BENCH)
     assert pp2["predicted_calibrated"]["calibration"] == "one thread"
     assert tp1["predicted_default"] == predict_layout(model, LayoutSpec("tp1"), options,
                                                       CostParams(), host, cores)
     # The same figures measured on one core instead of two: a core is predicted twice as fast.
-    as_host = predict_layout(model, LayoutSpec("pp2", pp=2), options, cal.params, host, cores)
+    as_host = predict_layout(model, LayoutSpec("pp2", Layout(1, pp=2)), options, cal.params, host, cores)
     assert pp2["predicted_calibrated"]["throughput_tok_s"] > 1.5 * as_host["throughput_tok_s"]
 
 
 def test_a_layout_larger_than_the_host_is_predicted_infeasible(setup):
     model, cal, host, cores = setup
-    out = predict_layout(model, LayoutSpec("pp4", pp=4), LayoutBenchOptions(), cal.params, host, cores)
+    out = predict_layout(model, LayoutSpec("pp4", Layout(1, pp=4)), LayoutBenchOptions(), cal.params, host, cores)
     assert out == {"topology": "discovered:cpu:per-core", "feasible": False,
                    "reasons": ["4 ranks > 2 devices"]}
 
@@ -179,4 +181,5 @@ def test_tiny_run_end_to_end(tmp_path):
     assert result["calibration"]["host"]["source"] == str(BENCH)
     assert result["calibration"]["cores"]["bench"] == "as host"  # --calibrate alone serves both
     assert result["workload"]["output_len"] == 4 and result["machine"]["cores"] >= 1
-    assert attrs.asdict(LayoutSpec("tp1")) == {"name": "tp1", "tp": 1, "pp": 1, "dp": 1}
+    assert attrs.asdict(LayoutSpec("tp1")) == {"name": "tp1",
+                                               "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": 1}}

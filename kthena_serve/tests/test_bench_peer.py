@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from kthena_core.model_spec import ModelSpec
+from kthena_core.shape import ModelShape
 from kthena_serve.bench import machine, serve
 from kthena_serve.bench.limits import (
     MachineLimits,
-    ModelShape,
     achieved_fractions,
     decode_step_s,
+    kv_bytes_per_token,
+    largest_linear,
+    linear_params,
+    lm_head_params,
     measure_limits,
     peer_speedups,
     prefill_s,
@@ -35,25 +40,25 @@ SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9
            "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
            "vocab_size": 49152}
 # 1 layer, hidden 2, 1 head of 2, 1 KV head, MLP 4, vocab 10
-TINY = ModelShape(num_layers=1, hidden_size=2, num_heads=1, num_kv_heads=1, head_dim=2,
+TINY = ModelShape(num_layers=1, hidden_size=2, num_attention_heads=1, num_kv_heads=1, head_dim=2,
                   intermediate_size=4, vocab_size=10)
 SLOW = MachineLimits(bandwidth_bytes_s=100.0, peak_flop_s=1000.0)
 
 
 def test_model_shape_counts_smollm2_by_hand():
-    shape = ModelShape.from_hf_config(SMOLLM2)
+    shape = ModelSpec.from_hf_config(SMOLLM2).shape
     # per layer: q, o 576x576; k, v 576x192; gate, up, down 576x1536
-    assert shape.linear_params == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
-    assert shape.linear_params == 106_168_320
-    assert shape.lm_head_params == 28_311_552
-    assert shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
-    assert shape.largest_linear == (1536, 576)
+    assert linear_params(shape) == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    assert linear_params(shape) == 106_168_320
+    assert lm_head_params(shape) == 28_311_552
+    assert kv_bytes_per_token(shape) == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert largest_linear(shape) == (1536, 576)
 
 
 def test_tiny_shape_counts_by_hand():
-    assert TINY.linear_params == 2 * (2 * 2 + 2 * 2) + 3 * 2 * 4 == 40
-    assert TINY.lm_head_params == 20
-    assert TINY.kv_bytes_per_token == 8
+    assert linear_params(TINY) == 2 * (2 * 2 + 2 * 2) + 3 * 2 * 4 == 40
+    assert lm_head_params(TINY) == 20
+    assert kv_bytes_per_token(TINY) == 8
 
 
 def test_prefill_is_flops_over_peak():
@@ -71,7 +76,7 @@ def test_decode_step_is_the_larger_of_bytes_and_flops():
 
 
 def test_batch1_decode_limit_is_bandwidth_over_bytes_read():
-    shape = ModelShape.from_hf_config(SMOLLM2)
+    shape = ModelSpec.from_hf_config(SMOLLM2).shape
     limits = MachineLimits(bandwidth_bytes_s=1e10, peak_flop_s=1e11)
     # contexts 129..191 average 160: 268,959,744 weight bytes + 160 * 23,040 KV bytes per step
     expected = 1e10 / (268_959_744 + 160 * 23_040)
@@ -85,7 +90,7 @@ def test_batch1_decode_limit_is_bandwidth_over_bytes_read():
 def test_matmul_peak_is_the_faster_of_bf16_and_float32():
     """A CPU without bf16 arithmetic runs a bf16 F.linear far below its fp32 one, and the
     engine's matmuls there run in fp32: the limit is what the machine can do, either way."""
-    limits, details = measure_limits(ModelShape.from_hf_config(SMOLLM2), repeats=1)
+    limits, details = measure_limits(ModelSpec.from_hf_config(SMOLLM2).shape, repeats=1)
     peaks = [details["matmul_bfloat16_gflop_s"], details["matmul_float32_gflop_s"]]
     assert min(peaks) > 0
     assert details["matmul_peak_gflop_s"] == max(peaks)

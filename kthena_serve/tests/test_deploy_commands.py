@@ -21,9 +21,9 @@ from kthena_core.cli import build_parser
 from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_serving
 from kthena_core.deploy.k8s import HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve, spec_from_args
+from kthena_serve.cluster.auth import SECRET_ENV, check_prefill_url
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd import worker
-from kthena_serve.pd.auth import SECRET_ENV, check_prefill_url
 from kthena_serve.pd.config import PDConfig, Transport
 
 ATLAS = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "atlas-800t-a2.yaml")

@@ -1,4 +1,5 @@
-"""``kthena serve --dp 2`` end to end, and the routing choice without processes.
+"""``kthena serve --dp 2`` end to end, and its pieces without processes (``Router.pick``, the
+routing choice itself, is tested with what PD and DP share in test_cluster.py).
 
 One real deployment (two replicas of the default model, a tiny KV pool, an API key) serves
 the process tests, in file order: greedy parity with one engine, spreading under load, prefix
@@ -24,14 +25,13 @@ import pytest
 from _tiny import default_tokenizer, greedy_text
 
 from kthena_serve.bench.soak import process_tree
+from kthena_serve.cluster.router import Router
 from kthena_serve.config import EngineConfig
 from kthena_serve.dp.frontend import REPLICA_HEADER, routing_prompt
 from kthena_serve.dp.launcher import ROLE, ReplicaLauncher, replica_specs
 from kthena_serve.dp.metrics import merge_replica_metrics
 from kthena_serve.pd.config import PDConfig
-from kthena_serve.pd.router import Router
 from kthena_serve.spec import ServeSpec
-from mooncake_kv import BlockHasher, BlockStored
 
 API_KEY = "dp-test-key"
 FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--shutdown-timeout", "2"]
@@ -39,7 +39,7 @@ TEXT = ("Data-parallel serving runs whole copies of the engine side by side, and
         "front sends each request to the copy that already holds its prompt in cache. ")
 
 
-# ---- routing without processes ------------------------------------------------------------------
+# ---- without processes --------------------------------------------------------------------------
 def _router(num_replicas: int = 2, block_size: int = 4) -> Router:
     workers = [(f"replica-{i}", ROLE, f"http://r{i}") for i in range(num_replicas)]
     router = Router(workers, PDConfig(), block_size=block_size)
@@ -47,62 +47,6 @@ def _router(num_replicas: int = 2, block_size: int = 4) -> Router:
         worker.is_up = True
         router.index.add_instance(worker.name)
     return router
-
-
-def _store(router: Router, name: str, tokens: list[int]) -> None:
-    hashes = BlockHasher(router.block_size).hash_tokens(tokens)
-    router.index.apply(name, BlockStored(tuple(hashes), None, (), router.block_size, ()))
-
-
-def test_pick_follows_the_prefix_then_spreads_by_load() -> None:
-    router = _router()
-    prompt = list(range(40))
-    _store(router, "replica-1", prompt[:32])
-    pick = router.pick(ROLE, prompt)
-    assert (pick.worker.name, pick.reason, pick.num_cached_blocks) == ("replica-1", "prefix", 8)
-    other = router.pick(ROLE, list(range(100, 120)))  # no prefix: replica-1 has one in flight
-    assert (other.worker.name, other.reason) == ("replica-0", "load")
-    third = router.pick(ROLE, list(range(200, 220)))  # equal load, equal picks: the first
-    assert third.worker.name == "replica-0"
-    assert [w.num_in_flight for w in router.workers.values()] == [2, 1]
-    for name in ("replica-1", "replica-0", "replica-0"):
-        router.done(name)
-    assert [w.num_in_flight for w in router.workers.values()] == [0, 0]
-
-
-def test_ties_alternate_and_load_beats_a_small_overlap() -> None:
-    router = _router()
-    names = []
-    for i in range(4):  # idle replicas: ties go to the one picked least
-        pick = router.pick(ROLE, [1000 + i])
-        router.done(pick.worker.name)
-        names.append(pick.worker.name)
-    assert names == ["replica-0", "replica-1", "replica-0", "replica-1"]
-    prompt = list(range(40))  # 10 blocks, 1 of them on replica-0 (score 0.1 - 0.5 < 0)
-    _store(router, "replica-0", prompt[:4])
-    router.workers["replica-0"].num_running = 3  # polled load counts as well as in-flight
-    assert router.pick(ROLE, prompt).worker.name == "replica-1"
-
-
-def test_remember_routes_a_repeated_prefix_before_any_kv_event() -> None:
-    router = _router()
-    prompt = list(range(64))
-    first = router.pick(ROLE, prompt, remember=True)
-    router.done(first.worker.name)  # without the prefix, the tie would go to the other one
-    again = router.pick(ROLE, prompt[:48] + [7, 7, 7, 7], remember=True)
-    assert again.worker.name == first.worker.name and again.reason == "prefix"
-    assert again.num_cached_blocks == 12
-    salted = router.pick(ROLE, prompt, "tenant-b")  # another salt shares no block
-    assert salted.reason == "load"
-
-
-def test_no_replica_up_is_a_lookup_error() -> None:
-    router = _router()
-    router.mark_down("replica-0")
-    assert router.pick(ROLE, [1, 2, 3]).worker.name == "replica-1"
-    router.mark_down("replica-1")
-    with pytest.raises(LookupError, match="no colocated worker is up"):
-        router.pick(ROLE, [1, 2, 3])
 
 
 def test_replica_cores_and_threads() -> None:

@@ -22,7 +22,6 @@ import mooncake_ops
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.model import load_model
-from kthena_serve.model.batch import AttentionBatch
 from kthena_serve.model_runner import (
     ModelRunner,
     create_pool,
@@ -33,6 +32,7 @@ from kthena_serve.model_runner import (
 from kthena_serve.pd.prefill import PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
 from kthena_serve.sampling_params import SamplingParams
+from mooncake_kv.paged import paged_batch
 from mooncake_kv.pool import SHM_DIR
 from mooncake_ops.backends import native
 
@@ -144,17 +144,11 @@ def _first_decode_logits(loaded, kv_cache_dtype: str, prompt: list[int],  # noqa
     try:
         caches, n = layer_caches(pool), len(prompt)
         split = n if split is None else split
-        table = torch.arange(8, dtype=torch.int32)[None]
 
         def step(ids: list[int], start: int) -> torch.Tensor:
-            count = torch.tensor([len(ids)], dtype=torch.int32)
-            batch = AttentionBatch(
-                slot_mapping=torch.arange(start, start + len(ids)), block_tables=table,
-                cached_lens=torch.tensor([start], dtype=torch.int32), query_lens=count,
-                logits_indices=count.long() - 1, is_decode_only=len(ids) == 1)
+            batch = paged_batch([(range(8), start, len(ids))], block_size=config.block_size)
             with torch.inference_mode():
-                return model(torch.tensor(ids), torch.arange(start, start + len(ids)), batch,
-                             caches)[0]
+                return model(torch.tensor(ids), batch.positions, batch, caches)[0]
 
         step(prompt[:split], 0)
         if split < n:

@@ -14,7 +14,6 @@ import torch
 from _model_testing import GreedyRunner
 
 from kthena_serve.model import (
-    AttentionBatch,
     BatchError,
     CheckpointError,
     LlamaForCausalLM,
@@ -25,6 +24,7 @@ from kthena_serve.model import (
     load_weights,
     plan_shards,
 )
+from mooncake_kv.paged import paged_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -237,20 +237,13 @@ def test_load_errors_name_the_problem(tmp_path, tiny):
         _ours(bad)
 
 
-def test_attention_batch_and_forward_input_errors(tiny):
-    i32, i64 = torch.int32, torch.int64
-    ok = dict(slot_mapping=torch.zeros(3, dtype=i64), block_tables=torch.zeros(2, 4, dtype=i32),
-              cached_lens=torch.zeros(2, dtype=i32), query_lens=torch.tensor([2, 1], dtype=i32),
-              logits_indices=torch.tensor([1, 2]))
-    AttentionBatch(**ok)
-    with pytest.raises(BatchError, match="slot_mapping must be a torch.int64"):
-        AttentionBatch(**{**ok, "slot_mapping": torch.zeros(3, dtype=i32)})
-    with pytest.raises(BatchError, match="query_lens must have shape \\(2,\\)"):
-        AttentionBatch(**{**ok, "query_lens": torch.ones(3, dtype=i32)})
-    with pytest.raises(BatchError, match="decode-only batch has one token per sequence"):
-        AttentionBatch(**ok, is_decode_only=True)
+def test_forward_input_errors(tiny):
+    """A malformed PagedBatch itself is refused by mooncake_kv (test_paged.py); the model
+    refuses inputs that disagree with a well-formed one."""
+    i64 = torch.int64
+    batch = paged_batch([((0,), 0, 2), ((1,), 0, 1)], block_size=4)  # 3 tokens, 2 sequences
     model = _ours(tiny[0])
     with pytest.raises(BatchError, match="one \\(k_cache, v_cache\\) pair per layer"):
-        model(torch.zeros(3, dtype=i64), torch.zeros(3, dtype=i64), AttentionBatch(**ok), [])
+        model(torch.zeros(3, dtype=i64), torch.zeros(3, dtype=i64), batch, [])
     with pytest.raises(BatchError, match="must all be \\[num_tokens\\]"):
-        model(torch.zeros(2, dtype=i64), torch.zeros(2, dtype=i64), AttentionBatch(**ok), [])
+        model(torch.zeros(2, dtype=i64), torch.zeros(2, dtype=i64), batch, [])

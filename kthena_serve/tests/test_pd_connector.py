@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client.parser import text_string_to_metric_families
 
+from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.config import EngineConfig
-from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.spec import DEFAULT_MODEL_NAME
@@ -169,7 +169,7 @@ def test_kv_params_parse_and_refuse_by_name() -> None:
 
 
 def test_prefill_hosts_may_be_networks() -> None:
-    from kthena_serve.pd.auth import check_prefill_url
+    from kthena_serve.cluster.auth import check_prefill_url
 
     check_prefill_url("http://10.42.7.9:8000", {"127.0.0.1", "10.42.0.0/16"})
     for url in ("http://10.43.0.1:8000", "http://pods.example:8000"):

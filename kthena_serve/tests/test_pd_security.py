@@ -18,11 +18,11 @@ from _tiny import default_tokenizer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from kthena_serve.cluster.auth import LOOPBACK_HOSTS, SECRET_ENV, check_prefill_url
+from kthena_serve.cluster.events import EventLog, event_from_json
 from kthena_serve.config import EngineConfig
-from kthena_serve.pd.auth import LOOPBACK_HOSTS, SECRET_ENV, check_prefill_url
 from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
-from kthena_serve.pd.events import EventLog, event_from_json
 from kthena_serve.pd.protocol import params_to_json
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
@@ -232,7 +232,7 @@ def test_signed_requests_prove_the_secret_without_sending_it():
 
 
 def test_only_the_decode_to_prefill_paths_take_a_signature():
-    from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, signed_json
+    from kthena_serve.cluster.auth import DECODE_TO_PREFILL_PATHS, signed_json
     from kthena_serve.server import BackgroundServer
 
     app = FastAPI()

@@ -70,7 +70,7 @@ def test_a_bad_offload_value_in_the_config_is_refused_naming_the_flag(tmp_path):
 
 def test_service_host_and_port_and_the_plans_tp_drive_the_flags(tmp_path):
     spec, config, plan = _serve(tmp_path, BASE + "service: {host: 0.0.0.0, port: 8123}\n")
-    assert (spec.host, spec.port, config.tp) == ("0.0.0.0", 8123, plan.tp_size)
+    assert (spec.host, spec.port, config.tp) == ("0.0.0.0", 8123, plan.layout.tp)
 
 
 def test_explicit_flags_override_the_config_even_at_their_default(tmp_path, capsys):
@@ -90,7 +90,8 @@ def test_served_layout_is_the_plan_layout(tmp_path):
     with open(EXAMPLE, encoding="utf-8") as f:
         spec, _, plan = _serve(tmp_path, f.read())
     lay = plan.chosen.layout
-    assert str(spec.layout) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp} mode=colocated"
+    assert (spec.layout, spec.mode) == (lay, "colocated")
+    assert str(spec.layout) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp}"
 
 
 def test_pd_mode_serves_the_plans_prefill_and_decode_split():
@@ -102,7 +103,7 @@ def test_pd_mode_serves_the_plans_prefill_and_decode_split():
     est = plan.chosen.estimate
     assert (flags["mode"], flags["prefill"], flags["decode"]) == ("pd", est.prefill_replicas,
                                                                  est.decode_replicas)
-    assert flags["prefill"] + flags["decode"] == plan.dp_size
+    assert flags["prefill"] + flags["decode"] == plan.layout.dp
 
 
 @pytest.mark.parametrize(
@@ -167,7 +168,7 @@ def test_a_yaml_pipeline_split_reaches_the_engine_through_the_spec(tmp_path):
     yaml_text = ("cluster: {topology: atlas-800t-a2, world_size: 2}\n"
                  "parallelism: {strategy: pp, pipeline_parallel_size: 2}\n")
     spec, config, plan = _serve(tmp_path, yaml_text)
-    assert (config.pp, config.tp, plan.pp_size) == (2, 1, 2)
+    assert (config.pp, config.tp, plan.layout.pp) == (2, 1, 2)
     assert spec.served()["pp"] == 2 and spec.plan["layout"]["pp"] == 2
 
 
@@ -175,7 +176,7 @@ def test_pd_reports_its_worker_counts_not_a_dp_of_their_sum():
     spec = ServeSpec.resolve({"mode": "pd", "prefill": 1, "decode": 2})
     assert spec.served() == {"tp": 1, "pp": 1, "dp": 1, "sp": 1, "mode": "pd", "prefill": 1,
                              "decode": 2}
-    assert str(spec.layout) == "tp=1 pp=1 dp=1 sp=1 mode=pd"
+    assert (str(spec.layout), spec.mode) == ("tp=1 pp=1 dp=1 sp=1", "pd")
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -133,7 +133,7 @@ def test_vllm_values_are_the_kthena_values(client, engine):
     # running), and it asks for the whole 4,096-token context so it outlasts the scrape
     with client.stream("POST", "/v1/completions", json={
             "model": MODEL, "prompt": "Hold on", "ignore_eos": True, "stream": True,
-            "max_tokens": engine.limits().max_model_len - 16}) as held, \
+            "max_tokens": engine.processor.limits.max_model_len - 16}) as held, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         lines = held.iter_lines()
         next(lines)
@@ -150,7 +150,7 @@ def test_vllm_values_are_the_kthena_values(client, engine):
     used = value(samples, "kthena_kv_blocks_used")
     assert used > 0
     assert value(samples, "vllm:kv_cache_usage_perc", **label) == (
-        used / engine.limits().num_kv_blocks)
+        used / engine.processor.limits.num_kv_blocks)
     for reason in ("stop", "length", "abort"):
         ours = samples.get(("kthena_requests_total", (("finish_reason", reason),)), 0.0)
         assert value(samples, "vllm:request_success_total", finished_reason=reason,
@@ -199,7 +199,7 @@ def test_tokenize_prompt_matches_hugging_face(client, engine, hf_tokenizer):
         assert answer.status_code == 200, answer.text
         expected = hf_tokenizer(TEXT, add_special_tokens=special is not False).input_ids
         assert answer.json() == {
-            "count": len(expected), "max_model_len": engine.limits().max_model_len,
+            "count": len(expected), "max_model_len": engine.processor.limits.max_model_len,
             "tokens": expected, "token_strs": hf_tokenizer.convert_ids_to_tokens(expected)}
     plain = client.post("/tokenize", json={"prompt": TEXT}).json()  # model is optional
     assert plain["token_strs"] is None and plain["tokens"] == expected
@@ -302,11 +302,13 @@ def test_public_metrics_open_metrics_only(engine):
     """``kthena serve --api-key K --public-metrics``: the router scrapes /metrics without the
     key (as vLLM, whose --api-key guards only /v1); every other route keeps the key."""
     from kthena_core.cli import build_parser
+    from kthena_serve.cli import spec_from_args
 
-    args = build_parser().parse_args(["serve", "--api-key", KEY, "--public-metrics"])
-    assert (args.api_key, args.public_metrics) == (KEY, True)
-    assert build_parser().parse_args(["serve"]).public_metrics is False  # default: keyed
-    app = build_app(engine, model_name=MODEL, api_key=KEY, public_metrics=args.public_metrics)
+    spec = spec_from_args(build_parser().parse_args(["serve", "--api-key", KEY,
+                                                     "--public-metrics"]))
+    assert (spec.api_key, spec.public_metrics) == (KEY, True)
+    assert spec_from_args(build_parser().parse_args(["serve"])).public_metrics is False  # keyed
+    app = build_app(engine, model_name=MODEL, api_key=KEY, public_metrics=spec.public_metrics)
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "ignore_eos": True}
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.post("/v1/completions", json=body).status_code == 401

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,7 +13,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mooncake_kv import KVCacheBlocks, KVCacheManager, PagedBatch, paged_batch  # noqa: E402
+from mooncake_kv import (  # noqa: E402
+    KVCacheBlocks,
+    KVCacheManager,
+    PagedBatch,
+    PagedBatchError,
+    paged_batch,
+)
 
 
 @st.composite
@@ -91,6 +98,25 @@ def test_takes_the_managers_block_tables() -> None:
 def test_to_moves_every_tensor() -> None:
     batch = paged_batch([((0,), 0, 2)], block_size=4).to("cpu")
     assert isinstance(batch, PagedBatch) and batch.slot_mapping.tolist() == [0, 1]
+
+
+def test_a_hand_built_batch_is_checked() -> None:
+    """The model reads a PagedBatch as is, so one built by hand (tests, benches) is checked."""
+    i32 = torch.int32
+    ok = paged_batch([((0,), 0, 2), ((1,), 0, 1)], block_size=4)  # 3 tokens, 2 sequences
+    assert attrs.evolve(ok).num_tokens == 3
+    with pytest.raises(PagedBatchError, match="slot_mapping must be a torch.int64 tensor, got "
+                                              "torch.int32"):
+        attrs.evolve(ok, slot_mapping=torch.zeros(3, dtype=i32))
+    with pytest.raises(PagedBatchError, match=r"query_lens must have shape \(2,\)"):
+        attrs.evolve(ok, query_lens=torch.ones(3, dtype=i32))
+    with pytest.raises(PagedBatchError, match=r"must both be \[num_tokens\]"):
+        attrs.evolve(ok, positions=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(PagedBatchError, match="decode-only batch has one token per sequence"):
+        attrs.evolve(ok, is_decode_only=True)
+    with pytest.raises(PagedBatchError, match="block_tables must be 2-D"):
+        attrs.evolve(ok, block_tables=torch.zeros(2, dtype=i32))
+    assert issubclass(PagedBatchError, ValueError)
 
 
 BAD = [

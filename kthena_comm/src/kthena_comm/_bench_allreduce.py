@@ -13,13 +13,13 @@ from kthena_comm.bucketing import bucketed_all_reduce
 from kthena_comm.collectives import all_reduce
 from kthena_comm.env import RankEnv
 from kthena_comm.groups import init_parallel_groups
-from kthena_comm.layout import ParallelConfig
+from kthena_core.layout import Layout
 
 
 def main(repeat: int) -> None:
     torch.set_num_threads(1)
     env = RankEnv.from_env()
-    groups = init_parallel_groups(ParallelConfig(tp_size=env.world_size), env)
+    groups = init_parallel_groups(Layout(tp=env.world_size), env)
     gen = torch.Generator().manual_seed(env.rank)
     tensors = [torch.randn(256, generator=gen) for _ in range(100)]  # 100 × 1 KiB
 

@@ -8,13 +8,13 @@ codes (torch.distributed, Mooncake) become these exceptions once, where the fore
 
 from __future__ import annotations
 
+# A parallel layout that cannot exist (sizes, SP vs TP) or does not fit the world (WORLD_SIZE,
+# a rank outside it): kthena_core's, the layer that defines `Layout`, so one class catches both.
+from kthena_core.layout import LayoutError as LayoutError
+
 
 class CommError(RuntimeError):
     """Base class of every kthena_comm runtime failure."""
-
-
-class LayoutError(ValueError):
-    """A parallel layout is inconsistent (sizes, world size, SP vs TP)."""
 
 
 class RankEnvError(ValueError):

@@ -22,15 +22,9 @@ from kthena_comm.device import backend_for_device, device_backend
 from kthena_comm.env import RankEnv
 from kthena_comm.errors import InitError, LayoutError
 from kthena_comm.hccl import hccl_comm_name
-from kthena_comm.layout import (
-    GroupKind,
-    ParallelLayout,
-    Rank,
-    check_layout,
-    group_ranks,
-    world_size_of,
-)
+from kthena_comm.layout import GroupKind, Rank, group_ranks
 from kthena_comm.store import open_store
+from kthena_core.layout import Layout
 
 _JOIN_KEY = "kthena_comm/joined"
 
@@ -91,27 +85,26 @@ class ParallelGroups:
             dist.destroy_process_group()
 
 
-def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
+def init_parallel_groups(layout: Layout, env: RankEnv,
                          config: GroupConfig | None = None, *,
                          check_peers: PeerCheck | None = None) -> ParallelGroups:
     """Initialise torch.distributed and build this rank's groups.
 
     Args:
-        layout: sizes of TP / PP / DP / SP (a kthena_core ``Plan`` or a ``ParallelConfig``).
+        layout: sizes of TP / PP / DP / SP: kthena_core's ``Layout`` (a plan's ``plan.layout``).
         env: this rank's launch environment (see ``RankEnv.from_env``).
         config: device type, backend override and deadline.
         check_peers: called while waiting for the other ranks to join (see ``PeerCheck``).
 
     Raises:
-        LayoutError: the layout is invalid or needs a different WORLD_SIZE.
+        LayoutError: the layout needs a different WORLD_SIZE.
         InitError: rendezvous or backend init failed or ran past ``config.timeout_s``.
         Whatever ``check_peers`` raises.
     """
     config = config or GroupConfig()
-    check_layout(layout)
-    if world_size_of(layout) != env.world_size:
-        raise LayoutError(f"rank {env.rank}: layout tp={layout.tp_size} × pp={layout.pp_size} × "
-                          f"dp={layout.dp_size} needs {world_size_of(layout)} ranks but "
+    if layout.num_devices != env.world_size:
+        raise LayoutError(f"rank {env.rank}: layout tp={layout.tp} × pp={layout.pp} × "
+                          f"dp={layout.dp} needs {layout.num_devices} ranks but "
                           f"WORLD_SIZE={env.world_size}; launch that many ranks or change the plan")
     device_backend(config.device_type).prepare(env.local_rank)
     backend = backend_for_device(config.device_type, config.backend)
@@ -120,7 +113,7 @@ def init_parallel_groups(layout: ParallelLayout, env: RankEnv,
     world = CommGroup("world", tuple(Rank(r) for r in range(env.world_size)), Rank(env.rank),
                       dist.group.WORLD)
     kinds = {kind: _build_kind(layout, kind, world) for kind in ("tp", "pp", "dp")}
-    sp = kinds["tp"] if layout.sp_size > 1 else _single(world, "sp")
+    sp = kinds["tp"] if layout.sp > 1 else _single(world, "sp")
     groups = ParallelGroups(backend, world, kinds["tp"], kinds["pp"], kinds["dp"],
                             attrs.evolve(sp, kind="sp"))
     return with_hccl_names(groups) if backend == "hccl" else groups
@@ -181,7 +174,7 @@ def _init_world(store: dist.TCPStore, env: RankEnv, backend: str, timeout_s: flo
                         f"{backend} init failed: {exc}") from exc
 
 
-def _build_kind(layout: ParallelLayout, kind: GroupKind, world: CommGroup) -> CommGroup:
+def _build_kind(layout: Layout, kind: GroupKind, world: CommGroup) -> CommGroup:
     mine = _single(world, kind)
     for ranks in group_ranks(layout, kind):
         group = _new_group(ranks, world, kind)  # every rank must call new_group for every group

@@ -1,10 +1,11 @@
 """kthena_core: model spec, hardware catalog, topology discovery, parallel planner, config, launcher.
 
-Depends on attrs, numpy and pyyaml only; torch is imported lazily by the launcher alone.
+Depends on attrs, numpy and pyyaml only; torch is imported lazily, by the launcher and by
+`kthena_core.dtypes.torch_dtype` alone.
 """
 
 from kthena_core.config import ConfigError, KthenaConfig, load_config
-from kthena_core.cost_model import CostParams, Estimate, Layout, Memory
+from kthena_core.cost_model import CostParams, Estimate, Memory
 from kthena_core.hardware import (
     DeviceSpec,
     NodeSpec,
@@ -14,6 +15,7 @@ from kthena_core.hardware import (
     list_nodes,
 )
 from kthena_core.known_models import DefaultModelMissingError, default_gguf_path, load_model_spec
+from kthena_core.layout import Layout, LayoutError
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
 from kthena_core.shape import (
@@ -40,6 +42,7 @@ __all__ = [
     "HeadSplitError",
     "KthenaConfig",
     "Layout",
+    "LayoutError",
     "Link",
     "Memory",
     "MissingKeyError",

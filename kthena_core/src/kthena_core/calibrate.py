@@ -36,7 +36,6 @@ import numpy as np
 from kthena_core.cost_model import (
     CostParams,
     DeviceFigures,
-    Layout,
     Links,
     decode_step,
     decode_work,
@@ -44,6 +43,7 @@ from kthena_core.cost_model import (
     prefill_time,
     prefill_work,
 )
+from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.planner import Planner
 from kthena_core.topology import Topology

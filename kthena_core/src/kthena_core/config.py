@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from kthena_core._yaml import read_yaml
-from kthena_core.dtypes import canonical_dtype
+from kthena_core.dtypes import ENGINE_DTYPES, canonical_dtype
 from kthena_core.model_spec import ModelSpec
 
 
@@ -273,7 +273,7 @@ def _reject_unsupported(cfg: KthenaConfig) -> None:
            "flash (the engine's one attention path: tiled paged attention that never "
            "materialises a sequence's full score matrix; no memory_efficient or "
            "high_throughput variant exists)")
-    _check(model.dtype in ("bf16", "fp16", "fp32"), "model.dtype", model.dtype,
+    _check(model.dtype in ENGINE_DTYPES, "model.dtype", model.dtype,
            "bfloat16, float16 or float32 (the dtypes the engine serves weights in)")
     _check(not par.sequence_parallel_enabled, "parallelism.sequence_parallel_enabled", True,
            "false (the engine runs no sequence parallelism; the planner still models SP when "

@@ -17,8 +17,8 @@ import attrs
 
 from kthena_core import topology as topo
 from kthena_core.config import ConfigError, KthenaConfig, load_config
-from kthena_core.cost_model import Layout
 from kthena_core.known_models import load_model_spec
+from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.planner import Plan, Planner
 from kthena_core.topology import Topology

@@ -17,6 +17,7 @@ import math
 
 import attrs
 
+from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.workload import Workload
 
@@ -37,25 +38,6 @@ class CostParams:
     memory_utilization: float = 0.9   # share of device memory the runtime may use
     runtime_reserve_bytes: float = 1 * GiB  # workspace, comm buffers, allocator slack (capped at 5%)
     step_overhead_s: float = 0.0      # fixed cost per forward pass per stage (launches, Python)
-
-
-@attrs.frozen
-class Layout:
-    """One candidate parallel layout: TP x PP x SP within a replica, DP replicas."""
-
-    tp: int
-    pp: int
-    dp: int
-    sp: int = 1
-
-    @property
-    def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def device_mapping(self) -> tuple[int, int, int]:
-        """(tp, pp, dp): which devices each rank and group gets. SP does not change it."""
-        return (self.tp, self.pp, self.dp)
 
 
 @attrs.frozen

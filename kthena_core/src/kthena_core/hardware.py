@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 
+from kthena_core.dtypes import dtype_key
+
 __all__ = [
     "DEVICE_KINDS",
     "LINK_KINDS",
@@ -40,17 +42,6 @@ LINK_KINDS = ("hccs", "nvlink", "pcie", "memory")
 GiB = 1 << 30
 T = 1e12
 G = 1e9
-
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "float8": "fp8",
-    "float8_e4m3fn": "fp8",
-}
-
 
 class UnknownHardwareError(KeyError):
     """A device or node name that is not in the catalog; the message lists the known ones."""
@@ -136,8 +127,7 @@ class DeviceSpec:
         Raises:
             ValueError: the device has no figure for that dtype; the message lists the ones it has.
         """
-        key = str(dtype).lower().removeprefix("torch.")
-        key = _DTYPE_ALIASES.get(key, key)
+        key = dtype_key(dtype)
         if key not in self.peak_flops:
             supported = ", ".join(sorted(self.peak_flops))
             raise ValueError(f"{self.name} has no peak figure for dtype {dtype!r}; supported: {supported}")

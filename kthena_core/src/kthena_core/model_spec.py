@@ -106,7 +106,8 @@ class ModelSpec:
         return ModelShape(
             num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.dtype,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size, dtype=self.dtype,
         )
 
     @property

@@ -29,7 +29,6 @@ from kthena_core.cost_model import (
     CostParams,
     DeviceFigures,
     Estimate,
-    Layout,
     Links,
     Memory,
     estimate_colocated,
@@ -37,6 +36,7 @@ from kthena_core.cost_model import (
     memory,
 )
 from kthena_core.hardware import DeviceSpec
+from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec, human_bytes
 from kthena_core.shape import HeadSplitError, LayerSplitError, check_pp
 from kthena_core.topology import Topology
@@ -107,20 +107,9 @@ class Plan:
     excluded: tuple[ExcludedDevice, ...] = ()  # devices given no rank (unhealthy)
 
     @property
-    def tp_size(self) -> int:
-        return self.chosen.layout.tp
-
-    @property
-    def pp_size(self) -> int:
-        return self.chosen.layout.pp
-
-    @property
-    def dp_size(self) -> int:
-        return self.chosen.layout.dp
-
-    @property
-    def sp_size(self) -> int:
-        return self.chosen.layout.sp
+    def layout(self) -> Layout:
+        """The chosen layout (``plan.layout.tp`` ...): what kthena_comm builds groups from."""
+        return self.chosen.layout
 
     @property
     def world_size(self) -> int:
@@ -128,18 +117,18 @@ class Plan:
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks of each TP group (consecutive ranks)."""
-        tp = self.tp_size
+        tp = self.layout.tp
         return [list(range(s, s + tp)) for s in range(0, self.world_size, tp)]
 
     def pp_groups(self) -> list[list[int]]:
         """Ranks of each pipeline (one per replica and TP index), stage order."""
-        tp, pp = self.tp_size, self.pp_size
-        return [[(d * pp + p) * tp + t for p in range(pp)] for d in range(self.dp_size) for t in range(tp)]
+        tp, pp, dp = self.layout.device_mapping
+        return [[(d * pp + p) * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]
 
     def dp_groups(self) -> list[list[int]]:
         """Ranks holding the same shard in each replica."""
-        tp, pp = self.tp_size, self.pp_size
-        return [[(d * pp + p) * tp + t for d in range(self.dp_size)] for p in range(pp) for t in range(tp)]
+        tp, pp, dp = self.layout.device_mapping
+        return [[(d * pp + p) * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
 
     def rivals(self) -> list[Evaluation]:
         """The other candidates, best first, one per device mapping.

@@ -50,12 +50,16 @@ def _canonical(value: str) -> str:
 class ModelShape:
     """The sizes that fix a decoder's tensors: layers, heads, widths, vocabulary and dtype.
 
+    The one geometry value of the SDK: `ModelSpec.shape` and the engine's `ModelConfig.shape`
+    build it from a checkpoint's config, and the benchmark's roofline reads it.
+
     Attributes:
         num_layers: decoder layers.
         num_attention_heads: query heads.
         num_kv_heads: key/value heads (fewer than query heads under grouped-query attention).
         head_dim: elements per head.
         hidden_size: width of the residual stream.
+        intermediate_size: width of the (dense) MLP.
         vocab_size: rows of the embedding.
         dtype: the checkpoint's weight dtype, as a short key ("bf16", "fp16", "fp32", ...).
     """
@@ -65,6 +69,7 @@ class ModelShape:
     num_kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
     hidden_size: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
     vocab_size: int = attrs.field(validator=_positive)
     dtype: str = attrs.field(default="bf16", converter=_canonical)
 

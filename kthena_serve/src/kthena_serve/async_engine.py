@@ -30,15 +30,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
 
-from kthena_serve.client import EngineLimits, EngineStats
+from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.errors import EngineDeadError, RequestFailedError
+from kthena_serve.input_processor import InputProcessor
 from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
@@ -133,7 +134,7 @@ class Release:
         _settle(self.future, lambda: llm.engine.release(self.request_id))
 
 
-def _settle(future: concurrent.futures.Future, fn) -> None:  # noqa: ANN001
+def _settle(future: concurrent.futures.Future, fn: Callable[[], object]) -> None:
     try:
         future.set_result(fn())
     except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
@@ -184,32 +185,10 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # ---- EngineClient (any thread) ----------------------------------------------------------------
-    def limits(self) -> EngineLimits:
-        return self.engine.processor.limits
-
-    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
-               ) -> list[int]:
-        return self.engine.processor.encode(prompt, add_special_tokens=add_special_tokens)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    ) -> list[int]:
-        return self.engine.processor.encode_chat(messages,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.engine.processor.decode(token_ids)
-
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """The output budget; raises InvalidRequestError for a request the engine would refuse."""
-        return self.engine.processor.check(prompt_ids, params)
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self.engine.tokenizer.token_bytes(token_ids)
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        return self.engine.tokenizer.token_strs(token_ids)
+    @property
+    def processor(self) -> InputProcessor:
+        """The engine's input processor (tokenise, check; safe from any thread)."""
+        return self.engine.processor
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
@@ -244,7 +223,7 @@ class AsyncLLM:
             async for item in s:
                 yield item
 
-    async def _call(self, make) -> Any:  # noqa: ANN001
+    async def _call(self, make: Callable[[concurrent.futures.Future], object]) -> Any:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -252,7 +231,8 @@ class AsyncLLM:
         return await asyncio.wrap_future(future)
 
     @contextlib.asynccontextmanager
-    async def _streaming(self, request_id: str, command: object):  # noqa: ANN202
+    async def _streaming(self, request_id: str, command: object,
+                         ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         state = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -135,7 +135,7 @@ def resolve_spec(flags: dict, config: str | None, world_size: int = 1) -> ServeS
         ValueError: a bad config, an unservable plan, or a refused setting.
     """
     planned = plan_config_path(config, world_size) if config else None
-    spec = ServeSpec.resolve(flags, planned)
+    spec = ServeSpec.resolve(flags, planned, world_size=world_size)
     overridden = [flag_name(k) for k in planned.settings() if k in flags] if planned else []
     if overridden:
         print(f"kthena serve: command-line flags override the config: "
@@ -182,7 +182,7 @@ def serve(spec: ServeSpec) -> int:
                   f"serve rank 0's steps; rank 0 serves the API)", flush=True)
             serve_rank(spec.engine, launched)
             return 0
-    print(f"kthena serve: serving layout {spec.layout}", flush=True)
+    print(f"kthena serve: serving layout {spec.layout} mode={spec.mode}", flush=True)
     if spec.mode == "pd":
         from kthena_serve.pd.serve import run_pd
 
@@ -207,7 +207,7 @@ def _serve_colocated(spec: ServeSpec) -> int:
     publisher = _start_kv_events(spec.kv_events, engine, app)
 
     def ready(port: int) -> None:
-        limits = engine.limits()
+        limits = engine.processor.limits
         print(f"kthena serve: {name} on http://{spec.host}:{port} "
               f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}, "
               f"kv dtype={limits.kv_cache_dtype}). Try:",
@@ -266,16 +266,7 @@ def _launcher_rank(spec: ServeSpec) -> RankEnv | None:
         env = RankEnv.from_env()
     except RankEnvError as error:
         raise ValueError(f"the launcher's environment: {error}") from None
-    config = spec.engine
-    if spec.mode == "pd" or spec.dp > 1:
-        raise ValueError(f"WORLD_SIZE={env.world_size}: under kthena-run / torchrun each rank "
-                         "is one tp x pp rank of one engine; --mode pd and --dp start their "
-                         "own processes. Run them without a launcher, or set --dp 1 and "
-                         "--mode colocated")
-    if env.world_size != config.world_size:
-        raise ValueError(f"WORLD_SIZE={env.world_size}, but --tp {config.tp} x --pp {config.pp} "
-                         f"needs {config.world_size} ranks; launch that many (kthena-run "
-                         "--nnodes x --nproc_per_node) or change --tp / --pp")
+    spec.check_world(env.world_size)
     return env
 
 

@@ -3,51 +3,34 @@
 ::
 
     server/app.py, server/metrics.py, cli.py
-                 │  EngineClient: limits · encode(_chat) · decode · check · token_bytes
-                 │                token_strs · generate · abort(_all) · stats
-       ┌─────────┴──────────────┐
-    AsyncLLM (in process)     RemoteEngine (PD router: workers over HTTP)
+                 │  EngineClient: processor (InputProcessor: limits · encode(_chat) · decode
+                 │                · check · token_bytes · token_strs)
+                 │                · generate · abort(_all) · stats · is_alive
+       ┌─────────┴──────────────┬───────────────────────────┐
+    AsyncLLM (in process)     RemoteEngine (PD router)    PrefillEngine (a PD prefill worker)
 
-Both implementations validate with the same ``InputProcessor``, so a request gets the same
-answer whichever serves it. ``EngineStats`` is plain data: a PD router sums its workers'.
+Every implementation validates with an ``InputProcessor``, so a request gets the same answer
+whichever serves it (its ``EngineLimits`` are built in input_processor.py only: ``for_engine``,
+``combine``). ``EngineStats`` is plain data: a PD router sums its workers'.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
 from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv import KVCacheStats
 
-__all__ = ["EngineClient", "EngineLimits", "EngineStats", "KVConnector", "KVSession",
+if TYPE_CHECKING:
+    from kthena_serve.input_processor import InputProcessor
+
+__all__ = ["EngineClient", "EngineStats", "KVConnector", "KVSession",
            "KVTierStats"]
 
 _KV_FIELDS = tuple(f.name for f in attrs.fields(KVCacheStats))
-
-
-@attrs.frozen
-class EngineLimits:
-    """What a client may ask of an engine.
-
-    Attributes:
-        max_model_len: prompt + output tokens at most.
-        vocab_size: token ids lie in ``[0, vocab_size)``.
-        max_n: choices per API call at most.
-        num_kv_blocks, block_size: the KV pool (summed over PD decode workers).
-        kv_cache_dtype: the pool's element type (``"bf16"``, ``"fp16"``, ``"fp32"`` or
-            ``"int8"``); None where no pool has reported it (a PD frontend before its workers).
-    """
-
-    max_model_len: int
-    vocab_size: int
-    max_n: int
-    num_kv_blocks: int
-    block_size: int
-    kv_cache_dtype: str | None = None
 
 
 @attrs.frozen
@@ -140,42 +123,16 @@ def _tier_totals(parts: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the HTTP app needs of an engine, in process or remote."""
+    """What the HTTP app needs of an engine, in process or remote: its input processor (the
+    one place requests are tokenised and checked) and four verbs."""
+
+    @property
+    def processor(self) -> InputProcessor:
+        """Tokenise, render chat, detokenise, check against ``processor.limits``."""
+        ...
 
     @property
     def is_alive(self) -> bool: ...
-
-    def limits(self) -> EngineLimits: ...
-
-    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
-               ) -> list[int]:
-        """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS, if
-        asked); token-id prompts are checked against the vocabulary."""
-        ...
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    ) -> list[int]:
-        """Token ids of the model's chat template applied (by default with the generation
-        prompt)."""
-        ...
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids, special tokens included; InvalidRequestError for ids outside
-        the vocabulary."""
-        ...
-
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """The resolved output budget; raises InvalidRequestError for what the engine refuses."""
-        ...
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The bytes each token stands for (logprobs name their tokens with these)."""
-        ...
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token's vocabulary entry (``'Ġworld'``), as vLLM's /tokenize returns them."""
-        ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a validated request's outputs; leaving early aborts it."""

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
+from kthena_core import dtypes
 from kthena_serve.kv_offload_config import KVOffloadConfig
 from kthena_serve.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ConfigError", "EngineConfig", "parse_bytes"]
 
@@ -59,7 +65,7 @@ def _model_path(value: object) -> str:
     return value
 
 
-def _one_of(*allowed: str):  # noqa: ANN202
+def _one_of(*allowed: str) -> Callable[[object, attrs.Attribute, object], None]:
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value not in allowed:
             raise ConfigError(attribute.name, f"one of {', '.join(map(repr, allowed))}", value)
@@ -75,7 +81,7 @@ def _size(value: int | str) -> int:
                           "'512MiB', '2G'", value) from None
 
 
-_DTYPES = ("bfloat16", "float16", "float32")
+_DTYPE_CHOICES = tuple(dtypes.torch_name(key) for key in dtypes.ENGINE_DTYPES)  # bfloat16, float16, float32
 _DEVICE = re.compile(r"^(cpu|cuda|npu)(:\d+)?$")
 
 
@@ -185,7 +191,7 @@ class EngineConfig:
     """
 
     model: str = attrs.field(default="default", converter=_model_path)
-    dtype: str = attrs.field(default="bfloat16", validator=_one_of(*_DTYPES))
+    dtype: str = attrs.field(default="bfloat16", validator=_one_of(*_DTYPE_CHOICES))
     device: str = attrs.field(default="cpu", validator=_check_device)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
@@ -229,7 +235,6 @@ class EngineConfig:
         return self.tp * self.pp
 
     @property
-    def torch_dtype(self):  # noqa: ANN201 - torch imported lazily
-        import torch
-
-        return getattr(torch, self.dtype)
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype`` (torch is imported on first use)."""
+        return dtypes.torch_dtype(self.dtype)

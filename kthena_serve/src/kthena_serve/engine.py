@@ -21,12 +21,18 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kthena_serve.client import EngineLimits, EngineStats
+from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
-from kthena_serve.input_processor import InputProcessor
+from kthena_serve.input_processor import EngineLimits, InputProcessor
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
-from kthena_serve.model import IncrementalDetokenizer
-from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.model import IncrementalDetokenizer, Tokenizer
+from kthena_serve.model_runner import (
+    ModelRunner,
+    Runner,
+    create_pool,
+    kv_dtype_name,
+    kv_layout_for,
+)
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.request import EngineRequest, FinishReason, Request, RequestOutput
 from kthena_serve.sampler import Sampler
@@ -51,8 +57,9 @@ def create_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
                           check_invariants=config.check_invariants)
 
 
-def build_runner(config: EngineConfig, model=None, tokenizer=None, *,  # noqa: ANN001
-                 shared_pool: bool = False):  # noqa: ANN202
+def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
+                 tokenizer: Tokenizer | None = None, *,
+                 shared_pool: bool = False) -> tuple[Runner, Tokenizer]:
     """(runner, tokenizer): parallel ranks for ``tp * pp > 1``, else the given or loaded model.
 
     Args:
@@ -93,13 +100,14 @@ class LLMEngine:
 
     Args:
         config: the engine config.
-        runner: a ``ModelRunner`` (or ``ParallelModelRunner``) over its KV pool; owned from now on.
+        runner: a ``Runner`` (``ModelRunner`` or ``ParallelModelRunner``) over its KV pool;
+            owned from now on.
         tokenizer: the model's tokenizer.
         kv: the KV cache manager over the runner's blocks (default: from ``config``).
         scheduler: the scheduler over ``kv`` (default: from ``config``).
     """
 
-    def __init__(self, config: EngineConfig, runner, tokenizer, *,  # noqa: ANN001
+    def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Tokenizer, *,
                  kv: KVCacheManager | None = None, scheduler: Scheduler | None = None) -> None:
         self.config = config
         self.runner = runner
@@ -123,21 +131,18 @@ class LLMEngine:
                                if config.kv_offload is not None else 5.0))
         self.sampler = Sampler(runner.device)
         model_config = runner.model.config
-        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                            runner.num_blocks * config.block_size)
-        self.processor = InputProcessor(tokenizer, EngineLimits(
-            max_model_len=max_model_len, vocab_size=model_config.vocab_size,
-            max_n=config.max_n, num_kv_blocks=runner.num_blocks, block_size=config.block_size,
-            kv_cache_dtype=kv_dtype_name(config)),
-            config.chat_special_tokens)
+        self.processor = InputProcessor(tokenizer, EngineLimits.for_engine(
+            config, max_position_embeddings=model_config.max_position_embeddings,
+            vocab_size=model_config.vocab_size, num_kv_blocks=runner.num_blocks,
+            kv_cache_dtype=kv_dtype_name(config)), config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, model=None, tokenizer=None,  # noqa: ANN001
-                    shared_pool: bool = False) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, *, model: torch.nn.Module | None = None,
+                    tokenizer: Tokenizer | None = None, shared_pool: bool = False) -> LLMEngine:
         """The engine with its default parts (see ``build_runner`` for the arguments)."""
         runner, tokenizer = build_runner(config, model, tokenizer, shared_pool=shared_pool)
         return cls(config, runner, tokenizer)

@@ -7,15 +7,70 @@ over the same tokenizer and limits, so both answer a bad request the same way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from kthena_serve.client import EngineLimits
+import attrs
+
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.request import EngineRequest
 from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["InputProcessor"]
+if TYPE_CHECKING:
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.model import Tokenizer
+
+__all__ = ["EngineLimits", "InputProcessor"]
+
+
+@attrs.frozen
+class EngineLimits:
+    """What a client may ask of an engine.
+
+    Attributes:
+        max_model_len: prompt + output tokens at most.
+        vocab_size: token ids lie in ``[0, vocab_size)``.
+        max_n: choices per API call at most.
+        num_kv_blocks, block_size: the KV pool (summed over PD decode workers).
+        kv_cache_dtype: the pool's element type (``"bf16"``, ``"fp16"``, ``"fp32"`` or
+            ``"int8"``); None where no pool has reported it (a PD frontend before its workers).
+    """
+
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_dtype: str | None = None
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, *, max_position_embeddings: int,
+                   vocab_size: int, num_kv_blocks: int = 0,
+                   kv_cache_dtype: str | None = None) -> EngineLimits:
+        """One engine's limits: the context is the model's, capped by ``config.max_model_len``
+        and by what the pool holds (``num_kv_blocks``; 0: no pool known yet, no cap)."""
+        max_model_len = min(config.max_model_len or max_position_embeddings,
+                            max_position_embeddings)
+        if num_kv_blocks:
+            max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        return cls(max_model_len=max_model_len, vocab_size=vocab_size, max_n=config.max_n,
+                   num_kv_blocks=num_kv_blocks, block_size=config.block_size,
+                   kv_cache_dtype=kv_cache_dtype)
+
+    @classmethod
+    def combine(cls, parts: Sequence[EngineLimits]) -> EngineLimits:
+        """What a deployment of several engines (PD decode workers) offers: the smallest
+        context and vocabulary, the summed pools.
+
+        Raises:
+            ValueError: no part.
+        """
+        if not parts:
+            raise ValueError("combine the limits of at least one engine")
+        return cls(max_model_len=min(p.max_model_len for p in parts),
+                   vocab_size=min(p.vocab_size for p in parts), max_n=parts[0].max_n,
+                   num_kv_blocks=sum(p.num_kv_blocks for p in parts),
+                   block_size=parts[0].block_size, kv_cache_dtype=parts[0].kv_cache_dtype)
 
 
 class InputProcessor:
@@ -23,16 +78,30 @@ class InputProcessor:
 
     Args:
         tokenizer: the model's ``Tokenizer``.
-        limits: the engine's limits (context length, vocabulary, ``n``).
+        limits: the engine's limits (context length, vocabulary, ``n``), or a function that
+            returns them now (a PD router's change as its decode workers report).
         chat_special_tokens: ``"text"``: special tokens typed in chat content stay text (no
             forged turns); ``"control"``: they act as control tokens (Hugging Face's default).
     """
 
-    def __init__(self, tokenizer, limits: EngineLimits,  # noqa: ANN001
+    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits | Callable[[], EngineLimits],
                  chat_special_tokens: str = "text") -> None:
         self.tokenizer = tokenizer
-        self.limits = limits
+        self._limits = limits
         self.chat_special_tokens = chat_special_tokens
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The limits requests are checked against (read anew each time)."""
+        return self._limits if isinstance(self._limits, EngineLimits) else self._limits()
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token stands for (logprobs name their tokens with these)."""
+        return self.tokenizer.token_bytes(token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's vocabulary entry (``'Ġworld'``), as vLLM's /tokenize returns them."""
+        return self.tokenizer.token_strs(token_ids)
 
     def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
                ) -> list[int]:

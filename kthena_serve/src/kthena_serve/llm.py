@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.request import RequestOutput
 from kthena_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kthena_serve.model import Tokenizer
 
 __all__ = ["LLM"]
 
@@ -34,7 +38,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

@@ -2,14 +2,18 @@
 
 The pool is injected: host memory, POSIX shared memory (a PD decode worker's, or one a PD
 prefill worker attached to) or device memory; the runner runs where the pool lives.
+``Runner`` is what the engine needs of any runner: this one, or ``ParallelModelRunner``
+(tp x pp ranks, this process rank 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from kthena_core.dtypes import canonical_dtype
 from kthena_serve.config import EngineConfig
 from kthena_serve.model_inputs import ModelInputs, build_inputs
 from kthena_serve.scheduler import ScheduledBatch
@@ -17,16 +21,14 @@ from mooncake_kv.layout import KVLayout, LayoutKind
 from mooncake_kv.pool import KVPool
 from mooncake_kv.sizing import KVShape
 
-__all__ = ["ModelRunner", "create_pool", "kv_dtype_name", "kv_layout_for", "layer_caches",
+__all__ = ["ModelRunner", "Runner", "create_pool", "kv_dtype_name", "kv_layout_for", "layer_caches",
            "sampled_logits"]
-
-_KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def kv_dtype_name(config: EngineConfig) -> str:
     """The pool's element type as mooncake_kv names it: ``"int8"``, or the compute dtype's
     ``"bf16"`` / ``"fp16"`` / ``"fp32"`` for ``kv_cache_dtype="auto"``."""
-    return "int8" if config.kv_cache_dtype == "int8" else _KV_DTYPES[config.torch_dtype]
+    return "int8" if config.kv_cache_dtype == "int8" else canonical_dtype(config.dtype)
 
 
 def layer_caches(pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
@@ -82,6 +84,32 @@ def sampled_logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
     """The rows of the sequences that sample this step (all of them in a decode step)."""
     rows = batch.sampled_rows
     return logits if len(rows) == len(batch.seqs) else logits[rows]
+
+
+class Runner(Protocol):
+    """What the engine needs of whatever runs the model: one forward per scheduled batch over
+    a KV pool it owns.
+
+    Attributes:
+        model: the (rank 0) model; ``model.config`` gives the context length and vocabulary.
+        pool: the (rank 0) KV pool; blocks are numbered ``0 .. num_blocks - 1``.
+        device: where the pool and the logits live.
+    """
+
+    model: torch.nn.Module
+    pool: KVPool
+    device: torch.device
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits [num sampled sequences, vocab] of ``batch``, in batch order."""
+        ...
+
+    def close(self) -> None:
+        """Release the pool (and any rank processes); idempotent."""
+        ...
 
 
 class ModelRunner:

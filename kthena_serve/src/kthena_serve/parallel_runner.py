@@ -46,6 +46,7 @@ from kthena_serve.model_inputs import ModelInputs, build_inputs
 from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches, sampled_logits
 from kthena_serve.scheduler import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
+from mooncake_kv.pool import KVPool
 
 __all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_microbatches"]
 
@@ -100,14 +101,14 @@ class _Stage:
 
     def __init__(self, config: EngineConfig, rank_env, check_peers=None) -> None:  # noqa: ANN001
         from kthena_comm.groups import init_parallel_groups
-        from kthena_comm.layout import ParallelConfig
+        from kthena_core.layout import Layout
         from kthena_serve.model import PipelineStage, TensorParallel, load_model
         from kthena_serve.model.config import ModelConfig
         from kthena_serve.model.loader import resolve_checkpoint
 
         _pin(rank_env.local_rank if config.ranks_from == "env" else rank_env.rank)
-        layout = ParallelConfig(tp_size=config.tp, pp_size=config.pp)
-        self.groups = init_parallel_groups(layout, rank_env, check_peers=check_peers)
+        self.groups = init_parallel_groups(Layout(config.tp, config.pp), rank_env,
+                                           check_peers=check_peers)
         pp = self.groups.pp
         layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
         stage = PipelineStage.of(layers, config.pp, pp.group_rank)
@@ -340,11 +341,12 @@ class ParallelModelRunner:
         if config.num_kv_blocks is not None:
             return config
         from kthena_core import kv_heads_per_rank
-        from kthena_serve.model import ModelConfig, resolve_checkpoint
+        from kthena_serve.model import ModelConfig, PipelineStage, resolve_checkpoint
 
         model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
         heads = kv_heads_per_rank(model.num_key_value_heads, config.tp)
-        layers = -(-model.num_hidden_layers // config.pp)
+        # every stage holds num_layers / pp layers (kthena_core.shape.stage_layer_range)
+        layers = len(PipelineStage.of(model.num_hidden_layers, config.pp).layers)
         layout = kv_layout_for(layers, heads, model.head_dim, config)
         return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
 
@@ -357,6 +359,12 @@ class ParallelModelRunner:
     def device(self) -> torch.device:
         assert self._stage is not None
         return self._stage.pool.buffer.device
+
+    @property
+    def pool(self) -> KVPool:
+        """Rank 0's KV pool (its heads of its stage's layers)."""
+        assert self._stage is not None
+        return self._stage.pool
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         import torch.distributed as dist

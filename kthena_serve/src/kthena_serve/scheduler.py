@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kthena_serve.request import FinishReason, Request, RequestStatus
-from mooncake_kv import ExtraKeys, KVCacheManager
+from mooncake_kv import ExtraKeys, KVCacheBlocks, KVCacheManager
 
 if TYPE_CHECKING:
     from mooncake_kv.tiers import AsyncOffloader, PromotionJob
@@ -309,7 +309,7 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _allocate_prefill(self, rid: str, num_new: int):  # noqa: ANN202 - KVCacheBlocks | None
+    def _allocate_prefill(self, rid: str, num_new: int) -> KVCacheBlocks | None:
         """Reserve a prefill chunk's slots, less those a promotion reserved and left unfilled."""
         ahead = self._ahead.get(rid, 0)
         blocks = self.kv.try_allocate(rid, max(0, num_new - ahead))

@@ -10,6 +10,8 @@ import shlex
 
 import attrs
 
+from kthena_core import dtypes
+
 __all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args", "add_public_metrics_arg",
            "curl_line"]
 
@@ -48,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size, e.g. 512MiB, 2GiB (default 1GiB)")
     parser.add_argument("--max-model-len", type=int,
                         help="context length cap (default: the model's, capped by the pool)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+    parser.add_argument("--dtype", choices=[dtypes.torch_name(k) for k in dtypes.ENGINE_DTYPES],
                         help=f"weight and compute dtype (default {_default('dtype')})")
     parser.add_argument("--kv-cache-dtype",
                         help="KV pool dtype: 'auto' (= --dtype, the default) or 'int8' (int8 "

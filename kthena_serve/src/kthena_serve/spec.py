@@ -38,22 +38,24 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kthena_core.dtypes import torch_name
+from kthena_core.layout import Layout
+from kthena_serve.cluster.config import RouterWeights
 from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
-from kthena_serve.pd.config import PDConfig, RouterWeights
+from kthena_serve.pd.config import PDConfig
 
 if TYPE_CHECKING:
-    from kthena_core.config import KthenaConfig
+    from kthena_core.config import CompressionConfig, KthenaConfig
     from kthena_core.planner import Plan
     from kthena_core.topology import Topology
 
-__all__ = ["DEFAULT_MODEL_NAME", "PlannedConfig", "ServeSpec", "ServedLayout",
+__all__ = ["DEFAULT_MODEL_NAME", "PlannedConfig", "ServeSpec",
            "UnservablePlanError", "check_servable", "config_settings", "engine_config",
            "flag_name", "model_name", "plan_config_path"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PLAN_CANDIDATES = 3  # runner-ups printed at start-up and carried in GET /plan
-_ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _ENGINE_FIELDS = frozenset(f.name for f in attrs.fields(EngineConfig))
 # Settings whose flag is not --<name with dashes>.
 _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
@@ -104,20 +106,6 @@ def engine_config(flags: Mapping[str, Any]) -> EngineConfig:
 
 
 @attrs.frozen
-class ServedLayout:
-    """The layout one ``kthena serve`` runs; printed at start-up, reported by GET /plan."""
-
-    tp: int
-    pp: int
-    dp: int
-    sp: int
-    mode: str
-
-    def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp} mode={self.mode}"
-
-
-@attrs.frozen
 class PlannedConfig:
     """A ``kthena_config.yaml`` with its plan: what ``--config`` adds to the flags.
 
@@ -132,9 +120,9 @@ class PlannedConfig:
     plan: Plan
 
     @property
-    def layout(self) -> ServedLayout:
-        lay = self.plan.chosen.layout
-        return ServedLayout(lay.tp, lay.pp, lay.dp, lay.sp, self.plan.workload.mode)
+    def layout(self) -> Layout:
+        """The plan's layout (its mode is ``plan.workload.mode``)."""
+        return self.plan.layout
 
     def settings(self) -> dict[str, Any]:
         """The settings the config and its plan give (see the module docstring)."""
@@ -188,7 +176,8 @@ class ServeSpec:
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod
-    def resolve(cls, flags: Mapping[str, Any], planned: PlannedConfig | None = None) -> ServeSpec:
+    def resolve(cls, flags: Mapping[str, Any], planned: PlannedConfig | None = None, *,
+                world_size: int = 1) -> ServeSpec:
         """Flags over the planned config over the defaults, checked once.
 
         Args:
@@ -197,6 +186,8 @@ class ServeSpec:
                 Defaults are not flags: a setting absent here comes from the config or the
                 defaults.
             planned: the ``--config`` and its plan, or None.
+            world_size: WORLD_SIZE when a launcher (``kthena-run`` / torchrun) started this
+                process as one rank of several; such a rank runs one tp x pp engine only.
 
         Raises:
             ValueError: a refused value or combination; the message starts with the flag.
@@ -211,8 +202,10 @@ class ServeSpec:
             block = given.get("block_size", EngineConfig().block_size)
             given["num_kv_blocks"] = math.ceil(planned.config.kv_cache.max_tokens / block)
         s = {**_SERVE_DEFAULTS, **given}
+        _check_launcher(s["mode"], s["dp"], world_size)
         _check_combinations(s)
         engine = engine_config(given)
+        _check_ranks(engine, world_size)
         served = s["served_model_name"] or model_name(engine.model)
         return cls(engine=engine, mode=s["mode"], dp=s["dp"], num_prefill=s["prefill"],
                    num_decode=s["decode"], pd=_pd_config(s), host=s["host"], port=s["port"],
@@ -225,15 +218,16 @@ class ServeSpec:
 
     # ---- reading ----------------------------------------------------------------------------
     @property
-    def layout(self) -> ServedLayout:
-        """What this spec serves: colocated is ``dp`` replicas; PD is one prefill + decode set."""
+    def layout(self) -> Layout:
+        """What this spec serves (in ``mode``): colocated is ``dp`` replicas; PD is one prefill
+        + decode set."""
         dp = 1 if self.mode == "pd" else self.dp
-        return ServedLayout(self.engine.tp, self.engine.pp, dp, 1, self.mode)
+        return Layout(self.engine.tp, self.engine.pp, dp)
 
     def served(self) -> dict[str, Any]:
         """GET /plan's ``served`` (and ``kthena_deployment_info``'s labels); PD adds its
         worker counts."""
-        out: dict[str, Any] = attrs.asdict(self.layout)
+        out: dict[str, Any] = {**attrs.asdict(self.layout), "mode": self.mode}
         if self.mode == "pd":
             out.update(prefill=self.num_prefill, decode=self.num_decode)
         return out
@@ -242,6 +236,16 @@ class ServeSpec:
         """What GET /plan answers: the layout served, the plan (when a config chose it) and
         the config's path."""
         return {"served": self.served(), "plan": self.plan, "config": self.config_path}
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse to run as one of ``world_size`` launcher ranks unless that is one tp x pp
+        engine of exactly that many ranks.
+
+        Raises:
+            ValueError: names WORLD_SIZE and what to change.
+        """
+        _check_launcher(self.mode, self.dp, world_size)
+        _check_ranks(self.engine, world_size)
 
     @property
     def aliases(self) -> set[str]:
@@ -276,6 +280,21 @@ class ServeSpec:
 
 
 # ---- resolve's parts ----------------------------------------------------------------------------
+def _check_launcher(mode: str, dp: int, world_size: int) -> None:
+    if world_size > 1 and (mode == "pd" or dp > 1):
+        raise ValueError(f"WORLD_SIZE={world_size}: under kthena-run / torchrun each rank is "
+                         "one tp x pp rank of one engine; --mode pd and --dp start their own "
+                         "processes. Run them without a launcher, or set --dp 1 and --mode "
+                         "colocated")
+
+
+def _check_ranks(engine: EngineConfig, world_size: int) -> None:
+    if world_size > 1 and world_size != engine.world_size:
+        raise ValueError(f"WORLD_SIZE={world_size}, but --tp {engine.tp} x --pp {engine.pp} "
+                         f"needs {engine.world_size} ranks; launch that many (kthena-run "
+                         "--nnodes x --nproc_per_node) or change --tp / --pp")
+
+
 def _check_combinations(s: Mapping[str, Any]) -> None:
     """Combinations of settings no deployment can run, refused with the flag to change."""
     dp, mode = s["dp"], s["mode"]
@@ -361,7 +380,7 @@ def plan_config_path(path: str, launcher_world: int = 1) -> PlannedConfig:
     cfg, topology, plan = plan_config_file(path)
     planned = PlannedConfig(path, cfg, plan)
     print(format_plan(plan, PLAN_CANDIDATES), flush=True)
-    print(f"kthena serve: plan layout {planned.layout}", flush=True)
+    print(f"kthena serve: plan layout {planned.layout} mode={plan.workload.mode}", flush=True)
     check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
     return planned
 
@@ -370,8 +389,8 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
     """The settings ``cfg`` and its ``plan`` give, by name (``num_kv_blocks`` aside)."""
     service, kv = cfg.service, cfg.kv_cache
     out: dict[str, Any] = {
-        "model": cfg.model.checkpoint_path, "dtype": _ENGINE_DTYPES[cfg.model.dtype],
-        "tp": plan.tp_size, "pp": plan.pp_size, "max_num_seqs": service.max_batch_size,
+        "model": cfg.model.checkpoint_path, "dtype": torch_name(cfg.model.dtype),
+        "tp": plan.layout.tp, "pp": plan.layout.pp, "max_num_seqs": service.max_batch_size,
         "block_size": kv.reuse_bucket_size, "enable_prefix_caching": service.kv_cache_reuse,
         "host": service.host, "port": service.port, "mode": service.mode,
         "kv_cache_dtype": _kv_cache_dtype(kv.compression, plan.model.head_dim),
@@ -380,7 +399,7 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
         est = plan.chosen.estimate
         out.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
     else:
-        out["dp"] = plan.dp_size
+        out["dp"] = plan.layout.dp
     if kv.memory_pool_size is not None:
         out["kv_cache_memory"] = kv.memory_pool_size
     if kv.offload is not None:
@@ -388,7 +407,7 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
     return out
 
 
-def _kv_cache_dtype(compression, head_dim: int) -> str:  # noqa: ANN001 - CompressionConfig
+def _kv_cache_dtype(compression: CompressionConfig, head_dim: int) -> str:
     """``kv_cache_dtype`` for ``kv_cache.compression``.
 
     Raises:

@@ -136,14 +136,14 @@ __all__ += [
     "shared_pool_paths",
     "KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError", "PoolNotFoundError",
     "PoolMismatchError", "BlockPayloadError",
-    "PagedBatch", "paged_batch",
+    "PagedBatch", "PagedBatchError", "paged_batch",
 ]
 
 # name -> the torch-backed module that defines it
 _TORCH_NAMES = {
     **dict.fromkeys(("KVPool", "KVPoolHandle", "PoolClosedError", "PoolExistsError",
                      "PoolNotFoundError", "PoolMismatchError", "BlockPayloadError"), "pool"),
-    **dict.fromkeys(("PagedBatch", "paged_batch"), "paged"),
+    **dict.fromkeys(("PagedBatch", "PagedBatchError", "paged_batch"), "paged"),
 }
 
 

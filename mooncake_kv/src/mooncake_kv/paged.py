@@ -1,5 +1,9 @@
 """PagedBatch: one step's block tables and slot mapping, in the form the paged ops take.
 
+It is the one batch-metadata type: ``paged_batch`` builds it from the block ids
+``KVCacheManager`` hands out, and the engine's model reads it as is (attention, KV writes,
+RoPE positions, the logits rows).
+
 Sequence ``s`` has ``c_s`` tokens already in the cache and ``q_s`` new ones; its new tokens
 are packed after the previous sequence's::
 
@@ -14,7 +18,10 @@ are packed after the previous sequence's::
                         └───────── positions  0 .. B-1
 
 ``paged_batch`` turns what ``KVCacheManager`` hands out (block ids per request) into these
-tensors with one Python loop over sequences; the rest is tensor ops. Imports torch: load it
+tensors with one Python loop over sequences; the rest is tensor ops. A decode-only step (every
+sequence has one new token) runs paged decode attention over ``context_lens``; any other step
+runs varlen paged prefill attention. A ``PagedBatch`` built by hand is checked (dtypes,
+per-sequence shapes) and refused with ``PagedBatchError``. Imports torch: load it
 through ``mooncake_kv.paged_batch`` (the ``[pool]`` extra), never from the ``mooncake_kv``
 core modules.
 """
@@ -28,11 +35,31 @@ import attrs
 import torch
 
 from mooncake_kv.results import KVCacheBlocks
+from mooncake_kv.types import KVCacheError
 
-__all__ = ["PagedBatch", "paged_batch"]
+__all__ = ["PagedBatch", "PagedBatchError", "paged_batch"]
 
 SeqBlocks = tuple[Sequence[int] | KVCacheBlocks, int, int]
 """One sequence of a batch: ``(block_ids, num_cached, num_new)``."""
+
+_FIELD_DTYPES = {
+    "block_tables": torch.int32, "slot_mapping": torch.int64, "positions": torch.int64,
+    "cached_lens": torch.int32, "query_lens": torch.int32, "context_lens": torch.int32,
+    "logits_indices": torch.int64,
+}
+_PER_SEQ = ("cached_lens", "query_lens", "context_lens", "logits_indices")
+
+
+class PagedBatchError(KVCacheError, ValueError):
+    """A ``PagedBatch`` whose tensors disagree: a wrong dtype or rank, or per-sequence lengths
+    that do not match its block tables."""
+
+
+def _check_dtype(_inst: object, attribute: attrs.Attribute, value: torch.Tensor) -> None:
+    want = _FIELD_DTYPES[attribute.name]
+    if not isinstance(value, torch.Tensor) or value.dtype != want:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise PagedBatchError(f"PagedBatch.{attribute.name} must be a {want} tensor, got {got}")
 
 
 @attrs.frozen(eq=False)
@@ -43,7 +70,7 @@ class PagedBatch:
         block_tables: int32 [num_seqs, max_blocks]; each sequence's block ids, rows padded
             with 0.
         slot_mapping: int64 [num_tokens]; the cache slot of each new token's K/V
-            (``write_kv``).
+            (``write_kv``; a slot < 0 is not written).
         positions: int64 [num_tokens]; each new token's position in its sequence (RoPE).
         cached_lens: int32 [num_seqs]; tokens already in the cache.
         query_lens: int32 [num_seqs]; new tokens per sequence.
@@ -51,16 +78,37 @@ class PagedBatch:
         logits_indices: int64 [num_seqs]; index in the packed tokens of each sequence's last
             new token.
         is_decode_only: every sequence has exactly one new token (paged decode attention).
+
+    Raises:
+        PagedBatchError: a dtype or rank is wrong, or the per-sequence lengths disagree.
     """
 
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    cached_lens: torch.Tensor
-    query_lens: torch.Tensor
-    context_lens: torch.Tensor
-    logits_indices: torch.Tensor
+    block_tables: torch.Tensor = attrs.field(validator=_check_dtype)
+    slot_mapping: torch.Tensor = attrs.field(validator=_check_dtype)
+    positions: torch.Tensor = attrs.field(validator=_check_dtype)
+    cached_lens: torch.Tensor = attrs.field(validator=_check_dtype)
+    query_lens: torch.Tensor = attrs.field(validator=_check_dtype)
+    context_lens: torch.Tensor = attrs.field(validator=_check_dtype)
+    logits_indices: torch.Tensor = attrs.field(validator=_check_dtype)
     is_decode_only: bool
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_tables.dim() != 2:
+            raise PagedBatchError(f"block_tables must be 2-D [num_seqs, max_blocks], got shape "
+                                  f"{tuple(self.block_tables.shape)}")
+        num_seqs = self.block_tables.shape[0]
+        for name in _PER_SEQ:
+            if tuple(getattr(self, name).shape) != (num_seqs,):
+                raise PagedBatchError(f"{name} must have shape ({num_seqs},) like block_tables' "
+                                      f"rows, got {tuple(getattr(self, name).shape)}")
+        if self.slot_mapping.dim() != 1 or self.positions.shape != self.slot_mapping.shape:
+            raise PagedBatchError(f"slot_mapping and positions must both be [num_tokens], got "
+                                  f"{tuple(self.slot_mapping.shape)} and "
+                                  f"{tuple(self.positions.shape)}")
+        if self.is_decode_only and self.slot_mapping.shape[0] != num_seqs:
+            raise PagedBatchError(f"a decode-only batch has one token per sequence: slot_mapping "
+                                  f"has {self.slot_mapping.shape[0]} tokens for {num_seqs} "
+                                  "sequences")
 
     @property
     def num_seqs(self) -> int:

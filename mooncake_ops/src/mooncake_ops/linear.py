@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import attrs
 import torch
@@ -194,7 +195,8 @@ FP32_COMPUTE_BF16 = LinearKernel("bf16-fp32-compute", _fp32_pack, _fp32_linear)
 _NATIVE: dict[str, object] = {}
 
 
-def _native_module():  # noqa: ANN202 - the extension module, or None
+def _native_module() -> ModuleType | None:
+    """The native extension module, or None when no build loads here."""
     if "module" not in _NATIVE:
         from mooncake_ops.backends import native
 

@@ -49,7 +49,8 @@ NETWORKING_API = "networking.serving.volcano.sh/v1alpha1"
 NAME_LABEL = "modelserving.volcano.sh/name"
 ROLE_LABEL = "modelserving.volcano.sh/role"
 GROUP_KEY = "modelserving.volcano.sh/group-name"
-# Must equal kthena_serve.pd.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare them).
+# Must equal kthena_serve.cluster.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare
+# them).
 PD_SECRET_ENV = "KTHENA_PD_SECRET"
 HEALTH_PATH = "/health"
 PUBLIC_METRICS_FLAG = "--public-metrics"  # kthena-router scrapes /metrics without credentials

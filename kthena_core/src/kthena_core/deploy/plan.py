@@ -29,6 +29,7 @@ import math
 import attrs
 
 from kthena_core.deploy.spec import DeployError, DeploySpec
+from kthena_core.dtypes import ENGINE_DTYPES, torch_name
 from kthena_core.planner import Plan, Planner, _decode_replicas
 
 __all__ = ["Deployment", "Role", "plan_deployment"]
@@ -36,7 +37,6 @@ __all__ = ["Deployment", "Role", "plan_deployment"]
 GiB = 1024**3
 CPUS_PER_RANK = 4
 ENGINE_DEVICE = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}
-_ENGINE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @attrs.frozen
@@ -72,11 +72,11 @@ class Deployment:
 
     @property
     def tp(self) -> int:
-        return self.plan.tp_size
+        return self.plan.layout.tp
 
     @property
     def pp(self) -> int:
-        return self.plan.pp_size
+        return self.plan.layout.pp
 
     @property
     def engine_device(self) -> str:
@@ -84,7 +84,7 @@ class Deployment:
 
     @property
     def engine_dtype(self) -> str:
-        return _ENGINE_DTYPE[self.spec.workload.dtype]
+        return torch_name(self.spec.workload.dtype)
 
     @property
     def num_devices_per_pod(self) -> int:
@@ -114,10 +114,10 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
     if spec.mode == "pd":
         num_groups, roles = 1, _pd_roles(spec, plan)
     else:
-        num_groups, roles = plan.dp_size, (Role("serve", 1),)
+        num_groups, roles = plan.layout.dp, (Role("serve", 1),)
     mem = plan.chosen.memory
     assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
-    ranks = plan.tp_size * plan.pp_size
+    ranks = plan.layout.tp * plan.layout.pp
     host_bytes = mem.total * ranks if kind == "cpu" else mem.weights * ranks + mem.reserve
     return Deployment(
         spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
@@ -158,9 +158,9 @@ def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
             "runs each worker at tp=1 and pp=1 (a PD decode worker holds one whole KV pool, "
             "which its prefill worker writes; `kthena serve --mode pd` refuses --tp and --pp > "
             "1 too). Use mode: colocated for this model and topology.")
-    if spec.workload.dtype not in _ENGINE_DTYPE:
+    if spec.workload.dtype not in ENGINE_DTYPES:
         raise DeployError(f"workload.dtype: got {spec.workload.dtype!r}; allowed: "
-                          f"{', '.join(_ENGINE_DTYPE)} (the dtypes the serving engine runs)")
+                          f"{', '.join(ENGINE_DTYPES)} (the dtypes the serving engine runs)")
     if spec.workload.kv_dtype != spec.workload.dtype:
         raise DeployError(f"workload.kv_dtype: got {spec.workload.kv_dtype!r}; allowed: "
                           f"{spec.workload.dtype!r} (the serving engine keeps KV in the compute dtype)")
@@ -174,7 +174,7 @@ def _topology_error(spec: DeploySpec, problem: str, allowed: str) -> DeployError
 def _pd_roles(spec: DeploySpec, plan: Plan) -> tuple[Role, ...]:
     est = plan.chosen.estimate
     assert est is not None
-    dp = plan.dp_size
+    dp = plan.layout.dp
     prefill, decode = spec.num_prefill, spec.num_decode
     if prefill is None and decode is None:
         prefill, decode = est.prefill_replicas, est.decode_replicas
@@ -186,6 +186,6 @@ def _pd_roles(spec: DeploySpec, plan: Plan) -> tuple[Role, ...]:
         raise DeployError(
             f"num_prefill, num_decode: got {spec.num_prefill or 'plan'} + "
             f"{spec.num_decode or 'plan'}; allowed: counts >= 1 that add up to the plan's "
-            f"{dp} instances (TP{plan.tp_size} x DP{dp}; the plan splits them "
+            f"{dp} instances (TP{plan.layout.tp} x DP{dp}; the plan splits them "
             f"{est.prefill_replicas} + {est.decode_replicas})")
     return (Role("prefill", prefill), Role("decode", decode))

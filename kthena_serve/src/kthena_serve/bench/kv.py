@@ -38,11 +38,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from random import Random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kthena_serve.bench.machine import host_info
+
+if TYPE_CHECKING:
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine import LLMEngine
+    from kthena_serve.model import LlamaForCausalLM, Tokenizer
 
 __all__ = ["CASES", "BenchShape", "add_parser", "main", "plot", "run_case"]
 
@@ -83,7 +88,8 @@ def _messages(shape: BenchShape) -> list[list[list[int]]]:
 
 # ---- an engine instance: in this process, or a worker process ------------------------------------
 class _Local:
-    def __init__(self, config, model, tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
+                 ) -> None:
         from kthena_serve.engine import LLMEngine
 
         self.engine = LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
@@ -101,7 +107,7 @@ class _Local:
         self.engine.close()
 
 
-def _serve(engine, request_id: str, prompt: list[int], max_tokens: int,  # noqa: ANN001
+def _serve(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int,
            ) -> tuple[float, list[int]]:
     from kthena_serve.sampling_params import SamplingParams
 
@@ -119,7 +125,7 @@ def _serve(engine, request_id: str, prompt: list[int], max_tokens: int,  # noqa:
 class _Worker:
     """An engine in a child process (``--worker``): JSON lines on its stdin and stdout."""
 
-    def __init__(self, config, model_name: str, dtype: str) -> None:  # noqa: ANN001
+    def __init__(self, config: EngineConfig, model_name: str, dtype: str) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "GLOG_minloglevel": "2"}
         spec = json.dumps({"config": attrs.asdict(config), "model": model_name, "dtype": dtype})
         self.proc = subprocess.Popen(
@@ -168,14 +174,13 @@ class _Worker:
 
 
 def _worker_main(spec_json: str) -> int:
-    import torch
-
+    from kthena_core.dtypes import torch_dtype
     from kthena_serve.config import EngineConfig
     from kthena_serve.model import load_model
 
     spec = json.loads(spec_json)
     config = EngineConfig(**spec["config"])
-    model, tokenizer = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]))
+    model, tokenizer = load_model(spec["model"], dtype=torch_dtype(spec["dtype"]))
     local = _Local(config, model, tokenizer)
     try:
         for line in sys.stdin:
@@ -211,7 +216,8 @@ def _computed(stats: Sequence[dict]) -> int:
     return sum(s["num_computed_prompt_tokens"] for s in stats)
 
 
-def _conversation(instances, shape: BenchShape, messages, tag: str,  # noqa: ANN001
+def _conversation(instances: Sequence[_Local | _Worker], shape: BenchShape,
+                  messages: Sequence[Sequence[list[int]]], tag: str,
                   block_bytes: int, per_turn: list | None = None) -> list[float]:
     histories: list[list[int]] = [[] for _ in messages]
     ttfts = []
@@ -236,15 +242,15 @@ def _conversation(instances, shape: BenchShape, messages, tag: str,  # noqa: ANN
     return ttfts
 
 
-def _block_bytes(model, block_size: int, dtype: str) -> int:  # noqa: ANN001
+def _block_bytes(model: LlamaForCausalLM, block_size: int, dtype: str) -> int:
     """Bytes of one block of a pool of the compute dtype (the int8 cases get the same memory)."""
     item = 4 if dtype == "float32" else 2
     return 2 * model.config.num_hidden_layers * model.num_kv_heads_per_rank * model.head_dim \
         * block_size * item
 
 
-def case_config(case: str, shape: BenchShape, model, master: str | None,  # noqa: ANN001, ANN201
-                dtype: str = "bfloat16"):
+def case_config(case: str, shape: BenchShape, model: LlamaForCausalLM, master: str | None,
+                dtype: str = "bfloat16") -> tuple[EngineConfig, int]:
     """The EngineConfig of each instance of ``case``, and how many instances it runs."""
     from kthena_serve.config import EngineConfig
 
@@ -263,8 +269,9 @@ def case_config(case: str, shape: BenchShape, model, master: str | None,  # noqa
     return config, 2 if mode.startswith("2x") else 1
 
 
-def run_case(case: str, shape: BenchShape, model, tokenizer, master: str | None = None,  # noqa: ANN001
-             model_name: str = "default", dtype: str = "bfloat16") -> dict:
+def run_case(case: str, shape: BenchShape, model: LlamaForCausalLM, tokenizer: Tokenizer,
+             master: str | None = None, model_name: str = "default",
+             dtype: str = "bfloat16") -> dict:
     """One case's figures: fresh instances, a warm-up conversation (other tokens), the run."""
     config, count = case_config(case, shape, model, master, dtype)
     instances: list[Any] = []
@@ -382,11 +389,10 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     shape = BenchShape(**{f.name: getattr(args, f.name) for f in attrs.fields(BenchShape)})
-    import torch
-
+    from kthena_core.dtypes import torch_dtype
     from kthena_serve.model import load_model
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype))
     master_proc, master = None, args.master
     if master is None and any(c.split("/")[0] in _STORE_CASES for c in cases):
         from mooncake_kv.tiers.master import MasterUnavailableError, start_local_master

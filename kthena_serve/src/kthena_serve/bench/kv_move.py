@@ -51,10 +51,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from kthena_serve.bench.machine import cpu_model
 from kthena_serve.bench.netns import NetnsUnavailable, two_namespaces
+
+if TYPE_CHECKING:
+    import torch
+
+    from kthena_comm.transfer import (
+        MemoryHandle,
+        Notifier,
+        TransferBatch,
+        TransferEngine,
+        TransferFuture,
+    )
+    from mooncake_kv.layout import RangePair
+    from mooncake_kv.pool import KVPool
+
+    class _Engine(TransferEngine, Notifier, Protocol):
+        """A transfer engine that also sends control messages (every built-in backend)."""
 
 __all__ = [
     "ARTICLE_CLAIMS",
@@ -123,7 +140,7 @@ class _Geometry:
         return slice(self.dst[0], self.dst[-1] + 1)
 
 
-def _fresh_kv(geometry: _Geometry):  # noqa: ANN202
+def _fresh_kv(geometry: _Geometry) -> KVPool:
     """The KV the stand-in compute "produces": a private pool of seeded random bytes.
 
     Seeded, so a process in another namespace rebuilds the same bytes to check against.
@@ -139,7 +156,7 @@ def _fresh_kv(geometry: _Geometry):  # noqa: ANN202
     return pool
 
 
-def _store_layer(fresh, target, geometry: _Geometry, layer: int,  # noqa: ANN001
+def _store_layer(fresh: KVPool, target: KVPool, geometry: _Geometry, layer: int,
                  dst: slice) -> None:
     """Write the request's K and V of ``layer`` from ``fresh`` into ``target``'s blocks ``dst``."""
     src = geometry.src_slice()
@@ -147,7 +164,7 @@ def _store_layer(fresh, target, geometry: _Geometry, layer: int,  # noqa: ANN001
     target.v_cache(layer)[dst].copy_(fresh.v_cache(layer)[src])
 
 
-def _verify(fresh, pool, geometry: _Geometry, where: str) -> None:  # noqa: ANN001
+def _verify(fresh: KVPool, pool: KVPool, geometry: _Geometry, where: str) -> None:
     """Raise ``KVMoveMismatchError`` unless every token row of the request is byte-identical.
 
     Compares the request's ``tokens`` rows (K and V, every layer) of ``pool``'s destination
@@ -168,7 +185,7 @@ def _verify(fresh, pool, geometry: _Geometry, where: str) -> None:  # noqa: ANN0
                     "every byte")
 
 
-def _zero_request(pool, geometry: _Geometry) -> None:  # noqa: ANN001
+def _zero_request(pool: KVPool, geometry: _Geometry) -> None:
     """Zero the destination blocks, so a move that copies nothing cannot pass the check."""
     buffer = pool.buffer
     for r in pool.layout.batch_ranges(geometry.dst):
@@ -214,8 +231,9 @@ def _calibrate(target_ms: float) -> int:
 class _LocalDecode:
     """Decode side in this process: its own engine, a pool and a staging buffer it serves."""
 
-    def __init__(self, engine, pool, pool_handle, staging, staging_handle,  # noqa: ANN001
-                 geometry: _Geometry, fresh, where: str) -> None:  # noqa: ANN001
+    def __init__(self, engine: Notifier, pool: KVPool, pool_handle: MemoryHandle,
+                 staging: torch.Tensor, staging_handle: MemoryHandle, geometry: _Geometry,
+                 fresh: KVPool, where: str) -> None:
         self.engine, self.pool, self.pool_handle = engine, pool, pool_handle
         self.staging, self.staging_handle = staging, staging_handle
         self.geometry, self.fresh, self.where = geometry, fresh, where
@@ -245,7 +263,7 @@ class _LocalDecode:
         _verify(self.fresh, self.pool, self.geometry, f"{self.where}/{method}")
 
 
-def _await_notify(engine, timeout_s: float, where: str) -> None:  # noqa: ANN001
+def _await_notify(engine: Notifier, timeout_s: float, where: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if engine.poll_notifies(min(0.5, max(0.0, deadline - time.monotonic()))):
@@ -254,7 +272,7 @@ def _await_notify(engine, timeout_s: float, where: str) -> None:  # noqa: ANN001
                        "if the machine is busy")
 
 
-def _gather(pool, staging, geometry: _Geometry) -> None:  # noqa: ANN001
+def _gather(pool: KVPool, staging: torch.Tensor, geometry: _Geometry) -> None:
     """Copy the request's source blocks, range by range, into the contiguous staging buffer."""
     buffer, position = pool.buffer, 0
     for r in pool.layout.batch_ranges(geometry.src):
@@ -262,7 +280,7 @@ def _gather(pool, staging, geometry: _Geometry) -> None:  # noqa: ANN001
         position += r.length
 
 
-def _scatter(staging, pool, geometry: _Geometry) -> None:  # noqa: ANN001
+def _scatter(staging: torch.Tensor, pool: KVPool, geometry: _Geometry) -> None:
     """The inverse of ``_gather``, into the destination blocks (same order of ranges)."""
     buffer, position = pool.buffer, 0
     for r in pool.layout.batch_ranges(geometry.dst):
@@ -388,32 +406,34 @@ def _decode_side_main(config: dict) -> None:
 class _Sender:
     """The prefill engine, counting put calls, ranges and bytes."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001
+    def __init__(self, engine: _Engine) -> None:
         self.engine = engine
         self.calls = self.ranges = self.bytes = 0
 
-    def _count(self, batch) -> None:  # noqa: ANN001
+    def _count(self, batch: TransferBatch) -> None:
         self.calls += 1
         self.ranges += len(batch)
         self.bytes += batch.nbytes
 
-    def put(self, batch) -> None:  # noqa: ANN001
+    def put(self, batch: TransferBatch) -> None:
         self._count(batch)
         self.engine.batch_put(batch)
 
-    def put_async(self, batch):  # noqa: ANN001, ANN201
+    def put_async(self, batch: TransferBatch) -> TransferFuture:
         self._count(batch)
         return self.engine.batch_put_async(batch)
 
 
-def _batch(local, remote, pairs):  # noqa: ANN001, ANN202
+def _batch(local: MemoryHandle, remote: MemoryHandle, pairs: Sequence[RangePair],
+           ) -> TransferBatch:
     from kthena_comm.transfer import TransferBatch
 
     return TransferBatch(local, remote, [p.src_offset for p in pairs],
                          [p.dst_offset for p in pairs], [p.length for p in pairs])
 
 
-def _per_token_batches(geometry: _Geometry, local, remote) -> list:  # noqa: ANN001
+def _per_token_batches(geometry: _Geometry, local: MemoryHandle, remote: MemoryHandle,
+                       ) -> list[TransferBatch]:
     """One batch per (token, K|V): that token's row in every layer."""
     from kthena_comm.transfer import TransferBatch
     from mooncake_kv.layout import KVPart
@@ -440,7 +460,8 @@ class _Method:
         self.scatter, self.in_place = scatter, in_place
 
 
-def _methods(sender: _Sender, local, staging_local, decode, prefill_pool, staging,  # noqa: ANN001
+def _methods(sender: _Sender, local: MemoryHandle, staging_local: MemoryHandle,
+             decode: _LocalDecode | _RemoteDecode, prefill_pool: KVPool, staging: torch.Tensor,
              geometry: _Geometry, timeout_s: float, zero_copy: bool) -> dict[str, _Method]:
     from kthena_comm.transfer import TransferBatch
 
@@ -492,10 +513,11 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _run_transport(transport: str, sender: _Sender, local, staging_local, decode,  # noqa: ANN001
-                   prefill_pool, staging, fresh, geometry: _Geometry, compute: _Compute,
-                   repeats: int, timeout_s: float,
-                   shared_decode_pool=None) -> list[dict]:  # noqa: ANN001
+def _run_transport(transport: str, sender: _Sender, local: MemoryHandle,
+                   staging_local: MemoryHandle, decode: _LocalDecode | _RemoteDecode,
+                   prefill_pool: KVPool, staging: torch.Tensor, fresh: KVPool,
+                   geometry: _Geometry, compute: _Compute, repeats: int, timeout_s: float,
+                   shared_decode_pool: KVPool | None = None) -> list[dict]:
     """Every method over one transport; one row each (medians over ``repeats``)."""
     for layer in range(geometry.layers):  # what the prefill computed: its pool holds the KV
         _store_layer(fresh, prefill_pool, geometry, layer, geometry.src_slice())
@@ -584,7 +606,7 @@ def _not_applicable(transport: str, method: str) -> dict:
 
 
 # ---- transports --------------------------------------------------------------------------------
-def _shm_rows(geometry: _Geometry, fresh, compute: _Compute, repeats: int,  # noqa: ANN001
+def _shm_rows(geometry: _Geometry, fresh: KVPool, compute: _Compute, repeats: int,
               timeout_s: float) -> list[dict]:
     import torch
 
@@ -621,7 +643,7 @@ def _shm_rows(geometry: _Geometry, fresh, compute: _Compute, repeats: int,  # no
             engine.close()
 
 
-def _mooncake_loopback_rows(geometry: _Geometry, fresh, compute: _Compute,  # noqa: ANN001
+def _mooncake_loopback_rows(geometry: _Geometry, fresh: KVPool, compute: _Compute,
                             repeats: int, timeout_s: float) -> list[dict]:
     import torch
 

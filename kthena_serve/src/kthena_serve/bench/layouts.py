@@ -39,11 +39,21 @@ import time
 from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kthena_core.layout import Layout
 from kthena_serve.bench.machine import cpu_model
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kthena_core.calibrate import Calibration
+    from kthena_core.cost_model import CostParams
+    from kthena_core.discovery import CpuFacts
+    from kthena_core.model_spec import ModelSpec
+    from kthena_core.topology import Topology
 
 __all__ = ["LayoutBenchError", "LayoutBenchOptions", "LayoutSpec", "add_parser", "assemble",
            "calibrate", "format_table", "parse_layouts", "predict_layout", "predictions",
@@ -62,16 +72,10 @@ class LayoutBenchError(RuntimeError):
 
 @attrs.frozen
 class LayoutSpec:
-    """One layout to serve: ``kthena serve --tp tp --pp pp --dp dp``; ``name`` as given."""
+    """One layout to serve (``kthena serve --tp tp --pp pp --dp dp``), under the name given."""
 
     name: str
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @property
-    def num_ranks(self) -> int:
-        return self.tp * self.pp * self.dp
+    layout: Layout = Layout(1)
 
 
 def parse_layouts(text: str) -> tuple[LayoutSpec, ...]:
@@ -89,10 +93,10 @@ def parse_layouts(text: str) -> tuple[LayoutSpec, ...]:
         sizes = {k: int(n) for k, n in parts}
         if min(sizes.values()) < 1:
             raise ValueError(f"--layouts: {name!r}: sizes must be >= 1")
-        layout = LayoutSpec(name, **sizes)
-        if any((x.tp, x.pp, x.dp) == (layout.tp, layout.pp, layout.dp) for x in layouts):
+        layout = Layout(**{"tp": 1, **sizes})
+        if any(x.layout == layout for x in layouts):
             raise ValueError(f"--layouts: {name!r} repeats a layout given before it")
-        layouts.append(layout)
+        layouts.append(LayoutSpec(name, layout))
     if not layouts:
         raise ValueError("--layouts: name at least one layout, e.g. tp1,pp2,dp2")
     return tuple(layouts)
@@ -132,20 +136,20 @@ def summarize(runs: Sequence[Mapping[str, float | None]]) -> dict[str, Any]:
 
 
 # ---- predictions --------------------------------------------------------------------------------
-def predict_layout(model, layout: LayoutSpec, options: LayoutBenchOptions, params,  # noqa: ANN001
-                   host, cores) -> dict[str, Any]:  # noqa: ANN001 - ModelSpec, CostParams, Topology
-    """The planner's figures for ``layout`` pinned, with ``params``, on the host device (one
-    rank) or on one device per core (several ranks): batch 1 and at ``concurrency``."""
-    from kthena_core.cost_model import Layout
+def predict_layout(model: ModelSpec, spec: LayoutSpec, options: LayoutBenchOptions,
+                   params: CostParams, host: Topology, cores: Topology) -> dict[str, Any]:
+    """The planner's figures for ``spec``'s layout pinned, with ``params``, on the host device
+    (one rank) or on one device per core (several ranks): batch 1 and at ``concurrency``."""
     from kthena_core.planner import Planner
     from kthena_core.workload import Workload
 
-    topology = host if layout.num_ranks == 1 else cores
+    pinned = spec.layout
+    topology = host if pinned.num_devices == 1 else cores
     out: dict[str, Any] = {"topology": topology.source, "feasible": False}
-    if layout.num_ranks > topology.num_devices:
-        out["reasons"] = [f"{layout.num_ranks} ranks > {topology.num_devices} devices"]
+    if pinned.num_devices > topology.num_devices:
+        out["reasons"] = [f"{pinned.num_devices} ranks > {topology.num_devices} devices"]
         return out
-    planner, pinned = Planner(params), Layout(layout.tp, layout.pp, layout.dp)
+    planner = Planner(params)
     figures: dict[str, float] = {}
     for concurrency, prefix in ((1, "batch1_"), (options.concurrency, "")):
         wl = Workload(options.prompt_len, options.output_len, concurrency, "bf16", "bf16")
@@ -165,19 +169,21 @@ def predict_layout(model, layout: LayoutSpec, options: LayoutBenchOptions, param
     return {**out, "feasible": True, **{k: figures[k] for k in MEASURES}}
 
 
-def predictions(model, layout: LayoutSpec, options: LayoutBenchOptions,  # noqa: ANN001
-                cals: Mapping[str, Any], host, cores) -> dict[str, dict[str, Any]]:  # noqa: ANN001
+def predictions(model: ModelSpec, layout: LayoutSpec, options: LayoutBenchOptions,
+                cals: Mapping[str, Any], host: Topology, cores: Topology,
+                ) -> dict[str, dict[str, Any]]:
     """``predicted_default`` and ``predicted_calibrated`` of ``layout``; the calibration is
     ``cals["host"]`` for one rank, ``cals["cores"]`` for one rank per core."""
     from kthena_core.cost_model import CostParams
 
-    cal = cals["host" if layout.num_ranks == 1 else "cores"]
+    cal = cals["host" if layout.layout.num_devices == 1 else "cores"]
     return {"predicted_default": predict_layout(model, layout, options, CostParams(), host, cores),
             "predicted_calibrated": {**predict_layout(model, layout, options, cal.params, host, cores),
                                      "calibration": cal.source}}
 
 
-def calibrate(bench: Mapping[str, Any], model, facts, source: str):  # noqa: ANN001, ANN201
+def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
+              source: str) -> Calibration:
     """Fit the cost model to ``bench`` on the device it ran on: ``machine.torch_threads`` cores
     of this host (default all), each with the figures of an ``auto:cores`` device. The factors
     then scale the same per-core figures the predictions use, whatever the bench's threads.
@@ -269,7 +275,7 @@ def _alive(pid: int) -> bool:
 class _Server:
     """``kthena serve`` of one layout as a child process; its output is drained by a thread."""
 
-    def __init__(self, layout: LayoutSpec, options: LayoutBenchOptions) -> None:
+    def __init__(self, layout: Layout, options: LayoutBenchOptions) -> None:
         argv = [sys.executable, "-m", "kthena_core.cli", "serve", "--port", "0",
                 "--tp", str(layout.tp), "--pp", str(layout.pp), "--dp", str(layout.dp),
                 "--model", options.model, "--dtype", "bfloat16",
@@ -333,7 +339,8 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(*_PROMPT_IDS) for _ in range(length)] for _ in range(count)]
 
 
-async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:  # noqa: ANN001
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+               max_tokens: int) -> dict:
     """Stream one completion: TTFT, TPOT (first to last token over tokens - 1), replica."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -361,8 +368,8 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int)
             "tokens": tokens, "replica": resp.headers.get("x-kthena-replica")}
 
 
-async def _concurrent(client, url: str, model: str, prompts: list[list[int]], max_tokens: int,  # noqa: ANN001
-                      concurrency: int) -> tuple[dict, list[dict]]:
+async def _concurrent(client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]],
+                      max_tokens: int, concurrency: int) -> tuple[dict, list[dict]]:
     import asyncio
 
     gate = asyncio.Semaphore(concurrency)
@@ -415,7 +422,7 @@ def measure_layout(layout: LayoutSpec, options: LayoutBenchOptions) -> dict[str,
 
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    server = _Server(layout, options)
+    server = _Server(layout.layout, options)
     try:
         url = server.wait_url(options.ready_timeout_s)
         _log(f"{layout.name}: serving on {url} after {time.perf_counter() - started:.0f} s")
@@ -454,7 +461,8 @@ def _bench_serve(options: LayoutBenchOptions, threads: int | None) -> dict[str, 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _calibrations(options: LayoutBenchOptions, model, facts) -> dict[str, Any]:  # noqa: ANN001
+def _calibrations(options: LayoutBenchOptions, model: ModelSpec, facts: CpuFacts,
+                  ) -> dict[str, Any]:
     """{"host": Calibration, "cores": Calibration, "benches": {...}}: one fit per kind of device.
 
     Threads do not scale a small model's step evenly (batch 1 on this project's 2 cores: one
@@ -495,8 +503,9 @@ def run_layout_bench(options: LayoutBenchOptions) -> dict[str, Any]:
     host, cores = cpu_topology(facts), cpu_topology(facts, per_core=True)
     rows: dict[str, dict[str, Any]] = {}
     for layout in options.layouts:
-        _log(f"{layout.name}: starting kthena serve --tp {layout.tp} --pp {layout.pp} --dp {layout.dp}")
-        rows[layout.name] = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+        lay = layout.layout
+        _log(f"{layout.name}: starting kthena serve --tp {lay.tp} --pp {lay.pp} --dp {lay.dp}")
+        rows[layout.name] = {"layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
                              "measured": measure_layout(layout, options),
                              **predictions(model, layout, options, cals, host, cores)}
     machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

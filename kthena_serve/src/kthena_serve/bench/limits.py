@@ -9,7 +9,8 @@ Two figures are measured on the bench's own torch threads, each the best of a fe
   runs a bf16 ``F.linear`` ~8-10x below its fp32 one, and the engine's matmuls there run in fp32
   (``mooncake_ops.linear.FP32_COMPUTE_BF16``).
 
-Each workload's ideal time is then a roofline over the work it must do (`WorkloadShape`):
+Each workload's ideal time is then a roofline over the work it must do (sizes from kthena_core's
+`ModelShape`):
 
     prefill of tokens [start, end) of one sequence   FLOPs ÷ peak
         FLOPs = 2 × linear params × (end - start)            (every decoder linear)
@@ -33,10 +34,14 @@ from typing import Any
 
 import attrs
 
-__all__ = ["COMPARED", "MachineLimits", "ModelShape", "achieved_fractions", "decode_step_s",
+from kthena_core.dtypes import dtype_bytes
+from kthena_core.shape import ModelShape
+
+__all__ = ["COMPARED", "MachineLimits", "achieved_fractions", "attention_flops", "decode_step_s",
+           "kv_bytes_per_token", "largest_linear", "linear_params", "lm_head_params",
            "measure_limits", "peer_speedups", "prefill_s", "workload_limits"]
 
-BF16_BYTES = 2
+BF16_BYTES = int(dtype_bytes("bf16"))  # the bench serves bf16 weights and KV
 # (label, workload, figure): what kthena bench serve's table, the speed-ups and the limit fractions compare
 COMPARED = (("(a) decode, batch 1, tok/s", "a_batch1", "decode_tok_s"),
             ("(a) TTFT, 128-token prompt, s", "a_batch1", "ttft_s"),
@@ -47,55 +52,36 @@ BANDWIDTH_BYTES = 256 * 2**20
 MATMUL_ROWS = 2048
 
 
-@attrs.frozen
-class ModelShape:
-    """The sizes of a decoder-only transformer that set its FLOPs and bytes."""
+def linear_params(shape: ModelShape) -> int:
+    """Weights of every decoder linear (q, k, v, o, gate, up, down) over all layers."""
+    q_out, kv_out = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    attention = shape.hidden_size * (2 * q_out + 2 * kv_out)
+    mlp = 3 * shape.hidden_size * shape.intermediate_size
+    return shape.num_layers * (attention + mlp)
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
 
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return cls(int(config["num_hidden_layers"]), hidden, heads,
-                   int(config.get("num_key_value_heads") or heads),
-                   int(config.get("head_dim") or hidden // heads),
-                   int(config["intermediate_size"]), int(config["vocab_size"]))
+def lm_head_params(shape: ModelShape) -> int:
+    """Weights of the LM head (vocab x hidden)."""
+    return shape.vocab_size * shape.hidden_size
 
-    @property
-    def linear_params(self) -> int:
-        """Weights of every decoder linear (q, k, v, o, gate, up, down) over all layers."""
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = self.hidden_size * (2 * q_out + 2 * kv_out)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attention + mlp)
 
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """K and V bytes of one token over all layers, in bf16 (what the bench serves)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * BF16_BYTES
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BF16_BYTES
 
-    @property
-    def largest_linear(self) -> tuple[int, int]:
-        """(out, in) of the decoder linear with the most weights: the one the peak is measured on."""
-        q_out = self.num_heads * self.head_dim
-        shapes = [(q_out, self.hidden_size), (self.hidden_size, q_out),
-                  (self.intermediate_size, self.hidden_size),
-                  (self.hidden_size, self.intermediate_size)]
-        return max(shapes, key=lambda s: s[0] * s[1])
+def largest_linear(shape: ModelShape) -> tuple[int, int]:
+    """(out, in) of the decoder linear with the most weights: the one the peak is measured on."""
+    q_out = shape.num_attention_heads * shape.head_dim
+    shapes = [(q_out, shape.hidden_size), (shape.hidden_size, q_out),
+              (shape.intermediate_size, shape.hidden_size),
+              (shape.hidden_size, shape.intermediate_size)]
+    return max(shapes, key=lambda s: s[0] * s[1])
 
-    def attention_flops(self, contexts: int) -> int:
-        """QKᵀ and PV FLOPs over all layers for queries that see ``contexts`` keys in total."""
-        return 4 * self.num_heads * self.head_dim * self.num_layers * contexts
+
+def attention_flops(shape: ModelShape, contexts: int) -> int:
+    """QKᵀ and PV FLOPs over all layers for queries that see ``contexts`` keys in total."""
+    return 4 * shape.num_attention_heads * shape.head_dim * shape.num_layers * contexts
 
 
 @attrs.frozen
@@ -111,8 +97,8 @@ def prefill_s(shape: ModelShape, limits: MachineLimits, start: int, end: int) ->
     if not 0 <= start < end:
         raise ValueError(f"prefill needs 0 <= start < end, got [{start}, {end})")
     seen = (end * (end + 1) - start * (start + 1)) // 2  # Σ (p + 1) for p in [start, end)
-    flops = (2 * shape.linear_params * (end - start) + shape.attention_flops(seen)
-             + 2 * shape.lm_head_params)
+    flops = (2 * linear_params(shape) * (end - start) + attention_flops(shape, seen)
+             + 2 * lm_head_params(shape))
     return flops / limits.peak_flop_s
 
 
@@ -120,9 +106,9 @@ def decode_step_s(shape: ModelShape, limits: MachineLimits, contexts: list[int])
     """Ideal seconds of one decode step, one new token per sequence at these context lengths."""
     if not contexts or min(contexts) < 1:
         raise ValueError(f"a decode step needs one or more contexts >= 1, got {contexts}")
-    weights = shape.linear_params + shape.lm_head_params
-    read = BF16_BYTES * weights + sum(contexts) * shape.kv_bytes_per_token
-    flops = len(contexts) * 2 * weights + shape.attention_flops(sum(contexts))
+    weights = linear_params(shape) + lm_head_params(shape)
+    read = BF16_BYTES * weights + sum(contexts) * kv_bytes_per_token(shape)
+    flops = len(contexts) * 2 * weights + attention_flops(shape, sum(contexts))
     return max(read / limits.bandwidth_bytes_s, flops / limits.peak_flop_s)
 
 
@@ -218,7 +204,7 @@ def measure_limits(shape: ModelShape, repeats: int = 5) -> tuple[MachineLimits, 
 
     with torch.inference_mode():
         reads = _bandwidth(repeats)
-        out_features, in_features = shape.largest_linear
+        out_features, in_features = largest_linear(shape)
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(MATMUL_ROWS, in_features, generator=generator)
         w = torch.randn(out_features, in_features, generator=generator)
@@ -238,5 +224,5 @@ def measure_limits(shape: ModelShape, repeats: int = 5) -> tuple[MachineLimits, 
                                f"[{out_features}, {in_features}]ᵀ in bf16 and float32, "
                                f"best of {repeats}",
                "torch_threads": torch.get_num_threads(),
-               "weight_bytes_per_step": BF16_BYTES * (shape.linear_params + shape.lm_head_params)}
+               "weight_bytes_per_step": BF16_BYTES * (linear_params(shape) + lm_head_params(shape))}
     return limits, details

@@ -17,16 +17,9 @@ import time
 
 import torch
 
-from kthena_serve.model.batch import AttentionBatch
+from kthena_core.dtypes import torch_dtype
 from kthena_serve.model.loader import load_model
-
-
-def _decode_batch(position: int, block_size: int, table: torch.Tensor) -> AttentionBatch:
-    return AttentionBatch(
-        slot_mapping=torch.tensor([int(table[0, position // block_size]) * block_size + position % block_size]),
-        block_tables=table, cached_lens=torch.tensor([position], dtype=torch.int32),
-        query_lens=torch.ones(1, dtype=torch.int32), logits_indices=torch.zeros(1, dtype=torch.int64),
-        is_decode_only=True)
+from mooncake_kv.paged import paged_batch
 
 
 def measure(model: str, dtype: torch.dtype, context: int, steps: int, pack: bool,
@@ -37,18 +30,16 @@ def measure(model: str, dtype: torch.dtype, context: int, steps: int, pack: bool
     num_blocks = -(-(context + steps + 8) // block_size)
     shape = (num_blocks, block_size, llm.num_kv_heads_per_rank, llm.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in llm.layers]
-    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    table = range(num_blocks)  # one sequence over blocks 0..num_blocks-1
     prompt = torch.randint(0, llm.config.vocab_size, (context,))
-    prefill = AttentionBatch(
-        slot_mapping=torch.arange(context), block_tables=table, cached_lens=torch.zeros(1, dtype=torch.int32),
-        query_lens=torch.tensor([context], dtype=torch.int32), logits_indices=torch.tensor([context - 1]))
+    prefill = paged_batch([(table, 0, context)], block_size)
     times, cpu_times = [], []
     with torch.inference_mode():
-        token = llm(prompt, torch.arange(context), prefill, caches).argmax(-1)
+        token = llm(prompt, prefill.positions, prefill, caches).argmax(-1)
         for position in range(context, context + steps):
-            batch = _decode_batch(position, block_size, table)
+            batch = paged_batch([(table, position, 1)], block_size)
             start, cpu_start = time.perf_counter(), time.process_time()
-            token = llm(token, torch.tensor([position]), batch, caches).argmax(-1)
+            token = llm(token, batch.positions, batch, caches).argmax(-1)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
     times, cpu_times = times[5:], cpu_times[5:]  # warm-up
@@ -75,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    row = measure(args.model, getattr(torch, args.dtype), args.context, args.steps, not args.no_pack)
+    row = measure(args.model, torch_dtype(args.dtype), args.context, args.steps, not args.no_pack)
     print(json.dumps(row))
 
 

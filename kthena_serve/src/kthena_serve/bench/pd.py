@@ -33,6 +33,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -40,10 +42,16 @@ from kthena_serve.bench.machine import cpu_model
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 
+if TYPE_CHECKING:
+    import httpx
+
+    from kthena_comm.transfer import MemoryHandle, TransferBatch
+    from mooncake_kv.layout import KVLayout
+
 __all__ = ["main"]
 
 
-def _median_s(fn, repeats: int) -> float:  # noqa: ANN001
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -124,8 +132,8 @@ def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def _per_token_batches(layout, local, remote, src: list[int], dst: list[int],  # noqa: ANN001
-                       tokens: int) -> list:
+def _per_token_batches(layout: KVLayout, local: MemoryHandle, remote: MemoryHandle,
+                       src: list[int], dst: list[int], tokens: int) -> list[TransferBatch]:
     """One batch per token: its K and V row in every layer (what a per-token put sends)."""
     from kthena_comm.transfer import TransferBatch
     from mooncake_kv import KVPart
@@ -145,7 +153,7 @@ def _per_token_batches(layout, local, remote, src: list[int], dst: list[int],  #
 
 
 # ---- part 2: serving --------------------------------------------------------------------------
-async def _stream(client, url: str, ids: list[int], max_tokens: int,  # noqa: ANN001
+async def _stream(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int,
                   window_start: float = 0.0) -> dict:
     body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}

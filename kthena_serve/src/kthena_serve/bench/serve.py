@@ -29,12 +29,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
+from kthena_core.model_spec import ModelSpec
 from kthena_serve.bench.limits import (
     COMPARED,
-    ModelShape,
     achieved_fractions,
     measure_limits,
     peer_speedups,
@@ -45,6 +46,10 @@ from kthena_serve.bench.peer import PEER_CASES, PeerSession, PeerSpec
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 __all__ = ["CASE_KEYS", "BenchOptions", "interleave", "run_bench", "workload_prompts"]
 
@@ -204,7 +209,7 @@ def _hf_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[floa
         return time.perf_counter() - start, first
 
 
-def _hf_case(model, key: str, spec: dict) -> dict:  # noqa: ANN001
+def _hf_case(model: PreTrainedModel, key: str, spec: dict) -> dict:
     """One timed run of case ``key`` with transformers ``generate``; its figures."""
     total, first = _hf_generate(model, spec["prompts"], spec["max_tokens"])
     if key == "a_batch1":
@@ -215,7 +220,7 @@ def _hf_case(model, key: str, spec: dict) -> dict:  # noqa: ANN001
     return {"total_s": total, "mean_ttft_s": first}
 
 
-def _hf_runners(checkpoint: Path, dtype, workloads: dict) -> dict[str, Runner]:  # noqa: ANN001
+def _hf_runners(checkpoint: Path, dtype: torch.dtype, workloads: dict) -> dict[str, Runner]:
     from transformers import AutoModelForCausalLM, logging
 
     logging.set_verbosity_error()
@@ -244,7 +249,7 @@ def _machine(num_threads: int) -> dict:
 def _limits(checkpoint: Path) -> dict:
     """Measure the machine's limits on this process's threads; the per-workload ideals."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    shape = ModelShape.from_hf_config(config)
+    shape = ModelSpec.from_hf_config(config).shape
     limits, details = measure_limits(shape)
     print(f"kthena bench serve: limits: {details}", file=sys.stderr, flush=True)
     ideal = workload_limits(shape, limits)

@@ -1,8 +1,9 @@
 """Starts the replicas of ``kthena serve --dp N`` as processes on split cores.
 
-The PD launcher's base (``ProcessLauncher``: ready files, restart of a replica that dies,
-SIGTERM then SIGKILL on stop, the deployment secret in each child's environment) with the
-replica's command line (dp/replica.py). Cores, from this process's affinity mask::
+The launcher base every deployment shares (cluster/launcher.py ``ProcessLauncher``: ready
+files, restart of a replica that dies, SIGTERM then SIGKILL on stop, the deployment secret in
+each child's environment) with the replica's command line (dp/replica.py). Cores, from this
+process's affinity mask::
 
     cores >= N    disjoint shares, the first replicas take any remainder
                   (8 cores, N = 3: replica-0 0,1,2  replica-1 3,4,5  replica-2 6,7)
@@ -20,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kthena_serve.pd.config import Role
-from kthena_serve.pd.launcher import ProcessLauncher, WorkerProcess, WorkerSpec, share_cores
+from kthena_serve.cluster.config import Role
+from kthena_serve.cluster.launcher import ProcessLauncher, WorkerProcess, WorkerSpec, share_cores
 from kthena_serve.threads import owned_cores
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ReplicaLauncher(ProcessLauncher):
         self.num_ranks = engine_config.world_size
 
     def threads_per_rank(self, worker: WorkerProcess) -> int:
+        """OpenMP threads of each of the replica's ranks: its cores / ranks, at least 1."""
         return max(1, len(worker.spec.cores) // self.num_ranks)
 
     def _command(self, worker: WorkerProcess, ready: Path) -> list[str]:

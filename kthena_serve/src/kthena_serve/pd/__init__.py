@@ -1,19 +1,23 @@
 """PD disaggregation: prefill and decode workers, the handoff between them, and a router.
 
-See docs/pd.md. Modules, one concept each:
+See docs/pd.md. It sits on ``kthena_serve.cluster`` (what PD and DP share: the router, the
+launcher base, worker lifecycle, auth, the KV events wire). Modules, one concept each:
 
-* ``config``    roles, the PD knobs (failure policy, timeouts, router weights, threshold)
+* ``config``    the PD knobs (failure policy, timeouts, transport, threshold); ``Role`` and
+  ``RouterWeights`` re-exported from cluster/config.py
 * ``protocol``  the control messages that cross between workers (no KV bytes)
 * ``prefill``   the prefill executor: paged prefill straight into the decode worker's blocks
 * ``decode``    the decode side: reserve blocks, call a prefill worker, admit or recover
 * ``transfer``  the cross-host path: Mooncake one-sided put of a request's blocks
-* ``worker``    one worker process (HTTP control API) for any role
-* ``auth``      the per-deployment secret workers require, the prefill-URL allow-list
+* ``server``    the decode and prefill workers' HTTP apps (control API + OpenAI routes)
+* ``worker``    one worker process (``python -m kthena_serve.pd.worker``) for either role
 * ``kv_params`` ``kv_transfer_params`` as the Kthena router's nixl / mooncake connectors carry it
 * ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
 * ``prefill_api``, ``decode_api``  each worker's side of that protocol on its OpenAI routes
-* ``router``    worker registry, health checks, KV-aware + load-aware scoring, PD decider
-* ``launcher``  starts the workers on split cores, restarts them, cleans their shared memory
+* ``frontend``  the router's OpenAI front: ``RemoteEngine`` over the cluster router
+* ``launcher``  ``PDLauncher``: the PD workers on split cores (prefill first)
+* ``cluster``   ``PDCluster``: launcher + router + OpenAI server in one object
+* ``serve``     ``kthena serve --mode pd``: workers + router until SIGTERM
 * ``metrics``   Prometheus metrics per role
 
 Its benchmarks live in ``kthena_serve.bench`` (``pd``, ``kv_move``); the router's connector

@@ -8,16 +8,22 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import httpx
 
+from kthena_serve.cluster.auth import auth_headers
+from kthena_serve.cluster.router import Router
 from kthena_serve.config import EngineConfig
-from kthena_serve.pd.auth import auth_headers
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher
-from kthena_serve.pd.router import Router
+from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.server import BackgroundServer
 from mooncake_kv import shared_pool_paths
+
+if TYPE_CHECKING:
+    from kthena_serve.model import Tokenizer
 
 __all__ = ["PDCluster", "shm_pools"]
 
@@ -32,7 +38,7 @@ class PDCluster:
 
     def __init__(self, engine_config: EngineConfig, pd_config: PDConfig, *,
                  num_prefill: int = 1, num_decode: int = 1, model_name: str = "default",
-                 tokenizer=None, **launcher_options) -> None:  # noqa: ANN001
+                 tokenizer: Tokenizer | None = None, **launcher_options: Any) -> None:
         self.engine_config = engine_config
         self.pd_config = pd_config
         self.launcher = PDLauncher(engine_config, pd_config, num_prefill, num_decode,
@@ -47,7 +53,8 @@ class PDCluster:
         try:
             secret = self.launcher.secret
             self.router = Router(self.launcher.endpoints(), self.pd_config,
-                                 self.engine_config.block_size, secret=secret,
+                                 self.engine_config.block_size, PDMetrics("router"),
+                                 secret=secret,
                                  hash_algo=self.engine_config.hash_algorithm).start()
             self.launcher.on_restart = self.router.set_url
             remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer,
@@ -90,7 +97,8 @@ class PDCluster:
         return httpx.get(f"{self.launcher.url(name)}/metrics", headers=self.worker_headers,
                          timeout=5).text
 
-    def complete(self, prompt, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:  # noqa: ANN001
+    def complete(self, prompt: str | list[int] | list[str], max_tokens: int = 16,
+                 timeout: float = 120, **extra: Any) -> httpx.Response:
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, **extra}
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout)

@@ -1,4 +1,7 @@
-"""Roles and PD settings: frozen values the launcher, workers and router share."""
+"""PD settings: ``PDConfig`` and its enums, frozen values the launcher, workers and router share.
+
+``Role`` and ``RouterWeights`` are every deployment's (cluster/config.py); re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,9 @@ import enum
 
 import attrs
 
+from kthena_serve.cluster.config import Role, RouterWeights, non_negative
+
 __all__ = ["FailurePolicy", "KVPush", "PDConfig", "Role", "RouterWeights", "Transport"]
-
-
-class Role(str, enum.Enum):
-    COLOCATED = "colocated"  # prefill and decode in one engine (the plain server)
-    PREFILL = "prefill"  # computes prompt KV into blocks a decode worker owns
-    DECODE = "decode"  # owns the KV pool, admits prefilled requests, streams tokens
 
 
 class FailurePolicy(str, enum.Enum):
@@ -30,45 +29,15 @@ class Transport(str, enum.Enum):
     MOONCAKE = "mooncake"  # across hosts: prefill computes locally, then one-sided put
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
-class RouterWeights:
-    """Score = overlap * prefix blocks fraction - load * (running + waiting) - kv * usage.
-
-    Kthena's score-plugin idea: each term is normalised to [0, 1] before weighting.
-    """
-
-    overlap: float = attrs.field(default=1.0, validator=_non_negative)
-    load: float = attrs.field(default=0.5, validator=_non_negative)
-    kv_usage: float = attrs.field(default=0.25, validator=_non_negative)
-
-    @classmethod
-    def parse(cls, text: str) -> RouterWeights:
-        """``"overlap,load,kv_usage"`` (``--router-weights``).
-
-        Raises:
-            ValueError: not three numbers >= 0.
-        """
-        try:
-            overlap, load, kv_usage = (float(x) for x in text.split(","))
-            return cls(overlap=overlap, load=load, kv_usage=kv_usage)
-        except ValueError as error:
-            raise ValueError(f"takes overlap,load,kv_usage as three numbers >= 0 (default "
-                             f"1.0,0.5,0.25), got {text!r} ({error})") from None
-
-
-@attrs.frozen(kw_only=True)
 class PDConfig:
-    """How a PD deployment behaves.
+    """How a PD deployment behaves; also the router's settings (``weights``,
+    ``pd_threshold_tokens``, ``health_interval_s``: cluster/router.py ``RouterSettings``).
 
     Attributes:
         policy: what a failed handoff does (``recompute`` or ``fail``).
@@ -85,12 +54,12 @@ class PDConfig:
     """
 
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)
-    transfer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
+    transfer_timeout_s: float = attrs.field(default=30.0, validator=non_negative)
     transport: Transport = attrs.field(default=Transport.SHM, converter=Transport)
     kv_push: KVPush = attrs.field(default=KVPush.LAYERWISE, converter=KVPush)
-    pd_threshold_tokens: int = attrs.field(default=32, validator=_non_negative)
+    pd_threshold_tokens: int = attrs.field(default=32, validator=non_negative)
     weights: RouterWeights = attrs.field(factory=RouterWeights)
-    health_interval_s: float = attrs.field(default=0.5, validator=_non_negative)
+    health_interval_s: float = attrs.field(default=0.5, validator=non_negative)
     kv_pin_timeout_s: float = attrs.field(default=120.0, validator=_positive)
 
     def to_json(self) -> dict:

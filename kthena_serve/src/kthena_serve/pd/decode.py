@@ -21,14 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import attrs
 import httpx
 
 from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.cluster.auth import signed_json
 from kthena_serve.errors import EngineDeadError
-from kthena_serve.pd.auth import signed_json
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
@@ -182,7 +183,7 @@ class DecodeService:
         finally:
             self.num_quarantined -= 1
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

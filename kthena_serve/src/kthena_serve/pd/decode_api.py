@@ -41,9 +41,9 @@ from kthena_comm.errors import TransferTimeoutError
 from kthena_comm.transfer import MemoryHandle
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.client import KVSession
+from kthena_serve.cluster.auth import check_prefill_url, signed_json
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.pd.auth import check_prefill_url, signed_json
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.decode import HandoffError, prefill_client
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
@@ -158,7 +158,7 @@ class DecodeConnector:
             raise ValueError(f"{len(remote.block_ids)} remote blocks for a prompt of "
                              f"{len(request.prompt_ids)} tokens ({num_prompt_blocks} blocks)")
         token = data["first_token_id"]
-        if not isinstance(token, int) or not 0 <= token < self.engine.limits().vocab_size:
+        if not isinstance(token, int) or not 0 <= token < self.engine.processor.limits.vocab_size:
             raise ValueError(f"first token {token!r} is outside the vocabulary")
         logprobs = data.get("first_token_logprobs")
         if request.params.logprobs is not None and logprobs is None:

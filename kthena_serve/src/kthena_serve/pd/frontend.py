@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator
 
 import attrs
 import httpx
 from fastapi import FastAPI
 
-from kthena_serve.client import EngineLimits, EngineStats
+from kthena_serve.client import EngineStats
+from kthena_serve.cluster.auth import auth_headers
+from kthena_serve.cluster.router import Router
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from kthena_serve.input_processor import InputProcessor
-from kthena_serve.pd.auth import auth_headers
+from kthena_serve.input_processor import EngineLimits, InputProcessor
 from kthena_serve.pd.protocol import output_from_json, params_to_json
-from kthena_serve.pd.router import Router
 from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
 
 __all__ = ["RemoteEngine", "build_router_app"]
 
@@ -50,6 +48,7 @@ class RemoteEngine:
         self.tokenizer = tokenizer
         self.config = config
         self._model_limits = model_limits
+        self._processor = InputProcessor(tokenizer, self._limits, config.chat_special_tokens)
         self._client: httpx.AsyncClient | None = None
         self._closing: str | None = None  # set by abort_all: the server is shutting down
 
@@ -69,44 +68,19 @@ class RemoteEngine:
         return bool(self.router.up("decode"))
 
     # ---- EngineClient: validation (same code as in process) --------------------------------------
-    def limits(self) -> EngineLimits:
-        reported = [w.limits for w in self._decodes() if w.limits]
-        if not reported:
-            max_len, vocab = self._model_limits
-            if self.config.max_model_len is not None:
-                max_len = min(max_len, self.config.max_model_len)
-            return EngineLimits(max_len, vocab, self.config.max_n, 0, self.config.block_size)
-        return EngineLimits(
-            max_model_len=min(r["max_model_len"] for r in reported),
-            vocab_size=min(r["vocab_size"] for r in reported), max_n=self.config.max_n,
-            num_kv_blocks=sum(r["num_kv_blocks"] for r in reported),
-            block_size=self.config.block_size, kv_cache_dtype=reported[0].get("kv_cache_dtype"))
+    @property
+    def processor(self) -> InputProcessor:
+        """Tokenise and check as a decode worker would, against the workers' limits."""
+        return self._processor
 
-    def _processor(self) -> InputProcessor:
-        return InputProcessor(self.tokenizer, self.limits(), self.config.chat_special_tokens)
-
-    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
-               ) -> list[int]:
-        return self._processor().encode(prompt, add_special_tokens=add_special_tokens)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    ) -> list[int]:
-        return self._processor().encode_chat(messages,
-                                             add_generation_prompt=add_generation_prompt,
-                                             add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._processor().decode(token_ids)
-
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        return self._processor().check(prompt_ids, params)
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self.tokenizer.token_bytes(token_ids)
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        return self.tokenizer.token_strs(token_ids)
+    def _limits(self) -> EngineLimits:
+        """The decode workers' limits combined; the model's until one has reported."""
+        reported = [EngineLimits(**w.limits) for w in self._decodes() if w.limits]
+        if reported:
+            return EngineLimits.combine(reported)
+        max_len, vocab = self._model_limits
+        return EngineLimits.for_engine(self.config, max_position_embeddings=max_len,
+                                       vocab_size=vocab)
 
     def stats(self) -> EngineStats:
         """Counters summed over every worker; queue and KV summed over the decode workers."""

@@ -5,12 +5,15 @@
   ``kthena_pd_prefill_batch_size`` (prompts per forward: its count is the forwards run).
 * decode: ``kthena_pd_handoff_seconds`` (reserve to admit, as the decode worker sees it),
   ``kthena_pd_transfer_failures{policy,reason}``, ``kthena_pd_requests{path}``.
-* router: ``kthena_pd_router_decisions{decision}``, ``kthena_pd_worker_up{worker}``.
+* router: ``kthena_pd_router_decisions{decision}``, ``kthena_pd_worker_up{worker}``
+  (cluster/metrics.py's ``RouterMetrics``, which ``PDMetrics`` extends).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kthena_serve.cluster.metrics import RouterMetrics
 
 __all__ = ["PDMetrics"]
 
@@ -20,13 +23,11 @@ _HANDOFF_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-class PDMetrics:
-    """The PD metrics of one process, labelled with its role."""
+class PDMetrics(RouterMetrics):
+    """The PD metrics of one process, labelled with its role (the router's families too)."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
-        self.role = role
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+        r = registry or CollectorRegistry()
         self.handoff = Histogram("kthena_pd_handoff_seconds", "KV handoff time per request "
                                  "(prefill: after compute; decode: reserve to admit)", ["role"],
                                  buckets=_HANDOFF_BUCKETS, registry=r)
@@ -44,10 +45,7 @@ class PDMetrics:
                                 "reason", ["role", "policy", "reason"], registry=r)
         self.requests = Counter("kthena_pd_requests", "Requests by path (disaggregated, local)",
                                 ["role", "path"], registry=r)
-        self.decisions = Counter("kthena_pd_router_decisions", "Router decisions", ["role",
-                                 "decision"], registry=r)
-        self.worker_up = Gauge("kthena_pd_worker_up", "1 while a worker passes health checks",
-                               ["role", "worker"], registry=r)
+        super().__init__(role, r)  # the router's families last, where they always were
 
     def observe_handoff(self, seconds: float, num_bytes: int = 0) -> None:
         self.handoff.labels(self.role).observe(seconds)
@@ -59,9 +57,3 @@ class PDMetrics:
 
     def failure(self, policy: str, reason: str) -> None:
         self.failures.labels(self.role, policy, reason).inc()
-
-    def decision(self, decision: str) -> None:
-        self.decisions.labels(self.role, decision).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

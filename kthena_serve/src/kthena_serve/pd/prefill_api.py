@@ -24,10 +24,10 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from kthena_serve.client import EngineLimits, EngineStats, KVSession
+from kthena_serve.client import EngineStats, KVSession
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError
-from kthena_serve.input_processor import InputProcessor
+from kthena_serve.input_processor import EngineLimits, InputProcessor
 from kthena_serve.model import IncrementalDetokenizer
 from kthena_serve.output_stream import OutputStream
 from kthena_serve.pd.kv_params import PARAM, KVAsk, parse_kv_params, prefill_reply, prompt_digest
@@ -40,6 +40,22 @@ __all__ = ["PrefillConnector", "PrefillEngine"]
 
 _ONE_TOKEN = ("a prefill worker computes the prompt and samples its first token only: send "
               "max_tokens 1 (the Kthena router does), or send the request to a decode worker")
+
+
+class _OneTokenProcessor(InputProcessor):
+    """A prefill worker's input processor: what any engine refuses, and any budget but 1."""
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """The output budget, which must be one token here.
+
+        Raises:
+            InvalidRequestError: what any engine refuses, or a budget other than 1.
+        """
+        budget = super().check(prompt_ids, params)
+        if budget != 1:
+            raise InvalidRequestError(f"max_tokens={params.max_tokens}: {_ONE_TOKEN}",
+                                      "max_tokens")
+        return budget
 
 
 class PrefillEngine:
@@ -57,11 +73,9 @@ class PrefillEngine:
         assert executor.pool is not None and executor.kv is not None, "needs its own pool"
         self.executor, self.tokenizer, self.pins = executor, tokenizer, pins
         model = executor.model.config
-        num_blocks = executor.pool.layout.num_blocks
-        max_len = min(config.max_model_len or model.max_position_embeddings,
-                      num_blocks * config.block_size)
-        self.processor = InputProcessor(tokenizer, EngineLimits(
-            max_len, model.vocab_size, config.max_n, num_blocks, config.block_size),
+        self.processor = _OneTokenProcessor(tokenizer, EngineLimits.for_engine(
+            config, max_position_embeddings=model.max_position_embeddings,
+            vocab_size=model.vocab_size, num_kv_blocks=executor.pool.layout.num_blocks),
             config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._closing: str | None = None
@@ -70,40 +84,6 @@ class PrefillEngine:
     @property
     def is_alive(self) -> bool:
         return self._closing is None
-
-    def limits(self) -> EngineLimits:
-        return self.processor.limits
-
-    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
-               ) -> list[int]:
-        return self.processor.encode(prompt, add_special_tokens=add_special_tokens)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    ) -> list[int]:
-        return self.processor.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                          add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.processor.decode(token_ids)
-
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """The output budget, which must be one token here.
-
-        Raises:
-            InvalidRequestError: what any engine refuses, or a budget other than 1.
-        """
-        budget = self.processor.check(prompt_ids, params)
-        if budget != 1:
-            raise InvalidRequestError(f"max_tokens={params.max_tokens}: {_ONE_TOKEN}",
-                                      "max_tokens")
-        return budget
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self.tokenizer.token_bytes(token_ids)
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        return self.tokenizer.token_strs(token_ids)
 
     # ---- EngineClient: generation -----------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -43,18 +43,18 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
 def run_pd(spec: ServeSpec) -> int:
     """Launch the workers ``spec`` names and serve the router until interrupted."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from kthena_serve.cluster.router import Router
+    from kthena_serve.cluster.worker import serve
     from kthena_serve.pd.frontend import RemoteEngine, build_router_app
     from kthena_serve.pd.launcher import PDLauncher
-    from kthena_serve.pd.router import Router
-    from kthena_serve.pd.worker import exit_on_sigterm
-    from kthena_serve.server import run_server
+    from kthena_serve.pd.metrics import PDMetrics
 
     config, name = spec.engine, spec.served_model_name
     print(f"kthena serve --mode pd: starting {spec.num_prefill} prefill + {spec.num_decode} "
           "decode workers ...", file=sys.stderr, flush=True)
     launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
                           api_key=spec.api_key).start()
-    router = Router(launcher.endpoints(), spec.pd, config.block_size,
+    router = Router(launcher.endpoints(), spec.pd, config.block_size, PDMetrics("router"),
                     secret=launcher.secret, hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url
     remote = RemoteEngine.for_model(router, config, secret=launcher.secret)
@@ -64,21 +64,17 @@ def run_pd(spec: ServeSpec) -> int:
     def ready(port: int) -> None:
         from kthena_serve.model_runner import kv_dtype_name
 
-        workers = ", ".join(f"{s.name}@cores{list(s.cores)}" for s in launcher.specs)
-        print(f"kthena serve --mode pd: {name} on http://{spec.host}:{port} ({workers}; "
-              f"kv dtype={kv_dtype_name(config)}). Try:", flush=True)
+        print(f"kthena serve --mode pd: {name} on http://{spec.host}:{port} "
+              f"({launcher.describe()}; kv dtype={kv_dtype_name(config)}). Try:", flush=True)
         print(curl_line(spec.host, port, name, bool(spec.api_key)), flush=True)
 
-    exit_on_sigterm()
-    try:
-        run_server(app, host=spec.host, port=spec.port, on_ready=ready,
-                   shutdown_timeout=spec.shutdown_timeout_s,
-                   on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE))
-    except SystemExit:
-        pass
-    finally:
+    def stop() -> None:
         router.close()
         launcher.stop()
+
+    serve(app, host=spec.host, port=spec.port, on_ready=ready, close=stop,
+          shutdown_timeout=spec.shutdown_timeout_s,
+          on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE))
     return 0
 
 

@@ -7,7 +7,7 @@ One port, two apps (``_OnePort``)::
                                     KTHENA_API_KEY), and kv_transfer_params (prefill_api.py,
                                     decode_api.py)
     everything else                 the control app: /pd/* need the deployment secret
-                                    (pd/auth.py), /health is open, /metrics needs the secret
+                                    (cluster/auth.py), /health is open, /metrics needs the secret
                                     unless the worker runs with --public-metrics
 
 Both apps share one ``ServerMetrics`` (labelled with the served model name), so /metrics
@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -33,12 +31,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kthena_serve.cluster.auth import DECODE_TO_PREFILL_PATHS, LOOPBACK_HOSTS, check_prefill_url
+from kthena_serve.cluster.events import EventLog
+from kthena_serve.cluster.worker import new_incarnation, state_reply
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from kthena_serve.pd.auth import DECODE_TO_PREFILL_PATHS, LOOPBACK_HOSTS, check_prefill_url
 from kthena_serve.pd.config import KVPush, PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
-from kthena_serve.pd.events import EventLog
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, output_to_json, params_from_json
 from kthena_serve.server.errors import error_body
@@ -52,15 +51,11 @@ Closer = Callable[[], None]
 log = logging.getLogger(__name__)
 
 
-def _incarnation() -> str:
-    return f"{os.getpid()}-{time.time_ns()}"
-
-
 def _control_app(secret: str, public_metrics: bool, signed_paths: frozenset[str] = frozenset(),
                  ) -> FastAPI:
     """A bare app whose every route but /health (and /metrics, if ``public_metrics``) needs
     ``Authorization: Bearer <secret>``; ``signed_paths`` also take a request signed with it
-    (what decode workers send: pd/auth.py)."""
+    (what decode workers send: cluster/auth.py)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ApiKeyMiddleware, api_key=secret,
                        open_paths=public_paths(public_metrics=public_metrics),
@@ -162,22 +157,17 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
     connector = DecodeConnector(
         async_engine, BlockGetter(pull_engine, pull_handle, pool.layout, pd.transfer_timeout_s),
         pd, metrics, secret=secret, prefill_hosts=allowed_hosts, client=client)
-    incarnation = _incarnation()
+    incarnation = new_incarnation()
     app = _control_app(secret, public_metrics)
     _common_routes(app, lambda: server_metrics.render() + metrics.render(),
                    lambda: async_engine.is_alive)
 
     @app.get("/pd/state")
     async def state(since: int = 0) -> dict:
-        stats = async_engine.stats()
-        first, last, items = events.since(since)
-        return {"name": name, "role": "decode", "incarnation": incarnation,
-                "alive": async_engine.is_alive, "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting, "kv": attrs.asdict(stats.kv),
-                "stats": stats.to_json(), "limits": attrs.asdict(async_engine.limits()),
-                "pool": attrs.asdict(ref),
-                "num_quarantined": service.num_quarantined + connector.num_quarantined,
-                "first_seq": first, "last_seq": last, "events": items}
+        return state_reply(name, "decode", incarnation, alive=async_engine.is_alive,
+                           stats=async_engine.stats(), events=events, since=since,
+                           limits=async_engine.processor.limits, pool=attrs.asdict(ref),
+                           num_quarantined=service.num_quarantined + connector.num_quarantined)
 
     @app.post("/pd/generate")
     async def generate(request: Request) -> Response:
@@ -279,7 +269,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, free)
     sweeper = _Sweeper(pins, max(0.02, min(0.2, pd.kv_pin_timeout_s / 4)))
     engine = PrefillEngine(executor, tokenizer, config, pins)
-    incarnation = _incarnation()
+    incarnation = new_incarnation()
     connector = PrefillConnector(engine, f"{name}-{incarnation}", advertise_host)
     stats = engine  # its stats count the /pd/prefill tasks too: one executor runs both
     server_metrics = ServerMetrics(stats, _served_name(config, served_model_name))
@@ -326,14 +316,9 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
 
     @app.get("/pd/state")
     async def pd_state(since: int = 0) -> dict:
-        snapshot = stats.stats()
-        first, last, items = events.since(since) if events else (1, 0, [])
-        return {"name": name, "role": "prefill", "incarnation": incarnation, "alive": True,
-                "num_running": snapshot.num_running, "num_waiting": snapshot.num_waiting,
-                "kv": attrs.asdict(snapshot.kv), "num_pinned": len(pins),
-                "num_pinned_blocks": pins.num_blocks, "num_pins_expired": pins.num_expired,
-                "stats": snapshot.to_json(), "first_seq": first, "last_seq": last,
-                "events": items}
+        return state_reply(name, "prefill", incarnation, alive=True, stats=stats.stats(),
+                           events=events, since=since, num_pinned=len(pins),
+                           num_pinned_blocks=pins.num_blocks, num_pins_expired=pins.num_expired)
 
     def close() -> None:
         engine.abort_all("the prefill worker is stopping")

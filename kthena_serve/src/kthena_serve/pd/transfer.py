@@ -36,6 +36,7 @@ from kthena_comm.transfer import (
     MemoryHandle,
     MooncakeConfig,
     ShmConfig,
+    ShmEngine,
     TransferBatch,
     TransferEngine,
     TransferFuture,
@@ -48,7 +49,8 @@ __all__ = ["BlockGetter", "BlockPutter", "PushSession", "register_pool", "shm_en
            "shm_segment_pool"]
 
 
-def register_pool(pool: KVPool, host: str, timeout_s: float):  # noqa: ANN201
+def register_pool(pool: KVPool, host: str, timeout_s: float,
+                  ) -> tuple[TransferEngine, MemoryHandle]:
     """A mooncake engine with ``pool`` registered; returns (engine, handle)."""
     engine = create_engine("mooncake", MooncakeConfig(host=host, timeout_s=timeout_s))
     return engine, engine.register(pool.buffer)
@@ -177,7 +179,7 @@ def shm_engine(timeout_s: float) -> TransferEngine:
     return create_engine("shm", ShmConfig(timeout_s=timeout_s))
 
 
-def shm_segment_pool(engine, layout: KVLayout) -> tuple[KVPool, MemoryHandle]:  # noqa: ANN001
+def shm_segment_pool(engine: ShmEngine, layout: KVLayout) -> tuple[KVPool, MemoryHandle]:
     """A pool in a shared segment ``engine`` (shm) allocates: peers on the host can get from it.
 
     The segment is the engine's: it goes when the engine closes, or, if the process is

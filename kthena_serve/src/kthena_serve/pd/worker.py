@@ -21,17 +21,29 @@ when ``KTHENA_API_KEY`` is set (the key the Kthena router is given), and are ope
 ``--prefill-hosts`` (default loopback; hosts or networks such as a pod CIDR).
 
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
-its parent (the launcher) dies, so no worker outlives a killed launcher.
+its parent (the launcher) dies, so no worker outlives a killed launcher. That life (secret,
+pinning, PDEATHSIG, ready file, serving) is every worker's: cluster/worker.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-__all__ = ["exit_on_sigterm", "main"]
+from kthena_serve.cluster.worker import (
+    die_with_parent,
+    pin_to_cores,
+    serve_worker,
+    take_secret,
+)
+
+if TYPE_CHECKING:
+    from kthena_serve.pd.server import _OnePort
+
+__all__ = ["main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -59,13 +71,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _take_secret() -> str | None:
-    """The deployment secret, removed from the environment so no child inherits it."""
-    from kthena_serve.pd.auth import SECRET_ENV
-
-    return os.environ.pop(SECRET_ENV, None) or None
-
-
 def _take_api_key() -> str | None:
     """The OpenAI routes' API key (``KTHENA_API_KEY``), removed from the environment too."""
     return os.environ.pop("KTHENA_API_KEY", None) or None
@@ -81,108 +86,54 @@ def _advertised(args: argparse.Namespace) -> str:
     return host
 
 
-def _pin(cores: str) -> int:
-    """Affinity and OpenMP settings; must run before torch is imported."""
-    ids = {int(c) for c in cores.split(",") if c.strip()}
-    if ids and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, ids)
-    count = len(ids) or len(os.sched_getaffinity(0))
-    os.environ["OMP_NUM_THREADS"] = str(count)
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return count
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so ``finally`` clean-up (shm pools) runs.
-
-    uvicorn handles SIGTERM while it serves, then restores the previous handler and raises the
-    signal again; with the default handler the process would die before its ``finally``.
-    """
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _exit)
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one PD worker until SIGTERM; 2 without the deployment secret."""
     args = _parse(argv)
-    secret = _take_secret()
+    secret = take_secret()
     api_key = _take_api_key()
     if secret is None:
         print(f"kthena_serve.pd.worker {args.name}: KTHENA_PD_SECRET is not set; workers are "
               "started by the PD launcher, which sets it", file=sys.stderr)
         return 2
-    num_threads = _pin(args.cores)
-    _die_with_parent()
-    import json
+    num_threads = pin_to_cores(args.cores)  # first: the imports below load torch
+    die_with_parent()
+    app, close = _build_app(args, secret, api_key, num_threads)
 
-    import attrs
+    def ready(port: int) -> None:
+        on_port = getattr(app.state, "on_port", None)
+        if on_port is not None:  # a prefill worker names its port in kv_transfer_params
+            on_port(port)
+        print(f"pd worker {args.name} ({args.role}) on {args.host}:{port}, "
+              f"{num_threads} threads", file=sys.stderr, flush=True)
+
+    serve_worker(app, host=args.host, port=args.port, ready_file=args.ready_file,
+                 on_ready=ready, close=close)
+    return 0
+
+
+def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
+               num_threads: int) -> tuple[_OnePort, Callable[[], None]]:
+    """The decode or prefill worker's app (pd/server.py) and what closes it."""
+    import json
 
     from kthena_serve.config import EngineConfig
     from kthena_serve.pd.config import PDConfig
     from kthena_serve.pd.server import build_decode_app, build_prefill_app
-    from kthena_serve.server import run_server
 
     engine_config = EngineConfig.from_json({**json.loads(args.engine_config),
                                             "num_threads": num_threads})
     pd_config = PDConfig.from_json(json.loads(args.pd_config))
     if args.role == "decode":
         hosts = [h.strip() for h in args.prefill_hosts.split(",") if h.strip()]
-        app, close = build_decode_app(args.name, engine_config, pd_config, secret=secret,
-                                      mooncake_host=args.mooncake_host, prefill_hosts=hosts,
-                                      api_key=api_key,
-                                      served_model_name=args.served_model_name,
-                                      public_metrics=args.public_metrics)
-    else:
-        app, close = build_prefill_app(args.name, engine_config, pd_config, secret=secret,
-                                       mooncake_host=args.mooncake_host,
-                                       advertise_host=_advertised(args), api_key=api_key,
-                                       served_model_name=args.served_model_name,
-                                       public_metrics=args.public_metrics)
-
-    def ready(port: int) -> None:
-        on_port = getattr(app.state, "on_port", None)
-        if on_port is not None:  # a prefill worker names its port in kv_transfer_params
-            on_port(port)
-        if args.ready_file:
-            tmp = f"{args.ready_file}.tmp"
-            with open(tmp, "w") as f:
-                f.write(str(port))
-            os.replace(tmp, args.ready_file)
-        print(f"pd worker {args.name} ({args.role}) on {args.host}:{port}, "
-              f"{attrs.asdict(engine_config)['num_threads']} threads", file=sys.stderr, flush=True)
-
-    exit_on_sigterm()
-    launcher_pid = os.getppid()
-    try:
-        run_server(app, host=args.host, port=args.port, on_ready=ready, log_level="warning")
-    finally:
-        close()
-        if os.getppid() != launcher_pid:  # orphaned (launcher SIGKILLed): tidy its folder
-            _remove_ready_file(args.ready_file)
-    return 0
-
-
-def _remove_ready_file(path: str | None) -> None:
-    """Remove this worker's ready file and, once the last worker has, the launcher's folder."""
-    if not path:
-        return
-    for remove in (os.remove, lambda p: os.rmdir(os.path.dirname(p))):
-        try:
-            remove(path)
-        except OSError:  # gone already, or another worker's file is still there
-            return
+        return build_decode_app(args.name, engine_config, pd_config, secret=secret,
+                                mooncake_host=args.mooncake_host, prefill_hosts=hosts,
+                                api_key=api_key, served_model_name=args.served_model_name,
+                                public_metrics=args.public_metrics)
+    return build_prefill_app(args.name, engine_config, pd_config, secret=secret,
+                             mooncake_host=args.mooncake_host,
+                             advertise_host=_advertised(args), api_key=api_key,
+                             served_model_name=args.served_model_name,
+                             public_metrics=args.public_metrics)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from fastapi import FastAPI, Request
@@ -72,7 +72,7 @@ class _Api:
 
     def _check_common(self, body: p._Common) -> None:
         self._check_model(body.model)
-        limit = self.engine.limits().max_n
+        limit = self.engine.processor.limits.max_n
         if body.n > limit:
             raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
         body.refuse_unsupported()
@@ -82,7 +82,7 @@ class _Api:
             params = body.sampling_params(max_tokens)
         except ValueError as error:
             raise ApiError(400, str(error), getattr(error, "param", None)) from None
-        budgets = tuple(self.engine.check(ids, params) for ids in prompts)  # invalid -> 400
+        budgets = tuple(self.engine.processor.check(ids, params) for ids in prompts)  # invalid -> 400
         return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
 
@@ -108,10 +108,10 @@ class _Api:
             prompt = [prompt]  # type: ignore[list-item]
         if len(prompt) > MAX_PROMPTS:
             raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [self.engine.encode(text) for text in prompt]
+        return [self.engine.processor.encode(text) for text in prompt]
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
-        return [self.engine.encode_chat(body.plain_messages())]
+        return [self.engine.processor.encode_chat(body.plain_messages())]
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
@@ -125,7 +125,7 @@ class _Api:
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
         logprobs = [None if o.logprobs is None else
-                    p.completion_logprobs(o.logprobs, self.engine.token_bytes, p.TextOffsets())
+                    p.completion_logprobs(o.logprobs, self.engine.processor.token_bytes, p.TextOffsets())
                     for o in finals]
         return JSONResponse(_with_kv(
             p.completion_response(rid, self.model_name, finals, usage, logprobs), job))
@@ -141,7 +141,7 @@ class _Api:
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
-                    p.chat_logprobs(o.logprobs, self.engine.token_bytes) for o in finals]
+                    p.chat_logprobs(o.logprobs, self.engine.processor.token_bytes) for o in finals]
         return JSONResponse(_with_kv(
             p.chat_response(rid, self.model_name, finals, usage, logprobs), job))
 
@@ -165,7 +165,7 @@ class _Api:
         return finals
 
     @contextlib.asynccontextmanager
-    async def _counting(self, job: Job, finals: dict[int, RequestOutput]):  # noqa: ANN202
+    async def _counting(self, job: Job, finals: dict[int, RequestOutput]) -> AsyncIterator[None]:
         """Choices that never finished (client gone, error, shutdown) count as aborted."""
         try:
             yield
@@ -186,7 +186,7 @@ class _Api:
                     logprobs = None
                     if out.logprobs is not None:
                         logprobs = p.completion_logprobs(
-                            pending.take(choice), self.engine.token_bytes,
+                            pending.take(choice), self.engine.processor.token_bytes,
                             offsets.setdefault(choice, p.TextOffsets()))
                     yield p.completion_chunk(rid, self.model_name, choice, out, logprobs)
         if body.include_usage:
@@ -211,7 +211,7 @@ class _Api:
                     delta = {"content": out.new_text} if out.new_text else {}
                     logprobs = None
                     if out.logprobs is not None:
-                        logprobs = p.chat_logprobs(pending.take(choice), self.engine.token_bytes)
+                        logprobs = p.chat_logprobs(pending.take(choice), self.engine.processor.token_bytes)
                     yield p.chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
         if body.include_usage:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
@@ -229,7 +229,7 @@ class _Api:
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "kthena", "max_model_len": self.engine.limits().max_model_len}
+                "owned_by": "kthena", "max_model_len": self.engine.processor.limits.max_model_len}
         return {"object": "list", "data": [card]}
 
 
@@ -280,7 +280,14 @@ def _in_band(error: Exception) -> dict:
     return error_body(500, "internal error while streaming; retry the request")
 
 
-def add_plan_route(app: FastAPI, metrics, deployment: Mapping[str, Any] | None) -> None:  # noqa: ANN001
+class DeploymentLabels(Protocol):
+    """Metrics that label ``kthena_deployment_info`` with the layout served."""
+
+    def set_deployment(self, served: Mapping[str, object]) -> None: ...
+
+
+def add_plan_route(app: FastAPI, metrics: DeploymentLabels,
+                   deployment: Mapping[str, Any] | None) -> None:
     """GET /plan answers ``deployment`` (see `build_app`); its ``served`` layout also labels
     ``kthena_deployment_info`` in ``metrics`` (anything with ``set_deployment``)."""
     report = dict(deployment or {"served": None, "plan": None, "config": None})

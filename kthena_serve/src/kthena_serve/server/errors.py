@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +11,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["ApiError", "error_body", "install_handlers"]
 
@@ -93,16 +97,16 @@ def install_handlers(app: FastAPI) -> None:
 class _CatchAll:
     """Any unexpected exception becomes a 500 with an OpenAI body; the connection stays open."""
 
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
 
-        async def tracked(message) -> None:  # noqa: ANN001
+        async def tracked(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)

@@ -15,9 +15,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from kthena_serve.server.shutdown import Drain
 
 __all__ = ["SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES", "BackgroundServer", "run_server"]
 
@@ -35,7 +41,7 @@ def _http_protocol() -> type:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     class BoundedWriteBuffer(base):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport) -> None:  # noqa: ANN001
+        def connection_made(self, transport: asyncio.Transport) -> None:
             transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
             super().connection_made(transport)
 
@@ -86,7 +92,7 @@ class _Server(uvicorn.Server):
             self.on_ready(self.port)
 
 
-def _wait_idle(drain, deadline: float) -> None:  # noqa: ANN001
+def _wait_idle(drain: Drain, deadline: float) -> None:
     while drain.num_active and time.monotonic() < deadline:
         time.sleep(0.05)
 

@@ -13,26 +13,36 @@ rendered once, whichever path the request took.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kthena_serve.client import EngineLimits, EngineStats
+from kthena_serve.client import EngineStats, KVTierStats
 from kthena_serve.request import RequestOutput
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
+
+    from kthena_serve.input_processor import EngineLimits, InputProcessor
 
 __all__ = ["ServerMetrics", "StatsSource", "add_collector"]
 
 
 class StatsSource(Protocol):
-    """What the gauges and counters are read from at scrape time: an ``EngineClient``, or a
-    PD prefill worker's view that adds its control-path queue."""
+    """What the gauges and counters are read from at scrape time: an ``EngineClient`` (a PD
+    prefill worker's counts its control-path tasks too)."""
 
     def stats(self) -> EngineStats: ...
 
-    def limits(self) -> EngineLimits: ...
+    @property
+    def processor(self) -> InputProcessor:
+        """Its limits name the KV pool (``kthena_kv_cache_info``)."""
+        ...
 
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -57,7 +67,7 @@ class _EngineCollector:
         yield _gauge("kthena_kv_blocks_free", "KV blocks free (incl. cached, evictable)",
                      kv.num_free_blocks)
         yield _gauge("kthena_kv_blocks_cached", "KV blocks in the prefix cache", kv.num_cached_blocks)
-        yield from _kv_cache_info(self.engine.limits())
+        yield from _kv_cache_info(self.engine.processor.limits)
         yield _counter("kthena_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        kv.num_query_tokens)
         yield _counter("kthena_prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -84,7 +94,7 @@ _TIER_COUNTERS = (  # KVTierStats field -> (kthena_kv_tier_* name, help)
 )
 
 
-def _tier_families(tiers):  # noqa: ANN001, ANN202 - tuple[KVTierStats, ...] -> metric families
+def _tier_families(tiers: Sequence[KVTierStats]) -> Iterator[Metric]:
     """``kthena_kv_tier_*{tier=...}`` of ``--kv-offload``."""
     for field, name, doc in _TIER_COUNTERS:
         family = CounterMetricFamily(f"kthena_kv_tier_{name}", doc, labels=["tier"])
@@ -106,7 +116,7 @@ def _tier_families(tiers):  # noqa: ANN001, ANN202 - tuple[KVTierStats, ...] -> 
     yield used
 
 
-def _kv_cache_info(limits: EngineLimits):  # noqa: ANN202 - a generator of 0 or 1 family
+def _kv_cache_info(limits: EngineLimits) -> Iterator[Metric]:
     """``kthena_kv_cache_info{dtype, block_size, num_blocks} 1``: the pool's element type
     (int8 pools hold ~1.9x bf16's blocks) and size; absent while no pool has reported."""
     if limits.kv_cache_dtype is None:
@@ -190,7 +200,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def add_collector(app, collector: object) -> None:  # noqa: ANN001
+def add_collector(app: FastAPI, collector: Collector) -> None:
     """Export ``collector`` (e.g. ``KVEventsCollector``) on the /metrics of an app from
     ``build_app``, next to the server's own metrics."""
     app.state.api.metrics.registry.register(collector)

@@ -15,6 +15,10 @@ import hmac
 import json
 import time
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import Message, Receive
 
 __all__ = ["HEALTH_PATH", "METRICS_PATH", "SIGNATURE_HEADER", "SIGNATURE_WINDOW_S",
            "TIME_HEADER", "ApiKeyMiddleware", "BodyLimitMiddleware", "public_paths",
@@ -85,12 +89,12 @@ async def _read_body(receive, max_bytes: int) -> bytes | None:
     return body
 
 
-def _replay(body: bytes, receive):  # noqa: ANN202
+def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives the app ``body`` once, then defers to the server's (so the app
     still learns when the client disconnects)."""
     replayed = False
 
-    async def replay():
+    async def replay() -> Message:
         nonlocal replayed
         if replayed:
             return await receive()

@@ -11,6 +11,10 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["Drain", "DrainMiddleware"]
 
@@ -28,10 +32,10 @@ class Drain:
 class DrainMiddleware:
     """Counts requests in flight; refuses new ones with 503 once the app is draining."""
 
-    def __init__(self, app, drain: Drain) -> None:  # noqa: ANN001
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
         self.app, self.drain = app, drain
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -45,7 +49,7 @@ class DrainMiddleware:
             self.drain.num_active -= 1
 
 
-async def _refuse(send) -> None:  # noqa: ANN001
+async def _refuse(send: Send) -> None:
     body = json.dumps({"error": {
         "message": "the server is shutting down; send the request to another replica or retry "
                    "shortly", "type": "service_unavailable", "param": None,

@@ -80,13 +80,13 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
     body.check()
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+        ids = engine.processor.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                  add_special_tokens=bool(body.add_special_tokens))
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = engine.encode(body.prompt or "", add_special_tokens=special)
-    return {"count": len(ids), "max_model_len": engine.limits().max_model_len, "tokens": ids,
-            "token_strs": engine.token_strs(ids) if body.return_token_strs else None}
+        ids = engine.processor.encode(body.prompt or "", add_special_tokens=special)
+    return {"count": len(ids), "max_model_len": engine.processor.limits.max_model_len, "tokens": ids,
+            "token_strs": engine.processor.token_strs(ids) if body.return_token_strs else None}
 
 
 def detokenize(engine: EngineClient, body: DetokenizeRequest) -> dict[str, str]:
@@ -95,4 +95,4 @@ def detokenize(engine: EngineClient, body: DetokenizeRequest) -> dict[str, str]:
     Raises:
         InvalidRequestError: an id outside the vocabulary.
     """
-    return {"prompt": engine.decode(body.tokens)}
+    return {"prompt": engine.processor.decode(body.tokens)}

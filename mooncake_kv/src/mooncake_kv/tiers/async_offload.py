@@ -51,6 +51,7 @@ from mooncake_kv.tiers.base import CorruptBlockError, KVTier, frame_block, unfra
 from mooncake_kv.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
+    from mooncake_kv.manager import KVCacheManager
     from mooncake_kv.tiers.offload import BlockStorage
 
 __all__ = ["AsyncOffloader", "OffloadSnapshot", "PromotionJob", "TierCounters"]
@@ -175,7 +176,7 @@ class AsyncOffloader:
         ValueError: no tier, or a queue depth below 1.
     """
 
-    def __init__(self, manager, pool: BlockStorage, tiers: Sequence[KVTier], *,  # noqa: ANN001
+    def __init__(self, manager: KVCacheManager, pool: BlockStorage, tiers: Sequence[KVTier], *,
                  namespace: str = "", queue_depth: int = 256, write_through: bool = False,
                  retry_after_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -369,7 +370,8 @@ class AsyncOffloader:
         return None
 
     # ---- lower-tier calls -------------------------------------------------------------------
-    def _call(self, level: int, op: str, *args: object):  # noqa: ANN202
+    def _call(self, level: int, op: str, *args: object,
+              ) -> bool | bytes | list[tuple[str, bytes]] | None:
         """A lower tier's op; a raise counts, warns once, pauses the tier, and reads None."""
         tier = self.tiers[level]
         try:

@@ -128,7 +128,8 @@ def _uniform_batch(q, k_new, v_new, seqs, num_cached, k_cache, v_cache, block_ta
     return torch.lerp(o_new.float(), o_cached.float(), weight).transpose(1, 2)
 
 
-def flash_cached(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached, scale):  # noqa: ANN201
+def flash_cached(queries, k_cache, v_cache, k_scale, v_scale, ids, num_cached, scale,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [rows, kvh, r, d], lse [rows, kvh, r]) of ``queries`` [rows, kvh, r, d] over the
     first ``num_cached`` tokens of blocks ``ids`` [rows, cols] (no mask): gathered, flash."""
     keys = _cached_tokens(k_cache, k_scale, ids, num_cached, queries.dtype).transpose(1, 2)

@@ -1,4 +1,4 @@
-"""The PD router: worker registry, health checks, KV-aware prefill pick, load-aware decode pick.
+"""The router: worker registry, health checks, KV-aware and load-aware picks, the PD decider.
 
 ::
 
@@ -11,37 +11,58 @@
                        -> no prefill worker, the decode worker computes the prompt
 
 Cached-block counts come from a ``ClusterPrefixIndex`` fed by every worker's KV events, which
-the health loop polls (``/pd/state?since=seq``) with each worker's load.
+the health loop polls (``/pd/state?since=seq``; a DP replica's ``/dp/state``) with each
+worker's load (the reply: ``state_reply`` in cluster/worker.py).
 
 A worker that fails a poll or a request is marked down (no traffic) until a poll succeeds
 again; a restarted worker (new incarnation) is forgotten in the index and re-learned from its
-events. Every poll sends the deployment secret (pd/auth.py).
+events. Every poll sends the deployment secret (cluster/auth.py).
 
 ``pick`` is the same score for workers that are whole engines (the data-parallel replicas of
 ``kthena serve --dp``): prefix overlap, then load, then KV usage, ties to the worker picked
 least. There the router also counts what it sent and has not seen end (``done``), so load is
 current between polls, and with ``remember`` it records a prompt's blocks on the worker it
 picked at once, before that worker's events confirm them (or remove them, on eviction).
+
+The router reads three settings (``RouterSettings``: score weights, the decider's threshold,
+the poll interval) of whatever config it is given; ``PDConfig`` has them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 import attrs
 import httpx
 
-from kthena_serve.pd.auth import auth_headers
-from kthena_serve.pd.config import PDConfig
-from kthena_serve.pd.events import event_from_json
-from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.cluster.auth import auth_headers
+from kthena_serve.cluster.config import RouterWeights
+from kthena_serve.cluster.events import event_from_json
+from kthena_serve.cluster.metrics import RouterMetrics
 from mooncake_kv import BlockStored, ClusterPrefixIndex, ExtraKeys
 from mooncake_kv.hashing import DEFAULT_HASH_ALGO
 
-__all__ = ["Decision", "Pick", "Router", "WorkerState"]
+__all__ = ["Decision", "Pick", "Router", "RouterSettings", "WorkerState"]
 
 log = logging.getLogger(__name__)
+
+
+class RouterSettings(Protocol):
+    """What the router reads of its config (``PDConfig`` has these fields)."""
+
+    @property
+    def weights(self) -> RouterWeights:
+        """The score's weights."""
+
+    @property
+    def pd_threshold_tokens(self) -> int:
+        """``choose``: a prompt with fewer uncached tokens skips the prefill worker."""
+
+    @property
+    def health_interval_s(self) -> float:
+        """Seconds between two polls of every worker."""
 
 
 @attrs.define
@@ -87,21 +108,22 @@ class Router:
     """Chooses workers for each request (see module docs). Thread-safe.
 
     Args:
-        workers: (name, role, url) of each worker (``PDLauncher.endpoints()``).
-        config: the PD settings.
+        workers: (name, role, url) of each worker (``ProcessLauncher.endpoints()``).
+        config: the router's settings (a ``PDConfig``, or any ``RouterSettings``).
         block_size: tokens per KV block, as on the workers.
         metrics: where router metrics go (default: a registry of its own).
-        secret: the deployment secret sent on every poll (``PDLauncher.secret``).
+        secret: the deployment secret sent on every poll (``ProcessLauncher.secret``).
         state_path: the workers' state route (``/pd/state``; DP replicas: ``/dp/state``).
         hash_algo: the workers' block-hash algorithm (``EngineConfig.hash_algorithm``).
     """
 
-    def __init__(self, workers: list[tuple[str, str, str]], config: PDConfig, block_size: int,
-                 metrics: PDMetrics | None = None, *, secret: str | None = None,
-                 state_path: str = "/pd/state", hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+    def __init__(self, workers: list[tuple[str, str, str]], config: RouterSettings,
+                 block_size: int, metrics: RouterMetrics | None = None, *,
+                 secret: str | None = None, state_path: str = "/pd/state",
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.config = config
         self.block_size = block_size
-        self.metrics = metrics or PDMetrics("router")
+        self.metrics = metrics or RouterMetrics("router")
         self.state_path = state_path
         self.index = ClusterPrefixIndex(block_size, hash_algo)
         self.workers = {name: WorkerState(name, role, url) for name, role, url in workers}
@@ -112,12 +134,14 @@ class Router:
 
     # ---- health loop ------------------------------------------------------------------------
     def start(self) -> Router:
+        """Poll every worker once, then on a daemon thread every ``health_interval_s``."""
         self.poll_all()
         self._thread = threading.Thread(target=self._loop, name="kthena-pd-health", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
+        """Stop polling and close the HTTP client."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -128,10 +152,12 @@ class Router:
             self.poll_all()
 
     def poll_all(self) -> None:
+        """Poll every worker now."""
         for worker in list(self.workers.values()):
             self.poll(worker)
 
     def poll(self, worker: WorkerState) -> None:
+        """Read ``worker``'s state and KV events since the last poll; down if that fails."""
         try:
             reply = self._client.get(f"{worker.url}{self.state_path}",
                                     params={"since": worker.seq})
@@ -157,26 +183,29 @@ class Router:
             worker.stats = state.get("stats", worker.stats)
             worker.limits = state.get("limits", worker.limits)
             worker.is_up = bool(state.get("alive", True))
-        self.metrics.worker_up.labels("router", worker.name).set(int(worker.is_up))
+        self.metrics.set_up(worker.name, worker.is_up)
 
     def mark_down(self, name: str) -> None:
+        """No traffic to ``name`` until a poll of it succeeds."""
         with self._lock:
             worker = self.workers[name]
             if worker.is_up:
                 log.warning("worker %s is down", name)
             worker.is_up = False
-        self.metrics.worker_up.labels("router", name).set(0)
+        self.metrics.set_up(name, False)
 
     def set_url(self, name: str, url: str) -> None:
+        """Where ``name`` listens now (a restarted worker: ``ProcessLauncher.on_restart``)."""
         with self._lock:
             self.workers[name].url = url
 
     # ---- choosing -----------------------------------------------------------------------------
     def up(self, role: str) -> list[WorkerState]:
+        """The workers of ``role`` that are up."""
         return [w for w in self.workers.values() if w.role == role and w.is_up]
 
     def choose(self, prompt_ids: list[int], cache_salt: str | None = None) -> Decision:
-        """Pick (decode, prefill or None) for a prompt.
+        """Pick (decode, prefill or None) for a prompt: the PD decider.
 
         Raises:
             LookupError: no decode worker is up.

@@ -1,12 +1,13 @@
 """KV events on the wire: a worker's sequenced event log and the JSON codec the router reads.
 
-A worker appends every ``BlockStored`` / ``BlockRemoved`` / ``AllCleared`` of its KV manager
-to an ``EventLog``; the router polls ``/pd/state?since=seq`` and decodes the events with
+A worker (PD worker or DP replica) appends every ``BlockStored`` / ``BlockRemoved`` /
+``AllCleared`` of its KV manager to an ``EventLog``; the router polls the worker's state route
+(``/pd/state?since=seq``, ``/dp/state?since=seq``) and decodes the events with
 ``event_from_json`` into its ``ClusterPrefixIndex``. Both sides import this module, so the
 router never imports a worker app.
 
 The wire carries block hashes, never tokens: the index keys on hashes only, and a worker's
-``/pd/state`` must not hand out its tenants' prompts. A ``BlockStored`` decoded here has
+state route must not hand out its tenants' prompts. A ``BlockStored`` decoded here has
 empty ``token_ids``.
 """
 
@@ -51,7 +52,7 @@ class EventLog:
             return first, self._seq, [e for s, e in self._events if s > seq]
 
 
-def event_from_json(data: dict):  # noqa: ANN201
+def event_from_json(data: dict) -> BlockStored | BlockRemoved | AllCleared:
     """The KV event an ``EventLog`` item describes (``BlockStored.token_ids`` is empty)."""
     if data["type"] == "stored":
         parent = bytes.fromhex(data["parent"]) if data["parent"] else None

@@ -1,23 +1,24 @@
-"""Who may call a PD worker, and where a decode worker may send a prefill task.
+"""Who may call a worker of a deployment, and where a PD decode worker may send a prefill task.
 
-* **The deployment secret.** ``PDLauncher`` draws one per deployment (``new_secret``) and hands
-  it to each worker in the environment variable ``KTHENA_PD_SECRET``, never on the command line
-  (``/proc/PID/cmdline`` is readable by every local user, ``/proc/PID/environ`` only by the
-  same user). Every worker route but ``/health`` needs ``Authorization: Bearer <secret>``
-  (``server.middleware.ApiKeyMiddleware``); the router sends it (``auth_headers``) to the
-  workers it started. A decode worker never sends the secret itself: the prefill worker it
-  calls is named by a request (the router's ``prefill_url``, or a client's
-  ``kv_transfer_params``), so it signs each call instead (``signed_json``: an HMAC-SHA256 of
-  method, path, time and body keyed by the secret), which the prefill worker accepts on
-  ``DECODE_TO_PREFILL_PATHS``. A host that is named wrongly learns a signature of one request,
-  not the secret.
-* **The prefill URL.** The router names the prefill worker in each ``/pd/generate`` body. The
-  decode worker sends that URL the secret and block ids, so it only accepts
-  ``http://<host>:<port>`` with a host from its allow-list (``check_prefill_url``): loopback by
-  default, plus the hosts the launcher placed prefill workers on (``--prefill-hosts``; an
-  entry with a ``/`` is a network, e.g. a cluster's pod CIDR). Ports are not pinned: a
-  restarted worker may come back on another one. Behind the Kthena router the same list
-  bounds the ``remote_host`` a decode request's ``kv_transfer_params`` may name.
+* **The deployment secret.** The launcher (``ProcessLauncher``, cluster/launcher.py) draws one
+  per deployment (``new_secret``) and hands it to each worker, PD worker or DP replica, in the
+  environment variable ``KTHENA_PD_SECRET`` (``take_secret`` in cluster/worker.py reads it),
+  never on the command line (``/proc/PID/cmdline`` is readable by every local user,
+  ``/proc/PID/environ`` only by the same user). Every worker route but ``/health`` needs
+  ``Authorization: Bearer <secret>`` (``server.middleware.ApiKeyMiddleware``); the router sends
+  it (``auth_headers``) to the workers it started. A PD decode worker never sends the secret
+  itself: the prefill worker it calls is named by a request (the router's ``prefill_url``, or
+  a client's ``kv_transfer_params``), so it signs each call instead (``signed_json``: an
+  HMAC-SHA256 of method, path, time and body keyed by the secret), which the prefill worker
+  accepts on ``DECODE_TO_PREFILL_PATHS``. A host that is named wrongly learns a signature of
+  one request, not the secret.
+* **The prefill URL** (PD only). The router names the prefill worker in each
+  ``/pd/generate`` body. The decode worker sends that URL the secret and block ids, so it only
+  accepts ``http://<host>:<port>`` with a host from its allow-list (``check_prefill_url``):
+  loopback by default, plus the hosts the launcher placed prefill workers on
+  (``--prefill-hosts``; an entry with a ``/`` is a network, e.g. a cluster's pod CIDR). Ports
+  are not pinned: a restarted worker may come back on another one. Behind the Kthena router
+  the same list bounds the ``remote_host`` a decode request's ``kv_transfer_params`` may name.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
-
-from kthena_serve.server.middleware import sign_request
 
 __all__ = ["DECODE_TO_PREFILL_PATHS", "LOOPBACK_HOSTS", "SECRET_ENV", "auth_headers",
            "check_prefill_url", "new_secret", "signed_json"]
@@ -53,6 +52,10 @@ def auth_headers(secret: str | None) -> dict[str, str]:
 
 def signed_json(secret: str | None, path: str, payload: Any) -> tuple[bytes, dict[str, str]]:
     """A JSON body for ``POST path`` and its headers: signed with ``secret`` (none without)."""
+    # Here, not at the top: the server package loads torch, and a worker reads SECRET_ENV from
+    # this module before it pins itself and sets OpenMP's environment (cluster/worker.py).
+    from kthena_serve.server.middleware import sign_request
+
     body = json.dumps(payload, separators=(",", ":")).encode()
     headers = {"content-type": "application/json"}
     if secret:

@@ -1,0 +1,66 @@
+"""Layout: one parallel layout, the sizes of its TP, PP, DP and SP groups, spelled tp / pp / dp / sp.
+
+The planner enumerates and scores these, kthena_comm builds a rank's process groups from one,
+and ``kthena serve`` reports the one it runs: one value, one spelling. Rank order (kthena_comm's
+group arithmetic) puts TP innermost, then PP, then DP::
+
+    global rank = (dp_idx * pp + pp_idx) * tp + tp_idx       tp=2, pp=1, dp=2: TP [0 1] [2 3]
+                                                                                  DP [0 2] [1 3]
+
+Sequence parallelism (Megatron style) runs over the TP group, so ``sp`` is 1 or ``tp`` and needs
+no devices of its own.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["Layout", "LayoutError"]
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot exist (a size that is not a positive int, SP neither 1
+    nor TP), or one that does not fit the ranks it is used with."""
+
+
+def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class Layout:
+    """One parallel layout: TP x PP x SP within a replica, DP replicas.
+
+    Attributes:
+        tp: tensor-parallel ranks (each holds a share of every layer's heads).
+        pp: pipeline stages (each holds a contiguous run of layers).
+        dp: replicas.
+        sp: sequence-parallel ranks: 1, or ``tp`` (SP runs over the TP group).
+
+    Raises:
+        LayoutError: a size is not a positive int, or ``sp`` is neither 1 nor ``tp``.
+    """
+
+    tp: int = attrs.field(validator=_positive)
+    pp: int = attrs.field(default=1, validator=_positive)
+    dp: int = attrs.field(default=1, validator=_positive)
+    sp: int = attrs.field(default=1, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.sp not in (1, self.tp):
+            raise LayoutError(f"sp={self.sp} must be 1 or equal tp={self.tp}: sequence "
+                              "parallelism runs over the tensor-parallel group")
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp}"
+
+    @property
+    def num_devices(self) -> int:
+        """Ranks the layout needs: tp x pp x dp (SP shares the TP ranks)."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def device_mapping(self) -> tuple[int, int, int]:
+        """(tp, pp, dp): which devices each rank and group gets. SP does not change it."""
+        return (self.tp, self.pp, self.dp)

@@ -1,0 +1,25 @@
+"""Layout: the one parallel layout value validates its sizes and the SP rule, and prints itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from kthena_core.layout import Layout, LayoutError
+
+
+def test_layout_defaults_and_figures():
+    layout = Layout(2, dp=2)
+    assert (layout.tp, layout.pp, layout.dp, layout.sp) == (2, 1, 2, 1)
+    assert layout.num_devices == 4 and layout.device_mapping == (2, 1, 2)
+    assert Layout(2, sp=2).device_mapping == Layout(2).device_mapping
+    assert str(Layout(2, 1, 1, 2)) == "tp=2 pp=1 dp=1 sp=2"
+
+
+def test_layout_validates():
+    with pytest.raises(LayoutError, match="tp must be a positive int, got 0"):
+        Layout(0)
+    with pytest.raises(LayoutError, match="pp must be a positive int, got True"):
+        Layout(1, pp=True)
+    with pytest.raises(LayoutError, match="sp=4 must be 1 or equal tp=2"):
+        Layout(2, sp=4)
+    assert issubclass(LayoutError, ValueError)
