@@ -107,11 +107,11 @@ def test_the_secret_travels_in_the_variable_the_pd_auth_reads():
 
 
 def test_the_probed_path_is_served_by_both_kinds_of_worker():
-    from kthena_serve.pd.server import _common_routes
+    from kthena_serve.pd.server import common_routes
     from kthena_serve.server import build_app
 
     pd_app = FastAPI()
-    _common_routes(pd_app, lambda: b"", lambda: True)
+    common_routes(pd_app, lambda: b"", lambda: True)
     assert HEALTH_PATH in {route.path for route in pd_app.routes}
     app = build_app(mock.MagicMock(), model_name="m")
     assert HEALTH_PATH in {route.path for route in app.routes}

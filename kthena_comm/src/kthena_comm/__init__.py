@@ -10,8 +10,7 @@ Names are imported lazily so that ``import kthena_comm.transfer`` does not load 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kthena_core.lazy import lazy_exports
 
 _EXPORTS = {
     "CommError": "errors", "EngineClosedError": "errors", "InitError": "errors",
@@ -37,12 +36,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kthena_comm' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kthena_comm.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -15,8 +15,7 @@ Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kthena_core.lazy import lazy_exports
 
 _EXPORTS = {
     "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",
@@ -30,12 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kthena_serve' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kthena_serve.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from kthena_serve.kv_events import RedisKVPublisher
     from kthena_serve.kv_events.config import KVEventsConfig
 
-__all__ = ["launcher_rank", "launcher_world", "register_serve", "resolve_spec", "serve", "spec_from_args"]
+__all__ = ["launcher_rank", "launcher_world", "register_serve", "resolve_spec", "serve",
+           "spec_from_args"]
 
 
 def _prepare_process() -> None:

@@ -164,7 +164,7 @@ class KVConnector(Protocol):
     """A PD worker's side of the Kthena router's ``nixl`` / ``mooncake`` connectors.
 
     The OpenAI app hands it a request's ``kv_transfer_params`` before anything streams, so a
-    refusal is a clean 400 (kthena_serve.pd.prefill_api / decode_api implement it).
+    refusal is a clean 400 (kthena_serve.pd.prefill_connector / decode_connector implement it).
     """
 
     async def open(self, params: Mapping[str, Any], request: EngineRequest, *,

@@ -158,7 +158,8 @@ class ServeSpec:
     """
 
     engine: EngineConfig = attrs.field(factory=EngineConfig)
-    mode: str = attrs.field(default="colocated", validator=attrs.validators.in_(("colocated", "pd")))
+    mode: str = attrs.field(default="colocated",
+                            validator=attrs.validators.in_(("colocated", "pd")))
     dp: int = 1
     num_prefill: int = 1
     num_decode: int = 1

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kthena_serve.bench.machine import host_info
+from kthena_serve.bench.plot import save_figure
 
 if TYPE_CHECKING:
     from kthena_serve.config import EngineConfig
@@ -330,14 +331,11 @@ def plot(report: dict, path: str) -> None:
         ax.tick_params(labelsize=7)
     axes[0].legend(fontsize=7)
     machine, shape = report["machine"], report["shape"]
-    fig.suptitle(f"kthena bench kv — {report['model']} {report['dtype']}, {shape['sessions']} "
-                 f"conversations x {shape['turns']} turns, working set {report['working_set_mib']}"
-                 f" MiB = {shape['pool_ratio']}x the pool; {machine['cores']} cores "
-                 f"({machine['cpu']}), load {machine['loadavg_before'][0]}→"
-                 f"{machine['loadavg_after'][0]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"kthena bench kv — {report['model']} {report['dtype']}, "
+                f"{shape['sessions']} conversations x {shape['turns']} turns, working set "
+                f"{report['working_set_mib']} MiB = {shape['pool_ratio']}x the pool; "
+                f"{machine['cores']} cores ({machine['cpu']}), load "
+                f"{machine['loadavg_before'][0]}→{machine['loadavg_after'][0]}")
 
 
 def table(report: dict) -> str:

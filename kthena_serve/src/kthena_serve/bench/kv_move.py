@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kthena_serve.bench.machine import cpu_model
 from kthena_serve.bench.netns import NetnsUnavailable, two_namespaces
+from kthena_serve.bench.plot import save_figure
 
 if TYPE_CHECKING:
     import torch
@@ -869,15 +870,12 @@ def plot_kv_move(result: dict, path: str) -> None:
         ax.set(yscale="log", ylabel="ms (median, log)", title=title)
         ax.legend(fontsize=8)
     machine, stand_in = result["machine"], result["compute_stand_in"]
-    fig.suptitle(
+    save_figure(fig, path, (
         f"KV move of {result['tokens']} tokens ({result['kv_bytes'] / 2**20:.0f} MiB, "
         f"{result['shape']['model']} shape) — {machine['cpu_model'] or machine['processor']}, "
         f"{machine['usable_cores']} cores, load {machine['load_start'][0]:.1f}→"
         f"{machine['load_end'][0]:.1f}; compute stand-in "
-        f"{stand_in['calibrated_layer_ms']:.1f} ms/layer", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        f"{stand_in['calibrated_layer_ms']:.1f} ms/layer"), fontsize=9)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,12 @@ Both read only the result dict `kthena_serve.bench.serve.run_bench` builds: the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kthena_serve.bench.limits import COMPARED
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["plot", "table"]
 
@@ -15,6 +20,17 @@ _SHORT = {"a_batch1/decode_tok_s": "(a) decode", "a_batch1/ttft_s": "(a) TTFT",
           "b_offline/output_tok_s": "(b) 32x128->64", "c_shared_prefix_reuse/total_s": "(c) reuse",
           "c_shared_prefix_no_reuse/total_s": "(c) no reuse"}
 _COLORS = {"kthena": "#2f6db5", "vllm": "#8a8a8a", "transformers": "#e08a2f"}
+
+
+def save_figure(fig: Figure, path: str, title: str, fontsize: int = 8) -> None:
+    """Title ``fig`` (the run's model, machine and load), lay it out, write it to ``path`` and
+    close it: every benchmark's plot ends so."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _get(result: dict, *keys: str) -> float | None:
@@ -86,12 +102,9 @@ def plot(result: dict, path: str) -> None:
     _grouped(right, "share of the machine's limit reached (1 = limit)", shares)
     right.axhline(1.0, color="black", linewidth=0.8)
     machine, limits = result["machine"], result["limits"]["machine"]
-    fig.suptitle(f"kthena bench serve — {result['model']} {result['dtype']}, "
-                 f"{machine['cores']} cores ({machine['cpu']}"
-                 f"{'; ' + machine['cpu_isa'] if machine.get('cpu_isa') else ''}), load "
-                 f"{machine['load_avg_1m_before']}→{machine['load_avg_1m_after']}, median of "
-                 f"{result['runs']}; limits: {limits['bandwidth_gb_s']} GB/s, "
-                 f"{limits['matmul_peak_gflop_s']} GFLOP/s", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"kthena bench serve — {result['model']} {result['dtype']}, "
+                f"{machine['cores']} cores ({machine['cpu']}"
+                f"{'; ' + machine['cpu_isa'] if machine.get('cpu_isa') else ''}), load "
+                f"{machine['load_avg_1m_before']}→{machine['load_avg_1m_after']}, median of "
+                f"{result['runs']}; limits: {limits['bandwidth_gb_s']} GB/s, "
+                f"{limits['matmul_peak_gflop_s']} GFLOP/s")

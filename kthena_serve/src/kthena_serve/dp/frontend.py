@@ -50,10 +50,8 @@ from kthena_serve.dp.metrics import DPMetrics, merge_replica_metrics
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.input_processor import InputProcessor
 from kthena_serve.server import protocol as p
-from kthena_serve.server.app import add_plan_route
+from kthena_serve.server.app import add_api_middleware, add_plan_route
 from kthena_serve.server.errors import ApiError, error_body, error_response, install_handlers
-from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, public_paths
-from kthena_serve.server.shutdown import Drain, DrainMiddleware
 
 __all__ = ["REPLICA_HEADER", "DPFrontend", "build_dp_app", "routing_prompt"]
 
@@ -315,10 +313,6 @@ def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metric
     async def metrics() -> Response:
         return Response(await front.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key,
-                           open_paths=public_paths(public_metrics=public_metrics))
-    app.state.drain = Drain()  # outermost: a draining router refuses before anything else
-    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    add_api_middleware(app, api_key=api_key, public_metrics=public_metrics,
+                       max_request_bytes=max_request_bytes)
     return app

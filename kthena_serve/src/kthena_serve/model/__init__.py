@@ -11,8 +11,7 @@ imported lazily, so the engine can import one without loading the model and its 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kthena_core.lazy import lazy_exports
 
 _EXPORTS = {
     "ModelConfig": "config",
@@ -29,12 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kthena_serve.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kthena_serve.model.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

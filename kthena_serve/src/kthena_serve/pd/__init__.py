@@ -9,11 +9,13 @@ launcher base, worker lifecycle, auth, the KV events wire). Modules, one concept
 * ``prefill``   the prefill executor: paged prefill straight into the decode worker's blocks
 * ``decode``    the decode side: reserve blocks, call a prefill worker, admit or recover
 * ``transfer``  the cross-host path: Mooncake one-sided put of a request's blocks
-* ``server``    the decode and prefill workers' HTTP apps (control API + OpenAI routes)
+* ``server``    what both workers' HTTP apps share (one port: control API + OpenAI routes)
+* ``decode_server``, ``prefill_server``  each role's app: its parts and its route class
+* ``prefill_job``  one queued prefill's state (the executor's queue entry)
 * ``worker``    one worker process (``python -m kthena_serve.pd.worker``) for either role
 * ``kv_params`` ``kv_transfer_params`` as the Kthena router's nixl / mooncake connectors carry it
 * ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
-* ``prefill_api``, ``decode_api``  each worker's side of that protocol on its OpenAI routes
+* ``prefill_connector``, ``decode_connector``  each worker's side of that protocol on its OpenAI routes
 * ``frontend``  the router's OpenAI front: ``RemoteEngine`` over the cluster router
 * ``launcher``  ``PDLauncher``: the PD workers on split cores (prefill first)
 * ``cluster``   ``PDCluster``: launcher + router + OpenAI server in one object

@@ -12,7 +12,7 @@ worker lacks into its registered pool (see transfer.py).
 
 Behind the Kthena router (``submit_owned``): the prefill comes first and names no decode
 worker, so the prompt goes into the own pool and its blocks stay held until a decode worker has
-pulled them (one-sided get) or a timeout passes (pins.py, prefill_api.py).
+pulled them (one-sided get) or a timeout passes (pins.py, prefill_connector.py).
 
 Batching. Every prefill is a job in one FIFO queue, run by steps on the worker's single compute
 thread (the owner of the own pool's KV manager)::
@@ -40,7 +40,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -49,7 +49,9 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.pd.prefill_job import FirstTokenRow, PrefillJob
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
+from kthena_serve.pd.transfer import BlockPush
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduler import ScheduledBatch, ScheduledSeq
@@ -57,21 +59,8 @@ from mooncake_kv import ExtraKeys, KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor",
-           "check_task"]
+__all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor"]
 
-
-
-class KVPush(Protocol):
-    """How a request's blocks reach the decode pool (``transfer.PushSession``)."""
-
-    layerwise: bool
-
-    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Start moving one layer of completed blocks (compute thread, in the model's hook)."""
-
-    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
-        """Move what is left and wait for everything; the bytes moved (hand-off thread)."""
 
 
 class PrefillCancelled(Exception):
@@ -91,52 +80,6 @@ class OwnedPrefill:
     block_ids: tuple[int, ...]
     num_cached_tokens: int  # what this worker's own prefix cache supplied
     compute_s: float
-
-
-@attrs.frozen
-class _Row:
-    """What the sampler reads for a prompt's first token (no engine request exists here)."""
-
-    request_id: str
-    params: SamplingParams
-    output_token_ids: tuple[int, ...] = ()
-
-
-@attrs.define(eq=False)
-class _Job:
-    """One queued or running prefill (compute thread state, but ``cancelled``)."""
-
-    rid: str
-    token_ids: tuple[int, ...]
-    params: SamplingParams
-    runner: ModelRunner
-    finish: Callable[[_Job, int, TokenLogprobs | None], Any]  # -> the future's result
-    future: concurrent.futures.Future
-    block_ids: tuple[int, ...] | None = None  # None: own pool, not admitted yet
-    num_computed: int = 0  # tokens with KV (cached prefix included)
-    num_cached: int = 0
-    cache_salt: str | None = None
-    started: float | None = None
-    compute_s: float = 0.0
-    is_owned: bool = False  # computes into the own pool (blocks from the own KV manager)
-    cancelled: bool = False
-    push: KVPush | None = None  # layer-wise: its completed blocks go out as each layer runs
-    push_dst: tuple[int, ...] = ()  # the decode pool's blocks for the prompt
-    num_pushed: int = 0  # blocks (from the start of the prompt) pushed or not to push
-    forward_end: float = 0.0  # perf_counter at the end of its latest forward
-
-
-def check_task(task: PrefillTask) -> None:
-    """Raise ValueError for a task whose block table cannot hold its prompt."""
-    size = task.pool.block_size
-    num_tokens = len(task.token_ids)
-    if not 0 <= task.num_cached_tokens < num_tokens or task.num_cached_tokens % size:
-        raise ValueError(f"num_cached_tokens={task.num_cached_tokens} must be a multiple of "
-                         f"{size} below the prompt length {num_tokens}")
-    if len(task.block_ids) != -(-num_tokens // size):
-        raise ValueError(f"{len(task.block_ids)} blocks cannot hold exactly {num_tokens} tokens")
-    if any(not 0 <= b < task.pool.num_blocks for b in task.block_ids):
-        raise ValueError(f"block ids must lie in [0, {task.pool.num_blocks})")
 
 
 class PrefillExecutor:
@@ -161,7 +104,7 @@ class PrefillExecutor:
         self.on_batch = on_batch
         self._attached: dict[str, ModelRunner] = {}
         self._lock = threading.RLock()  # the queue, the in-flight set, the attach table
-        self._queue: list[_Job] = []
+        self._queue: list[PrefillJob] = []
         self._in_flight: frozenset[str] = frozenset()
         self._step_pending = False
         self._num_handoffs = 0  # puts running (their blocks come back after them)
@@ -214,23 +157,23 @@ class PrefillExecutor:
 
         Returns a future of the ``PrefillResult``. Raises ValueError for a bad task.
         """
-        check_task(task)
+        task.check()
         runner = self._attach(task.pool)
-        return self._submit(_Job(task.request_id, tuple(task.token_ids),
+        return self._submit(PrefillJob(task.request_id, tuple(task.token_ids),
                                  params_from_json(task.params), runner, self._finish_shared,
                                  concurrent.futures.Future(), tuple(task.block_ids),
                                  task.num_cached_tokens, task.num_cached_tokens))
 
-    def submit_local(self, task: PrefillTask, push: KVPush) -> concurrent.futures.Future:
+    def submit_local(self, task: PrefillTask, push: BlockPush) -> concurrent.futures.Future:
         """Prefill into this worker's pool (own prefix cache) and ``push`` the blocks the decode
         worker does not hold yet (everything from ``task.num_cached_tokens`` on) into
         ``task.block_ids``: layer by layer while the prefill runs (``push.layerwise``), or all
         at once after it; a failed push fails this request alone. Returns a future of the
         ``PrefillResult`` (set once the last put has landed).
         """
-        check_task(task)
+        task.check()
 
-        def finish(job: _Job, token: int, logprobs: TokenLogprobs | None) -> PrefillResult:
+        def finish(job: PrefillJob, token: int, logprobs: TokenLogprobs | None) -> PrefillResult:
             return self._finish_local(job, token, logprobs, task, push)
 
         job = self._owned_job(task.request_id, task.token_ids, params_from_json(task.params),
@@ -255,12 +198,12 @@ class PrefillExecutor:
         return self._submit(self._owned_job(rid, token_ids, params, cache_salt, finish))
 
     def _owned_job(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
-                   cache_salt: str | None, finish: Callable) -> _Job:
+                   cache_salt: str | None, finish: Callable) -> PrefillJob:
         assert self.kv is not None and self.runner is not None, "needs its own pool"
-        return _Job(rid, tuple(token_ids), params, self.runner, finish,
+        return PrefillJob(rid, tuple(token_ids), params, self.runner, finish,
                     concurrent.futures.Future(), cache_salt=cache_salt, is_owned=True)
 
-    def _submit(self, job: _Job) -> concurrent.futures.Future:
+    def _submit(self, job: PrefillJob) -> concurrent.futures.Future:
         with self._lock:
             if self._closing is not None:
                 raise ExecutorClosedError(self._closing)
@@ -344,11 +287,11 @@ class PrefillExecutor:
                 if seqs or dropped:  # else every job waits for blocks: a free kicks again
                     self._kick()
 
-    def _pick(self) -> tuple[list[ScheduledSeq], list[_Job]]:
+    def _pick(self) -> tuple[list[ScheduledSeq], list[PrefillJob]]:
         """This step's chunks: jobs over the oldest job's pool, oldest first, to the budget."""
         budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
         seqs: list[ScheduledSeq] = []
-        jobs: list[_Job] = []
+        jobs: list[PrefillJob] = []
         with self._lock:  # held throughout: a cancel sees either "in flight" or "dropped"
             queue = [j for j in self._queue if not j.cancelled]
             runner = queue[0].runner if queue else None
@@ -367,7 +310,7 @@ class PrefillExecutor:
             self._in_flight = frozenset(j.rid for j in jobs)
         return seqs, jobs
 
-    def _admit(self, job: _Job) -> bool:
+    def _admit(self, job: PrefillJob) -> bool:
         """Match the own prefix cache and allocate the rest (holding ``_lock``).
 
         A full pool fails the job alone, unless a batch-mate holds blocks it will give back:
@@ -388,7 +331,7 @@ class PrefillExecutor:
         job.num_computed = match.num_cached_tokens
         return True
 
-    def _run(self, seqs: list[ScheduledSeq], jobs: list[_Job]) -> None:
+    def _run(self, seqs: list[ScheduledSeq], jobs: list[PrefillJob]) -> None:
         start = time.perf_counter()
         try:
             logits = jobs[0].runner.execute(ScheduledBatch(tuple(seqs)), self._layer_hook(seqs, jobs))
@@ -413,7 +356,7 @@ class PrefillExecutor:
                     self._complete(job, logits[row : row + 1])
                 row += 1
 
-    def _layer_hook(self, seqs: list[ScheduledSeq], jobs: list[_Job],
+    def _layer_hook(self, seqs: list[ScheduledSeq], jobs: list[PrefillJob],
                     ) -> Callable[[int], None] | None:
         """The model's per-layer hook for this step's layer-wise pushes, or None.
 
@@ -441,10 +384,10 @@ class PrefillExecutor:
 
         return on_layer
 
-    def _complete(self, job: _Job, logits: torch.Tensor) -> None:
+    def _complete(self, job: PrefillJob, logits: torch.Tensor) -> None:
         """Sample the job's first token and hand it off; any failure is this job's alone."""
         try:
-            sample = _Row(job.rid, job.params)
+            sample = FirstTokenRow(job.rid, job.params)
             token = int(self.sampler(logits, [sample])[0])
             logprobs = gather_logprobs(logits, [sample], [token])[0]
             result = job.finish(job, token, logprobs)
@@ -455,7 +398,7 @@ class PrefillExecutor:
             self.sampler.forget(job.rid)
         self._end(job, None, result)
 
-    def _end(self, job: _Job, error: BaseException | None, result: Any = None) -> None:
+    def _end(self, job: PrefillJob, error: BaseException | None, result: Any = None) -> None:
         """Take the job off the queue and settle its future; a failed own-pool job frees."""
         with self._lock:
             if job in self._queue:
@@ -472,19 +415,19 @@ class PrefillExecutor:
             job.future.set_result(result)
 
     # ---- how each kind of job ends (compute thread) --------------------------------------------
-    def _finish_shared(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
+    def _finish_shared(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
                        ) -> PrefillResult:
         return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached, job.compute_s,
                              0.0, 0, first_token_logprobs=logprobs)
 
-    def _finish_owned(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
+    def _finish_owned(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
                       ) -> OwnedPrefill:
         assert self.kv is not None and job.block_ids is not None
         self.kv.commit(job.rid, job.token_ids)
         return OwnedPrefill(token, logprobs, job.block_ids, job.num_cached, job.compute_s)
 
-    def _finish_local(self, job: _Job, token: int, logprobs: TokenLogprobs | None,
-                      task: PrefillTask, push: KVPush) -> concurrent.futures.Future:
+    def _finish_local(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
+                      task: PrefillTask, push: BlockPush) -> concurrent.futures.Future:
         """Commit, then finish the push on a hand-off thread (the next forward does not wait
         for it: it puts the blocks, or waits for the layer puts) and free the blocks (also
         when the push fails)."""

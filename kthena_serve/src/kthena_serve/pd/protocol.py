@@ -53,6 +53,19 @@ class PrefillTask:
     pool: PoolRef
     cache_salt: str | None = None
 
+    def check(self) -> None:
+        """Raise ValueError for a task whose block table cannot hold its prompt."""
+        size = self.pool.block_size
+        num_tokens = len(self.token_ids)
+        if not 0 <= self.num_cached_tokens < num_tokens or self.num_cached_tokens % size:
+            raise ValueError(f"num_cached_tokens={self.num_cached_tokens} must be a multiple of "
+                             f"{size} below the prompt length {num_tokens}")
+        if len(self.block_ids) != -(-num_tokens // size):
+            raise ValueError(f"{len(self.block_ids)} blocks cannot hold exactly {num_tokens} "
+                             "tokens")
+        if any(not 0 <= b < self.pool.num_blocks for b in self.block_ids):
+            raise ValueError(f"block ids must lie in [0, {self.pool.num_blocks})")
+
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 

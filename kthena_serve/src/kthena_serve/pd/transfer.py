@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -45,7 +46,7 @@ from kthena_comm.transfer import (
 from mooncake_kv.layout import KVLayout, RangePair
 from mooncake_kv.pool import KVPool
 
-__all__ = ["BlockGetter", "BlockPutter", "PushSession", "register_pool", "shm_engine",
+__all__ = ["BlockGetter", "BlockPush", "BlockPutter", "PushSession", "register_pool", "shm_engine",
            "shm_segment_pool"]
 
 
@@ -54,6 +55,18 @@ def register_pool(pool: KVPool, host: str, timeout_s: float,
     """A mooncake engine with ``pool`` registered; returns (engine, handle)."""
     engine = create_engine("mooncake", MooncakeConfig(host=host, timeout_s=timeout_s))
     return engine, engine.register(pool.buffer)
+
+
+class BlockPush(Protocol):
+    """How a prefill's blocks reach the decode pool (``PushSession`` is the Mooncake one)."""
+
+    layerwise: bool
+
+    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Start moving one layer of completed blocks (compute thread, in the model's hook)."""
+
+    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+        """Move what is left and wait for everything; the bytes moved (hand-off thread)."""
 
 
 class PushSession:

@@ -41,7 +41,7 @@ from kthena_serve.cluster.worker import (
 )
 
 if TYPE_CHECKING:
-    from kthena_serve.pd.server import _OnePort
+    from kthena_serve.pd.server import OnePort
 
 __all__ = ["main"]
 
@@ -112,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
-               num_threads: int) -> tuple[_OnePort, Callable[[], None]]:
-    """The decode or prefill worker's app (pd/server.py) and what closes it."""
+               num_threads: int) -> tuple[OnePort, Callable[[], None]]:
+    """The decode or prefill worker's app (pd/decode_server.py, pd/prefill_server.py) and
+    what closes it."""
     import json
 
     from kthena_serve.config import EngineConfig
     from kthena_serve.pd.config import PDConfig
-    from kthena_serve.pd.server import build_decode_app, build_prefill_app
+    from kthena_serve.pd.decode_server import build_decode_app
+    from kthena_serve.pd.prefill_server import build_prefill_app
 
     engine_config = EngineConfig.from_json({**json.loads(args.engine_config),
                                             "num_threads": num_threads})

@@ -352,10 +352,19 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
     async def metrics() -> Response:
         return Response(api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_api_middleware(app, api_key=api_key, public_metrics=public_metrics,
+                       max_request_bytes=max_request_bytes)
+    return app
+
+
+def add_api_middleware(app: FastAPI, *, api_key: str | None, public_metrics: bool,
+                       max_request_bytes: int) -> None:
+    """The middleware stack of a public OpenAI app (``kthena serve``'s, the DP router's), inner
+    to outer: body limit (413), API key (401; /health and, with ``public_metrics``, /metrics
+    open), drain (503 while shutting down: a draining server refuses before anything else)."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key,
                            open_paths=public_paths(public_metrics=public_metrics))
-    app.state.drain = Drain()  # outermost: a draining server refuses before anything else
+    app.state.drain = Drain()
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
-    return app

@@ -1,0 +1,263 @@
+"""A PD prefill worker's app: the model and its batched executor, pins a decode worker pulls,
+the Kthena connector, and the control routes /pd/prefill, /pd/cancel, /pd/state, /pd/kv/*
+(``_PrefillRoutes``)."""
+
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kthena_serve.cluster.auth import DECODE_TO_PREFILL_PATHS
+from kthena_serve.cluster.events import EventLog
+from kthena_serve.cluster.worker import new_incarnation, state_reply
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd import server as shared
+from kthena_serve.pd.config import KVPush, PDConfig, Transport
+from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.prefill import PrefillCancelled
+from kthena_serve.pd.protocol import PrefillTask
+from kthena_serve.server.errors import error_body
+from kthena_serve.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.pd.pins import Pin, PinTable
+    from kthena_serve.pd.prefill import PrefillExecutor
+    from kthena_serve.pd.prefill_connector import PrefillConnector
+    from kthena_serve.pd.transfer import BlockPutter
+    from mooncake_kv.layout import KVLayout
+    from mooncake_kv.pool import KVPool
+
+
+__all__ = ["build_prefill_app"]
+
+log = logging.getLogger(__name__)
+
+
+def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
+                      mooncake_host: str | None = None, advertise_host: str = "127.0.0.1",
+                      api_key: str | None = None, served_model_name: str | None = None,
+                      public_metrics: bool = False) -> tuple[shared.OnePort, shared.Closer]:
+    """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel,
+    and the OpenAI routes with pinned prefills a decode worker pulls (/pd/kv/lease, release).
+
+    Its own pool (the mooncake transport's, and the Kthena router's prefills) is served to
+    decode workers: registered with Mooncake, or in a shm segment the host's processes map.
+
+    Args:
+        secret: the deployment secret its callers (decode workers, the router) must send.
+        advertise_host: the address decode workers reach it at (``remote_host``); the port is
+            set once the server listens (``state.on_port``).
+        api_key: what the OpenAI routes require (None: nothing).
+        served_model_name: the ``model`` the OpenAI routes serve and the metrics' model_name
+            (default: from the model).
+        public_metrics: /metrics needs no secret (the Kthena router scrapes without one).
+    """
+    routes = _PrefillRoutes(name, config, pd, mooncake_host=mooncake_host,
+                            advertise_host=advertise_host,
+                            served_model_name=shared.served_name(config, served_model_name))
+    app = shared.control_app(secret, public_metrics, signed_paths=DECODE_TO_PREFILL_PATHS)
+    app.state.on_port = routes.connector.set_port
+    shared.common_routes(app, routes.render_metrics, lambda: True)
+    app.post("/pd/prefill")(routes.prefill)
+    app.post("/pd/cancel")(routes.cancel)
+    app.get("/pd/state")(routes.state)
+    _kv_routes(app, routes.connector, routes.pins, routes.kv_engine.backend, routes.kv_handle,
+               routes.executor.pool.layout)
+    openai = shared.openai_app(routes.engine, config, routes.connector, api_key,
+                         routes.server_metrics)
+    return shared.OnePort(app, openai), routes.close
+
+
+class _PrefillRoutes:
+    """A prefill worker's parts (model, batched executor over its own pool, pins a decode
+    worker pulls, the Kthena connector) and its control routes: ``prefill`` (/pd/prefill),
+    ``cancel`` (/pd/cancel), ``state`` (/pd/state)."""
+
+    def __init__(self, name: str, config: EngineConfig, pd: PDConfig, *,
+                 mooncake_host: str | None, advertise_host: str, served_model_name: str,
+                 ) -> None:
+        from kthena_serve.model import load_model
+        from kthena_serve.pd.pins import PinTable
+        from kthena_serve.pd.prefill_connector import PrefillConnector, PrefillEngine
+        from kthena_serve.threads import configure_threads
+
+        configure_threads(config.num_threads)
+        model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
+                                      quantization=config.quantization)
+        self.name, self.pd = name, pd
+        self.metrics = PDMetrics("prefill")
+        self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(
+            model, config, pd, mooncake_host, self.metrics.observe_batch)
+        # shm: the own pool is not what /pd/prefill fills, so its events are not announced
+        self.events = EventLog(self.executor.kv) if self.putter is not None else None
+        self.pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, self._free)
+        self.sweeper = _Sweeper(self.pins, max(0.02, min(0.2, pd.kv_pin_timeout_s / 4)))
+        # its stats count the /pd/prefill tasks too: one executor runs both
+        self.engine = PrefillEngine(self.executor, tokenizer, config, self.pins)
+        self.incarnation = new_incarnation()
+        self.connector = PrefillConnector(self.engine, f"{name}-{self.incarnation}",
+                                          advertise_host)
+        self.server_metrics = ServerMetrics(self.engine, served_model_name)
+
+    def _free(self, pin: Pin) -> None:
+        """An expired or released pin's blocks, freed on the compute thread (their owner)."""
+        future = self.executor.call(self.executor.free, pin.request_id)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "freeing the pinned blocks of %s failed: %r", pin.request_id, f.exception()))
+
+    def render_metrics(self) -> bytes:
+        return self.server_metrics.render() + self.metrics.render()
+
+    def _submit(self, task: PrefillTask) -> concurrent.futures.Future:
+        """A future of the task's ``PrefillResult``, batched with the others' prefills."""
+        if self.putter is None:
+            return self.executor.submit_shared(task)
+        layout = self.executor.layout_for(task.pool.num_blocks, task.pool.block_size,
+                                          task.pool.dtype, task.pool.kv_cache_dtype)
+        session = self.putter.session(task.pool.mooncake_handle, layout,
+                                      layerwise=self.pd.kv_push is KVPush.LAYERWISE)
+        return self.executor.submit_local(task, session)
+
+    async def prefill(self, request: Request) -> Response:
+        """A decode worker's task: prefill, hand the KV off, answer the first token."""
+        try:
+            future = self._submit(PrefillTask.from_json(await request.json()))
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad prefill task: {error}"), status_code=400)
+        except Exception as error:  # noqa: BLE001 - the decode side applies its policy
+            return _prefill_failed(error)
+        try:
+            result = await asyncio.wrap_future(future)
+        except PrefillCancelled:
+            return JSONResponse(error_body(409, "cancelled"), status_code=409)
+        except Exception as error:  # noqa: BLE001 - the decode side applies its policy
+            return _prefill_failed(error)
+        self.metrics.prefill.labels("prefill").observe(result.compute_s)
+        self.metrics.observe_handoff(result.handoff_s, result.handoff_bytes)
+        self.metrics.prefill_cached.labels("prefill").inc(result.num_prefill_cached_tokens)
+        return JSONResponse(result.to_json())
+
+    async def cancel(self, request: Request) -> dict:
+        """Drop a queued prefill; ``busy`` while a forward still writes its KV."""
+        rid = (await request.json())["request_id"]
+        return {"busy": self.executor.cancel(rid)}
+
+    async def state(self, since: int = 0) -> dict:
+        """What the router polls: load, KV stats and events, the pins held."""
+        pins = self.pins
+        return state_reply(self.name, "prefill", self.incarnation, alive=True,
+                           stats=self.engine.stats(), events=self.events, since=since,
+                           num_pinned=len(pins), num_pinned_blocks=pins.num_blocks,
+                           num_pins_expired=pins.num_expired)
+
+    def close(self) -> None:
+        self.engine.abort_all("the prefill worker is stopping")
+        self.sweeper.stop()
+        self.pins.clear()
+        self.executor.close()  # its compute thread, then the own pool (a segment: with its engine)
+        self.kv_engine.close()
+
+
+def _prefill_failed(error: Exception) -> Response:
+    return JSONResponse(error_body(503, f"prefill failed: {type(error).__name__}: {error}"),
+                        status_code=503)
+
+
+def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
+              mooncake_host: str | None, on_batch: Callable[[int, int], None],
+              ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle]:
+    """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
+    private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
+    from kthena_serve.pd.prefill import PrefillExecutor
+    from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
+
+    if pd.transport is Transport.MOONCAKE:
+        executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch)
+        putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
+        return executor, putter, putter.engine, putter.local
+    engine = shm_engine(pd.transfer_timeout_s)
+    handles = []
+
+    def in_segment(layout: KVLayout) -> KVPool:
+        pool, handle = shm_segment_pool(engine, layout)
+        handles.append(handle)
+        return pool
+
+    executor = PrefillExecutor(model, config, own_pool=in_segment, on_batch=on_batch)
+    return executor, None, engine, handles[0]
+
+
+class _Sweeper:
+    """Frees expired pins every ``interval_s`` (a daemon thread)."""
+
+    def __init__(self, pins: PinTable, interval_s: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(pins, interval_s),
+                                        name="kthena-pin-sweeper", daemon=True)
+        self._thread.start()
+
+    def _run(self, pins: PinTable, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            pins.expire()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
+               handle: MemoryHandle, layout: KVLayout) -> None:
+    """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them."""
+    from kthena_serve.pd.pins import PinError
+
+    @app.post("/pd/kv/lease")
+    async def kv_lease(request: Request) -> Response:
+        try:
+            body = await request.json()
+            engine_id, transfer_id = body["engine_id"], body["transfer_id"]
+            block_ids, digest = body["block_ids"], body["prompt_digest"]
+            if not all(isinstance(v, str) for v in (engine_id, transfer_id, digest)) \
+                    or not isinstance(block_ids, list):
+                raise TypeError("engine_id, transfer_id, prompt_digest: strings; block_ids: "
+                                "a list")
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad lease: {error}"), status_code=400)
+        if engine_id != connector.engine_id:
+            return JSONResponse(error_body(404, f"remote_engine_id {engine_id!r} is not this "
+                                           f"prefill worker ({connector.engine_id}): the KV "
+                                           "was pinned elsewhere, or by a process that has "
+                                           "restarted since"), status_code=404)
+        if body.get("backend") != backend:
+            return JSONResponse(error_body(409, f"this prefill worker serves KV over {backend}"
+                                           f", the decode worker pulls over "
+                                           f"{body.get('backend')}: use one --pd-transport"),
+                                status_code=409)
+        try:
+            pin = pins.lease(transfer_id, block_ids, digest)
+        except PinError as error:
+            return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+        return JSONResponse({"handle": handle.to_dict(), "num_blocks": layout.num_blocks,
+                             "fingerprint": layout.shape.fingerprint(),
+                             "kind": layout.kind.value, "first_token_id": pin.first_token_id,
+                             "first_token_logprobs": pin.first_token_logprobs})
+
+    @app.post("/pd/kv/release")
+    async def kv_release(request: Request) -> Response:
+        try:
+            transfer_id = (await request.json())["transfer_id"]
+            if not isinstance(transfer_id, str):
+                raise TypeError("transfer_id must be a string")
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad release: {error}"), status_code=400)
+        return JSONResponse({"released": pins.release(transfer_id)})
