@@ -15,7 +15,7 @@ from kthena_core.shape import LayerSplitError, check_pp, stage_layer_range
 from kthena_serve.model import PipelineStage, TensorParallelError
 from kthena_serve.model.errors import BatchError
 from kthena_serve.parallel_runner import split_microbatches
-from kthena_serve.scheduler import ScheduledBatch, ScheduledSeq
+from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
 
 
 def _batch(lengths: list[int]) -> ScheduledBatch:

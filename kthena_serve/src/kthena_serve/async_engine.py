@@ -43,7 +43,7 @@ from kthena_serve.input_processor import InputProcessor
 from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import Reservation
+from kthena_serve.scheduled import Reservation
 from mooncake_kv import KVCacheManager
 
 __all__ = ["AsyncLLM"]

@@ -37,7 +37,8 @@ from kthena_serve.output_stream import OutputStream
 from kthena_serve.request import EngineRequest, FinishReason, Request, RequestOutput
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import Reservation, ScheduledBatch, Scheduler
+from kthena_serve.scheduled import Reservation, ScheduledBatch
+from kthena_serve.scheduler import Scheduler
 from kthena_serve.threads import configure_threads
 from mooncake_kv import KVCacheManager
 

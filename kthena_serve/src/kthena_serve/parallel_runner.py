@@ -44,7 +44,7 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.errors import RankDiedError
 from kthena_serve.model_inputs import ModelInputs, build_inputs
 from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches, sampled_logits
-from kthena_serve.scheduler import ScheduledBatch
+from kthena_serve.scheduled import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
 from mooncake_kv.pool import KVPool
 

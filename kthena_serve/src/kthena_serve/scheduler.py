@@ -20,6 +20,14 @@ again) and prefills the rest. A promotion not done after ``promote_timeout_s`` i
 the blocks written so far count, the others are computed. A step with nothing to run but
 promotions in flight waits for the oldest one (at most that long) instead of spinning.
 
+A PD prefill worker runs its prompts through the same scheduler, as a policy: a prompt whose
+blocks the decode worker's scheduler gave is added as *external* (``add_external``: its block
+table is used as given, no KV verb touches it, it is never a preemption victim); a step holds
+prompts of one pool only (``batch_key``); a prompt whose first token was sampled is *set aside*
+(``set_aside``) with its blocks still held, for its handoff, and freed after
+(``free_set_aside``). A prompt that finds the pool full waits while blocks that will come back
+are held (running, promoting, or set aside with ``returning``), and is rejected otherwise.
+
 The scheduler talks to the KV layer only through the manager's verbs: match_prefix,
 try_allocate, try_append, commit, free (and the offloader's start_promotion).
 """
@@ -29,73 +37,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
-import attrs
-
 from kthena_serve.request import FinishReason, Request, RequestStatus
+from kthena_serve.scheduled import Reservation, ScheduledBatch, ScheduledSeq
 from mooncake_kv import ExtraKeys, KVCacheBlocks, KVCacheManager
 
 if TYPE_CHECKING:
     from mooncake_kv.tiers import AsyncOffloader, PromotionJob
 
-__all__ = ["Reservation", "ScheduledBatch", "ScheduledSeq", "Scheduler"]
+__all__ = ["Scheduler"]
 
 _Picked = list[tuple[Request, int]]  # (request, tokens it feeds this step)
 _PROMOTING = -1  # _try_admit: the request waits for its promotion, nothing scheduled
 _log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class ScheduledSeq:
-    """One sequence's share of a step, as plain data (nothing live crosses to the runner).
-
-    Attributes:
-        request_id: whose tokens these are.
-        token_ids: the tokens fed this step (a prefill chunk, or the one token to decode).
-        start: position of ``token_ids[0]``; tokens before it already have KV in the cache.
-        block_ids: the sequence's block table, covering ``start + len(token_ids)`` tokens.
-        is_sampled: a token is sampled from this sequence's last position (its logits row is
-            ``ScheduledBatch.sampled_rows.index(i)``).
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start: int
-    block_ids: tuple[int, ...]
-    is_sampled: bool
-
-
-@attrs.frozen
-class ScheduledBatch:
-    """One step's work: the sequences to run, and who was preempted or rejected.
-
-    Attributes:
-        seqs: the sequences, in batch order.
-        preempted: request ids sent back to the queue this step.
-        rejected: request ids that cannot fit in the pool even alone (finished with LENGTH).
-    """
-
-    seqs: tuple[ScheduledSeq, ...]
-    preempted: tuple[str, ...] = ()
-    rejected: tuple[str, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def sampled_rows(self) -> list[int]:
-        """Indices in ``seqs`` that sample a token (the runner returns their logits, in order)."""
-        return [i for i, s in enumerate(self.seqs) if s.is_sampled]
-
-
-@attrs.frozen
-class Reservation:
-    """PD decode: the blocks reserved for a prompt and how much of it was already cached."""
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
 
 
 class Scheduler:
@@ -109,6 +65,8 @@ class Scheduler:
             for a prefix another request is computing only then).
         offloader: tiers to promote evicted prefixes from (see module docs), or None.
         promote_timeout_s: how long a request waits for its promotion at most.
+        batch_key: requests whose keys differ never share a step (a PD prefill worker's
+            prompts over different decode pools); None: any requests may.
     """
 
     def __init__(
@@ -120,6 +78,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         offloader: AsyncOffloader | None = None,
         promote_timeout_s: float = 5.0,
+        batch_key: Callable[[Request], Hashable] | None = None,
     ) -> None:
         self.kv = kv
         self.offloader = offloader
@@ -136,6 +95,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # PD: blocks held while a prefill fills them
         self.paused: set[str] = set()  # decoding requests skipped until resumed
+        self.external: set[str] = set()  # block tables given from outside: no KV verbs
+        self.returning: set[str] = set()  # set aside; their blocks come back soon
+        self._batch_key = batch_key
+        self._step_key: Hashable | None = None  # this step's batch key, once one is picked
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -185,11 +148,54 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Finish a running request: its blocks go back (cached ones stay matchable)."""
+        self._leave(request)
+        if request.request_id in self.external:
+            self.external.discard(request.request_id)  # the blocks are another scheduler's
+        else:
+            self.kv.free(request.request_id)
+        _mark_finished(request, reason)
+
+    def _leave(self, request: Request) -> None:
         self.running.remove(request)
         self.paused.discard(request.request_id)
         self._ahead.pop(request.request_id, None)
-        self.kv.free(request.request_id)
-        _mark_finished(request, reason)
+
+    # ---- PD prefill: prompts only, some over blocks another worker's scheduler gave ----------
+    def add_external(self, request: Request, block_ids: tuple[int, ...]) -> None:
+        """Run ``request``'s prompt over ``block_ids``, a block table from outside that covers
+        it (its ``num_computed_tokens`` already has KV there): no KV verb touches the request,
+        and it is never preempted."""
+        request.block_ids = tuple(block_ids)
+        request.status = RequestStatus.RUNNING
+        self.external.add(request.request_id)
+        self.running.append(request)
+
+    def set_aside(self, request_id: str, *, returning: bool) -> Request:
+        """Take a running request off the schedule with its blocks still held (a PD prefill
+        whose first token is sampled: its blocks are handed off or pinned).
+
+        Args:
+            returning: its blocks come back soon (``free_set_aside`` after a handoff): a
+                prompt that finds the pool full waits for them instead of being rejected.
+
+        Raises:
+            KeyError: ``request_id`` is not running.
+        """
+        request = next((r for r in self.running if r.request_id == request_id), None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        self._leave(request)
+        if request_id in self.external:
+            self.external.discard(request_id)
+        elif returning:
+            self.returning.add(request_id)
+        request.status = RequestStatus.FINISHED
+        return request
+
+    def free_set_aside(self, request_id: str) -> None:
+        """Give back the blocks of a request ``set_aside`` left held."""
+        self.returning.discard(request_id)
+        self.kv.free(request_id)
 
     # ---- PD admission: a prompt whose KV another worker computes ------------------------------
     def reserve(self, request: Request) -> Reservation | None:
@@ -240,6 +246,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts, reserving their KV slots."""
+        self._step_key = None
         picked: _Picked = []
         preempted: list[Request] = []
         rejected: list[Request] = []
@@ -264,6 +271,8 @@ class Scheduler:
         for seq in batch.seqs:
             request = running[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
+            if request.request_id in self.external:
+                continue  # another scheduler's blocks: nothing to cache here
             num_full = request.num_computed_tokens // size
             if num_full > request.num_committed_blocks:
                 self.kv.commit(request.request_id,
@@ -277,7 +286,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.request_id in self.paused and not request.is_prefill:
+            if (request.request_id in self.paused and not request.is_prefill) \
+                    or not self._in_step(request):
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -291,6 +301,8 @@ class Scheduler:
                  rejected: list[Request]) -> bool:
         """Reserve slots, preempting the newest running requests; False if ``request`` lost."""
         rid = request.request_id
+        if rid in self.external:
+            return True  # its block table covers the prompt already
         while True:
             if request.is_prefill:
                 blocks = self._allocate_prefill(rid, num_new)
@@ -299,8 +311,8 @@ class Scheduler:
             if blocks is not None:
                 request.block_ids = blocks.block_ids
                 return True
-            victim = self.running[-1]
-            if victim is request and len(self.running) == 1 and not self.promoting:
+            victim = next(r for r in reversed(self.running) if r.request_id not in self.external)
+            if victim is request and not self._holds_blocks(besides=request):
                 self.finish(request, FinishReason.LENGTH)  # cannot fit even alone
                 rejected.append(request)
                 return False
@@ -333,14 +345,14 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or self._num_seated() >= self.max_num_seqs:
                 return
-            if self._should_wait_for_prefix(request, prefilling):
+            if self._should_wait_for_prefix(request, prefilling) or not self._in_step(request):
                 continue
             num_new = self._try_admit(request, budget)
             if num_new == _PROMOTING:
                 self.waiting.remove(request)
                 continue
             if num_new is None:
-                if not self.running and not self.promoting:  # too long for the whole pool
+                if not self._holds_blocks():  # too long for the whole pool
                     self.waiting.remove(request)
                     _mark_finished(request, FinishReason.LENGTH)
                     rejected.append(request)
@@ -371,6 +383,21 @@ class Scheduler:
         request.block_ids = blocks.block_ids
         request.status = RequestStatus.RUNNING
         return num_new
+
+    def _in_step(self, request: Request) -> bool:
+        """Whether ``request`` may join this step (the first picked sets the batch key)."""
+        if self._batch_key is None:
+            return True
+        key = self._batch_key(request)
+        if self._step_key is None:
+            self._step_key = key
+        return key == self._step_key
+
+    def _holds_blocks(self, besides: Request | None = None) -> bool:
+        """Whether blocks of this pool will come back: held by a running request (other than
+        ``besides``; not external), a promotion, or a request set aside with ``returning``."""
+        return bool(self.promoting or self.returning) or any(
+            r is not besides and r.request_id not in self.external for r in self.running)
 
     def _num_seated(self) -> int:
         return len(self.running) + len(self.reserved) + len(self.promoting)

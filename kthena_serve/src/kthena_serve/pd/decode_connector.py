@@ -50,7 +50,7 @@ from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_para
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.transfer import BlockGetter
 from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.scheduler import Reservation
+from kthena_serve.scheduled import Reservation
 from mooncake_kv.layout import KVLayout
 
 __all__ = ["DecodeConnector", "Lease"]

@@ -14,23 +14,25 @@ Behind the Kthena router (``submit_owned``): the prefill comes first and names n
 worker, so the prompt goes into the own pool and its blocks stay held until a decode worker has
 pulled them (one-sided get) or a timeout passes (pins.py, prefill_connector.py).
 
-Batching. Every prefill is a job in one FIFO queue, run by steps on the worker's single compute
-thread (the owner of the own pool's KV manager)::
+Batching. Every prefill is a request of the engine's one ``Scheduler`` (scheduler.py), run
+by steps on the worker's single compute thread (the owner of the own pool's KV manager), with
+the scheduler's PD prefill policy::
 
-    step: pick    the oldest job's pool, then every queued job over that pool, oldest first,
-                  each with its next chunk, while max_num_batched_tokens and max_num_seqs last
-          run     one ModelRunner.execute(ScheduledBatch(chunks))   (the engine's runner)
-          finish  each job whose last chunk ran samples its first token and hands off alone:
-                  shm -> the result; owned -> commit, blocks held until ``free``;
-                  mooncake -> commit, then put + free on a hand-off thread (the next
-                  forward does not wait for the put)
+    step: schedule  a decode worker's prompt runs over the block table it sent (external: no
+                    KV verb here); an own-pool prompt is admitted with its prefix matched and
+                    its blocks allocated chunk by chunk; a step holds prompts of one pool only;
+                    max_num_batched_tokens and max_num_seqs as in the engine
+          run       one ModelRunner.execute(batch)   (the engine's runner)
+          finish    each prompt whose last chunk ran samples its first token, is set aside from
+                    the schedule and hands off alone: shm -> the result; owned -> commit,
+                    blocks held until ``free``; mooncake -> commit, then put + free on a
+                    hand-off thread (the next forward does not wait for the put)
 
-A job fails alone: its own-pool admission (pool full), its hand-off (put), or its
-cancellation (dropped at the next step boundary, its blocks freed) touch no batch-mate; only a
-failed forward fails the jobs in it. Each step is its own compute-thread call, so frees and
-other calls queued there run between steps. The batch is built here from ``ScheduledSeq``
-rather than by the engine's ``Scheduler``: the shm jobs' block tables come from the *decode*
-worker's scheduler, and no manager here owns them.
+A job fails alone: a pool too small for it even when every block that will come back has
+(rejected: MemoryError), its hand-off (put), or its cancellation (dropped at the next step
+boundary, its blocks freed) touch no batch-mate; only a failed forward fails the jobs in it.
+Each step is its own compute-thread call, so frees and other calls queued there run between
+steps.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
-from kthena_serve.pd.prefill_job import FirstTokenRow, PrefillJob
+from kthena_serve.pd.prefill_job import PrefillJob
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.pd.transfer import BlockPush
+from kthena_serve.request import Request
 from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import ScheduledBatch, ScheduledSeq
-from mooncake_kv import ExtraKeys, KVCacheManager
+from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
+from kthena_serve.scheduler import Scheduler
+from mooncake_kv import KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
@@ -89,14 +93,17 @@ class PrefillExecutor:
         model: the loaded model (same weights and dtype as the decode worker's).
         config: block size, dtype, the step budget (``max_num_batched_tokens``, and at most
             ``max_num_seqs`` prompts per forward); also the size of this worker's own pool.
-        own_pool: build a local pool and prefix cache (the cross-host path, and the prompts a
+        own_pool: the local pool and prefix cache (the cross-host path, and the prompts a
             decode worker pulls: ``submit_owned``); True makes a private pool, a callable
             ``layout -> KVPool`` makes it where the caller wants (a served shm segment).
         on_batch: called after every forward with (prompts in it, tokens computed): metrics.
+
+    Raises:
+        ValueError: no own pool.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
-                 own_pool: bool | Callable[[KVLayout], KVPool] = False,
+                 own_pool: bool | Callable[[KVLayout], KVPool] = True,
                  on_batch: Callable[[int, int], None] | None = None) -> None:
         self.model = model
         self.config = config
@@ -107,23 +114,28 @@ class PrefillExecutor:
         self._queue: list[PrefillJob] = []
         self._in_flight: frozenset[str] = frozenset()
         self._step_pending = False
-        self._num_handoffs = 0  # puts running (their blocks come back after them)
         self._closing: str | None = None
         self._compute = concurrent.futures.ThreadPoolExecutor(1, "kthena-prefill")
         self._handoff = concurrent.futures.ThreadPoolExecutor(4, "kthena-prefill-handoff")
-        self.runner: ModelRunner | None = None
-        self.kv: KVCacheManager | None = None
         self.num_steps = self.num_computed_tokens = 0  # reported in /pd/state
-        if own_pool:
-            layout = self.layout_for(config.num_kv_blocks or 1024)
-            make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
-            self.runner = ModelRunner(model, make(layout))
-            self.kv = create_kv_manager(config, layout.num_blocks)
+        if not own_pool:
+            raise ValueError("a prefill executor needs its own pool (own_pool=True or a "
+                             "layout -> KVPool function): its scheduler's KV manager")
+        layout = self.layout_for(config.num_kv_blocks or 1024)
+        make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
+        self.runner = ModelRunner(model, make(layout))
+        self.kv: KVCacheManager = create_kv_manager(config, layout.num_blocks)
+        self._jobs: dict[str, PrefillJob] = {}  # the scheduler's requests (compute thread)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   batch_key=lambda request: id(self._jobs[request.request_id]
+                                                                .runner))
 
     @property
-    def pool(self) -> KVPool | None:
-        """This worker's own pool (the cross-host path), or None."""
-        return self.runner.pool if self.runner is not None else None
+    def pool(self) -> KVPool:
+        """This worker's own pool."""
+        return self.runner.pool
 
     def layout_for(self, num_blocks: int, block_size: int | None = None,
                    dtype: str | None = None, kv_cache_dtype: str | None = None) -> KVLayout:
@@ -159,10 +171,11 @@ class PrefillExecutor:
         """
         task.check()
         runner = self._attach(task.pool)
-        return self._submit(PrefillJob(task.request_id, tuple(task.token_ids),
-                                 params_from_json(task.params), runner, self._finish_shared,
-                                 concurrent.futures.Future(), tuple(task.block_ids),
-                                 task.num_cached_tokens, task.num_cached_tokens))
+        request = Request(task.request_id, task.token_ids, params_from_json(task.params))
+        request.num_computed_tokens = request.num_cached_tokens = task.num_cached_tokens
+        return self._submit(PrefillJob(request, runner, self._finish_shared,
+                                       concurrent.futures.Future(), tuple(task.block_ids),
+                                       task.num_cached_tokens))
 
     def submit_local(self, task: PrefillTask, push: BlockPush) -> concurrent.futures.Future:
         """Prefill into this worker's pool (own prefix cache) and ``push`` the blocks the decode
@@ -199,9 +212,8 @@ class PrefillExecutor:
 
     def _owned_job(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
                    cache_salt: str | None, finish: Callable) -> PrefillJob:
-        assert self.kv is not None and self.runner is not None, "needs its own pool"
-        return PrefillJob(rid, tuple(token_ids), params, self.runner, finish,
-                    concurrent.futures.Future(), cache_salt=cache_salt, is_owned=True)
+        request = Request(rid, token_ids, params, cache_salt=cache_salt)
+        return PrefillJob(request, self.runner, finish, concurrent.futures.Future())
 
     def _submit(self, job: PrefillJob) -> concurrent.futures.Future:
         with self._lock:
@@ -234,14 +246,9 @@ class PrefillExecutor:
 
     def free(self, rid: str) -> None:
         """Give back the blocks ``submit_owned`` left held (compute thread only: ``call``)."""
-        assert self.kv is not None
-        self.kv.free(rid)
-
-    def _free_handed_off(self, rid: str) -> None:
         with self._lock:
-            self.free(rid)
-            self._num_handoffs -= 1
-            self._kick()  # a job may wait for these blocks
+            self.scheduler.free_set_aside(rid)
+            self._kick()  # a prompt may wait for these blocks
 
     def _attach(self, ref: PoolRef) -> ModelRunner:
         """A runner over the decode worker's shared pool (mapped once per pool name)."""
@@ -270,93 +277,79 @@ class PrefillExecutor:
             self._compute.submit(self._step)
 
     def _step(self) -> None:
-        """Pick a batch, run one forward, finish the jobs whose last chunk ran."""
-        with self._lock:
+        """Schedule a batch, run one forward, finish the jobs whose last chunk ran."""
+        with self._lock:  # held throughout: a cancel sees either "in flight" or "dropped"
             self._step_pending = False
             dropped = [j for j in self._queue if j.cancelled]
-            self._queue = [j for j in self._queue if not j.cancelled]
+            for job in dropped:
+                self._queue.remove(job)
+                self._unschedule(job)
+            for job in self._queue:
+                if not job.in_scheduler:
+                    self._schedule(job)
+            batch = self.scheduler.schedule()
+            jobs = [self._jobs[seq.request_id] for seq in batch.seqs]
+            now = time.perf_counter()
+            for job in jobs:
+                job.started = job.started or now  # running from now on
+            self._in_flight = frozenset(job.rid for job in jobs)
         for job in dropped:
             self._end(job, PrefillCancelled(f"prefill of {job.rid} was cancelled"))
-        seqs, jobs = self._pick()
+        for rid in batch.rejected:  # the scheduler has let it go, blocks and all
+            job = self._jobs[rid]
+            job.in_scheduler = False
+            self._end(job, MemoryError("the prefill worker's pool is full; retry or grow it"))
         try:
-            if seqs:
-                self._run(seqs, jobs)
+            if batch.seqs:
+                self._run(batch, jobs)
         finally:
             with self._lock:
                 self._in_flight = frozenset()
-                if seqs or dropped:  # else every job waits for blocks: a free kicks again
-                    self._kick()
+                if batch.seqs or dropped or batch.rejected:  # else every job waits for blocks:
+                    self._kick()                              # a free kicks again
 
-    def _pick(self) -> tuple[list[ScheduledSeq], list[PrefillJob]]:
-        """This step's chunks: jobs over the oldest job's pool, oldest first, to the budget."""
-        budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        seqs: list[ScheduledSeq] = []
-        jobs: list[PrefillJob] = []
-        with self._lock:  # held throughout: a cancel sees either "in flight" or "dropped"
-            queue = [j for j in self._queue if not j.cancelled]
-            runner = queue[0].runner if queue else None
-            for job in queue:
-                if budget <= 0 or len(jobs) >= seats:
-                    break
-                if job.runner is not runner or (job.block_ids is None and not self._admit(job)):
-                    continue
-                end = min(len(job.token_ids), job.num_computed + budget)
-                seqs.append(ScheduledSeq(job.rid, job.token_ids[job.num_computed:end],
-                                         job.num_computed, job.block_ids,
-                                         end == len(job.token_ids)))
-                jobs.append(job)
-                job.started = job.started or time.perf_counter()  # running from now on
-                budget -= end - job.num_computed
-            self._in_flight = frozenset(j.rid for j in jobs)
-        return seqs, jobs
+    def _schedule(self, job: PrefillJob) -> None:
+        """Hand ``job``'s request to the scheduler (compute thread, holding ``_lock``)."""
+        self._jobs[job.rid] = job
+        if job.shared_blocks is not None:
+            self.scheduler.add_external(job.request, job.shared_blocks)
+        else:
+            self.scheduler.add(job.request)
+        job.in_scheduler = True
 
-    def _admit(self, job: PrefillJob) -> bool:
-        """Match the own prefix cache and allocate the rest (holding ``_lock``).
+    def _unschedule(self, job: PrefillJob) -> None:
+        """Take ``job`` out of the scheduler, freeing its own-pool blocks (compute thread)."""
+        if job.in_scheduler:
+            self.scheduler.abort(job.rid)
+        elif job.holds_blocks:
+            self.scheduler.free_set_aside(job.rid)
+        job.in_scheduler = job.holds_blocks = False
 
-        A full pool fails the job alone, unless a batch-mate holds blocks it will give back:
-        then the job waits for a later step (one at a time it would have run after it).
-        """
-        assert self.kv is not None
-        salt = ExtraKeys(cache_salt=job.cache_salt) if job.cache_salt else None
-        match = self.kv.match_prefix(job.rid, job.token_ids, salt)
-        blocks = self.kv.try_allocate(job.rid, len(job.token_ids) - match.num_cached_tokens)
-        if blocks is None:
-            self.kv.free(job.rid)  # the match's references
-            if not self._num_handoffs and not any(j.is_owned and j.block_ids is not None
-                                                  for j in self._queue):
-                self._end(job, MemoryError("the prefill worker's pool is full; retry or "
-                                           "grow it"))
-            return False
-        job.block_ids, job.num_cached = blocks.block_ids, match.num_cached_tokens
-        job.num_computed = match.num_cached_tokens
-        return True
-
-    def _run(self, seqs: list[ScheduledSeq], jobs: list[PrefillJob]) -> None:
+    def _run(self, batch: ScheduledBatch, jobs: list[PrefillJob]) -> None:
         start = time.perf_counter()
         try:
-            logits = jobs[0].runner.execute(ScheduledBatch(tuple(seqs)), self._layer_hook(seqs, jobs))
+            logits = jobs[0].runner.execute(batch, self._layer_hook(batch.seqs, jobs))
         except Exception as error:  # noqa: BLE001 - the forward's jobs fail, the worker goes on
             for job in jobs:
                 self._end(job, error)
             return
+        self.scheduler.update(batch)
         ended = time.perf_counter()
         spent = ended - start
-        num_tokens = sum(len(s.token_ids) for s in seqs)
         self.num_steps += 1
-        self.num_computed_tokens += num_tokens
+        self.num_computed_tokens += batch.num_tokens
         if self.on_batch is not None:
-            self.on_batch(len(seqs), num_tokens)
+            self.on_batch(len(batch.seqs), batch.num_tokens)
         row = 0
-        for seq, job in zip(seqs, jobs, strict=True):
+        for seq, job in zip(batch.seqs, jobs, strict=True):
             job.compute_s += spent
             job.forward_end = ended
-            job.num_computed += len(seq.token_ids)
             if seq.is_sampled:
                 if not job.cancelled:  # a cancelled one is dropped at the next step
                     self._complete(job, logits[row : row + 1])
                 row += 1
 
-    def _layer_hook(self, seqs: list[ScheduledSeq], jobs: list[PrefillJob],
+    def _layer_hook(self, seqs: Sequence[ScheduledSeq], jobs: list[PrefillJob],
                     ) -> Callable[[int], None] | None:
         """The model's per-layer hook for this step's layer-wise pushes, or None.
 
@@ -371,7 +364,6 @@ class PrefillExecutor:
             end = seq.start + len(seq.token_ids)
             stop = -(-end // size) if end == len(job.token_ids) else end // size
             if stop > job.num_pushed:
-                assert job.block_ids is not None
                 pushes.append((job.push, job.block_ids[job.num_pushed:stop],
                                job.push_dst[job.num_pushed:stop]))
                 job.num_pushed = stop
@@ -387,9 +379,8 @@ class PrefillExecutor:
     def _complete(self, job: PrefillJob, logits: torch.Tensor) -> None:
         """Sample the job's first token and hand it off; any failure is this job's alone."""
         try:
-            sample = FirstTokenRow(job.rid, job.params)
-            token = int(self.sampler(logits, [sample])[0])
-            logprobs = gather_logprobs(logits, [sample], [token])[0]
+            token = int(self.sampler(logits, [job.request])[0])
+            logprobs = gather_logprobs(logits, [job.request], [token])[0]
             result = job.finish(job, token, logprobs)
         except Exception as error:  # noqa: BLE001 - reported through its future
             self._end(job, error)
@@ -399,15 +390,17 @@ class PrefillExecutor:
         self._end(job, None, result)
 
     def _end(self, job: PrefillJob, error: BaseException | None, result: Any = None) -> None:
-        """Take the job off the queue and settle its future; a failed own-pool job frees."""
+        """Take the job off the queue and settle its future; a failed job leaves the scheduler
+        (its own-pool blocks freed). Compute thread."""
         with self._lock:
             if job in self._queue:
                 self._queue.remove(job)
+            if error is not None:
+                self._unschedule(job)
+            self._jobs.pop(job.rid, None)
         if job.future.done():  # failed by close() meanwhile
             return
         if error is not None:
-            if job.is_owned and job.block_ids is not None:
-                self.free(job.rid)
             job.future.set_exception(error)
         elif isinstance(result, concurrent.futures.Future):  # a hand-off still running
             result.add_done_callback(lambda done: _settle(job.future, done))
@@ -417,37 +410,43 @@ class PrefillExecutor:
     # ---- how each kind of job ends (compute thread) --------------------------------------------
     def _finish_shared(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
                        ) -> PrefillResult:
+        self._set_aside(job, returning=False)  # the decode worker's blocks: nothing held here
         return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached, job.compute_s,
                              0.0, 0, first_token_logprobs=logprobs)
 
-    def _finish_owned(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
-                      ) -> OwnedPrefill:
-        assert self.kv is not None and job.block_ids is not None
+    def _finish_owned(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None, *,
+                      returning: bool = False) -> OwnedPrefill:
         self.kv.commit(job.rid, job.token_ids)
+        job.num_cached = job.request.num_cached_tokens or 0
+        self._set_aside(job, returning=returning)
         return OwnedPrefill(token, logprobs, job.block_ids, job.num_cached, job.compute_s)
+
+    def _set_aside(self, job: PrefillJob, *, returning: bool) -> None:
+        """Off the schedule, its own-pool blocks still held (pinned, or until the handoff)."""
+        self.scheduler.set_aside(job.rid, returning=returning)
+        job.in_scheduler, job.holds_blocks = False, job.is_owned
 
     def _finish_local(self, job: PrefillJob, token: int, logprobs: TokenLogprobs | None,
                       task: PrefillTask, push: BlockPush) -> concurrent.futures.Future:
         """Commit, then finish the push on a hand-off thread (the next forward does not wait
         for it: it puts the blocks, or waits for the layer puts) and free the blocks (also
         when the push fails)."""
-        owned = self._finish_owned(job, token, logprobs)
-        job.block_ids = None  # the hand-off frees them from here on
+        owned = self._finish_owned(job, token, logprobs, returning=True)
         first = task.num_cached_tokens // task.pool.block_size
-        with self._lock:
-            self._num_handoffs += 1
 
         def handoff() -> PrefillResult:  # handoff_s: from the end of its last forward
             try:
                 num_bytes = push.finish(owned.block_ids[first:], task.block_ids[first:])
             finally:
                 with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # stopping
-                    self.call(self._free_handed_off, job.rid).result()
+                    self.call(self.free, job.rid).result()
             return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached,
                                  job.compute_s, time.perf_counter() - job.forward_end, num_bytes,
                                  job.num_cached, logprobs)
 
-        return self._handoff.submit(handoff)
+        future = self._handoff.submit(handoff)
+        job.holds_blocks = False  # the hand-off frees them from here on
+        return future
 
     def close(self) -> None:
         """Fail what is queued, stop the compute thread, unmap and close the pools."""
@@ -462,8 +461,7 @@ class PrefillExecutor:
         for runner in self._attached.values():
             runner.close()
         self._attached.clear()
-        if self.runner is not None:
-            self.runner.close()
+        self.runner.close()
 
 
 def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:

@@ -1,10 +1,10 @@
-"""PrefillJob: one prefill as the executor's queue holds it (prefill.py), from submit to its
-future's result; and the row the sampler reads for its first token.
+"""PrefillJob: one prefill as the executor holds it (prefill.py), from submit to its future's
+result.
 
-A job's block table is the decode worker's (``shm``: given with the task) or its own pool's
-(admitted at its first step: prefix match, then the rest allocated). ``num_computed`` counts the
-prompt tokens with KV (the cached prefix included); a layer-wise push (``push``) sends each
-block out once its last token's K/V is written.
+Its ``request`` is what the one ``Scheduler`` schedules: a prompt over the decode worker's
+block table (``shared_blocks``, added as *external*), or over this worker's own pool (admitted
+by the scheduler: prefix match, blocks chunk by chunk). A layer-wise push (``push``) sends
+each block out once its last token's K/V is written.
 """
 
 from __future__ import annotations
@@ -15,44 +15,65 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kthena_serve.sampling_params import SamplingParams
-
 if TYPE_CHECKING:
     from kthena_serve.logprobs import TokenLogprobs
     from kthena_serve.model_runner import ModelRunner
     from kthena_serve.pd.transfer import BlockPush
+    from kthena_serve.request import Request
+    from kthena_serve.sampling_params import SamplingParams
 
-__all__ = ["FirstTokenRow", "PrefillJob"]
-
-
-@attrs.frozen
-class FirstTokenRow:
-    """What the sampler reads for a prompt's first token (no engine request exists here)."""
-
-    request_id: str
-    params: SamplingParams
-    output_token_ids: tuple[int, ...] = ()
+__all__ = ["PrefillJob"]
 
 
 @attrs.define(eq=False)
 class PrefillJob:
-    """One queued or running prefill (compute thread state, but ``cancelled``)."""
+    """One queued or running prefill (compute thread state, but ``cancelled``).
 
-    rid: str
-    token_ids: tuple[int, ...]
-    params: SamplingParams
+    Attributes:
+        request: the scheduler's view (tokens, computed count, block table, sampling params).
+        runner: the model over the pool its KV goes into (a decode worker's, or the own one).
+        finish: called with (job, first token, its logprobs) once sampled; its return value
+            (or a future of it: a handoff still running) is the job's result.
+        shared_blocks: the decode pool's block table (``shm``); None: the own pool's.
+        num_cached: prompt tokens whose KV was there before it ran (the decode worker's
+            prefix for ``shm``; the own prefix cache's, set at admission, otherwise).
+        in_scheduler: the scheduler holds its request (waiting or running).
+        holds_blocks: set aside with its own-pool blocks still held (pinned, or handed off).
+    """
+
+    request: Request
     runner: ModelRunner
-    finish: Callable[[PrefillJob, int, TokenLogprobs | None], Any]  # -> the future's result
+    finish: Callable[[PrefillJob, int, TokenLogprobs | None], Any]
     future: concurrent.futures.Future
-    block_ids: tuple[int, ...] | None = None  # None: own pool, not admitted yet
-    num_computed: int = 0  # tokens with KV (cached prefix included)
+    shared_blocks: tuple[int, ...] | None = None
     num_cached: int = 0
-    cache_salt: str | None = None
+    in_scheduler: bool = False
+    holds_blocks: bool = False
     started: float | None = None
     compute_s: float = 0.0
-    is_owned: bool = False  # computes into the own pool (blocks from the own KV manager)
     cancelled: bool = False
     push: BlockPush | None = None  # layer-wise: its completed blocks go out as each layer runs
     push_dst: tuple[int, ...] = ()  # the decode pool's blocks for the prompt
     num_pushed: int = 0  # blocks (from the start of the prompt) pushed or not to push
     forward_end: float = 0.0  # perf_counter at the end of its latest forward
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.request.block_ids
+
+    @property
+    def is_owned(self) -> bool:
+        """It computes into the own pool (blocks from the own KV manager)."""
+        return self.shared_blocks is None
