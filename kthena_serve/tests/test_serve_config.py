@@ -186,6 +186,8 @@ def test_pd_reports_its_worker_counts_not_a_dp_of_their_sum():
      "--kv-events: nothing is cached with --no-prefix-caching"),
     ({"router_weights": "1,2"}, "--router-weights: takes overlap,load,kv_usage"),
     ({"pod_name": "a.b"}, "--pod-name takes effect only with --kv-events"),
+    ({"mode": "pd", "decode": 0}, "PD needs at least one decode worker"),
+    ({"mode": "pd", "prefill": -1}, "PD needs at least one decode worker and no negative"),
 ])
 def test_resolve_refuses_bad_settings_naming_the_flag(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):

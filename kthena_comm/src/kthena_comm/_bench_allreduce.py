@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 import torch
 
+from kthena_comm.bench import median_s
 from kthena_comm.bucketing import bucketed_all_reduce
 from kthena_comm.collectives import all_reduce
 from kthena_comm.env import RankEnv
@@ -30,23 +29,13 @@ def main(repeat: int) -> None:
     def bucketed() -> None:
         bucketed_all_reduce(tensors, groups.tp, bucket_bytes=1 << 20)
 
-    results = {name: _median(fn, repeat * 4) for name, fn in
+    results = {name: median_s(fn, repeat * 4) for name, fn in
                (("unbucketed", unbucketed), ("bucketed", bucketed))}
     if env.rank == 0:
         print(json.dumps({"world_size": env.world_size, "num_tensors": 100, "tensor_bytes": 1024,
                           "unbucketed_s": results["unbucketed"], "bucketed_s": results["bucketed"],
                           "speedup": results["unbucketed"] / results["bucketed"]}), flush=True)
     groups.destroy()
-
-
-def _median(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

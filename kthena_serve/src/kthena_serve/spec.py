@@ -313,6 +313,10 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
                          "run one replica per pod with --kv-events, or drop it")
     if mode != "pd":
         return
+    if s["decode"] < 1 or s["prefill"] < 0:
+        raise ValueError(f"--prefill {s['prefill']} --decode {s['decode']}: PD needs at least "
+                         "one decode worker and no negative count (--prefill 0: the decode "
+                         "workers prefill every prompt themselves)")
     if s.get("kv_offload") is not None:
         raise ValueError("--kv-offload: not supported with --mode pd yet (prefill workers "
                          "write into the decode workers' pools); run it colocated or with --dp")

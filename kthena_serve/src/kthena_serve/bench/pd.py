@@ -33,11 +33,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 
+from kthena_comm.bench import median_s
 from kthena_serve.bench.machine import cpu_model
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
@@ -49,16 +49,6 @@ if TYPE_CHECKING:
     from mooncake_kv.layout import KVLayout
 
 __all__ = ["main"]
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ---- part 1: handoff ---------------------------------------------------------------------------
@@ -115,13 +105,13 @@ def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
 
             row = {"tokens": tokens, "kv_bytes": n * layout.bytes_per_block,
                    "ranges": len(pairs),
-                   "zero_copy_s": _median_s(control, repeats),
-                   "host_copy_s": _median_s(host_copy, repeats),
-                   "mooncake_sync_s": _median_s(lambda b=batch: sender.batch_put(b), repeats),
-                   "mooncake_async_s": _median_s(put_async, repeats)}
+                   "zero_copy_s": median_s(control, repeats),
+                   "host_copy_s": median_s(host_copy, repeats),
+                   "mooncake_sync_s": median_s(lambda b=batch: sender.batch_put(b), repeats),
+                   "mooncake_async_s": median_s(put_async, repeats)}
             if tokens <= 256:  # one put per token: K and V of every layer, as its own call
                 per_token = _per_token_batches(layout, local, remote, src, dst, tokens)
-                row["mooncake_per_token_s"] = _median_s(
+                row["mooncake_per_token_s"] = median_s(
                     lambda pts=per_token: [sender.batch_put(b) for b in pts], max(1, repeats // 2))
             rows.append(row)
     finally:

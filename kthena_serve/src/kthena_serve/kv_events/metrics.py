@@ -11,6 +11,19 @@ from kthena_serve.kv_events.publisher import RedisKVPublisher
 __all__ = ["KVEventsCollector"]
 
 
+# (metric name, stats field, help): counters since start, then the one gauge.
+_COUNTERS = (
+    ("kthena_kv_events_published_keys", "num_published_keys", "Router chunk fields written to "
+     "Redis (HSET) as chunks became held or after a Redis failure"),
+    ("kthena_kv_events_removed_keys", "num_removed_keys", "Router chunk fields removed from "
+     "Redis (HDEL) on eviction and at shutdown"),
+    ("kthena_kv_events_dropped_events", "num_dropped_events", "KV events dropped because the "
+     "publisher queue was full (the engine never waits)"),
+    ("kthena_kv_events_redis_errors", "num_redis_errors", "Failed Redis round trips of the KV "
+     "event publisher"),
+)
+
+
 class KVEventsCollector:
     """A prometheus_client collector over one ``RedisKVPublisher``."""
 
@@ -19,18 +32,8 @@ class KVEventsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.publisher.stats()
-        yield CounterMetricFamily(
-            "kthena_kv_events_published_keys", "Router chunk fields written to Redis (HSET) "
-            "as chunks became held or after a Redis failure", value=stats.num_published_keys)
-        yield CounterMetricFamily(
-            "kthena_kv_events_removed_keys", "Router chunk fields removed from Redis (HDEL) on "
-            "eviction and at shutdown", value=stats.num_removed_keys)
-        yield CounterMetricFamily(
-            "kthena_kv_events_dropped_events", "KV events dropped because the publisher queue "
-            "was full (the engine never waits)", value=stats.num_dropped_events)
-        yield CounterMetricFamily(
-            "kthena_kv_events_redis_errors", "Failed Redis round trips of the KV event "
-            "publisher", value=stats.num_redis_errors)
+        for name, field, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, field))
         yield GaugeMetricFamily(
             "kthena_kv_events_held_chunks", "Router chunks the KV cache holds whole now",
             value=stats.num_held_chunks)
