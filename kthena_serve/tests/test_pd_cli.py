@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -120,32 +121,47 @@ def test_shared_pool_with_tensor_parallel_is_refused() -> None:
         build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)
 
 
+def _ready_folder(pid: int) -> Path:
+    """The launcher's folder of a worker: the parent of the ``--ready-file`` on its command
+    line (so the test counts only what its own server made, not other servers' folders)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return Path(argv[argv.index(b"--ready-file") + 1].decode()).parent
+
+
 def test_sigkilled_router_leaves_no_workers_shm_or_temp_folder() -> None:
     """SIGKILL of `kthena serve --mode pd`: the workers get SIGTERM from the kernel
     (PR_SET_PDEATHSIG), clean up their pool and remove the launcher's kthena-pd-* folder."""
-    import tempfile
-
-    before = set(Path(tempfile.gettempdir()).glob("kthena-pd-*"))
     kthena = Path(sys.executable).with_name("kthena")
     proc = subprocess.Popen([str(kthena), "serve", "--mode", "pd", "--port", "0",
                              "--kv-cache-memory", "32MiB"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "kthena serve --mode pd exited"
-        if line.startswith("curl "):
-            break
-    workers = _children(proc.pid)
-    folders = set(Path(tempfile.gettempdir()).glob("kthena-pd-*")) - before
-    assert len(workers) == 2 and len(folders) == 1
-    proc.kill()
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (
-            any(os.path.exists(f"/proc/{pid}") for pid in workers) or any(
-                f.exists() for f in folders)):
-        time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
-    assert not any(f.exists() for f in folders)
-    assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "kthena serve --mode pd exited"
+            if line.startswith("curl "):
+                break
+        workers = _children(proc.pid)
+        folders = {_ready_folder(pid) for pid in workers}
+        assert len(workers) == 2 and len(folders) == 1
+        assert next(iter(folders)).name.startswith("kthena-pd-")
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+                any(os.path.exists(f"/proc/{pid}") for pid in workers) or any(
+                    f.exists() for f in folders)):
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+        assert not any(f.exists() for f in folders)
+        assert not [p for p in shm_pools() if any(f".{w}." in p for w in workers)]
+    finally:  # a failed assertion must not leave the server or its workers running
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        for pid in workers:  # still ours only while its command line is a PD worker's
+            with contextlib.suppress(OSError):
+                if b"kthena_serve.pd.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from kthena_core._yaml import read_file
 from kthena_core.dtypes import canonical_dtype, dtype_bytes
 from kthena_core.shape import ModelShape, allowed_tp_sizes, check_tp, kv_heads_per_rank
 
@@ -256,13 +257,8 @@ class ModelSpec:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ModelSpecError(f"model config not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ModelSpecError(f"{path} is not valid JSON: {e}") from None
+    data = read_file(path, json.load, ModelSpecError, "model config", "JSON",
+                     json.JSONDecodeError)
     if not isinstance(data, dict):
         raise ModelSpecError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

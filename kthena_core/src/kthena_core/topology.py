@@ -19,7 +19,7 @@ PCIe switch on a PCIe box that ``nvidia-smi topo -m`` shows as PIX/PXB vs SYS.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,27 +158,26 @@ class Topology:
 
     def bandwidth(self, a: int, b: int) -> float:
         """Effective unidirectional bytes/s between devices ``a`` and ``b`` (inf when a == b)."""
-        da, db = self._device(a), self._device(b)
-        if a == b:
-            return math.inf
-        if da.node != db.node:
-            return self.inter_node_bw
-        link = self.link(a, b)
-        if link is not None:
-            return link.bandwidth
-        return min(da.spec.link_bw, db.spec.link_bw)
+        return self._between(a, b, "bandwidth", math.inf, self.inter_node_bw, "link_bw", min)
 
     def latency(self, a: int, b: int) -> float:
         """One-hop latency between devices ``a`` and ``b`` in seconds (0 when a == b)."""
+        return self._between(a, b, "latency", 0.0, self.inter_node_latency, "link_latency", max)
+
+    def _between(self, a: int, b: int, link_field: str, same: float, inter_node: float,
+                 spec_field: str, combine: Callable[[float, float], float]) -> float:
+        """One figure of the path a -> b: ``same`` for one device, ``inter_node`` across
+        nodes, the explicit link's ``link_field``, else ``combine`` of both devices' own
+        ``spec_field`` (the slower side's)."""
         da, db = self._device(a), self._device(b)
         if a == b:
-            return 0.0
+            return same
         if da.node != db.node:
-            return self.inter_node_latency
+            return inter_node
         link = self.link(a, b)
         if link is not None:
-            return link.latency
-        return max(da.spec.link_latency, db.spec.link_latency)
+            return getattr(link, link_field)
+        return combine(getattr(da.spec, spec_field), getattr(db.spec, spec_field))
 
     def group_bandwidth(self, indices: Sequence[int]) -> float:
         """Bottleneck (minimum pairwise) bandwidth of a device group; inf for a single device.

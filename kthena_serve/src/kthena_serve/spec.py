@@ -33,6 +33,7 @@ pp > 1 per PD worker) raises ``UnservablePlanError``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,7 @@ _ENGINE_FIELDS = frozenset(f.name for f in attrs.fields(EngineConfig))
 # Settings whose flag is not --<name with dashes>.
 _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
                "pod": "--pod-name", "chunk_size": "--kv-events-chunk-size",
-               "max_chunks": "--kv-events-max-chunks", "model_name": "--served-model-name",
-               "prefill": "--prefill", "decode": "--decode"}
+               "max_chunks": "--kv-events-max-chunks"}
 # kthena serve's settings that are not EngineConfig fields (with their defaults).
 _SERVE_DEFAULTS: dict[str, Any] = {
     "mode": "colocated", "dp": 1, "prefill": 1, "decode": 1, "host": "127.0.0.1", "port": 8000,
@@ -85,8 +85,6 @@ def flag_name(setting: str) -> str:
 
 def model_name(model: str) -> str:
     """The id clients send for ``model`` (the folder name, or SmolLM2's for the default)."""
-    import os
-
     if model == "default":
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model)) or model
@@ -367,8 +365,9 @@ def _kv_events(s: Mapping[str, Any], served: str) -> KVEventsConfig | None:
         return KVEventsConfig(redis_url=s["kv_events"], pod=s["pod_name"], model=served,
                               chunk_size=s["kv_events_chunk_size"],
                               max_chunks=s["kv_events_max_chunks"])
-    except KVEventsConfigError as error:
-        raise ValueError(f"{flag_name(error.field)}: {error}") from None
+    except KVEventsConfigError as error:  # its ``model`` is the served name, not --model
+        flag = "--served-model-name" if error.field == "model" else flag_name(error.field)
+        raise ValueError(f"{flag}: {error}") from None
 
 
 # ---- the config and its plan --------------------------------------------------------------------

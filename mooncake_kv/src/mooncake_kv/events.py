@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Union
 
 import attrs
@@ -33,6 +33,7 @@ __all__ = [
     "EventQueue",
     "KVEvent",
     "KVEventCallback",
+    "stored_events",
 ]
 
 _log = logging.getLogger(__name__)
@@ -151,3 +152,18 @@ class EventBus:
                 callback(event)
             except Exception:
                 _log.exception("KV event subscriber %r failed on %r", callback, type(event))
+
+
+def stored_events(hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                  block_ids: Sequence[BlockId], runs: Sequence[tuple[int, int]],
+                  block_size: int) -> Iterator[BlockStored]:
+    """One ``BlockStored`` per run ``[first, stop)`` of block positions that became cached:
+    their hashes, parent hash, tokens and block ids."""
+    for first, stop in runs:
+        yield BlockStored(
+            block_hashes=tuple(hashes[first:stop]),
+            parent_block_hash=hashes[first - 1] if first else None,
+            token_ids=tuple(token_ids[first * block_size : stop * block_size]),
+            block_size=block_size,
+            block_ids=tuple(block_ids[first:stop]),
+        )

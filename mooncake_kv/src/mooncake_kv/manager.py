@@ -50,7 +50,6 @@ callbacks run on the owner thread, inside the verb, and must not call mutating v
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -58,14 +57,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from mooncake_kv._invariants import check_consistency
+from mooncake_kv._request import LiveRequest, mutating
 from mooncake_kv.allocator import BlockAllocator
 from mooncake_kv.events import (
     AllCleared,
     BlockRemoved,
-    BlockStored,
     EventBus,
     EventQueue,
     KVEventCallback,
+    stored_events,
 )
 from mooncake_kv.hashing import DEFAULT_HASH_ALGO, BlockChain, BlockHasher, ExtraKeys
 from mooncake_kv.index import PrefixIndex, create_index
@@ -75,7 +75,6 @@ from mooncake_kv.types import (
     BlockId,
     DoubleFreeError,
     DuplicateRequestError,
-    OwnerThreadError,
     RequestFinishedError,
     RequestId,
     RequestStateError,
@@ -89,60 +88,6 @@ __all__ = ["KVCacheManager"]
 _log = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _Request:
-    """What the manager remembers about one live request."""
-
-    __slots__ = (
-        "block_ids",
-        "chain",
-        "is_allocated",
-        "last_holder",
-        "num_committed",
-        "num_prompt_tokens",
-        "num_tokens",
-        "pinned",
-    )
-
-    def __init__(self, chain: BlockChain | None, matched: list[BlockId], block_size: int,
-                 num_prompt_tokens: int) -> None:
-        self.chain = chain
-        self.num_prompt_tokens = num_prompt_tokens  # tokens given to match_prefix
-        self.block_ids = matched  # the block table, in token order
-        self.num_tokens = len(matched) * block_size  # slots reserved
-        self.num_committed = len(matched)  # full blocks already offered to the index
-        self.last_holder: BlockId | None = matched[-1] if matched else None
-        self.pinned: dict[int, BlockId] | None = None  # position -> cached twin we hold
-        self.is_allocated = False
-
-    def release_order(self) -> list[BlockId]:
-        """Every block the request holds a ref on, chain tail first."""
-        if not self.pinned:
-            return self.block_ids[::-1]
-        order: list[BlockId] = []
-        for position in range(len(self.block_ids) - 1, -1, -1):
-            order.append(self.block_ids[position])
-            twin = self.pinned.get(position)
-            if twin is not None:
-                order.append(twin)
-        return order
-
-
-def _mutating(verb: _F) -> _F:
-    """Run ``verb`` under the manager lock, on the owner thread, then self-check if asked."""
-
-    @functools.wraps(verb)
-    def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            if self._owner != threading.get_ident():
-                self._claim_owner()
-            result = verb(self, *args, **kwargs)
-            if self._self_check:
-                self.check_invariants()
-            return result
-
-    return wrapper  # type: ignore[return-value]
 
 
 class KVCacheManager:
@@ -199,7 +144,7 @@ class KVCacheManager:
         self._allocator = BlockAllocator(num_blocks, watcher)
         self._caching = enable_prefix_caching
         self._bus = EventBus()
-        self._requests: dict[RequestId, _Request] = {}
+        self._requests: dict[RequestId, LiveRequest] = {}
         self._finished: OrderedDict[RequestId, None] = OrderedDict()
         self._max_finished = max_finished_ids
         self._lock = threading.RLock()
@@ -240,7 +185,7 @@ class KVCacheManager:
         return len(self._index)
 
     # ---- scheduler verbs (owner thread) -----------------------------------------------
-    @_mutating
+    @mutating
     def match_prefix(
         self,
         request_id: RequestId,
@@ -271,14 +216,14 @@ class KVCacheManager:
             matched = self._index.match(chain, (len(token_ids) - 1) // self._block_size)
             self._allocator.take_refs(matched)
         self._finished.pop(request_id, None)
-        self._requests[request_id] = _Request(chain, matched, self._block_size, len(token_ids))
+        self._requests[request_id] = LiveRequest(chain, matched, self._block_size, len(token_ids))
         num_cached = len(matched) * self._block_size
         self._num_queries += 1
         self._num_query_tokens += len(token_ids)
         self._num_hit_tokens += num_cached
         return PrefixMatch(tuple(matched), num_cached)
 
-    @_mutating
+    @mutating
     def try_allocate(self, request_id: RequestId, num_new_tokens: int) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens (prefill, or one prefill chunk).
 
@@ -310,7 +255,7 @@ class KVCacheManager:
             )
         return self._grow(request, request_id, num_new_tokens)
 
-    @_mutating
+    @mutating
     def try_append(self, request_id: RequestId, num_tokens: int = 1) -> KVCacheBlocks | None:
         """Reserve slots for ``num_tokens`` decoded tokens; None = out of blocks (preempt).
 
@@ -326,7 +271,7 @@ class KVCacheManager:
             )
         return self._grow(request, request_id, num_tokens)
 
-    @_mutating
+    @mutating
     def commit(self, request_id: RequestId, token_ids: Sequence[int]) -> int:
         """Cache the blocks of ``token_ids`` (the request's sequence so far) that filled.
 
@@ -365,10 +310,12 @@ class KVCacheManager:
         request.last_holder = holders[-1]
         request.num_committed = full
         if self._bus.has_subscribers:
-            self._emit_stored(request, token_ids, runs)
+            for event in stored_events(request.chain.hashes, token_ids,  # type: ignore[union-attr]
+                                       request.block_ids, runs, self._block_size):
+                self._bus.emit(event)
         return sum(stop - first for first, stop in runs)
 
-    @_mutating
+    @mutating
     def free(self, request_id: RequestId) -> None:
         """Release every block of the request, chain tail first; the id is finished.
 
@@ -389,7 +336,7 @@ class KVCacheManager:
         if len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
 
-    @_mutating
+    @mutating
     def evict(self, num_blocks: int) -> int:
         """Uncache up to ``num_blocks`` least recently used free blocks; returns how many."""
         evicted = self._allocator.evict(num_blocks)
@@ -397,7 +344,7 @@ class KVCacheManager:
             self._forget(evicted)
         return len(evicted)
 
-    @_mutating
+    @mutating
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block and emit ``AllCleared``.
 
@@ -420,7 +367,7 @@ class KVCacheManager:
             self._bus.emit(AllCleared())
         return True
 
-    @_mutating
+    @mutating
     def release_owner(self) -> None:
         """Let another thread become the owner with its next mutating verb."""
         self._owner = None
@@ -472,14 +419,6 @@ class KVCacheManager:
             check_consistency(self._allocator, self._index, holders)
 
     # ---- internals -------------------------------------------------------------------------
-    def _claim_owner(self) -> None:
-        if self._owner is not None:
-            raise OwnerThreadError(
-                f"KVCacheManager is owned by thread {self._owner}, called from "
-                f"{threading.get_ident()}; mutate it from one thread (release_owner hands over)"
-            )
-        self._owner = threading.get_ident()
-
     def _chain(
         self, request_id: RequestId, token_ids: Sequence[int], extra_keys: ExtraKeys | None
     ) -> BlockChain:
@@ -488,7 +427,7 @@ class KVCacheManager:
         except ValueError as error:  # pack_tokens names the bad id and its position
             raise TokenIdError(request_id, f"request {request_id!r}: {error}") from None
 
-    def _live(self, request_id: RequestId) -> _Request:
+    def _live(self, request_id: RequestId) -> LiveRequest:
         request = self._requests.get(request_id)
         if request is not None:
             return request
@@ -502,7 +441,7 @@ class KVCacheManager:
         )
 
     def _grow(
-        self, request: _Request, request_id: RequestId, num_tokens: int
+        self, request: LiveRequest, request_id: RequestId, num_tokens: int
     ) -> KVCacheBlocks | None:
         if num_tokens < 0:
             raise TokenCountError(
@@ -533,7 +472,7 @@ class KVCacheManager:
             self._bus.emit(BlockRemoved(hashes, tuple(b for b, _ in evicted)))
 
     def _adopt_holders(
-        self, request: _Request, start: int, own: list[BlockId], holders: list[BlockId]
+        self, request: LiveRequest, start: int, own: list[BlockId], holders: list[BlockId]
     ) -> list[tuple[int, int]]:
         """Cache the inserted blocks; ref the already-cached twins of the others.
 
@@ -554,19 +493,3 @@ class KVCacheManager:
                 request.pinned = {}
             request.pinned[position] = holder
         return runs
-
-    def _emit_stored(
-        self, request: _Request, token_ids: Sequence[int], runs: list[tuple[int, int]]
-    ) -> None:
-        hashes = request.chain.hashes  # type: ignore[union-attr]
-        size = self._block_size
-        for first, stop in runs:
-            self._bus.emit(
-                BlockStored(
-                    block_hashes=tuple(hashes[first:stop]),
-                    parent_block_hash=hashes[first - 1] if first else None,
-                    token_ids=tuple(token_ids[first * size : stop * size]),
-                    block_size=size,
-                    block_ids=tuple(request.block_ids[first:stop]),
-                )
-            )

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -22,7 +23,10 @@ __all__ = [
     "pcie_link",
     "parse_topo_matrix",
     "run_command",
+    "run_parsed",
 ]
+
+_T = TypeVar("_T")
 
 # A runner takes argv and returns stdout, or NotPresent when the command is missing or fails.
 # Tests substitute one that replays recorded outputs.
@@ -70,6 +74,19 @@ def run_command(argv: Sequence[str], timeout: float = 15.0) -> str | NotPresent:
     return proc.stdout
 
 
+def run_parsed(runner: Runner, argv: Sequence[str], parse: Callable[[str], _T], kind: str,
+               what: str) -> _T | NotPresent:
+    """``parse`` of ``argv``'s output, or NotPresent(kind) saying why: the command is missing or
+    failed, or its output (``what``) could not be read. Never raises."""
+    out = runner(argv)
+    if isinstance(out, NotPresent):
+        return NotPresent(kind, out.reason)
+    try:
+        return parse(out)
+    except ParseError as exc:
+        return NotPresent(kind, f"could not read {what}: {exc}")
+
+
 def parse_cpulist(text: str) -> tuple[int, ...]:
     """'0-23,48-71' or '0,1' -> sorted CPU ids.
 
@@ -113,6 +130,19 @@ class TopoMatrix:
 
     def relation(self, i: int, j: int) -> str:
         return self.relations[i][j]
+
+    def links(self, specs: Sequence[DeviceSpec],
+              make: Callable[[str, int, int, DeviceSpec, DeviceSpec], Link | None],
+              ) -> list[Link]:
+        """The links between the first ``len(specs)`` devices, each pair once (a < b), that
+        ``make(relation, a, b, spec_a, spec_b)`` turns their matrix relation into."""
+        links = []
+        for a in range(len(specs)):
+            for b in range(a + 1, len(specs)):
+                link = make(self.relation(a, b), a, b, specs[a], specs[b])
+                if link is not None:
+                    links.append(link)
+        return links
 
 
 def parse_topo_matrix(text: str, device_prefix: str) -> TopoMatrix:

@@ -33,6 +33,7 @@ from kthena_core.discovery._common import (
     parse_topo_matrix,
     pcie_link,
     run_command,
+    run_parsed,
 )
 from kthena_core.hardware import DeviceSpec, UnknownHardwareError, get_device
 from kthena_core.topology import Device, Link, Topology
@@ -211,13 +212,7 @@ def build_ascend_topology(info: NpuSmiInfo, matrix: TopoMatrix | None = None, *,
         if health == "ok" and chip.npu_id in info.busy_npus:
             health = "busy"
         devices.append(Device(i, 0, i, spec, numa_node=numa, health=health))
-    links = []
-    if matrix is not None:
-        for a in range(len(specs)):
-            for b in range(a + 1, len(specs)):
-                link = _link(matrix.relation(a, b), a, b, specs[a], specs[b])
-                if link is not None:
-                    links.append(link)
+    links = matrix.links(specs, _link) if matrix is not None else []
     names = {c.name for c in info.chips}
     name = f"{len(specs)}x {info.chips[0].name}" if len(names) == 1 else f"{len(specs)} NPUs"
     return Topology(devices=tuple(devices), links=tuple(links), name=name,
@@ -228,13 +223,9 @@ def discover_ascend(*, runner: Runner | None = None,
                     numa_cpus: Mapping[int, Sequence[int]] | None = None) -> Topology | NotPresent:
     """This machine's Ascend NPUs as a Topology, or NotPresent with the reason. Never raises."""
     runner = runner or run_command
-    out = runner(["npu-smi", "info"])
-    if isinstance(out, NotPresent):
-        return NotPresent("npu", out.reason)
-    try:
-        info = parse_npu_smi_info(out)
-    except ParseError as exc:
-        return NotPresent("npu", f"could not read npu-smi info: {exc}")
+    info = run_parsed(runner, ["npu-smi", "info"], parse_npu_smi_info, "npu", "npu-smi info")
+    if isinstance(info, NotPresent):
+        return info
     if not info.chips:
         return NotPresent("npu", "npu-smi info lists no NPUs")
     matrix = None

@@ -38,6 +38,7 @@ from kthena_core.discovery._common import (
     parse_topo_matrix,
     pcie_link,
     run_command,
+    run_parsed,
 )
 from kthena_core.hardware import DeviceSpec, get_device
 from kthena_core.topology import Device, Link, Topology
@@ -157,13 +158,7 @@ def build_nvidia_topology(gpus: Sequence[GpuInfo], matrix: TopoMatrix | None = N
         Device(i, 0, i, spec, numa_node=matrix.numa_affinity[i] if matrix else None)
         for i, spec in enumerate(specs)
     )
-    links = []
-    if matrix is not None:
-        for a in range(len(gpus)):
-            for b in range(a + 1, len(gpus)):
-                link = _link_from_relation(matrix.relation(a, b), a, b, specs[a], specs[b])
-                if link is not None:
-                    links.append(link)
+    links = matrix.links(specs, _link_from_relation) if matrix is not None else []
     name = f"{len(gpus)}x {gpus[0].name}" if len({g.name for g in gpus}) == 1 else f"{len(gpus)} GPUs"
     return Topology(devices=devices, links=tuple(links), name=name, source=source)
 
@@ -183,13 +178,11 @@ def _gpus_from_torch() -> tuple[GpuInfo, ...] | NotPresent:
 
 
 def _gpus_from_smi(runner: Runner) -> tuple[GpuInfo, ...] | NotPresent:
-    out = runner(["nvidia-smi", "--query-gpu=name,memory.total,pci.bus_id", "--format=csv"])
-    if isinstance(out, NotPresent):
-        return NotPresent("gpu", out.reason)
-    try:
-        gpus = parse_nvidia_query_csv(out)
-    except ParseError as exc:
-        return NotPresent("gpu", f"could not read nvidia-smi output: {exc}")
+    gpus = run_parsed(runner, ["nvidia-smi", "--query-gpu=name,memory.total,pci.bus_id",
+                               "--format=csv"], parse_nvidia_query_csv, "gpu",
+                      "nvidia-smi output")
+    if isinstance(gpus, NotPresent):  # falsy, like an empty list: say why, not "no GPUs"
+        return gpus
     return gpus or NotPresent("gpu", "nvidia-smi lists no GPUs")
 
 
