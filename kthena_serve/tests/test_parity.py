@@ -212,3 +212,28 @@ def test_pipeline_parallel_engine_matches_transformers(ours, prompts, expected, 
     assert _cut(_engine_tokens(batch, eos, **layout), eos) == hf
     if layout == {"pp": 2}:
         assert _cut(_engine_tokens(batch, eos), eos) == hf  # and PP=1, same engine path
+
+
+def test_repetition_penalty_is_token_identical_to_transformers(ours, prompts, hf_gguf_model):
+    """vLLM's repetition_penalty (every token of the prompt and the output so far: logit / p
+    when positive, x p otherwise), greedy in float32 through the engine: the tokens
+    transformers' generate(repetition_penalty=1.3) gives, which penalises the same way."""
+    from kthena_serve.llm import LLM
+    from kthena_serve.sampling_params import SamplingParams
+
+    chosen = [prompts[0], prompts[2]]
+    eos = set(ours[1].eos_token_ids)
+    with torch.inference_mode():
+        hf = [hf_gguf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, repetition_penalty=1.3,
+                                     pad_token_id=2)[0, len(p):].tolist() for p in chosen]
+    llm = LLM(dtype="float32", num_kv_blocks=128)
+    try:
+        outs = llm.generate(chosen, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                   repetition_penalty=1.3))
+    finally:
+        llm.close()
+    penalised = _cut([list(o.token_ids) for o in outs], eos)
+    assert penalised == _cut(hf, eos)
+    plain = _cut(_engine_tokens(chosen, eos), eos)
+    assert penalised != plain  # the penalty changed what greedy picks on these prompts

@@ -147,3 +147,60 @@ def test_chinese_text_streams_as_whole_characters():
     pieces.append(stream.take_new_text(True))
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
+
+
+# ---- repetition_penalty and min_p (vLLM's sampling fields) ---------------------------------------
+@pytest.mark.parametrize("bad", [{"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
+                                 {"repetition_penalty": float("nan")}, {"min_p": -0.1},
+                                 {"min_p": 1.5}, {"min_p": float("inf")}])
+def test_bad_vllm_sampling_values_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), penalty=st.floats(0.5, 3.0),
+       num_prompt=st.integers(1, 12), num_output=st.integers(0, 8))
+def test_repetition_penalty_matches_a_float64_reference(seed, penalty, num_prompt, num_output):
+    """Every token of the prompt and the output: logit / penalty when positive, x penalty
+    otherwise; the rest untouched. One correctly rounded fp32 division or product per logit,
+    so the result is within 1 ulp of the float64 reference (rtol 2**-23)."""
+    from kthena_serve.sampler import _apply_penalties
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 64
+    logits = torch.randn(1, vocab, generator=gen) * 4
+    ids = torch.randint(0, vocab, (num_prompt + num_output,), generator=gen).tolist()
+    request = Request("r", ids[:num_prompt], SamplingParams(repetition_penalty=penalty))
+    request.token_ids += ids[num_prompt:]
+    got = _apply_penalties(logits, [request])[0]
+    expected = logits[0].double().clone()
+    for token in set(ids):
+        x = expected[token]
+        expected[token] = x / penalty if x > 0 else x * penalty
+    torch.testing.assert_close(got.double(), expected, rtol=2**-23, atol=0.0)
+    assert torch.equal(logits, logits.clone())  # the caller's logits are not modified
+
+
+def test_repetition_penalty_one_is_off_and_greedy_follows_the_penalised_argmax():
+    logits = torch.tensor([[5.0, 4.9, -1.0, 0.5]])
+    sampler = Sampler()
+    assert not SamplingParams(repetition_penalty=1.0).has_penalties
+    plain = _req("a", SamplingParams(temperature=0, repetition_penalty=1.0))
+    assert sampler(logits, [plain]) == [0]
+    request = Request("b", [0], SamplingParams(temperature=0, repetition_penalty=1.1))
+    assert sampler(logits, [request]) == [1]  # 5.0 / 1.1 < 4.9: token 0 (in the prompt) loses
+
+
+def test_min_p_draws_only_tokens_above_its_floor():
+    """min_p=0.2 after temperature: a token is drawn only if its probability is at least 0.2 x
+    the top one's; without min_p the many small tokens (half the mass) are drawn too."""
+    logits = torch.full((1, 101), 0.0)
+    logits[0, 0] = math.log(50.0)  # p(top) = 50 / 150; each of the 100 others 1 / 150
+    logits[0, 1] = math.log(20.0)  # above the floor: 20 >= 0.2 x 50
+    sampler = Sampler()
+    with_min_p = {sampler(logits, [_req(f"m{i}", SamplingParams(min_p=0.2, seed=i))])[0]
+                  for i in range(200)}
+    assert with_min_p == {0, 1}
+    without = {sampler(logits, [_req(f"n{i}", SamplingParams(seed=i))])[0] for i in range(200)}
+    assert len(without - {0, 1}) > 10

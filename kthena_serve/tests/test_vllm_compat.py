@@ -9,6 +9,7 @@ of the same scrape (one source, two names). Tokenisation is checked against Hugg
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -281,6 +282,9 @@ def test_add_special_tokens_defaults_follow_vllm(bos_client):
     ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["1"]}, 400, "tokens.0"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
 ])
 def test_bad_bodies_get_openai_errors(client, route, body, status, param):
     import json
@@ -290,6 +294,23 @@ def test_bad_bodies_get_openai_errors(client, route, body, status, param):
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_vllm_bench_serve_payload_is_served(client):
+    """What `vllm bench serve` sends on every request (its neutral repetition_penalty 1.0
+    included), streamed with usage; a real repetition_penalty and min_p are honoured too."""
+    body = {"model": MODEL, "prompt": "Hello there, how are", "temperature": 0.0,
+            "repetition_penalty": 1.0, "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": None}
+    with client.stream("POST", "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [6]
+    answer = client.post("/v1/completions", json={**body, "stream": False, "stream_options": None,
+                                                   "repetition_penalty": 1.5, "min_p": 0.1})
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
 
 
 def test_tokenize_needs_the_api_key(client):

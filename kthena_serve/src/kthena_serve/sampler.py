@@ -1,7 +1,8 @@
 """Sampler: next tokens for a batch of logits rows, vectorised across requests.
 
-An all-greedy batch without penalties is one ``argmax``. Otherwise, row-wise: penalties on
-tokens already generated, temperature, top-k / top-p masking in sorted order, then a draw by
+An all-greedy batch without penalties is one ``argmax``. Otherwise, row-wise: the repetition
+penalty on tokens of the prompt and output, frequency / presence penalties on tokens already
+generated, temperature, min-p, top-k / top-p masking in sorted order, then a draw by
 the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
 A request with a seed draws its ``q`` from its own generator, so its tokens do not depend on
 what else shares the batch.
@@ -30,6 +31,11 @@ class SampleRow(Protocol):
 
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The prompt and the output so far (what the repetition penalty looks at)."""
+        ...
 
 
 class Sampler:
@@ -67,6 +73,12 @@ class Sampler:
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype,
                                    device=logits.device)
         logits = logits / temperature.unsqueeze(1)
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype,
+                             device=logits.device)
+        if bool((min_p > 0).any()):  # below min_p x the top token's probability: out
+            probs = torch.softmax(logits, dim=-1)
+            floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         order = None
         if any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in requests):
             logits, order = _top_k_top_p(logits, requests)
@@ -121,17 +133,27 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> torch.Tensor:
-    rows = [i for i, r in enumerate(requests) if r.params.has_penalties and r.output_token_ids]
+    """The repetition penalty (prompt and output tokens), then frequency and presence
+    penalties (output tokens), on a copy of the rows that have any."""
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
     if not rows:
         return logits
     logits = logits.clone()
     vocab = logits.shape[1]
     for i in rows:
         params = requests[i].params
-        ids = torch.tensor(requests[i].output_token_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=vocab)
-        counts = counts[:vocab].to(logits.dtype)
-        logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.long,
+                                device=logits.device)
+            seen = seen[seen < vocab]
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / params.repetition_penalty,
+                                          row * params.repetition_penalty)
+        output = requests[i].output_token_ids
+        if output and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)
+            counts = counts[:vocab].to(logits.dtype)
+            logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
 
 

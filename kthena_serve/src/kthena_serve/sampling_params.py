@@ -95,6 +95,11 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides the model's EOS).
         ignore_eos: keep going past EOS (benchmarks).
         presence_penalty, frequency_penalty: OpenAI's penalties on already generated tokens.
+        repetition_penalty: vLLM's (and Hugging Face's): the logit of every token already in
+            the prompt or the output is divided by it when positive, multiplied when
+            negative; 1 is off, above 1 discourages repeats.
+        min_p: keep only tokens whose probability (after temperature) is at least ``min_p``
+            times the most likely one's; 0 is off.
         logprobs: None: no logprobs; k: each output token's log-probability and the ``k`` most
             likely alternatives (``RequestOutput.logprobs``), from the model's raw
             distribution (before penalties, temperature, top-k / top-p).
@@ -110,6 +115,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(default=1.0,
+                                            validator=_check_range(0.0, None, low_open=True))
+    min_p: float = attrs.field(default=0.0, validator=_check_range(0.0, 1.0))
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
 
     @property
@@ -118,4 +126,5 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

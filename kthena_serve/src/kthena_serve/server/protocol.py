@@ -74,6 +74,8 @@ class _Common(_Strict):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's; 1.0 (what its clients send): off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's; 0: off
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     prefix_hash: str | None = Field(None, max_length=256)
@@ -92,7 +94,9 @@ class _Common(_Strict):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logprobs=self.num_logprobs(),
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logprobs=self.num_logprobs(),
         )
 
     def num_logprobs(self) -> int | None:
