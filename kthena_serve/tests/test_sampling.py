@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -204,3 +205,32 @@ def test_min_p_draws_only_tokens_above_its_floor():
     assert with_min_p == {0, 1}
     without = {sampler(logits, [_req(f"n{i}", SamplingParams(seed=i))])[0] for i in range(200)}
     assert len(without - {0, 1}) > 10
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    """vLLM's rule: the token sampled now is number len(output) + 1; EOS and stop_token_ids
+    are masked while the output is shorter than min_tokens, allowed after."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, 0.0, 9.0, 0.0, 8.0]])  # EOS 5 best, stop 7 next
+    sampler = Sampler(eos_token_ids=[5])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], max_tokens=8)
+    assert sampler(logits, [_req("a", params)]) == [2]  # neither 5 nor 7: the next best
+    assert sampler(logits, [_req("b", params, outputs=[3])]) == [2]  # one token so far
+    assert sampler(logits, [_req("c", params, outputs=[3, 3])]) == [5]  # two: stops allowed
+    free = attrs.evolve(params, ignore_eos=True)  # EOS is no stop then; stop ids still are
+    assert sampler(logits, [_req("d", free)]) == [5]
+    assert Sampler()(logits, [_req("e", SamplingParams(temperature=0, min_tokens=3))]) == [5]
+
+
+def test_no_stop_ends_the_output_before_min_tokens():
+    params = SamplingParams(stop=["b"], stop_token_ids=[9], min_tokens=3)
+    stream = _stream(params)
+    assert [stream.append(t) for t in (ord("b"), 9)] == [None, None]  # text "b" + chr(9)
+    assert stream.append(ord("b")) is FinishReason.STOP  # the third token may stop
+    assert stream.text == "b\t"
+
+
+@pytest.mark.parametrize("bad", [{"min_tokens": -1}, {"min_tokens": 1.5},
+                                 {"min_tokens": 5, "max_tokens": 4}])
+def test_bad_min_tokens_are_refused(bad):
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(**bad)

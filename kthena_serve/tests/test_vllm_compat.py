@@ -285,6 +285,10 @@ def test_add_special_tokens_defaults_follow_vllm(bos_client):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400,
      "repetition_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400,
+     "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 10**9}, 400,
+     "min_tokens"),
 ])
 def test_bad_bodies_get_openai_errors(client, route, body, status, param):
     import json
@@ -311,6 +315,10 @@ def test_vllm_bench_serve_payload_is_served(client):
     answer = client.post("/v1/completions", json={**body, "stream": False, "stream_options": None,
                                                    "repetition_penalty": 1.5, "min_p": 0.1})
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+    exact = client.post("/v1/completions", json={**body, "stream": False, "stream_options": None,
+                                                  "ignore_eos": False, "min_tokens": 6})
+    assert exact.json()["usage"]["completion_tokens"] == 6  # no EOS before min_tokens
+    assert exact.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_tokenize_needs_the_api_key(client):

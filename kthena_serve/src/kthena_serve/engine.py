@@ -130,7 +130,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, offloader=self.offloader,
             promote_timeout_s=(config.kv_offload.promote_timeout_s
                                if config.kv_offload is not None else 5.0))
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, eos_token_ids=tokenizer.eos_token_ids)
         model_config = runner.model.config
         self.processor = InputProcessor(tokenizer, EngineLimits.for_engine(
             config, max_position_embeddings=model_config.max_position_embeddings,

@@ -165,7 +165,13 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens "
                 f"exceeds the context length {context}; ask for at most {room}", "max_tokens")
-        return params.max_tokens if params.max_tokens is not None else room
+        budget = params.max_tokens if params.max_tokens is not None else room
+        if params.min_tokens > budget:
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens} exceeds the output budget {budget} (the "
+                f"context left after the prompt's {num_prompt} tokens); ask for at most "
+                f"{budget}", "min_tokens")
+        return budget
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,

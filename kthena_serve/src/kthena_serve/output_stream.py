@@ -26,8 +26,8 @@ class OutputStream:
         max_tokens: the resolved output budget.
     """
 
-    __slots__ = ("_detokenizer", "_hold", "_stop_ids", "_stops", "max_tokens", "num_sent_chars",
-                 "num_tokens", "text")
+    __slots__ = ("_detokenizer", "_hold", "_min_tokens", "_stop_ids", "_stops", "max_tokens",
+                 "num_sent_chars", "num_tokens", "text")
 
     def __init__(self, detokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
                  max_tokens: int) -> None:
@@ -38,6 +38,7 @@ class OutputStream:
         if not params.ignore_eos:
             stop_ids.update(eos_token_ids)
         self._stop_ids = frozenset(stop_ids)
+        self._min_tokens = params.min_tokens  # before it, no stop ends the output
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self.text = ""
@@ -46,12 +47,13 @@ class OutputStream:
     def append(self, token_id: int) -> FinishReason | None:
         """Take one generated token; returns why the request ends now, or None."""
         self.num_tokens += 1
-        if token_id in self._stop_ids:
+        may_stop = self.num_tokens >= self._min_tokens
+        if may_stop and token_id in self._stop_ids:
             return FinishReason.STOP
         delta = self._detokenizer.step(token_id)
         if delta:
             self.text += delta
-            if self._stops and self._cut_at_stop(len(delta)):
+            if may_stop and self._stops and self._cut_at_stop(len(delta)):
                 return FinishReason.STOP
         if self.num_tokens >= self.max_tokens:
             return FinishReason.LENGTH

@@ -1,6 +1,7 @@
 """Sampler: next tokens for a batch of logits rows, vectorised across requests.
 
-An all-greedy batch without penalties is one ``argmax``. Otherwise, row-wise: the repetition
+An all-greedy batch without penalties or ``min_tokens`` is one ``argmax``. Otherwise, row-wise:
+stop ids (EOS, ``stop_token_ids``) masked for a request short of its ``min_tokens``, the repetition
 penalty on tokens of the prompt and output, frequency / presence penalties on tokens already
 generated, temperature, min-p, top-k / top-p masking in sorted order, then a draw by
 the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
@@ -10,7 +11,7 @@ what else shares the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -44,19 +45,24 @@ class Sampler:
     Args:
         device: where the logits arrive (the runner's device; default torch's default device);
             the random generators live there too.
+        eos_token_ids: the model's end-of-sequence ids (masked, with a request's
+            ``stop_token_ids``, until it has generated ``min_tokens``; not with ``ignore_eos``).
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.device = torch.device(device) if device is not None else torch.get_default_device()
+        self.eos_token_ids = tuple(eos_token_ids)
         self._generator = torch.Generator(self.device).manual_seed(torch.seed() % (2**63))
         self._seeded: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRow]) -> list[int]:
         """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
         params = [r.params for r in requests]
-        if all(p.is_greedy and not p.has_penalties for p in params):
+        if all(p.is_greedy and not p.has_penalties and not p.min_tokens for p in params):
             return _argmax(logits).tolist()
         logits = _apply_penalties(logits, requests)
+        logits = _mask_early_stops(logits, requests, self.eos_token_ids)
         greedy = _argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
@@ -154,6 +160,25 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> tor
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)
             counts = counts[:vocab].to(logits.dtype)
             logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def _mask_early_stops(logits: torch.Tensor, requests: Sequence[SampleRow],
+                      eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """-inf on the stop ids of every request short of its ``min_tokens`` (vLLM's rule: the
+    token sampled now is number ``len(output) + 1``; stops are allowed after ``min_tokens``)."""
+    rows = [i for i, r in enumerate(requests)
+            if len(r.output_token_ids) < r.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        params = requests[i].params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        ids = [t for t in stops if 0 <= t < vocab]
+        if ids:
+            logits[i, ids] = float("-inf")
     return logits
 
 

@@ -35,6 +35,15 @@ def _check_max_tokens(instance: object, attribute: attrs.Attribute, value: int |
         raise ValueError(f"max_tokens must be a positive int or None, got {value!r}")
 
 
+def _check_min_tokens(instance: SamplingParams, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"min_tokens must be an int >= 0, got {value!r}", "min_tokens")
+    if instance.max_tokens is not None and value > instance.max_tokens:
+        raise InvalidRequestError(f"min_tokens={value} exceeds max_tokens="
+                                  f"{instance.max_tokens}; ask for at most max_tokens",
+                                  "min_tokens")
+
+
 def _check_top_k(instance: object, attribute: attrs.Attribute, value: int) -> None:
     if (isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1)
             or value > MAX_TOP_K):
@@ -100,6 +109,8 @@ class SamplingParams:
             negative; 1 is off, above 1 discourages repeats.
         min_p: keep only tokens whose probability (after temperature) is at least ``min_p``
             times the most likely one's; 0 is off.
+        min_tokens: vLLM's: tokens generated before EOS or a ``stop_token_ids`` id may be
+            sampled (they are masked until then) and before a stop string ends the output.
         logprobs: None: no logprobs; k: each output token's log-probability and the ``k`` most
             likely alternatives (``RequestOutput.logprobs``), from the model's raw
             distribution (before penalties, temperature, top-k / top-p).
@@ -118,6 +129,7 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(default=1.0,
                                             validator=_check_range(0.0, None, low_open=True))
     min_p: float = attrs.field(default=0.0, validator=_check_range(0.0, 1.0))
+    min_tokens: int = attrs.field(default=0, validator=_check_min_tokens)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
 
     @property

@@ -97,6 +97,8 @@ class PrefillExecutor:
             decode worker pulls: ``submit_owned``); True makes a private pool, a callable
             ``layout -> KVPool`` makes it where the caller wants (a served shm segment).
         on_batch: called after every forward with (prompts in it, tokens computed): metrics.
+        eos_token_ids: the tokenizer's EOS ids (masked while a request is short of its
+            ``min_tokens``, as the engine's sampler does).
 
     Raises:
         ValueError: no own pool.
@@ -104,10 +106,11 @@ class PrefillExecutor:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
                  own_pool: bool | Callable[[KVLayout], KVPool] = True,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
+                 on_batch: Callable[[int, int], None] | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.config = config
-        self.sampler = Sampler(config.device)
+        self.sampler = Sampler(config.device, eos_token_ids=eos_token_ids)
         self.on_batch = on_batch
         self._attached: dict[str, ModelRunner] = {}
         self._lock = threading.RLock()  # the queue, the in-flight set, the attach table

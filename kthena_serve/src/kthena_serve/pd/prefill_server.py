@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -98,7 +98,8 @@ class _PrefillRoutes:
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
         self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(
-            model, config, pd, mooncake_host, self.metrics.observe_batch)
+            model, config, pd, mooncake_host, self.metrics.observe_batch,
+            tokenizer.eos_token_ids)
         # shm: the own pool is not what /pd/prefill fills, so its events are not announced
         self.events = EventLog(self.executor.kv) if self.putter is not None else None
         self.pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, self._free)
@@ -176,6 +177,7 @@ def _prefill_failed(error: Exception) -> Response:
 
 def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
               mooncake_host: str | None, on_batch: Callable[[int, int], None],
+              eos_token_ids: Sequence[int],
               ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle]:
     """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
     private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
@@ -183,7 +185,8 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
     from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
 
     if pd.transport is Transport.MOONCAKE:
-        executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch)
+        executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch,
+                                   eos_token_ids=eos_token_ids)
         putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
         return executor, putter, putter.engine, putter.local
     engine = shm_engine(pd.transfer_timeout_s)
@@ -194,7 +197,8 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
         handles.append(handle)
         return pool
 
-    executor = PrefillExecutor(model, config, own_pool=in_segment, on_batch=on_batch)
+    executor = PrefillExecutor(model, config, own_pool=in_segment, on_batch=on_batch,
+                               eos_token_ids=eos_token_ids)
     return executor, None, engine, handles[0]
 
 

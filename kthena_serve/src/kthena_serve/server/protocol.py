@@ -76,6 +76,7 @@ class _Common(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's; 1.0 (what its clients send): off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's; 0: off
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no stop before this many tokens
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     prefix_hash: str | None = Field(None, max_length=256)
@@ -96,6 +97,7 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            min_tokens=self.min_tokens,
             logprobs=self.num_logprobs(),
         )
 
