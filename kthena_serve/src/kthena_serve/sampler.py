@@ -61,8 +61,7 @@ class Sampler:
         params = [r.params for r in requests]
         if all(p.is_greedy and not p.has_penalties and not p.min_tokens for p in params):
             return _argmax(logits).tolist()
-        logits = _apply_penalties(logits, requests)
-        logits = _mask_early_stops(logits, requests, self.eos_token_ids)
+        logits = _apply_penalties(logits, requests, self.eos_token_ids)
         greedy = _argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
@@ -138,16 +137,20 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return first * _ARGMAX_CHUNK + inside
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> torch.Tensor:
-    """The repetition penalty (prompt and output tokens), then frequency and presence
-    penalties (output tokens), on a copy of the rows that have any."""
-    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
+                     eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """On a copy of the rows that need it: the repetition penalty (prompt and output tokens),
+    frequency and presence penalties (output tokens), and -inf on the stop ids of a request
+    short of its ``min_tokens`` (vLLM's rule: the token sampled now is number
+    ``len(output) + 1``; stops are allowed after ``min_tokens``)."""
+    rows = [i for i, r in enumerate(requests)
+            if r.params.has_penalties or len(r.output_token_ids) < r.params.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()
     vocab = logits.shape[1]
     for i in rows:
-        params = requests[i].params
+        params, output = requests[i].params, requests[i].output_token_ids
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.long,
                                 device=logits.device)
@@ -155,30 +158,15 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow]) -> tor
             row = logits[i, seen]
             logits[i, seen] = torch.where(row > 0, row / params.repetition_penalty,
                                           row * params.repetition_penalty)
-        output = requests[i].output_token_ids
         if output and (params.frequency_penalty or params.presence_penalty):
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)
             counts = counts[:vocab].to(logits.dtype)
             logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return logits
-
-
-def _mask_early_stops(logits: torch.Tensor, requests: Sequence[SampleRow],
-                      eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """-inf on the stop ids of every request short of its ``min_tokens`` (vLLM's rule: the
-    token sampled now is number ``len(output) + 1``; stops are allowed after ``min_tokens``)."""
-    rows = [i for i, r in enumerate(requests)
-            if len(r.output_token_ids) < r.params.min_tokens]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[1]
-    for i in rows:
-        params = requests[i].params
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        ids = [t for t in stops if 0 <= t < vocab]
-        if ids:
-            logits[i, ids] = float("-inf")
+        if len(output) < params.min_tokens:
+            stops = set(params.stop_token_ids) | set(() if params.ignore_eos else eos_token_ids)
+            ids = [t for t in stops if 0 <= t < vocab]
+            if ids:
+                logits[i, ids] = float("-inf")
     return logits
 
 
