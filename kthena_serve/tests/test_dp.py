@@ -323,6 +323,14 @@ def test_errors_models_tokenize_and_metrics_pass_through(dp: Deployment) -> None
     assert tokens.json()["tokens"] == default_tokenizer().encode("Hello world")
     text = dp.post("/detokenize", {"tokens": tokens.json()["tokens"]}).json()["prompt"]
     assert text == "Hello world"
+    schema = httpx.get(f"{dp.url}/openapi.json", headers=dp.headers, timeout=10)
+    assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    from kthena_serve import __version__
+
+    assert httpx.get(f"{dp.url}/version", headers=dp.headers, timeout=10).json() == {
+        "version": __version__}
+    docs = httpx.get(f"{dp.url}/docs", headers=dp.headers, timeout=10)
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
     text = dp.metrics()
     assert metric(text, "kthena_dp_replica_up") == 2
     assert metric(text, "kthena_requests_total", replica="replica-0") > 0

@@ -58,6 +58,7 @@ def reference():
     {"block_size": 16, "max_num_batched_tokens": 33},
     {"prefix_index": "radix"},  # the KV layer's parts, chosen from EngineConfig
     {"hash_algorithm": "sha256", "max_num_batched_tokens": 7},
+    {"target_step_ms": 0},  # decode protection off: every step fills its token budget
 ])
 def test_batched_greedy_equals_batch_one(reference, options):
     prompts, solo = reference
@@ -189,6 +190,11 @@ def test_engine_config_reaches_the_kv_layer_parts():
      "(got 'yes')"),
     ("chat_special_tokens", "raw", "EngineConfig.chat_special_tokens must be one of 'text', "
      "'control' (got 'raw')"),
+    ("target_step_ms", -1, "EngineConfig.target_step_ms must be None or 0 (off), or "
+     "milliseconds up to 60000 (got -1)"),
+    ("target_step_ms", float("nan"), "EngineConfig.target_step_ms must be None or 0 (off)"),
+    ("target_step_ms", "fast", "EngineConfig.target_step_ms must be None or 0 (off)"),
+    ("target_step_ms", True, "EngineConfig.target_step_ms must be None or 0 (off)"),
 ])
 def test_engine_config_refuses_what_it_cannot_honour(field, value, message):
     from kthena_serve.config import ConfigError, EngineConfig
@@ -213,6 +219,8 @@ def test_engine_config_errors_name_the_cli_flag():
          "positive int (got 0)"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: EngineConfig.kv_cache_dtype must be"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory: EngineConfig.kv_cache_memory must"),
+        (["--target-step-ms", "-5"], "--target-step-ms: EngineConfig.target_step_ms must be "
+         "None or 0 (off), or milliseconds up to 60000 (got -5.0)"),
     ]:
         with pytest.raises(ValueError) as caught:
             engine_config(vars(parser.parse_args(argv)))
@@ -315,3 +323,71 @@ def test_sampling_fields_are_bounded_at_the_edge():
     outs = _run(engine, _prompts(2), SamplingParams(seed=2**64 - 1, top_k=2**31 - 1,
                                                    temperature=100.0, max_tokens=3))
     assert all(len(o.token_ids) == 3 for o in outs)
+
+
+def _protected_engine(target_step_ms: float):
+    """A tiny engine whose step cost model is held at 0.5 ms a prefill token (no clock in the
+    budget it answers); ``target_step_ms`` 0: decode protection off."""
+    from _tiny import default_tokenizer, tiny_llama
+
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine import LLMEngine, build_runner
+    from kthena_serve.step_cost import StepCoefficients, StepCostModel
+
+    config = EngineConfig(dtype="float32", num_kv_blocks=256, block_size=4,
+                          max_num_batched_tokens=64, max_num_seqs=8, check_invariants=True,
+                          num_threads=1, target_step_ms=target_step_ms)
+    runner, tokenizer = build_runner(config, tiny_llama(), default_tokenizer())
+    cost = StepCostModel(StepCoefficients(0.0, 0.5e-3, 0.0), prior_weight=1e12)
+    return LLMEngine(config, runner, tokenizer, step_cost=cost)
+
+
+def _decode_then_long_prompt(engine):
+    """'a' decodes while the 150-token 'b' arrives; each step's (batch, budget answers)."""
+    steps = []
+    budget, schedule = engine.scheduler.prefill_budget, engine.scheduler.schedule
+    answers: list[int] = []
+
+    def recording_budget(rows: int) -> int:
+        answers.append(budget(rows))
+        return answers[-1]
+
+    def recording_schedule():
+        answers.clear()
+        batch = schedule()
+        steps.append((batch, list(answers)))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    if budget is not None:
+        engine.scheduler.prefill_budget = recording_budget
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", _prompts(1, seed=5)[0], params)
+    engine.step()
+    engine.step()  # 'a' decodes from here on
+    engine.add_request("b", [7] * 150, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    return finals, steps
+
+
+def test_a_long_prompt_arriving_while_one_decodes_is_split_within_the_budget():
+    engine = _protected_engine(target_step_ms=8.0)  # 8 ms / 0.5 ms: 16 prefill tokens a step
+    finals, steps = _decode_then_long_prompt(engine)
+    chunks = []
+    for batch, answers in steps:
+        seqs = {s.request_id: s for s in batch.seqs}
+        if "b" in seqs and seqs["b"].start < 150:  # a chunk of b's prompt, beside a's decode
+            (answer,) = answers
+            assert len(seqs["a"].token_ids) == 1 and 4 <= answer <= 16
+            assert len(seqs["b"].token_ids) <= answer
+            chunks.append(len(seqs["b"].token_ids))
+    assert sum(chunks) == 150 and len(chunks) >= 150 // 16
+    assert engine.step_cost.num_observed == len(steps)  # every step fed the model
+
+    plain = _protected_engine(target_step_ms=0)
+    assert plain.scheduler.prefill_budget is None
+    unprotected, plain_steps = _decode_then_long_prompt(plain)
+    assert unprotected == finals  # the same greedy tokens
+    assert len(plain_steps) < len(steps)  # b's prompt in 64-token chunks

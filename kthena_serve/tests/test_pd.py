@@ -157,7 +157,9 @@ def test_hostile_numbers_get_the_same_400_as_colocated(cluster) -> None:  # noqa
     import json
 
     for bad in ({"seed": 2**64}, {"top_k": 2**64 - 1}, {"temperature": float("inf")},
-                {"prompt": "a\ud800b"}):
+                {"prompt": "a\ud800b"}, {"stop": ["a\ud800b"]}, {"temperature": float("nan")},
+                {"logit_bias": {"1": float("nan")}}, {"prompt_logprobs": 1},
+                {"echo": True, "logprobs": 1}):
         body = {"model": cluster.model_name, "prompt": "Hello", "max_tokens": 2, **bad}
         response = httpx.post(f"{cluster.url}/v1/completions", content=json.dumps(body),
                               headers={"content-type": "application/json"}, timeout=60)

@@ -3,8 +3,9 @@ too) as int8 with one float32 scale per output channel, against the same model i
 
 Activations, norms, attention and the KV cache stay bf16; decode steps run the native int8
 kernel (``mooncake_ops.int8_linear``, parity-tested in mooncake_ops/tests/test_linear.py), and
-prefill chunks dequantise to bf16. The bounds below come from measurements on this model (see
-each test).
+prefill chunks dequantise to bf16. How far int8 weights may move the model is judged by
+yardsticks measured in the same run on the same CPU (``_logit_error``: fp8 weights' error on
+the same tensors, bf16's own error against float32).
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ import sys
 import pytest
 import torch
 from _greedy_agreement import QUESTIONS, agreed, gap_at_divergence
+from _logit_error import (
+    errors,
+    first_decode_logprobs,
+    fmt,
+    fp8_weights,
+    reference_kernels,
+    served_bound,
+    worst,
+)
 
 from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
@@ -26,17 +36,33 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
-def both():
-    """(bf16 engine outputs, int8-weight engine outputs) of every question."""
+def models():
+    """{None: the bf16 model, "int8": the int8-weight one}, each with its tokenizer. One
+    intra-op thread for the module (the engines too): OpenMP's spin waits collapse throughput
+    when other test processes share the cores."""
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {q: load_model("default", dtype=torch.bfloat16, quantization=q) for q in (None, "int8")}
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(models) -> list[list[int]]:  # noqa: ANN001
+    tokenizer = models[None][1]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def both(models, prompts):  # noqa: ANN001
+    """(bf16 engine outputs, int8-weight engine outputs) of every question."""
     outs = []
     for quantization in (None, "int8"):
-        engine = LLMEngine.from_config(EngineConfig(kv_cache_memory="32MiB",
-                                                    quantization=quantization))
+        model, tokenizer = models[quantization]
+        engine = LLMEngine.from_config(EngineConfig(kv_cache_memory="32MiB", num_threads=1,
+                                                    quantization=quantization),
+                                       model=model, tokenizer=tokenizer)
         try:
-            tokenizer = engine.processor.tokenizer
-            prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}])) for q in QUESTIONS]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"q{i}", prompt, GREEDY)
             done = {}
@@ -47,37 +73,79 @@ def both():
             outs.append([done[f"q{i}"] for i in range(len(prompts))])
         finally:
             engine.close()
-    torch.set_num_threads(threads)
     return outs
 
 
-def test_greedy_tokens_agree_with_bf16_weights(both):
-    """Measured here: 77 of the 96 first tokens agree before the first difference (prompt by
-    prompt: 0, 16, 14, 15, 16, 16); every divergence is a near-tie of the bf16 engine (its pick
-    ahead by 0.0, 0.125 and 0.25 nats; at the first prompt's first token its top two bf16
-    logits are equal, so either pick is its own coin toss).
+def _logprobs(model, prompts, tokens) -> list[torch.Tensor]:  # noqa: ANN001
+    return [first_decode_logprobs(model, p, t) for p, t in zip(prompts, tokens, strict=True)]
 
-    On a Zen 3 (AVX2: fp32-compute matmuls, the AVX2 decode kernel): 58 of 96 (0, 4, 10, 16,
-    12, 16), every divergence again a near-tie (0.0 and three at 0.125 nats, one bf16 logit
-    step); with the AVX2 build's int8 and dense matmuls, KV write and layer ops too: 79 of 96
-    (16, 13, 10, 15, 16, 9), divergences at 0.0625, 0.125, 0.0 and 0.0 nats. On a Zen 5 with
-    bf16 calls of 9+ rows through the panel-dequantising int8 matmul (its weight rounded to
-    bf16, fp32 sums): 76 of 96 (16, 4, 16, 16, 16, 8), divergences at 0.125 and 0.0 nats.
 
-    Each prompt is compared up to its first divergence only, so what says int8 weights did not
-    change the model is that every divergence is a near-tie: a prompt below 6 only through an
-    exact or one-step tie (<= 0.125 nats), any flip within 0.5 nats (a token the bf16 engine
-    nearly picked itself). The floor (48 of 96, half) leaves room for CPUs whose kernel order
-    makes one-step ties fall the other way more often, as on that Zen 3."""
+@pytest.fixture(scope="module")
+def first_step(models, prompts, both):  # noqa: ANN001
+    """Per prompt, the first decode step's log-softmax (see ``_logit_error``): the exact run
+    (float32 model), int8's format (float32 model, int8 weights), fp8's (float32, weights
+    rounded to e4m3 per output channel), and the served bf16 and int8-weight models (the
+    kernels the engine runs). Returns the worst over the prompts of each pair's errors. The
+    float32 models are loaded one at a time."""
+    tokens = [out.token_ids[0] for out in both[0]]
+    with reference_kernels():
+        exact = _logprobs(load_model("default", dtype=torch.float32)[0], prompts, tokens)
+        int8_format = _logprobs(load_model("default", dtype=torch.float32,
+                                           quantization="int8")[0], prompts, tokens)
+        fp8_format = _logprobs(fp8_weights(load_model("default", dtype=torch.float32,
+                                                      pack_weights=False)[0]), prompts, tokens)
+    bf16 = _logprobs(models[None][0], prompts, tokens)
+    int8 = _logprobs(models["int8"][0], prompts, tokens)
+    rows = zip(exact, int8_format, fp8_format, bf16, int8, strict=True)
+    pairs = [(errors(e, e, i), errors(e, e, f), errors(e, e, b), errors(e, b, q))
+             for e, i, f, b, q in rows]
+    names = ("int8_format", "fp8_format", "bf16", "served")
+    columns = zip(*pairs, strict=True)
+    return {name: worst(column) for name, column in zip(names, columns, strict=True)}
+
+
+def test_first_decode_step_logit_error_is_bounded(first_step):  # noqa: ANN001
+    """The first decode step of each prompt, log-softmax over the vocabulary; (max over the
+    vocabulary, over the 10 likeliest tokens, KL), worst of 6. Both bounds are yardsticks
+    measured in this run on this CPU (``_logit_error``):
+
+    * the format: int8 weights' error (float32 model) is at most fp8's (e4m3, one scale per
+      output channel) on the same weights. float32 throughout, so the same on every CPU;
+      measured on a Zen 5: int8 1.3, 0.32, 9.8e-3, fp8 4.0, 1.2, 5.3e-2.
+    * as served: the int8-weight engine is no further from the bf16 engine than fp8's format
+      error plus the bf16 error of each side (bf16's error: the bf16 engine's against the
+      float32 run, on this CPU with its kernels). Measured on a Zen 5: 1.8, 0.68, 1.3e-2
+      against a bound of 4.9, 1.6, 9.4e-2 (bf16's own error 0.46, 0.19, 1.5e-3)."""
+    got = first_step
+    print("\nfirst decode step (max over vocab, over top 10, KL), worst of 6: "
+          f"int8 format {fmt(got['int8_format'])}, fp8 format {fmt(got['fp8_format'])}, "
+          f"bf16 {fmt(got['bf16'])}, served int8 vs bf16 {fmt(got['served'])} "
+          f"(bound {fmt(served_bound(got['fp8_format'], got['bf16']))})")
+    assert got["int8_format"][0] > 0 and got["served"][0] > 0  # the int8 weights really ran
+    assert all(x <= y for x, y in zip(got["int8_format"], got["fp8_format"], strict=True))
+    bound = served_bound(got["fp8_format"], got["bf16"])
+    assert all(x <= y for x, y in zip(got["served"], bound, strict=True))
+
+
+def test_greedy_tokens_agree_with_bf16_weights(both, first_step):  # noqa: ANN001
+    """Each prompt's 16 greedy tokens, int8 weights against bf16, up to the first difference
+    (after it the two continue different texts). Every difference must be at a near tie of
+    the bf16 engine: its pick ahead of int8's by at most twice the largest change int8 weights
+    make to a top-10 log-probability at the first decode step, measured in this run (at the
+    first difference the context is still the same, so gap = lp(x) - lp(y) <= |change of x| +
+    |change of y|; other steps are taken to change by the same size). How many prompts meet
+    such a tie within 16 tokens depends on the CPU's rounding (58 to 79 of 96 measured on Zen
+    3, 4 and 5 builds, divergences at 0.0 to 0.25 nats; a near tie of 1.35 on the Zen 5), so
+    the count is printed, not bounded."""
     ref, got = both
+    near_tie = 2 * first_step["served"][1]
     counts = [agreed(r, g) for r, g in zip(ref, got, strict=True)]
     gaps = [gap_at_divergence(r, g) for r, g in zip(ref, got, strict=True)]
     print(f"\nint8 weights vs bf16: {sum(counts)} of {NUM_TOKENS * len(ref)} tokens agree "
-          f"(per prompt {counts}); bf16 margin at each divergence {gaps}")
+          f"(per prompt {counts}); bf16 margin at each divergence {gaps}; near tie "
+          f"{near_tie:.3g}")
     assert all(len(g.token_ids) == NUM_TOKENS and g.error is None for g in got)
-    assert sum(counts) >= 48
-    assert all(c >= 6 or gap <= 0.125 for c, gap in zip(counts, gaps, strict=True))
-    assert all(gap is None or gap < 0.5 for gap in gaps)
+    assert all(gap is None or gap <= near_tie for gap in gaps)
 
 
 def test_int8_model_holds_about_half_the_matmul_bytes():

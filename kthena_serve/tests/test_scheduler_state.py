@@ -4,17 +4,23 @@ A fake "model" samples a token for every request whose prompt is fully computed.
 step: blocks in use never exceed the pool, only running requests hold blocks, every running
 request's block table covers its computed tokens. At the end every request finishes or is
 aborted and no block is left referenced.
+
+``DecodeProtectingMachine`` runs the same traffic with a ``prefill_budget`` of ``cap - slope *
+rows`` tokens: every decode the step's tokens allow is picked, and with decodes in a step its
+prefill tokens stay within what the budget answered (at least 1); every prompt still finishes.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kthena_serve.request import FinishReason, Request, RequestStatus
 from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.scheduled import ScheduledBatch
 from kthena_serve.scheduler import Scheduler
 from mooncake_kv import KVCacheManager
 
@@ -26,10 +32,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(12, 48), budget=st.integers(1, 40),
                 seats=st.integers(1, 6), caching=st.booleans())
     def setup(self, num_blocks: int, budget: int, seats: int, caching: bool) -> None:
+        self._start(num_blocks, budget, seats, caching, None)
+
+    def _start(self, num_blocks: int, budget: int, seats: int, caching: bool,
+               prefill_budget: Callable[[int], int] | None) -> None:
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=caching,
                                  check_invariants=True)
+        self.answers: list[int] = []  # what the prefill budget answered this step
         self.scheduler = Scheduler(self.kv, max_num_seqs=seats, max_num_batched_tokens=budget,
-                                   enable_prefix_caching=caching)
+                                   enable_prefix_caching=caching, prefill_budget=prefill_budget)
         self.capacity = num_blocks * BLOCK_SIZE
         self.requests: dict[str, Request] = {}
         self.max_tokens: dict[str, int] = {}
@@ -52,8 +63,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.scheduler.has_work())
     @rule()
     def step(self) -> None:
+        self.answers.clear()
+        decoding = {r.request_id for r in self.scheduler.running if not r.is_prefill}
         batch = self.scheduler.schedule()
         assert batch.num_tokens <= self.scheduler.max_num_batched_tokens
+        if self.scheduler.prefill_budget is not None:
+            self._check_decode_protection(batch, decoding)
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
         for seq in batch.seqs:  # plain data that agrees with the live request
             request = self.requests[seq.request_id]
@@ -71,6 +86,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             request.token_ids.append(self.rng.randrange(1000))
             if request.num_output_tokens >= self.max_tokens[request.request_id]:
                 self.scheduler.finish(request, FinishReason.LENGTH)
+
+    def _check_decode_protection(self, batch: ScheduledBatch, decoding: set[str]) -> None:
+        """Decodes (``decoding``: running ones before the step) first; with any, the prefill
+        within the budget's answer (at least 1)."""
+        picked = {s.request_id for s in batch.seqs}
+        rows = [s for s in batch.seqs if s.request_id in decoding]
+        prefill = batch.num_tokens - len(rows)
+        left_out = [r for r in self.scheduler.running
+                    if r.request_id in decoding and r.request_id not in picked]
+        assert not left_out or len(rows) == self.scheduler.max_num_batched_tokens
+        if rows:
+            (answer,) = self.answers
+            assert prefill <= max(1, answer)
 
     @rule(length=st.integers(1, 40), admit=st.booleans(), salt=st.sampled_from([None, "a"]))
     def pd_handoff(self, length: int, admit: bool, salt: str | None) -> None:
@@ -131,4 +159,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
 
 
+class DecodeProtectingMachine(SchedulerMachine):
+    """The same traffic with a prefill budget of ``cap - slope * rows`` tokens."""
+
+    @initialize(num_blocks=st.integers(12, 48), budget=st.integers(1, 40),
+                seats=st.integers(1, 6), caching=st.booleans(), cap=st.integers(0, 12),
+                slope=st.integers(0, 3))
+    def setup(self, num_blocks: int, budget: int, seats: int, caching: bool, cap: int,
+              slope: int) -> None:
+        def prefill_budget(rows: int) -> int:
+            self.answers.append(max(0, cap - slope * rows))
+            return self.answers[-1]
+
+        self._start(num_blocks, budget, seats, caching, prefill_budget)
+
+
 TestScheduler = SchedulerMachine.TestCase
+TestDecodeProtectingScheduler = DecodeProtectingMachine.TestCase

@@ -158,6 +158,20 @@ def test_the_spec_round_trips_through_json_every_part_typed(tmp_path):
         ServeSpec.from_json({"engine": {}})
 
 
+def test_target_step_ms_reaches_every_engine_through_the_spec():
+    from kthena_serve.config import DEFAULT_TARGET_STEP_MS
+
+    default = spec_from_args(build_parser().parse_args(["serve"]))
+    assert default.engine.target_step_ms == DEFAULT_TARGET_STEP_MS
+    for argv, value in [(["--target-step-ms", "50"], 50.0), (["--target-step-ms", "0"], 0.0)]:
+        spec = spec_from_args(build_parser().parse_args(["serve", *argv]))
+        assert spec.engine.target_step_ms == value
+        assert ServeSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    pd = spec_from_args(build_parser().parse_args(["serve", "--mode", "pd",
+                                                   "--target-step-ms", "40"]))
+    assert pd.engine.target_step_ms == 40.0  # the decode workers' engines (JSON to each)
+
+
 def test_the_api_key_never_reaches_the_json():
     spec = ServeSpec.resolve({"api_key": "s3cret"})
     assert spec.api_key == "s3cret" and "s3cret" not in json.dumps(spec.to_json())
@@ -188,6 +202,8 @@ def test_pd_reports_its_worker_counts_not_a_dp_of_their_sum():
     ({"pod_name": "a.b"}, "--pod-name takes effect only with --kv-events"),
     ({"mode": "pd", "decode": 0}, "PD needs at least one decode worker"),
     ({"mode": "pd", "prefill": -1}, "PD needs at least one decode worker and no negative"),
+    ({"target_step_ms": -1.0}, "--target-step-ms: EngineConfig.target_step_ms must be None or "
+     "0 (off), or milliseconds up to 60000 (got -1.0)"),
 ])
 def test_resolve_refuses_bad_settings_naming_the_flag(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):

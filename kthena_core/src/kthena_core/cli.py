@@ -83,8 +83,27 @@ def _cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
+LAYERS = ("kthena-core", "kthena-comm", "mooncake-kv", "mooncake-ops", "kthena-serve")
+
+
+def versions_line() -> str:
+    """``kthena <version> (kthena-comm X, ...)``: each installed layer's version from its
+    package metadata ("not installed" for a layer that is not)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in LAYERS:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    rest = ", ".join(f"{n} {v}" for n, v in found.items() if n != "kthena-core")
+    return f"kthena {found['kthena-core']} ({rest})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kthena", description="Kthena x Mooncake SDK command line")
+    parser.add_argument("--version", action="version", version=versions_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="choose TP x PP x SP x DP for a model on a topology")

@@ -10,12 +10,24 @@
 * ``load_config`` -> ``DistributedModel`` -> ``launch_distributed_inference``: the source
   article's Python entry points, over ``LLM`` and ``kthena serve --config``.
 
-Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used).
+Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used). The
+import sets ``OMP_WAIT_POLICY=PASSIVE`` when it is unset and torch is not loaded yet, so that an
+engine in this process does not stall on a busy machine (``kthena_serve.threads``).
 """
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kthena_core.lazy import lazy_exports
+from kthena_serve.threads import default_wait_policy
+
+default_wait_policy()  # before anything here can load torch
+
+try:
+    __version__ = version("kthena-serve")  # the installed package's metadata
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",

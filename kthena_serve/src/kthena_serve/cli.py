@@ -24,6 +24,7 @@ from kthena_serve.serve_args import (
     curl_line,
 )
 from kthena_serve.spec import ServeSpec, flag_name, plan_config_path
+from kthena_serve.threads import keep_openmp_default
 
 if TYPE_CHECKING:
     from kthena_comm.env import RankEnv
@@ -40,11 +41,14 @@ def _prepare_process() -> None:
 
     A launcher rank (WORLD_SIZE > 1) shares the machine's cores with its sibling ranks, so it
     gets ``OMP_WAIT_POLICY=PASSIVE``. A process that owns its cores alone keeps OpenMP's
-    default (spin for a few milliseconds, then sleep); the processes it starts (PD workers, DP
-    replicas, TP ranks) set PASSIVE for themselves. A value already set is left as it is.
+    default (spin for a few milliseconds, then sleep: the PASSIVE that ``import kthena_serve``
+    set is taken back); the processes it starts (PD workers, DP replicas, TP ranks) set
+    PASSIVE for themselves. A value the user set is left as it is.
     """
     if os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    else:
+        keep_openmp_default()
 
 
 # ---- kthena serve -------------------------------------------------------------------------------
@@ -198,6 +202,7 @@ def serve(spec: ServeSpec) -> int:
 def _serve_colocated(spec: ServeSpec) -> int:
     from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
     from kthena_serve.server import build_app, run_server
+    from mooncake_ops.selection import summary_line
 
     name = spec.served_model_name
     print(f"kthena serve: loading {spec.engine.model} ...", file=sys.stderr, flush=True)
@@ -213,6 +218,8 @@ def _serve_colocated(spec: ServeSpec) -> int:
               f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}, "
               f"kv dtype={limits.kv_cache_dtype}). Try:",
               flush=True)
+        if limits.kernels:
+            print(f"kthena serve: {summary_line(limits.kernels)}", flush=True)
         print(curl_line(spec.host, port, name, bool(spec.api_key)), flush=True)
 
     try:

@@ -57,6 +57,15 @@ def _is_bool(instance: object, attribute: attrs.Attribute, value: object) -> Non
         raise ConfigError(attribute.name, "True or False", value)
 
 
+def _check_target_step(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= 60_000:
+        raise ConfigError(attribute.name, "None or 0 (off), or milliseconds up to 60000",
+                          value, "the step time the scheduler keeps to while requests decode")
+
+
 def _model_path(value: object) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -81,6 +90,8 @@ def _size(value: int | str) -> int:
                           "'512MiB', '2G'", value) from None
 
 
+# docs/kthena_serve.md, "Decode protection": chosen by scripts/step_budget_ab.py
+DEFAULT_TARGET_STEP_MS = 100.0
 _DTYPE_CHOICES = tuple(dtypes.torch_name(key) for key in dtypes.ENGINE_DTYPES)  # bfloat16, float16, float32
 _DEVICE = re.compile(r"^(cpu|cuda|npu)(:\d+)?$")
 
@@ -157,6 +168,13 @@ class EngineConfig:
             ``"npu[:N]"``); only CPU is verified on hardware.
         max_num_seqs: requests running at once (the decode batch size).
         max_num_batched_tokens: tokens one step may compute (prefill chunks + decodes).
+        target_step_ms: decode protection: while any request decodes, a step's prefill tokens
+            are capped so that its predicted time (``step_cost.StepCostModel``, learnt from the
+            engine's own steps) stays within this many milliseconds, at least ``block_size``
+            tokens; a step with no decode takes ``max_num_batched_tokens``. None or 0: off
+            (every step fills ``max_num_batched_tokens``). Default 100 (docs/kthena_serve.md,
+            "Decode protection", has the measurements). The PD prefill worker, which runs no
+            decodes, ignores it.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool (``"1GiB"`` also accepted).
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory`` (tests use tiny pools).
@@ -188,6 +206,10 @@ class EngineConfig:
         kv_offload: tiers below the pool, as text (``"host=2GiB"``,
             ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.kv_offload``)
             or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.
+        kernels: how the CPU matmul and attention kernels are chosen: ``"auto"`` (each
+            candidate timed once on this machine at the model's shapes, the fastest taken,
+            cached), ``"native"`` (by the CPU's features, no timing) or ``"torch"`` (F.linear
+            and SDPA); ``KTHENA_KERNELS`` overrides it (`mooncake_ops.selection`).
     """
 
     model: str = attrs.field(default="default", converter=_model_path)
@@ -195,6 +217,8 @@ class EngineConfig:
     device: str = attrs.field(default="cpu", validator=_check_device)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
+    target_step_ms: float | None = attrs.field(default=DEFAULT_TARGET_STEP_MS,
+                                               validator=_check_target_step)
     block_size: int = attrs.field(default=16, validator=_positive)
     kv_cache_memory: int = attrs.field(default=1024**3, converter=_size)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_optional_positive)
@@ -214,6 +238,7 @@ class EngineConfig:
     kv_offload: KVOffloadConfig | None = attrs.field(default=None, converter=_kv_offload,
                                                      validator=_check_kv_offload)
     quantization: str | None = attrs.field(default=None, validator=_check_quantization)
+    kernels: str = attrs.field(default="auto", validator=_one_of("auto", "native", "torch"))
 
     def to_json(self) -> dict:
         """Every field as JSON (what workers and replicas get); ``from_json`` reads it back."""

@@ -4,7 +4,8 @@ Assembled from injected parts (``LLMEngine.from_config`` builds the defaults)::
 
     LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest)
               ── Scheduler        continuous batching; PD verbs reserve / admit_prefilled
-              │     └─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
+              │     ├─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
+              │     └─ prefill budget  (target_step_ms: StepCostModel, fed every step's time)
               ── runner           ModelRunner over a given KVPool (host, shm, device) or tp x pp ranks
               ── Sampler          on the runner's device
 
@@ -24,7 +25,7 @@ import torch
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.input_processor import EngineLimits, InputProcessor
-from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
+from kthena_serve.logprobs import TokenLogprobs, gather_logprobs, prompt_logprobs
 from kthena_serve.model import IncrementalDetokenizer, Tokenizer
 from kthena_serve.model_runner import (
     ModelRunner,
@@ -39,6 +40,7 @@ from kthena_serve.sampler import Sampler
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduled import Reservation, ScheduledBatch
 from kthena_serve.scheduler import Scheduler
+from kthena_serve.step_cost import DecodeProtectingBudget, StepCostModel, StepShape
 from kthena_serve.threads import configure_threads
 from mooncake_kv import KVCacheManager
 
@@ -90,7 +92,8 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
         from kthena_serve.model import load_model
 
         model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      device=config.device, quantization=config.quantization)
+                                      device=config.device, quantization=config.quantization,
+                                      kernels=config.kernels, kv_block_size=config.block_size)
     layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
                            model.head_dim, config)
     return ModelRunner(model, create_pool(layout, config, shared=shared_pool)), tokenizer
@@ -106,10 +109,14 @@ class LLMEngine:
         tokenizer: the model's tokenizer.
         kv: the KV cache manager over the runner's blocks (default: from ``config``).
         scheduler: the scheduler over ``kv`` (default: from ``config``).
+        step_cost: the step cost model every step's time refits and the default scheduler's
+            prefill budget reads (default with ``config.target_step_ms``: a ``StepCostModel``
+            from ``DEFAULT_SEED``; without it, none is kept).
     """
 
     def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Tokenizer, *,
-                 kv: KVCacheManager | None = None, scheduler: Scheduler | None = None) -> None:
+                 kv: KVCacheManager | None = None, scheduler: Scheduler | None = None,
+                 step_cost: StepCostModel | None = None) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -124,22 +131,34 @@ class LLMEngine:
                                  "and leave kv_offload None")
 
             self.offloader = open_offloader(config, runner.pool, self.kv)
+        # target_step_ms: every step's time refits the cost model the prefill budget reads
+        self.step_cost = step_cost or (StepCostModel() if config.target_step_ms else None)
         self.scheduler = scheduler or Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, offloader=self.offloader,
             promote_timeout_s=(config.kv_offload.promote_timeout_s
-                               if config.kv_offload is not None else 5.0))
+                               if config.kv_offload is not None else 5.0),
+            prefill_budget=self._prefill_budget())
         self.sampler = Sampler(runner.device, eos_token_ids=tokenizer.eos_token_ids)
         model_config = runner.model.config
         self.processor = InputProcessor(tokenizer, EngineLimits.for_engine(
             config, max_position_embeddings=model_config.max_position_embeddings,
             vocab_size=model_config.vocab_size, num_kv_blocks=runner.num_blocks,
-            kv_cache_dtype=kv_dtype_name(config)), config.chat_special_tokens)
+            kv_cache_dtype=kv_dtype_name(config), kernels=_kernel_labels(runner.model),
+            prompt_logprobs=hasattr(runner, "execute_prompt_logits")),
+            config.chat_special_tokens)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
+
+    def _prefill_budget(self) -> DecodeProtectingBudget | None:
+        if self.step_cost is None or not self.config.target_step_ms:
+            return None
+        return DecodeProtectingBudget(self.step_cost, self.config.target_step_ms / 1e3,
+                                      min_tokens=self.config.block_size,
+                                      max_tokens=self.config.max_num_batched_tokens)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: torch.nn.Module | None = None,
@@ -259,12 +278,38 @@ class LLMEngine:
         alone, with ``RequestOutput.error`` set; a failed forward ends the step's requests.
         """
         batch = self.scheduler.schedule()
+        started = time.perf_counter()
         try:
-            logits = self.runner.execute(batch) if batch.seqs else None
+            logits = self._execute(batch) if batch.seqs else None
         except Exception:  # noqa: BLE001 - the batch's requests fail; the engine goes on
             log.exception("forward of %d sequences failed", len(batch.seqs))
             return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
-        return self._postprocess(batch, logits)
+        outputs = self._postprocess(batch, logits)
+        self._observe_step(batch, time.perf_counter() - started)
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The runner's forward; chunks of prompts that want prompt logprobs get logits at every
+        position, turned into their entries here."""
+        wanted = {s.request_id: s for s in batch.seqs
+                  if self._requests[s.request_id].prompt_logprobs is not None
+                  and s.start < self._requests[s.request_id].num_prompt_tokens - 1}
+        if not wanted:
+            return self.runner.execute(batch)
+        logits, chunks = self.runner.execute_prompt_logits(batch, set(wanted))
+        for rid, seq in wanted.items():
+            request = self._requests[rid]
+            prompt = request.token_ids[: request.num_prompt_tokens]
+            targets = prompt[seq.start + 1 : seq.start + 1 + len(seq.token_ids)]
+            del request.prompt_logprobs[seq.start + 1 :]  # a recomputed chunk replaces its own
+            request.prompt_logprobs += prompt_logprobs(chunks[rid], targets,
+                                                       request.params.prompt_logprobs)
+        return logits
+
+    def _observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Feed a step's time to the cost model (what a decode waits for: forward + sampling)."""
+        if self.step_cost is not None and batch.seqs:
+            self.step_cost.observe(StepShape.of(batch), seconds)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
         self._count(batch)
@@ -349,8 +394,10 @@ class LLMEngine:
                              "pick a unique id")
         live = Request(request.request_id, request.prompt_ids, request.params,
                        cache_salt=request.cache_salt)
-        live.stream = OutputStream(IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
-                                   request.params, self.eos_token_ids, request.max_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
+                                             request.params.skip_special_tokens)
+        live.stream = OutputStream(detokenizer, request.params, self.eos_token_ids,
+                                   request.max_tokens)
         self._requests[request.request_id] = live
         return live
 
@@ -377,6 +424,8 @@ class LLMEngine:
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
             logprobs=tuple(request.logprobs) if request.logprobs is not None else None,
+            prompt_logprobs=(tuple(request.prompt_logprobs)
+                             if request.prompt_logprobs is not None else None),
         )
 
     # ---- observability ----------------------------------------------------------------------
@@ -400,3 +449,9 @@ class LLMEngine:
         from kthena_serve.kv_offload import tier_stats
 
         return tier_stats(self.offloader.snapshot())
+
+
+def _kernel_labels(model: torch.nn.Module) -> dict[str, str]:
+    """The labels of the kernels the model's loader chose ({} for a model built otherwise)."""
+    choice = getattr(model, "kernel_choice", None)
+    return {} if choice is None else choice.labels()

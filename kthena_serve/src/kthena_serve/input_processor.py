@@ -34,6 +34,11 @@ class EngineLimits:
         num_kv_blocks, block_size: the KV pool (summed over PD decode workers).
         kv_cache_dtype: the pool's element type (``"bf16"``, ``"fp16"``, ``"fp32"`` or
             ``"int8"``); None where no pool has reported it (a PD frontend before its workers).
+        kernels: the kernels the engine runs (``mooncake_ops.selection.KernelChoice.labels``;
+            the ``kthena_kernels_info`` gauge); {} where the model chose none (an injected one).
+        prompt_logprobs: whether ``SamplingParams.prompt_logprobs`` (and ``echo`` with
+            logprobs) can be served: a single-rank colocated engine (not tp x pp ranks, not PD,
+            whose prompts run on prefill workers).
     """
 
     max_model_len: int
@@ -42,11 +47,15 @@ class EngineLimits:
     num_kv_blocks: int
     block_size: int
     kv_cache_dtype: str | None = None
+    kernels: Mapping[str, str] = attrs.field(factory=dict)
+    prompt_logprobs: bool = False
 
     @classmethod
     def for_engine(cls, config: EngineConfig, *, max_position_embeddings: int,
                    vocab_size: int, num_kv_blocks: int = 0,
-                   kv_cache_dtype: str | None = None) -> EngineLimits:
+                   kv_cache_dtype: str | None = None,
+                   kernels: Mapping[str, str] | None = None,
+                   prompt_logprobs: bool = False) -> EngineLimits:
         """One engine's limits: the context is the model's, capped by ``config.max_model_len``
         and by what the pool holds (``num_kv_blocks``; 0: no pool known yet, no cap)."""
         max_model_len = min(config.max_model_len or max_position_embeddings,
@@ -55,7 +64,8 @@ class EngineLimits:
             max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         return cls(max_model_len=max_model_len, vocab_size=vocab_size, max_n=config.max_n,
                    num_kv_blocks=num_kv_blocks, block_size=config.block_size,
-                   kv_cache_dtype=kv_cache_dtype)
+                   kv_cache_dtype=kv_cache_dtype, kernels=dict(kernels or {}),
+                   prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def combine(cls, parts: Sequence[EngineLimits]) -> EngineLimits:
@@ -70,7 +80,9 @@ class EngineLimits:
         return cls(max_model_len=min(p.max_model_len for p in parts),
                    vocab_size=min(p.vocab_size for p in parts), max_n=parts[0].max_n,
                    num_kv_blocks=sum(p.num_kv_blocks for p in parts),
-                   block_size=parts[0].block_size, kv_cache_dtype=parts[0].kv_cache_dtype)
+                   block_size=parts[0].block_size, kv_cache_dtype=parts[0].kv_cache_dtype,
+                   kernels=parts[0].kernels,
+                   prompt_logprobs=all(p.prompt_logprobs for p in parts))
 
 
 class InputProcessor:
@@ -120,9 +132,11 @@ class InputProcessor:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    ) -> list[int]:
+                    continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the chat template applied to ``messages``, by default ending with the
-        assistant's turn (special tokens in the content follow ``chat_special_tokens``).
+        assistant's turn (special tokens in the content follow ``chat_special_tokens``;
+        ``continue_final_message`` and ``template_kwargs``: see ``Tokenizer.encode_chat``).
 
         Raises:
             InvalidRequestError: content that is not valid Unicode text.
@@ -133,7 +147,8 @@ class InputProcessor:
                 _check_text(content, "messages")
         return self.tokenizer.encode_chat(
             messages, special_tokens_in_content=self.chat_special_tokens,
-            add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens)
+            add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``, special tokens included (as vLLM's /detokenize).
@@ -154,6 +169,11 @@ class InputProcessor:
         """
         num_prompt = len(prompt_ids)
         context = self.limits.max_model_len
+        if params.prompt_logprobs is not None and not self.limits.prompt_logprobs:
+            raise InvalidRequestError(
+                "prompt logprobs (prompt_logprobs, or echo with logprobs) are computed by a "
+                "single-rank colocated engine only; this deployment runs prompts on parallel "
+                "ranks or PD prefill workers: leave them out", "prompt_logprobs")
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
         room = context - num_prompt
@@ -173,6 +193,45 @@ class InputProcessor:
                 f"{budget}", "min_tokens")
         return budget
 
+    def prepare(self, prompt_ids: Sequence[int], params: SamplingParams,
+                ) -> tuple[list[int], SamplingParams]:
+        """What the tokenizer and the limits settle before a request is checked: the prompt
+        cut to ``truncate_prompt_tokens`` (its last k tokens, as vLLM), ``bad_words`` as token
+        runs, and the ids of ``logit_bias`` / ``allowed_token_ids`` within the vocabulary.
+
+        Raises:
+            InvalidRequestError: an id outside the vocabulary, or ``truncate_prompt_tokens``
+                over the context length.
+        """
+        ids = list(prompt_ids)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            context = self.limits.max_model_len
+            if keep > context:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens={keep} exceeds the context length {context}; ask "
+                    f"for at most {context} (or -1: as many as the context holds)",
+                    "truncate_prompt_tokens")
+            ids = ids[-(context if keep == -1 else keep):]
+        vocab = self.limits.vocab_size
+        _check_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
+        _check_ids(params.allowed_token_ids or (), vocab, "allowed_token_ids")
+        if params.bad_words and not params.bad_words_token_ids:
+            params = attrs.evolve(params, bad_words_token_ids=self._bad_word_runs(params.bad_words))
+        return ids, params
+
+    def _bad_word_runs(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as it starts a text, and (where the tokenizer spells it with its
+        own first token and as many tokens) after a space, so it is barred mid-text too."""
+        runs: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip()))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip()))
+            runs.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                runs.append(spaced)
+        return tuple(runs)
+
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> EngineRequest:
@@ -181,8 +240,7 @@ class InputProcessor:
         Raises:
             InvalidRequestError: see ``encode`` and ``check``.
         """
-        params = params or SamplingParams()
-        ids = self.encode(prompt)
+        ids, params = self.prepare(self.encode(prompt), params or SamplingParams())
         return EngineRequest(request_id, tuple(ids), params, self.check(ids, params), cache_salt)
 
 

@@ -6,10 +6,13 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
+
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.request import RequestOutput
 from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.threads import in_process_threads
 
 if TYPE_CHECKING:
     from kthena_serve.model import Tokenizer
@@ -25,6 +28,11 @@ class LLM:
     Args:
         model: ``"default"`` or a checkpoint folder.
         **engine_config: any other ``EngineConfig`` field (``max_num_seqs``, ``block_size`` ...).
+            Without ``num_threads``, one engine (``tp`` and ``pp`` 1) runs one torch thread per
+            core this process may use, or one thread if torch was imported before
+            ``kthena_serve`` with ``OMP_WAIT_POLICY`` unset (see ``kthena_serve.threads``;
+            it logs a warning saying so). Without ``target_step_ms``, offline generation runs
+            with decode protection off (0): it is throughput-only, nobody waits on a token.
 
     Example::
 
@@ -34,7 +42,11 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_config) -> None:
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_config))
+        engine_config.setdefault("target_step_ms", 0)  # offline: full steps (throughput)
+        config = EngineConfig(model=model, **engine_config)
+        if config.world_size == 1:  # parallel ranks are processes that set their own threads
+            config = attrs.evolve(config, num_threads=in_process_threads(config.num_threads))
+        self.engine = LLMEngine.from_config(config)
         self._ids = itertools.count()
 
     @property

@@ -16,7 +16,7 @@ import torch
 
 from kthena_serve.sampler import SampleRow
 
-__all__ = ["TokenLogprobs", "gather_logprobs"]
+__all__ = ["TokenLogprobs", "gather_logprobs", "prompt_logprobs"]
 
 
 def _floats(values: Sequence[float]) -> tuple[float, ...]:
@@ -35,21 +35,25 @@ class TokenLogprobs:
         token_id: the sampled token.
         logprob: its log-probability (always given, whether or not it is in the top ``k``).
         top_ids, top_logprobs: the ``k`` most likely tokens and theirs, most likely first.
+        rank: the token's rank in its distribution (1: the most likely), where computed
+            (prompt logprobs, as vLLM reports them); None otherwise.
     """
 
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     top_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_floats)
+    rank: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"token_id": self.token_id, "logprob": self.logprob,
-                "top_ids": list(self.top_ids), "top_logprobs": list(self.top_logprobs)}
+                "top_ids": list(self.top_ids), "top_logprobs": list(self.top_logprobs),
+                "rank": self.rank}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TokenLogprobs:
         return cls(int(data["token_id"]), float(data["logprob"]), data.get("top_ids", ()),
-                   data.get("top_logprobs", ()))
+                   data.get("top_logprobs", ()), data.get("rank"))
 
 
 def gather_logprobs(logits: torch.Tensor, requests: Sequence[SampleRow],
@@ -77,3 +81,28 @@ def gather_logprobs(logits: torch.Tensor, requests: Sequence[SampleRow],
         result[i] = TokenLogprobs(token_ids[i], picked[n], top_ids[n][:num_top],
                                   top_values[n][:num_top])
     return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int
+                    ) -> list[TokenLogprobs]:
+    """Each target token's logprob, rank and the ``k`` most likely tokens, from the logits rows
+    that predict them (row j predicts ``targets[j]``; raw: an fp32 log-softmax, nothing
+    applied).
+
+    Args:
+        logits: [len(targets), vocab] (more rows are ignored).
+        targets: the prompt tokens the rows predict.
+        k: alternatives per token (0: none).
+    """
+    if not targets:
+        return []
+    logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    chosen = torch.tensor(list(targets), device=logprobs.device).unsqueeze(1)
+    picked = logprobs.gather(1, chosen)
+    ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
+    k = min(k, logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    return [TokenLogprobs(t, lp, ids, values, rank)
+            for t, lp, ids, values, rank in zip(targets, picked.squeeze(1).tolist(),
+                                                top_ids.long().tolist(), top_values.tolist(),
+                                                ranks, strict=True)]

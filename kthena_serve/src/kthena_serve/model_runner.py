@@ -8,7 +8,7 @@ prefill worker attached to) or device memory; the runner runs where the pool liv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
@@ -140,6 +140,29 @@ class ModelRunner:
         """
         return sampled_logits(
             self.forward(build_inputs(batch, self.block_size, self.device), on_layer), batch)
+
+    @torch.inference_mode()
+    def execute_prompt_logits(self, batch: ScheduledBatch, request_ids: Collection[str],
+                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`execute`, plus fp32 logits at every position of the chunks of ``request_ids``
+        (prompt logprobs): ``(sampled rows, {request id: [chunk tokens, vocab]})``; row j of
+        a chunk predicts the token after its j-th token."""
+        inputs = build_inputs(batch, self.block_size, self.device)
+        index, last, spans = [], [], {}
+        offset = 0
+        for seq in batch.seqs:
+            count = len(seq.token_ids)
+            if seq.request_id in request_ids:
+                spans[seq.request_id] = (len(index), count)
+                index.extend(range(offset, offset + count))
+            else:
+                index.append(offset + count - 1)
+            last.append(len(index) - 1)
+            offset += count
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches,
+                            logits_index=torch.tensor(index, device=self.device))
+        sampled = logits[[last[i] for i in batch.sampled_rows]]
+        return sampled, {rid: logits[start:start + count] for rid, (start, count) in spans.items()}
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs,

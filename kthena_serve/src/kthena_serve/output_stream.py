@@ -1,7 +1,8 @@
 """OutputStream: one request's text, detokenised incrementally, and its stop conditions.
 
 Stop strings are matched on the text, not on tokens (a stop string may span tokens or end
-mid-token); the text is cut before the match. While a request runs, the last
+mid-token); the text is cut before the match (after it with ``include_stop_str_in_output``,
+which also keeps the text of a stop token). While a request runs, the last
 ``len(longest stop) - 1`` characters are held back from streaming, so a client never sees the
 start of a stop string that the next token completes.
 """
@@ -26,8 +27,8 @@ class OutputStream:
         max_tokens: the resolved output budget.
     """
 
-    __slots__ = ("_detokenizer", "_hold", "_min_tokens", "_stop_ids", "_stops", "max_tokens",
-                 "num_sent_chars", "num_tokens", "text")
+    __slots__ = ("_detokenizer", "_hold", "_include_stop", "_min_tokens", "_stop_ids", "_stops",
+                 "max_tokens", "num_sent_chars", "num_tokens", "text")
 
     def __init__(self, detokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
                  max_tokens: int) -> None:
@@ -39,6 +40,7 @@ class OutputStream:
             stop_ids.update(eos_token_ids)
         self._stop_ids = frozenset(stop_ids)
         self._min_tokens = params.min_tokens  # before it, no stop ends the output
+        self._include_stop = params.include_stop_str_in_output
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self.text = ""
@@ -49,6 +51,8 @@ class OutputStream:
         self.num_tokens += 1
         may_stop = self.num_tokens >= self._min_tokens
         if may_stop and token_id in self._stop_ids:
+            if self._include_stop:
+                self.text += self._detokenizer.step(token_id)
             return FinishReason.STOP
         delta = self._detokenizer.step(token_id)
         if delta:
@@ -68,9 +72,11 @@ class OutputStream:
 
     def _cut_at_stop(self, num_new_chars: int) -> bool:
         start = max(len(self.text) - num_new_chars - self._hold, 0)
-        found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+        found = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self._stops)
+                 if i >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        at, length = min(found)
+        self.text = self.text[: at + length if self._include_stop else at]
         self.num_sent_chars = min(self.num_sent_chars, len(self.text))
         return True

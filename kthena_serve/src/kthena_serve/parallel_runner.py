@@ -114,7 +114,9 @@ class _Stage:
         stage = PipelineStage.of(layers, config.pp, pp.group_rank)
         tp = TensorParallel.from_comm_group(self.groups.tp)
         self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp,
-                                                stage=stage, quantization=config.quantization)
+                                                stage=stage, quantization=config.quantization,
+                                                kernels=config.kernels,
+                                                kv_block_size=config.block_size)
         self.pool = create_pool(_layout(config, self.model), config)
         self.kv_caches = layer_caches(self.pool)
         self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype

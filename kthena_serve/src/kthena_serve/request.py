@@ -79,6 +79,8 @@ class RequestOutput:
         logprobs: one entry per token of ``token_ids`` if the request asked for logprobs
             (``SamplingParams.logprobs``), else None; ``new_logprobs`` are those of
             ``new_token_ids``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token
+            (None for the first, which nothing predicts), in every output; else None.
     """
 
     request_id: str
@@ -94,6 +96,7 @@ class RequestOutput:
     finish_time: float | None
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -113,6 +116,7 @@ class Request:
     __slots__ = (
         "arrival_time", "block_ids", "cache_salt", "first_token_time", "finish_reason",
         "finish_time", "logprobs", "num_cached_tokens", "num_committed_blocks",
+        "prompt_logprobs",
         "num_computed_tokens", "num_emitted_tokens", "num_preemptions", "num_prompt_tokens",
         "params", "request_id", "status", "stream", "token_ids",
     )
@@ -145,6 +149,10 @@ class Request:
         # One entry per output token when the request asked for logprobs (kept on preemption:
         # recomputing the prompt does not resample the tokens).
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # With prompt_logprobs: [None] (the first prompt token), then one entry per prompt token
+        # as its chunk runs (reset on preemption: the prompt is computed again)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

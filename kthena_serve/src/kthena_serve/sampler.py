@@ -1,9 +1,11 @@
 """Sampler: next tokens for a batch of logits rows, vectorised across requests.
 
-An all-greedy batch without penalties or ``min_tokens`` is one ``argmax``. Otherwise, row-wise:
-stop ids (EOS, ``stop_token_ids``) masked for a request short of its ``min_tokens``, the repetition
-penalty on tokens of the prompt and output, frequency / presence penalties on tokens already
-generated, temperature, min-p, top-k / top-p masking in sorted order, then a draw by
+An all-greedy batch without penalties, biases, masks or ``min_tokens`` is one ``argmax``.
+Otherwise, row-wise: stop ids (EOS, ``stop_token_ids``) masked for a request short of its
+``min_tokens``, the repetition penalty on tokens of the prompt and output, frequency / presence
+penalties on tokens already generated, ``logit_bias`` added, everything outside
+``allowed_token_ids`` masked, the last token of a ``bad_words`` run masked where the output ends
+with the rest of it; then temperature, min-p, top-k / top-p masking in sorted order, a draw by
 the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
 A request with a seed draws its ``q`` from its own generator, so its tokens do not depend on
 what else shares the batch.
@@ -59,7 +61,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRow]) -> list[int]:
         """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
         params = [r.params for r in requests]
-        if all(p.is_greedy and not p.has_penalties and not p.min_tokens for p in params):
+        if all(p.is_greedy and not p.changes_logits and not p.min_tokens for p in params):
             return _argmax(logits).tolist()
         logits = _apply_penalties(logits, requests, self.eos_token_ids)
         greedy = _argmax(logits)
@@ -140,11 +142,12 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
                      eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """On a copy of the rows that need it: the repetition penalty (prompt and output tokens),
-    frequency and presence penalties (output tokens), and -inf on the stop ids of a request
-    short of its ``min_tokens`` (vLLM's rule: the token sampled now is number
-    ``len(output) + 1``; stops are allowed after ``min_tokens``)."""
+    frequency and presence penalties (output tokens), -inf on the stop ids of a request short
+    of its ``min_tokens`` (vLLM's rule: the token sampled now is number ``len(output) + 1``;
+    stops are allowed after ``min_tokens``), ``logit_bias``, ``allowed_token_ids`` and
+    ``bad_words``."""
     rows = [i for i, r in enumerate(requests)
-            if r.params.has_penalties or len(r.output_token_ids) < r.params.min_tokens]
+            if r.params.changes_logits or len(r.output_token_ids) < r.params.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()
@@ -162,12 +165,33 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)
             counts = counts[:vocab].to(logits.dtype)
             logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        if len(output) < params.min_tokens:
-            stops = set(params.stop_token_ids) | set(() if params.ignore_eos else eos_token_ids)
-            ids = [t for t in stops if 0 <= t < vocab]
-            if ids:
-                logits[i, ids] = float("-inf")
+        banned = _banned(params, output, eos_token_ids)
+        bias = [(t, b) for t, b in params.logit_bias if t < vocab]
+        if bias:
+            ids, values = zip(*bias, strict=True)
+            logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            keep[[t for t in params.allowed_token_ids if t < vocab]] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
+        masked = [t for t in banned if 0 <= t < vocab]
+        if masked:
+            logits[i, masked] = float("-inf")
     return logits
+
+
+def _banned(params: SamplingParams, output: Sequence[int], eos_token_ids: Sequence[int]
+            ) -> set[int]:
+    """Ids masked for this step: stop ids while short of ``min_tokens``, and each bad-words
+    run's last token where the output ends with the run's other tokens."""
+    banned: set[int] = set()
+    if len(output) < params.min_tokens:
+        banned |= set(params.stop_token_ids) | set(() if params.ignore_eos else eos_token_ids)
+    for run in params.bad_words_token_ids:
+        head = run[:-1]
+        if not head or tuple(output[len(output) - len(head):]) == head:
+            banned.add(run[-1])
+    return banned
 
 
 def _top_k_top_p(logits: torch.Tensor, requests: Sequence[SampleRow]):

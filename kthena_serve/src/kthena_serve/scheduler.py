@@ -28,6 +28,17 @@ prompts of one pool only (``batch_key``); a prompt whose first token was sampled
 (``free_set_aside``). A prompt that finds the pool full waits while blocks that will come back
 are held (running, promoting, or set aside with ``returning``), and is rejected otherwise.
 
+Decode protection (``prefill_budget``, the engine's ``target_step_ms``): a step's time grows
+with its prefill tokens, and every running decode waits for the whole step, so a prompt
+arriving while others decode would stretch their inter-token time to that of a full prefill
+chunk. With a ``prefill_budget``, running decodes are picked first (one row each), and when
+there is at least one, the step's prefill chunks (running prompts, then admissions) share at
+most ``prefill_budget(num_decode_rows)`` tokens (at least 1 while the step has tokens left,
+so prompts always progress); a long prompt is split over steps. A decode picked this step can
+still be preempted for an older prompt's chunk; it then leaves the step. A step with no decode takes the whole
+``max_num_batched_tokens``. The budget comes from outside (``step_cost.py``): this class stays
+a pure function of what it is given.
+
 The scheduler talks to the KV layer only through the manager's verbs: match_prefix,
 try_allocate, try_append, commit, free (and the offloader's start_promotion).
 """
@@ -67,6 +78,9 @@ class Scheduler:
         promote_timeout_s: how long a request waits for its promotion at most.
         batch_key: requests whose keys differ never share a step (a PD prefill worker's
             prompts over different decode pools); None: any requests may.
+        prefill_budget: decode protection (see module docs): given a step's decode rows (at
+            least 1), the most prefill tokens it may also carry; None: off (running requests
+            oldest first, prefill and decode alike, up to ``max_num_batched_tokens``).
     """
 
     def __init__(
@@ -79,6 +93,7 @@ class Scheduler:
         offloader: AsyncOffloader | None = None,
         promote_timeout_s: float = 5.0,
         batch_key: Callable[[Request], Hashable] | None = None,
+        prefill_budget: Callable[[int], int] | None = None,
     ) -> None:
         self.kv = kv
         self.offloader = offloader
@@ -98,6 +113,7 @@ class Scheduler:
         self.external: set[str] = set()  # block tables given from outside: no KV verbs
         self.returning: set[str] = set()  # set aside; their blocks come back soon
         self._batch_key = batch_key
+        self.prefill_budget = prefill_budget
         self._step_key: Hashable | None = None  # this step's batch key, once one is picked
 
     # ---- queue ------------------------------------------------------------------------------
@@ -282,24 +298,41 @@ class Scheduler:
     # ---- internals ---------------------------------------------------------------------------
     def _schedule_running(self, picked: _Picked, preempted: list[Request],
                           rejected: list[Request]) -> int:
+        """Pick running requests; returns the token budget left for admissions."""
         budget = self.max_num_batched_tokens
+        if self.prefill_budget is None:
+            return self._pick_running(picked, preempted, rejected, budget, None)
+        budget = self._pick_running(picked, preempted, rejected, budget, False)
+        if picked:  # decodes run: cap the prefill so their step stays short
+            budget = min(budget, max(1, self.prefill_budget(len(picked))))
+        return self._pick_running(picked, preempted, rejected, budget, True)
+
+    def _pick_running(self, picked: _Picked, preempted: list[Request],
+                      rejected: list[Request], budget: int, prefill: bool | None) -> int:
+        """Pick running requests oldest first within ``budget``: prefilling ones (``prefill``
+        True), decoding ones (False) or both (None); returns the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if (request.request_id in self.paused and not request.is_prefill) \
+                    or (prefill is not None and request.is_prefill is not prefill) \
                     or not self._in_step(request):
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._reserve(request, num_new, preempted, rejected):
+            if self._reserve(request, num_new, picked, preempted, rejected):
                 picked.append((request, num_new))
                 budget -= num_new
                 index += 1
         return budget
 
-    def _reserve(self, request: Request, num_new: int, preempted: list[Request],
-                 rejected: list[Request]) -> bool:
-        """Reserve slots, preempting the newest running requests; False if ``request`` lost."""
+    def _reserve(self, request: Request, num_new: int, picked: _Picked,
+                 preempted: list[Request], rejected: list[Request]) -> bool:
+        """Reserve slots, preempting the newest running requests; False if ``request`` lost.
+
+        A victim already picked this step (a decode, when prefills are picked after decodes)
+        leaves ``picked`` too.
+        """
         rid = request.request_id
         if rid in self.external:
             return True  # its block table covers the prompt already
@@ -318,6 +351,7 @@ class Scheduler:
                 return False
             self._preempt(victim)
             preempted.append(victim)
+            picked[:] = [(r, n) for r, n in picked if r is not victim]
             if victim is request:
                 return False
 
@@ -367,9 +401,10 @@ class Scheduler:
     def _try_admit(self, request: Request, budget: int) -> int | None:
         rid = request.request_id
         salt = ExtraKeys(cache_salt=request.cache_salt) if request.cache_salt else None
-        match = self.kv.match_prefix(rid, request.token_ids, salt)
-        if self.offloader is not None and self._try_promote(request, match.num_cached_blocks,
-                                                            salt):
+        lookup = request.params.prompt_logprobs is None  # cached blocks have no logits
+        match = self.kv.match_prefix(rid, request.token_ids, salt, lookup=lookup)
+        if lookup and self.offloader is not None and self._try_promote(
+                request, match.num_cached_blocks, salt):
             return _PROMOTING
         num_new = min(request.num_tokens - match.num_cached_tokens, budget)
         blocks = self.kv.try_allocate(rid, num_new)

@@ -19,10 +19,12 @@ SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it
                     "replica")
 
 # The EngineConfig fields add_engine_args gives a flag (each flag's dest is its field).
-ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size",
+ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target_step_ms",
+                      "block_size",
                       "kv_cache_memory", "max_model_len", "dtype", "kv_cache_dtype",
                       "quantization", "device", "tp", "pp", "enable_prefix_caching",
-                      "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens")
+                      "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens",
+                      "kernels")
 
 
 def _default(field: str) -> object:
@@ -44,6 +46,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="tokens computed per step (prefill chunks + decodes; default "
                              f"{_default('max_num_batched_tokens')})")
+    parser.add_argument("--target-step-ms", type=float, metavar="MS",
+                        help="decode protection: while requests decode, cap each step's "
+                             "prefill tokens so the step's predicted time (a cost model fitted "
+                             "to the engine's measured steps) stays within MS milliseconds; "
+                             "long prompts are split over steps; 0: off, every step fills "
+                             "--max-num-batched-tokens (default "
+                             f"{_default('target_step_ms'):g})")
     parser.add_argument("--block-size", type=int,
                         help=f"tokens per KV block (default {_default('block_size')})")
     parser.add_argument("--kv-cache-memory",
@@ -60,6 +69,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("int8",),
                         help="int8: weight-only int8 matmul weights (one scale per output "
                              "channel; decode reads half bf16's bytes); default: --dtype")
+    parser.add_argument("--kernels", choices=("auto", "native", "torch"),
+                        help="how CPU matmul and attention kernels are chosen: auto (each "
+                             "candidate timed once on this machine at the model's shapes, the "
+                             "fastest taken, cached; the default), native (by the CPU's "
+                             "features) or torch (F.linear and SDPA); the KTHENA_KERNELS "
+                             "environment variable overrides it")
     parser.add_argument("--device",
                         help="cpu (default), cuda[:N] or npu[:N] (only cpu is verified on "
                              "hardware)")

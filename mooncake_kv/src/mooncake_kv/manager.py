@@ -191,12 +191,16 @@ class KVCacheManager:
         request_id: RequestId,
         token_ids: Sequence[int],
         extra_keys: ExtraKeys | None = None,
+        *,
+        lookup: bool = True,
     ) -> PrefixMatch:
         """Register ``request_id`` and ref the longest cached prefix of its prompt.
 
         Args:
             token_ids: the prompt.
             extra_keys: cache salt, adapter id, non-token input digests (see hashing).
+            lookup: False matches nothing (the prompt is computed in full, e.g. for its
+                prompt logprobs) while its blocks are still committed for others to reuse.
 
         Returns:
             The matched blocks and ``num_cached_tokens`` (< ``len(token_ids)``).
@@ -212,7 +216,7 @@ class KVCacheManager:
             )
         chain = self._chain(request_id, token_ids, extra_keys) if self._caching else None
         matched: list[BlockId] = []
-        if chain is not None:
+        if chain is not None and lookup:
             matched = self._index.match(chain, (len(token_ids) - 1) // self._block_size)
             self._allocator.take_refs(matched)
         self._finished.pop(request_id, None)

@@ -23,8 +23,8 @@ from mooncake_ops.errors import NativeUnavailableError, UnsupportedDeviceError
 
 __all__ = [
     "MC2_OPS", "OP_NAMES", "TESTED", "UNVERIFIED", "BackendEntry", "Capability", "DeviceBackend",
-    "OpImpl", "capabilities", "impl", "implementation_name", "lazy", "native_enabled",
-    "register_backend", "use_native",
+    "OpImpl", "capabilities", "choose_impl", "impl", "implementation_name", "lazy",
+    "native_enabled", "op_candidates", "register_backend", "use_native",
 ]
 
 TESTED = "tested"
@@ -57,6 +57,8 @@ _REGISTRY: dict[str, BackendEntry] = {}
 _TABLES: dict[str, dict[str, Callable[..., Any]]] = {}
 _NAMES: dict[str, dict[str, str]] = {}
 _state = {"allow_native": True}
+# (device type, op) -> the candidate's short name a measurement chose (`choose_impl`)
+_CHOSEN: dict[tuple[str, str], str] = {}
 
 
 def register_backend(entry: BackendEntry) -> None:
@@ -86,13 +88,52 @@ def _resolve(device_type: str) -> dict[str, Callable[..., Any]]:
     if entry is None:
         raise UnsupportedDeviceError(f"mooncake_ops has no backend for device type "
                                      f"{device_type!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    table = entry.load().op_table(_state["allow_native"])
+    backend = entry.load()
+    table = dict(backend.op_table(_state["allow_native"]))
     missing = set(OP_NAMES) - set(table)
     if missing:
         raise UnsupportedDeviceError(f"backend {device_type!r} lacks ops {sorted(missing)}")
+    for (chosen_type, op), name in _CHOSEN.items():
+        found = _candidates(backend, op) if chosen_type == device_type else {}
+        if name in found:  # a choice of a native kernel is void while native kernels are off
+            table[op] = found[name]
     _TABLES[device_type] = {op: table[op].fn for op in OP_NAMES}
     _NAMES[device_type] = {op: table[op].name for op in OP_NAMES}
     return _TABLES[device_type]
+
+
+def _candidates(backend: DeviceBackend, op: str) -> Mapping[str, OpImpl]:
+    candidates = getattr(backend, "candidates", None)
+    return {} if candidates is None else candidates(op, _state["allow_native"])
+
+
+def op_candidates(op: str, device_type: str) -> Mapping[str, OpImpl]:
+    """The implementations of ``op`` on ``device_type`` a measurement may choose between, by
+    short name (e.g. ``native``, ``torch-sdpa``); {} where the backend offers no choice."""
+    entry = _REGISTRY.get(device_type)
+    if entry is None:
+        raise UnsupportedDeviceError(f"mooncake_ops has no backend for device type "
+                                     f"{device_type!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return _candidates(entry.load(), op)
+
+
+def choose_impl(op: str, device_type: str, name: str | None) -> None:
+    """Run candidate ``name`` (`op_candidates`) for ``op`` on ``device_type`` from now on,
+    process-wide; None returns to the backend's default.
+
+    Raises:
+        ValueError: ``name`` is not a candidate of ``op`` there.
+    """
+    if name is None:
+        _CHOSEN.pop((device_type, op), None)
+    else:
+        found = op_candidates(op, device_type)
+        if name not in found:
+            raise ValueError(f"{name!r} is not an implementation of {op} on {device_type}; "
+                             f"candidates: {', '.join(sorted(found)) or 'none'}")
+        _CHOSEN[(device_type, op)] = name
+    _TABLES.pop(device_type, None)
+    _NAMES.pop(device_type, None)
 
 
 def implementation_name(op: str, device_type: str) -> str:

@@ -3,11 +3,14 @@
 Every module here may import the serving modules; no serving module imports this package (an
 import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may). Modules:
 
-* ``cli``       ``kthena bench serve``, ``soak``, ``layouts`` and ``kv`` (entry point ``bench-serve``)
+* ``cli``       ``kthena bench serve``, ``soak``, ``layouts``, ``kv`` and ``trace`` (entry point ``bench-serve``)
 * ``serve``     ``kthena bench serve``: the engine on three workloads vs transformers / vLLM
 * ``peer``      the ``--peer vllm`` system, run from its own venv as a child process
 * ``limits``    the machine's bandwidth and matmul peak, and each workload's roofline
 * ``plot``      ``kthena bench serve``'s table and PNG
+* ``trace``     ``kthena bench trace``: a Mooncake trace replayed by vLLM's client vs ``vllm serve``
+* ``trace_window``  the trace window, scaled to a small model and machine (Mooncake's format)
+* ``trace_report``  the trace bench's figures, ours / vLLM ratios, table and latency CDFs
 * ``soak``      ``kthena bench soak``: N streaming clients against one server for T minutes
 * ``layouts``   ``kthena bench layouts``: TP / PP / DP layouts measured vs the planner
 * ``kv``        ``kthena bench kv``: multi-turn chat over a small KV pool, tiered offload

@@ -1,5 +1,5 @@
-"""``kthena bench serve``, ``soak``, ``layouts`` and ``kv``: registered on kthena_core's CLI by
-an entry point (group ``kthena.commands``, ``bench-serve``).
+"""``kthena bench serve``, ``soak``, ``layouts``, ``kv`` and ``trace``: registered on
+kthena_core's CLI by an entry point (group ``kthena.commands``, ``bench-serve``).
 
 Reads argv and ``KTHENA_API_KEY`` (``soak --url``); ``OMP_WAIT_POLICY`` is decided by
 ``kthena_serve.cli._prepare_process`` before torch is imported, as for ``kthena serve``.
@@ -21,8 +21,8 @@ __all__ = ["register_bench"]
 
 # ---- kthena bench serve -------------------------------------------------------------------------
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point: add ``kthena bench serve``, ``soak``, ``layouts`` and ``kv`` (sharing
-    ``kthena bench`` with other layers)."""
+    """Entry point: add ``kthena bench serve``, ``soak``, ``layouts``, ``kv`` and ``trace``
+    (sharing ``kthena bench`` with other layers)."""
     bench = subparsers.choices.get("bench") or subparsers.add_parser(
         "bench", help="benchmarks (JSON on stdout)")
     children = next((a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None)
@@ -49,6 +49,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.bench.kv import add_parser as add_kv_parser
 
     add_kv_parser(children)  # kthena bench kv
+    from kthena_serve.bench.trace import add_parser as add_trace_parser
+
+    add_trace_parser(children)  # kthena bench trace
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -286,7 +286,9 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
               "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)
-    systems = {"kthena": _engine_runners(config, workloads)}
+    engine = LLMEngine.from_config(config)
+    result["kernels"] = dict(engine.processor.limits.kernels)  # what ran, and how it was chosen
+    systems = {"kthena": _engine_runners(config, workloads, engine)}
     fewer: dict[tuple[str, str], int] = {}
     if options.hf_baseline:
         systems["transformers"] = _hf_runners(checkpoint, config.torch_dtype, workloads)

@@ -281,6 +281,13 @@ async def _until_disconnect(request: Request, call: Awaitable[httpx.Response]) -
         raise
 
 
+async def _docs_page() -> Response:
+    """The interactive API page over the replicas' ``/openapi.json`` (FastAPI's Swagger UI)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="kthena serve --dp")
+
+
 def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metrics: bool = False,
                  max_request_bytes: int = 1 << 20, deployment: Mapping[str, Any] | None = None,
                  ) -> FastAPI:
@@ -304,6 +311,9 @@ def build_dp_app(front: DPFrontend, *, api_key: str | None = None, public_metric
         return await front.forward(request, await request.body())
 
     app.get("/v1/models")(passed)
+    app.get("/openapi.json")(passed)  # the replicas' schema: the bodies they validate
+    app.get("/version")(passed)
+    app.get("/docs")(_docs_page)
     app.post("/tokenize")(passed)
     app.post("/detokenize")(passed)
     app.get("/health")(front.health)

@@ -16,6 +16,7 @@ knows about process groups.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,10 +36,10 @@ from mooncake_ops import (
     paged_prefill_attention,
     rms_norm,
     rotary_embedding,
-    select_linear_kernel,
     silu_and_mul,
     write_kv,
 )
+from mooncake_ops.selection import AttentionShape, KernelChoice, MatmulWeight, choose_kernels
 
 # One layer's cache: (k_cache, v_cache) in the compute dtype, or for an int8 pool
 # (k_cache, v_cache, k_scale, v_scale): int8 K/V and a float32 scale per token per KV head.
@@ -199,21 +200,40 @@ class LlamaForCausalLM(nn.Module):
         packing, the last step of loading (after sharding: each rank quantises its shard)."""
         self._swap_matmul_weights(INT8_WEIGHT_ONLY)
 
-    def pack_linear_weights(self) -> bool:
-        """Re-lay every matmul weight out for mooncake_ops' CPU linear kernel, when there is one.
+    def pack_linear_weights(self, kernels: str = "native", *, block_size: int = 16,
+                            cache_dir: str | os.PathLike[str] | None = None) -> KernelChoice:
+        """Re-lay every matmul weight out for the CPU linear kernel chosen here, when there is one.
 
-        Each module owning one of the weights gets the kernel's ``linear`` as its ``matmul``; a
-        tied LM head gets its own packed copy (the embedding keeps the dense table). The packed
-        tensors cannot be sliced or saved, so this is the last step of loading, after sharding.
+        The choice (`mooncake_ops.selection.choose_kernels`): ``auto`` times every kernel that
+        can run this model's own weights and attention shape on this machine (cached under
+        ``cache_dir``), ``native`` picks by the CPU's features, ``torch`` keeps F.linear and
+        SDPA. The chosen attention is applied process-wide. Each module owning one of the
+        weights gets the kernel's ``linear`` as its ``matmul``; a tied LM head gets its own
+        packed copy (the embedding keeps the dense table). The packed tensors cannot be sliced
+        or saved, so this is the last step of loading, after sharding.
 
         Returns:
-            Whether it packed (False: no packed kernel for this dtype and device; F.linear stays).
+            The choice (kept as ``self.kernel_choice``; its ``linear_decode`` is None when no
+            packed kernel runs this dtype and device: F.linear stays).
         """
-        kernel = select_linear_kernel(next(self.parameters()))
-        if kernel is None:
-            return False
-        self._swap_matmul_weights(kernel)
-        return True
+        layers = [[MatmulWeight(getattr(module, name), name == "gate_up_weight")
+                   for module in (layer.self_attn, layer.mlp) for name in _MATMUL_WEIGHTS
+                   if isinstance(getattr(module, name, None), torch.Tensor)]
+                  for layer in self.layers]
+        head = None if self.lm_head_weight is None else MatmulWeight(self.lm_head_weight)
+        sample = next(self.parameters())
+        attention = None
+        if sample.device.type == "cpu":
+            attention = AttentionShape(len(self.plan.q_heads), self.num_kv_heads_per_rank,
+                                       self.head_dim, block_size, sample.dtype)
+        choice = choose_kernels(kernels, layers, head, attention, cache_dir=cache_dir)
+        kernel = choice.linear_kernel()
+        if kernel is not None:
+            self._swap_matmul_weights(kernel)
+        if attention is not None:
+            choice.apply()
+        self.kernel_choice = choice
+        return choice
 
     def _swap_matmul_weights(self, kernel: LinearKernel) -> None:
         """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
@@ -236,9 +256,12 @@ class LlamaForCausalLM(nn.Module):
                 module.matmul = kernel.linear
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
-                kv_caches: Sequence[KVCache], on_layer: LayerHook | None = None) -> torch.Tensor:
+                kv_caches: Sequence[KVCache], on_layer: LayerHook | None = None, *,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step of the whole model; float32 logits [num_seqs, vocab] at
-        ``batch.logits_indices``. ``on_layer(layer)`` (see `forward_stage`) runs after each layer.
+        ``batch.logits_indices`` (or [len(logits_index), vocab] at the packed token positions
+        ``logits_index``: prompt logprobs want every position of a chunk). ``on_layer(layer)``
+        (see `forward_stage`) runs after each layer.
 
         Raises:
             BatchError: the token count or the number of KV caches does not match, or this
@@ -247,14 +270,15 @@ class LlamaForCausalLM(nn.Module):
         if self.stage.size > 1:
             raise BatchError(f"this model holds pipeline stage {self.stage.rank} of "
                              f"{self.stage.size}; run it with forward_stage")
-        out = self.forward_stage(input_ids, positions, batch, kv_caches, on_layer=on_layer)
+        out = self.forward_stage(input_ids, positions, batch, kv_caches, on_layer=on_layer,
+                                 logits_index=logits_index)
         assert isinstance(out, torch.Tensor)
         return out
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: PagedBatch, kv_caches: Sequence[KVCache],
                       hidden: Hidden | None = None, *, on_layer: LayerHook | None = None,
-                      ) -> torch.Tensor | Hidden:
+                      logits_index: torch.Tensor | None = None) -> torch.Tensor | Hidden:
         """Run this stage's layers: from the token ids (first stage) or the previous stage's
         ``hidden`` pair; returns logits (last stage, as `forward`) or the pair for the next.
 
@@ -282,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 on_layer(index)
         if not self.stage.is_last:
             return x, residual
-        index = batch.logits_indices
+        index = batch.logits_indices if logits_index is None else logits_index
         x, _ = rms_norm(x[index], self.norm, self.config.rms_norm_eps, residual[index])
         return self.matmul(x, self.lm_head_weight).float()
 

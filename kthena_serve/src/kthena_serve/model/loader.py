@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from kthena_serve.model.config import ModelConfig
-from kthena_serve.model.convert import ensure_default_checkpoint
+from kthena_serve.model.convert import default_cache_dir, ensure_default_checkpoint
 from kthena_serve.model.errors import CheckpointError
 from kthena_serve.model.llama import LlamaForCausalLM
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.tokenizer import Tokenizer
 from kthena_serve.model.tp import TensorParallel
+from mooncake_ops.selection import resolve_mode
 
 # (destination tensor, dim the source is sliced on (None: whole), source range on that dim,
 #  the source's full size on that dim)
@@ -56,7 +57,9 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
                tp: TensorParallel | None = None,
                stage: PipelineStage | None = None,
                pack_weights: bool = True,
-               quantization: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
+               quantization: str | None = None,
+               kernels: str = "auto",
+               kv_block_size: int = 16) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
 
     Args:
@@ -67,18 +70,24 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         tp: this rank's tensor-parallel place; None means one rank.
         stage: this rank's pipeline stage (only its layers, and the embedding / LM head where
             it needs them, are read); None means the whole model.
-        pack_weights: on CPU with bf16, pre-pack matmul weights for oneDNN (3-4x faster decode
-            matmuls; the packed model has no dense matmul weights left to save or slice).
+        pack_weights: on CPU with bf16, pack the matmul weights for the kernel ``kernels``
+            chooses (the packed model has no dense matmul weights left to save or slice).
+        kernels: ``auto`` (time every kernel that can run this model here, once per machine:
+            cached under `default_cache_dir`), ``native`` (by the CPU's features) or ``torch``;
+            the ``KTHENA_KERNELS`` environment variable overrides it
+            (`mooncake_ops.selection`). The choice is ``model.kernel_choice``.
+        kv_block_size: the KV cache's tokens per block (the attention timings use it).
         quantization: ``"int8"``: weight-only int8 matmul weights, one scale per output channel
             (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
 
     Raises:
-        ValueError: an unknown ``quantization``.
+        ValueError: an unknown ``quantization`` or ``kernels``.
         CheckpointError: the folder is incomplete, or a weight is missing or mis-shaped.
         UnsupportedModelError: the architecture is not Llama-family.
     """
     if quantization not in (None, "int8"):
         raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8)")
+    mode = resolve_mode(kernels)
     folder = resolve_checkpoint(path_or_default)
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
@@ -91,7 +100,7 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
     if quantization == "int8":
         model.quantize_linear_weights()
     elif pack_weights:
-        model.pack_linear_weights()
+        model.pack_linear_weights(mode, block_size=kv_block_size, cache_dir=default_cache_dir())
     return model.eval(), Tokenizer.from_pretrained(folder)
 
 

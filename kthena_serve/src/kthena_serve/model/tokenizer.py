@@ -12,7 +12,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -212,7 +212,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     special_tokens_in_content: str = "text", add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered conversation (generation prompt included by default).
 
         Args:
@@ -223,26 +224,58 @@ class Tokenizer:
             add_generation_prompt: end with the opening of the assistant's turn.
             add_special_tokens: also add the tokenizer's special tokens around the rendered
                 text (``with_special_tokens``), on top of what the template writes.
+            continue_final_message: end right after the last message's content (no end of
+                turn), so the model continues it (a prefilled assistant answer; vLLM's).
+            template_kwargs: extra variables for the template (vLLM's ``chat_template_kwargs``,
+                e.g. ``enable_thinking``); the names the renderer sets itself are refused.
 
         Raises:
-            ChatTemplateError: see ``apply_chat_template``; ValueError: an unknown mode.
+            ChatTemplateError: see ``apply_chat_template``, a reserved template variable, or
+                a last message whose content the rendered text does not end with.
+            ValueError: an unknown mode.
         """
         if special_tokens_in_content not in ("text", "control"):
             raise ValueError(f"special_tokens_in_content={special_tokens_in_content!r}; use "
                              "'text' or 'control'")
-        ids = self._encode_conversation(messages, special_tokens_in_content, add_generation_prompt)
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & ({"messages", "add_generation_prompt"} | set(self._special)))
+        if reserved:
+            raise ChatTemplateError(f"chat template variables {reserved} are set by the server "
+                                    "(messages, add_generation_prompt, special tokens); leave "
+                                    "them out of chat_template_kwargs")
+        render = functools.partial(self._render_for, add_generation_prompt,
+                                   continue_final_message, extra)
+        ids = self._encode_conversation(messages, special_tokens_in_content, render)
         return self.with_special_tokens(ids) if add_special_tokens else ids
 
+    def _render_for(self, add_generation_prompt: bool, continue_final_message: bool,
+                    extra: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                    last_content: str) -> str:
+        """The rendered conversation; with ``continue_final_message`` cut right after the last
+        occurrence of ``last_content`` (the final message's text, or its mark)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        if not continue_final_message:
+            return text
+        at = text.rfind(last_content) if last_content else -1
+        if at < 0:
+            raise ChatTemplateError("continue_final_message: the chat template does not write "
+                                    "the last message's content as given; it cannot be "
+                                    "continued")
+        return text[: at + len(last_content)]
+
     def _encode_conversation(self, messages: Sequence[Mapping[str, Any]], mode: str,
-                             add_generation_prompt: bool) -> list[int]:
+                             render: Callable[[Sequence[Mapping[str, Any]], str], str],
+                             ) -> list[int]:
         contents = [m.get("content") if isinstance(m, Mapping) else None for m in messages]
+        last = contents[-1] if contents and isinstance(contents[-1], str) else ""
         if mode == "control" or not any(
                 isinstance(c, str) and self._has_special(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+            return self.encode(render(messages, last))
         marked = [{**m, "content": _MARK.format(i)} if isinstance(c, str) else m
                   for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
+        last_mark = _MARK.format(len(messages) - 1) if last else ""
         ids: list[int] = []
-        for piece in _MARKS.split(self.apply_chat_template(marked, add_generation_prompt)):
+        for piece in _MARKS.split(render(marked, last_mark)):
             if piece.startswith("\ue000") and piece.endswith("\ue001"):
                 ids += self._encode_literal(contents[int(piece[1:-1])])
             elif piece:

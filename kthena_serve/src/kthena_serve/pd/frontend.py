@@ -76,8 +76,8 @@ class RemoteEngine:
     def _limits(self) -> EngineLimits:
         """The decode workers' limits combined; the model's until one has reported."""
         reported = [EngineLimits(**w.limits) for w in self._decodes() if w.limits]
-        if reported:
-            return EngineLimits.combine(reported)
+        if reported:  # prompts run on the prefill workers: no prompt logprobs
+            return attrs.evolve(EngineLimits.combine(reported), prompt_logprobs=False)
         max_len, vocab = self._model_limits
         return EngineLimits.for_engine(self.config, max_position_embeddings=max_len,
                                        vocab_size=vocab)

@@ -146,8 +146,10 @@ class PrefillEngine:
             self._free(rid)
 
     def _output(self, request: EngineRequest, owned: OwnedPrefill) -> RequestOutput:
-        stream = OutputStream(IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
-                              request.params, self.eos_token_ids, request.max_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
+                                             request.params.skip_special_tokens)
+        stream = OutputStream(detokenizer, request.params, self.eos_token_ids,
+                              request.max_tokens)
         reason = stream.append(owned.token_id) or FinishReason.LENGTH
         now = time.perf_counter()
         wanted = request.params.logprobs is not None and owned.logprobs is not None

@@ -94,7 +94,8 @@ class _PrefillRoutes:
 
         configure_threads(config.num_threads)
         model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      quantization=config.quantization)
+                                      quantization=config.quantization, kernels=config.kernels,
+                                      kv_block_size=config.block_size)
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
         self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(

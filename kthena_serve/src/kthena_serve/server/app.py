@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kthena_serve.client import EngineClient, KVConnector
 from kthena_serve.errors import EngineDeadError, RequestFailedError
 from kthena_serve.logprobs import TokenLogprobs
+from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError, error_body, install_handlers
@@ -82,6 +83,9 @@ class _Api:
             params = body.sampling_params(max_tokens)
         except ValueError as error:
             raise ApiError(400, str(error), getattr(error, "param", None)) from None
+        prepared = [self.engine.processor.prepare(ids, params) for ids in prompts]  # -> 400
+        prompts = [ids for ids, _ in prepared]
+        params = prepared[0][1] if prepared else params  # bad_words as token runs
         budgets = tuple(self.engine.processor.check(ids, params) for ids in prompts)  # invalid -> 400
         return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
@@ -98,6 +102,10 @@ class _Api:
         if job.num_choices != 1:
             raise ApiError(400, "kv_transfer_params needs one prompt and n=1",
                            "kv_transfer_params")
+        if job.params.prompt_logprobs is not None:
+            raise ApiError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) need "
+                           "the prompt computed here; with kv_transfer_params a prefill worker "
+                           "computed it: leave them out", "prompt_logprobs")
         session = await self.kv_connector.open(body.kv_transfer_params, job.engine_request(0),
                                                stream=body.stream)
         return job if session is None else attrs.evolve(job, kv=session)
@@ -108,42 +116,81 @@ class _Api:
             prompt = [prompt]  # type: ignore[list-item]
         if len(prompt) > MAX_PROMPTS:
             raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [self.engine.processor.encode(text) for text in prompt]
+        return [self.engine.processor.encode(text, add_special_tokens=body.add_special_tokens)
+                for text in prompt]
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
-        return [self.engine.processor.encode_chat(body.plain_messages())]
+        try:
+            return [self.engine.processor.encode_chat(
+                body.plain_messages(), add_generation_prompt=body.add_generation_prompt,
+                add_special_tokens=body.add_special_tokens,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs)]
+        except ChatTemplateError as error:
+            raise ApiError(400, str(error), "messages") from None
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         self._check_common(body)
         job = self._job(body, self._completion_prompts(body), body.max_tokens)
         job = await self._open_kv(body, job)
-        rid = p.new_id("cmpl")
+        rid = p.new_id("cmpl", body.request_id)
         if body.stream:
             chunks = self._completion_chunks(rid, body, job)
             return _sse(chunks)
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
-        logprobs = [None if o.logprobs is None else
-                    p.completion_logprobs(o.logprobs, self.engine.processor.token_bytes, p.TextOffsets())
-                    for o in finals]
-        return JSONResponse(_with_kv(
-            p.completion_response(rid, self.model_name, finals, usage, logprobs), job))
+        logprobs = [None if o.logprobs is None else self._completion_logprobs(
+            body, job, c, o.logprobs, o.prompt_logprobs, p.TextOffsets())
+            for c, o in enumerate(finals)]
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None:
+            prompt_logprobs = [p.vllm_prompt_logprobs(o.prompt_logprobs or (),
+                                                      self.engine.processor.token_bytes,
+                                                      body.prompt_logprobs) for o in finals]
+        echoed = self._echo_texts(body, job) if body.echo else None
+        return JSONResponse(_with_kv(p.completion_response(
+            rid, self.model_name, finals, usage, logprobs, echoed, prompt_logprobs), job))
+
+    def _completion_logprobs(self, body: p.CompletionRequest, job: Job, choice: int,
+                             entries: Sequence[TokenLogprobs],
+                             prompt: Sequence[TokenLogprobs | None] | None,
+                             offsets: p.TextOffsets) -> dict:
+        """One choice's logprobs; with ``echo``, the prompt's tokens first."""
+        ids = job.prompts[job.prompt_index(choice)]
+        return p.completion_logprobs(
+            entries, self.engine.processor.token_bytes, offsets, body.return_tokens_as_token_ids,
+            echo=(prompt or ()) if body.echo else (), first_id=ids[0], num_top=body.logprobs)
+
+    def _echo_texts(self, body: p.CompletionRequest, job: Job) -> list[str]:
+        """Each choice's prompt as text: the one sent (decoded from its ids where the prompt
+        was token ids or truncated)."""
+        prompt = body.prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if body.truncate_prompt_tokens is not None or not all(isinstance(t, str) for t in texts):
+            texts = [self.engine.processor.decode(ids) for ids in job.prompts]
+        return [texts[job.prompt_index(c)] for c in range(job.num_choices)]
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(body, self._chat_prompt(body), max_tokens)
         job = await self._open_kv(body, job)
-        rid = p.new_id("chatcmpl")
+        rid = p.new_id("chatcmpl", body.request_id)
         if body.stream:
             return _sse(self._chat_chunks(rid, body, job))
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
-                    p.chat_logprobs(o.logprobs, self.engine.processor.token_bytes) for o in finals]
-        return JSONResponse(_with_kv(
-            p.chat_response(rid, self.model_name, finals, usage, logprobs), job))
+                    p.chat_logprobs(o.logprobs, self.engine.processor.token_bytes,
+                                    body.return_tokens_as_token_ids) for o in finals]
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None and finals:
+            prompt_logprobs = p.vllm_prompt_logprobs(finals[0].prompt_logprobs or (),
+                                                     self.engine.processor.token_bytes,
+                                                     body.prompt_logprobs)
+        return JSONResponse(_with_kv(p.chat_response(rid, self.model_name, finals, usage,
+                                                     logprobs, prompt_logprobs), job))
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
@@ -172,23 +219,33 @@ class _Api:
         finally:
             self.metrics.observe_aborted(job.num_choices - len(finals))
 
-    async def _completion_chunks(self, rid: str, body: p._Common, job: Job):
+    async def _completion_chunks(self, rid: str, body: p.CompletionRequest, job: Job):
         finals: dict[int, RequestOutput] = {}
         pending = _PendingLogprobs()
         offsets: dict[int, p.TextOffsets] = {}
+        echoes = dict(enumerate(self._echo_texts(body, job))) if body.echo else {}
         async with self._counting(job, finals):
             async for choice, out in stream_choices(self.engine, job):
                 pending.add(choice, out)
                 if out.finished:
                     finals[choice] = out
                     self.metrics.observe(out, body.reuse_offset)
-                if out.new_text or out.finished:
+                echo = echoes.pop(choice, None)  # the prompt goes before the first output
+                if out.new_text or out.finished or echo is not None:
                     logprobs = None
                     if out.logprobs is not None:
-                        logprobs = p.completion_logprobs(
-                            pending.take(choice), self.engine.processor.token_bytes,
+                        logprobs = self._completion_logprobs(
+                            body, job, choice, pending.take(choice),
+                            out.prompt_logprobs if echo is not None else None,
                             offsets.setdefault(choice, p.TextOffsets()))
-                    yield p.completion_chunk(rid, self.model_name, choice, out, logprobs)
+                    chunk = p.completion_chunk(rid, self.model_name, choice, out, logprobs)
+                    if echo is not None:
+                        chunk["choices"][0]["text"] = echo + chunk["choices"][0]["text"]
+                        if body.prompt_logprobs is not None:
+                            chunk["choices"][0]["prompt_logprobs"] = p.vllm_prompt_logprobs(
+                                out.prompt_logprobs or (), self.engine.processor.token_bytes,
+                                body.prompt_logprobs)
+                    yield chunk
         if body.include_usage:
             outs = [finals[c] for c in sorted(finals)]
             usage = p.usage(outs, [job.prompt_index(c) for c in sorted(finals)])
@@ -211,7 +268,9 @@ class _Api:
                     delta = {"content": out.new_text} if out.new_text else {}
                     logprobs = None
                     if out.logprobs is not None:
-                        logprobs = p.chat_logprobs(pending.take(choice), self.engine.processor.token_bytes)
+                        logprobs = p.chat_logprobs(pending.take(choice),
+                                                   self.engine.processor.token_bytes,
+                                                   body.return_tokens_as_token_ids)
                     yield p.chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
         if body.include_usage:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
@@ -330,7 +389,9 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
                          f"this app serves {model_name!r}: make ServerMetrics(engine, "
                          f"{model_name!r})")
     api = _Api(engine, model_name, aliases or set(), kv_connector, metrics)
-    app = FastAPI(title="kthena serve", docs_url=None, redoc_url=None,
+    from kthena_serve import __version__
+
+    app = FastAPI(title="kthena serve", version=__version__, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")  # the real schema, for clients and fuzzers
     app.state.api = api
     install_handlers(app)
@@ -341,6 +402,10 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
 
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:

@@ -68,6 +68,7 @@ class _EngineCollector:
                      kv.num_free_blocks)
         yield _gauge("kthena_kv_blocks_cached", "KV blocks in the prefix cache", kv.num_cached_blocks)
         yield from _kv_cache_info(self.engine.processor.limits)
+        yield from _kernels_info(self.engine.processor.limits)
         yield _counter("kthena_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        kv.num_query_tokens)
         yield _counter("kthena_prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -125,6 +126,18 @@ def _kv_cache_info(limits: EngineLimits) -> Iterator[Metric]:
                              "tokens per block, blocks), always 1",
                              labels=["dtype", "block_size", "num_blocks"])
     info.add_metric([limits.kv_cache_dtype, str(limits.block_size), str(limits.num_kv_blocks)], 1)
+    yield info
+
+
+def _kernels_info(limits: EngineLimits) -> Iterator[Metric]:
+    """``kthena_kernels_info{mode, source, matmul_decode, ...} 1``: the kernels the engine runs
+    (`mooncake_ops.selection`); absent while none has reported."""
+    if not limits.kernels:
+        return
+    names = sorted(limits.kernels)
+    info = GaugeMetricFamily("kthena_kernels_info", "The CPU kernels this engine runs and how "
+                             "they were chosen (labels), always 1", labels=names)
+    info.add_metric([str(limits.kernels[n]) for n in names], 1)
     yield info
 
 

@@ -1,8 +1,8 @@
 """OpenAI request bodies (validated strictly: a string is not a number) and response builders.
 
 A body field is either honoured or refused: an unknown field is a 400 (as OpenAI answers), and
-OpenAI fields this server does not implement (tools, ``response_format`` other than text,
-``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1) are accepted only with their neutral
+fields this server does not implement (tools, ``response_format`` other than text,
+``suffix``, ``best_of`` > 1, ``priority`` other than 0) are accepted only with their neutral
 value and refused by name otherwise (``refuse_unsupported``).
 """
 
@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
 from kthena_serve.errors import InvalidRequestError
@@ -31,6 +32,7 @@ __all__ = [
     "completion_chunk",
     "completion_logprobs",
     "completion_response",
+    "vllm_prompt_logprobs",
     "new_id",
     "usage",
     "usage_chunk",
@@ -41,7 +43,8 @@ _LOGPROB_RANGE = {"minimum": 0, "maximum": MAX_LOGPROBS}  # checked by check_num
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN / Infinity (which Python's JSON parser reads) get "Input should be a finite number"
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def _refuse(param: str, value: Any, why: str) -> None:
@@ -60,7 +63,7 @@ class _Common(_Strict):
     ``user`` is OpenAI's end-user id for abuse monitoring: accepted, it changes no output.
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -82,7 +85,18 @@ class _Common(_Strict):
     prefix_hash: str | None = Field(None, max_length=256)
     reuse_offset: int | None = Field(None, ge=0)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {token id: bias}, clamped to +-100
+    # vLLM's extensions (its names, defaults and meanings)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool = False
+    priority: int = 0  # refused unless 0: first-come first-served (vLLM's default policy)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
     # The Kthena router's PD connectors: where the prompt's KV is (PD workers only; a server
     # without a KV connector refuses it), and usage asked for at the top level of a body.
     kv_transfer_params: dict[str, Any] | None = None
@@ -99,17 +113,28 @@ class _Common(_Strict):
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
             min_tokens=self.min_tokens,
             logprobs=self.num_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or (), truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per token the caller asked for (None: no logprobs)."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token to compute (None: none)."""
+        return self.prompt_logprobs
+
     def refuse_unsupported(self) -> None:
         """Raise InvalidRequestError naming the first field set to what is not implemented."""
-        if self.logit_bias:
-            _refuse("logit_bias", self.logit_bias, "this server does not bias logits; leave "
-                    "it out or send {}")
+        if self.priority != 0:
+            _refuse("priority", self.priority, "requests run first-come first-served (as "
+                    "vLLM's default scheduling policy, which refuses priority too); leave it "
+                    "out or send 0")
 
     @property
     def include_usage(self) -> bool:
@@ -121,18 +146,24 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt
     logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
-    echo: bool = False  # refused if true
+    echo: bool = False  # the prompt before the output (with logprobs: the prompt's too)
     suffix: str | None = None  # refused unless empty
     best_of: int | None = None  # refused if over 1
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` and ``logprobs`` at least ``logprobs`` (the
+        echoed prompt's logprobs: what lm-eval's loglikelihood tasks read)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            _refuse("echo", self.echo, "the prompt is not echoed back; leave out echo")
         if self.suffix:
             _refuse("suffix", self.suffix, "there is no insertion mode; leave out suffix")
         if self.best_of is not None and self.best_of != 1:
@@ -167,6 +198,11 @@ class ChatCompletionRequest(_Common):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -190,14 +226,25 @@ class ChatCompletionRequest(_Common):
         if self.response_format not in (None, {"type": "text"}):
             _refuse("response_format", self.response_format, 'only {"type": "text"} is '
                     "implemented (no JSON mode or schema)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt are "
+                                      "both true: continuing the last message opens no new "
+                                      "turn; set add_generation_prompt to false",
+                                      "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs the last message to be "
+                                      f"the assistant's (it is {self.messages[-1].role!r})",
+                                      "continue_final_message")
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 # ---- responses ------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    """``prefix-<request_id>`` (vLLM's: the client's ``request_id`` names the response), else
+    ``prefix-<random hex>``."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def usage(outputs: list[RequestOutput], prompt_indices: list[int]) -> dict[str, Any]:
@@ -228,22 +275,35 @@ def _envelope(rid: str, obj: str, model: str, choices: list, extra: dict | None 
 
 
 def completion_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict,
-                        logprobs: Sequence[dict | None] | None = None) -> dict:
-    """Args: logprobs: each choice's ``completion_logprobs`` (None: the request asked none)."""
+                        logprobs: Sequence[dict | None] | None = None,
+                        echoed: Sequence[str] | None = None,
+                        prompt_logprobs: Sequence[list | None] | None = None) -> dict:
+    """Args: logprobs: each choice's ``completion_logprobs`` (None: the request asked none);
+    echoed: each choice's prompt text to put before its output (``echo``);
+    prompt_logprobs: each choice's `vllm_prompt_logprobs` (vLLM's field, when asked)."""
     logprobs = logprobs or [None] * len(finals)
-    choices = [{"index": i, "text": o.text, "logprobs": lp, "finish_reason": _reason(o)}
-               for i, (o, lp) in enumerate(zip(finals, logprobs, strict=True))]
+    echoed = echoed or [""] * len(finals)
+    choices = [{"index": i, "text": e + o.text, "logprobs": lp, "finish_reason": _reason(o)}
+               for i, (o, lp, e) in enumerate(zip(finals, logprobs, echoed, strict=True))]
+    if prompt_logprobs is not None:
+        for choice, entries in zip(choices, prompt_logprobs, strict=True):
+            choice["prompt_logprobs"] = entries
     return _envelope(rid, "text_completion", model, choices, {"usage": usage_})
 
 
 def chat_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict,
-                  logprobs: Sequence[dict | None] | None = None) -> dict:
-    """Args: logprobs: each choice's ``chat_logprobs`` (None: the request asked none)."""
+                  logprobs: Sequence[dict | None] | None = None,
+                  prompt_logprobs: list | None = None) -> dict:
+    """Args: logprobs: each choice's ``chat_logprobs`` (None: the request asked none);
+    prompt_logprobs: the conversation's `vllm_prompt_logprobs` (vLLM's top-level field)."""
     logprobs = logprobs or [None] * len(finals)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
                 "logprobs": lp, "finish_reason": _reason(o)}
                for i, (o, lp) in enumerate(zip(finals, logprobs, strict=True))]
-    return _envelope(rid, "chat.completion", model, choices, {"usage": usage_})
+    extra: dict[str, Any] = {"usage": usage_}
+    if prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs
+    return _envelope(rid, "chat.completion", model, choices, extra)
 
 
 def usage_chunk(rid: str, obj: str, model: str, usage_: dict) -> dict:
@@ -285,12 +345,20 @@ def _value(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes) -> dict:
+def _namer(raw: dict[int, bytes], as_ids: bool) -> Callable[[int], str]:
+    """A token's name in logprobs: its text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose bytes are not text)."""
+    return (lambda i: f"token_id:{i}") if as_ids else (lambda i: _token_text(raw[i]))
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes,
+                  as_ids: bool = False) -> dict:
     """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     raw = _lookup(entries, token_bytes)
+    name = _namer(raw, as_ids)
 
     def item(token_id: int, logprob: float) -> dict:
-        return {"token": _token_text(raw[token_id]), "logprob": _value(logprob),
+        return {"token": name(token_id), "logprob": _value(logprob),
                 "bytes": list(raw[token_id])}
 
     return {"content": [{**item(e.token_id, e.logprob),
@@ -318,17 +386,33 @@ class TextOffsets:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes,
-                        offsets: TextOffsets) -> dict:
+                        offsets: TextOffsets, as_ids: bool = False, *,
+                        echo: Sequence[TokenLogprobs | None] = (), first_id: int = 0,
+                        num_top: int | None = None) -> dict:
     """``{tokens, token_logprobs, top_logprobs, text_offset}`` of ``entries``.
 
     ``top_logprobs[i]`` maps the top tokens' text to their logprob and always holds the sampled
-    token too (up to ``logprobs + 1`` entries, as vLLM does).
+    token too (up to ``logprobs + 1`` entries, as vLLM does). With ``echo`` (the prompt's
+    entries: None for its first token, whose id is ``first_id``), the prompt's tokens come
+    first, the first with null logprob and top logprobs (as vLLM answers ``echo``); ``num_top``
+    cuts the prompt's alternatives to what the request's ``logprobs`` asked.
     """
-    raw = _lookup(entries, token_bytes)
+    prompt = [e for e in echo if e is not None]
+    raw = _lookup([*prompt, *entries, TokenLogprobs(first_id, 0.0)] if echo else entries,
+                  token_bytes)
+    name = _namer(raw, as_ids)
     tokens, values, tops, starts = [], [], [], []
-    for entry in entries:
-        text = _token_text(raw[entry.token_id])
-        top = {_token_text(raw[i]): _value(lp)
+    if echo:
+        tokens.append(name(first_id))
+        values.append(None)
+        tops.append(None)
+        starts.append(offsets.next(raw[first_id]))
+    for position, entry in enumerate([*prompt, *entries]):
+        if num_top is not None and position < len(prompt):
+            entry = attrs.evolve(entry, top_ids=entry.top_ids[:num_top],
+                                 top_logprobs=entry.top_logprobs[:num_top])
+        text = name(entry.token_id)
+        top = {name(i): _value(lp)
                for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}
         top.setdefault(text, _value(entry.logprob))
         tokens.append(text)
@@ -337,3 +421,28 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenByte
         starts.append(offsets.next(raw[entry.token_id]))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": starts}
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprobs | None], token_text: TokenBytes,
+                         num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob,
+    rank, decoded_token}}`` for the prompt token and its ``num_top`` most likely alternatives
+    (ranked 1..k)."""
+    entries = [e if e is None else attrs.evolve(e, top_ids=e.top_ids[:num_top],
+                                                top_logprobs=e.top_logprobs[:num_top])
+               for e in entries]
+    known = [e for e in entries if e is not None]
+    raw = _lookup(known, token_text)
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        item = {str(i): {"logprob": _value(lp), "rank": r, "decoded_token": _token_text(raw[i])}
+                for r, (i, lp) in enumerate(zip(entry.top_ids, entry.top_logprobs, strict=True),
+                                            start=1)}
+        item.setdefault(str(entry.token_id), {"logprob": _value(entry.logprob),
+                                              "rank": entry.rank,
+                                              "decoded_token": _token_text(raw[entry.token_id])})
+        out.append(item)
+    return out

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field
 
 from kthena_serve.client import EngineClient
 from kthena_serve.errors import InvalidRequestError
+from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.server.protocol import ChatMessage, _refuse, _Strict
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenize", "tokenize"]
@@ -36,9 +37,9 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None  # vLLM's default: true for prompt, false for messages
     return_token_strs: bool | None = False
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # refused if true
+    continue_final_message: bool = False
     chat_template: str | None = None  # refused unless null
-    chat_template_kwargs: dict[str, Any] | None = None  # refused unless empty
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # refused unless null
 
     def check(self) -> None:
@@ -52,14 +53,13 @@ class TokenizeRequest(_Strict):
                 if name in self.model_fields_set:
                     raise InvalidRequestError(f"{name} applies to messages only; leave it "
                                               "out with a prompt", name)
-        if self.continue_final_message:
-            _refuse("continue_final_message", True, "the chat always ends with a closed turn "
-                    "(and, by default, the generation prompt)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt are "
+                                      "both true: continuing the last message opens no new "
+                                      "turn; set add_generation_prompt to false",
+                                      "continue_final_message")
         if self.chat_template is not None:
             _refuse("chat_template", self.chat_template, "the checkpoint's template is used")
-        if self.chat_template_kwargs:
-            _refuse("chat_template_kwargs", self.chat_template_kwargs, "the template gets no "
-                    "extra variables")
         if self.tools is not None:
             _refuse("tools", self.tools, "this server does not call tools")
 
@@ -80,8 +80,14 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
     body.check()
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = engine.processor.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                 add_special_tokens=bool(body.add_special_tokens))
+        try:
+            ids = engine.processor.encode_chat(
+                messages, add_generation_prompt=body.add_generation_prompt,
+                add_special_tokens=bool(body.add_special_tokens),
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs)
+        except ChatTemplateError as error:
+            raise InvalidRequestError(str(error), "messages") from None
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = engine.processor.encode(body.prompt or "", add_special_tokens=special)

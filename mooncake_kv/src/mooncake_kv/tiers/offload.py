@@ -197,9 +197,11 @@ class TieredKVCache:
 
     # ---- restore -------------------------------------------------------------------------
     def match_prefix(
-        self, request_id: str, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+        self, request_id: str, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
+        *, lookup: bool = True,
     ) -> PrefixMatch:
-        """`manager.match_prefix`, extended with blocks restored from the tiers.
+        """`manager.match_prefix`, extended with blocks restored from the tiers (none restored
+        with ``lookup=False``: the prompt is computed in full).
 
         Restored blocks are allocated for the request with `try_allocate`, filled, and
         committed; the result counts them in `block_ids` and `num_cached_tokens` exactly as
@@ -209,7 +211,9 @@ class TieredKVCache:
         Raises:
             The manager's errors for `match_prefix` (e.g. DuplicateRequestError).
         """
-        match = self.manager.match_prefix(request_id, token_ids, extra_keys)
+        match = self.manager.match_prefix(request_id, token_ids, extra_keys, lookup=lookup)
+        if not lookup:
+            return match
         size = self.manager.block_size
         limit = (len(token_ids) - 1) // size  # at least one token is always computed
         start = match.num_cached_blocks

@@ -49,6 +49,22 @@ class CpuBackend:
 
     device_type = "cpu"
 
+    def candidates(self, op: str, allow_native: bool) -> dict[str, OpImpl]:
+        """The implementations of ``op`` that a measurement may choose between, by short name
+        (`mooncake_ops.selection`): the attention ops only; {} for the others."""
+        found: dict[str, OpImpl] = {}
+        if op == "paged_decode_attention":
+            found = {"torch-reference": OpImpl(ref.paged_decode_attention, REFERENCE),
+                     "torch-sdpa": OpImpl(sdpa.paged_decode_attention, SDPA)}
+        elif op == "paged_prefill_attention":
+            found = {"torch-sdpa": OpImpl(sdpa.paged_prefill_attention_cpu, SDPA_CPU)}
+        else:
+            return found
+        default = self.op_table(allow_native)[op]
+        if default.name not in (REFERENCE, SDPA, SDPA_CPU):  # the native build's adapter
+            found["native"] = default
+        return found
+
     def op_table(self, allow_native: bool) -> Mapping[str, OpImpl]:
         table = reference_table()
         table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention_cpu, SDPA_CPU)

@@ -1,0 +1,217 @@
+"""Step cost: how long a step of a given composition takes, learnt from the engine's own steps.
+
+A step's time is modelled as linear in its composition::
+
+    t(step) = a + b * prefill_tokens + c * decode_rows + d * prefill_attention
+
+``prefill_attention`` counts a prefill chunk's query x key pairs (a chunk of ``n`` tokens from
+position ``s`` attends to ``n * s + n * (n + 1) / 2``): long contexts cost more per token.
+``StepCostModel`` starts from seed coefficients and refits them after every measured step by
+exponentially weighted least squares, pulled towards the seed where the steps seen say little
+(a ridge prior), so a run of decode-only steps does not forget what a prefill token costs. A
+step far slower than predicted (the process was descheduled on shared cores) counts as at most
+``outlier_ratio`` times its prediction: one stall does not reshape the model, a lasting
+slow-down still moves it (by up to that factor per step).
+
+``DecodeProtectingBudget`` turns the model into the scheduler's prefill cap: with ``rows``
+decodes in a step, how many prefill tokens keep the predicted step within a target time
+(``EngineConfig.target_step_ms``). A prefill token's attention is charged at the pairs per
+prefill token the recent steps had (``StepCostModel.pairs_per_token``): the scheduler asks for
+a token count, not for each chunk's position. It takes the budget as a plain callable, so it
+stays a pure function of its inputs (tests inject fixed costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+from kthena_serve.scheduled import ScheduledBatch
+
+__all__ = ["DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
+           "StepShape", "fit_least_squares"]
+
+
+@attrs.frozen
+class StepShape:
+    """What a step's time depends on.
+
+    Attributes:
+        prefill_tokens: tokens of prefill chunks (sequences fed more than one token).
+        decode_rows: sequences fed one token (decodes, and one-token prompt tails).
+        prefill_attention: query x key pairs of the prefill chunks (``chunk_attention``).
+    """
+
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    prefill_attention: int = 0
+
+    @staticmethod
+    def chunk_attention(start: int, num_tokens: int) -> int:
+        """Query x key pairs of a causal chunk of ``num_tokens`` tokens from ``start``."""
+        return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> StepShape:
+        """The shape of a scheduled step."""
+        chunks = [(s.start, len(s.token_ids)) for s in batch.seqs if len(s.token_ids) > 1]
+        return cls(prefill_tokens=sum(n for _, n in chunks),
+                   decode_rows=len(batch.seqs) - len(chunks),
+                   prefill_attention=sum(cls.chunk_attention(s, n) for s, n in chunks))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_rows),
+                float(self.prefill_attention))
+
+
+@attrs.frozen
+class StepCoefficients:
+    """Seconds of a step: ``fixed`` + per prefill token + per decode row + per attention pair
+    (all at least 0)."""
+
+    fixed_s: float
+    per_prefill_token_s: float
+    per_decode_row_s: float
+    per_attention_pair_s: float = 0.0
+
+    def predict(self, shape: StepShape) -> float:
+        return (self.fixed_s + self.per_prefill_token_s * shape.prefill_tokens
+                + self.per_decode_row_s * shape.decode_rows
+                + self.per_attention_pair_s * shape.prefill_attention)
+
+    def coefficients(self) -> dict[str, float]:
+        """The coefficients, in microseconds (JSON-able)."""
+        return {k: round(v * 1e6, 6) for k, v in attrs.asdict(self).items()}
+
+    @classmethod
+    def from_vector(cls, theta: Iterable[float]) -> StepCoefficients:
+        return cls(*(max(0.0, float(v)) for v in theta))
+
+
+# SmolLM2-135M-Instruct, bf16, 2 cores of an AMD EPYC (family 26: Zen 5): the forward's fit
+# by scripts/profile_step_cost.py, with a decode row at what the engine's own steps add
+# (sampling, detokenising; scripts/step_budget_ab.py's fits), docs/kthena_serve.md "Decode
+# protection". On another machine or model the online fit takes over within a few dozen steps.
+DEFAULT_SEED = StepCoefficients(fixed_s=0.012, per_prefill_token_s=0.24e-3,
+                                per_decode_row_s=0.4e-3, per_attention_pair_s=0.09e-6)
+
+# Feature scales: the prior's weight is per scaled feature, so every coefficient is held to
+# its seed about equally (a step of 256 prefill tokens, 16 decode rows, 64k attention pairs).
+_SCALES = np.array([1.0, 256.0, 16.0, 65536.0])
+
+
+def fit_least_squares(samples: Iterable[tuple[StepShape, float]], *,
+                      attention: bool = True) -> StepCoefficients:
+    """Ordinary least squares over (shape, seconds) samples (the profile script's fit).
+
+    Args:
+        attention: fit the attention term too; False holds it at 0.
+
+    Raises:
+        ValueError: fewer samples than coefficients.
+    """
+    pairs = list(samples)
+    width = 4 if attention else 3
+    if len(pairs) < width:
+        raise ValueError(f"fitting {width} coefficients needs at least {width} samples, "
+                         f"got {len(pairs)}")
+    x = np.array([s.features()[:width] for s, _ in pairs]) / _SCALES[:width]
+    y = np.array([t for _, t in pairs])
+    theta = np.linalg.lstsq(x, y, rcond=None)[0] / _SCALES[:width]
+    return StepCoefficients.from_vector([*theta, *([0.0] * (4 - width))])
+
+
+class StepCostModel:
+    """Step-time coefficients refitted online from measured steps.
+
+    Exponentially weighted least squares with a ridge prior at ``seed``: after ``observe``,
+    the coefficients minimise ``sum_i w^(age_i) (t_i - x_i . theta)^2 + prior_weight *
+    |scaled(theta - seed)|^2``, with ``w`` halving a sample's weight every
+    ``half_life_steps`` and each ``t_i`` at most ``outlier_ratio`` times its prediction.
+
+    Args:
+        seed: the coefficients before any step is seen.
+        half_life_steps: steps after which a measurement counts half.
+        prior_weight: how many steps' worth of evidence the seed is.
+        outlier_ratio: a measured step counts as at most this many times its prediction.
+    """
+
+    def __init__(self, seed: StepCoefficients = DEFAULT_SEED, *, half_life_steps: float = 256,
+                 prior_weight: float = 2.0, outlier_ratio: float = 2.0) -> None:
+        if half_life_steps <= 0 or prior_weight <= 0 or outlier_ratio <= 1:
+            raise ValueError("half_life_steps and prior_weight must be positive and "
+                             f"outlier_ratio above 1 (got {half_life_steps}, {prior_weight}, "
+                             f"{outlier_ratio})")
+        self.seed = seed
+        self.outlier_ratio = outlier_ratio
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._prior = prior_weight * np.eye(4)
+        self._seed_scaled = np.array(_vector(seed)) * _SCALES
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self._current = seed
+        self.num_observed = 0
+        self.pairs_per_token = 512.0  # a 1,024-token chunk from position 0
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Take one measured step into the fit."""
+        predicted = self._current.predict(shape)
+        if predicted > 0:
+            seconds = min(seconds, self.outlier_ratio * predicted)
+        if shape.prefill_tokens:
+            ratio = shape.prefill_attention / shape.prefill_tokens
+            self.pairs_per_token += (1 - self._decay) * (ratio - self.pairs_per_token)
+        x = np.array(shape.features()) / _SCALES
+        self._xtx = self._decay * self._xtx + np.outer(x, x)
+        self._xty = self._decay * self._xty + x * seconds
+        theta = np.linalg.solve(self._xtx + self._prior,
+                                self._xty + self._prior @ self._seed_scaled)
+        self._current = StepCoefficients.from_vector(theta / _SCALES)
+        self.num_observed += 1
+
+    @property
+    def current(self) -> StepCoefficients:
+        """The coefficients as fitted now."""
+        return self._current
+
+    def predict(self, shape: StepShape) -> float:
+        return self._current.predict(shape)
+
+
+def _vector(c: StepCoefficients) -> tuple[float, float, float, float]:
+    return (c.fixed_s, c.per_prefill_token_s, c.per_decode_row_s, c.per_attention_pair_s)
+
+
+@attrs.frozen
+class DecodeProtectingBudget:
+    """The scheduler's prefill cap for steps with decodes, from a cost model and a target.
+
+    ``budget(rows)``: the prefill tokens that keep ``fixed + rows * per_row + tokens *
+    per_token`` within ``target_s``, at most ``max_tokens``. Where the decodes alone take more
+    than half the target (a large batch, a slow or shared machine), the prefill still gets as
+    much predicted time as the rest of the step, so prompts keep at least half the throughput
+    and a step takes at most twice its decode-only time; and at least ``min_tokens`` always.
+    A prefill token's attention is charged at ``cost.pairs_per_token`` pairs.
+
+    Attributes:
+        cost: the step cost model (its ``current`` coefficients and ``pairs_per_token``).
+        target_s: the step time to stay within while something decodes.
+        min_tokens: the least prefill a step with decodes carries (a block).
+        max_tokens: the most (``max_num_batched_tokens``).
+    """
+
+    cost: StepCostModel
+    target_s: float
+    min_tokens: int
+    max_tokens: int
+
+    def __call__(self, num_decode_rows: int) -> int:
+        c = self.cost.current
+        rest = c.fixed_s + c.per_decode_row_s * num_decode_rows
+        left = max(self.target_s - rest, rest)
+        per_token = c.per_prefill_token_s + c.per_attention_pair_s * self.cost.pairs_per_token
+        if per_token <= 0:
+            return self.max_tokens
+        return max(self.min_tokens, min(self.max_tokens, int(left / per_token)))

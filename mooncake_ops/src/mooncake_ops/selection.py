@@ -1,0 +1,533 @@
+"""Kernel choice by measurement: every CPU kernel that can run a model's matmuls and attention
+here is timed once, at the model's own shapes, and the fastest runs.
+
+    choice = choose_kernels("auto", layers, lm_head, attention, cache_dir=...)
+    model.pack_linear_weights(choice.linear_kernel())   # the matmuls
+    choice.apply()                                      # the attention ops (process-wide)
+
+Three modes (``--kernels``; the ``KTHENA_KERNELS`` environment variable overrides the flag):
+
+* ``auto`` (default): measured. The matmul candidates are the packed native bf16 kernel
+  (AVX512_BF16 builds), oneDNN over weights it re-ordered (``torch.ops.mkldnn``: AMX where the
+  CPU has it), bf16 weights computed in fp32 (the AVX2 build's dense kernel where loaded) and
+  plain ``F.linear``; each is timed on decode-sized calls (1 and 8 rows through the model's own
+  weights in layer order, so weights stream from memory as in a decode step) and on a
+  prefill-sized one (`PREFILL_ROWS` rows through the first layers' matmuls). Paged decode
+  attention (batch 8, 512 tokens of context) and prefill attention (`PREFILL_ROWS` new tokens
+  after as many cached) are timed per candidate of the dispatch table (`op_candidates`). A
+  candidate that raises is left out (logged). No ISA name decides anything.
+* ``native``: the choice made from the CPU's features, without timing (`select_linear_kernel`
+  and the dispatch table's defaults): the behaviour before measurement existed.
+* ``torch``: torch's own public kernels: ``F.linear`` over the dense weights, SDPA attention.
+
+The matmul choice is made per row class (decode: at most `DECODE_MAX_ROWS` rows; prefill:
+more). When the fastest decode kernel is within `SPLIT_LOSS` of the fastest prefill kernel's
+time on prefill calls too, or the other way round, one kernel runs both (one packed copy of
+each weight). Otherwise a split kernel runs each class on its own winner and holds both
+packed copies: twice the weight memory, reported in `KernelChoice.extra_weight_bytes`.
+
+A measurement is cached as JSON under ``<cache_dir>/kernels/`` keyed by the CPU (model name and
+flags), torch's version and thread count, the native build (file, size, mtime), the mode and
+the shapes timed; a change to any of them times again. A file lock keeps two processes that
+start together from timing side by side (the second reads the first's result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from mooncake_ops.dispatch import choose_impl, native_enabled, op_candidates
+from mooncake_ops.layers import silu_and_mul
+from mooncake_ops.linear import (
+    FP32_COMPUTE_BF16,
+    NATIVE_PACKED_BF16,
+    ONEDNN_PACKED_BF16,
+    LinearKernel,
+    native_bf16_linear_available,
+    select_linear_kernel,
+)
+
+__all__ = ["ATTENTION_OPS", "DECODE_MAX_ROWS", "ENV_VAR", "MODES", "PREFILL_ROWS", "SPLIT_LOSS",
+           "TORCH_DENSE", "AttentionShape", "KernelChoice", "MatmulWeight", "choose_kernels",
+           "fastest", "linear_candidates", "resolve_mode", "split_kernel", "split_or_single",
+           "summary_line"]
+
+_log = logging.getLogger("mooncake_ops")
+
+MODES = ("auto", "native", "torch")
+ENV_VAR = "KTHENA_KERNELS"
+DECODE_MAX_ROWS = 16
+PREFILL_ROWS = 256
+SPLIT_LOSS = 1.2
+ATTENTION_OPS = ("paged_decode_attention", "paged_prefill_attention")
+_DECODE_ROWS = (1, 8)
+_SWEEP_BYTES = 256 << 20  # decode sweeps read at most this much weight (then the LM head)
+_PREFILL_LAYERS = 2
+_REPS = 5
+
+
+def _dense_pack(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().contiguous()
+
+
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+TORCH_DENSE = LinearKernel("torch-dense", _dense_pack, _dense_linear)
+
+
+@attrs.frozen
+class MatmulWeight:
+    """One matmul weight of the model, dense [out_features, in_features]; ``gate_up``: the MLP's
+    [gate; up] input, which a kernel with a fused SwiGLU input runs fused."""
+
+    weight: torch.Tensor
+    gate_up: bool = False
+
+
+@attrs.frozen
+class AttentionShape:
+    """What the attention timings are run with: one rank's heads and the KV cache's layout."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def key(self) -> list:
+        return [self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, str(self.dtype)]
+
+
+@attrs.frozen
+class KernelChoice:
+    """What runs the matmuls and attention here, and why.
+
+    Attributes:
+        mode: ``auto``, ``native`` or ``torch``.
+        linear_decode, linear_prefill: the matmul kernel's name per row class (None: no packed
+            kernel, F.linear over the dense weights: dtypes other than bf16, devices other
+            than the CPU).
+        attention: op -> candidate name (`op_candidates`); absent ops keep the default.
+        source: ``measured``, ``cached`` (a measurement read back) or ``fixed`` (no timing).
+        timings_ms: family -> candidate -> median milliseconds (None: the candidate failed).
+        key: the cache key (hex).
+    """
+
+    mode: str
+    linear_decode: str | None
+    linear_prefill: str | None
+    attention: Mapping[str, str] = attrs.field(factory=dict)
+    source: str = "fixed"
+    timings_ms: Mapping[str, Mapping[str, float | None]] = attrs.field(factory=dict)
+    key: str = ""
+
+    @property
+    def split(self) -> bool:
+        return self.linear_decode != self.linear_prefill
+
+    def linear_kernel(self) -> LinearKernel | None:
+        """The kernel the model packs its matmul weights for (a split one when the classes
+        differ); None: keep F.linear."""
+        if self.linear_decode is None or self.linear_prefill is None:
+            return None
+        small, large = _KERNELS[self.linear_decode], _KERNELS[self.linear_prefill]
+        return small if small is large else split_kernel(small, large)
+
+    def apply(self, device_type: str = "cpu") -> None:
+        """Make the chosen attention implementations the ones dispatch runs (process-wide);
+        ops without a choice return to the backend's default."""
+        for op in ATTENTION_OPS:
+            choose_impl(op, device_type, self.attention.get(op))
+
+    def as_dict(self) -> dict:
+        """For JSON reports and the metrics info gauge."""
+        return {"mode": self.mode, "source": self.source, "linear_decode": self.linear_decode,
+                "linear_prefill": self.linear_prefill, "attention": dict(self.attention),
+                "timings_ms": {f: dict(t) for f, t in self.timings_ms.items()}, "key": self.key}
+
+    def labels(self) -> dict[str, str]:
+        """Flat name -> value (the ``kthena_kernels_info`` gauge's labels, the start-up line)."""
+        return {"mode": self.mode, "source": self.source,
+                "matmul_decode": self.linear_decode or "F.linear",
+                "matmul_prefill": self.linear_prefill or "F.linear",
+                "decode_attention": self.attention.get("paged_decode_attention", "default"),
+                "prefill_attention": self.attention.get("paged_prefill_attention", "default")}
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        return summary_line(self.labels())
+
+
+def summary_line(labels: Mapping[str, str]) -> str:
+    """``KernelChoice.labels()`` as one line: ``kernels (auto, measured): matmul ...``."""
+    decode, prefill = labels["matmul_decode"], labels["matmul_prefill"]
+    matmul = decode if decode == prefill else f"{decode} (decode) / {prefill} (prefill)"
+    return (f"kernels ({labels['mode']}, {labels['source']}): matmul {matmul}; decode "
+            f"attention {labels['decode_attention']}; prefill attention "
+            f"{labels['prefill_attention']}")
+
+
+_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
+    NATIVE_PACKED_BF16, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16, TORCH_DENSE)}
+
+
+def resolve_mode(flag: str | None) -> str:
+    """The mode in force: ``KTHENA_KERNELS`` when set, else ``flag``, else ``auto``.
+
+    Raises:
+        ValueError: either names no mode (the message says which and lists them).
+    """
+    env = os.environ.get(ENV_VAR)
+    mode, source = (env, f"{ENV_VAR}={env!r}") if env else (flag or "auto", f"kernels={flag!r}")
+    if mode not in MODES:
+        raise ValueError(f"{source}: the kernel choice is one of {', '.join(MODES)}")
+    return mode
+
+
+def linear_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
+    """The matmul kernels that can run weights like ``weight`` here (bf16 on the CPU: up to
+    four; anything else: none, F.linear runs)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return ()
+    found = [TORCH_DENSE, FP32_COMPUTE_BF16]
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        found.insert(0, ONEDNN_PACKED_BF16)
+    if native_bf16_linear_available():
+        found.insert(0, NATIVE_PACKED_BF16)
+    return tuple(found)
+
+
+def fastest(times: Mapping[str, float | None]) -> str:
+    """The name with the smallest finite time (None or inf: failed).
+
+    Raises:
+        RuntimeError: every candidate failed.
+    """
+    ok = {name: t for name, t in times.items() if t is not None and math.isfinite(t)}
+    if not ok:
+        raise RuntimeError(f"every candidate failed: {', '.join(times) or 'none given'}")
+    return min(ok, key=ok.__getitem__)
+
+
+def split_or_single(decode: Mapping[str, float | None], prefill: Mapping[str, float | None],
+                    loss: float = SPLIT_LOSS) -> tuple[str, str]:
+    """(decode kernel, prefill kernel): one kernel for both when some kernel is within
+    ``loss`` of the best in both classes (the one with the smaller worst ratio), else each
+    class's own winner."""
+    best_d, best_p = decode[fastest(decode)], prefill[fastest(prefill)]
+    worst = {}
+    for name in set(decode) & set(prefill):
+        d, p = decode[name], prefill[name]
+        if d is not None and p is not None and math.isfinite(d) and math.isfinite(p):
+            worst[name] = max(d / best_d, p / best_p)
+    if worst and min(worst.values()) <= loss:
+        single = min(sorted(worst), key=worst.__getitem__)
+        return single, single
+    return fastest(decode), fastest(prefill)
+
+
+def split_kernel(small: LinearKernel, large: LinearKernel) -> LinearKernel:
+    """A kernel running calls of at most `DECODE_MAX_ROWS` rows on ``small`` and larger ones on
+    ``large``; each weight is packed for both (the tensor the model holds is ``small``'s; the
+    other lives in this kernel, keyed by it, as long as the kernel does)."""
+    other: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        primary = small.pack(weight)
+        other[id(primary)] = (primary, large.pack(weight), False)
+        return primary
+
+    def linear(x: torch.Tensor, packed: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() <= DECODE_MAX_ROWS * x.shape[-1]:
+            return small.linear(x, packed, bias)
+        return large.linear(x, other[id(packed)][1], bias)
+
+    def pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
+        primary = small.pack_gate_up(weight) if small.pack_gate_up is not None else None
+        if primary is None:
+            return None
+        fused = large.pack_gate_up(weight) if large.pack_gate_up is not None else None
+        other[id(primary)] = (primary, large.pack(weight) if fused is None else fused,
+                              fused is not None)
+        return primary
+
+    def gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= DECODE_MAX_ROWS * x.shape[-1]:
+            return small.gate_up_silu(x, packed)
+        _, alt, fused = other[id(packed)]
+        return large.gate_up_silu(x, alt) if fused else silu_and_mul(large.linear(x, alt))
+
+    fused = small.gate_up_silu is not None
+    return LinearKernel(f"{small.name}+{large.name}", pack, linear,
+                        pack_gate_up if fused else None, gate_up_silu if fused else None)
+
+
+# ---- measurement ---------------------------------------------------------------------------------
+# timer(label, fn) -> seconds; the label names what is timed ("matmul_decode:<kernel>:<rows>",
+# "matmul_prefill:<kernel>:<rows>", "<attention op>:<candidate>"), so tests can inject timings.
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+def median_time(label: str, fn: Callable[[], object], reps: int = _REPS) -> float:
+    """Median wall seconds of ``reps`` calls of ``fn`` after one warm-up call (``label`` is
+    for injected timers only)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _packed(kernel: LinearKernel, weights: Sequence[MatmulWeight]) -> list[tuple[torch.Tensor, bool]]:
+    out = []
+    for w in weights:
+        fused = None
+        if w.gate_up and kernel.pack_gate_up is not None:
+            fused = kernel.pack_gate_up(w.weight)
+        out.append((fused, True) if fused is not None else (kernel.pack(w.weight), False))
+    return out
+
+
+def _time_matmuls(label: str, kernel: LinearKernel, weights: Sequence[MatmulWeight],
+                  rows: int, timer: Timer) -> float:
+    """Seconds for one pass of ``rows`` rows through ``weights`` with ``kernel``."""
+    packed = _packed(kernel, weights)
+    inputs: dict[int, torch.Tensor] = {}
+    calls = []
+    for w, (p, fused) in zip(weights, packed, strict=True):
+        k = w.weight.shape[1]
+        x = inputs.setdefault(k, torch.randn(rows, k, dtype=w.weight.dtype))
+        calls.append((p, fused, x))
+
+    def one_pass() -> None:
+        for p, fused, x in calls:
+            kernel.gate_up_silu(x, p) if fused else kernel.linear(x, p)
+
+    return timer(f"{label}:{kernel.name}:{rows}", one_pass)
+
+
+def _time_or_none(what: str, fn: Callable[[], float]) -> float | None:
+    try:
+        return fn()
+    except Exception as exc:  # a candidate that cannot run here is left out, not fatal
+        _log.warning("kernel selection: %s failed (%s: %s); left out", what,
+                     type(exc).__name__, exc)
+        return None
+
+
+def measure_linear(layers: Sequence[Sequence[MatmulWeight]], lm_head: MatmulWeight | None,
+                   candidates: Sequence[LinearKernel], timer: Timer = median_time,
+                   ) -> dict[str, dict[str, float | None]]:
+    """{"decode": {kernel: s}, "prefill": {kernel: s}} for each candidate: decode is the sum
+    over `_DECODE_ROWS` of a pass through the layers' weights (up to `_SWEEP_BYTES`) and the
+    LM head; prefill a pass of `PREFILL_ROWS` rows through the first `_PREFILL_LAYERS` layers."""
+    sweep, total = [], 0
+    for layer in layers:
+        if sweep and total >= _SWEEP_BYTES:
+            break
+        sweep += list(layer)
+        total += sum(w.weight.nbytes for w in layer)
+    if lm_head is not None:
+        sweep.append(lm_head)
+    first = [w for layer in layers[:_PREFILL_LAYERS] for w in layer]
+    decode: dict[str, float | None] = {}
+    prefill: dict[str, float | None] = {}
+    for kernel in candidates:
+        decode[kernel.name] = _time_or_none(f"{kernel.name} (decode)", lambda k=kernel: sum(
+            _time_matmuls("matmul_decode", k, sweep, rows, timer) for rows in _DECODE_ROWS))
+        prefill[kernel.name] = _time_or_none(f"{kernel.name} (prefill)", lambda k=kernel:
+                                             _time_matmuls("matmul_prefill", k, first,
+                                                           PREFILL_ROWS, timer))
+    return {"decode": decode, "prefill": prefill}
+
+
+def _attention_inputs(shape: AttentionShape, op: str) -> tuple:
+    """Arguments for one timing call of ``op``: decode, a batch of 8 over 512 tokens each;
+    prefill, one sequence of `PREFILL_ROWS` new tokens after as many cached."""
+    context = 512 if op == "paged_decode_attention" else 2 * PREFILL_ROWS
+    batch = 8 if op == "paged_decode_attention" else 1
+    per_seq = -(-context // shape.block_size)
+    num_blocks = batch * per_seq
+    cache = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache, dtype=shape.dtype)
+    v_cache = torch.randn(cache, dtype=shape.dtype)
+    tables = torch.arange(num_blocks, dtype=torch.int32).reshape(batch, per_seq)
+    scale = shape.head_dim ** -0.5
+    if op == "paged_decode_attention":
+        q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        return q, k_cache, v_cache, tables, lens, scale
+    q = torch.randn(PREFILL_ROWS, shape.num_heads, shape.head_dim, dtype=shape.dtype)
+    k = torch.randn(PREFILL_ROWS, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
+    v = torch.randn_like(k)
+    cached = torch.tensor([context - PREFILL_ROWS], dtype=torch.int32)
+    new = torch.tensor([PREFILL_ROWS], dtype=torch.int32)
+    return q, k, v, k_cache, v_cache, tables, cached, new, scale
+
+
+def measure_attention(shape: AttentionShape, timer: Timer = median_time,
+                      device_type: str = "cpu") -> dict[str, dict[str, float | None]]:
+    """{op: {candidate: s}} for each attention op with more than one candidate here."""
+    found: dict[str, dict[str, float | None]] = {}
+    for op in ATTENTION_OPS:
+        candidates = op_candidates(op, device_type)
+        if len(candidates) < 2:
+            continue
+        args = _attention_inputs(shape, op)
+        found[op] = {name: _time_or_none(f"{op} {name}", functools.partial(
+            timer, f"{op}:{name}", functools.partial(impl.fn, *args)))
+            for name, impl in candidates.items()}
+    return found
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+def _cpu_identity() -> list[str]:
+    model, flags = "", ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and not model:
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
+                break
+    return [model or platform.processor(), flags]
+
+
+def _native_identity() -> list:
+    from mooncake_ops.linear import _native_module
+
+    module = _native_module()
+    path = getattr(module, "__file__", None)
+    if not path:
+        return [None]
+    stat = Path(path).stat()
+    return [Path(path).name, stat.st_size, int(stat.st_mtime)]
+
+
+def cache_key(mode: str, linear_shapes: Sequence, attention: AttentionShape | None) -> str:
+    """The hex key of a measurement: what would make another measurement differ."""
+    parts = [mode, _cpu_identity(), torch.__version__, torch.get_num_threads(),
+             native_enabled() and _native_identity(), [list(s) for s in linear_shapes],
+             None if attention is None else attention.key()]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+# ---- the choice ----------------------------------------------------------------------------------
+def _fixed(mode: str, weight: torch.Tensor | None) -> KernelChoice:
+    if mode == "torch":
+        name = None if weight is None or not linear_candidates(weight) else TORCH_DENSE.name
+        return KernelChoice(mode, name, name, {op: "torch-sdpa" for op in ATTENTION_OPS})
+    kernel = None if weight is None else select_linear_kernel(weight)
+    name = None if kernel is None else kernel.name
+    return KernelChoice(mode, name, name)
+
+
+def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
+                   lm_head: MatmulWeight | None, attention: AttentionShape | None, *,
+                   cache_dir: str | os.PathLike[str] | None = None,
+                   timer: Timer = median_time) -> KernelChoice:
+    """The kernels for a model with these matmul weights and attention shape on this machine.
+
+    Args:
+        mode: ``auto`` (measured, cached), ``native`` (by the CPU's features) or ``torch``.
+        layers: each layer's matmul weights, in forward order (dense, as loaded).
+        lm_head: the LM head's weight, when this rank computes logits.
+        attention: the attention shape, or None to leave attention at the default.
+        cache_dir: where measurements are kept (``<cache_dir>/kernels/<key>.json``); None:
+            measure every time.
+        timer: ``timer(label, fn) -> seconds`` (tests inject timings through it).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"kernels={mode!r}: the kernel choice is one of {', '.join(MODES)}")
+    sample = next((w.weight for layer in layers for w in layer), None)
+    if mode != "auto":
+        return _fixed(mode, sample)
+    candidates = () if sample is None else linear_candidates(sample)
+    shapes = [[*w.weight.shape, str(w.weight.dtype), w.gate_up]
+              for layer in layers for w in layer] + (
+        [] if lm_head is None else [[*lm_head.weight.shape, "lm_head"]])
+    key = cache_key(mode, shapes, attention)
+    if cache_dir is None:
+        return _measure(key, candidates, layers, lm_head, attention, timer)
+    path = Path(cache_dir) / "kernels" / f"{key}.json"
+    with _locked(path):
+        record = _read(path)
+        if record is not None and record.get("key") == key:
+            return _from_record(record)
+        choice = _measure(key, candidates, layers, lm_head, attention, timer)
+        _write(path, choice.as_dict())
+    return choice
+
+
+def _from_record(record: dict) -> KernelChoice:
+    return KernelChoice(record["mode"], record["linear_decode"], record["linear_prefill"],
+                        record["attention"], "cached", record["timings_ms"], record["key"])
+
+
+def _measure(key: str, candidates: Sequence[LinearKernel],
+             layers: Sequence[Sequence[MatmulWeight]], lm_head: MatmulWeight | None,
+             attention: AttentionShape | None, timer: Timer) -> KernelChoice:
+    timings: dict[str, dict[str, float | None]] = {}
+    decode = prefill = None
+    if candidates:
+        linear = measure_linear(layers, lm_head, candidates, timer)
+        timings |= {f"matmul_{cls}": times for cls, times in linear.items()}
+        decode, prefill = split_or_single(linear["decode"], linear["prefill"])
+    chosen = {}
+    if attention is not None:
+        for op, times in measure_attention(attention, timer).items():
+            timings[op] = times
+            chosen[op] = fastest(times)
+    ms = {family: {name: None if t is None else round(t * 1e3, 4) for name, t in times.items()}
+          for family, times in timings.items()}
+    return KernelChoice("auto", decode, prefill, chosen, "measured", ms, key)

@@ -1,0 +1,244 @@
+"""Kernel choice by measurement (`mooncake_ops.selection`): the pick, the fallback, the cache
+and its key, the split kernel, the dispatch override and the mode override.
+
+Timings are injected through the ``timer(label, fn)`` argument, so no assert depends on this
+machine's speed; the candidates used are the two every CPU has (``torch-dense`` and
+``bf16-fp32-compute``) unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mooncake_ops import dispatch
+from mooncake_ops import selection as sel
+from mooncake_ops.linear import FP32_COMPUTE_BF16
+
+ALWAYS = ("torch-dense", "bf16-fp32-compute")
+
+
+def _layers(num_layers: int = 2, hidden: int = 32, seed: int = 0) -> list[list[sel.MatmulWeight]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, generator=g).to(torch.bfloat16)
+
+    return [[sel.MatmulWeight(w(3 * hidden, hidden)), sel.MatmulWeight(w(hidden, hidden)),
+             sel.MatmulWeight(w(4 * hidden, hidden), gate_up=True),
+             sel.MatmulWeight(w(hidden, 2 * hidden))] for _ in range(num_layers)]
+
+
+class Timings:
+    """An injected timer: seconds per (family, candidate) label prefix; every call counted;
+    a candidate mapped to an exception raises it (a kernel that fails here)."""
+
+    def __init__(self, table: dict[str, float | Exception], default: float = 1.0) -> None:
+        self.table, self.default, self.calls = table, default, []
+
+    def __call__(self, label: str, fn: object) -> float:
+        self.calls.append(label)
+        family, name = label.split(":")[:2]
+        value = self.table.get(f"{family}:{name}", self.default)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+
+def test_fastest_takes_the_smallest_finite_time_and_refuses_all_failed():
+    assert sel.fastest({"a": 2.0, "b": 1.0, "c": None, "d": math.inf}) == "b"
+    with pytest.raises(RuntimeError, match="every candidate failed: a, b"):
+        sel.fastest({"a": None, "b": math.inf})
+
+
+def test_one_kernel_runs_both_classes_when_it_is_close_to_the_best_in_each():
+    decode = {"x": 1.0, "y": 1.1}
+    prefill = {"x": 1.15, "y": 1.0}
+    # x is 1.15x the best at prefill, y 1.1x the best at decode: y's worst ratio is smaller
+    assert sel.split_or_single(decode, prefill, loss=1.2) == ("y", "y")
+    assert sel.split_or_single(decode, {"x": 2.0, "y": 1.0}, loss=1.2) == ("y", "y")
+    assert sel.split_or_single({"x": 1.0, "y": 2.0}, {"x": 2.0, "y": 1.0}) == ("x", "y")
+
+
+def test_auto_takes_the_fastest_candidate_per_class_from_injected_timings():
+    timer = Timings({"matmul_decode:bf16-fp32-compute": 0.1, "matmul_decode:torch-dense": 1.0,
+                     "matmul_prefill:bf16-fp32-compute": 5.0, "matmul_prefill:torch-dense": 1.0})
+    layers = _layers()
+    candidates = [k for k in sel.linear_candidates(layers[0][0].weight) if k.name in ALWAYS]
+    found = sel.measure_linear(layers, None, candidates, timer)
+    assert sel.split_or_single(found["decode"], found["prefill"]) == (
+        "bf16-fp32-compute", "torch-dense")
+    # every decode row count and the prefill pass of each candidate was timed
+    assert {c.split(":")[0] for c in timer.calls} == {"matmul_decode", "matmul_prefill"}
+    assert {int(c.split(":")[2]) for c in timer.calls} == {1, 8, sel.PREFILL_ROWS}
+
+
+def test_a_candidate_that_fails_is_left_out_and_the_next_fastest_runs():
+    timer = Timings({"matmul_decode:bf16-fp32-compute": RuntimeError("no such kernel here"),
+                     "matmul_prefill:bf16-fp32-compute": 0.1, "matmul_decode:torch-dense": 1.0,
+                     "matmul_prefill:torch-dense": 1.0})
+    layers = _layers()
+    candidates = [k for k in sel.linear_candidates(layers[0][0].weight) if k.name in ALWAYS]
+    found = sel.measure_linear(layers, None, candidates, timer)
+    assert found["decode"]["bf16-fp32-compute"] is None
+    assert sel.split_or_single(found["decode"], found["prefill"]) == (
+        "torch-dense", "bf16-fp32-compute")
+
+
+def test_the_measurement_is_cached_and_timed_again_when_its_key_changes(tmp_path):
+    timer = Timings({})
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    assert first.source == "measured" and timer.calls
+    files = list((tmp_path / "kernels").glob("*.json"))
+    assert [f.stem for f in files] == [first.key]
+    assert json.loads(files[0].read_text())["linear_decode"] == first.linear_decode
+
+    timer.calls.clear()
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    assert again.source == "cached" and not timer.calls
+    assert (again.linear_decode, again.linear_prefill) == (first.linear_decode,
+                                                             first.linear_prefill)
+
+    other = sel.choose_kernels("auto", _layers(hidden=64), None, None, cache_dir=tmp_path,
+                               timer=timer)  # other shapes: another key, timed again
+    assert other.source == "measured" and timer.calls and other.key != first.key
+
+    threads = torch.get_num_threads()
+    timer.calls.clear()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    finally:
+        torch.set_num_threads(threads)
+    assert moved.source == "measured" and moved.key != first.key and timer.calls
+
+
+def test_a_stale_or_corrupt_cache_file_is_measured_again(tmp_path):
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                               timer=Timings({}))
+    path = tmp_path / "kernels" / f"{first.key}.json"
+    path.write_text("{not json")
+    timer = Timings({})
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    assert again.source == "measured" and timer.calls
+    assert json.loads(path.read_text())["key"] == first.key
+
+
+def test_the_split_kernel_runs_each_class_on_its_own_kernel():
+    small, large = sel.TORCH_DENSE, FP32_COMPUTE_BF16
+    kernel = sel.split_kernel(small, large)
+    weight = torch.randn(48, 32).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    for rows, expected_kernel in ((1, small), (sel.DECODE_MAX_ROWS, small),
+                                  (sel.DECODE_MAX_ROWS + 1, large), (100, large)):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        expected = expected_kernel.linear(x, expected_kernel.pack(weight))
+        assert torch.equal(kernel.linear(x, packed), expected), rows
+
+
+def test_the_split_kernel_fused_gate_up_matches_its_parts():
+    from mooncake_ops.linear import NATIVE_PACKED_BF16, native_bf16_linear_available
+
+    if not native_bf16_linear_available():
+        pytest.skip("the fused SwiGLU input is the AVX512_BF16 native kernel's (not on this CPU)")
+    kernel = sel.split_kernel(NATIVE_PACKED_BF16, sel.TORCH_DENSE)
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    packed = kernel.pack_gate_up(weight)
+    from mooncake_ops import silu_and_mul
+
+    small = torch.randn(2, 32).to(torch.bfloat16)
+    assert torch.equal(kernel.gate_up_silu(small, packed), NATIVE_PACKED_BF16.gate_up_silu(
+        small, NATIVE_PACKED_BF16.pack_gate_up(weight)))
+    large = torch.randn(40, 32).to(torch.bfloat16)
+    assert torch.equal(kernel.gate_up_silu(large, packed), silu_and_mul(F.linear(large, weight)))
+
+
+def test_every_linear_candidate_matches_f_linear_on_fresh_inputs():
+    """Each kernel auto may choose computes F.linear. Derived bound: x and w are exact bf16,
+    each candidate sums in fp32 (K = 96 terms: relative error ~96 * 2^-24, negligible) and
+    rounds the sum to bf16 once (at most the unit roundoff 2^-8 of |y|); the bound allows four
+    times that rounding, relative to the largest |y|."""
+    weight = torch.randn(64, 96).to(torch.bfloat16)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        exact = F.linear(x.double(), weight.double())
+        for kernel in sel.linear_candidates(weight):
+            y = kernel.linear(x, kernel.pack(weight)).double()
+            bound = 4 * 2.0 ** -8 * exact.abs().max()
+            assert (y - exact).abs().max() <= bound, (kernel.name, rows)
+
+
+def test_attention_candidates_are_timed_and_the_choice_is_applied_and_reset():
+    shape = sel.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                               dtype=torch.bfloat16)
+    timer = Timings({"paged_decode_attention:torch-sdpa": 0.01}, default=1.0)
+    found = sel.measure_attention(shape, timer)
+    assert sel.fastest(found["paged_decode_attention"]) == "torch-sdpa"
+    choice = sel.KernelChoice("auto", None, None, {"paged_decode_attention": "torch-sdpa"})
+    before = dispatch.implementation_name("paged_decode_attention", "cpu")
+    try:
+        choice.apply()
+        assert dispatch.implementation_name("paged_decode_attention", "cpu") == "torch-sdpa"
+    finally:
+        sel.KernelChoice("native", None, None).apply()
+    assert dispatch.implementation_name("paged_decode_attention", "cpu") == before
+
+
+def test_a_chosen_candidate_that_is_not_one_is_refused_with_the_list():
+    with pytest.raises(ValueError, match="'fast' is not an implementation of "
+                                         "paged_decode_attention on cpu; candidates: .*torch-sdpa"):
+        dispatch.choose_impl("paged_decode_attention", "cpu", "fast")
+
+
+def test_a_native_choice_is_void_while_native_kernels_are_off():
+    if "native" not in dispatch.op_candidates("paged_decode_attention", "cpu"):
+        pytest.skip("no native build loads on this CPU")
+    dispatch.choose_impl("paged_decode_attention", "cpu", "native")
+    previous = dispatch.use_native(False)
+    try:
+        assert dispatch.implementation_name("paged_decode_attention", "cpu") == "torch-reference"
+    finally:
+        dispatch.use_native(previous)
+        dispatch.choose_impl("paged_decode_attention", "cpu", None)
+
+
+def test_the_mode_comes_from_the_environment_first_and_bad_ones_are_named(monkeypatch):
+    monkeypatch.delenv(sel.ENV_VAR, raising=False)
+    assert sel.resolve_mode(None) == "auto"
+    assert sel.resolve_mode("native") == "native"
+    monkeypatch.setenv(sel.ENV_VAR, "torch")
+    assert sel.resolve_mode("native") == "torch"
+    monkeypatch.setenv(sel.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="KTHENA_KERNELS='fastest': the kernel choice is one "
+                                         "of auto, native, torch"):
+        sel.resolve_mode("auto")
+    monkeypatch.delenv(sel.ENV_VAR)
+    with pytest.raises(ValueError, match="kernels='amx': the kernel choice is one of"):
+        sel.resolve_mode("amx")
+
+
+def test_fixed_modes_time_nothing():
+    timer = Timings({})
+    torch_choice = sel.choose_kernels("torch", _layers(), None, None, timer=timer)
+    assert (torch_choice.linear_decode, torch_choice.source) == ("torch-dense", "fixed")
+    assert set(torch_choice.attention.values()) == {"torch-sdpa"}
+    native = sel.choose_kernels("native", _layers(), None, None, timer=timer)
+    assert native.attention == {} and native.source == "fixed"
+    assert not timer.calls
+    fp32 = [[sel.MatmulWeight(torch.randn(8, 8))]]  # no packed kernel for fp32: F.linear
+    assert sel.choose_kernels("auto", fp32, None, None, timer=timer).linear_kernel() is None
+    assert not [c for c in timer.calls if c.startswith("matmul")]
+
+
+def test_labels_and_summary_name_every_choice():
+    choice = sel.KernelChoice("auto", "a", "b", {"paged_prefill_attention": "native"},
+                              "cached")
+    assert choice.labels() == {"mode": "auto", "source": "cached", "matmul_decode": "a",
+                               "matmul_prefill": "b", "decode_attention": "default",
+                               "prefill_attention": "native"}
+    assert choice.summary() == ("kernels (auto, cached): matmul a (decode) / b (prefill); "
+                                "decode attention default; prefill attention native")
