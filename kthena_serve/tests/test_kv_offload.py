@@ -44,6 +44,8 @@ PEER = Path(__file__).parent / "kv_offload_peer.py"
      KVOffloadConfig(10**9, "127.0.0.1:7000", 32 << 20, False, 8, 0.5)),
     ("host=1G,store=mooncake,write=through",
      KVOffloadConfig(10**9, "127.0.0.1:50051", store_write_through=True)),
+    ("host=1G,store=mooncake@10.0.0.2:50051,listen=10.0.0.5",
+     KVOffloadConfig(10**9, "10.0.0.2:50051", store_listen="10.0.0.5")),
 ])
 def test_kv_offload_text_is_read(text, expected):
     assert EngineConfig(kv_offload=text).kv_offload == expected
@@ -61,6 +63,8 @@ def test_kv_offload_text_is_read(text, expected):
     ("host=1G,queue=0", "queue='0' is not a positive integer"),
     ("host=1G,segment=1G", "segment= without store="),
     ("host=1G,write=through", "write= without store="),
+    ("host=1G,listen=10.0.0.5", "listen= without store="),
+    ("host=1G,store=mooncake,listen=a:b", "listen='a:b' is not an address"),
     ("host=1G,store=mooncake,write=back", "write='back' is not 'spill' or 'through'"),
     ("host=1G,store=mooncake,segment=0", "segment: size must be positive"),
     ("host=1G,timeout=never", "timeout='never'"),
@@ -292,6 +296,11 @@ def test_two_engine_processes_share_blocks_through_the_store(master, prompts, ba
         tiers = {t["tier"]: t for t in computed["tiers"]}
         assert tiers["mooncake_store"]["num_stored_blocks"] == 4  # 3 prompt blocks, 1 output
         assert tiers["host"]["num_stored_blocks"] == 4  # and a copy of each kept here
+        from mooncake_kv.listen import listening_sockets, wildcard_listeners
+
+        # the store client's listeners (Mooncake's RPC and data ports) are on loopback only
+        assert wildcard_listeners(first.pid) == [], listening_sockets(first.pid)
+        assert listening_sockets(first.pid)
         second = start_peer(spec, prompts[0])
         fetched = peer_result(second)
     finally:

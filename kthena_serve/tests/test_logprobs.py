@@ -211,17 +211,18 @@ REFUSED = [
     (_CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", ["top_logprobs=21", "[0, 20]"]),
     (_CHAT, {"top_logprobs": 2}, "top_logprobs", ["top_logprobs=2", "logprobs: true"]),
     (_CHAT, {"logprobs": 1}, "logprobs", ["valid boolean"]),
-    (_CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ["tools"]),
-    (_CHAT, {"tool_choice": "auto"}, "tool_choice", ["tool_choice='auto'"]),
+    (_CHAT, {"tools": []}, "tools", ["`tools` must not be an empty array"]),
+    (_CHAT, {"tool_choice": "auto"}, "tool_choice", ["`tools` must be set"]),
     (_CHAT, {"functions": [{"name": "f"}]}, "functions", ["functions"]),
     (_CHAT, {"function_call": {"name": "f"}}, "function_call", ["function_call"]),
-    (_CHAT, {"response_format": {"type": "json_object"}}, "response_format", ["json_object"]),
+    (_CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", ["json_schema.schema"]),
     (_CHAT, {"logit_bias": {"4200000": -100}}, "logit_bias", ["logit_bias token id 4200000"]),
     (_CHAT, {"priority": 2}, "priority", ["priority=2", "first-come first-served"]),
     (_C, {"suffix": "end"}, "suffix", ["suffix='end'"]),
     (_C, {"best_of": 3}, "best_of", ["best_of=3"]),
     (_C, {"store": True}, "store", ["unrecognized request argument supplied: store"]),
-    (_CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls", ["unrecognized"]),
+    (_CHAT, {"guided_json": {"type": "object"}}, "guided_json", ["structured_outputs"]),
 ]
 
 

@@ -150,7 +150,7 @@ def test_prefix_hints_are_never_trusted(client):
 BAD_INPUTS = [
     ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
     ("not an object", "/v1/completions", b"[1, 2]", 400, None),
-    ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("mistyped model", "/v1/completions", {"model": 5, "prompt": "x"}, 400, "model"),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("mistyped max_tokens", "/v1/completions", _completion(max_tokens="5"), 400, "max_tokens"),
     ("mistyped temperature", "/v1/completions", _completion(temperature="hot"), 400,
@@ -300,10 +300,10 @@ def test_a_request_the_engine_fails_on_fails_alone_over_http(core, engine, url):
 
     sample = core.sampler.__class__.__call__
 
-    def picky(self, logits, requests):
+    def picky(self, logits, requests, token_bitmask=None):
         if any(r.params.presence_penalty == 0.5 for r in requests):
             raise OverflowError("injected failure")
-        return sample(self, logits, requests)
+        return sample(self, logits, requests, token_bitmask)
 
     original = core.sampler.__class__
     core.sampler.__class__ = type("PickySampler", (original,), {"__call__": picky})

@@ -347,3 +347,31 @@ def test_prompt_logprobs_field_in_vllm_shape_and_no_prefix_reuse(client, engine)
         "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and all(
         len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_model_is_optional_and_stream_options_are_checked(client):
+    no_model = {k: v for k, v in BASE.items() if k != "model"}
+    assert client.post("/v1/completions", json=no_model).status_code == 200
+    assert client.post("/v1/completions", json={**BASE, "model": "other"}).status_code == 404
+    for options, param in (({"include_usage": True}, "stream_options"),
+                           ({"include_usage": True, "extra": 1}, "stream_options.extra"),
+                           ({"continuous_usage_stats": True},
+                            "stream_options.continuous_usage_stats")):
+        body = {**BASE, "stream_options": options, "stream": param != "stream_options"}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 400, (options, answer.text)
+        assert answer.json()["error"]["param"] == param, answer.json()
+
+
+def test_several_token_id_prompts_in_one_request(client, engine):
+    """lm-eval's tokenized requests: prompt = [[ids], [ids]] (vLLM takes it too)."""
+    first, second = engine.processor.encode("One two"), engine.processor.encode("Three four five")
+    answer = client.post("/v1/completions", json={**BASE, "prompt": [first, second],
+                                                   "max_tokens": 2, "echo": True})
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert choices[0]["text"].startswith("One two"), choices
+    assert choices[1]["text"].startswith("Three four five"), choices
+    assert answer.json()["usage"]["prompt_tokens"] == len(first) + len(second)
+    bad = client.post("/v1/completions", json={**BASE, "prompt": [[1, 2], []]})
+    assert bad.status_code == 400

@@ -4,6 +4,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,6 +113,50 @@ def test_closed_store_raises_tier_error(master):
 def test_bad_master_address_is_refused():
     with pytest.raises(ValueError, match="host:port"):
         StoreTierConfig(master_address="localhost")
+
+
+# ---- where the client listens -------------------------------------------------------------------
+
+READ_BACK = """
+import sys
+from mooncake_kv.listen import wildcard_listeners
+from mooncake_kv.tiers import MooncakeStoreTier, StoreTierConfig
+tier = MooncakeStoreTier(StoreTierConfig(master_address=sys.argv[1], namespace=sys.argv[2],
+                                         global_segment_size=16 << 20, local_buffer_size=4 << 20))
+hits = sum(tier.get(f"k{i}") == bytes([i]) * 65536 for i in range(8))
+print(hits, wildcard_listeners())
+tier.close()
+"""
+
+
+def test_store_client_listens_on_loopback_only(store, master):
+    """Mooncake binds every interface by itself (0.0.0.0 RPC, [::] data); here it listens on
+    127.0.0.1 only, and another client still reads the blocks this one's segment holds."""
+    from mooncake_kv.listen import listening_sockets, wildcard_listeners
+
+    listening = listening_sockets()
+    assert wildcard_listeners() == [], listening
+    assert len(listening) >= 2  # Mooncake's handshake RPC and TCP data ports
+    assert {host for host, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    for i in range(8):  # the reader mounts no segment before these land: they are in ours
+        store.put(f"k{i}", bytes([i]) * 65536)
+    reader = subprocess.run([sys.executable, "-c", READ_BACK, master, store.config.namespace],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "GLOG_minloglevel": "2"})
+    assert reader.returncode == 0, reader.stderr[-2000:]
+    assert reader.stdout.split(maxsplit=1) == ["8", "[]\n"]
+
+
+def test_remote_master_with_a_loopback_client_is_refused():
+    # the master would hand 127.0.0.1 to clients on other hosts as this client's address
+    with pytest.raises(TierUnavailableError, match="other hosts cannot reach"):
+        open_tier(StoreTierConfig(master_address="192.0.2.1:50051"))
+
+
+def test_listen_address_must_be_ipv4(master):
+    with pytest.raises(TierUnavailableError, match="IPv4"):
+        open_tier(StoreTierConfig(master_address=master, local_hostname="::1",
+                                  global_segment_size=16 << 20, local_buffer_size=4 << 20))
 
 
 # ---- the offload coordinator over the real store ---------------------------------------------

@@ -32,8 +32,9 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS = {
     "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",
     "EngineConfig": "config", "SamplingParams": "sampling_params",
+    "StructuredOutputsParams": "structured_output",
     "RequestOutput": "request", "FinishReason": "request", "TokenLogprobs": "logprobs",
-    "InvalidRequestError": "errors", "EngineDeadError": "errors",
+    "InvalidRequestError": "errors", "EngineDeadError": "errors", "OverloadedError": "errors",
     "DistributedModel": "distributed", "DistributedArgumentError": "distributed",
     "launch_distributed_inference": "distributed", "load_config": "distributed",
 }

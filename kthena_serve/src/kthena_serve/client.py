@@ -5,7 +5,8 @@
     server/app.py, server/metrics.py, cli.py
                  │  EngineClient: processor (InputProcessor: limits · encode(_chat) · decode
                  │                · check · token_bytes · token_strs)
-                 │                · generate · abort(_all) · stats · is_alive
+                 │                · check_admission · generate · abort(_all) · stats
+                 │                · is_alive
        ┌─────────┴──────────────┬───────────────────────────┐
     AsyncLLM (in process)     RemoteEngine (PD router)    PrefillEngine (a PD prefill worker)
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from kthena_serve.admission import QueueLoad
 from kthena_serve.request import EngineRequest, RequestOutput
 from mooncake_kv import KVCacheStats
 
@@ -77,6 +79,7 @@ class EngineStats:
     num_running: int
     kv: KVCacheStats
     kv_tiers: tuple[KVTierStats, ...] = ()  # --kv-offload tiers, fastest first
+    queue: QueueLoad | None = None  # the admission queue (admission.py); None: no front admits
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -86,6 +89,7 @@ class EngineStats:
         fields = dict(data)
         fields["kv"] = KVCacheStats(**fields["kv"])
         fields["kv_tiers"] = tuple(KVTierStats(**t) for t in fields.get("kv_tiers", ()))
+        fields["queue"] = QueueLoad.from_json(fields.get("queue"))
         return cls(**fields)
 
     @classmethod
@@ -100,11 +104,13 @@ class EngineStats:
                 workers compute into decode workers' pools, so their KV is not counted twice.
         """
         counters = {f.name: sum(getattr(p, f.name) for p in parts)
-                    for f in attrs.fields(cls) if f.name not in ("kv", "kv_tiers")}
+                    for f in attrs.fields(cls) if f.name not in ("kv", "kv_tiers", "queue")}
         pools = parts if kv_from is None else kv_from
         kv = {name: sum(getattr(p.kv, name) for p in pools) for name in _KV_FIELDS}
         kv["block_size"] = block_size
-        return cls(**counters, kv=KVCacheStats(**kv), kv_tiers=_tier_totals(parts))
+        queues = [p.queue for p in parts if p.queue is not None]
+        return cls(**counters, kv=KVCacheStats(**kv), kv_tiers=_tier_totals(parts),
+                   queue=QueueLoad.total(queues) if queues else None)
 
 
 def _tier_totals(parts: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:
@@ -133,6 +139,15 @@ class EngineClient(Protocol):
 
     @property
     def is_alive(self) -> bool: ...
+
+    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue one API call's validated requests, or refuse them all at once when the queue
+        is past its bound (``kthena_serve.admission``); called before anything streams.
+
+        Raises:
+            OverloadedError: past the bound (the app answers 503 with ``Retry-After``).
+        """
+        ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a validated request's outputs; leaving early aborts it."""

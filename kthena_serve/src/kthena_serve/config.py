@@ -66,6 +66,20 @@ def _check_target_step(instance: object, attribute: attrs.Attribute, value: obje
                           value, "the step time the scheduler keeps to while requests decode")
 
 
+def _check_queue_delay(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= 3600:
+        raise ConfigError(attribute.name, "None or 0 (off), or seconds up to 3600", value,
+                          "the estimated wait for a first token past which a request gets 503")
+
+
+def _optional_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (not _is_int(value) or value < 0):
+        raise ConfigError(attribute.name, "None or 0 (off), or a positive int", value)
+
+
 def _model_path(value: object) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -92,6 +106,9 @@ def _size(value: int | str) -> int:
 
 # docs/kthena_serve.md, "Decode protection": chosen by scripts/step_budget_ab.py
 DEFAULT_TARGET_STEP_MS = 100.0
+# docs/kthena_serve.md, "Overload control": a generous bound, chosen by kthena bench soak
+# --overload (docs/bench_serve.md)
+DEFAULT_MAX_QUEUE_DELAY_S = 30.0
 _DTYPE_CHOICES = tuple(dtypes.torch_name(key) for key in dtypes.ENGINE_DTYPES)  # bfloat16, float16, float32
 _DEVICE = re.compile(r"^(cpu|cuda|npu)(:\d+)?$")
 
@@ -175,6 +192,14 @@ class EngineConfig:
             (every step fills ``max_num_batched_tokens``). Default 100 (docs/kthena_serve.md,
             "Decode protection", has the measurements). The PD prefill worker, which runs no
             decodes, ignores it.
+        max_queue_delay_s: overload control (``kthena_serve.admission``): a request whose
+            estimated wait for its first token (the prompt tokens queued ahead of it and its own,
+            over the rate the queue has been served at, measured) exceeds this many seconds is
+            refused at once (HTTP 503 with ``Retry-After``). None or 0: off (unbounded
+            queueing). Default 30 (docs/kthena_serve.md, "Overload control").
+        max_queued_tokens: overload control by size: a request that would make the prompt
+            tokens queued (admitted, no first token yet) exceed this many is refused (503).
+            None or 0: off (the default).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool (``"1GiB"`` also accepted).
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory`` (tests use tiny pools).
@@ -219,6 +244,9 @@ class EngineConfig:
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
     target_step_ms: float | None = attrs.field(default=DEFAULT_TARGET_STEP_MS,
                                                validator=_check_target_step)
+    max_queue_delay_s: float | None = attrs.field(default=DEFAULT_MAX_QUEUE_DELAY_S,
+                                                  validator=_check_queue_delay)
+    max_queued_tokens: int | None = attrs.field(default=None, validator=_optional_count)
     block_size: int = attrs.field(default=16, validator=_positive)
     kv_cache_memory: int = attrs.field(default=1024**3, converter=_size)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_optional_positive)

@@ -2,12 +2,13 @@
 
 Assembled from injected parts (``LLMEngine.from_config`` builds the defaults)::
 
-    LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest)
+    LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest); grammars compiled
               ── Scheduler        continuous batching; PD verbs reserve / admit_prefilled
               │     ├─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
               │     └─ prefill budget  (target_step_ms: StepCostModel, fed every step's time)
               ── runner           ModelRunner over a given KVPool (host, shm, device) or tp x pp ranks
-              ── Sampler          on the runner's device
+              ── Sampler          on the runner's device; a GrammarMatcher per structured request
+                                  fills the batch's token bitmask (grammar.py)
 
 Single-threaded by contract: one thread calls every method (the async engine's loop thread,
 or the caller of ``LLM.generate``). The KV manager checks it.
@@ -24,6 +25,7 @@ import torch
 
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
+from kthena_serve.grammar import Grammars
 from kthena_serve.input_processor import EngineLimits, InputProcessor
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs, prompt_logprobs
 from kthena_serve.model import IncrementalDetokenizer, Tokenizer
@@ -131,8 +133,10 @@ class LLMEngine:
                                  "and leave kv_offload None")
 
             self.offloader = open_offloader(config, runner.pool, self.kv)
-        # target_step_ms: every step's time refits the cost model the prefill budget reads
-        self.step_cost = step_cost or (StepCostModel() if config.target_step_ms else None)
+        # target_step_ms: every step's time refits the cost model the prefill budget reads;
+        # max_queue_delay_s: the admission bound's rate starts from its prefill capacity
+        self.step_cost = step_cost or (StepCostModel() if config.target_step_ms
+                                       or config.max_queue_delay_s else None)
         self.scheduler = scheduler or Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -147,7 +151,9 @@ class LLMEngine:
             vocab_size=model_config.vocab_size, num_kv_blocks=runner.num_blocks,
             kv_cache_dtype=kv_dtype_name(config), kernels=_kernel_labels(runner.model),
             prompt_logprobs=hasattr(runner, "execute_prompt_logits")),
-            config.chat_special_tokens)
+            config.chat_special_tokens,
+            # a batch's grammar rows are filled on the engine's threads (idle meanwhile)
+            Grammars(tokenizer, model_config.vocab_size, max_threads=torch.get_num_threads()))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
@@ -329,14 +335,18 @@ class LLMEngine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | None]:
-        """One token per request; a request the sampler fails on gets None (the rest do not)."""
+        """One token per request, grammars' bitmasks applied; a request the sampler fails on
+        gets None (the rest do not)."""
+        grammars = self.processor.grammars
         try:
-            return self.sampler(logits, requests)
+            return self.sampler(logits, requests,
+                                grammars.fill_bitmask([r.grammar for r in requests]))
         except Exception:  # noqa: BLE001 - find the culprit row by row
             tokens: list[int | None] = []
             for row, request in enumerate(requests):
                 try:
-                    tokens += self.sampler(logits[row : row + 1], [request])
+                    tokens += self.sampler(logits[row : row + 1], [request],
+                                           grammars.fill_bitmask([request.grammar]))
                 except Exception:  # noqa: BLE001
                     log.exception("sampling request %s failed", request.request_id)
                     tokens.append(None)
@@ -367,7 +377,8 @@ class LLMEngine:
                 request.logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = request.stream.append(token_id)
+            completed = _advance_grammar(request, token_id)
+            reason = request.stream.append(token_id) or (FinishReason.STOP if completed else None)
         except Exception:  # noqa: BLE001 - this request's stream alone is broken
             log.exception("stop-checking request %s failed", request.request_id)
             return self._fail(request)
@@ -398,6 +409,8 @@ class LLMEngine:
                                              request.params.skip_special_tokens)
         live.stream = OutputStream(detokenizer, request.params, self.eos_token_ids,
                                    request.max_tokens)
+        if request.params.structured_outputs is not None:  # compiled at the edge: a cache hit
+            live.grammar = self.processor.grammars.matcher(request.params.structured_outputs)
         self._requests[request.request_id] = live
         return live
 
@@ -429,6 +442,17 @@ class LLMEngine:
         )
 
     # ---- observability ----------------------------------------------------------------------
+    def prefill_capacity(self) -> float | None:
+        """Prompt tokens per second the step cost model predicts with the requests running now
+        (steps of the prefill budget, or ``max_num_batched_tokens``); None without a cost model.
+        The admission bound's prior rate (``kthena_serve.admission``)."""
+        if self.step_cost is None:
+            return None
+        rows = len(self.scheduler.running)
+        budget = self.scheduler.prefill_budget
+        tokens = budget(rows) if budget is not None and rows else self.config.max_num_batched_tokens
+        return self.step_cost.prefill_tokens_per_s(rows, max(1, tokens))
+
     def stats(self) -> EngineStats:
         """Counters and a consistent KV snapshot (the KV part is safe from any thread)."""
         return EngineStats(
@@ -449,6 +473,22 @@ class LLMEngine:
         from kthena_serve.kv_offload import tier_stats
 
         return tier_stats(self.offloader.snapshot())
+
+
+def _advance_grammar(request: Request, token_id: int) -> bool:
+    """Feed a sampled token to the request's grammar; True once the grammar has ended (its
+    stop token taken). A request without one: False.
+
+    Raises:
+        ValueError: the grammar refuses the token (nothing it allows could be sampled, e.g.
+            every allowed token was masked by ``allowed_token_ids`` or ``min_tokens``).
+    """
+    if request.grammar is None:
+        return False
+    if not request.grammar.accept_token(token_id):
+        raise ValueError(f"token {token_id} does not continue the request's structured output "
+                         "(its other masks left the grammar no token)")
+    return request.grammar.is_terminated()
 
 
 def _kernel_labels(model: torch.nn.Module) -> dict[str, str]:

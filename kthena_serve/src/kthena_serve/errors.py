@@ -3,7 +3,8 @@ and when the engine itself cannot start or run."""
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "InvalidRequestError", "RankDiedError", "RequestFailedError"]
+__all__ = ["EngineDeadError", "InvalidRequestError", "OverloadedError", "RankDiedError",
+           "RequestFailedError"]
 
 
 class InvalidRequestError(ValueError):
@@ -20,6 +21,23 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down, or a step failed); the request cannot complete."""
+
+
+class OverloadedError(RuntimeError):
+    """The queue is past its bound (``--max-queue-delay`` / ``--max-queued-tokens``): the
+    request was refused before anything was generated (the server answers 503).
+
+    Attributes:
+        retry_after_s: whole seconds after which the queue is expected back under the bound
+            (the ``Retry-After`` header).
+        limit: the bound that refused it (``queue_delay`` or ``queued_tokens``; ``worker``: a
+            worker behind the PD router refused it by its own bound).
+    """
+
+    def __init__(self, message: str, retry_after_s: int, limit: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.limit = limit
 
 
 class RequestFailedError(RuntimeError):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kthena_serve.errors import InvalidRequestError
+from kthena_serve.grammar import Grammars
 from kthena_serve.request import EngineRequest
 from kthena_serve.sampling_params import SamplingParams
 
@@ -94,13 +95,17 @@ class InputProcessor:
             returns them now (a PD router's change as its decode workers report).
         chat_special_tokens: ``"text"``: special tokens typed in chat content stay text (no
             forged turns); ``"control"``: they act as control tokens (Hugging Face's default).
+        grammars: the compiled-grammar cache ``structured_outputs`` are checked with (and the
+            engine's matchers made from); default: one over ``tokenizer`` and the limits'
+            vocabulary.
     """
 
     def __init__(self, tokenizer: Tokenizer, limits: EngineLimits | Callable[[], EngineLimits],
-                 chat_special_tokens: str = "text") -> None:
+                 chat_special_tokens: str = "text", grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
         self._limits = limits
         self.chat_special_tokens = chat_special_tokens
+        self.grammars = grammars or Grammars(tokenizer, lambda: self.limits.vocab_size)
 
     @property
     def limits(self) -> EngineLimits:
@@ -232,16 +237,28 @@ class InputProcessor:
                 runs.append(spaced)
         return tuple(runs)
 
+    def compile_grammar(self, params: SamplingParams, param: str = "structured_outputs") -> None:
+        """Compile ``params.structured_outputs`` into the cache the engine's matchers come from
+        (slow on a miss: the server calls it off the event loop and the engine thread).
+
+        Raises:
+            InvalidRequestError: the constraint does not compile (``param`` names the field).
+        """
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs, param)
+
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> EngineRequest:
-        """Encode and check one request (the only validation it gets).
+        """Encode and check one request (the only validation it gets), its grammar compiled.
 
         Raises:
-            InvalidRequestError: see ``encode`` and ``check``.
+            InvalidRequestError: see ``encode``, ``check`` and ``compile_grammar``.
         """
         ids, params = self.prepare(self.encode(prompt), params or SamplingParams())
-        return EngineRequest(request_id, tuple(ids), params, self.check(ids, params), cache_salt)
+        budget = self.check(ids, params)
+        self.compile_grammar(params)
+        return EngineRequest(request_id, tuple(ids), params, budget, cache_salt)
 
 
 def _check_ids(token_ids: Sequence[int], vocab: int, param: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Tiered KV offload of one engine: the ``--kv-offload`` value and the offloader it opens.
 
-``host=SIZE[,store=mooncake[@HOST:PORT]][,write=spill|through][,segment=SIZE][,queue=N]``
-``[,timeout=SECONDS]``
+``host=SIZE[,store=mooncake[@HOST:PORT]][,write=spill|through][,segment=SIZE]``
+``[,listen=ADDRESS][,queue=N][,timeout=SECONDS]``
 
 * ``host=SIZE``: bytes of host memory (``2GiB``, ``512MiB``) holding offloaded blocks (LRU).
 * ``store=mooncake@HOST:PORT``: blocks the host tier pushes out go to the Mooncake Store whose
@@ -11,6 +11,11 @@
   every offloaded block goes to the store at once too, so other engines find it right away.
 * ``segment=SIZE``: bytes of this process's RAM lent to the store (default 64MiB; the store
   holds what its clients and servers lend it).
+* ``listen=ADDRESS``: where this process's store client listens and what it advertises
+  (default 127.0.0.1). Other clients read this process's segment there, so with a master on
+  another host give this host's address on that network; the store tier is refused for a
+  remote master with a loopback ``listen``. Mooncake by itself listens on every interface:
+  ``mooncake_kv.listen`` keeps it on this address, or the store tier is not opened.
 * ``queue=N``: offloads waiting for the background copier at most (default 256; more drop).
 * ``timeout=SECONDS``: how long a request waits for its promotion before recomputing the
   blocks not yet copied (default 5).
@@ -65,7 +70,8 @@ def open_offloader(config: EngineConfig, pool: BlockStorage, kv: KVCacheManager,
         try:
             tiers.append(open_tier(StoreTierConfig(
                 master_address=spec.store_address, namespace="kthena",
-                global_segment_size=spec.store_segment_bytes)))
+                global_segment_size=spec.store_segment_bytes,
+                local_hostname=spec.store_listen)))
         except TierError as error:
             logging.getLogger(__name__).warning(
                 "KV offload: the Mooncake Store at %s is left out, blocks past the host tier "

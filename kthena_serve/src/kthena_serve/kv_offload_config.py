@@ -16,8 +16,9 @@ __all__ = ["DEFAULT_MASTER", "SYNTAX", "KVOffloadConfig", "KVOffloadSyntaxError"
 
 DEFAULT_MASTER = "127.0.0.1:50051"
 SYNTAX = ("'host=SIZE[,store=mooncake[@HOST:PORT]][,write=spill|through][,segment=SIZE]"
-          "[,queue=N][,timeout=SECONDS]'")
+          "[,listen=ADDRESS][,queue=N][,timeout=SECONDS]'")
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-]+:\d{1,5}$")
+_HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 class KVOffloadSyntaxError(ValueError):
@@ -42,6 +43,12 @@ def _check_address(instance: object, attribute: attrs.Attribute, value: object) 
                                    f"got {value!r}")
 
 
+def _check_host(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not _HOST.match(value):
+        raise KVOffloadSyntaxError(f"KVOffloadConfig.store_listen must be an IPv4 address or a "
+                                   f"host name, got {value!r}")
+
+
 def _check_timeout(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 600:
         raise KVOffloadSyntaxError(f"KVOffloadConfig.promote_timeout_s must be seconds in "
@@ -59,6 +66,8 @@ class KVOffloadConfig:
         store_write_through: every offload also goes to the store at once (else: spills).
         queue_depth: offload queue bound.
         promote_timeout_s: how long a request waits for its promotion.
+        store_listen: the address this process's store client listens on and advertises
+            (its segment is read from there; never every interface).
     """
 
     host_bytes: int = attrs.field(validator=_positive_int)
@@ -67,6 +76,7 @@ class KVOffloadConfig:
     store_write_through: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     queue_depth: int = attrs.field(default=256, validator=_positive_int)
     promote_timeout_s: float = attrs.field(default=5.0, validator=_check_timeout)
+    store_listen: str = attrs.field(default="127.0.0.1", validator=_check_host)
 
     @classmethod
     def parse(cls, text: str) -> KVOffloadConfig:
@@ -83,7 +93,8 @@ class KVOffloadConfig:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("host", "store", "write", "segment", "queue", "timeout"):
+            if not sep or key not in ("host", "store", "write", "segment", "listen", "queue",
+                                      "timeout"):
                 raise _fail(text, f"unknown item {part!r}")
             if key in items:
                 raise _fail(text, f"{key!r} given twice")
@@ -96,7 +107,7 @@ class KVOffloadConfig:
                 sizes[key] = parse_bytes(items.get(key, str(64 << 20)))
             except ValueError as error:
                 raise _fail(text, f"{key}: {error}") from None
-        for key in ("segment", "write"):
+        for key in ("segment", "write", "listen"):
             if key in items and "store" not in items:
                 raise _fail(text, f"{key}= without store=")
         if items.get("write", "spill") not in ("spill", "through"):
@@ -104,14 +115,15 @@ class KVOffloadConfig:
         return cls(sizes["host"], _store_address(text, items.get("store")), sizes["segment"],
                    items.get("write") == "through",
                    _int(text, "queue", items.get("queue", "256")),
-                   _seconds(text, items.get("timeout", "5")))
+                   _seconds(text, items.get("timeout", "5")),
+                   _listen(text, items.get("listen", "127.0.0.1")))
 
     def __str__(self) -> str:
         parts = [f"host={self.host_bytes}"]
         if self.store_address is not None:
             parts += [f"store=mooncake@{self.store_address}",
                       f"write={'through' if self.store_write_through else 'spill'}",
-                      f"segment={self.store_segment_bytes}"]
+                      f"segment={self.store_segment_bytes}", f"listen={self.store_listen}"]
         return ",".join([*parts, f"queue={self.queue_depth}",
                          f"timeout={self.promote_timeout_s:g}"])
 
@@ -126,6 +138,12 @@ def _store_address(text: str, value: str | None) -> str | None:
     if not _ADDRESS.match(address) or not 0 < int(address.rpartition(":")[2]) < 65536:
         raise _fail(text, f"store address {address!r} is not HOST:PORT")
     return address
+
+
+def _listen(text: str, value: str) -> str:
+    if not _HOST.match(value):
+        raise _fail(text, f"listen={value!r} is not an address or host name")
+    return value
 
 
 def _int(text: str, key: str, value: str) -> int:

@@ -115,7 +115,7 @@ class Request:
 
     __slots__ = (
         "arrival_time", "block_ids", "cache_salt", "first_token_time", "finish_reason",
-        "finish_time", "logprobs", "num_cached_tokens", "num_committed_blocks",
+        "finish_time", "grammar", "logprobs", "num_cached_tokens", "num_committed_blocks",
         "prompt_logprobs",
         "num_computed_tokens", "num_emitted_tokens", "num_preemptions", "num_prompt_tokens",
         "params", "request_id", "status", "stream", "token_ids",
@@ -142,6 +142,9 @@ class Request:
         self.num_preemptions = 0
         self.block_ids: tuple[int, ...] = ()
         self.stream = None  # the OutputStream (detokenizer + stop checks), set by the engine
+        # With structured_outputs: its xgrammar GrammarMatcher, advanced with every output
+        # token (set by the engine; kept on preemption, like the tokens)
+        self.grammar = None
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -5,8 +5,10 @@ Otherwise, row-wise: stop ids (EOS, ``stop_token_ids``) masked for a request sho
 ``min_tokens``, the repetition penalty on tokens of the prompt and output, frequency / presence
 penalties on tokens already generated, ``logit_bias`` added, everything outside
 ``allowed_token_ids`` masked, the last token of a ``bad_words`` run masked where the output ends
-with the rest of it; then temperature, min-p, top-k / top-p masking in sorted order, a draw by
-the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
+with the rest of it, and the grammar's token bitmask applied to the rows of requests with
+``structured_outputs`` (one call for the batch); then temperature, min-p, top-k / top-p masking
+in sorted order, a draw by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which
+equals sampling from ``p``.
 A request with a seed draws its ``q`` from its own generator, so its tokens do not depend on
 what else shares the batch.
 """
@@ -58,12 +60,15 @@ class Sampler:
         self._generator = torch.Generator(self.device).manual_seed(torch.seed() % (2**63))
         self._seeded: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRow]) -> list[int]:
-        """Args: logits fp32 [S, vocab]; requests: the S requests. Returns S token ids."""
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRow],
+                 token_bitmask: torch.Tensor | None = None) -> list[int]:
+        """Args: logits fp32 [S, vocab] (not modified); requests: the S requests;
+        token_bitmask: int32 [S, ceil(vocab / 32)] (``Grammars.fill_bitmask``), applied to the
+        rows whose request has ``structured_outputs``. Returns S token ids."""
         params = [r.params for r in requests]
         if all(p.is_greedy and not p.changes_logits and not p.min_tokens for p in params):
             return _argmax(logits).tolist()
-        logits = _apply_penalties(logits, requests, self.eos_token_ids)
+        logits = _apply_penalties(logits, requests, self.eos_token_ids, token_bitmask)
         greedy = _argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
@@ -140,12 +145,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
-                     eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+                     eos_token_ids: Sequence[int] = (),
+                     token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """On a copy of the rows that need it: the repetition penalty (prompt and output tokens),
     frequency and presence penalties (output tokens), -inf on the stop ids of a request short
     of its ``min_tokens`` (vLLM's rule: the token sampled now is number ``len(output) + 1``;
     stops are allowed after ``min_tokens``), ``logit_bias``, ``allowed_token_ids`` and
-    ``bad_words``."""
+    ``bad_words``; then the grammar's ``token_bitmask`` on the rows with ``structured_outputs``
+    (vLLM's order: a grammar's -inf survives every addition)."""
     rows = [i for i, r in enumerate(requests)
             if r.params.changes_logits or len(r.output_token_ids) < r.params.min_tokens]
     if not rows:
@@ -177,6 +184,14 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
         masked = [t for t in banned if 0 <= t < vocab]
         if masked:
             logits[i, masked] = float("-inf")
+    constrained = [i for i, r in enumerate(requests) if r.params.structured_outputs is not None]
+    if constrained:
+        if token_bitmask is None:
+            raise ValueError("requests with structured_outputs need the batch's token_bitmask "
+                             "(Grammars.fill_bitmask)")
+        from kthena_serve.grammar import apply_token_bitmask
+
+        apply_token_bitmask(logits, token_bitmask, constrained)
     return logits
 
 

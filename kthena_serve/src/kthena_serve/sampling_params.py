@@ -7,6 +7,8 @@ import math
 import attrs
 
 from kthena_serve.errors import InvalidRequestError
+from kthena_serve.structured_output import StructuredOutputsParams
+from kthena_serve.structured_output import structured_outputs as _structured_outputs
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_SEED", "MAX_TOP_K", "MIN_SEED",
            "SamplingParams", "check_num_logprobs"]
@@ -204,6 +206,10 @@ class SamplingParams:
             before it and the ``k`` most likely tokens at its place
             (``RequestOutput.prompt_logprobs``; the first token has none). Such a prompt is
             computed in full (its cached prefix is not reused: cached blocks have no logits).
+        structured_outputs: vLLM's: the output follows this constraint (a JSON schema, a
+            regex, a choice, a grammar ...; a dict of its fields is taken too): tokens that
+            cannot continue it are masked in the sampler, and the request ends ("stop") once
+            it is complete. None: free text.
     """
 
     temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
@@ -230,6 +236,8 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_id_runs)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
     prompt_logprobs: int | None = attrs.field(default=None, validator=_check_prompt_logprobs)
+    structured_outputs: StructuredOutputsParams | None = attrs.field(default=None,
+                                                                   converter=_structured_outputs)
 
     @property
     def is_greedy(self) -> bool:
@@ -244,4 +252,4 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether the sampler edits this request's logits row (penalties, bias, masks)."""
         return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words_token_ids))
+                or bool(self.bad_words_token_ids) or self.structured_outputs is not None)

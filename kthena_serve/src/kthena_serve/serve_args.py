@@ -20,7 +20,7 @@ SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it
 
 # The EngineConfig fields add_engine_args gives a flag (each flag's dest is its field).
 ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target_step_ms",
-                      "block_size",
+                      "max_queue_delay_s", "max_queued_tokens", "block_size",
                       "kv_cache_memory", "max_model_len", "dtype", "kv_cache_dtype",
                       "quantization", "device", "tp", "pp", "enable_prefix_caching",
                       "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens",
@@ -53,6 +53,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "long prompts are split over steps; 0: off, every step fills "
                              "--max-num-batched-tokens (default "
                              f"{_default('target_step_ms'):g})")
+    parser.add_argument("--max-queue-delay", dest="max_queue_delay_s", type=float,
+                        metavar="SECONDS",
+                        help="overload control: refuse a request at once (503 with Retry-After) "
+                             "when its estimated wait for a first token (prompt tokens queued "
+                             "ahead and its own, over the rate the queue has been served at, "
+                             "measured) exceeds SECONDS; 0: off, requests queue without bound "
+                             f"(default {_default('max_queue_delay_s'):g})")
+    parser.add_argument("--max-queued-tokens", type=int, metavar="N",
+                        help="overload control by size: refuse a request (503) that would make "
+                             "the prompt tokens queued without a first token exceed N; 0: off "
+                             "(the default)")
     parser.add_argument("--block-size", type=int,
                         help=f"tokens per KV block (default {_default('block_size')})")
     parser.add_argument("--kv-cache-memory",

@@ -60,6 +60,7 @@ PLAN_CANDIDATES = 3  # runner-ups printed at start-up and carried in GET /plan
 _ENGINE_FIELDS = frozenset(f.name for f in attrs.fields(EngineConfig))
 # Settings whose flag is not --<name with dashes>.
 _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
+               "max_queue_delay_s": "--max-queue-delay",
                "pod": "--pod-name", "chunk_size": "--kv-events-chunk-size",
                "max_chunks": "--kv-events-max-chunks"}
 # kthena serve's settings that are not EngineConfig fields (with their defaults).
@@ -70,6 +71,7 @@ _SERVE_DEFAULTS: dict[str, Any] = {
     "pd_policy": "recompute", "pd_timeout": 30.0, "pd_transport": "shm",
     "pd_kv_push": "layerwise", "pd_threshold": 32, "router_weights": "1.0,0.5,0.25",
     "kv_events": None, "pod_name": None, "kv_events_chunk_size": 16, "kv_events_max_chunks": 128,
+    "disable_log_stats": False, "enable_log_requests": False,
 }
 
 
@@ -151,6 +153,9 @@ class ServeSpec:
         stream_stall_timeout_s: colocated: a stream whose client reads nothing this long is
             stopped (None: the engine's default).
         kv_events: KV events to Redis for the Kthena router (None: off).
+        log_stats: print vLLM's periodic stats line (``--disable-log-stats`` turns it off).
+        log_requests: print a line per request received and finished
+            (``--enable-log-requests``, off by default as in vLLM).
         config_path: the ``--config`` file, if one was planned.
         plan: the plan's JSON (GET /plan), if a config was planned.
     """
@@ -170,6 +175,8 @@ class ServeSpec:
     shutdown_timeout_s: float = 30.0
     stream_stall_timeout_s: float | None = None
     kv_events: KVEventsConfig | None = None
+    log_stats: bool = True
+    log_requests: bool = False
     config_path: str | None = None
     plan: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -212,6 +219,7 @@ class ServeSpec:
                    public_metrics=s["public_metrics"], shutdown_timeout_s=s["shutdown_timeout"],
                    stream_stall_timeout_s=s["stream_stall_timeout"],
                    kv_events=_kv_events(s, served),
+                   log_stats=not s["disable_log_stats"], log_requests=s["enable_log_requests"],
                    config_path=planned.path if planned else s["config"],
                    plan=planned.to_json() if planned else None)
 

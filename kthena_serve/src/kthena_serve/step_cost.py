@@ -23,6 +23,7 @@ stays a pure function of its inputs (tests inject fixed costs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
@@ -178,6 +179,15 @@ class StepCostModel:
 
     def predict(self, shape: StepShape) -> float:
         return self._current.predict(shape)
+
+    def prefill_tokens_per_s(self, num_decode_rows: int, num_prefill_tokens: int) -> float:
+        """Prompt tokens per second of steps that each carry ``num_prefill_tokens`` beside
+        ``num_decode_rows`` decodes (attention charged at ``pairs_per_token``): the prior of
+        the admission bound's rate (``kthena_serve.admission``)."""
+        shape = StepShape(num_prefill_tokens, num_decode_rows,
+                          int(num_prefill_tokens * self.pairs_per_token))
+        seconds = self.predict(shape)
+        return num_prefill_tokens / seconds if seconds > 0 else math.inf
 
 
 def _vector(c: StepCoefficients) -> tuple[float, float, float, float]:

@@ -19,8 +19,9 @@ memory the peer registered — a handle given to ``notify``, or the last one thi
 bytes to — with the message attached. Payloads travel base64-encoded (Mooncake takes text).
 
 Note: with the P2PHANDSHAKE metadata mode Mooncake's RPC and data sockets listen on all
-interfaces (0.0.0.0), whatever ``host`` says; ``host`` is only the address advertised to peers.
-Firewall the port range on multi-tenant hosts.
+interfaces (0.0.0.0, [::]), whatever ``host`` says; ``host`` is only the address advertised to
+peers. Construct the engine inside ``mooncake_kv.listen.confine_listeners(host)`` to keep them
+on ``host`` (kthena_serve's PD workers do); otherwise firewall the port range.
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may
 * ``trace_window``  the trace window, scaled to a small model and machine (Mooncake's format)
 * ``trace_report``  the trace bench's figures, ours / vLLM ratios, table and latency CDFs
 * ``soak``      ``kthena bench soak``: N streaming clients against one server for T minutes
+* ``overload``  ``kthena bench soak --overload``: 4x the sustainable load, TTFT vs the queue bound
 * ``layouts``   ``kthena bench layouts``: TP / PP / DP layouts measured vs the planner
 * ``kv``        ``kthena bench kv``: multi-turn chat over a small KV pool, tiered offload
 * ``model``     ``python -m kthena_serve.bench.model``: the model's batch-1 decode step alone
+* ``grammar``   ``python -m kthena_serve.bench.grammar``: decode step time with and without grammars
 * ``pd``        ``python -m kthena_serve.bench.pd``: PD vs colocated, handoff cost vs KV bytes
 * ``pd_plot``   the PD benchmark's figure
 * ``kv_move``   ``python -m kthena_serve.bench.kv_move``: article B's KV-move table

@@ -88,7 +88,8 @@ def _register_soak(children: argparse._SubParsersAction) -> None:
                              "--url, only a label")
     parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     parser.add_argument("--minutes", type=float, default=5.0,
-                        help="how long clients start new requests (in-flight ones then finish)")
+                        help="how long clients start new requests (in-flight ones then finish); "
+                             "0 with --overload: only the overload phase")
     parser.add_argument("--seed", type=int, default=0, help="client i draws from seed + i")
     parser.add_argument("--url", default=None,
                         help="attach to this loopback server instead of starting one "
@@ -99,22 +100,40 @@ def _register_soak(children: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="default", help="model of the server it starts")
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds one request may take, headers to [DONE]")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="replicas of the colocated server it starts (kthena serve --dp)")
+    parser.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
+                        help="the server's --max-queue-delay (default: its own; 0: off)")
+    parser.add_argument("--overload", type=float, nargs="?", const=4.0, default=None,
+                        metavar="FACTOR",
+                        help="after the mixed phase, calibrate the sustainable rate with "
+                             "--clients closed-loop streams, then offer FACTOR (default 4) "
+                             "times it open-loop: accepted TTFT vs the bound, 503 latency")
+    parser.add_argument("--overload-minutes", type=float, default=2.0,
+                        help="how long the overload phase offers its load")
+    parser.add_argument("--calibration-seconds", type=float, default=60.0,
+                        help="how long the overload phase's calibration runs")
     parser.set_defaults(func=_cmd_bench_soak)
 
 
 def _cmd_bench_soak(args: argparse.Namespace) -> int:
     """Prints the JSON line; exit status 1 if the run saw any error, 2 if it could not run."""
+    from kthena_serve.bench.overload import soak_phase
     from kthena_serve.bench.soak import SoakOptions, run_soak
 
     try:
         options = SoakOptions(mode=args.mode, clients=args.clients, minutes=args.minutes,
                               seed=args.seed, url=args.url, server_pid=args.server_pid,
                               kv_cache_memory=args.kv_cache_memory, model=args.model,
-                              request_timeout_s=args.request_timeout,
+                              request_timeout_s=args.request_timeout, dp=args.dp,
+                              max_queue_delay=args.max_queue_delay, overload=args.overload,
+                              overload_minutes=args.overload_minutes,
+                              calibration_s=args.calibration_seconds,
                               api_key=os.environ.get("KTHENA_API_KEY") if args.url else None)
-        result = run_soak(options)
+        result = run_soak(options, overload_phase=soak_phase)
     except (ValueError, RuntimeError) as error:
         print(f"kthena bench soak: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result))
-    return 1 if result["num_errors"] else 0
+    overload_errors = (result.get("overload") or {}).get("num_errors", 0)
+    return 1 if result["num_errors"] or overload_errors else 0

@@ -5,10 +5,13 @@
     start the server (or attach to --url) ─▶ warm-up ─▶ N clients loop until the deadline
         each turn, a seeded draw:  completion | chat | disconnect after k events | bad request
         every 5 s: RSS of the server's process tree
+    ─▶ with --overload: calibration, then FACTOR x the sustainable load (bench/overload.py)
     ─▶ wait until idle ─▶ /metrics (KV gauges, finished requests) ─▶ SIGTERM ─▶ one JSON line
 
 An error is a 5xx, a transport error or timeout, a stream without ``[DONE]``, an error event in
-a good request's stream, or a bad request that did not get a 4xx. Clients talk to loopback only.
+a good request's stream, or a bad request that did not get a 4xx. A good request refused past
+the server's queue bound (503, code ``overloaded``: ``--max-queue-delay``) is counted apart,
+not as an error: it is the answer overload control gives. Clients talk to loopback only.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -64,14 +67,24 @@ def _positive(instance: object, attribute: attrs.Attribute, value: float) -> Non
         raise ValueError(f"{attribute.name} must be positive, got {value!r}")
 
 
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be 0 or more, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class SoakOptions:
     """One soak run.
 
     Attributes:
         mode: ``colocated`` or ``pd`` (1 prefill + 1 decode worker) for the server it starts.
-        clients: concurrent streaming clients.
-        minutes: how long clients start new requests (in-flight ones then finish).
+        dp: replicas of the colocated server it starts (``--dp``).
+        clients: concurrent streaming clients (the calibration's too).
+        minutes: how long clients start new requests (in-flight ones then finish); 0 skips
+            this mixed phase (with ``overload``).
+        max_queue_delay: the server's ``--max-queue-delay`` (None: its default).
+        overload: run the overload phase at this many times the sustainable load (None: no).
+        overload_minutes, calibration_s: how long it offers that load, and calibrates.
         seed: client ``i`` draws from ``random.Random(seed + i)``.
         url: attach to this loopback server instead of starting one.
         server_pid: with ``url``, the server process whose tree's RSS is sampled.
@@ -82,8 +95,14 @@ class SoakOptions:
 
     mode: str = attrs.field(default="colocated",
                             validator=attrs.validators.in_(("colocated", "pd")))
+    dp: int = attrs.field(default=1, validator=_positive)
     clients: int = attrs.field(default=32, validator=_positive)
-    minutes: float = attrs.field(default=5.0, validator=_positive)
+    minutes: float = attrs.field(default=5.0, validator=_non_negative)
+    max_queue_delay: float | None = None
+    overload: float | None = attrs.field(default=None, validator=attrs.validators.optional(
+        _positive))
+    overload_minutes: float = attrs.field(default=2.0, validator=_positive)
+    calibration_s: float = attrs.field(default=60.0, validator=_positive)
     seed: int = 0
     url: str | None = attrs.field(default=None, validator=_check_url)
     server_pid: int | None = None
@@ -91,6 +110,23 @@ class SoakOptions:
     model: str = "default"
     request_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     api_key: str | None = attrs.field(default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.minutes and self.overload is None:
+            raise ValueError("--minutes 0 leaves nothing to run without --overload")
+        if self.dp > 1 and self.mode == "pd":
+            raise ValueError("--dp takes a colocated server; PD runs 1 prefill + 1 decode")
+
+    @property
+    def bound_s(self) -> float | None:
+        """The server's --max-queue-delay (its default when not given; None with --url)."""
+        if self.max_queue_delay is not None:
+            return self.max_queue_delay or None
+        if self.url is not None:
+            return None
+        from kthena_serve.config import DEFAULT_MAX_QUEUE_DELAY_S
+
+        return DEFAULT_MAX_QUEUE_DELAY_S
 
 
 # ---- what each client sends ---------------------------------------------------------------------
@@ -179,6 +215,7 @@ class _Outcome:
     stamps: list[float] = attrs.Factory(list)  # arrival of each event that carries text
     is_done: bool = False  # saw [DONE]
     problem: str | None = None  # transport error, error event or unreadable event
+    code: str | None = None  # the error body's code of a non-200 answer
 
 
 def _has_text(event: dict) -> bool:
@@ -191,7 +228,8 @@ async def _send(client: httpx.AsyncClient, plan: _Plan) -> _Outcome:
     async with client.stream("POST", plan.path, content=plan.body, headers=_JSON) as reply:
         out.status = reply.status_code
         if reply.status_code != 200:
-            out.problem = (await reply.aread()).decode(errors="replace")[:200]
+            text = (await reply.aread()).decode(errors="replace")
+            out.problem, out.code = text[:200], _error_code(text)
             return out
         async for line in reply.aiter_lines():
             if not line.startswith("data: "):
@@ -210,12 +248,26 @@ async def _send(client: httpx.AsyncClient, plan: _Plan) -> _Outcome:
     return out
 
 
+def _error_code(text: str) -> str | None:
+    try:
+        return json.loads(text)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _is_overloaded(out: _Outcome) -> bool:
+    """A 503 refusal past the server's queue bound (the answer overload control gives)."""
+    return out.status == 503 and out.code == "overloaded"
+
+
 def _judge(plan: _Plan, out: _Outcome) -> str | None:
     """What went wrong, or None."""
     if out.status is None:
         return f"{plan.kind}: {out.problem}"
     if plan.is_bad:
         return None if 400 <= out.status < 500 else f"{plan.kind}: HTTP {out.status}, want 4xx"
+    if _is_overloaded(out):
+        return None
     if out.status != 200:
         return f"{plan.kind}: HTTP {out.status}: {out.problem}"
     if out.problem:
@@ -230,6 +282,7 @@ class _Tally:
     def __init__(self) -> None:
         self.sent: Counter[str] = Counter()
         self.num_bad_4xx = 0
+        self.num_overloaded = 0  # good requests refused with 503 past the queue bound
         self.num_errors = 0
         self.errors: list[str] = []
         self.ttft_s: list[float] = []
@@ -242,6 +295,8 @@ class _Tally:
             self.record_error(problem)
         elif plan.is_bad:
             self.num_bad_4xx += 1
+        elif _is_overloaded(out):
+            self.num_overloaded += 1
         if out.stamps:
             self.ttft_s.append(out.stamps[0] - out.start)
             self.itl_s.extend(b - a for a, b in zip(out.stamps, out.stamps[1:], strict=False))
@@ -294,6 +349,10 @@ class _ServerProcess:
                 "--shutdown-timeout", "5"]
         if options.mode == "pd":
             argv += ["--mode", "pd", "--prefill", "1", "--decode", "1"]
+        if options.dp > 1:
+            argv += ["--dp", str(options.dp)]
+        if options.max_queue_delay is not None:
+            argv += ["--max-queue-delay", f"{options.max_queue_delay:g}"]
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         env.pop("KTHENA_API_KEY", None)  # the soak sends no key to a server it starts
         self.stderr = tempfile.TemporaryFile(mode="w+")
@@ -392,7 +451,20 @@ async def _scrape(client: httpx.AsyncClient) -> tuple[dict, dict]:
                 gauges[sample.name] = sample.value
             elif sample.name == "kthena_requests_total":
                 reasons[sample.labels.get("finish_reason", "")] = sample.value
+
     return gauges, reasons
+
+
+async def _num_rejected(client: httpx.AsyncClient) -> float:
+    """Refusals past the queue bound the server counted (a DP replica's that the router passed
+    on to another replica too)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = await client.get("/metrics")
+    reply.raise_for_status()
+    return sum(s.value for f in text_string_to_metric_families(reply.text) for s in f.samples
+               if s.name in ("kthena_requests_rejected_total",
+                             "kthena_dp_rejected_requests_total"))
 
 
 async def _wait_idle(client: httpx.AsyncClient) -> tuple[dict, dict, bool | None]:
@@ -436,7 +508,7 @@ def _pcts_ms(values: list[float]) -> dict:
 
 
 async def _soak(url: str, pid: int | None, exited: Callable[[], int | None],
-                options: SoakOptions) -> dict:
+                options: SoakOptions, overload_phase: OverloadPhase | None) -> dict:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     async with httpx.AsyncClient(base_url=url, trust_env=False, headers=headers,
                                  timeout=options.request_timeout_s) as admin:
@@ -449,6 +521,13 @@ async def _soak(url: str, pid: int | None, exited: Callable[[], int | None],
         run = _Run(target, options, t0 + 60 * options.minutes, _Tally(), headers, exited)
         await asyncio.gather(*(_client(i, run) for i in range(options.clients)))
         elapsed = time.monotonic() - t0
+        overload = None
+        if options.overload:
+            if overload_phase is None:
+                raise ValueError("--overload needs the overload phase: run_soak(options, "
+                                 "overload_phase=kthena_serve.bench.overload.soak_phase)")
+            overload = await overload_phase(target, options, headers)
+            overload["server_rejections"] = await _num_rejected(admin)
         try:
             gauges, reasons, is_idle = await _wait_idle(admin)
         except httpx.HTTPError as error:
@@ -458,8 +537,16 @@ async def _soak(url: str, pid: int | None, exited: Callable[[], int | None],
             stop.set()
             await sampler
             samples.append([round(time.monotonic() - t0, 1), *_rss_mib(pid)])
-    return _report(options, target.model, run.tally, elapsed, samples,
-                   (gauges, reasons, is_idle))
+    result = _report(options, target.model, run.tally, elapsed, samples,
+                     (gauges, reasons, is_idle))
+    if overload is not None:
+        result["overload"] = overload
+    return result
+
+
+# The overload phase (``bench.overload.soak_phase``), passed in by the caller: that module
+# builds on this one's request plans, so this one cannot import it.
+OverloadPhase = Callable[["_Target", "SoakOptions", dict], Awaitable[dict]]
 
 
 def _report(options: SoakOptions, served_model: str, tally: _Tally, elapsed: float,
@@ -470,19 +557,23 @@ def _report(options: SoakOptions, served_model: str, tally: _Tally, elapsed: flo
            "num_processes": samples[-1][2] if samples else None,  # in the tree, at the end
            "first": values[0] if values else None, "last": values[-1] if values else None,
            "max": max(values, default=None)}
-    return {"bench": "kthena soak", "mode": options.mode, "clients": options.clients,
+    return {"bench": "kthena soak", "mode": options.mode, "dp": options.dp,
+            "max_queue_delay": options.max_queue_delay, "clients": options.clients,
             "minutes": options.minutes, "seed": options.seed, "model": served_model,
             "kv_cache_memory": None if options.url else options.kv_cache_memory,
             "url": options.url,
             "elapsed_s": round(elapsed, 1), "counts": dict(sorted(tally.sent.items())),
             "num_requests": sum(tally.sent.values()), "num_bad_4xx": tally.num_bad_4xx,
+            "num_overloaded_503": tally.num_overloaded,
             "num_errors": tally.num_errors, "errors": tally.errors,
             "ttft_ms": _pcts_ms(tally.ttft_s), "itl_ms": _pcts_ms(tally.itl_s), "rss_mib": rss,
             "kv_after": gauges, "idle_after": is_idle, "finish_reasons": reasons}
 
 
-def run_soak(options: SoakOptions) -> dict:
+def run_soak(options: SoakOptions, overload_phase: OverloadPhase | None = None) -> dict:
     """Start the server (unless ``options.url``), soak it, stop it; the JSON-ready result.
+
+    ``overload_phase`` runs ``options.overload`` (``kthena_serve.bench.overload.soak_phase``).
 
     Raises:
         RuntimeError: the server did not start, or did not answer /v1/models or the warm-up.
@@ -497,7 +588,7 @@ def run_soak(options: SoakOptions) -> dict:
               f"against {url}", file=sys.stderr, flush=True)
         exited = (lambda: None) if server is None else server.proc.poll
         try:
-            result = asyncio.run(_soak(url, pid, exited, options))
+            result = asyncio.run(_soak(url, pid, exited, options, overload_phase))
         except httpx.HTTPError as error:
             raise RuntimeError(f"{url} did not answer: {type(error).__name__}: {error}") from None
     finally:

@@ -114,8 +114,12 @@ def _vllm_server(python: Path, checkpoint: Path, name: str, port: int) -> list[s
 
 
 def _kthena_server(checkpoint: Path, name: str, port: int, extra: tuple[str, ...]) -> list[str]:
+    # vLLM queues without bound: so does ours here, unless --kthena-arg sets the bound
+    unbounded = () if any(a.startswith("--max-queue-delay") for a in extra) else (
+        "--max-queue-delay", "0")
     return [sys.executable, "-m", "kthena_core.cli", "serve", "--model", str(checkpoint),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *extra]
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+            *unbounded, *extra]
 
 
 def _check_kthena_args(instance: object, attribute: attrs.Attribute,

@@ -128,7 +128,8 @@ class ProcessLauncher:
         self.quiet = quiet
         self.workers = {s.name: WorkerProcess(s) for s in self.specs}
         self.secret = new_secret()
-        self._dir = tempfile.TemporaryDirectory(prefix=self.folder_prefix)
+        # named after this process too, so a leak check can tell its folder from others'
+        self._dir = tempfile.TemporaryDirectory(prefix=f"{self.folder_prefix}{os.getpid()}-")
         self._stopping = threading.Event()
         self._spawning = threading.Lock()  # a restart never spawns after stop() has begun
         self._monitor: threading.Thread | None = None

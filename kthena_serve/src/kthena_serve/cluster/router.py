@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from typing import Protocol
 
 import attrs
@@ -41,7 +42,7 @@ from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.config import RouterWeights
 from kthena_serve.cluster.events import event_from_json
 from kthena_serve.cluster.metrics import RouterMetrics
-from mooncake_kv import BlockStored, ClusterPrefixIndex, ExtraKeys
+from mooncake_kv import BlockRemoved, BlockStored, ClusterPrefixIndex, ExtraKeys
 from mooncake_kv.hashing import DEFAULT_HASH_ALGO
 
 __all__ = ["Decision", "Pick", "Router", "RouterSettings", "WorkerState"]
@@ -102,6 +103,7 @@ class Pick:
     worker: WorkerState
     num_cached_blocks: int  # leading blocks of the prompt the index has on it
     reason: str  # prefix (it holds part of the prompt) | load
+    remembered: tuple = ()  # block hashes ``remember`` recorded on it (``refused`` drops them)
 
 
 class Router:
@@ -237,19 +239,21 @@ class Router:
         return w.overlap * overlap - w.load * worker.load / max_load - w.kv_usage * worker.kv_usage
 
     def pick(self, role: str, prompt_ids: list[int], cache_salt: str | None = None, *,
-             remember: bool = False) -> Pick:
+             remember: bool = False, exclude: Collection[str] = ()) -> Pick:
         """The worker of ``role`` with the best score for a prompt (ties: the one picked least),
         counted in flight until ``done``.
 
         Args:
             remember: record the prompt's full blocks as held by the chosen worker now (its
                 KV events confirm them, or remove them when it evicts them).
+            exclude: names not to pick (a replica that refused the request, or reports a queue
+                past its bound).
 
         Raises:
-            LookupError: no worker of ``role`` is up.
+            LookupError: no worker of ``role`` is up (or every one is excluded).
         """
         with self._lock:
-            peers = self.up(role)
+            peers = [w for w in self.up(role) if w.name not in exclude]
             if not peers:
                 raise LookupError(f"no {role} worker is up")
             hashes = self.index.hasher.hash_tokens(prompt_ids, _salt(cache_salt))
@@ -259,17 +263,25 @@ class Router:
                 self._score(w, peers, cached.get(w.name, 0) / num_blocks), -w.num_picked))
             best.num_picked += 1
             best.num_in_flight += 1
-            if remember and hashes:
+            num_cached = cached.get(best.name, 0)
+            remembered = tuple(hashes[num_cached:]) if remember else ()
+            if remembered:
                 self.index.apply(best.name, BlockStored(tuple(hashes), None, (),
                                                         self.block_size, ()))
-        num_cached = cached.get(best.name, 0)
-        return Pick(best, num_cached, "prefix" if num_cached else "load")
+        return Pick(best, num_cached, "prefix" if num_cached else "load", remembered)
 
     def done(self, name: str) -> None:
         """A request ``pick`` sent to ``name`` has ended (finished, failed or cancelled)."""
         with self._lock:
             worker = self.workers[name]
             worker.num_in_flight = max(0, worker.num_in_flight - 1)
+
+    def refused(self, pick: Pick) -> None:
+        """``pick``'s worker refused the request before doing any of it (its queue is past its
+        bound): it is not in flight there, and the blocks ``pick`` recorded on it are dropped."""
+        self.done(pick.worker.name)
+        if pick.remembered:
+            self.index.apply(pick.worker.name, BlockRemoved(pick.remembered, ()))
 
     def _num_blocks(self, prompt_ids: list[int]) -> int:
         return max(1, -(-len(prompt_ids) // self.block_size))

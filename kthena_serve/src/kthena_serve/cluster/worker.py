@@ -32,6 +32,8 @@ import attrs
 from kthena_serve.cluster.auth import SECRET_ENV
 
 if TYPE_CHECKING:
+    import socket
+
     from starlette.types import ASGIApp
 
     from kthena_serve.client import EngineStats
@@ -178,12 +180,16 @@ def serve_worker(app: ASGIApp, *, host: str, port: int, ready_file: str | None,
 
 def serve(app: ASGIApp, *, host: str, port: int, on_ready: Callable[[int], None],
           close: Callable[[], None], shutdown_timeout: float,
-          on_deadline: Callable[[], None]) -> None:
+          on_deadline: Callable[[], None], sock: socket.socket | None = None) -> None:
     """Serve a router's ``app`` until SIGTERM or SIGINT, then ``close()`` (the router, the
     launcher) however it ended.
 
     ``run_server`` drains (``shutdown_timeout`` seconds at most, then ``on_deadline()``), and
-    SIGTERM's ``SystemExit`` is the clean stop it asked for: this returns.
+    SIGTERM's ``SystemExit`` is the clean stop it asked for: this returns. ``sock``: the
+    bound socket to serve (``run_server``'s).
+
+    Raises:
+        kthena_serve.server.launch.ListenError: the address cannot be listened on.
     """
     from kthena_serve.server import run_server
 
@@ -191,6 +197,6 @@ def serve(app: ASGIApp, *, host: str, port: int, on_ready: Callable[[int], None]
     try:
         with contextlib.suppress(SystemExit):
             run_server(app, host=host, port=port, on_ready=on_ready,
-                       shutdown_timeout=shutdown_timeout, on_deadline=on_deadline)
+                       shutdown_timeout=shutdown_timeout, on_deadline=on_deadline, sock=sock)
     finally:
         close()

@@ -24,6 +24,13 @@ serve``'s own app, so every 4xx body is the one ``kthena serve`` gives and every
 works as there; the price is tokenising each prompt twice. A body the router cannot read is
 routed by load, and the replica answers it with the 4xx.
 
+Overload (admission.py): a replica past its queue bound answers 503 with ``Retry-After`` before
+anything is generated; the router then sends the call to the next best replica it has not tried,
+and relays the last refusal as is (status, body, ``Retry-After``) when none is left. Replicas
+whose last reported queue (``/dp/state``) is past the bound for this prompt are not picked, and
+when that is every replica up the router answers 503 itself, with the soonest ``Retry-After``
+(``kthena_dp_rejected_requests_total``).
+
 Failures: a replica that refuses the connection is marked down and the next best one gets the
 request (nothing was sent, so this is safe); one that fails after the request was sent is
 marked down and the client gets a 503 naming it (in a stream: an error event, then
@@ -43,15 +50,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kthena_serve.admission import AdmissionLimits, QueueLoad, Refusal, decide
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Pick, Router
 from kthena_serve.dp.launcher import ROLE
 from kthena_serve.dp.metrics import DPMetrics, merge_replica_metrics
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.errors import InvalidRequestError, OverloadedError
 from kthena_serve.input_processor import InputProcessor
 from kthena_serve.server import protocol as p
 from kthena_serve.server.app import add_api_middleware, add_plan_route
-from kthena_serve.server.errors import ApiError, error_body, error_response, install_handlers
+from kthena_serve.server.errors import (
+    OVERLOADED,
+    ApiError,
+    error_body,
+    error_response,
+    install_handlers,
+)
 
 __all__ = ["REPLICA_HEADER", "DPFrontend", "build_dp_app", "routing_prompt"]
 
@@ -87,13 +101,15 @@ class DPFrontend:
         processor: the model's ``InputProcessor`` (tokenises for routing only).
         secret: the deployment secret the replicas require.
         remember: record a routed prompt's blocks on its replica at once (prefix caching on).
+        limits: the replicas' queue bounds (``AdmissionLimits.of`` their ``EngineConfig``).
     """
 
     def __init__(self, router: Router, processor: InputProcessor, *, secret: str,
-                 remember: bool = True) -> None:
+                 remember: bool = True, limits: AdmissionLimits | None = None) -> None:
         self.router = router
         self.processor = processor
         self.remember = remember
+        self.limits = limits or AdmissionLimits()
         self.metrics = DPMetrics(router.workers)
         self._headers = auth_headers(secret)
         self._client: httpx.AsyncClient | None = None
@@ -120,20 +136,51 @@ class DPFrontend:
         """A completions or chat call: routed by its prompt, counted by replica and reason."""
         body = await request.body()
         prompt_ids, salt = routing_prompt(request.url.path, body, self.processor)
-        return await self.forward(request, body, prompt_ids, salt, counted=True)
+        overloaded = self._overloaded(len(prompt_ids))
+        return await self.forward(request, body, prompt_ids, salt, counted=True,
+                                  exclude=overloaded)
+
+    def _overloaded(self, num_tokens: int) -> frozenset[str]:
+        """The replicas up whose last reported queue refuses a prompt of ``num_tokens``.
+
+        Raises:
+            OverloadedError: every replica up refuses it (the soonest ``Retry-After``).
+        """
+        if not self.limits.is_bounded:
+            return frozenset()
+        refusals: dict[str, Refusal] = {}
+        up = self.router.up(ROLE)
+        for worker in up:
+            load = QueueLoad.from_json((worker.stats or {}).get("queue"))
+            refusal = None if load is None else decide(self.limits, load, num_tokens)
+            if refusal is not None:
+                refusals[worker.name] = refusal
+        if up and len(refusals) == len(up):
+            soonest = min(refusals.values(), key=lambda r: r.retry_after_s)
+            self.metrics.rejected.labels("overload").inc()
+            raise OverloadedError(f"every replica is past its queue bound ({soonest.message})",
+                                  soonest.retry_after_s, soonest.limit)
+        return frozenset(refusals)
 
     async def forward(self, request: Request, body: bytes, prompt_ids: Sequence[int] = (),
-                      cache_salt: str | None = None, *, counted: bool = False) -> Response:
-        """Send the call to the best replica that is up; relay its answer.
+                      cache_salt: str | None = None, *, counted: bool = False,
+                      exclude: frozenset[str] = frozenset()) -> Response:
+        """Send the call to the best replica that is up; relay its answer. A replica that
+        refuses it past its queue bound (503 ``overloaded``) passes it to the next one not
+        tried; the last refusal is relayed as is.
+
+        Args:
+            exclude: replicas not to try (their reported queue is past the bound).
 
         Raises:
             ApiError: 503 no replica is up, or the chosen one failed after the call was sent;
                 499 the client left before the answer began.
         """
+        tried = set(exclude)
         for _ in range(len(self.router.workers)):
             try:
                 pick = self.router.pick(ROLE, list(prompt_ids), cache_salt,
-                                        remember=counted and self.remember)
+                                        remember=counted and self.remember, exclude=tried)
             except LookupError:
                 break
             name = pick.worker.name
@@ -149,10 +196,19 @@ class DPFrontend:
             except BaseException:
                 self.router.done(name)
                 raise
+            tried.add(name)
+            if self._has_untried(tried) and await _is_overloaded(upstream):
+                await upstream.aclose()  # nothing was generated: the next replica may take it
+                self.router.refused(pick)
+                self.metrics.passed_on.labels(name).inc()
+                continue
             if counted:
                 self.metrics.routed.labels(name, pick.reason).inc()
             return await self._relay(pick, upstream)
         raise ApiError(503, self._none_up())
+
+    def _has_untried(self, tried: set[str]) -> bool:
+        return any(w.name not in tried for w in self.router.up(ROLE))
 
     def health(self) -> Response:
         num_up = len(self.router.up(ROLE))
@@ -239,6 +295,17 @@ class DPFrontend:
             self.metrics.failures.labels(name).inc()
             yield _error_event(503, f"replica {name} failed mid-stream "
                                f"({type(error).__name__}); retry the request") + _DONE
+
+
+async def _is_overloaded(upstream: httpx.Response) -> bool:
+    """Whether a replica's answer is its 503 refusal past its queue bound (the body is read:
+    a small JSON error, relayed from memory if it is passed on after all)."""
+    if upstream.status_code != 503:
+        return False
+    try:
+        return json.loads(await upstream.aread())["error"]["code"] == OVERLOADED
+    except (ValueError, KeyError, TypeError, httpx.HTTPError):
+        return False
 
 
 def _error_event(status: int, message: str) -> bytes:

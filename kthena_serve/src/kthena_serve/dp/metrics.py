@@ -7,6 +7,10 @@ The router's families (its own registry):
   on that replica) or ``load`` (it had none: load and KV usage chose).
 * ``kthena_dp_replica_failures_total{replica}``: calls that failed on the wire (refused, reset,
   cut mid-stream); the replica is then out of rotation until a poll of it succeeds.
+* ``kthena_dp_rejected_requests_total{reason}``: calls the router refused itself (503 +
+  ``Retry-After``): ``overload``, every replica up reported a queue past its bound.
+* ``kthena_dp_passed_on_total{replica}``: calls a replica refused past its queue bound (503
+  ``overloaded``) that the router sent to another replica.
 * ``kthena_dp_replica_up{replica}``, ``kthena_dp_replica_in_flight{replica}``: read from the
   router when scraped.
 * ``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout served, as ``kthena serve`` exports
@@ -74,6 +78,12 @@ class DPMetrics:
                               ["replica", "reason"], registry=self.registry)
         self.failures = Counter("kthena_dp_replica_failures", "Calls to a replica that "
                                 "failed on the wire", ["replica"], registry=self.registry)
+        self.rejected = Counter("kthena_dp_rejected_requests", "Calls the router refused "
+                                "itself, by reason (overload: every replica past its queue "
+                                "bound)", ["reason"], registry=self.registry)
+        self.passed_on = Counter("kthena_dp_passed_on", "Calls a replica refused past its "
+                                 "queue bound that went to another replica", ["replica"],
+                                 registry=self.registry)
         self.registry.register(_ReplicaGauges(workers))
 
     def set_deployment(self, served: Mapping[str, object]) -> None:

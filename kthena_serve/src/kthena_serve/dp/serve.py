@@ -12,6 +12,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import socket
+
     from kthena_serve.config import EngineConfig
     from kthena_serve.dp.launcher import ReplicaLauncher
     from kthena_serve.input_processor import InputProcessor
@@ -34,10 +36,14 @@ def _routing_processor(config: EngineConfig) -> InputProcessor:
     return InputProcessor(Tokenizer.from_pretrained(folder), limits, config.chat_special_tokens)
 
 
-def run_dp(spec: ServeSpec) -> int:
-    """Start ``spec.dp`` replicas and serve the router until SIGTERM / SIGINT.
+def run_dp(spec: ServeSpec, sock: socket.socket | None = None) -> int:
+    """Start ``spec.dp`` replicas and serve the router until SIGTERM / SIGINT, on ``sock``
+    (``bind_listener(spec.host, spec.port)``; None: bound when the replicas are up).
 
     Returns 0 after a clean stop; 1 if a replica could not start.
+
+    Raises:
+        kthena_serve.server.launch.ListenError: the router's address cannot be listened on.
     """
     from kthena_serve.cluster.worker import exit_on_sigterm
     from kthena_serve.dp.launcher import ReplicaLauncher
@@ -53,12 +59,13 @@ def run_dp(spec: ServeSpec) -> int:
         print(f"{_PREFIX} --dp {spec.dp}: {error}", file=sys.stderr)
         return 1
     try:
-        return _serve(spec, launcher)
+        return _serve(spec, launcher, sock)
     finally:
         launcher.stop()
 
 
-def _serve(spec: ServeSpec, launcher: ReplicaLauncher) -> int:
+def _serve(spec: ServeSpec, launcher: ReplicaLauncher, sock: socket.socket | None) -> int:
+    from kthena_serve.admission import AdmissionLimits
     from kthena_serve.cluster.router import Router
     from kthena_serve.cluster.worker import serve
     from kthena_serve.dp.frontend import DPFrontend, build_dp_app
@@ -70,7 +77,7 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher) -> int:
                     hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url
     front = DPFrontend(router, _routing_processor(config), secret=launcher.secret,
-                       remember=config.enable_prefix_caching)
+                       remember=config.enable_prefix_caching, limits=AdmissionLimits.of(config))
     app = build_dp_app(front, api_key=spec.api_key, public_metrics=spec.public_metrics,
                        deployment=spec.report())
 
@@ -82,5 +89,5 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher) -> int:
 
     serve(app, host=spec.host, port=spec.port, on_ready=ready, close=router.close,
           shutdown_timeout=spec.shutdown_timeout_s,
-          on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE))
+          on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE), sock=sock)
     return 0

@@ -4,6 +4,7 @@ connector, and the control routes /pd/state and /pd/generate (``_DecodeRoutes``)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -116,14 +117,19 @@ class _DecodeRoutes:
             prefill_url = body.get("prefill_url")
             if prefill_url is not None:
                 check_prefill_url(prefill_url, self.prefill_hosts)
-            engine_request = self.engine.make_request(
-                rid, list(body["prompt_ids"]), params_from_json(body["params"]),
-                cache_salt=body.get("cache_salt"))
+            # off the event loop: a request with structured_outputs compiles its grammar here
+            engine_request = await asyncio.to_thread(
+                self.engine.make_request, rid, list(body["prompt_ids"]),
+                params_from_json(body["params"]), cache_salt=body.get("cache_salt"))
         except InvalidRequestError as error:
             return JSONResponse(error_body(400, str(error), error.param), status_code=400)
         except (TypeError, ValueError, KeyError) as error:
             return JSONResponse(error_body(400, f"bad generate request: {error}"),
                                 status_code=400)
+        # No admission check: the PD router admitted it against its own queue, which holds
+        # this one's (a refusal here would come after the router's 200 was sent). Its wait
+        # still counts in this worker's queue (``reserve`` / ``generate``), which the router
+        # reads in /pd/state.
         stream = self.service.generate(engine_request, prefill_url)
         return StreamingResponse(_ndjson(rid, stream, self.server_metrics),
                                  media_type="application/x-ndjson")

@@ -5,26 +5,43 @@
 asks the ``Router`` for workers, and streams the decode worker's NDJSON outputs; times are
 re-stamped here, on the client's side of the wire. Its stats are the sum of what the workers
 measured and reported in their last ``/pd/state``.
+
+Overload: the router is the admission point of a PD deployment. It keeps its own
+``AdmissionGate`` (admission.py) over every request it sent and has not seen a first token of,
+with the workers' ``EngineConfig`` bounds; its rate is measured here (admission to first token,
+through prefill and handoff), starting from the sum of the decode workers' reported rates. Decode
+workers do not check ``/pd/generate`` again (a refusal there would come after this router's 200
+went out); one that answers 503 ``overloaded`` all the same (a worker that is not this
+deployment's) is passed on as ``OverloadedError``: the app's 503 with the worker's
+``Retry-After``, or in a stream whose headers are out, an error event with code ``overloaded``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import attrs
 import httpx
 from fastapi import FastAPI
 
+from kthena_serve.admission import AdmissionGate, AdmissionLimits, QueueLoad
 from kthena_serve.client import EngineStats
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Router
 from kthena_serve.config import EngineConfig
-from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from kthena_serve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestFailedError,
+)
 from kthena_serve.input_processor import EngineLimits, InputProcessor
 from kthena_serve.pd.protocol import output_from_json, params_to_json
 from kthena_serve.request import EngineRequest, RequestOutput
+from kthena_serve.server.errors import OVERLOADED
 
 __all__ = ["RemoteEngine", "build_router_app"]
 
@@ -51,6 +68,7 @@ class RemoteEngine:
         self._processor = InputProcessor(tokenizer, self._limits, config.chat_special_tokens)
         self._client: httpx.AsyncClient | None = None
         self._closing: str | None = None  # set by abort_all: the server is shutting down
+        self.admission = AdmissionGate(AdmissionLimits.of(config))
 
     @classmethod
     def for_model(cls, router: Router, config: EngineConfig, tokenizer=None, *,  # noqa: ANN001
@@ -83,11 +101,32 @@ class RemoteEngine:
                                        vocab_size=vocab)
 
     def stats(self) -> EngineStats:
-        """Counters summed over every worker; queue and KV summed over the decode workers."""
+        """Counters summed over every worker; queue and KV summed over the decode workers; the
+        admission queue is the router's own (what its refusals are decided on)."""
         workers = [w for w in self.router.workers.values() if w.stats]
         parts = [EngineStats.from_json(w.stats) for w in workers]
         decodes = [p for p, w in zip(parts, workers, strict=True) if w.role == "decode"]
-        return EngineStats.total(parts, self.config.block_size, kv_from=decodes)
+        total = EngineStats.total(parts, self.config.block_size, kv_from=decodes)
+        return attrs.evolve(total, queue=self.admission.load(self._prior_rate()))
+
+    def _prior_rate(self) -> float | None:
+        """The decode workers' reported rates summed: the router's rate before it measures."""
+        loads = [QueueLoad.from_json(w.stats.get("queue")) for w in self.router.up("decode")
+                 if w.stats]
+        rates = [q.prefill_tokens_per_s for q in loads
+                 if q is not None and q.prefill_tokens_per_s is not None]
+        return sum(rates) if rates else None
+
+    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue one API call's requests at the router, or refuse them all past the bound.
+
+        Raises:
+            OverloadedError: the router's queue is past its bound.
+        """
+        refusal = self.admission.try_admit([(r.request_id, len(r.prompt_ids)) for r in requests],
+                                           self._prior_rate())
+        if refusal is not None:
+            raise refusal.error()
 
     def abort(self, request_id: str) -> None:
         """Closing the stream to the decode worker aborts the request there."""
@@ -107,6 +146,21 @@ class RemoteEngine:
         return self._client
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request from a decode worker; it is queued (admission) until its first
+        token. Leaving early closes the worker's stream, which aborts it there."""
+        self.admission.claim(request.request_id, len(request.prompt_ids))
+        queued = True
+        try:
+            async with contextlib.aclosing(self._generate(request)) as outputs:
+                async for out in outputs:
+                    if queued and out.token_ids:
+                        self.admission.started(request.request_id)
+                        queued = False
+                    yield out
+        finally:
+            self.admission.forget(request.request_id)
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         try:
             decision = self.router.choose(list(request.prompt_ids), request.cache_salt)
         except LookupError as error:
@@ -122,6 +176,10 @@ class RemoteEngine:
                     message = (await r.aread()).decode(errors="replace")[:500]
                     if r.status_code == 400:
                         raise InvalidRequestError(_message(message))
+                    if r.status_code == 503 and _code(message) == OVERLOADED:
+                        raise OverloadedError(_message(message),
+                                              _retry_after(r.headers.get("retry-after")),
+                                              "worker")
                     raise EngineDeadError(f"decode worker {decode.name}: {_message(message)}")
                 async for line in r.aiter_lines():
                     if self._closing is not None:
@@ -155,6 +213,21 @@ class RemoteEngine:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def _code(text: str) -> str | None:
+    try:
+        return json.loads(text)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _retry_after(header: str | None) -> int:
+    """A worker's ``Retry-After`` as it sent it (whole seconds; 1 if missing or unreadable)."""
+    try:
+        return max(1, int(header or "1"))
+    except ValueError:
+        return 1
 
 
 def _message(text: str) -> str:

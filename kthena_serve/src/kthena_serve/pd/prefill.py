@@ -49,6 +49,7 @@ import torch
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
+from kthena_serve.grammar import Grammars
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
 from kthena_serve.pd.prefill_job import PrefillJob
@@ -99,6 +100,9 @@ class PrefillExecutor:
         on_batch: called after every forward with (prompts in it, tokens computed): metrics.
         eos_token_ids: the tokenizer's EOS ids (masked while a request is short of its
             ``min_tokens``, as the engine's sampler does).
+        grammars: the model's compiled-grammar cache (``grammar.Grammars``): a request with
+            ``structured_outputs`` samples its first token under its grammar (the decode
+            worker's matcher then starts from that token); None: such requests fail.
 
     Raises:
         ValueError: no own pool.
@@ -107,10 +111,11 @@ class PrefillExecutor:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
                  own_pool: bool | Callable[[KVLayout], KVPool] = True,
                  on_batch: Callable[[int, int], None] | None = None,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), grammars: Grammars | None = None) -> None:
         self.model = model
         self.config = config
         self.sampler = Sampler(config.device, eos_token_ids=eos_token_ids)
+        self.grammars = grammars
         self.on_batch = on_batch
         self._attached: dict[str, ModelRunner] = {}
         self._lock = threading.RLock()  # the queue, the in-flight set, the attach table
@@ -382,7 +387,7 @@ class PrefillExecutor:
     def _complete(self, job: PrefillJob, logits: torch.Tensor) -> None:
         """Sample the job's first token and hand it off; any failure is this job's alone."""
         try:
-            token = int(self.sampler(logits, [job.request])[0])
+            token = int(self.sampler(logits, [job.request], self._bitmask(job))[0])
             logprobs = gather_logprobs(logits, [job.request], [token])[0]
             result = job.finish(job, token, logprobs)
         except Exception as error:  # noqa: BLE001 - reported through its future
@@ -391,6 +396,15 @@ class PrefillExecutor:
         finally:
             self.sampler.forget(job.rid)
         self._end(job, None, result)
+
+    def _bitmask(self, job: PrefillJob) -> torch.Tensor | None:
+        """The first token's bitmask under the job's grammar (None without one)."""
+        spec = job.params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("this prefill executor has no grammars for structured_outputs")
+        return self.grammars.fill_bitmask([self.grammars.matcher(spec)])
 
     def _end(self, job: PrefillJob, error: BaseException | None, result: Any = None) -> None:
         """Take the job off the queue and settle its future; a failed job leaves the scheduler

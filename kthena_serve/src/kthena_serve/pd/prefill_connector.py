@@ -76,7 +76,7 @@ class PrefillEngine:
         self.processor = _OneTokenProcessor(tokenizer, EngineLimits.for_engine(
             config, max_position_embeddings=model.max_position_embeddings,
             vocab_size=model.vocab_size, num_kv_blocks=executor.pool.layout.num_blocks),
-            config.chat_special_tokens)
+            config.chat_special_tokens, executor.grammars)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._closing: str | None = None
 
@@ -84,6 +84,11 @@ class PrefillEngine:
     @property
     def is_alive(self) -> bool:
         return self._closing is None
+
+    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
+        """Every prompt is admitted: a prefill worker's queue is bounded by its pool (a prompt
+        that finds it full is a 503 at once); the bound on queued work (``--max-queue-delay``)
+        is the decode workers' and the PD router's, which see each request to its first token."""
 
     # ---- EngineClient: generation -----------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

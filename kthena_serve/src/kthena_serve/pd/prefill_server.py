@@ -19,11 +19,12 @@ from kthena_serve.cluster.auth import DECODE_TO_PREFILL_PATHS
 from kthena_serve.cluster.events import EventLog
 from kthena_serve.cluster.worker import new_incarnation, state_reply
 from kthena_serve.config import EngineConfig
+from kthena_serve.grammar import Grammars
 from kthena_serve.pd import server as shared
 from kthena_serve.pd.config import KVPush, PDConfig, Transport
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.prefill import PrefillCancelled
-from kthena_serve.pd.protocol import PrefillTask
+from kthena_serve.pd.protocol import PrefillTask, params_from_json
 from kthena_serve.server.errors import error_body
 from kthena_serve.server.metrics import ServerMetrics
 
@@ -98,9 +99,11 @@ class _PrefillRoutes:
                                       kv_block_size=config.block_size)
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
+        # one compiled-grammar cache: the OpenAI routes' checks and the executor's first tokens
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(
             model, config, pd, mooncake_host, self.metrics.observe_batch,
-            tokenizer.eos_token_ids)
+            tokenizer.eos_token_ids, self.grammars)
         # shm: the own pool is not what /pd/prefill fills, so its events are not announced
         self.events = EventLog(self.executor.kv) if self.putter is not None else None
         self.pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, self._free)
@@ -134,7 +137,11 @@ class _PrefillRoutes:
     async def prefill(self, request: Request) -> Response:
         """A decode worker's task: prefill, hand the KV off, answer the first token."""
         try:
-            future = self._submit(PrefillTask.from_json(await request.json()))
+            task = PrefillTask.from_json(await request.json())
+            spec = params_from_json(task.params).structured_outputs
+            if spec is not None:  # compiled here, off the event loop and the compute thread
+                await asyncio.to_thread(self.grammars.compile, spec)
+            future = self._submit(task)
         except (TypeError, ValueError, KeyError) as error:
             return JSONResponse(error_body(400, f"bad prefill task: {error}"), status_code=400)
         except Exception as error:  # noqa: BLE001 - the decode side applies its policy
@@ -178,7 +185,7 @@ def _prefill_failed(error: Exception) -> Response:
 
 def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
               mooncake_host: str | None, on_batch: Callable[[int, int], None],
-              eos_token_ids: Sequence[int],
+              eos_token_ids: Sequence[int], grammars: Grammars,
               ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle]:
     """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
     private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
@@ -187,7 +194,7 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
 
     if pd.transport is Transport.MOONCAKE:
         executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch,
-                                   eos_token_ids=eos_token_ids)
+                                   eos_token_ids=eos_token_ids, grammars=grammars)
         putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
         return executor, putter, putter.engine, putter.local
     engine = shm_engine(pd.transfer_timeout_s)
@@ -199,7 +206,7 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
         return pool
 
     executor = PrefillExecutor(model, config, own_pool=in_segment, on_batch=on_batch,
-                               eos_token_ids=eos_token_ids)
+                               eos_token_ids=eos_token_ids, grammars=grammars)
     return executor, None, engine, handles[0]
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from kthena_serve.serve_args import SHUTDOWN_MESSAGE, curl_line
 
 if TYPE_CHECKING:
+    import socket
+
     from kthena_serve.spec import ServeSpec
 
 __all__ = ["add_pd_args", "main", "run_pd"]
@@ -40,8 +42,13 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                         help="overlap,load,kv_usage score weights (default 1.0,0.5,0.25)")
 
 
-def run_pd(spec: ServeSpec) -> int:
-    """Launch the workers ``spec`` names and serve the router until interrupted."""
+def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
+    """Launch the workers ``spec`` names and serve the router until interrupted, on ``sock``
+    (``bind_listener(spec.host, spec.port)``; None: bound when the workers are up).
+
+    Raises:
+        kthena_serve.server.launch.ListenError: the router's address cannot be listened on.
+    """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kthena_serve.cluster.router import Router
     from kthena_serve.cluster.worker import serve
@@ -74,7 +81,7 @@ def run_pd(spec: ServeSpec) -> int:
 
     serve(app, host=spec.host, port=spec.port, on_ready=ready, close=stop,
           shutdown_timeout=spec.shutdown_timeout_s,
-          on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE))
+          on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE), sock=sock)
     return 0
 
 

@@ -52,8 +52,20 @@ __all__ = ["BlockGetter", "BlockPush", "BlockPutter", "PushSession", "register_p
 
 def register_pool(pool: KVPool, host: str, timeout_s: float,
                   ) -> tuple[TransferEngine, MemoryHandle]:
-    """A mooncake engine with ``pool`` registered; returns (engine, handle)."""
-    engine = create_engine("mooncake", MooncakeConfig(host=host, timeout_s=timeout_s))
+    """A mooncake engine with ``pool`` registered; returns (engine, handle).
+
+    The engine listens on ``host`` only (``mooncake_kv.listen``: Mooncake by itself listens
+    on every interface, and these ports serve the whole pool).
+
+    Raises:
+        mooncake_kv.listen.ListenConfinementError: its listeners cannot be kept on ``host``.
+    """
+    from kthena_comm.transfer.mooncake import installed_build
+    from mooncake_kv.listen import confine_listeners
+
+    installed_build()  # loads Mooncake (or says how to install it) before bind is redirected
+    with confine_listeners(host):
+        engine = create_engine("mooncake", MooncakeConfig(host=host, timeout_s=timeout_s))
     return engine, engine.register(pool.buffer)
 
 

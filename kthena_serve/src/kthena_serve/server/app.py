@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kthena_serve.client import EngineClient, KVConnector
-from kthena_serve.errors import EngineDeadError, RequestFailedError
+from kthena_serve.errors import EngineDeadError, OverloadedError, RequestFailedError
 from kthena_serve.logprobs import TokenLogprobs
 from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
-from kthena_serve.server.errors import ApiError, error_body, install_handlers
+from kthena_serve.server.errors import OVERLOADED, ApiError, error_body, install_handlers
 from kthena_serve.server.generation import Job, collect, stream_choices
 from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, public_paths
@@ -45,6 +45,7 @@ from kthena_serve.server.tokenization import (
     detokenize,
     tokenize,
 )
+from kthena_serve.server.tools import ToolCallParser, chat_inputs, parse_tool_calls, uses_hermes
 
 __all__ = ["build_app"]
 
@@ -64,10 +65,12 @@ class _Api:
         self.model_name = model_name
         self.names = {model_name} | aliases
         self.metrics = metrics or ServerMetrics(engine, model_name)
+        self.log: Callable[[str], None] | None = None  # --enable-log-requests
 
     # ---- preparing a job --------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model not in self.names:
+        """A served name, or none at all (vLLM's: one model is served here)."""
+        if model is not None and model not in self.names:
             raise ApiError(404, f"model {model!r} is not served here; use "
                            f"{self.model_name!r}", "model", "model_not_found")
 
@@ -87,8 +90,30 @@ class _Api:
         prompts = [ids for ids, _ in prepared]
         params = prepared[0][1] if prepared else params  # bad_words as token runs
         budgets = tuple(self.engine.processor.check(ids, params) for ids in prompts)  # invalid -> 400
-        return Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
+        job = Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
+        if self.log is not None:
+            self.log(f"received request {job.request_id}: {len(prompts)} prompt(s) of "
+                     f"{', '.join(str(len(i)) for i in prompts)} tokens, n={job.n}, "
+                     f"params: {params}")
+        return job
+
+    def _admit(self, job: Job) -> None:
+        """Queue the job's requests, or refuse them at once past the queue bound: 503 with
+        ``Retry-After`` before anything streams (admission.py), counted in the metrics."""
+        try:
+            self.engine.check_admission([job.engine_request(c) for c in range(job.num_choices)])
+        except OverloadedError as error:
+            self.metrics.observe_rejected(error.limit)
+            raise
+
+    async def _compile_grammar(self, body: p._Common, job: Job) -> None:
+        """Compile the output constraint off the event loop and the engine thread (a large
+        schema takes a while), so a bad one is a 400 naming its field before anything runs;
+        the engine's matchers come from the same cache."""
+        if job.params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.processor.compile_grammar, job.params,
+                                    body.constraint_param())
 
     async def _open_kv(self, body: p._Common, job: Job) -> Job:
         """Hand ``kv_transfer_params`` (PD workers behind the Kthena router) to the connector
@@ -120,12 +145,19 @@ class _Api:
                 for text in prompt]
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
+        template = self.engine.processor.tokenizer.chat_template
+        if body.parses_tool_calls and not uses_hermes(template):
+            raise ApiError(400, "tools: this checkpoint's chat template writes tool calls in a "
+                           "format this server has no parser for (it parses Hermes "
+                           "<tool_call> blocks); send tool_choice none or leave tools out",
+                           "tools")
+        messages, extra = chat_inputs(body.messages, body.tools, template)
         try:
             return [self.engine.processor.encode_chat(
-                body.plain_messages(), add_generation_prompt=body.add_generation_prompt,
+                messages, add_generation_prompt=body.add_generation_prompt,
                 add_special_tokens=body.add_special_tokens,
                 continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs)]
+                template_kwargs={**(body.chat_template_kwargs or {}), **extra})]
         except ChatTemplateError as error:
             raise ApiError(400, str(error), "messages") from None
 
@@ -133,6 +165,8 @@ class _Api:
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         self._check_common(body)
         job = self._job(body, self._completion_prompts(body), body.max_tokens)
+        await self._compile_grammar(body, job)
+        self._admit(job)
         job = await self._open_kv(body, job)
         rid = p.new_id("cmpl", body.request_id)
         if body.stream:
@@ -168,6 +202,7 @@ class _Api:
         prompt = body.prompt
         texts = [prompt] if isinstance(prompt, str) else prompt
         if body.truncate_prompt_tokens is not None or not all(isinstance(t, str) for t in texts):
+            # token ids (one prompt or several) or a cut prompt: the text of what ran
             texts = [self.engine.processor.decode(ids) for ids in job.prompts]
         return [texts[job.prompt_index(c)] for c in range(job.num_choices)]
 
@@ -175,6 +210,8 @@ class _Api:
         self._check_common(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(body, self._chat_prompt(body), max_tokens)
+        await self._compile_grammar(body, job)
+        self._admit(job)
         job = await self._open_kv(body, job)
         rid = p.new_id("chatcmpl", body.request_id)
         if body.stream:
@@ -189,8 +226,11 @@ class _Api:
             prompt_logprobs = p.vllm_prompt_logprobs(finals[0].prompt_logprobs or (),
                                                      self.engine.processor.token_bytes,
                                                      body.prompt_logprobs)
+        calls = None
+        if body.parses_tool_calls:
+            calls = [parse_tool_calls(o.text, _max_calls(body)) for o in finals]
         return JSONResponse(_with_kv(p.chat_response(rid, self.model_name, finals, usage,
-                                                     logprobs, prompt_logprobs), job))
+                                                     logprobs, prompt_logprobs, calls), job))
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
@@ -257,6 +297,7 @@ class _Api:
                                {"role": "assistant", "content": ""}, None)
         finals: dict[int, RequestOutput] = {}
         pending = _PendingLogprobs()
+        tools = _ToolDeltas(body)
         async with self._counting(job, finals):
             async for choice, out in stream_choices(self.engine, job):
                 pending.add(choice, out)
@@ -264,8 +305,10 @@ class _Api:
                 if out.finished:
                     finals[choice] = out
                     self.metrics.observe(out, body.reuse_offset)
-                if out.new_text or out.finished:
-                    delta = {"content": out.new_text} if out.new_text else {}
+                delta = {"content": out.new_text} if out.new_text else {}
+                if tools.enabled:
+                    delta, reason = tools.delta(choice, out)
+                if delta or out.finished:
                     logprobs = None
                     if out.logprobs is not None:
                         logprobs = p.chat_logprobs(pending.take(choice),
@@ -290,6 +333,39 @@ class _Api:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kthena", "max_model_len": self.engine.processor.limits.max_model_len}
         return {"object": "list", "data": [card]}
+
+
+def _max_calls(body: p.ChatCompletionRequest) -> int | None:
+    return 1 if body.parallel_tool_calls is False else None
+
+
+class _ToolDeltas:
+    """The stream's tool-call side: each choice's text through a ``ToolCallParser`` into
+    content and ``tool_calls`` deltas (OpenAI's: ``{index, id, type, function}``; a call is
+    sent whole once its block closes)."""
+
+    def __init__(self, body: p._Common) -> None:
+        self.enabled = isinstance(body, p.ChatCompletionRequest) and body.parses_tool_calls
+        self._max_calls = _max_calls(body) if self.enabled else None
+        self._parsers: dict[int, ToolCallParser] = {}
+        self._sent: dict[int, int] = {}  # tool_calls sent per choice (their delta index)
+
+    def delta(self, choice: int, out: RequestOutput) -> tuple[dict, str | None]:
+        """(delta, finish reason) of one output of ``choice``."""
+        parser = self._parsers.setdefault(choice, ToolCallParser(self._max_calls))
+        content, calls = parser.feed(out.new_text)
+        if out.finished:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            sent = self._sent.get(choice, 0)
+            delta["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
+            self._sent[choice] = sent + len(calls)
+        reason = out.finish_reason.value if out.finish_reason else None
+        if out.finished and parser.num_calls:
+            reason = p.tool_reason(out)
+        return delta, reason
 
 
 class _PendingLogprobs:
@@ -333,6 +409,8 @@ def _in_band(error: Exception) -> dict:
         return error_body(error.status, error.message, error.param, error.code)
     if isinstance(error, RequestFailedError):
         return error_body(500, str(error), code="request_failed")
+    if isinstance(error, OverloadedError):  # a PD decode worker refused after the router admitted
+        return error_body(503, str(error), code=OVERLOADED)
     if isinstance(error, EngineDeadError):
         return error_body(503, str(error))
     log.error("stream failed", exc_info=error)
@@ -358,11 +436,15 @@ def add_plan_route(app: FastAPI, metrics: DeploymentLabels,
         return JSONResponse(report)
 
 
+def _print_line(line: str) -> None:
+    print(f"kthena serve: {line}", flush=True)
+
+
 def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
               kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
-              public_metrics: bool = False, deployment: Mapping[str, Any] | None = None
-              ) -> FastAPI:
+              public_metrics: bool = False, deployment: Mapping[str, Any] | None = None,
+              log_requests: bool = False) -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -389,6 +471,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
                          f"this app serves {model_name!r}: make ServerMetrics(engine, "
                          f"{model_name!r})")
     api = _Api(engine, model_name, aliases or set(), kv_connector, metrics)
+    if log_requests:  # --enable-log-requests: a line per request received and finished
+        api.log = api.metrics.request_log = _print_line
     from kthena_serve import __version__
 
     app = FastAPI(title="kthena serve", version=__version__, docs_url="/docs", redoc_url=None,

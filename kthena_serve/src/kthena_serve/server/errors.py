@@ -10,12 +10,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from kthena_serve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestFailedError,
+)
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["ApiError", "error_body", "install_handlers"]
+__all__ = ["OVERLOADED", "ApiError", "error_body", "install_handlers", "overloaded_response"]
+
+OVERLOADED = "overloaded"  # the error code of a refusal past the queue bound (admission.py)
 
 _INTERNAL = "internal error while handling the request; retry it, and report it if it persists"
 
@@ -41,11 +48,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, retry_after_s: int = 1) -> JSONResponse:
     """The error as a response; a 503 ("try again later") says when, in ``Retry-After``."""
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
     return JSONResponse(error_body(status, message, param, code), status_code=status,
                         headers=headers)
+
+
+def overloaded_response(error: OverloadedError) -> JSONResponse:
+    """503 ``{"error": {..., "code": "overloaded"}}`` with the refusal's ``Retry-After``."""
+    return error_response(503, str(error), code=OVERLOADED, retry_after_s=error.retry_after_s)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,6 +92,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        return overloaded_response(exc)
 
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:

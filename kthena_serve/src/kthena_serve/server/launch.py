@@ -10,6 +10,7 @@ in asyncio before the response's ``send`` waits; the engine then pauses that str
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
     from kthena_serve.server.shutdown import Drain
 
-__all__ = ["SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES", "BackgroundServer", "run_server"]
+__all__ = ["SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES", "BackgroundServer", "ListenError",
+           "bind_listener", "run_server"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,50 @@ def _http_protocol() -> type:
     return BoundedWriteBuffer
 
 _FLUSH_S = 5.0  # after on_deadline: time for the final error events to reach the clients
+
+
+class ListenError(OSError):
+    """The server's socket cannot be bound or listen; the message names the address and what
+    to change (``--port`` / ``--host``)."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def _why(host: str, port: int, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use; pick another with --port"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine; pick another with --host"
+    if error.errno == errno.EACCES:
+        return f"port {port} on {host} needs privileges; pick one above 1023 with --port"
+    if isinstance(error, socket.gaierror):
+        return f"--host {host!r} does not resolve ({error.strerror}); pick another with --host"
+    return f"cannot listen on {host}:{port} ({error.strerror or error}); check --host and --port"
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), not yet listening: what
+    ``run_server(sock=...)`` serves.
+
+    ``kthena serve`` binds it before the model loads, so a port another server listens on is
+    reported at once; until the server starts, connections are refused rather than queued
+    behind the load. (SO_REUSEADDR, as uvicorn sets it, lets a restart reuse a port whose
+    old connections are in TIME_WAIT; it also lets two servers that both still load bind one
+    port: the second to listen then gets ``ListenError`` from ``run_server``.)
+
+    Raises:
+        ListenError: the address is in use, not this machine's, or needs privileges.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn decides
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ListenError(error.errno, _why(host, port, error)) from None
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -82,7 +128,12 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except OSError as error:  # listen() on the bound socket (another process raced us)
+            host, port = sockets[0].getsockname()[:2] if sockets else (self.config.host,
+                                                                       self.config.port)
+            raise ListenError(error.errno, _why(host, port, error)) from None
         for server in self.servers:
             for sock in server.sockets:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -97,22 +148,41 @@ def _wait_idle(drain: Drain, deadline: float) -> None:
         time.sleep(0.05)
 
 
+# An idle keep-alive connection is closed after this many seconds: longer than the clients
+# that pool connections keep them (aiohttp's, in vLLM's bench client, up to 60 s), so the
+# client closes first. The other way round, a request sent on a connection the server is just
+# closing is reset (uvicorn's default is 5 s; seen as one ConnectionResetError in a trace run).
+KEEP_ALIVE_S = 75
+
+
 def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="off", http=_http_protocol())
+                          timeout_graceful_shutdown=5, lifespan="off", http=_http_protocol(),
+                          timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
                on_ready: Callable[[int], None] | None = None, log_level: str = "info",
                shutdown_timeout: float = 30.0,
-               on_deadline: Callable[[], None] | None = None) -> None:
+               on_deadline: Callable[[], None] | None = None,
+               sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM / SIGINT; ``on_ready(port)`` runs once the socket accepts connections.
 
     On the first signal the app drains (``shutdown_timeout`` seconds at most), then
     ``on_deadline()`` ends what is still running (the engine's streams get a final error event
     and ``[DONE]``), then the server exits.
+
+    Args:
+        sock: a socket from ``bind_listener(host, port)`` (the server takes it over and closes
+            it); None: bound here.
+
+    Raises:
+        ListenError: the address cannot be bound or listened on (never uvicorn's exit).
     """
-    _Server(_config(app, host, port, log_level), on_ready, shutdown_timeout, on_deadline).run()
+    sock = bind_listener(host, port) if sock is None else sock
+    with sock:
+        _Server(_config(app, host, port, log_level), on_ready, shutdown_timeout,
+                on_deadline).run(sockets=[sock])
 
 
 class BackgroundServer:

@@ -13,12 +13,13 @@ rendered once, whichever path the request took.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kthena_serve.admission import QueueLoad
 from kthena_serve.client import EngineStats, KVTierStats
 from kthena_serve.request import RequestOutput
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
@@ -80,6 +81,27 @@ class _EngineCollector:
                        stats.num_preemptions)
         if stats.kv_tiers:
             yield from _tier_families(stats.kv_tiers)
+        if stats.queue is not None:
+            yield from _queue_families(stats.queue)
+
+
+def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
+    """``kthena_admission_*``: the queue the overload bound watches (admission.py)."""
+    yield _gauge("kthena_admission_queued_requests",
+                 "Requests admitted that have no first token yet", queue.num_requests)
+    yield _gauge("kthena_admission_queued_prompt_tokens",
+                 "Prompt tokens of the requests admitted that have no first token yet",
+                 queue.num_tokens)
+    if queue.prefill_tokens_per_s is not None:
+        yield _gauge("kthena_admission_prefill_tokens_per_second",
+                     "Prompt tokens per second the queue is served at (measured, admission to "
+                     "first token)", queue.prefill_tokens_per_s)
+        yield _gauge("kthena_admission_estimated_wait_seconds",
+                     "Estimated wait for the first token of a request admitted now (queued "
+                     "prompt tokens over that rate)", queue.estimated_wait_s() or 0.0)
+    yield _gauge("kthena_admission_wait_error_seconds",
+                 "How much later than estimated recent first tokens came (high quantile; "
+                 "added to the estimate before the --max-queue-delay check)", queue.wait_error_s)
 
 
 _TIER_COUNTERS = (  # KVTierStats field -> (kthena_kv_tier_* name, help)
@@ -175,6 +197,10 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("kthena_requests", "Finished requests by reason",
                                 ["finish_reason"], registry=self.registry)
+        self.rejected = Counter("kthena_requests_rejected", "Requests refused before any "
+                                "token: reason overload (past --max-queue-delay or "
+                                "--max-queued-tokens, which limit names), 503 + Retry-After",
+                                ["reason", "limit"], registry=self.registry)
         self.hints = Counter("kthena_prefix_hints", "Client prefix hints (reuse_offset) and "
                              "whether token matching agreed with them", ["agreed"],
                              registry=self.registry)
@@ -183,9 +209,13 @@ class ServerMetrics:
         """``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout this server runs."""
         register_deployment_info(self.registry, served)
 
+    request_log: Callable[[str], None] | None = None  # --enable-log-requests: where lines go
+
     def observe(self, out: RequestOutput, reuse_offset: int | None = None) -> None:
         """Record a finished request (under both names: the same samples feed both)."""
         reason = out.finish_reason.value if out.finish_reason else "none"
+        if self.request_log is not None:
+            self.request_log(finished_line(out))
         self.finished.labels(reason).inc()
         if self.vllm is not None:
             self.vllm.finished(reason, num_prompt_tokens=out.num_prompt_tokens)
@@ -202,6 +232,12 @@ class ServerMetrics:
         if reuse_offset is not None:
             self.hints.labels(str(reuse_offset == out.num_cached_tokens).lower()).inc()
 
+    def observe_rejected(self, limit: str) -> None:
+        """A request refused at admission past the queue bound ``limit`` (admission.py)."""
+        self.rejected.labels("overload", limit).inc()
+        if self.vllm is not None:
+            self.vllm.rejected()
+
     def observe_aborted(self, count: int = 1) -> None:
         """Requests (choices) that ended without finishing: client gone, failed, shut down."""
         if count > 0:
@@ -211,6 +247,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def finished_line(out: RequestOutput) -> str:
+    """One request's end, for ``--enable-log-requests``."""
+    reason = out.finish_reason.value if out.finish_reason else "none"
+    timing = ""
+    if out.first_token_time is not None and out.finish_time is not None:
+        timing = (f", TTFT {out.first_token_time - out.arrival_time:.3f} s, e2e "
+                  f"{out.finish_time - out.arrival_time:.3f} s")
+    return (f"finished request {out.request_id}: {reason}, {out.num_prompt_tokens} prompt "
+            f"tokens ({out.num_cached_tokens} cached), {len(out.token_ids)} output tokens"
+            f"{timing}")
 
 
 def add_collector(app: FastAPI, collector: Collector) -> None:

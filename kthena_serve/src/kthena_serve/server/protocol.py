@@ -1,9 +1,11 @@
 """OpenAI request bodies (validated strictly: a string is not a number) and response builders.
 
 A body field is either honoured or refused: an unknown field is a 400 (as OpenAI answers), and
-fields this server does not implement (tools, ``response_format`` other than text,
-``suffix``, ``best_of`` > 1, ``priority`` other than 0) are accepted only with their neutral
-value and refused by name otherwise (``refuse_unsupported``).
+fields this server does not implement (``functions`` / ``function_call``, ``suffix``,
+``best_of`` > 1, ``priority`` other than 0, vLLM's removed ``guided_*``) are accepted only with
+their neutral value and refused by name otherwise (``refuse_unsupported``). ``response_format``
+and vLLM's ``structured_outputs`` become ``SamplingParams.structured_outputs``; chat ``tools``
+are tools.py's.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.request import RequestOutput
+from kthena_serve.request import FinishReason, RequestOutput
 from kthena_serve.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
+from kthena_serve.server.tools import NamedToolChoice, Tool, ToolCall, tool_constraint
+from kthena_serve.structured_output import StructuredOutputsParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -29,6 +33,7 @@ __all__ = [
     "chat_chunk",
     "chat_logprobs",
     "chat_response",
+    "tool_reason",
     "completion_chunk",
     "completion_logprobs",
     "completion_response",
@@ -54,7 +59,84 @@ def _refuse(param: str, value: Any, why: str) -> None:
 
 
 class StreamOptions(_Strict):
+    """OpenAI's stream options (unknown keys are a 400, as everywhere)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused when true (usage comes at the end)
+
+
+class _Forbid(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class JsonSchemaFormat(_Forbid):
+    """OpenAI's ``response_format.json_schema``; ``strict`` is accepted either way (the
+    output always follows the schema)."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Forbid):
+    """``{"type": "text" | "json_object" | "json_schema" | "structural_tag", ...}`` (OpenAI's,
+    and vLLM's structural tag: xgrammar's ``format``, or the legacy ``structures`` /
+    ``triggers``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """Raises InvalidRequestError (``response_format``) for a type without its fields."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise InvalidRequestError("response_format of type json_schema needs "
+                                          "json_schema.schema", "response_format")
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        tag = self.model_dump(exclude_none=True, exclude={"json_schema"})
+        return StructuredOutputsParams(structural_tag=tag)
+
+
+class StructuredOutputs(_Forbid):
+    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): one of ``json``,
+    ``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    # vLLM's xgrammar backend ignores both: the first is accepted (xgrammar already allows no
+    # property a schema does not name, unless the schema sets additionalProperties), the
+    # second refused unless null
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        if self.whitespace_pattern is not None:
+            _refuse("structured_outputs.whitespace_pattern", self.whitespace_pattern,
+                    "xgrammar (vLLM's default backend too) has no whitespace pattern; use "
+                    "disable_any_whitespace")
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+            json_object=self.json_object, structural_tag=self.structural_tag,
+            disable_any_whitespace=self.disable_any_whitespace)
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "guided_decoding_backend", "guided_whitespace_pattern")
 
 
 class _Common(_Strict):
@@ -65,7 +147,7 @@ class _Common(_Strict):
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # vLLM's: optional, the served model when left out
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -101,6 +183,31 @@ class _Common(_Strict):
     # without a KV connector refuses it), and usage asked for at the top level of a body.
     kv_transfer_params: dict[str, Any] | None = None
     top_level_include_usage: bool | None = Field(None, alias="include_usage")
+    # Structured output: OpenAI's response_format (it wins, as in vLLM), vLLM's
+    # structured_outputs, and the guided_* fields vLLM 0.32 removed (refused here)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must follow: ``response_format`` (not text), else
+        ``structured_outputs``, else None. Raises InvalidRequestError naming the field."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.constraint()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return None
+
+    def constraint_param(self) -> str:
+        """The body field the output constraint came from (compile errors name it)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs"
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Raises ValueError (from SamplingParams, or InvalidRequestError naming the field) for
@@ -119,6 +226,7 @@ class _Common(_Strict):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or (), truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=self.num_prompt_logprobs(),
+            structured_outputs=self.output_constraint(),
         )
 
     def num_logprobs(self) -> int | None:
@@ -131,10 +239,21 @@ class _Common(_Strict):
 
     def refuse_unsupported(self) -> None:
         """Raise InvalidRequestError naming the first field set to what is not implemented."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true (as "
+                                      "vLLM answers)", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            _refuse("stream_options.continuous_usage_stats", True, "usage comes in one final "
+                    "chunk (include_usage); leave it out or send false")
         if self.priority != 0:
             _refuse("priority", self.priority, "requests run first-come first-served (as "
                     "vLLM's default scheduling policy, which refuses priority too); leave it "
                     "out or send 0")
+        for name in _GUIDED:
+            if getattr(self, name) is not None:
+                _refuse(name, getattr(self, name), "vLLM removed the guided-decoding fields "
+                        "(vLLM 0.32 ignores them and does not constrain the output); use "
+                        "structured_outputs (or response_format) instead")
 
     @property
     def include_usage(self) -> bool:
@@ -144,7 +263,8 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    # a text, texts, token ids, or several prompts of token ids (vLLM's and OpenAI's four forms)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt
     logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
@@ -177,8 +297,14 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """A message; an assistant's may carry ``tool_calls``, a ``tool`` message answers one
+    (``tool_call_id``)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -192,12 +318,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
-    # Tool calling and structured output are not implemented: neutral values only.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none / auto / required / a function
+    parallel_tool_calls: bool | None = None  # false: one call at most
+    # OpenAI's deprecated function calling: neutral values only
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -213,19 +339,37 @@ class ChatCompletionRequest(_Common):
         check_num_logprobs(self.top_logprobs, "top_logprobs")
         return self.top_logprobs or 0
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, defaulting to ``auto`` with tools and ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is parsed for tool calls (tools, and a choice but none)."""
+        return bool(self.tools) and self.effective_tool_choice != "none"
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """A ``required`` or named tool choice constrains the output to a call; otherwise as
+        for completions."""
+        tools = tool_constraint(self.tools or (), self.effective_tool_choice)
+        return tools if tools is not None else super().output_constraint()
+
+    def constraint_param(self) -> str:
+        if tool_constraint(self.tools or (), self.effective_tool_choice) is not None:
+            return "tools"
+        return super().constraint_param()
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        no_tools = ("this server does not call tools; leave out tools, tool_choice, functions "
-                    "and function_call")
-        for name in ("tools", "functions"):
-            if getattr(self, name) is not None:
-                _refuse(name, getattr(self, name), no_tools)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                _refuse(name, getattr(self, name), no_tools)
-        if self.response_format not in (None, {"type": "text"}):
-            _refuse("response_format", self.response_format, 'only {"type": "text"} is '
-                    "implemented (no JSON mode or schema)")
+        legacy = "OpenAI deprecated function calling; send tools and tool_choice instead"
+        if self.functions is not None:
+            _refuse("functions", self.functions, legacy)
+        if self.function_call not in (None, "none"):
+            _refuse("function_call", self.function_call, legacy)
+        self._check_tools()
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt are "
                                       "both true: continuing the last message opens no new "
@@ -235,6 +379,30 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequestError("continue_final_message needs the last message to be "
                                       f"the assistant's (it is {self.messages[-1].role!r})",
                                       "continue_final_message")
+
+    def _check_tools(self) -> None:
+        """vLLM's rules for ``tools`` and ``tool_choice`` (its messages)."""
+        if self.tools == []:
+            raise InvalidRequestError("`tools` must not be an empty array. Either provide at "
+                                      "least one tool or omit the field entirely.", "tools")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise InvalidRequestError("When using `tool_choice`, `tools` must be set.",
+                                      "tool_choice")
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            raise InvalidRequestError(f"Invalid value for `tool_choice`: {choice}! Only named "
+                                      'tools, "none", "auto" or "required" are supported.',
+                                      "tool_choice")
+        names = {t.function.name for t in self.tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError("The tool specified in `tool_choice` does not match any "
+                                      "of the specified `tools`", "tool_choice")
+        constrained = choice == "required" or isinstance(choice, NamedToolChoice)
+        if constrained and super().output_constraint() is not None:
+            raise InvalidRequestError("You can only either use constraints for structured "
+                                      "outputs or tools, not both.", "tool_choice")
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -293,17 +461,31 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], usage
 
 def chat_response(rid: str, model: str, finals: list[RequestOutput], usage_: dict,
                   logprobs: Sequence[dict | None] | None = None,
-                  prompt_logprobs: list | None = None) -> dict:
+                  prompt_logprobs: list | None = None,
+                  tool_calls: Sequence[tuple[str | None, list[dict]]] | None = None) -> dict:
     """Args: logprobs: each choice's ``chat_logprobs`` (None: the request asked none);
-    prompt_logprobs: the conversation's `vllm_prompt_logprobs` (vLLM's top-level field)."""
+    prompt_logprobs: the conversation's `vllm_prompt_logprobs` (vLLM's top-level field);
+    tool_calls: each choice's ``(content, calls)`` (``tools.parse_tool_calls``) when the output
+    was parsed for tool calls: a choice with calls has them, its content (null when none is
+    left) and finish reason ``tool_calls`` (where it stopped, not where it hit a limit)."""
     logprobs = logprobs or [None] * len(finals)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
                 "logprobs": lp, "finish_reason": _reason(o)}
                for i, (o, lp) in enumerate(zip(finals, logprobs, strict=True))]
+    for choice, out, parsed in zip(choices, finals, tool_calls or (), strict=False):
+        content, calls = parsed
+        if calls:
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            choice["finish_reason"] = tool_reason(out)
     extra: dict[str, Any] = {"usage": usage_}
     if prompt_logprobs is not None:
         extra["prompt_logprobs"] = prompt_logprobs
     return _envelope(rid, "chat.completion", model, choices, extra)
+
+
+def tool_reason(out: RequestOutput) -> str | None:
+    """The finish reason of a choice that made tool calls: ``tool_calls`` where it stopped."""
+    return "tool_calls" if out.finish_reason is FinishReason.STOP else _reason(out)
 
 
 def usage_chunk(rid: str, obj: str, model: str, usage_: dict) -> dict:

@@ -19,6 +19,7 @@ from kthena_serve.client import EngineClient
 from kthena_serve.errors import InvalidRequestError
 from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.server.protocol import ChatMessage, _refuse, _Strict
+from kthena_serve.server.tools import Tool, chat_inputs
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenize", "tokenize"]
 
@@ -40,7 +41,7 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless null
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # refused unless null
+    tools: list[Tool] | None = None  # rendered as chat renders them
 
     def check(self) -> None:
         """Raise InvalidRequestError for a body that is not exactly one of the two forms, or
@@ -60,8 +61,6 @@ class TokenizeRequest(_Strict):
                                       "continue_final_message")
         if self.chat_template is not None:
             _refuse("chat_template", self.chat_template, "the checkpoint's template is used")
-        if self.tools is not None:
-            _refuse("tools", self.tools, "this server does not call tools")
 
 
 class DetokenizeRequest(_Strict):
@@ -79,13 +78,15 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
     """
     body.check()
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # as the chat route renders them: tools, assistant tool_calls, tool messages
+        messages, extra = chat_inputs(body.messages, body.tools,
+                                      engine.processor.tokenizer.chat_template)
         try:
             ids = engine.processor.encode_chat(
                 messages, add_generation_prompt=body.add_generation_prompt,
                 add_special_tokens=bool(body.add_special_tokens),
                 continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs)
+                template_kwargs={**(body.chat_template_kwargs or {}), **extra})
         except ChatTemplateError as error:
             raise InvalidRequestError(str(error), "messages") from None
     else:

@@ -12,6 +12,8 @@
     kthena_request_latency_seconds            vllm:e2e_request_latency_seconds           histogram
     (first token .. last token) / gaps        vllm:inter_token_latency_seconds           histogram
     prompt lengths of finished requests       vllm:prompt_tokens                         counter
+    kthena_requests_rejected{reason=overload} vllm:admission_rejections{reason=           counter
+                                                max_num_queued_tokens}
 
 One source, two names: the gauges and counters come from the same ``EngineStats`` snapshot
 as the ``kthena_*`` ones in the same scrape (``engine_families``), and each finished request
@@ -21,7 +23,10 @@ buckets are vLLM's.
 vLLM observes every gap between two tokens of a request. The server sees a finished request's
 first-token and finish times, so it records its ``n - 1`` gaps as ``n - 1`` observations of
 their mean: the count and the sum are exact (the router reads Δsum / Δcount), the bucket of a
-single gap is approximate. ``vllm:prompt_tokens`` counts prompt tokens (cached ones included,
+single gap is approximate. Both admission bounds (admission.py) bound the prefill backlog in
+tokens (the delay bound is the token bound ``delay x measured rate``, vLLM's sizing rule for
+``max_num_queued_tokens``), so every refusal counts under vLLM's reason
+``max_num_queued_tokens``. ``vllm:prompt_tokens`` counts prompt tokens (cached ones included,
 as vLLM does) of requests as they finish; a request that ends without an output (its client
 went away) counts in ``request_success{finished_reason="abort"}`` but adds no prompt tokens.
 """
@@ -51,6 +56,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+ADMISSION_REASON = "max_num_queued_tokens"  # vLLM's reason for a prefill-backlog bound
 _LABEL = ["model_name"]
 
 
@@ -127,9 +133,16 @@ class VllmMetrics:
         self.success = Counter("vllm:request_success",
                                "Count of successfully processed requests.",
                                [*_LABEL, "finished_reason"], registry=registry)
+        self.admission = Counter("vllm:admission_rejections", "Number of admission attempts "
+                                 "rejected by a queue limit, by reason.",
+                                 [*_LABEL, "reason"], registry=registry).labels(
+                                     model_name, ADMISSION_REASON)  # present from the start
         self.model_name = model_name
         for reason in FINISH_REASONS:  # present from the start, as in vLLM
             self.success.labels(model_name, reason)
+
+    def rejected(self) -> None:
+        self.admission.inc()
 
     def finished(self, reason: str, count: int = 1, num_prompt_tokens: int = 0) -> None:
         self.success.labels(self.model_name, reason).inc(count)

@@ -6,17 +6,23 @@ which links the Debian package libibverbs1 even for TCP) and a running `mooncake
 port is probed first and an unreachable store fails fast with `TierUnavailableError`.
 Mooncake's integer return codes become `TierError`s here, once.
 
-This client also contributes `global_segment_size` bytes of its own RAM to the store.
+This client also contributes `global_segment_size` bytes of its own RAM to the store, served
+to the store's other clients from two listeners (Mooncake's handshake RPC and TCP data ports).
+Mooncake binds them to every interface whatever it is told; `mooncake_kv.listen` keeps them on
+`local_hostname`, and a client that cannot be kept there is not opened. A store whose master
+is on another host needs a `local_hostname` those hosts reach: loopback is refused for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 from typing import Any, ClassVar
 
 import attrs
 
+from mooncake_kv.listen import ListenConfinementError, confine_listeners
 from mooncake_kv.tiers.base import TierError, TierUnavailableError, register_tier
 
 __all__ = ["MooncakeStoreTier", "StoreTierConfig"]
@@ -41,7 +47,8 @@ class StoreTierConfig:
 
     Attributes:
         master_address: 'host:port' of mooncake_master's RPC port.
-        local_hostname: address this client's transfer engine serves from.
+        local_hostname: the address this client listens on (its transfer engine and
+            handshake RPC; never every interface) and advertises; loopback by default.
         metadata_server: 'P2PHANDSHAKE' (no metadata service) or an etcd/HTTP URL.
         global_segment_size: bytes of this process's RAM lent to the store.
         local_buffer_size: bytes of client-side transfer buffer.
@@ -74,6 +81,42 @@ def _probe(address: str, timeout_s: float) -> None:
         ) from None
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+def _check_reachable(config: StoreTierConfig) -> None:
+    """A remote master hands this client's segment address to clients on other hosts."""
+    master = _host_port(config.master_address)[0]
+    if _is_loopback(config.local_hostname) and not _is_loopback(master):
+        raise TierUnavailableError(
+            f"the Mooncake master at {config.master_address} is not on loopback, but this "
+            f"client would serve its segment on {config.local_hostname}, which other hosts "
+            "cannot reach; set local_hostname to this host's address on the master's network "
+            "(kthena serve: --kv-offload ...,listen=ADDRESS)")
+
+
+def _setup(client: Any, config: StoreTierConfig) -> int:
+    """``client.setup`` with its listeners kept on ``local_hostname``."""
+    try:
+        with confine_listeners(config.local_hostname):
+            return client.setup(
+                config.local_hostname, config.metadata_server, config.global_segment_size,
+                config.local_buffer_size, config.protocol, config.rdma_devices,
+                config.master_address,
+            )
+    except ListenConfinementError as error:
+        with contextlib.suppress(Exception):
+            client.close()
+        raise TierUnavailableError(
+            f"the Mooncake Store client is not opened: it would listen on every interface "
+            f"and serve this process's segment to anyone who reaches it ({error})") from None
+
+
 def _new_client() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -92,13 +135,10 @@ class MooncakeStoreTier:
     """
 
     def __init__(self, config: StoreTierConfig) -> None:
+        _check_reachable(config)
         _probe(config.master_address, config.connect_timeout_s)
         client = _new_client()
-        code = client.setup(
-            config.local_hostname, config.metadata_server, config.global_segment_size,
-            config.local_buffer_size, config.protocol, config.rdma_devices,
-            config.master_address,
-        )
+        code = _setup(client, config)
         if code != 0:
             with contextlib.suppress(Exception):
                 client.close()

@@ -1,0 +1,346 @@
+"""Admission: a bound on queued work, so overload is a fast 503 instead of a minute's wait.
+
+A request is *queued* from the moment it is admitted until its first token (or its end)::
+
+    check_admission ──▶ queued (prompt tokens counted) ──first token──▶ served (tokens credited)
+         │                        rate = tokens credited / seconds the queue was not empty
+         └─ refused: 503 + Retry-After, before anything is generated
+
+The estimated wait of a new request is the queued prompt tokens, its own included, over the
+rate at which the queue has been served (``ServiceRate``): prompt tokens that got their first
+token per second during which something was queued. That rate is measured on the same path the
+client sees (admission to first token), so it holds whatever slows the queue down: decode
+protection's prefill cap, a full KV pool, taken seats, preemptions, a remote prefill worker. Its
+prior (before a backlog has been seen, and what it decays back to after one) is the step cost
+model's prefill capacity at the running decodes (``StepCostModel.prefill_tokens_per_s``).
+
+How far off that estimate runs is measured too: when a request's first token arrives, the time
+it took since admission minus the estimate made then is one sample of the estimate's error; the
+gate keeps the samples of the last ``ERROR_HORIZON_S`` seconds and adds their ``ERROR_QUANTILE``
+quantile (at least 0: ``QueueLoad.wait_error_s``) to every estimate it compares with the bound. Under steady
+overload the queue fills up to the bound, so without it half the admitted requests would wait
+longer than the bound; with it, the bound holds for the TTFT tail the requests actually saw
+(a KV pool that thrashes, a process that loses its cores, chunked long prompts ...). The
+horizon is short so that one stall does not keep the queue short for long after it.
+
+Two bounds (``AdmissionLimits``, from ``EngineConfig.max_queue_delay_s`` / ``max_queued_tokens``):
+
+* ``max_queue_delay_s``: refuse when the estimated wait, plus the measured error, exceeds it. The same as vLLM's
+  ``max_num_queued_tokens`` sized ``target_TTFT x prefill_throughput``, with the throughput
+  measured here instead of guessed.
+* ``max_queued_tokens``: refuse when the queued prompt tokens, the new ones included, exceed it.
+
+An empty queue always admits (an idle engine serves any request, and serving it is how the rate
+and the error are measured again). ``Retry-After`` is the time the queue needs to drain back
+under the bound at the measured rate, in whole seconds, 1 to ``MAX_RETRY_AFTER_S``. Every request has priority 0
+(the API refuses others), so the queue is first-come first-served and the bound is one number.
+
+``AdmissionGate`` is the thread-safe bookkeeping one engine front keeps (``AsyncLLM``, the PD
+router's ``RemoteEngine``): admitted requests it has not seen start (``claim``) expire after
+``claim_timeout_s``, so a request refused later (a 400 after admission) or abandoned before its
+stream began cannot hold tokens forever. ``decide`` is the pure decision the DP router also
+applies to each replica's reported ``QueueLoad``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kthena_serve.errors import OverloadedError
+
+__all__ = ["MAX_RETRY_AFTER_S", "AdmissionGate", "AdmissionLimits", "QueueLoad", "Refusal",
+           "ServiceRate", "decide"]
+
+MAX_RETRY_AFTER_S = 60
+ERROR_HORIZON_S = 30.0  # how long an estimate's error sample counts
+ERROR_QUANTILE = 0.99  # the TTFT tail the bound is held for
+QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
+QUEUED_TOKENS = "queued_tokens"
+
+
+@attrs.frozen
+class AdmissionLimits:
+    """The bounds on queued work (None: that bound is off).
+
+    Attributes:
+        max_queue_delay_s: the most estimated seconds a new request may wait for its first token.
+        max_queued_tokens: the most prompt tokens queued (admitted, no first token yet).
+    """
+
+    max_queue_delay_s: float | None = None
+    max_queued_tokens: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> AdmissionLimits:
+        """The limits of an ``EngineConfig`` (0 and None both mean off)."""
+        return cls(config.max_queue_delay_s or None, config.max_queued_tokens or None)
+
+    @property
+    def is_bounded(self) -> bool:
+        return self.max_queue_delay_s is not None or self.max_queued_tokens is not None
+
+
+@attrs.frozen
+class QueueLoad:
+    """An engine's queue now: what the bound is checked against (reported to routers).
+
+    Attributes:
+        num_requests: requests admitted that have no first token yet.
+        num_tokens: their prompt tokens.
+        prefill_tokens_per_s: the measured rate the queue is served at (None: nothing measured
+            and no prior; the delay bound then admits).
+        wait_error_s: how much later than estimated recent first tokens came (the
+            ``ERROR_QUANTILE`` of the last ``ERROR_HORIZON_S`` seconds' samples, at least 0):
+            added to an estimate before it is compared with the bound.
+    """
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    prefill_tokens_per_s: float | None = None
+    wait_error_s: float = 0.0
+
+    def estimated_wait_s(self, num_new_tokens: int = 0) -> float | None:
+        """Seconds until the first token of a request of ``num_new_tokens`` prompt tokens
+        admitted now (None: no rate to estimate from)."""
+        rate = self.prefill_tokens_per_s
+        if rate is None:
+            return None
+        tokens = self.num_tokens + num_new_tokens
+        return tokens / rate if rate > 0 else (math.inf if tokens else 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> QueueLoad | None:
+        return None if data is None else cls(**data)
+
+    @classmethod
+    def total(cls, parts: Sequence[QueueLoad]) -> QueueLoad:
+        """Several engines' queues as one (requests, tokens and rates summed; the largest
+        error)."""
+        rates = [p.prefill_tokens_per_s for p in parts if p.prefill_tokens_per_s is not None]
+        return cls(sum(p.num_requests for p in parts), sum(p.num_tokens for p in parts),
+                   sum(rates) if rates else None, max((p.wait_error_s for p in parts), default=0.0))
+
+
+@attrs.frozen
+class Refusal:
+    """Why a request was refused and when to come back.
+
+    Attributes:
+        limit: the bound that refused it (``queue_delay`` or ``queued_tokens``).
+        estimated_wait_s: the wait it would have had (None: no rate measured).
+        retry_after_s: whole seconds until the queue is expected back under the bound.
+        message: for the client (names the flag).
+    """
+
+    limit: str
+    estimated_wait_s: float | None
+    retry_after_s: int
+    message: str
+
+    def error(self) -> OverloadedError:
+        """The exception the engine front raises (the server's 503)."""
+        return OverloadedError(self.message, self.retry_after_s, self.limit)
+
+
+def _retry_after(seconds: float) -> int:
+    if not math.isfinite(seconds):
+        return MAX_RETRY_AFTER_S
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
+def decide(limits: AdmissionLimits, load: QueueLoad, num_new_tokens: int) -> Refusal | None:
+    """Admit (None) or refuse a request of ``num_new_tokens`` prompt tokens given ``load``.
+
+    An empty queue always admits; the token bound counts the new tokens too; the delay bound
+    compares the estimated wait (``QueueLoad.estimated_wait_s``, the new tokens included) plus
+    the measured error (``QueueLoad.wait_error_s``).
+    """
+    if load.num_requests == 0:
+        return None
+    rate = load.prefill_tokens_per_s
+    wait = load.estimated_wait_s(num_new_tokens)
+    cap = limits.max_queued_tokens
+    tokens = load.num_tokens + num_new_tokens
+    if cap is not None and tokens > cap:
+        drain = (tokens - cap) / rate if rate else math.inf
+        return Refusal(QUEUED_TOKENS, wait, _retry_after(drain),
+                       f"the server is overloaded: {tokens} prompt tokens would be queued, over "
+                       f"its bound of {cap} (--max-queued-tokens); retry later or on another "
+                       "replica")
+    bound = limits.max_queue_delay_s
+    if bound is None or wait is None:
+        return None
+    expected = wait + load.wait_error_s
+    if expected > bound:
+        return Refusal(QUEUE_DELAY, expected, _retry_after(expected - bound),
+                       f"the server is overloaded: the first token would come in about "
+                       f"{expected:.1f} s ({load.num_tokens} prompt tokens queued at "
+                       f"{rate:.0f} tokens/s, and first tokens lately came up to "
+                       f"{load.wait_error_s:.1f} s later than that estimate), over its bound "
+                       f"of {bound:g} s (--max-queue-delay); retry later or on another replica")
+    return None
+
+
+class ServiceRate:
+    """Prompt tokens served per second of backlogged time, exponentially decayed in wall time.
+
+    ``advance(now, backlogged)`` accrues the time since the last call as busy when something
+    was queued throughout; ``credit(n)`` adds the prompt tokens of a request that got its first
+    token. ``rate(prior)`` blends the evidence with ``prior`` tokens/s worth ``prior_s`` seconds,
+    so it starts at the prior and returns to it when the evidence has decayed (an idle spell).
+
+    Args:
+        half_life_s: wall seconds after which evidence counts half.
+        prior_s: how many busy seconds the prior is worth.
+    """
+
+    def __init__(self, *, half_life_s: float = 10.0, prior_s: float = 1.0) -> None:
+        if not half_life_s > 0 or not prior_s > 0:
+            raise ValueError(f"half_life_s and prior_s must be positive (got {half_life_s}, "
+                             f"{prior_s})")
+        self.half_life_s = half_life_s
+        self.prior_s = prior_s
+        self._tokens = 0.0
+        self._busy_s = 0.0
+        self._last: float | None = None
+
+    def advance(self, now: float, backlogged: bool) -> None:
+        if self._last is not None and now > self._last:
+            dt = now - self._last
+            decay = 0.5 ** (dt / self.half_life_s)
+            self._tokens *= decay
+            self._busy_s = self._busy_s * decay + (dt if backlogged else 0.0)
+        self._last = now if self._last is None else max(self._last, now)
+
+    def credit(self, num_tokens: int) -> None:
+        self._tokens += num_tokens
+
+    def rate(self, prior: float | None) -> float | None:
+        """Tokens per second (None: no prior and no busy time measured yet)."""
+        if prior is None or not prior > 0:
+            return self._tokens / self._busy_s if self._busy_s > 1e-3 else None
+        return (self._tokens + prior * self.prior_s) / (self._busy_s + self.prior_s)
+
+
+class AdmissionGate:
+    """The queue of one engine front, and its admission decision (thread-safe; module docs).
+
+    Args:
+        limits: the bounds (off: every request is admitted, the queue is still measured).
+        clock: seconds, monotonic (tests inject one).
+        claim_timeout_s: how long an admitted request may take to start its stream.
+        rate: the service-rate meter (default ``ServiceRate()``).
+    """
+
+    def __init__(self, limits: AdmissionLimits, *, clock: Callable[[], float] = time.monotonic,
+                 claim_timeout_s: float = 30.0, rate: ServiceRate | None = None) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._claim_timeout_s = claim_timeout_s
+        self._rate = rate or ServiceRate()
+        self._lock = threading.Lock()
+        # request id -> [prompt tokens, claim deadline | None, admitted at, estimate | None]
+        self._queued: dict[str, list] = {}
+        self._num_tokens = 0
+        self._errors: deque[tuple[float, float]] = deque()  # (when, actual - estimated wait)
+
+    def try_admit(self, requests: Sequence[tuple[str, int]], prior: float | None = None,
+                  ) -> Refusal | None:
+        """Queue ``requests`` ((request id, prompt tokens) of one API call) or refuse them all.
+
+        Args:
+            prior: the prefill capacity the rate starts from (tokens/s; None: none known).
+        """
+        num_new = sum(n for _, n in requests)
+        with self._lock:
+            now = self._advance()
+            self._expire(now)
+            load = self._load(prior)
+            refusal = decide(self.limits, load, num_new)
+            if refusal is None:
+                estimate = load.estimated_wait_s(num_new)
+                for request_id, num_tokens in requests:
+                    self._add(request_id, num_tokens, now + self._claim_timeout_s, now,
+                              estimate)
+            return refusal
+
+    def claim(self, request_id: str, num_tokens: int) -> None:
+        """The request's stream started: it stays queued until ``started`` or ``forget``
+        (one that was never admitted, e.g. from ``LLM``, is queued now)."""
+        with self._lock:
+            now = self._advance()
+            entry = self._queued.get(request_id)
+            if entry is None:
+                self._add(request_id, num_tokens, None, now, None)
+            else:
+                entry[1] = None
+
+    def started(self, request_id: str) -> None:
+        """Its first token arrived: it leaves the queue, its tokens count as served and, if it
+        was admitted with an estimate, its wait minus that estimate is an error sample."""
+        with self._lock:
+            now = self._advance()
+            entry = self._queued.pop(request_id, None)
+            if entry is not None:
+                tokens, _, admitted, estimate = entry
+                self._num_tokens -= tokens
+                self._rate.credit(tokens)
+                if estimate is not None and math.isfinite(estimate):
+                    self._errors.append((now, now - admitted - estimate))
+
+    def forget(self, request_id: str) -> None:
+        """It ended (or was released) without a first token; nothing happens if it left."""
+        with self._lock:
+            self._advance()
+            entry = self._queued.pop(request_id, None)
+            if entry is not None:
+                self._num_tokens -= entry[0]
+
+    def load(self, prior: float | None = None) -> QueueLoad:
+        with self._lock:
+            self._expire(self._advance())
+            return self._load(prior)
+
+    # ---- under the lock -----------------------------------------------------------------------
+    def _advance(self) -> float:
+        now = self._clock()
+        self._rate.advance(now, bool(self._queued))
+        return now
+
+    def _add(self, request_id: str, num_tokens: int, deadline: float | None, now: float,
+             estimate: float | None) -> None:
+        old = self._queued.pop(request_id, None)
+        if old is not None:
+            self._num_tokens -= old[0]
+        self._queued[request_id] = [num_tokens, deadline, now, estimate]
+        self._num_tokens += num_tokens
+
+    def _expire(self, now: float) -> None:
+        stale = [rid for rid, entry in self._queued.items()
+                 if entry[1] is not None and entry[1] < now]
+        for rid in stale:
+            self._num_tokens -= self._queued.pop(rid)[0]
+
+    def _load(self, prior: float | None) -> QueueLoad:
+        return QueueLoad(len(self._queued), self._num_tokens, self._rate.rate(prior),
+                         self._wait_error())
+
+    def _wait_error(self) -> float:
+        """The ``ERROR_QUANTILE`` of the recent error samples (nearest rank), at least 0."""
+        horizon = self._clock() - ERROR_HORIZON_S
+        while self._errors and self._errors[0][0] < horizon:
+            self._errors.popleft()
+        if not self._errors:
+            return 0.0
+        ordered = sorted(error for _, error in self._errors)
+        return max(0.0, ordered[min(len(ordered) - 1, math.ceil(ERROR_QUANTILE * len(ordered)) - 1)])

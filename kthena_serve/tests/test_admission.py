@@ -1,0 +1,279 @@
+"""Overload control's pieces without a server (admission.py): the wait estimate, the admission
+decision, the measured service rate and the gate's bookkeeping, with injected rates and a fake
+clock (no timed assertion)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kthena_serve.admission import (
+    MAX_RETRY_AFTER_S,
+    AdmissionGate,
+    AdmissionLimits,
+    QueueLoad,
+    ServiceRate,
+    decide,
+)
+from kthena_serve.client import EngineStats
+from kthena_serve.errors import OverloadedError
+from kthena_serve.step_cost import StepCoefficients, StepCostModel, StepShape
+from mooncake_kv import KVCacheStats
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the estimate and the decision ---------------------------------------------------------------
+def test_wait_is_the_queued_tokens_and_its_own_over_the_rate() -> None:
+    load = QueueLoad(num_requests=3, num_tokens=3000, prefill_tokens_per_s=1000.0)
+    assert load.estimated_wait_s() == pytest.approx(3.0)
+    assert load.estimated_wait_s(500) == pytest.approx(3.5)
+    assert QueueLoad(1, 10, None).estimated_wait_s(5) is None  # nothing to estimate from
+    assert QueueLoad(1, 10, 0.0).estimated_wait_s() == math.inf
+    assert QueueLoad(0, 0, 0.0).estimated_wait_s() == 0.0
+
+
+def test_past_the_delay_bound_is_refused_with_the_drain_time() -> None:
+    limits = AdmissionLimits(max_queue_delay_s=2.0)
+    load = QueueLoad(num_requests=4, num_tokens=1900, prefill_tokens_per_s=1000.0)
+    assert decide(limits, load, 100) is None  # 2.0 s: on the bound, admitted
+    refusal = decide(limits, load, 1600)  # 3.5 s
+    assert refusal is not None and refusal.limit == "queue_delay"
+    assert refusal.estimated_wait_s == pytest.approx(3.5)
+    assert refusal.retry_after_s == 2  # ceil(3.5 - 2.0)
+    assert "--max-queue-delay" in refusal.message
+    error = refusal.error()
+    assert isinstance(error, OverloadedError) and error.retry_after_s == 2
+    assert error.limit == "queue_delay"
+
+
+def test_past_the_token_bound_is_refused() -> None:
+    limits = AdmissionLimits(max_queued_tokens=1000)
+    load = QueueLoad(num_requests=2, num_tokens=900, prefill_tokens_per_s=50.0)
+    assert decide(limits, load, 100) is None  # exactly the bound
+    refusal = decide(limits, load, 101)
+    assert refusal is not None and refusal.limit == "queued_tokens"
+    assert refusal.retry_after_s == 1  # ceil(1 token / 50 per s)
+    assert "--max-queued-tokens" in refusal.message
+    slow = decide(limits, QueueLoad(2, 900, 1.0), 400)
+    assert slow is not None and slow.retry_after_s == MAX_RETRY_AFTER_S  # 300 s, capped
+
+
+def test_the_measured_error_is_added_before_the_delay_bound() -> None:
+    limits = AdmissionLimits(max_queue_delay_s=5.0)
+    load = QueueLoad(num_requests=2, num_tokens=3000, prefill_tokens_per_s=1000.0)
+    assert decide(limits, load, 0) is None  # 3 s
+    late = QueueLoad(2, 3000, 1000.0, wait_error_s=2.5)
+    refusal = decide(limits, late, 0)  # 3 s + 2.5 s late lately
+    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(5.5)
+    assert refusal.retry_after_s == 1 and "2.5 s later" in refusal.message
+    assert QueueLoad.total([late, load]).wait_error_s == 2.5
+
+
+def test_an_empty_queue_always_admits() -> None:
+    limits = AdmissionLimits(max_queue_delay_s=0.001, max_queued_tokens=1)
+    assert decide(limits, QueueLoad(0, 0, 1.0), 100_000) is None
+
+
+def test_no_rate_skips_the_delay_bound_but_not_the_token_bound() -> None:
+    assert decide(AdmissionLimits(max_queue_delay_s=1.0), QueueLoad(5, 10**6, None), 10) is None
+    refusal = decide(AdmissionLimits(max_queued_tokens=10), QueueLoad(1, 10, None), 1)
+    assert refusal is not None and refusal.retry_after_s == MAX_RETRY_AFTER_S
+
+
+def test_a_stalled_queue_refuses_with_the_longest_retry_after() -> None:
+    refusal = decide(AdmissionLimits(max_queue_delay_s=5.0), QueueLoad(1, 10, 0.0), 1)
+    assert refusal is not None and refusal.retry_after_s == MAX_RETRY_AFTER_S
+
+
+def test_limits_off_admit_everything() -> None:
+    assert not AdmissionLimits().is_bounded
+    assert decide(AdmissionLimits(), QueueLoad(100, 10**9, 1.0), 10**6) is None
+
+    class Config:
+        max_queue_delay_s = 0.0
+        max_queued_tokens = 0
+
+    assert AdmissionLimits.of(Config()) == AdmissionLimits()
+
+
+# ---- the measured rate ---------------------------------------------------------------------------
+def test_rate_starts_at_the_prior_and_moves_to_what_is_measured() -> None:
+    rate = ServiceRate(half_life_s=10.0, prior_s=1.0)
+    rate.advance(0.0, backlogged=False)
+    assert rate.rate(2000.0) == pytest.approx(2000.0)
+    assert rate.rate(None) is None
+    for second in range(1, 61):  # a minute backlogged, 500 tokens served each second
+        rate.advance(float(second), backlogged=True)
+        rate.credit(500)
+    # the evidence (about half_life / ln 2 = 14 s of it) outweighs the prior's 1 s
+    assert 500.0 < rate.rate(2000.0) < 650.0
+    assert rate.rate(None) == pytest.approx(500.0, rel=0.05)
+
+
+def test_rate_returns_to_the_prior_after_an_idle_spell() -> None:
+    rate = ServiceRate(half_life_s=10.0, prior_s=1.0)
+    rate.advance(0.0, backlogged=False)
+    rate.advance(5.0, backlogged=True)
+    rate.credit(500)  # 100 tokens/s while backlogged
+    assert rate.rate(2000.0) < 500
+    rate.advance(200.0, backlogged=False)  # 20 half-lives idle
+    assert rate.rate(2000.0) == pytest.approx(2000.0, rel=0.01)
+
+
+def test_idle_time_is_not_service_time() -> None:
+    rate = ServiceRate(half_life_s=1e9, prior_s=1.0)
+    rate.advance(0.0, backlogged=False)
+    rate.advance(100.0, backlogged=False)  # nothing queued: not counted
+    rate.advance(101.0, backlogged=True)
+    rate.credit(1000)
+    assert rate.rate(None) == pytest.approx(1000.0)
+    with pytest.raises(ValueError, match="positive"):
+        ServiceRate(half_life_s=0)
+
+
+# ---- the gate --------------------------------------------------------------------------------------
+def test_gate_counts_admitted_requests_until_their_first_token() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queued_tokens=100), clock=clock)
+    assert gate.try_admit([("a-0", 60)]) is None  # empty queue
+    assert gate.load() == QueueLoad(1, 60, None)
+    refusal = gate.try_admit([("b-0", 30), ("b-1", 30)])  # one call's choices, all or none
+    assert refusal is not None and refusal.limit == "queued_tokens"
+    assert gate.load().num_tokens == 60
+    gate.claim("a-0", 60)
+    clock.now += 2.0
+    gate.started("a-0")
+    assert gate.load(None) == QueueLoad(0, 0, pytest.approx(30.0))  # 60 tokens in 2 s busy
+    assert gate.try_admit([("b-0", 30), ("b-1", 30)]) is None
+    gate.forget("b-0")  # ended without a first token: nothing credited
+    gate.forget("b-0")
+    assert gate.load().num_tokens == 30
+
+
+def test_gate_learns_how_late_first_tokens_come_and_forgets_it() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    prior = 100.0  # tokens/s
+    assert gate.try_admit([("a", 100)], prior) is None  # estimated 1 s
+    gate.claim("a", 100)
+    assert gate.try_admit([("b", 100)], prior) is None
+    clock.now += 4.0  # "a" took 4 s: 3 s late
+    gate.started("a")
+    assert gate.load(prior).wait_error_s == pytest.approx(3.0, abs=0.5)
+    gate.claim("b", 100)
+    gate.started("b")  # "b" waited 4 s too, estimated about 2 s
+    error = gate.load(prior).wait_error_s
+    assert error == pytest.approx(3.0, abs=0.5)
+    clock.now += 31.0  # the samples age out (ERROR_HORIZON_S)
+    assert gate.load(prior).wait_error_s == 0.0
+    gate.claim("c", 10)  # never admitted: no estimate, no sample
+    clock.now += 50.0
+    gate.started("c")
+    assert gate.load(prior).wait_error_s == 0.0
+
+
+def test_admitted_requests_that_never_start_expire() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queued_tokens=10), clock=clock,
+                         claim_timeout_s=30.0)
+    assert gate.try_admit([("lost", 10)]) is None
+    assert gate.try_admit([("kept", 10)]) is not None
+    clock.now += 31.0
+    assert gate.load().num_requests == 0  # never claimed: gone
+    assert gate.try_admit([("kept", 10)]) is None
+    gate.claim("kept", 10)
+    clock.now += 1000.0
+    assert gate.load().num_requests == 1  # its stream runs: it stays until it ends
+
+
+def test_a_request_never_admitted_is_queued_when_its_stream_starts() -> None:
+    gate = AdmissionGate(AdmissionLimits(), clock=Clock())
+    gate.claim("offline", 25)
+    assert gate.load() == QueueLoad(1, 25, None)
+    gate.claim("offline", 25)  # again (a PD reserve, then its stream): counted once
+    assert gate.load().num_tokens == 25
+
+
+class GateMachine(RuleBasedStateMachine):
+    """The gate's counts against a dict of what should be queued, after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.gate = AdmissionGate(AdmissionLimits(max_queued_tokens=200), clock=self.clock,
+                                  claim_timeout_s=5.0)
+        self.model: dict[str, tuple[int, float | None]] = {}  # id -> (tokens, deadline)
+
+    def _expire(self) -> None:
+        self.model = {k: v for k, v in self.model.items()
+                      if v[1] is None or v[1] >= self.clock.now}
+
+    @rule(rid=st.sampled_from("abcdef"), tokens=st.integers(1, 120))
+    def admit(self, rid: str, tokens: int) -> None:
+        self._expire()
+        queued = sum(t for k, (t, _) in self.model.items() if k != rid)
+        refusal = self.gate.try_admit([(rid, tokens)])
+        others = {k: v for k, v in self.model.items()}
+        expected_refused = bool(others) and sum(t for t, _ in others.values()) + tokens > 200
+        assert (refusal is not None) == expected_refused, (queued, tokens, others)
+        if refusal is None:
+            self.model[rid] = (tokens, self.clock.now + 5.0)
+
+    @rule(rid=st.sampled_from("abcdef"), tokens=st.integers(1, 120))
+    def claim(self, rid: str, tokens: int) -> None:
+        self._expire()
+        self.gate.claim(rid, tokens)
+        self.model[rid] = (self.model[rid][0] if rid in self.model else tokens, None)
+
+    @rule(rid=st.sampled_from("abcdef"), first=st.booleans())
+    def end(self, rid: str, first: bool) -> None:
+        (self.gate.started if first else self.gate.forget)(rid)
+        self.model.pop(rid, None)
+
+    @rule(seconds=st.floats(0.0, 4.0))
+    def wait(self, seconds: float) -> None:
+        self.clock.now += seconds
+
+    @invariant()
+    def counts_match(self) -> None:
+        self._expire()
+        load = self.gate.load()
+        assert load.num_requests == len(self.model)
+        assert load.num_tokens == sum(t for t, _ in self.model.values())
+        assert load.prefill_tokens_per_s is None or load.prefill_tokens_per_s >= 0
+
+
+TestGateMachine = GateMachine.TestCase
+
+
+# ---- where the numbers come from and go -----------------------------------------------------------
+def test_prior_rate_is_the_step_cost_models_prefill_capacity() -> None:
+    seed = StepCoefficients(fixed_s=0.01, per_prefill_token_s=1e-4, per_decode_row_s=1e-3,
+                            per_attention_pair_s=0.0)
+    model = StepCostModel(seed)
+    # 256 tokens beside 10 decodes: 0.01 + 0.0256 + 0.01 s per step
+    assert model.prefill_tokens_per_s(10, 256) == pytest.approx(256 / 0.0456)
+    assert model.predict(StepShape(256, 10, 0)) == pytest.approx(0.0456)
+
+
+def test_engine_stats_carry_the_queue_to_routers_and_sum_it() -> None:
+    kv = KVCacheStats(num_blocks=8, block_size=4, num_used_blocks=0, num_free_blocks=8,
+                      num_cached_blocks=0, num_running_requests=0, num_queries=0,
+                      num_query_tokens=0, num_hit_tokens=0, num_evicted_blocks=0)
+    one = EngineStats(1, 2, 3, 0, 0, 0, kv, queue=QueueLoad(2, 100, 500.0))
+    two = EngineStats(1, 2, 3, 0, 0, 0, kv, queue=QueueLoad(1, 50, None))
+    bare = EngineStats(1, 2, 3, 0, 0, 0, kv)
+    assert EngineStats.from_json(one.to_json()) == one
+    assert EngineStats.from_json(bare.to_json()).queue is None
+    assert EngineStats.total([one, two, bare], 4).queue == QueueLoad(3, 150, 500.0)
+    assert EngineStats.total([bare], 4).queue is None

@@ -1,0 +1,296 @@
+"""Overload control through the HTTP apps: a burst past the queue bound gets 503 +
+``Retry-After`` (an OpenAI error body, code ``overloaded``) before anything is generated, counted
+in the metrics, while the admitted request completes; the DP router passes a replica's refusal
+on (or answers 503 itself when every replica reports a full queue); the PD router bounds its own
+queue and passes a decode worker's refusal on.
+
+Each test holds the engine (or a fake worker) so the first request stays queued while the burst
+arrives: the refusals follow from the counts, not from timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _tiny import default_tokenizer, tiny_engine
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.config import EngineConfig
+from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.protocol import output_to_json
+from kthena_serve.request import FinishReason, RequestOutput
+from kthena_serve.server import BackgroundServer, build_app
+from kthena_serve.server.errors import error_body
+
+MODEL = "tiny"
+PROMPT = "The capital of France is a city of light and"
+BURST = 6
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        done.wait(0.02)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def assert_overloaded(reply: httpx.Response, flag: str | None = "--max-queued-tokens") -> None:
+    assert reply.status_code == 503, reply.text
+    assert int(reply.headers["retry-after"]) >= 1
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "overloaded" and error["type"] == "service_unavailable"
+    assert error["param"] is None
+    if flag is not None:
+        assert flag in error["message"]
+
+
+def read_stream(reply: httpx.Response) -> str:
+    """The text of an SSE answer, which must end with [DONE] and carry no error event."""
+    text, done = "", False
+    for line in reply.iter_lines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += event["choices"][0].get("text") or ""
+    assert done
+    return text
+
+
+# ---- colocated: AsyncLLM's gate behind the OpenAI app ------------------------------------------
+@pytest.fixture
+def held():
+    """A tiny engine whose steps wait for ``release`` (the first request stays queued), served
+    with a queue bound of one prompt's tokens."""
+    num_tokens = len(default_tokenizer().encode(PROMPT))
+    core = tiny_engine(num_kv_blocks=256, max_queued_tokens=num_tokens, max_queue_delay_s=0)
+    release = threading.Event()
+    step = core.step
+
+    def held_step():  # noqa: ANN202
+        release.wait(60)
+        return step()
+
+    core.step = held_step
+    engine = AsyncLLM(core).start()
+    try:
+        with BackgroundServer(build_app(engine, model_name=MODEL)) as server:
+            yield server.url, engine, release
+            release.set()
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(held) -> None:
+    url, engine, release = held
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(BURST) as pool:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as first:
+            assert first.status_code == 200  # admitted: the queue was empty
+            wait_until(lambda: engine.stats().queue.num_requests == 1, "the first to queue")
+            queued = engine.stats().queue.num_tokens
+            burst = [{**body, "stream": i % 2 == 0} for i in range(BURST)]
+            burst.append({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                          "max_tokens": 4})
+            replies = list(pool.map(lambda b: http.post(
+                "/v1/chat/completions" if "messages" in b else "/v1/completions", json=b),
+                burst))
+            for reply in replies:
+                assert_overloaded(reply)
+            text = http.get("/metrics").text
+            release.set()
+            assert read_stream(first)  # the admitted request runs to the end
+        num = len(burst)
+        assert metric(text, "kthena_requests_rejected_total", reason="overload",
+                      limit="queued_tokens") == num
+        assert metric(text, "vllm:admission_rejections_total", model_name=MODEL,
+                      reason="max_num_queued_tokens") == num
+        assert metric(text, "kthena_admission_queued_requests") == 1
+        assert metric(text, "kthena_admission_queued_prompt_tokens") == queued
+        wait_until(lambda: engine.stats().queue.num_requests == 0, "the queue to empty")
+        again = http.post("/v1/completions", json=body)  # the queue drained: admitted again
+        assert again.status_code == 200 and again.json()["choices"][0]["text"]
+        assert metric(http.get("/metrics").text, "kthena_admission_prefill_tokens_per_second") > 0
+
+
+def test_an_invalid_request_is_400_before_admission(held) -> None:
+    url, engine, _ = held
+    with httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                   "max_tokens": 10**9})
+        assert reply.status_code == 400
+    assert engine.stats().queue.num_requests == 0
+
+
+# ---- DP: the router passes a replica's refusal on -----------------------------------------------
+def _replica(name: str, refuse: bool) -> FastAPI:
+    app = FastAPI()
+    app.state.calls = 0
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        app.state.calls += 1
+        if refuse:
+            return JSONResponse(error_body(503, f"{name} is overloaded", code="overloaded"),
+                                status_code=503, headers={"Retry-After": "7"})
+        return JSONResponse({"object": "text_completion", "choices": [{"text": name}]})
+
+    return app
+
+
+def _dp_front(urls: list[str], limits=None):  # noqa: ANN001, ANN202
+    from kthena_serve.cluster.router import Router
+    from kthena_serve.dp.frontend import DPFrontend, build_dp_app
+    from kthena_serve.dp.launcher import ROLE
+    from kthena_serve.dp.serve import _routing_processor
+
+    router = Router([(f"replica-{i}", ROLE, u) for i, u in enumerate(urls)], PDConfig(),
+                    block_size=16)
+    for worker in router.workers.values():
+        worker.is_up = True
+        router.index.add_instance(worker.name)
+    front = DPFrontend(router, _routing_processor(EngineConfig()), secret="s", limits=limits)
+    return router, build_dp_app(front)
+
+
+def test_dp_router_passes_a_refusal_on_then_relays_the_last_one() -> None:
+    from fastapi.testclient import TestClient
+
+    busy, free = _replica("replica-0", refuse=True), _replica("replica-1", refuse=False)
+    body = {"model": "default", "prompt": "Hello there"}
+    with BackgroundServer(busy) as one, BackgroundServer(free) as two:
+        router, app = _dp_front([one.url, two.url])
+        router.workers["replica-1"].num_picked = 5  # ties go to the one picked least: replica-0
+        with contextlib.closing(router), TestClient(app) as client:
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "replica-1"
+            assert busy.state.calls == 1
+            text = client.get("/metrics").text
+            assert metric(text, "kthena_dp_passed_on_total", replica="replica-0") == 1
+            assert all(w.num_in_flight == 0 for w in router.workers.values())
+            router.mark_down("replica-1")  # only the refusing one is left: relayed as is
+            reply = client.post("/v1/completions", json=body)
+            assert_overloaded(reply, flag=None)
+            assert reply.headers["retry-after"] == "7"
+            assert reply.json()["error"]["message"] == "replica-0 is overloaded"
+
+
+def test_dp_router_refuses_itself_when_every_replica_reports_a_full_queue() -> None:
+    from fastapi.testclient import TestClient
+
+    from kthena_serve.admission import AdmissionLimits, QueueLoad
+
+    replica = _replica("replica-0", refuse=False)
+    with BackgroundServer(replica) as one, BackgroundServer(_replica("r1", False)) as two:
+        router, app = _dp_front([one.url, two.url], AdmissionLimits(max_queue_delay_s=2.0))
+        full = {"queue": QueueLoad(4, 5000, 1000.0).to_json()}  # 5 s queued: past 2 s
+        router.workers["replica-0"].stats = full
+        with contextlib.closing(router), TestClient(app) as client:
+            router.workers["replica-1"].stats = {"queue": QueueLoad(0, 0, 1000.0).to_json()}
+            reply = client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "r1"
+            router.workers["replica-1"].stats = full
+            reply = client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+            assert_overloaded(reply, flag="--max-queue-delay")
+            assert reply.headers["retry-after"] == "4"  # ceil(5.0... - 2) with the new tokens
+            assert replica.state.calls == 0
+            text = client.get("/metrics").text
+            assert metric(text, "kthena_dp_rejected_requests_total", reason="overload") == 1
+
+
+# ---- PD: the router's own queue, and a decode worker's refusal -------------------------------------
+def _decode_worker(refuse: bool, release: threading.Event) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/pd/generate")
+    async def generate(body: dict):  # noqa: ANN202
+        if refuse:
+            return JSONResponse(error_body(503, "decode worker overloaded", code="overloaded"),
+                                status_code=503, headers={"Retry-After": "9"})
+
+        async def lines():  # noqa: ANN202
+            while not release.is_set():  # the first token waits for the test
+                await asyncio.sleep(0.01)
+            out = RequestOutput(body["request_id"], (7,), "x", (7,), "x", FinishReason.LENGTH,
+                                len(body["prompt_ids"]), 0, 0.0, 0.0, 0.0)
+            yield json.dumps({"output": output_to_json(out)}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app
+
+
+def _pd_app(url: str, config: EngineConfig):  # noqa: ANN202
+    from kthena_serve.cluster.router import Router
+    from kthena_serve.pd.frontend import RemoteEngine, build_router_app
+
+    router = Router([("decode-0", "decode", url)], PDConfig(), block_size=config.block_size)
+    router.workers["decode-0"].is_up = True
+    remote = RemoteEngine(router, default_tokenizer(), config, (2048, 49152))
+    return remote, build_router_app(remote, model_name=MODEL)
+
+
+def test_pd_router_bounds_its_own_queue() -> None:
+    release = threading.Event()
+    num_tokens = len(default_tokenizer().encode(PROMPT))
+    config = EngineConfig(max_queued_tokens=num_tokens, max_queue_delay_s=0)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    try:
+        with BackgroundServer(_decode_worker(False, release)) as worker:
+            remote, app = _pd_app(worker.url, config)
+            with contextlib.closing(remote.router), BackgroundServer(app) as router, \
+                    httpx.Client(base_url=router.url, timeout=60) as http:
+                with http.stream("POST", "/v1/completions",
+                                 json={**body, "stream": True}) as first:
+                    assert first.status_code == 200
+                    wait_until(lambda: remote.stats().queue.num_requests == 1, "a queued one")
+                    assert_overloaded(http.post("/v1/completions", json=body))
+                    release.set()
+                    assert read_stream(first) == "x"
+                assert remote.stats().queue.num_requests == 0
+                text = http.get("/metrics").text
+                assert metric(text, "kthena_requests_rejected_total", reason="overload") == 1
+    finally:
+        release.set()
+
+
+def test_pd_router_passes_a_decode_workers_refusal_on() -> None:
+    release = threading.Event()
+    with BackgroundServer(_decode_worker(True, release)) as worker:
+        remote, app = _pd_app(worker.url, EngineConfig())
+        from fastapi.testclient import TestClient
+
+        with contextlib.closing(remote.router), TestClient(app) as client:
+            reply = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                         "max_tokens": 2})
+            assert_overloaded(reply, flag=None)
+            assert reply.headers["retry-after"] == "9"
+            assert reply.json()["error"]["message"] == "decode worker overloaded"
+            stream = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                          "max_tokens": 2, "stream": True})
+            events = [json.loads(line[6:]) for line in stream.text.splitlines()
+                      if line.startswith("data: {")]
+            assert events[-1]["error"]["code"] == "overloaded"  # headers were out: in band
+            assert stream.text.rstrip().endswith("data: [DONE]")
