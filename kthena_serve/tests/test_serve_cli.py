@@ -67,6 +67,17 @@ def test_bench_is_registered():
     assert out.returncode == 0 and "--no-hf" in out.stdout
 
 
+def test_bench_serve_options_have_their_defaults_when_not_given():
+    """The parser suppresses defaults (engine flags come from EngineConfig); the bench's own
+    options must still be there when not given (--no-hf once was not: AttributeError)."""
+    from kthena_core.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve"])
+    assert (args.no_hf, args.runs, args.cases, args.peer, args.threads) == (
+        False, 3, "a,b,c", None, None)
+    assert not hasattr(args, "model")  # engine flags stay absent: EngineConfig decides
+
+
 _TP_SCRIPT = """
 import json
 from kthena_serve.llm import LLM

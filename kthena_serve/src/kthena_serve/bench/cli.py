@@ -38,7 +38,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="also run the workloads through vLLM's CPU build, from the venv of "
                         "benchmarks/peers/build_vllm_venv.py (or PYTHON)")
     parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c")
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--no-hf", action="store_true", default=False,
+                        help="skip the transformers baseline")
     parser.add_argument("--plot", default="bench_serve.png", help="PNG path ('' for none)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     parser.set_defaults(func=_cmd_bench_serve)
