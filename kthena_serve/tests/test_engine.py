@@ -393,3 +393,27 @@ def test_a_long_prompt_arriving_while_one_decodes_is_split_within_the_budget():
     unprotected, plain_steps = _decode_then_long_prompt(plain)
     assert unprotected == finals  # the same greedy tokens
     assert len(plain_steps) < len(steps)  # b's prompt in 64-token chunks
+
+
+def test_a_cached_prompt_computed_again_for_prompt_logprobs_holds_one_block_per_position():
+    """Prompt logprobs compute the whole prompt though it is cached; at commit its blocks are
+    swapped for the cached twins, so it holds its block table and no more (it held twice the
+    prompt's blocks before, and a lone request near the pool's size looked unfittable)."""
+    engine = tiny_engine(num_kv_blocks=64)
+    prompt = [random.Random(3).randrange(100, 1000) for _ in range(28)]  # 7 blocks of 4
+    engine.add_request("first", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_blocks == 64
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    engine.add_request("again", prompt, params)
+    engine.step()  # the whole prompt in one step, committed after it
+    (request,) = engine.scheduler.running
+    table = engine.kv.block_ids("again")
+    assert request.block_ids == table and len(table) == 7  # the cached prompt's blocks
+    assert engine.kv.num_free_blocks == 64 - 7
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(outputs["again"].token_ids) == 4 and len(outputs["again"].prompt_logprobs) == 28
+    assert engine.kv.num_free_blocks == 64

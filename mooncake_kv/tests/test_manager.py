@@ -130,12 +130,35 @@ def test_concurrent_identical_prompts_share_one_cached_chain(
         mgr.try_append(rid, num_decode)
     assert mgr.commit("a", prompt) == 2
     assert mgr.commit("b", prompt) == 0  # b's blocks 3, 4 duplicate a's 0, 1
+    assert mgr.block_ids("b") == (0, 1, 5)  # ... and are swapped for them
+    assert mgr.num_free_blocks == 10 - 4  # a: 0, 1, 2; b: 5 (3 and 4 went back)
     assert mgr.commit("b", prompt + [9, 9, 9, 9]) == 1  # b's answer chains under a's blocks
     mgr.free("a")
     mgr.free("b")
     assert mgr.match_prefix("c", prompt + [9, 9, 9, 9, 1]).block_ids == (0, 1, 5)
     mgr.free("c")
     assert mgr.evict(10) == 3  # tails first: radix would assert otherwise
+
+
+def test_a_prompt_computed_without_lookup_holds_one_block_per_position(
+    make: Callable[..., KVCacheManager],
+) -> None:
+    """Prompt logprobs compute a prompt in full (``lookup=False``) though it is cached: at
+    commit its blocks are swapped for the cached ones, so it never holds twice its size."""
+    mgr = make(num_blocks=6)
+    prompt = list(range(12))
+    mgr.match_prefix("a", prompt)
+    mgr.try_allocate("a", 12)
+    mgr.commit("a", prompt)
+    mgr.free("a")  # 0, 1, 2 cached and free
+    assert mgr.match_prefix("b", prompt, lookup=False).block_ids == ()
+    assert mgr.try_allocate("b", 12) is not None  # 3, 4, 5: the uncached free blocks
+    assert mgr.commit("b", prompt) == 0
+    assert mgr.block_ids("b") == (0, 1, 2)
+    assert mgr.num_free_blocks == 3  # 3, 4, 5 are back
+    assert mgr.try_append("b", 4) is not None  # room to decode
+    mgr.free("b")
+    assert mgr.num_free_blocks == 6
 
 
 def test_salts_and_adapters_isolate_tenants(make: Callable[..., KVCacheManager]) -> None:

@@ -50,7 +50,6 @@ class ModelRequest:
     table: list[int]
     reserved: int
     committed: int  # full blocks offered to the index
-    pins: list[int] = attrs.field(factory=list)
     allocated: bool = False
     num_prompt: int = 0  # tokens given to match_prefix: try_allocate reserves no further
 
@@ -214,6 +213,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         sequence = req.tokens[:num]
         stored = self.both(lambda m: m.commit(rid, sequence))
         assert stored == self.model_commit(req, sequence)
+        # a block computed twice is swapped for its cached twin: one block per position
+        assert [list(m.block_ids(rid)) for m in self.managers] == [req.table, req.table]
         events = self.take_events()
         assert all(isinstance(e, BlockStored) for e in events)
         assert sum(len(e.block_hashes) for e in events) == stored
@@ -229,8 +230,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             if block_hash in self.model.cache:
                 holder = self.model.cache[block_hash]
                 assert holder != own
-                req.pins.append(holder)  # the request refs the cached twin of its block
+                req.table[position] = holder  # the request swaps its block for the twin
                 self.model.refs[holder] += 1
+                self.model.refs[own] -= 1
             else:
                 self.model.cache[block_hash] = own
                 self.model.parent[block_hash] = parent
@@ -244,7 +246,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = self.pick(data, self.model.live)
         self.both(lambda m: m.free(rid))
         req = self.model.live.pop(rid)
-        self.model.refs.subtract(req.table + req.pins)
+        self.model.refs.subtract(req.table)
         self.model.finished[rid] = req.tokens
 
     @rule(num_blocks=st.integers(0, 4))

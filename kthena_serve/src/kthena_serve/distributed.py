@@ -303,7 +303,7 @@ def _config_path(config: Any) -> Iterator[str]:
     _absolute_paths(data)
     import yaml
 
-    with tempfile.TemporaryDirectory(prefix="kthena-config-") as folder:
+    with tempfile.TemporaryDirectory(prefix=f"kthena-config-{os.getpid()}-") as folder:
         path = os.path.join(folder, "kthena_config.yaml")
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(data, f)

@@ -296,6 +296,9 @@ class Scheduler:
                 self.kv.commit(request.request_id,
                                request.token_ids[: request.num_computed_tokens])
                 request.num_committed_blocks = num_full
+                # a block computed twice (another request cached it meanwhile) is swapped
+                # for the cached twin at commit
+                request.block_ids = self.kv.block_ids(request.request_id)
 
     # ---- internals ---------------------------------------------------------------------------
     def _schedule_running(self, picked: _Picked, preempted: list[Request],

@@ -1,5 +1,5 @@
 """What the KV cache manager keeps per live request (``LiveRequest``: its block table, hash
-chain, commit progress and the cached twins it holds), and the guard every mutating verb runs
+chain and commit progress), and the guard every mutating verb runs
 under (``mutating``: the manager's lock, the owner thread, the optional self-check)."""
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class LiveRequest:
         "num_committed",
         "num_prompt_tokens",
         "num_tokens",
-        "pinned",
     )
 
     def __init__(self, chain: BlockChain | None, matched: list[BlockId], block_size: int,
@@ -39,20 +38,7 @@ class LiveRequest:
         self.num_tokens = len(matched) * block_size  # slots reserved
         self.num_committed = len(matched)  # full blocks already offered to the index
         self.last_holder: BlockId | None = matched[-1] if matched else None
-        self.pinned: dict[int, BlockId] | None = None  # position -> cached twin we hold
         self.is_allocated = False
-
-    def release_order(self) -> list[BlockId]:
-        """Every block the request holds a ref on, chain tail first."""
-        if not self.pinned:
-            return self.block_ids[::-1]
-        order: list[BlockId] = []
-        for position in range(len(self.block_ids) - 1, -1, -1):
-            order.append(self.block_ids[position])
-            twin = self.pinned.get(position)
-            if twin is not None:
-                order.append(twin)
-        return order
 
 
 def mutating(verb: _F) -> _F:

@@ -23,9 +23,12 @@ Verb flow for one request (``rid``)::
 * ``commit(rid, token_ids)`` takes the request's tokens whose KV is now written (the
   whole sequence so far, prompt and generated) and caches every block that filled since
   the last commit, so a later turn of the conversation matches the previous answer. If
-  an identical block was cached meanwhile by another request, the request's own block
-  stays a private duplicate and it holds a ref on the cached one, so the cached chain
-  stays prefix-closed (a block is cached only under a cached parent).
+  an identical block was cached meanwhile by another request (or the request computed a
+  prefix it did not look up: ``match_prefix(lookup=False)``), the request refs the cached
+  twin in its block table and releases its own copy: it never holds two blocks for one
+  position, and the cached chain stays prefix-closed (a block is cached only under a cached
+  parent). The block table can therefore change at a commit: read it again with
+  ``block_ids(rid)``.
 * ``free(rid)`` drops the request's refs, tail first: cached blocks join the LRU end of
   the free queue, so a chain's tail is evicted before its head. Preemption is ``free``
   then, later, ``match_prefix`` again (recompute what is no longer cached).
@@ -227,6 +230,16 @@ class KVCacheManager:
         self._num_hit_tokens += num_cached
         return PrefixMatch(tuple(matched), num_cached)
 
+    def block_ids(self, request_id: RequestId) -> tuple[BlockId, ...]:
+        """The request's block table now (a ``commit`` may have swapped a block for its
+        cached twin).
+
+        Raises:
+            UnknownRequestError, RequestFinishedError.
+        """
+        with self._lock:
+            return tuple(self._live(request_id).block_ids)
+
     @mutating
     def try_allocate(self, request_id: RequestId, num_new_tokens: int) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens (prefill, or one prefill chunk).
@@ -335,7 +348,7 @@ class KVCacheManager:
             raise UnknownRequestError(
                 request_id, f"unknown request {request_id!r}; only live requests can be freed"
             )
-        self._allocator.release(request.release_order())
+        self._allocator.release(request.block_ids[::-1])
         self._finished[request_id] = None
         if len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
@@ -419,7 +432,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if refs, free queue, index and requests disagree."""
         with self._lock:
-            holders = {rid: r.release_order() for rid, r in self._requests.items()}
+            holders = {rid: r.block_ids[::-1] for rid, r in self._requests.items()}
             check_consistency(self._allocator, self._index, holders)
 
     # ---- internals -------------------------------------------------------------------------
@@ -478,9 +491,12 @@ class KVCacheManager:
     def _adopt_holders(
         self, request: LiveRequest, start: int, own: list[BlockId], holders: list[BlockId]
     ) -> list[tuple[int, int]]:
-        """Cache the inserted blocks; ref the already-cached twins of the others.
+        """Cache the inserted blocks; swap the others for their already-cached twins.
 
-        Returns the ``[first, stop)`` position runs that became cached.
+        A twin holds the same tokens under the same prefix, so its KV is the request's own:
+        the request refs the twin in its block table and releases its copy (it never holds
+        two blocks for one position). Returns the ``[first, stop)`` position runs that
+        became cached.
         """
         hashes = request.chain.hashes  # type: ignore[union-attr]
         runs: list[tuple[int, int]] = []
@@ -493,7 +509,6 @@ class KVCacheManager:
                     runs.append((position, position + 1))
                 continue
             self._allocator.take_refs([holder])
-            if request.pinned is None:
-                request.pinned = {}
-            request.pinned[position] = holder
+            self._allocator.release([block_id])
+            request.block_ids[position] = holder
         return runs
