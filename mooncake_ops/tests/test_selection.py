@@ -242,3 +242,72 @@ def test_labels_and_summary_name_every_choice():
                                "prefill_attention": "native"}
     assert choice.summary() == ("kernels (auto, cached): matmul a (decode) / b (prefill); "
                                 "decode attention default; prefill attention native")
+
+
+# ---- weight-only int8 ----------------------------------------------------------------------------
+
+def test_every_int8_candidate_matches_the_dequantised_weight_on_fresh_inputs():
+    """Each int8 path auto may choose computes F.linear over the dequantised weight (q * scale,
+    float64 here). Derived bound, as for the bf16 candidates: x is exact bf16 and the dequantised
+    weight is rounded to bf16 at most once (2^-8 relative) before an fp32 sum (K = 96 terms,
+    negligible), and the result is rounded to bf16 once: four roundings of the largest |y|."""
+    from mooncake_ops.linear import dequantize_int8_weight, pack_int8_weight
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    weight = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    packed = pack_int8_weight(weight)
+    dense = dequantize_int8_weight(packed, torch.float64)
+    candidates = sel.int8_candidates(weight)
+    assert {"int8-op", "int8-dequant-dense", "int8-weight-only"} <= {k.name for k in candidates}
+    for rows in (1, 7, 40, 300):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        exact = F.linear(x.double(), dense)
+        for kernel in candidates:
+            assert kernel.pack is pack_int8_weight  # one packed form for every path
+            y = kernel.linear(x, packed).double()
+            assert (y - exact).abs().max() <= 4 * 2.0 ** -8 * exact.abs().max(), (kernel.name,
+                                                                                 rows)
+        gate_up = pack_int8_weight(torch.randn(128, 96, generator=g).to(torch.bfloat16))
+        both = F.linear(x.double(), dequantize_int8_weight(gate_up, torch.float64))
+        expected = F.silu(both[:, :64]) * both[:, 64:]
+        for kernel in candidates:
+            y = kernel.gate_up_silu(x, gate_up).double()
+            # the unfused paths round the [rows, 128] half-way to bf16 first: two more roundings
+            assert (y - expected).abs().max() <= 8 * 2.0 ** -8 * expected.abs().max() + 1e-6, (
+                kernel.name, rows)
+
+
+def test_int8_auto_takes_the_fastest_int8_path_per_class_and_shares_the_packed_weight(tmp_path):
+    timer = Timings({"matmul_decode:int8-op": 0.5, "matmul_decode:int8-dequant-dense": 9.0,
+                     "matmul_prefill:int8-op": 9.0, "matmul_prefill:int8-dequant-dense": 0.5})
+    choice = sel.choose_kernels("auto", _layers(), None, None, timer=timer,
+                                quantization="int8", cache_dir=tmp_path)
+    assert (choice.linear_decode, choice.linear_prefill) == ("int8-op", "int8-dequant-dense")
+    assert any(c.startswith("matmul_decode:int8-weight-only") for c in timer.calls)
+    assert not [c for c in timer.calls if "torch-dense" in c or "bf16" in c]  # bf16 not timed
+    kernel = choice.linear_kernel()
+    weight = torch.randn(48, 32).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    assert packed.dtype == torch.int8
+    x = torch.randn(40, 32).to(torch.bfloat16)  # a prefill-sized call: the dequantising path
+    assert torch.equal(kernel.linear(x, packed), sel.INT8_DEQUANT_DENSE.linear(x, packed))
+    # int8 and bf16 measurements of the same shapes are kept apart
+    bf16 = sel.choose_kernels("auto", _layers(), None, None, timer=Timings({}),
+                              cache_dir=tmp_path)
+    assert bf16.source == "measured" and bf16.key != choice.key
+    again = sel.choose_kernels("auto", _layers(), None, None, timer=Timings({}),
+                               quantization="int8", cache_dir=tmp_path)
+    assert again.source == "cached" and again.linear_prefill == "int8-dequant-dense"
+
+
+def test_int8_fixed_modes_and_a_bad_quantization():
+    timer = Timings({})
+    native = sel.choose_kernels("native", _layers(), None, None, timer=timer, quantization="int8")
+    torch_choice = sel.choose_kernels("torch", _layers(), None, None, timer=timer,
+                                      quantization="int8")
+    assert native.linear_decode == native.linear_prefill == "int8-weight-only"
+    assert torch_choice.linear_decode == "int8-dequant-dense"
+    assert set(torch_choice.attention.values()) == {"torch-sdpa"}
+    assert not timer.calls
+    with pytest.raises(ValueError, match=r"quantization='int4': None or 'int8'"):
+        sel.choose_kernels("auto", _layers(), None, None, timer=timer, quantization="int4")

@@ -54,11 +54,12 @@ from mooncake_ops.errors import OpsDTypeError, OpsShapeError
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
-__all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_MAX_OP_ROWS", "INT8_PANEL_MIN_ROWS",
-           "INT8_WEIGHT_ONLY",
+__all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_DEQUANT_DENSE", "INT8_MAX_OP_ROWS",
+           "INT8_NATIVE_PANEL", "INT8_OP", "INT8_PANEL_MIN_ROWS", "INT8_WEIGHT_ONLY",
            "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16", "ONE_THREAD_MAX_MACS", "LinearKernel",
-           "dequantize_int8_weight", "int8_linear", "native_bf16_linear_available",
-           "pack_int8_weight", "row_bucket", "select_linear_kernel", "unpack_native_bf16_weight"]
+           "dequantize_int8_weight", "int8_linear", "int8_panel_available",
+           "native_bf16_linear_available", "pack_int8_weight", "row_bucket",
+           "select_linear_kernel", "unpack_native_bf16_weight"]
 
 
 @attrs.frozen
@@ -439,3 +440,67 @@ def _check_packed(packed: torch.Tensor) -> None:
 
 INT8_WEIGHT_ONLY = LinearKernel("int8-weight-only", pack_int8_weight, int8_linear,
                                 pack_int8_weight, _int8_gate_up_silu)
+
+
+# The int8 paths one at a time, over the same packed int8 weights, for kernel choice by
+# measurement (`mooncake_ops.selection`): INT8_WEIGHT_ONLY above mixes them by fixed row counts.
+def _int8_op_linear(x: torch.Tensor, packed: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Every call through the ``int8_linear`` op (reads the int8 bytes in place)."""
+    _check_int8_call(x, packed)
+    rows = x.reshape(-1, x.shape[-1])
+    return impl("int8_linear", rows.device.type)(rows, packed, bias).reshape(
+        *x.shape[:-1], packed.shape[0])
+
+
+def _int8_panel_linear(x: torch.Tensor, packed: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Every call through the AVX-512 build's panel-dequantising bf16 matmul."""
+    _check_int8_call(x, packed)
+    out = _native_int8_rows("bf16_int8_weight_linear", x.reshape(-1, x.shape[-1]), packed, bias)
+    if out is None:
+        raise OpsDTypeError("the native panel-dequantising int8 matmul does not run here (it "
+                            "takes bf16 CPU rows on an AVX512_BF16 build)")
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def _int8_panel_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    _check_int8_call(x, packed)
+    out = _native_int8_rows("bf16_int8_weight_gate_up_silu", x.reshape(-1, x.shape[-1]), packed)
+    if out is None:
+        raise OpsDTypeError("the native fused int8 SwiGLU matmul does not run here (it takes "
+                            "bf16 CPU rows on an AVX512_BF16 build)")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _int8_dequant_linear(x: torch.Tensor, packed: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Every call: the weight dequantised, then torch's matmul (fp32 slices where the CPU has
+    no bf16 arithmetic)."""
+    _check_int8_call(x, packed)
+    out = _int8_linear_rows(x.reshape(-1, x.shape[-1]), packed, bias)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def _unfused_gate_up(linear: Callable[..., torch.Tensor]
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(linear(x, packed))
+    return gate_up_silu
+
+
+INT8_OP = LinearKernel("int8-op", pack_int8_weight, _int8_op_linear, pack_int8_weight,
+                       _unfused_gate_up(_int8_op_linear))
+INT8_NATIVE_PANEL = LinearKernel("int8-native-panel", pack_int8_weight, _int8_panel_linear,
+                                 pack_int8_weight, _int8_panel_gate_up_silu)
+INT8_DEQUANT_DENSE = LinearKernel("int8-dequant-dense", pack_int8_weight, _int8_dequant_linear,
+                                  pack_int8_weight, _unfused_gate_up(_int8_dequant_linear))
+
+
+def int8_panel_available() -> bool:
+    """Whether `INT8_NATIVE_PANEL` runs here (bf16 rows on the AVX-512 build)."""
+    if not native_enabled() or _native_module() is None:
+        return False
+    from mooncake_ops.backends import native
+
+    return native.has("bf16_int8_weight_linear") and native.has("bf16_int8_weight_gate_up_silu")

@@ -15,7 +15,9 @@ Three modes (``--kernels``; the ``KTHENA_KERNELS`` environment variable override
   prefill-sized one (`PREFILL_ROWS` rows through the first layers' matmuls). Paged decode
   attention (batch 8, 512 tokens of context) and prefill attention (`PREFILL_ROWS` new tokens
   after as many cached) are timed per candidate of the dispatch table (`op_candidates`). A
-  candidate that raises is left out (logged). No ISA name decides anything.
+  candidate that raises is left out (logged). No ISA name decides anything. With
+  ``quantization="int8"`` the candidates are the weight-only int8 paths (`int8_candidates`),
+  all over one packed int8 form.
 * ``native``: the choice made from the CPU's features, without timing (`select_linear_kernel`
   and the dispatch table's defaults): the behaviour before measurement existed.
 * ``torch``: torch's own public kernels: ``F.linear`` over the dense weights, SDPA attention.
@@ -56,16 +58,21 @@ from mooncake_ops.dispatch import choose_impl, native_enabled, op_candidates
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.linear import (
     FP32_COMPUTE_BF16,
+    INT8_DEQUANT_DENSE,
+    INT8_NATIVE_PANEL,
+    INT8_OP,
+    INT8_WEIGHT_ONLY,
     NATIVE_PACKED_BF16,
     ONEDNN_PACKED_BF16,
     LinearKernel,
+    int8_panel_available,
     native_bf16_linear_available,
     select_linear_kernel,
 )
 
 __all__ = ["ATTENTION_OPS", "DECODE_MAX_ROWS", "ENV_VAR", "MODES", "PREFILL_ROWS", "SPLIT_LOSS",
            "TORCH_DENSE", "AttentionShape", "KernelChoice", "MatmulWeight", "choose_kernels",
-           "fastest", "linear_candidates", "resolve_mode", "split_kernel", "split_or_single",
+           "fastest", "int8_candidates", "linear_candidates", "resolve_mode", "split_kernel", "split_or_single",
            "summary_line"]
 
 _log = logging.getLogger("mooncake_ops")
@@ -187,7 +194,9 @@ def summary_line(labels: Mapping[str, str]) -> str:
 
 
 _KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
-    NATIVE_PACKED_BF16, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16, TORCH_DENSE)}
+    NATIVE_PACKED_BF16, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16, TORCH_DENSE,
+    INT8_WEIGHT_ONLY, INT8_OP, INT8_NATIVE_PANEL, INT8_DEQUANT_DENSE)}
+QUANTIZATIONS = (None, "int8")
 
 
 def resolve_mode(flag: str | None) -> str:
@@ -213,6 +222,19 @@ def linear_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
         found.insert(0, ONEDNN_PACKED_BF16)
     if native_bf16_linear_available():
         found.insert(0, NATIVE_PACKED_BF16)
+    return tuple(found)
+
+
+def int8_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
+    """The weight-only int8 matmul paths that can run a model of ``weight``'s dtype here, all
+    over the same packed int8 weights: the ``int8_linear`` op, the AVX-512 build's panel-
+    dequantising bf16 matmul (bf16 on such a build), the weight dequantised into torch's
+    matmul, and `INT8_WEIGHT_ONLY`, which mixes them by fixed row counts. None off the CPU."""
+    if weight.device.type != "cpu" or not weight.is_floating_point():
+        return ()
+    found = [INT8_OP, INT8_DEQUANT_DENSE, INT8_WEIGHT_ONLY]
+    if weight.dtype == torch.bfloat16 and int8_panel_available():
+        found.insert(1, INT8_NATIVE_PANEL)
     return tuple(found)
 
 
@@ -248,12 +270,14 @@ def split_or_single(decode: Mapping[str, float | None], prefill: Mapping[str, fl
 def split_kernel(small: LinearKernel, large: LinearKernel) -> LinearKernel:
     """A kernel running calls of at most `DECODE_MAX_ROWS` rows on ``small`` and larger ones on
     ``large``; each weight is packed for both (the tensor the model holds is ``small``'s; the
-    other lives in this kernel, keyed by it, as long as the kernel does)."""
+    other lives in this kernel, keyed by it, as long as the kernel does). Kernels with the same
+    packing (the int8 paths) share one packed copy."""
     other: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+    same_pack = small.pack is large.pack
 
     def pack(weight: torch.Tensor) -> torch.Tensor:
         primary = small.pack(weight)
-        other[id(primary)] = (primary, large.pack(weight), False)
+        other[id(primary)] = (primary, primary if same_pack else large.pack(weight), False)
         return primary
 
     def linear(x: torch.Tensor, packed: torch.Tensor,
@@ -266,7 +290,10 @@ def split_kernel(small: LinearKernel, large: LinearKernel) -> LinearKernel:
         primary = small.pack_gate_up(weight) if small.pack_gate_up is not None else None
         if primary is None:
             return None
-        fused = large.pack_gate_up(weight) if large.pack_gate_up is not None else None
+        if large.pack_gate_up is small.pack_gate_up:
+            fused = primary
+        else:
+            fused = large.pack_gate_up(weight) if large.pack_gate_up is not None else None
         other[id(primary)] = (primary, large.pack(weight) if fused is None else fused,
                               fused is not None)
         return primary
@@ -460,7 +487,12 @@ def _write(path: Path, record: dict) -> None:
 
 
 # ---- the choice ----------------------------------------------------------------------------------
-def _fixed(mode: str, weight: torch.Tensor | None) -> KernelChoice:
+def _fixed(mode: str, weight: torch.Tensor | None, quantization: str | None) -> KernelChoice:
+    if quantization == "int8":
+        names = {"torch": INT8_DEQUANT_DENSE.name, "native": INT8_WEIGHT_ONLY.name}
+        name = None if weight is None or not int8_candidates(weight) else names[mode]
+        attention = {op: "torch-sdpa" for op in ATTENTION_OPS} if mode == "torch" else {}
+        return KernelChoice(mode, name, name, attention)
     if mode == "torch":
         name = None if weight is None or not linear_candidates(weight) else TORCH_DENSE.name
         return KernelChoice(mode, name, name, {op: "torch-sdpa" for op in ATTENTION_OPS})
@@ -472,7 +504,8 @@ def _fixed(mode: str, weight: torch.Tensor | None) -> KernelChoice:
 def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
                    lm_head: MatmulWeight | None, attention: AttentionShape | None, *,
                    cache_dir: str | os.PathLike[str] | None = None,
-                   timer: Timer = median_time) -> KernelChoice:
+                   timer: Timer = median_time,
+                   quantization: str | None = None) -> KernelChoice:
     """The kernels for a model with these matmul weights and attention shape on this machine.
 
     Args:
@@ -483,19 +516,25 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
         cache_dir: where measurements are kept (``<cache_dir>/kernels/<key>.json``); None:
             measure every time.
         timer: ``timer(label, fn) -> seconds`` (tests inject timings through it).
+        quantization: None (the weights' own dtype) or ``"int8"``: the weights are packed
+            weight-only int8 by the chosen kernel, and the int8 paths are the candidates.
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode or quantization.
     """
     if mode not in MODES:
         raise ValueError(f"kernels={mode!r}: the kernel choice is one of {', '.join(MODES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8)")
     sample = next((w.weight for layer in layers for w in layer), None)
     if mode != "auto":
-        return _fixed(mode, sample)
-    candidates = () if sample is None else linear_candidates(sample)
+        return _fixed(mode, sample, quantization)
+    pick = int8_candidates if quantization == "int8" else linear_candidates
+    candidates = () if sample is None else pick(sample)
     shapes = [[*w.weight.shape, str(w.weight.dtype), w.gate_up]
               for layer in layers for w in layer] + (
-        [] if lm_head is None else [[*lm_head.weight.shape, "lm_head"]])
+        [] if lm_head is None else [[*lm_head.weight.shape, "lm_head"]]) + (
+        [["quantization", quantization]] if quantization else [])
     key = cache_key(mode, shapes, attention)
     if cache_dir is None:
         return _measure(key, candidates, layers, lm_head, attention, timer)

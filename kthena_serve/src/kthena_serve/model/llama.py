@@ -192,16 +192,23 @@ class LlamaForCausalLM(nn.Module):
                                      rope_scaling=c.rope_scaling)
         self.rope_cache = table.to(device=device, dtype=torch.float32)
 
-    def quantize_linear_weights(self) -> None:
+    def quantize_linear_weights(self, kernels: str = "native", *, block_size: int = 16,
+                                cache_dir: str | os.PathLike[str] | None = None
+                                ) -> KernelChoice:
         """Weight-only int8: every matmul weight (the LM head too; the embedding keeps its
         dense table) becomes mooncake_ops' packed int8 form, one scale per output channel,
-        and each owning module's ``matmul`` the int8 kernel. Decode reads half the bytes of
-        bf16; activations, norms, attention and the KV cache keep the compute dtype. Like
-        packing, the last step of loading (after sharding: each rank quantises its shard)."""
-        self._swap_matmul_weights(INT8_WEIGHT_ONLY)
+        and each owning module's ``matmul`` the int8 path chosen as ``pack_linear_weights``
+        chooses (``auto``: the int8 paths timed at this model's shapes, per row class;
+        ``native``: `INT8_WEIGHT_ONLY`'s fixed row counts; ``torch``: the weight dequantised
+        into F.linear). Decode reads half the bytes of bf16; activations, norms, attention
+        and the KV cache keep the compute dtype. Like packing, the last step of loading
+        (after sharding: each rank quantises its shard)."""
+        return self.pack_linear_weights(kernels, block_size=block_size, cache_dir=cache_dir,
+                                        quantization="int8")
 
     def pack_linear_weights(self, kernels: str = "native", *, block_size: int = 16,
-                            cache_dir: str | os.PathLike[str] | None = None) -> KernelChoice:
+                            cache_dir: str | os.PathLike[str] | None = None,
+                            quantization: str | None = None) -> KernelChoice:
         """Re-lay every matmul weight out for the CPU linear kernel chosen here, when there is one.
 
         The choice (`mooncake_ops.selection.choose_kernels`): ``auto`` times every kernel that
@@ -226,8 +233,11 @@ class LlamaForCausalLM(nn.Module):
         if sample.device.type == "cpu":
             attention = AttentionShape(len(self.plan.q_heads), self.num_kv_heads_per_rank,
                                        self.head_dim, block_size, sample.dtype)
-        choice = choose_kernels(kernels, layers, head, attention, cache_dir=cache_dir)
+        choice = choose_kernels(kernels, layers, head, attention, cache_dir=cache_dir,
+                                quantization=quantization)
         kernel = choice.linear_kernel()
+        if kernel is None and quantization == "int8":
+            kernel = INT8_WEIGHT_ONLY  # off the CPU: the int8 op's device implementation
         if kernel is not None:
             self._swap_matmul_weights(kernel)
         if attention is not None:

@@ -98,7 +98,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
     load_weights(model, folder)
     model.reset_rope_cache()
     if quantization == "int8":
-        model.quantize_linear_weights()
+        model.quantize_linear_weights(mode, block_size=kv_block_size,
+                                      cache_dir=default_cache_dir())
     elif pack_weights:
         model.pack_linear_weights(mode, block_size=kv_block_size, cache_dir=default_cache_dir())
     return model.eval(), Tokenizer.from_pretrained(folder)
