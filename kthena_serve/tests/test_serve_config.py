@@ -55,12 +55,24 @@ BASE = "cluster: {topology: auto}\nparallelism: {strategy: auto}\n"
         ("model: {dtype: float32}", "dtype", "float32"),
         ("model: {dtype: fp16}", "dtype", "float16"),
         ("kv_cache: {offload: 'host=64MiB'}", "kv_offload", 64 * 2**20),
+        ("service: {target_step_ms: 250}", "target_step_ms", 250),
+        ("service: {target_step_ms: 0}", "target_step_ms", 0),
+        ("service: {max_queue_delay: 7.5}", "max_queue_delay_s", 7.5),
     ],
 )
 def test_each_honoured_key_changes_the_engine_config(tmp_path, yaml_text, field, value):
     _, config, _ = _serve(tmp_path, BASE + yaml_text + "\n")
     got = getattr(config, field)
     assert (got.host_bytes if field == "kv_offload" else got) == value
+
+
+@pytest.mark.parametrize(("yaml_text", "message"), [
+    ("service: {target_step_ms: -5}", "service.target_step_ms: got -5; allowed: a number >= 0"),
+    ("service: {max_queue_delay: soon}", "service.max_queue_delay: got 'soon'; allowed: a number"),
+])
+def test_bad_service_knobs_are_refused_naming_the_key(tmp_path, yaml_text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _serve(tmp_path, BASE + yaml_text + "\n")
 
 
 def test_a_bad_offload_value_in_the_config_is_refused_naming_the_flag(tmp_path):

@@ -104,6 +104,8 @@ class ServiceConfig:
     max_batch_size: int = 32
     kv_cache_reuse: bool = True
     mode: str = "colocated"
+    target_step_ms: float | None = None
+    max_queue_delay: float | None = None
 
 
 @attrs.frozen
@@ -158,7 +160,8 @@ _POSITIVE = {
     "parallelism.sequence_parallel_group_size", "parallelism.bucket_size_mb", "service.max_batch_size",
     "kv_cache.max_tokens", "kv_cache.reuse_bucket_size", "kv_cache.compression.group_size",
 }
-_NON_NEGATIVE = {"cluster.local_rank", "cluster.node_rank"}
+_NON_NEGATIVE = {"cluster.local_rank", "cluster.node_rank", "service.target_step_ms",
+                 "service.max_queue_delay"}
 _PORTS = {"cluster.master_port", "service.port"}
 
 

@@ -412,6 +412,10 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
         out.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
     else:
         out["dp"] = plan.layout.dp
+    if service.target_step_ms is not None:
+        out["target_step_ms"] = service.target_step_ms
+    if service.max_queue_delay is not None:
+        out["max_queue_delay_s"] = service.max_queue_delay
     if kv.memory_pool_size is not None:
         out["kv_cache_memory"] = kv.memory_pool_size
     if kv.offload is not None:
