@@ -1,8 +1,10 @@
-"""Step-time cost of structured output: ``python -m kthena_serve.bench.grammar``.
+"""Step-time cost of structured output and penalties: ``python -m kthena_serve.bench.grammar``.
 
 ``--batch`` requests on the default model decode together, without a grammar (``none``), all
-with a JSON schema (``json_schema``), and half with it (``mixed``); the rounds alternate
-(none, json_schema, mixed, again) so drift on a shared machine hits each alike. Per round: the
+with a JSON schema (``json_schema``), half with it (``mixed``), and all with vLLM's three
+penalties and no grammar (``penalties``: repetition 1.1, presence 0.5, frequency 0.5); the
+rounds alternate (none, json_schema, mixed, penalties, again) so drift on a shared machine
+hits each alike. Per round: the
 median / p10 / p90 wall time of the decode steps where every request is running (prompts done,
 none finished) and their median process CPU time (all threads: on a busy shared machine the
 steadier figure), and the grammar's own parts per step: filling the batch's token bitmask
@@ -38,6 +40,8 @@ SCHEMA = {"type": "object", "additionalProperties": False,
                                   "minItems": 8, "maxItems": 8},
                          "summary": {"type": "string", "minLength": 2000}},
           "required": ["title", "year", "tags", "summary"]}
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+MODES = ("none", "json_schema", "mixed", "penalties")
 PROMPT = "Describe a film you like as JSON (title, year, tags, summary). Film number {}:"
 _IDS = itertools.count()
 
@@ -69,7 +73,7 @@ class _Timed:
 
 
 def measure(llm: LLM, mode: str, batch: int, steps: int) -> dict[str, object]:
-    """One round: ``batch`` requests, ``mode`` none / json_schema / mixed; the result row."""
+    """One round: ``batch`` requests, ``mode`` one of `MODES`; the result row."""
     engine = llm.engine
     timed = _Timed(engine.processor.grammars)
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
@@ -77,7 +81,8 @@ def measure(llm: LLM, mode: str, batch: int, steps: int) -> dict[str, object]:
     for i in range(batch):
         constrained = mode == "json_schema" or (mode == "mixed" and i % 2 == 0)
         params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True,
-                                structured_outputs=spec if constrained else None)
+                                structured_outputs=spec if constrained else None,
+                                **(PENALTIES if mode == "penalties" else {}))
         ids.append(f"bench-{next(_IDS)}")
         engine.add_request(ids[-1], PROMPT.format(i), params)
     produced = dict.fromkeys(ids, 0)
@@ -121,14 +126,14 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--batch", type=int, default=8, help="concurrent requests")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per request")
-    parser.add_argument("--rounds", type=int, default=2, help="passes over the three modes")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the modes")
     args = parser.parse_args()
     torch.manual_seed(0)
     machine = host_info()
     llm = LLM(args.model, max_num_seqs=args.batch)
     measure(llm, "json_schema", args.batch, 8)  # warm-up: compile, caches, first steps
     for _ in range(args.rounds):
-        for mode in ("none", "json_schema", "mixed"):
+        for mode in MODES:
             waited = wait_until_idle()  # the machine is shared: start each round on a quiet one
             row = measure(llm, mode, args.batch, args.steps)
             row["waited_for_idle_s"] = round(waited, 1)
