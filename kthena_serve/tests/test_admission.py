@@ -182,6 +182,24 @@ def test_gate_learns_how_late_first_tokens_come_and_forgets_it() -> None:
     assert gate.load(prior).wait_error_s == 0.0
 
 
+def test_a_queue_running_late_counts_before_its_first_tokens_come() -> None:
+    """A slowdown shows at once: a queued request past its estimate is an error sample of how
+    late it is so far, so new requests are refused before any late first token arrives."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    prior = 100.0  # tokens/s
+    assert gate.try_admit([("a", 100)], prior) is None  # estimated 1 s
+    gate.claim("a", 100)
+    clock.now += 0.5
+    assert gate.load(prior).wait_error_s == 0.0  # within its estimate: no sample
+    clock.now += 8.5  # 9 s queued, 8 s late, no first token yet
+    assert gate.load(prior).wait_error_s == pytest.approx(8.0, abs=0.1)
+    refusal = gate.try_admit([("b", 300)], prior)  # 4 s estimated + 8 s late: past 10 s
+    assert refusal is not None and refusal.limit == "queue_delay"
+    gate.started("a")  # the lateness became a recorded sample (~8.5 s after the busy time)
+    assert gate.load(prior).wait_error_s > 7.0
+
+
 def test_admitted_requests_that_never_start_expire() -> None:
     clock = Clock()
     gate = AdmissionGate(AdmissionLimits(max_queued_tokens=10), clock=clock,

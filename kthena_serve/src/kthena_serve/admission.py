@@ -17,7 +17,10 @@ model's prefill capacity at the running decodes (``StepCostModel.prefill_tokens_
 How far off that estimate runs is measured too: when a request's first token arrives, the time
 it took since admission minus the estimate made then is one sample of the estimate's error; the
 gate keeps the samples of the last ``ERROR_HORIZON_S`` seconds and adds their ``ERROR_QUANTILE``
-quantile (at least 0: ``QueueLoad.wait_error_s``) to every estimate it compares with the bound. Under steady
+quantile (at least 0: ``QueueLoad.wait_error_s``) to every estimate it compares with the bound.
+A request still queued past its estimate counts too, with how late it is so far (its error
+will be at least that): a slowdown shows in the error as soon as the queue runs late, not only
+once the late first tokens come. Under steady
 overload the queue fills up to the bound, so without it half the admitted requests would wait
 longer than the bound; with it, the bound holds for the TTFT tail the requests actually saw
 (a KV pool that thrashes, a process that loses its cores, chunked long prompts ...). The
@@ -336,11 +339,16 @@ class AdmissionGate:
                          self._wait_error())
 
     def _wait_error(self) -> float:
-        """The ``ERROR_QUANTILE`` of the recent error samples (nearest rank), at least 0."""
-        horizon = self._clock() - ERROR_HORIZON_S
+        """The ``ERROR_QUANTILE`` (nearest rank), at least 0, of the recent error samples and of
+        how late the requests still queued are so far."""
+        now = self._clock()
+        horizon = now - ERROR_HORIZON_S
         while self._errors and self._errors[0][0] < horizon:
             self._errors.popleft()
-        if not self._errors:
+        late = [now - admitted - estimate for _, _, admitted, estimate in self._queued.values()
+                if estimate is not None and math.isfinite(estimate)
+                and now - admitted > estimate]
+        if not self._errors and not late:
             return 0.0
-        ordered = sorted(error for _, error in self._errors)
+        ordered = sorted([error for _, error in self._errors] + late)
         return max(0.0, ordered[min(len(ordered) - 1, math.ceil(ERROR_QUANTILE * len(ordered)) - 1)])
