@@ -13,7 +13,7 @@ import torch
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 
-__all__ = ["default_tokenizer", "greedy_text", "tiny_engine", "tiny_llama"]
+__all__ = ["default_tokenizer", "greedy_text", "tiny_checkpoint", "tiny_engine", "tiny_llama"]
 
 _TOKENIZER = None
 _REFERENCE_IDS = itertools.count()
@@ -79,3 +79,46 @@ def tiny_engine(**config) -> LLMEngine:
     engine_config = EngineConfig(**options)
     model = tiny_llama(device=engine_config.device)
     return LLMEngine.from_config(engine_config, model=model, tokenizer=default_tokenizer())
+
+
+def tiny_checkpoint(folder, *, seed: int = 0):  # noqa: ANN001, ANN201
+    """Write a Hugging Face checkpoint folder of a tiny random Llama (2 layers, hidden 64, tied
+    embeddings, bf16-safe values) with the default checkpoint's tokenizer files into ``folder``;
+    returns it as a ``Path``. What ``--model FOLDER`` loads in a second, not a real model."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from kthena_serve.model import ModelConfig, resolve_checkpoint
+    from kthena_serve.model.loader import expected_weight_names
+
+    folder, default = Path(folder), resolve_checkpoint("default")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(default / name, folder / name)
+    hf = json.loads((default / "config.json").read_text())
+    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+              tie_word_embeddings=True, torch_dtype="float32")
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    config = ModelConfig.from_dict(hf)
+    q, kv, h, inter = (config.num_attention_heads * config.head_dim,
+                       config.num_key_value_heads * config.head_dim, config.hidden_size,
+                       config.intermediate_size)
+    shapes = {"embed_tokens": (config.vocab_size, h), "q_proj": (q, h), "k_proj": (kv, h),
+              "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
+              "up_proj": (inter, h), "down_proj": (h, inter)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name in sorted(expected_weight_names(config)):
+        kind = name.split(".")[-2]
+        if kind not in shapes:  # a norm
+            tensors[name] = torch.ones(h)
+        else:
+            shape = shapes[kind]
+            scale = 1.0 if kind == "embed_tokens" else shape[1] ** -0.5
+            tensors[name] = torch.randn(shape, generator=generator) * scale
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

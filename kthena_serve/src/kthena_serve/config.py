@@ -179,7 +179,8 @@ class EngineConfig:
     ``ValueError``) reading ``EngineConfig.<field> must be ... (got ...)``.
 
     Attributes:
-        model: ``"default"`` (SmolLM2-135M-Instruct) or a Hugging Face checkpoint folder.
+        model: ``"default"`` (SmolLM2-135M-Instruct), a Hugging Face checkpoint folder, a
+            llama ``.gguf`` file or a Hub repo id ``ORG/NAME`` (`kthena_serve.model.source`).
         dtype: weight and compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
         device: where weights, KV pool and sampling live (``"cpu"``, ``"cuda[:N]"``,
             ``"npu[:N]"``); only CPU is verified on hardware.

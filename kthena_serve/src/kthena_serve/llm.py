@@ -26,7 +26,8 @@ class LLM:
     """Generate for a batch of prompts with continuous batching.
 
     Args:
-        model: ``"default"`` or a checkpoint folder.
+        model: ``"default"``, a checkpoint folder, a ``.gguf`` file or a Hub repo id
+            ``ORG/NAME`` (`kthena_serve.model.source`).
         **engine_config: any other ``EngineConfig`` field (``max_num_seqs``, ``block_size`` ...).
             Without ``num_threads``, one engine (``tp`` and ``pp`` 1) runs one torch thread per
             core this process may use, or one thread if torch was imported before

@@ -39,8 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     field's name. The flags have no defaults of their own (the parser's
     ``argument_default=argparse.SUPPRESS``): a flag not given is absent, and
     ``ServeSpec.resolve`` takes it from the config or ``EngineConfig``'s default."""
-    parser.add_argument("--model", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face "
-                        "checkpoint folder (default: default)")
+    parser.add_argument("--model", metavar="MODEL",
+                        help="'default' (SmolLM2-135M-Instruct), a Hugging Face checkpoint "
+                             "folder, a llama .gguf file (converted once into "
+                             "$KTHENA_CACHE_DIR) or a Hugging Face Hub repo id ORG/NAME (its "
+                             "cached snapshot, else downloaded into $HF_HUB_CACHE; "
+                             "HF_HUB_OFFLINE=1: the cache only) (default: default)")
     parser.add_argument("--max-num-seqs", type=int,
                         help=f"requests running at once (default {_default('max_num_seqs')})")
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -83,9 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=("auto", "native", "torch"),
                         help="how CPU matmul and attention kernels are chosen: auto (each "
                              "candidate timed once on this machine at the model's shapes, the "
-                             "fastest taken, cached; the default), native (by the CPU's "
-                             "features) or torch (F.linear and SDPA); the KTHENA_KERNELS "
-                             "environment variable overrides it")
+                             "fastest taken, cached), native (by the CPU's features) or torch "
+                             "(F.linear and SDPA); the KTHENA_KERNELS environment variable "
+                             "overrides it (default auto)")
     parser.add_argument("--device",
                         help="cpu (default), cuda[:N] or npu[:N] (only cpu is verified on "
                              "hardware)")
@@ -121,7 +125,8 @@ def add_public_metrics_arg(parser: argparse.ArgumentParser, credential: str) -> 
     parser.add_argument("--public-metrics", action="store_true",
                         help=f"serve GET /metrics without {credential} (the Kthena router and "
                              "Prometheus scrape without credentials; it shows totals only, see "
-                             "docs/security.md); every other route still needs it")
+                             "docs/security.md); every other route still needs it (default: "
+                             "off)")
 
 
 def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:

@@ -33,7 +33,6 @@ pp > 1 per PD worker) raises ``UnservablePlanError``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +85,13 @@ def flag_name(setting: str) -> str:
 
 
 def model_name(model: str) -> str:
-    """The id clients send for ``model`` (the folder name, or SmolLM2's for the default)."""
+    """The id clients send for ``model``: SmolLM2's for the default, a Hub repo id as it is,
+    else the folder's (or GGUF file's) name."""
     if model == "default":
         return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model)) or model
+    from kthena_serve.model.source import served_name
+
+    return served_name(model)
 
 
 def engine_config(flags: Mapping[str, Any]) -> EngineConfig:

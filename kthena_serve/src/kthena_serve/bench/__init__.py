@@ -21,5 +21,6 @@ import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may
 * ``pd_plot``   the PD benchmark's figure
 * ``kv_move``   ``python -m kthena_serve.bench.kv_move``: article B's KV-move table
 * ``machine``   what every benchmark records about the machine it ran on
+* ``optional``  matplotlib and transformers: present, or skipped with one line
 * ``netns``     two network namespaces as two "hosts" (``kv_move --netns``, multi-host tests)
 """

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from kthena_serve.bench.optional import is_available, note_missing, plot_or_note
 from kthena_serve.cli import _prepare_process
 from kthena_serve.serve_args import add_engine_args
 from kthena_serve.spec import engine_config
@@ -33,14 +34,17 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                                  "writes a PNG plot", argument_default=argparse.SUPPRESS)
     add_engine_args(parser)  # no defaults: a flag not given takes EngineConfig's
     parser.add_argument("--runs", "--repeats", dest="runs", type=int, default=3,
-                        help="timed runs per case (median)")
+                        help="timed runs per case (median; default 3)")
     parser.add_argument("--peer", default=None, metavar="vllm[=PYTHON]",
                         help="also run the workloads through vLLM's CPU build, from the venv of "
-                        "benchmarks/peers/build_vllm_venv.py (or PYTHON)")
-    parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c")
+                        "benchmarks/peers/build_vllm_venv.py (or PYTHON) (default: none)")
+    parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c (default a,b,c)")
     parser.add_argument("--no-hf", action="store_true", default=False,
-                        help="skip the transformers baseline")
-    parser.add_argument("--plot", default="bench_serve.png", help="PNG path ('' for none)")
+                        help="skip the transformers baseline (default: off; without "
+                             "transformers installed it is skipped with a note)")
+    parser.add_argument("--plot", default="bench_serve.png",
+                        help="PNG path, '' for none (default bench_serve.png; skipped with a "
+                             "note when matplotlib is not installed)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     parser.set_defaults(func=_cmd_bench_serve)
     _register_soak(children)
@@ -66,7 +70,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             check_peer(peer)  # before minutes of our own workloads
         options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in
                                                            args.cases.split(",")),
-                               hf_baseline=not args.no_hf, plot=args.plot or None,
+                               hf_baseline=_hf_baseline(args.no_hf),
+                               plot=plot_or_note("kthena bench serve", args.plot),
                                num_threads=args.threads, peer=peer)
         config = engine_config(vars(args))
     except (ValueError, FileNotFoundError) as error:
@@ -78,6 +83,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"kthena bench serve: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _hf_baseline(no_hf: bool) -> bool:
+    """Whether the transformers baseline runs: asked for and installed (else one line says it
+    is skipped, as with --no-hf)."""
+    if no_hf:
+        return False
+    if is_available("transformers"):
+        return True
+    note_missing("kthena bench serve", "transformers",
+                 "running without the transformers baseline (as with --no-hf)")
+    return False
 
 
 # ---- kthena bench soak --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kthena_serve.bench.machine import host_info
+from kthena_serve.bench.optional import draw, plot_or_note
 from kthena_serve.bench.plot import save_figure
 
 if TYPE_CHECKING:
@@ -387,6 +388,7 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     shape = BenchShape(**{f.name: getattr(args, f.name) for f in attrs.fields(BenchShape)})
+    plot_path = plot_or_note("kthena bench kv", args.plot)  # before minutes of runs
     from kthena_core.dtypes import torch_dtype
     from kthena_serve.model import load_model
 
@@ -423,8 +425,8 @@ def _run(args: argparse.Namespace) -> int:
     print(table(report), file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        plot(report, args.plot)
+    if plot_path:
+        draw("kthena bench kv", lambda: plot(report, plot_path))
     return 0
 
 

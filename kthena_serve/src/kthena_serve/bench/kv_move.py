@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kthena_serve.bench.machine import cpu_model
 from kthena_serve.bench.netns import NetnsUnavailable, two_namespaces
+from kthena_serve.bench.optional import draw, plot_or_note
 from kthena_serve.bench.plot import save_figure
 
 if TYPE_CHECKING:
@@ -901,12 +902,13 @@ def main(argv: list[str] | None = None) -> int:
     if opts.prefill_side:
         _prefill_side_main(json.loads(opts.prefill_side))
         return 0
+    plot_path = plot_or_note("kv_move", opts.plot)  # before the runs
     result = bench_kv_move(opts.tokens, opts.repeats, opts.netns, layers=opts.layers,
                            kv_heads=opts.kv_heads, head_dim=opts.head_dim,
                            layer_compute_ms=opts.layer_compute_ms, timeout_s=opts.timeout_s)
-    if opts.plot:
-        plot_kv_move(result, opts.plot)
     print(json.dumps(result), flush=True)
+    if plot_path:
+        draw("kv_move", lambda: plot_kv_move(result, plot_path))
     return 0
 
 

@@ -39,6 +39,7 @@ import attrs
 
 from kthena_comm.bench import median_s
 from kthena_serve.bench.machine import cpu_model
+from kthena_serve.bench.optional import draw, plot_or_note
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 
@@ -392,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GLOG_minloglevel", "2")
+    plot_path = plot_or_note("bench pd", opts.plot)  # before the runs
     result = {"machine": _machine(), "options": vars(opts),
               "handoff": bench_handoff([int(t) for t in opts.tokens.split(",")], opts.repeats)}
     if opts.kv_move_tokens:
@@ -408,17 +410,21 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.skip_serving:
         result["serving"] = bench_serving(opts)
     result["machine"]["load_1min_end"] = os.getloadavg()[0]
-    if opts.plot:
-        from kthena_serve.bench.pd_plot import plot
-
-        plot(result, opts.plot)
-        if "kv_move" in result:
-            from kthena_serve.bench.kv_move import plot_kv_move
-
-            root, ext = os.path.splitext(opts.plot)
-            plot_kv_move(result["kv_move"], f"{root}_kv_move{ext or '.png'}")
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if plot_path:
+        draw("bench pd", lambda: _plot(result, plot_path))
     return 0
+
+
+def _plot(result: dict, path: str) -> None:
+    from kthena_serve.bench.pd_plot import plot
+
+    plot(result, path)
+    if "kv_move" in result:
+        from kthena_serve.bench.kv_move import plot_kv_move
+
+        root, ext = os.path.splitext(path)
+        plot_kv_move(result["kv_move"], f"{root}_kv_move{ext or '.png'}")
 
 
 if __name__ == "__main__":

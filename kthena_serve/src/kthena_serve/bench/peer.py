@@ -112,7 +112,7 @@ class PeerSession:
         check_peer(peer)
         self.peer = peer
         self.timeout_s = timeout_s
-        self._tmp = tempfile.TemporaryDirectory(prefix="kthena-peer-")
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"kthena-peer-{os.getpid()}-")
         self._workloads = Path(self._tmp.name) / "workloads.json"
         self._workloads.write_text(json.dumps(workloads), encoding="utf-8")
         self._base = [str(peer.python), str(peer.script), "--model", str(checkpoint),

@@ -42,6 +42,7 @@ from kthena_serve.bench.limits import (
     workload_limits,
 )
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
+from kthena_serve.bench.optional import draw, note_missing
 from kthena_serve.bench.peer import PEER_CASES, PeerSession, PeerSpec
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
@@ -220,8 +221,15 @@ def _hf_case(model: PreTrainedModel, key: str, spec: dict) -> dict:
     return {"total_s": total, "mean_ttft_s": first}
 
 
-def _hf_runners(checkpoint: Path, dtype: torch.dtype, workloads: dict) -> dict[str, Runner]:
-    from transformers import AutoModelForCausalLM, logging
+def _hf_runners(checkpoint: Path, dtype: torch.dtype, workloads: dict
+                ) -> dict[str, Runner] | None:
+    """transformers' runners; None (after one line) if transformers fails to import."""
+    try:
+        from transformers import AutoModelForCausalLM, logging
+    except ImportError as error:  # installed (the CLI checked) but broken
+        note_missing("kthena bench serve", "transformers",
+                     f"running without the transformers baseline ({error})")
+        return None
 
     logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
@@ -290,8 +298,9 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     result["kernels"] = dict(engine.processor.limits.kernels)  # what ran, and how it was chosen
     systems = {"kthena": _engine_runners(config, workloads, engine)}
     fewer: dict[tuple[str, str], int] = {}
-    if options.hf_baseline:
-        systems["transformers"] = _hf_runners(checkpoint, config.torch_dtype, workloads)
+    hf = _hf_runners(checkpoint, config.torch_dtype, workloads) if options.hf_baseline else None
+    if hf is not None:
+        systems["transformers"] = hf
         # its (c) takes ~2x ours without reuse: one round fewer
         fewer[("transformers", "c_shared_prefix_no_reuse")] = max(1, options.runs - 1)
     with contextlib.ExitStack() as stack:
@@ -320,6 +329,6 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     if options.plot:
         from kthena_serve.bench.plot import plot
 
-        plot(result, options.plot)
-        result["plot"] = options.plot
+        if draw("kthena bench serve", lambda: plot(result, options.plot)):
+            result["plot"] = options.plot
     return result

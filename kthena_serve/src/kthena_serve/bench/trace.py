@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -39,6 +38,7 @@ from pathlib import Path
 import attrs
 
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
+from kthena_serve.bench.optional import is_available
 from kthena_serve.bench.peer import (
     BUILD_SCRIPT,
     PEER_DIR,
@@ -354,7 +354,7 @@ def _work_folder(keep: Path | None):
         keep.mkdir(parents=True, exist_ok=True)
         yield keep
         return
-    with tempfile.TemporaryDirectory(prefix="kthena-trace-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"kthena-trace-{os.getpid()}-") as tmp:
         yield Path(tmp)
 
 
@@ -386,7 +386,7 @@ def run_trace(options: TraceOptions) -> dict:
     scaled = scale_window(read_window(options.trace, options.scaling.start,
                                       options.scaling.count), options.scaling)
     python = peer_venv_tools(options.peer_venv)
-    if options.plot and importlib.util.find_spec("matplotlib") is None:
+    if options.plot and not is_available("matplotlib"):
         raise ValueError("--plot needs matplotlib: `pip install matplotlib` in this venv, or "
                          "leave --plot out")
     checkpoint = resolve_checkpoint(options.model)  # converted once, cached

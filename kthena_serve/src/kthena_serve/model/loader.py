@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from kthena_serve.model.config import ModelConfig
-from kthena_serve.model.convert import default_cache_dir, ensure_default_checkpoint
+from kthena_serve.model.convert import default_cache_dir
 from kthena_serve.model.errors import CheckpointError
 from kthena_serve.model.llama import LlamaForCausalLM
 from kthena_serve.model.pp import PipelineStage
+from kthena_serve.model.source import resolve_checkpoint
 from kthena_serve.model.tokenizer import Tokenizer
 from kthena_serve.model.tp import TensorParallel
 from mooncake_ops.selection import resolve_mode
@@ -33,23 +34,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LAYER_KINDS = (*_QKV, "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                 "input_layernorm", "post_attention_layernorm")
-
-
-def resolve_checkpoint(path_or_default: str | os.PathLike[str] = "default") -> Path:
-    """The checkpoint folder for ``"default"`` (converted on first use) or a local folder.
-
-    Raises:
-        CheckpointError: the folder lacks config.json, tokenizer.json or *.safetensors.
-    """
-    if str(path_or_default) == "default":
-        return ensure_default_checkpoint()
-    folder = Path(path_or_default)
-    missing = [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
-    if not folder.is_dir() or missing or not any(folder.glob("*.safetensors")):
-        what = ", ".join(missing + ([] if any(folder.glob("*.safetensors")) else ["*.safetensors"]))
-        raise CheckpointError(f"{folder} is not a Hugging Face checkpoint folder (missing: {what}); "
-                              f"pass 'default' or a folder with config.json, *.safetensors and tokenizer.json")
-    return folder
 
 
 def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: torch.dtype = torch.bfloat16,
@@ -64,7 +48,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
 
     Args:
         path_or_default: ``"default"`` (SmolLM2-135M-Instruct, converted once from the embedded
-            GGUF) or a local Hugging Face checkpoint folder.
+            GGUF), a local Hugging Face checkpoint folder, a llama ``.gguf`` file or a Hub repo
+            id ``ORG/NAME`` (`kthena_serve.model.source.resolve_checkpoint`).
         dtype: weight dtype (the checkpoint's values are cast to it).
         device: where the weights live.
         tp: this rank's tensor-parallel place; None means one rank.
