@@ -222,6 +222,20 @@ def test_config_from_dict_and_errors(tmp_path):
         ModelConfig.from_pretrained(tmp_path)
 
 
+def test_a_sliding_window_below_the_context_caps_it():
+    """Attention spans the whole context, which equals sliding-window attention within the
+    window only: the context length stops at the window."""
+    mistral = {**TINY, "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 64}).max_position_embeddings == 64
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 256
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).max_position_embeddings == 256
+    qwen = {**TINY, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).max_position_embeddings == 256
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": True}).max_position_embeddings == 32
+    with pytest.raises(UnsupportedModelError, match="sliding_window 'wide' is not supported"):
+        ModelConfig.from_dict({**mistral, "sliding_window": "wide"})
+
+
 def test_load_errors_name_the_problem(tmp_path, tiny):
     from kthena_serve.model import load_model
 

@@ -100,7 +100,13 @@ class ModelConfig:
             CheckpointError: a required key is missing.
         """
         _check_architecture(config)
-        return cls(**_spec_fields(_parse_spec(config)), **_engine_fields(config))
+        fields = _spec_fields(_parse_spec(config))
+        window = _sliding_window(config)
+        if window is not None and window < fields["max_position_embeddings"]:
+            # attention here spans the whole context: within the window that is exactly what
+            # sliding-window attention computes, past it not, so the context stops there
+            fields["max_position_embeddings"] = window
+        return cls(**fields, **_engine_fields(config))
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> ModelConfig:
@@ -125,6 +131,20 @@ def _check_architecture(config: Mapping[str, Any]) -> None:
             f"architecture {archs} is not supported; allowed: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
+
+
+def _sliding_window(config: Mapping[str, Any]) -> int | None:
+    """The sliding attention window config.json asks for (Mistral's ``sliding_window``;
+    Qwen2's only with ``use_sliding_window``), or None."""
+    window = config.get("sliding_window")
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise UnsupportedModelError(f"sliding_window {window!r} is not supported; allowed: a "
+                                    "positive integer or null")
+    return window
 
 
 def _parse_spec(config: Mapping[str, Any]) -> ModelSpec:
