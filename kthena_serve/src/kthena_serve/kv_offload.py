@@ -42,9 +42,14 @@ __all__ = ["DEFAULT_MASTER", "KVOffloadConfig", "open_offloader", "tier_stats"]
 
 
 def namespace(config: EngineConfig) -> str:
-    """What every key of this engine starts with: the model (``default``, or the checkpoint's
-    real path) and the compute dtype; the pool's geometry and the block-hash chain follow."""
-    model = config.model if config.model == "default" else os.path.realpath(config.model)
+    """What every key of this engine starts with: the model (``default``, or the real path of
+    the checkpoint folder it resolves to: a Hub repo's snapshot folder names its revision, so
+    new weights under the same repo id get new keys) and the compute dtype; the pool's
+    geometry and the block-hash chain follow."""
+    from kthena_serve.model import resolve_checkpoint
+
+    model = (config.model if config.model == "default"
+             else os.path.realpath(resolve_checkpoint(config.model)))
     return f"kthena|{model}|{config.dtype}|{config.hash_algorithm}"
 
 
