@@ -34,7 +34,14 @@ from kthena_serve.pd.protocol import params_from_json, params_to_json
 from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.protocol import ChatCompletionRequest
-from kthena_serve.server.tools import ToolCallParser, chat_inputs, parse_tool_calls
+from kthena_serve.server.tools import (
+    Tool,
+    ToolCallParser,
+    add_deltas,
+    chat_inputs,
+    parse_tool_calls,
+    tool_constraint,
+)
 from kthena_serve.structured_output import StructuredOutputsParams
 
 MODEL = "tiny"
@@ -174,6 +181,24 @@ def test_choice_grammar_escapes_its_literals():
         matcher = grammars.matcher(StructuredOutputsParams(choice=choices))
         assert matcher.accept_string(text)
         assert matcher.is_completed()
+
+
+def test_length_bounded_strings_take_no_control_character():
+    """xgrammar 0.2.8 compiles a string with maxLength to a class that lets raw control
+    characters in (the output then is not JSON; a random model wrote ``" Boh\\x07"``):
+    grammar.py hands it the bound as a pattern that excludes them, in schemas and tool tags."""
+    grammars = Grammars(default_tokenizer(), 49152)
+    tools = [Tool.model_validate(WEATHER)]
+    for spec, prefix in (
+            (StructuredOutputsParams(json=OBJECT, disable_any_whitespace=True),
+             '{"city":"Pa'),
+            (tool_constraint(tools, "required"),
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')):
+        matcher = grammars.matcher(spec)
+        assert matcher.accept_string(prefix)
+        assert not matcher.accept_string("\x07") and not matcher.accept_string("\t")
+        assert matcher.accept_string('ris"')  # 5 of maxLength 10 (12 for OBJECT)
+        assert not grammars.matcher(spec).accept_string(prefix + "x" * 12)  # the bound holds
 
 
 def test_batch_fill_matches_row_by_row():
@@ -357,6 +382,32 @@ def _check_call(call: dict, tools: list[dict]) -> None:
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema[call["function"]["name"]])
 
 
+def _streamed_calls(chunks: list[dict]) -> list[dict]:
+    """A streamed choice's calls added up as an OpenAI client does, checking OpenAI's delta
+    shape on the way: a call's first delta has index, id, type, name and arguments text; the
+    next ones only index and an arguments fragment."""
+    calls: list[dict] = []
+    for chunk in chunks:
+        deltas = chunk["choices"][0]["delta"].get("tool_calls") if chunk["choices"] else None
+        for delta in deltas or ():
+            if delta["index"] == len(calls):  # a new call
+                assert set(delta) == {"index", "id", "type", "function"}, delta
+                assert delta["type"] == "function" and delta["function"]["name"], delta
+                calls.append({"id": delta["id"], "type": "function", "num_deltas": 0,
+                              "function": {"name": delta["function"]["name"], "arguments": ""}})
+            else:
+                assert delta["index"] == len(calls) - 1, delta  # calls come one after another
+                assert set(delta) == {"index", "function"}, delta
+                assert set(delta["function"]) == {"arguments"}, delta
+            calls[-1]["function"]["arguments"] += delta["function"]["arguments"]
+            calls[-1]["num_deltas"] += 1
+    return calls
+
+
+def _same_calls(streamed: list[dict], answered: list[dict]) -> bool:
+    return [c["function"] for c in streamed] == [c["function"] for c in answered]
+
+
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_always_call(client, tool_choice):
@@ -366,16 +417,88 @@ def test_required_and_named_always_call(client, tool_choice):
     for choice in answer["choices"]:
         message = choice["message"]
         assert choice["finish_reason"] == "tool_calls" and message["content"] is None, choice
-        assert len(message["tool_calls"]) == 1
-        _check_call(message["tool_calls"][0], tools)
+        assert len(message["tool_calls"]) >= 1
+        for call in message["tool_calls"]:
+            _check_call(call, tools)
         if isinstance(tool_choice, dict):
-            assert message["tool_calls"][0]["function"]["name"] == "get_time"
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    greedy = chat(client, tools=tools, tool_choice=tool_choice, logit_bias=NO_SPACE)
     chunks = stream(client, "/v1/chat/completions", messages=CHAT, tools=tools,
                     tool_choice=tool_choice, logit_bias=NO_SPACE)
     out = streamed_choices(chunks)[0]
     assert out["reason"] == "tool_calls" and out["text"] == ""
-    assert [c["index"] for c in out["tool_calls"]] == [0]
-    _check_call(out["tool_calls"][0], tools)
+    calls = _streamed_calls(chunks)
+    assert _same_calls(calls, greedy["choices"][0]["message"]["tool_calls"])
+    for call in calls:
+        _check_call(call, tools)
+        assert call["num_deltas"] > 2  # the arguments came as they were generated
+
+
+def test_required_makes_several_calls_each_with_its_id(client):
+    """min_tokens past one call (50 tokens here) keeps the output from ending after it: the
+    grammar's only other way on is a newline and a second block (vLLM's required takes several
+    calls too)."""
+    fields = {"tools": [WEATHER, TIME], "tool_choice": "required", "logit_bias": NO_SPACE,
+              "min_tokens": 60, "max_tokens": 240}
+    answer = chat(client, **fields)
+    choice = answer["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) >= 2 and choice["finish_reason"] == "tool_calls", choice
+    assert len({c["id"] for c in calls}) == len(calls)
+    for call in calls:
+        _check_call(call, fields["tools"])
+    chunks = stream(client, "/v1/chat/completions", messages=CHAT, **fields)
+    streamed = _streamed_calls(chunks)
+    assert _same_calls(streamed, calls)
+    assert len({c["id"] for c in streamed}) == len(streamed)
+    assert streamed_choices(chunks)[0]["reason"] == "tool_calls"
+
+
+def test_the_openai_client_adds_up_the_stream_to_the_answer(client):
+    """The real openai client: a streamed reply, added up by hand as a user does and by the
+    client's own stream helper, has the calls of the same greedy request answered whole."""
+    import openai
+
+    api = openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="none",
+                        max_retries=0)
+    tools = [{"type": "function", "function": {**t["function"], "strict": True}}
+             for t in (WEATHER, TIME)]  # the helper parses strict tools' arguments
+    fields = {"model": MODEL, "messages": CHAT, "tools": tools, "tool_choice": "required",
+              "temperature": 0, "max_tokens": 240, "logit_bias": NO_SPACE,
+              "extra_body": {"min_tokens": 60}}
+    answer = api.chat.completions.create(**fields)
+    expected = [(c.function.name, c.function.arguments)
+                for c in answer.choices[0].message.tool_calls]
+    assert len(expected) >= 2 and answer.choices[0].finish_reason == "tool_calls"
+
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in api.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name,
+                                                      "arguments": ""})
+                call["arguments"] += delta.function.arguments or ""
+            reason = choice.finish_reason or reason
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+    assert reason == "tool_calls" and all(c["id"] for c in calls.values())
+
+    with api.chat.completions.stream(**fields) as events:
+        final = events.get_final_completion()
+    message = final.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == expected
+    for call in message.tool_calls:
+        assert call.function.parsed_arguments == json.loads(call.function.arguments)
+
+
+def test_parallel_tool_calls_false_holds_required_to_one_call():
+    tools = [Tool.model_validate(t) for t in (WEATHER, TIME)]
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    grammars = Grammars(default_tokenizer(), 49152)
+    for parallel, second in ((True, True), (False, False)):
+        matcher = grammars.matcher(tool_constraint(tools, "required", parallel))
+        assert matcher.accept_string(one)
+        assert matcher.accept_string("\n<tool_call>") is second
 
 
 def test_auto_and_none_round_trip(client):
@@ -441,19 +564,36 @@ def test_hermes_parser_whole_and_streamed(text, content, calls):
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in got_calls] == calls
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
     for step in (1, 3, 7):  # the same split, however the text arrives
         parser = ToolCallParser()
         pieces, streamed = [], []
         for start in range(0, len(text), step):
-            piece, found = parser.feed(text[start:start + step])
+            piece, deltas = parser.feed(text[start:start + step])
             pieces.append(piece)
-            streamed += found
-        piece, found = parser.finish()
+            add_deltas(streamed, deltas)
+        piece, deltas = parser.finish()
         pieces.append(piece)
-        streamed += found
+        add_deltas(streamed, deltas)
         assert ("".join(pieces).strip() or None) == content
-        assert [c["function"]["name"] for c in streamed] == [name for name, _ in calls]
+        assert [c["function"] for c in streamed] == [c["function"] for c in got_calls]
         assert "<tool_call" not in "".join(pieces) or content and "<tool_call>" in content
+
+
+def test_streamed_call_sends_its_name_then_its_arguments_as_written():
+    parser = ToolCallParser()
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert parser.feed(head) == ("", [])  # the value has not begun: nothing to send yet
+    _, first = parser.feed('{"ci')
+    assert len(first) == 1 and first[0]["id"].startswith("call_")
+    assert first[0] | {"id": "x"} == {"index": 0, "id": "x", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": '{"ci'}}
+    assert parser.feed('ty": "Pa') == ("", [{"index": 0, "function": {"arguments": 'ty": "Pa'}}])
+    assert parser.feed('ris"}}\n</tool') == ("", [{"index": 0, "function": {"arguments": 'ris"}'}}])
+    assert parser.feed("_call>\nDone.") == ("\nDone.", [])
+    _, second = parser.feed('<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert [(d["index"], d["function"]) for d in second] == [(1, {"name": "g", "arguments": "{}"})]
+    assert parser.finish() == ("", [])
 
 
 def test_parallel_tool_calls_false_keeps_the_first():

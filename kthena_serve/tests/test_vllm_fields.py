@@ -375,3 +375,55 @@ def test_several_token_id_prompts_in_one_request(client, engine):
     assert answer.json()["usage"]["prompt_tokens"] == len(first) + len(second)
     bad = client.post("/v1/completions", json={**BASE, "prompt": [[1, 2], []]})
     assert bad.status_code == 400
+
+
+def _stream_chunks(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body) as reply:
+        assert reply.status_code == 200, reply.read()
+        return [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines()
+                if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_usage_in_every_chunk(client, path):
+    """vLLM's: each chunk has its choice's prompt tokens and the tokens it generated so far;
+    the last usage chunk (include_usage) still sums the request."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if path == "/v1/completions":  # two prompts of different lengths, two choices each
+        body = {**BASE, "prompt": [PROMPT, "Hi"], "n": 2, "max_tokens": 5}
+    else:
+        body = {**{k: v for k, v in BASE.items() if k != "prompt"}, "n": 2, "max_tokens": 5,
+                "messages": [{"role": "user", "content": PROMPT}]}
+    whole = client.post(path, json=body).json()
+    chunks = _stream_chunks(client, path, {**body, "stream": True, "stream_options": options})
+    *running, last = chunks
+    assert last["choices"] == []
+    counted = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached ones vary
+    assert [last["usage"][k] for k in counted] == [whole["usage"][k] for k in counted]
+    prompt_tokens = [len(client.post("/tokenize", json={"prompt": text}).json()["tokens"])
+                     for text in body["prompt"]] if "prompt" in body else \
+        [whole["usage"]["prompt_tokens"]]
+    counts: dict[int, int] = {}
+    for chunk in running:
+        (choice,) = chunk["choices"]
+        index, usage = choice["index"], chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens[index // 2 if "prompt" in body else 0]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= counts.get(index, 0)  # tokens so far, never fewer
+        counts[index] = usage["completion_tokens"]
+    assert counts == {i: 5 for i in range(len(prompt_tokens) * 2)}  # each choice's last: all 5
+    assert sum(counts.values()) == whole["usage"]["completion_tokens"]
+    if path == "/v1/chat/completions":  # the role chunks come before any token
+        assert [c["usage"]["completion_tokens"] for c in running[:2]] == [0, 0]
+
+
+def test_continuous_usage_stats_without_include_usage_is_400(client):
+    body = {**BASE, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    assert "include_usage" in error["message"]
+    on = {**BASE, "stream": True, "include_usage": True,  # the top-level spelling counts too
+          "stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" in chunk for chunk in _stream_chunks(client, "/v1/completions", on))

@@ -171,7 +171,7 @@ class Grammars:
         kind = spec.kind
         try:
             if kind in ("json", "json_object"):
-                schema = spec.json if kind == "json" else '{"type":"object"}'
+                schema = _bounded_strings(spec.json) if kind == "json" else '{"type":"object"}'
                 tight = spec.disable_any_whitespace  # vLLM's: no space, also after separators
                 return compiler.compile_json_schema(schema, any_whitespace=not tight,
                                                     separators=(",", ":") if tight else None)
@@ -194,10 +194,51 @@ class Grammars:
         tag = json.loads(text)
         if isinstance(tag, dict) and "structures" in tag:
             xgr = _xgrammar()
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
-                                           end=s["end"]) for s in tag["structures"]]
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=_bounded_strings(
+                json.dumps(s["schema"])), end=s["end"]) for s in tag["structures"]]
             return compiler.compile_structural_tag(items, tag["triggers"])
-        return compiler.compile_structural_tag(text)
+        return compiler.compile_structural_tag(json.dumps(_tag_strings(tag)))
+
+
+# ---- xgrammar 0.2.8's strings with a length --------------------------------------------------
+# A string schema with minLength / maxLength compiles to ``"[^"\\\r\n]{m,n}"``, which lets
+# control characters through (JSON forbids them raw: the output would not parse). The same
+# bound as a pattern compiles to the class below, which excludes them; like xgrammar's own
+# rule it takes no escapes.
+_NOT_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def _bounded_strings(schema_text: str) -> str:
+    """The schema with each length-bounded string as a pattern (what xgrammar compiles)."""
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError:
+        return schema_text  # xgrammar says what is wrong with it
+    return json.dumps(_strings(schema))
+
+
+def _strings(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _NOT_DATA else _strings(v) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and _NOT_DATA.isdisjoint(out) \
+            and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+    return out
+
+
+def _tag_strings(node: Any) -> Any:
+    """A structural tag with its ``json_schema`` contents' strings as ``_strings`` makes them."""
+    if isinstance(node, list):
+        return [_tag_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _strings(v) if k == "json_schema" and isinstance(v, dict) else _tag_strings(v)
+            for k, v in node.items()}
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,

@@ -285,6 +285,8 @@ class _Api:
                             chunk["choices"][0]["prompt_logprobs"] = p.vllm_prompt_logprobs(
                                 out.prompt_logprobs or (), self.engine.processor.token_bytes,
                                 body.prompt_logprobs)
+                    if body.continuous_usage:
+                        p.with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
                     yield chunk
         if body.include_usage:
             outs = [finals[c] for c in sorted(finals)]
@@ -293,8 +295,11 @@ class _Api:
 
     async def _chat_chunks(self, rid: str, body: p._Common, job: Job):
         for choice in range(job.num_choices):
-            yield p.chat_chunk(rid, self.model_name, choice,
-                               {"role": "assistant", "content": ""}, None)
+            chunk = p.chat_chunk(rid, self.model_name, choice,
+                                 {"role": "assistant", "content": ""}, None)
+            if body.continuous_usage:
+                p.with_running_usage(chunk, len(job.prompts[job.prompt_index(choice)]), 0)
+            yield chunk
         finals: dict[int, RequestOutput] = {}
         pending = _PendingLogprobs()
         tools = _ToolDeltas(body)
@@ -314,7 +319,10 @@ class _Api:
                         logprobs = p.chat_logprobs(pending.take(choice),
                                                    self.engine.processor.token_bytes,
                                                    body.return_tokens_as_token_ids)
-                    yield p.chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
+                    chunk = p.chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
+                    if body.continuous_usage:
+                        p.with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
+                    yield chunk
         if body.include_usage:
             usage = p.usage([finals[c] for c in sorted(finals)], [0] * len(finals))
             yield p.usage_chunk(rid, "chat.completion.chunk", self.model_name, usage)
@@ -341,14 +349,13 @@ def _max_calls(body: p.ChatCompletionRequest) -> int | None:
 
 class _ToolDeltas:
     """The stream's tool-call side: each choice's text through a ``ToolCallParser`` into
-    content and ``tool_calls`` deltas (OpenAI's: ``{index, id, type, function}``; a call is
-    sent whole once its block closes)."""
+    content and OpenAI's ``tool_calls`` deltas (a call's first with ``index``, ``id``,
+    ``type``, ``function.name``; then ``index`` and ``function.arguments`` fragments)."""
 
     def __init__(self, body: p._Common) -> None:
         self.enabled = isinstance(body, p.ChatCompletionRequest) and body.parses_tool_calls
         self._max_calls = _max_calls(body) if self.enabled else None
         self._parsers: dict[int, ToolCallParser] = {}
-        self._sent: dict[int, int] = {}  # tool_calls sent per choice (their delta index)
 
     def delta(self, choice: int, out: RequestOutput) -> tuple[dict, str | None]:
         """(delta, finish reason) of one output of ``choice``."""
@@ -359,9 +366,7 @@ class _ToolDeltas:
             content, calls = content + rest, calls + more
         delta: dict = {"content": content} if content else {}
         if calls:
-            sent = self._sent.get(choice, 0)
-            delta["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
-            self._sent[choice] = sent + len(calls)
+            delta["tool_calls"] = calls
         reason = out.finish_reason.value if out.finish_reason else None
         if out.finished and parser.num_calls:
             reason = p.tool_reason(out)

@@ -41,6 +41,7 @@ __all__ = [
     "new_id",
     "usage",
     "usage_chunk",
+    "with_running_usage",
 ]
 
 TokenBytes = Callable[[Sequence[int]], list[bytes]]
@@ -64,7 +65,7 @@ class StreamOptions(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: refused when true (usage comes at the end)
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class _Forbid(_Strict):
@@ -242,9 +243,12 @@ class _Common(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true (as "
                                       "vLLM answers)", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            _refuse("stream_options.continuous_usage_stats", True, "usage comes in one final "
-                    "chunk (include_usage); leave it out or send false")
+        if self.continuous_usage and not self.include_usage:
+            # vLLM ignores it then; a key that does nothing is refused here
+            raise InvalidRequestError("stream_options.continuous_usage_stats needs "
+                                      "stream_options.include_usage: true (usage in every "
+                                      "chunk is part of the stream's usage); send both or "
+                                      "leave it out", "stream_options.continuous_usage_stats")
         if self.priority != 0:
             _refuse("priority", self.priority, "requests run first-come first-served (as "
                     "vLLM's default scheduling policy, which refuses priority too); leave it "
@@ -260,6 +264,11 @@ class _Common(_Strict):
         """A final usage chunk in a stream (a JSON answer always has usage)."""
         return bool((self.stream_options and self.stream_options.include_usage)
                     or self.top_level_include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: every chunk carries its choice's usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
@@ -320,7 +329,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # none / auto / required / a function
-    parallel_tool_calls: bool | None = None  # false: one call at most
+    parallel_tool_calls: bool | None = None  # OpenAI's default true; false: one call at most
     # OpenAI's deprecated function calling: neutral values only
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -352,9 +361,10 @@ class ChatCompletionRequest(_Common):
         return bool(self.tools) and self.effective_tool_choice != "none"
 
     def output_constraint(self) -> StructuredOutputsParams | None:
-        """A ``required`` or named tool choice constrains the output to a call; otherwise as
-        for completions."""
-        tools = tool_constraint(self.tools or (), self.effective_tool_choice)
+        """A ``required`` tool choice constrains the output to calls (one unless
+        ``parallel_tool_calls``), a named one to one call; otherwise as for completions."""
+        tools = tool_constraint(self.tools or (), self.effective_tool_choice,
+                                self.parallel_tool_calls is not False)
         return tools if tools is not None else super().output_constraint()
 
     def constraint_param(self) -> str:
@@ -490,6 +500,14 @@ def tool_reason(out: RequestOutput) -> str | None:
 
 def usage_chunk(rid: str, obj: str, model: str, usage_: dict) -> dict:
     return _envelope(rid, obj, model, [], {"usage": usage_})
+
+
+def with_running_usage(chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+    """``chunk`` with vLLM's ``continuous_usage_stats`` usage: its choice's prompt and the
+    tokens that choice generated so far."""
+    chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}
+    return chunk
 
 
 def completion_chunk(rid: str, model: str, index: int, out: RequestOutput,

@@ -12,10 +12,12 @@ One wire format, Hermes's (NousResearch Hermes 2 Pro, Qwen 2.5 / 3, and many fin
   assistant ``tool_calls`` and ``tool`` messages as it expects them. A template without tools
   support (the default SmolLM2's) gets them written into the system message in Hermes's words,
   assistant calls as ``<tool_call>`` blocks and tool results as ``<tool_response>`` blocks.
-* ``required`` / named: an xgrammar structural tag holds the output to exactly one such block
-  whose name is a tool's (the named one) and whose arguments follow its parameters' schema.
-* ``auto``: the output is free; ``ToolCallParser`` splits it into content and calls (streamed:
-  content as it comes, each call as one delta once its block closes).
+* ``required``: an xgrammar structural tag holds the output to one or more such blocks (one
+  with ``parallel_tool_calls: false``), each naming a tool and its arguments following that
+  tool's parameters' schema; named: exactly one block of that tool.
+* ``auto``: the output is free. Either way ``ToolCallParser`` splits it into content and calls;
+  streamed, a call's name goes out once written and its arguments as they are generated
+  (OpenAI's ``tool_calls`` deltas).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kthena_serve.errors import InvalidRequestError
 from kthena_serve.structured_output import StructuredOutputsParams
 
 __all__ = ["CalledFunction", "NamedToolChoice", "Tool", "ToolCall", "ToolCallParser",
-           "chat_inputs", "parse_tool_calls", "tool_constraint", "uses_hermes"]
+           "add_deltas", "chat_inputs", "parse_tool_calls", "tool_constraint", "uses_hermes"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -181,17 +183,21 @@ def _message(message: ChatMessage, index: int, native: bool) -> dict[str, Any]:
 
 # ---- the constraint ---------------------------------------------------------------------------
 def tool_constraint(tools: Sequence[Tool], choice: str | NamedToolChoice | None,
-                    ) -> StructuredOutputsParams | None:
-    """The output constraint of ``tool_choice``: ``required``: one call of any tool; named:
-    one call of that tool; otherwise None (free text)."""
+                    parallel: bool = True) -> StructuredOutputsParams | None:
+    """The output constraint of ``tool_choice``, or None (free text).
+
+    ``required``: one or more calls, each of any tool (one with ``parallel`` false), blocks
+    separated by a newline; named: exactly one call of that tool.
+    """
     if choice == "required":
-        chosen = list(tools)
+        tags = [_call_tag(t.function) for t in tools]
+        form: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                "at_least_one": True, "stop_after_first": not parallel}
     elif isinstance(choice, NamedToolChoice):
-        chosen = [t for t in tools if t.function.name == choice.function.name][:1]
+        chosen = next(t for t in tools if t.function.name == choice.function.name)
+        form = _call_tag(chosen.function)
     else:
         return None
-    tags = [_call_tag(t.function) for t in chosen]
-    form = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": form})
 
 
@@ -206,8 +212,12 @@ def _call_tag(function: FunctionDefinition) -> dict[str, Any]:
 
 
 # ---- the parser -------------------------------------------------------------------------------
-def _call(body: str) -> dict[str, Any] | None:
-    """An OpenAI tool call from the JSON inside a block, or None if it is not one."""
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a whole block's JSON, or None if it is not a call."""
     try:
         data = json.loads(body)
     except json.JSONDecodeError:
@@ -217,25 +227,112 @@ def _call(body: str) -> dict[str, Any] | None:
     arguments = data.get("arguments", data.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"], "arguments": arguments}}
+    return data["name"], arguments
 
 
-def _partial_open(text: str) -> int:
-    """Length of the longest tail of ``text`` that could begin ``<tool_call>``."""
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
+def _partial(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that could begin ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
 
 
+_SPACE = " \t\r\n"
+_WAIT = None  # _header's "the text so far could still become a header"
+
+
+def _header(body: str) -> tuple[str, int] | bool | None:
+    """Where a block's text so far stands against ``{"name": "<name>", "arguments": ``
+    (or ``"parameters"``): ``(name, where the arguments value starts)`` once written whole,
+    None while the text could still become it, False once it cannot."""
+    at, name = 0, ""
+    for part in ("{", '"name"', ":", "<name>", ",", ('"arguments"', '"parameters"'), ":"):
+        while at < len(body) and body[at] in _SPACE:
+            at += 1
+        rest = body[at:]
+        if part == "<name>":
+            end = _string_end(rest)
+            if end is None or end is False:
+                return end
+            try:
+                name = json.loads(rest[:end])
+            except json.JSONDecodeError:
+                return False
+            at += end
+            continue
+        options = part if isinstance(part, tuple) else (part,)
+        whole = next((o for o in options if rest.startswith(o)), None)
+        if whole is None:
+            return _WAIT if any(o.startswith(rest) for o in options) else False
+        at += len(whole)
+    while at < len(body) and body[at] in _SPACE:
+        at += 1
+    return (name, at) if at < len(body) else _WAIT
+
+
+def _string_end(text: str) -> int | bool | None:
+    """The end of the JSON string ``text`` begins with: its length with the quotes, None if it
+    is not closed yet, False if ``text`` begins with no string."""
+    if not text:
+        return _WAIT
+    if text[0] != '"':
+        return False
+    at = 1
+    while at < len(text):
+        if text[at] == "\\":
+            at += 2
+        elif text[at] == '"':
+            return at + 1
+        else:
+            at += 1
+    return _WAIT
+
+
+class _Arguments:
+    """Scans a streamed call's arguments (a JSON object or array) as they are written: how far
+    they go so far, and whether they closed."""
+
+    def __init__(self, start: int) -> None:
+        self.end = start  # text scanned up to here is arguments
+        self.is_closed = False
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def scan(self, body: str, limit: int) -> None:
+        """Move ``end`` through ``body[:limit]``, stopping where the value closes."""
+        while self.end < limit and not self.is_closed:
+            char = body[self.end]
+            self.end += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                self.is_closed = self._depth == 0
+
+
 class ToolCallParser:
-    """Splits one choice's text, as it streams, into content and Hermes tool calls.
+    """Splits one choice's text, as it streams, into content and Hermes tool calls in OpenAI's
+    streamed shape (``tool_calls`` deltas).
 
     Content is handed out as soon as it cannot be the start of a block (a tail that may begin
-    ``<tool_call>``, or trailing whitespace, waits for the next text); a block becomes a call
-    once it closes (or at the end, unclosed, if its JSON is whole). A block that is not a call
-    stays content. Whitespace next to calls is dropped.
+    ``<tool_call>``, or trailing whitespace, waits for the next text). A block that begins
+    ``{"name": "<name>", "arguments": {`` is a call from there on: its first delta carries
+    ``index``, ``id``, ``type: "function"`` and ``function: {name, arguments: <what is written
+    of them>}``, the next ones ``index`` and ``function.arguments`` fragments as the arguments
+    are written, until their object closes (what follows up to ``</tool_call>`` is the block's
+    end). Any other block waits for its end: JSON naming a function is a call sent in one delta
+    (its arguments as JSON text), anything else stays content. Whitespace next to calls is
+    dropped. ``parse_tool_calls`` adds the deltas up, so an answer and a stream agree.
 
     Args:
         max_calls: calls kept at most (``parallel_tool_calls: false``: 1); later ones dropped.
@@ -243,46 +340,96 @@ class ToolCallParser:
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
-        self.num_calls = 0
-        self._buffer = ""  # text not yet sorted out
+        self.num_calls = 0  # calls seen, dropped ones too
+        self.num_sent = 0  # calls sent (the next one's index)
+        self._buffer = ""  # outside a block: text not yet sorted out; inside: the block's text
         self._space = ""  # whitespace held back: content unless a call comes next
         self._inside = False
+        self._header: tuple[str, int] | bool | None = _WAIT  # the block's, see _header
+        self._arguments: _Arguments | None = None  # a streamed call's
+        self._is_kept = False  # the streamed call is sent (not past max_calls)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """Take new text; returns (content to send now, calls completed now)."""
+        """Take new text; returns (content to send now, ``tool_calls`` deltas to send now)."""
         self._buffer += text
-        content, calls = "", []
+        content, deltas = "", []
         while True:
             if self._inside:
                 end = self._buffer.find(CLOSE)
+                limit = len(self._buffer) - _partial(self._buffer, CLOSE) if end < 0 else end
+                self._stream(limit, deltas)
                 if end < 0:
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE):]
-                self._inside = False
-                content += self._block(body, True, calls)
+                content += self._end_block(body, True, deltas)
                 continue
             start = self._buffer.find(OPEN)
             if start < 0:
-                keep = _partial_open(self._buffer)
+                keep = _partial(self._buffer, OPEN)
                 content += self._text(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
             content += self._text(self._buffer[:start])
             self._space, self._buffer, self._inside = "", self._buffer[start + len(OPEN):], True
-        return content, calls
+            self._header, self._arguments = _WAIT, None
+        return content, _merged(deltas)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The rest at the end of the output: (content, calls)."""
-        calls: list[dict[str, Any]] = []
+        """The rest at the end of the output: (content, deltas)."""
+        deltas: list[dict[str, Any]] = []
         if self._inside:
-            content = self._block(self._buffer, False, calls)
+            self._stream(len(self._buffer), deltas)
+            content = self._end_block(self._buffer, False, deltas)
         else:
             content = self._text(self._buffer)
         self._buffer, self._inside = "", False
         if not self.num_calls:
             content += self._space
         self._space = ""
-        return content, calls
+        return content, _merged(deltas)
+
+    def _stream(self, limit: int, deltas: list[dict[str, Any]]) -> None:
+        """Inside a block, ``self._buffer[:limit]`` written: a call's header and arguments."""
+        body = self._buffer[:limit]
+        if self._arguments is None and self._header is _WAIT:
+            self._header = _header(body)
+            if isinstance(self._header, tuple) and body[self._header[1]] in "{[":
+                name, start = self._header
+                self._arguments = _Arguments(start)
+                self._is_kept = self._count_call()
+                if self._is_kept:
+                    deltas.append({"index": self.num_sent, "id": _new_id(), "type": "function",
+                                   "function": {"name": name, "arguments": ""}})
+                    self.num_sent += 1
+        if self._arguments is not None:
+            begin = self._arguments.end
+            self._arguments.scan(body, limit)
+            if self._is_kept and self._arguments.end > begin:
+                deltas.append({"index": self.num_sent - 1, "function": {
+                    "arguments": body[begin:self._arguments.end]}})
+
+    def _end_block(self, body: str, closed: bool, deltas: list[dict[str, Any]]) -> str:
+        """A block ended (``closed``: by ``</tool_call>``, else by the output's end): content
+        for one that is no call."""
+        self._inside = False
+        if self._arguments is not None:  # streamed: it is a call, however it ends
+            self._arguments = None
+            return ""
+        call = _call(body.strip())
+        if call is None:
+            return self._text(OPEN + body + (CLOSE if closed else ""))
+        if self._count_call():
+            name, arguments = call
+            deltas.append({"index": self.num_sent, "id": _new_id(), "type": "function",
+                           "function": {"name": name, "arguments": arguments}})
+            self.num_sent += 1
+        return ""
+
+    def _count_call(self) -> bool:
+        """A call begins: whether it is kept (within ``max_calls``)."""
+        self._space = ""
+        self.num_calls += 1
+        return self.max_calls is None or self.num_sent < self.max_calls
 
     def _text(self, text: str) -> str:
         """Content between blocks, its trailing whitespace held back."""
@@ -293,22 +440,35 @@ class ToolCallParser:
             return ""
         return body
 
-    def _block(self, body: str, closed: bool, calls: list[dict[str, Any]]) -> str:
-        call = _call(body.strip())
-        if call is None:
-            return self._text(OPEN + body + (CLOSE if closed else ""))
-        self._space = ""
-        if self.max_calls is None or self.num_calls < self.max_calls:
-            calls.append(call)
-        self.num_calls += 1
-        return ""
+
+def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Deltas of one step with those of the same call joined (one entry per call)."""
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"]:
+            out[-1]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            out.append({**delta, "function": dict(delta["function"])})
+    return out
+
+
+def add_deltas(calls: list[dict[str, Any]], deltas: Sequence[dict[str, Any]]) -> None:
+    """Fold ``tool_calls`` deltas into whole calls, as an OpenAI client does."""
+    for delta in deltas:
+        if delta["index"] == len(calls):
+            calls.append({"id": delta["id"], "type": delta["type"],
+                          "function": {"name": delta["function"]["name"], "arguments": ""}})
+        calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
 
 
 def parse_tool_calls(text: str, max_calls: int | None = None,
                      ) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, calls) of a whole output; content None when only calls remain."""
+    """(content, calls) of a whole output, as its stream adds up; content None when only calls
+    remain."""
     parser = ToolCallParser(max_calls)
-    content, calls = parser.feed(text)
+    content, deltas = parser.feed(text)
     rest, more = parser.finish()
+    calls: list[dict[str, Any]] = []
+    add_deltas(calls, deltas + more)
     content = (content + rest).strip()
-    return content or None, calls + more
+    return content or None, calls
