@@ -167,6 +167,9 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = engine.stats()
+        # (seconds idle so far, when the current idle wait began or None): one tuple, so
+        # stats() on another thread reads a consistent pair
+        self._idle: tuple[float, float | None] = (0.0, None)
         self.error: BaseException | None = None
         self.admission = AdmissionGate(AdmissionLimits.of(engine.config))
         self._capacity = engine.prefill_capacity()  # written by the engine thread
@@ -311,11 +314,15 @@ class AsyncLLM:
         return self.engine.kv
 
     def stats(self) -> EngineStats:
-        """The engine thread's last counters with a fresh KV and tier snapshot and the
-        admission queue (never blocks)."""
+        """The engine thread's last counters with a fresh KV and tier snapshot, the
+        admission queue and the idle time up to now (never blocks)."""
+        idle_s, since = self._idle
+        if since is not None:
+            idle_s += time.perf_counter() - since
         return attrs.evolve(self._stats, kv=self.engine.kv.stats(),
                             kv_tiers=self.engine.kv_tier_stats(),
-                            queue=self.admission.load(self._capacity))
+                            queue=self.admission.load(self._capacity),
+                            step_times=attrs.evolve(self._stats.step_times, idle_s=idle_s))
 
     def _submit(self, command: object) -> None:
         self._inbox.append(command)
@@ -329,9 +336,12 @@ class AsyncLLM:
             num_paused = self._apply_backpressure()
             if not engine.has_runnable_requests():
                 self._stats = engine.stats()
+                self._idle = (self._idle[0], time.perf_counter())
                 # paused streams: look again now and then for the stall timeout
                 self._wakeup.wait(timeout=1.0 if num_paused else None)
                 self._wakeup.clear()
+                idle_s, since = self._idle
+                self._idle = (idle_s + time.perf_counter() - since, None)
                 continue
             try:
                 outputs = engine.step()

@@ -24,6 +24,7 @@ import attrs
 
 from kthena_serve.admission import QueueLoad
 from kthena_serve.request import EngineRequest, RequestOutput
+from kthena_serve.step_times import StepTimes
 from mooncake_kv import KVCacheStats
 
 if TYPE_CHECKING:
@@ -80,6 +81,11 @@ class EngineStats:
     kv: KVCacheStats
     kv_tiers: tuple[KVTierStats, ...] = ()  # --kv-offload tiers, fastest first
     queue: QueueLoad | None = None  # the admission queue (admission.py); None: no front admits
+    # kthena doctor's leak report: requests the KV manager holds blocks for that the engine
+    # no longer has (finished or aborted without ``free``), and the block references they hold
+    num_leaked_requests: int = 0
+    num_leaked_blocks: int = 0
+    step_times: StepTimes = StepTimes()  # seconds per phase (step_times.py)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -90,6 +96,7 @@ class EngineStats:
         fields["kv"] = KVCacheStats(**fields["kv"])
         fields["kv_tiers"] = tuple(KVTierStats(**t) for t in fields.get("kv_tiers", ()))
         fields["queue"] = QueueLoad.from_json(fields.get("queue"))
+        fields["step_times"] = StepTimes(**fields.get("step_times", {}))
         return cls(**fields)
 
     @classmethod
@@ -103,14 +110,15 @@ class EngineStats:
             kv_from: the engines whose KV pools serve requests (default ``parts``); PD prefill
                 workers compute into decode workers' pools, so their KV is not counted twice.
         """
-        counters = {f.name: sum(getattr(p, f.name) for p in parts)
-                    for f in attrs.fields(cls) if f.name not in ("kv", "kv_tiers", "queue")}
+        counters = {f.name: sum(getattr(p, f.name) for p in parts) for f in attrs.fields(cls)
+                    if f.name not in ("kv", "kv_tiers", "queue", "step_times")}
         pools = parts if kv_from is None else kv_from
         kv = {name: sum(getattr(p.kv, name) for p in pools) for name in _KV_FIELDS}
         kv["block_size"] = block_size
         queues = [p.queue for p in parts if p.queue is not None]
         return cls(**counters, kv=KVCacheStats(**kv), kv_tiers=_tier_totals(parts),
-                   queue=QueueLoad.total(queues) if queues else None)
+                   queue=QueueLoad.total(queues) if queues else None,
+                   step_times=StepTimes.total([p.step_times for p in parts]))
 
 
 def _tier_totals(parts: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:

@@ -43,6 +43,7 @@ from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.scheduled import Reservation, ScheduledBatch
 from kthena_serve.scheduler import Scheduler
 from kthena_serve.step_cost import DecodeProtectingBudget, StepCostModel, StepShape
+from kthena_serve.step_times import StepTimes
 from kthena_serve.threads import configure_threads
 from mooncake_kv import KVCacheManager
 
@@ -158,6 +159,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
+        self._step_times = StepTimes()
 
     def _prefill_budget(self) -> DecodeProtectingBudget | None:
         if self.step_cost is None or not self.config.target_step_ms:
@@ -283,15 +285,22 @@ class LLMEngine:
         A failure that belongs to one request (sampling it, detokenising it) ends that request
         alone, with ``RequestOutput.error`` set; a failed forward ends the step's requests.
         """
+        scheduling = time.perf_counter()
         batch = self.scheduler.schedule()
         started = time.perf_counter()
+        has_prefill = any(self._requests[s.request_id].is_prefill for s in batch.seqs)
         try:
             logits = self._execute(batch) if batch.seqs else None
         except Exception:  # noqa: BLE001 - the batch's requests fail; the engine goes on
             log.exception("forward of %d sequences failed", len(batch.seqs))
             return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
+        forwarded = time.perf_counter()
         outputs = self._postprocess(batch, logits)
-        self._observe_step(batch, time.perf_counter() - started)
+        ended = time.perf_counter()
+        self._observe_step(batch, ended - started)
+        self._step_times = self._step_times.after_step(
+            schedule_s=started - scheduling, forward_s=forwarded - started,
+            sampling_s=ended - forwarded, has_prefill=has_prefill)
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -454,7 +463,9 @@ class LLMEngine:
         return self.step_cost.prefill_tokens_per_s(rows, max(1, tokens))
 
     def stats(self) -> EngineStats:
-        """Counters and a consistent KV snapshot (the KV part is safe from any thread)."""
+        """Counters and a consistent KV snapshot (the KV part is safe from any thread; the
+        leak report reads the engine's requests, so only the engine's thread calls this)."""
+        leaked = {rid: n for rid, n in self.kv.holders().items() if rid not in self._requests}
         return EngineStats(
             num_steps=self._num_steps,
             num_computed_prompt_tokens=self._num_prompt_computed,
@@ -464,6 +475,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             kv=self.kv.stats(),
             kv_tiers=self.kv_tier_stats(),
+            num_leaked_requests=len(leaked),
+            num_leaked_blocks=sum(leaked.values()),
+            step_times=self._step_times,
         )
 
     def kv_tier_stats(self) -> tuple:

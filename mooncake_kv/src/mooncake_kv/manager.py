@@ -45,10 +45,10 @@ the manager's state is unchanged by a failed verb.
 Threading contract: one *owner* thread (the scheduler) calls the mutating verbs above;
 the owner is the first thread that calls one, and ``release_owner`` hands it over. A
 mutating verb from another thread raises ``OwnerThreadError``. ``stats()``,
-``snapshot()``, ``subscribe``/``unsubscribe`` and ``EventQueue.drain`` may be called from
-any thread: verbs hold an internal lock, so ``stats()`` and ``snapshot()`` always see the
-state between two verbs (single-value properties are plain, unsynchronised reads). Event
-callbacks run on the owner thread, inside the verb, and must not call mutating verbs.
+``snapshot()``, ``holders()``, ``subscribe``/``unsubscribe`` and ``EventQueue.drain`` may be
+called from any thread: verbs hold an internal lock, so ``stats()`` and ``snapshot()``
+always see the state between two verbs (single-value properties are plain, unsynchronised
+reads). Event callbacks run on the owner thread, inside the verb, and must not call mutating verbs.
 """
 
 from __future__ import annotations
@@ -416,6 +416,15 @@ class KVCacheManager:
                 free_queue=tuple(self._allocator.free_queue()),
                 cached=tuple(cached),
             )
+
+    def holders(self) -> dict[RequestId, int]:
+        """How many blocks each registered request holds (thread-safe).
+
+        The ref counts' owners: a request that its scheduler finished but never ``free``-d
+        still appears here, which is how ``kthena doctor`` reports a leak.
+        """
+        with self._lock:
+            return {rid: len(request.block_ids) for rid, request in self._requests.items()}
 
     def subscribe(self, callback: KVEventCallback) -> None:
         """Call ``callback(event)`` for every later KV event (thread-safe)."""

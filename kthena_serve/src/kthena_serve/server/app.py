@@ -92,6 +92,8 @@ class _Api:
         budgets = tuple(self.engine.processor.check(ids, params) for ids in prompts)  # invalid -> 400
         job = Job(p.new_id("req"), tuple(tuple(i) for i in prompts), budgets, params, body.n,
                    body.cache_salt)
+        self.metrics.observe_prompts([len(i) for i in prompts], salted=bool(body.cache_salt),
+                                     block_size=self.engine.processor.limits.block_size)
         if self.log is not None:
             self.log(f"received request {job.request_id}: {len(prompts)} prompt(s) of "
                      f"{', '.join(str(len(i)) for i in prompts)} tokens, n={job.n}, "

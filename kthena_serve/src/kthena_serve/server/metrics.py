@@ -23,6 +23,7 @@ from kthena_serve.admission import QueueLoad
 from kthena_serve.client import EngineStats, KVTierStats
 from kthena_serve.request import RequestOutput
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
+from kthena_serve.step_times import PHASES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -83,6 +84,23 @@ class _EngineCollector:
             yield from _tier_families(stats.kv_tiers)
         if stats.queue is not None:
             yield from _queue_families(stats.queue)
+        yield from _doctor_families(stats)
+
+
+def _doctor_families(stats: EngineStats) -> Iterator[Metric]:
+    """What ``kthena doctor`` reads beyond the usual gauges: the KV leak report and where the
+    engine thread's time goes (``step_times``)."""
+    yield _gauge("kthena_kv_leaked_requests", "Requests the KV manager holds blocks for that "
+                 "the engine no longer has (finished without freeing: a leak)",
+                 stats.num_leaked_requests)
+    yield _gauge("kthena_kv_leaked_blocks", "KV block references held by those requests",
+                 stats.num_leaked_blocks)
+    seconds = CounterMetricFamily("kthena_step_seconds", "Engine thread seconds by phase: "
+                                  "schedule, prefill / decode forwards, sampling "
+                                  "(postprocess), idle", labels=["phase"])
+    for phase in PHASES:
+        seconds.add_metric([phase], stats.step_times.seconds(phase))
+    yield seconds
 
 
 def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
@@ -204,6 +222,10 @@ class ServerMetrics:
         self.hints = Counter("kthena_prefix_hints", "Client prefix hints (reuse_offset) and "
                              "whether token matching agreed with them", ["agreed"],
                              registry=self.registry)
+        self.prompts = Counter("kthena_prompts", "Prompts received, by what they let the "
+                               "prefix cache do: salted (a cache_salt keys the cache), short (no "
+                               "full block before the last token: can never hit), plain",
+                               ["cache"], registry=self.registry)
 
     def set_deployment(self, served: Mapping[str, object]) -> None:
         """``kthena_deployment_info{tp,pp,dp,sp,mode} 1``: the layout this server runs."""
@@ -231,6 +253,14 @@ class ServerMetrics:
             self.vllm.latencies(ttft, e2e, num_gaps, decode)
         if reuse_offset is not None:
             self.hints.labels(str(reuse_offset == out.num_cached_tokens).lower()).inc()
+
+    def observe_prompts(self, lengths: Sequence[int], *, salted: bool, block_size: int) -> None:
+        """Count one API call's prompts (``kthena_prompts_total{cache}``): a prompt matches
+        whole blocks and never its last token, so one of ``block_size`` tokens or fewer can
+        never hit."""
+        for length in lengths:
+            kind = "salted" if salted else "short" if length <= block_size else "plain"
+            self.prompts.labels(kind).inc()
 
     def observe_rejected(self, limit: str) -> None:
         """A request refused at admission past the queue bound ``limit`` (admission.py)."""

@@ -1,0 +1,294 @@
+"""``kthena doctor`` finds each staged fault: a leaked KV block on a live server, prompts that
+drag the prefix hit rate, a missing HCCL variable, a workload that does not fit, an old
+calibration; and bad input is one line naming what was wrong.
+
+Servers are real: a tiny engine behind the OpenAI app on a free loopback port, with an API key.
+The leak is real: a request id the engine never had takes blocks on the engine's own KV
+manager and is never freed (what a scheduler that forgets ``free`` leaves behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import attrs
+import httpx
+import pytest
+from _tiny import tiny_engine
+
+from kthena_core.cli import main as kthena_main
+from kthena_core.discovery import NotPresent, discover_all
+from kthena_serve.async_engine import AsyncLLM
+from kthena_serve.client import EngineStats
+from kthena_serve.doctor import (
+    DoctorError,
+    calibration_check,
+    exit_status,
+    host_checks,
+    load_host_facts,
+)
+from kthena_serve.doctor.cli import run_doctor
+from kthena_serve.server import BackgroundServer, build_app
+from kthena_serve.step_times import StepTimes
+
+MODEL = "tiny"
+KEY = "doctor-test-key"
+LONG_PROMPT = "The capital of France is a city of light and of many bridges over the river"
+
+
+def _by_name(checks) -> dict:  # noqa: ANN001
+    return {c.name: c for c in checks}
+
+
+def _serve(core):  # noqa: ANN001, ANN202
+    engine = AsyncLLM(core).start()
+    server = BackgroundServer(build_app(engine, model_name=MODEL, api_key=KEY)).start()
+    return engine, server
+
+
+def _complete(url: str, prompt, **extra) -> None:  # noqa: ANN001
+    reply = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                             "temperature": 0, **extra}, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    """A server that ran three salted requests (each its own salt: none can hit)."""
+    engine, server = _serve(tiny_engine())
+    try:
+        for salt in ("a", "b", "c"):
+            _complete(server.url, LONG_PROMPT, cache_salt=salt)
+        yield server.url, engine
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def leaky():
+    """A server whose KV manager holds blocks for a request the engine never had; it then
+    serves short prompts (one block or less: never a hit)."""
+    core = tiny_engine()
+    kv = core.kv
+    kv.match_prefix("leaked-request", list(range(10, 22)))
+    assert kv.try_allocate("leaked-request", 12) is not None  # 3 blocks of 4, never freed
+    kv.release_owner()  # the engine's thread owns the manager from now on
+    engine, server = _serve(core)
+    try:
+        for _ in range(3):
+            _complete(server.url, [5, 6, 7])
+        yield server.url, engine
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+# ---- server checks ---------------------------------------------------------------------------
+def test_a_healthy_server_passes_and_names_salt_as_what_drags_its_hit_rate(healthy) -> None:
+    url, engine = healthy
+    checks = _by_name(run_doctor(url, KEY, None, None))
+    assert checks["server"].verdict == "ok" and "engine running" in checks["server"].value
+    assert checks["kv_leaks"].verdict == "ok"
+    assert checks["preemptions"].verdict == "ok"
+    hit = checks["prefix_hit_rate"]
+    assert hit.verdict == "warn" and "100% salted" in hit.value and "cache_salt" in hit.fix
+    usage = checks["kv_usage"]
+    assert usage.verdict == "ok" and f"of {engine.stats().kv.num_blocks} blocks" in usage.value
+    assert checks["step_time"].verdict in ("ok", "warn")
+    assert "prefill" in checks["step_time"].value and "idle" in checks["step_time"].value
+    assert checks["kernels"].verdict == "skip"  # the tiny model is built outside the loader
+    assert exit_status(checks.values()) == 0
+
+
+def test_step_times_are_measured_per_phase(healthy) -> None:
+    url, engine = healthy
+    times = engine.stats().step_times
+    assert times.prefill_s > 0 and times.decode_s > 0 and times.sampling_s > 0
+    assert times.idle_s > 0  # the engine waited between the fixture's requests
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'kthena_step_seconds_total{phase="decode"}' in text
+    assert 'kthena_prompts_total{cache="salted"} 3.0' in text
+
+
+def test_a_leaked_block_fails_the_leak_check_and_the_exit_status(leaky) -> None:
+    url, engine = leaky
+    stats = engine.stats()
+    assert (stats.num_leaked_requests, stats.num_leaked_blocks) == (1, 3)
+    checks = _by_name(run_doctor(url, KEY, None, None))
+    leak = checks["kv_leaks"]
+    assert leak.verdict == "fail"
+    assert leak.value == "3 block reference(s) held by 1 request(s) the engine no longer has"
+    assert "free" in leak.fix
+    assert exit_status(checks.values()) == 1
+
+
+def test_short_prompts_are_named_as_what_drags_the_hit_rate(leaky) -> None:
+    url, _ = leaky
+    hit = _by_name(run_doctor(url, KEY, None, None))["prefix_hit_rate"]
+    assert hit.verdict == "warn" and "100% shorter than a block" in hit.value
+    assert "4 tokens or fewer can never hit" in hit.fix
+
+
+def test_the_command_prints_one_json_object_and_exits_1_on_a_failure(leaky, capsys) -> None:
+    url, _ = leaky
+    assert kthena_main(["doctor", "--url", url, "--api-key", KEY, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_failed"] == 1
+    assert {c["name"] for c in report["checks"]} >= {"kv_leaks", "step_time", "kv_fit"}
+
+
+@pytest.mark.parametrize(("key", "said"), [("wrong", "the API key is wrong"),
+                                           (None, "the API key is missing")])
+def test_a_refused_key_is_one_line_naming_it(healthy, capsys, monkeypatch, key, said) -> None:
+    url, _ = healthy
+    monkeypatch.delenv("KTHENA_API_KEY", raising=False)
+    argv = ["doctor", "--url", url] + (["--api-key", key] if key else [])
+    assert kthena_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err and "401" in err and "Traceback" not in err
+
+
+def test_an_unreachable_server_is_one_line_naming_the_url(capsys) -> None:
+    assert kthena_main(["doctor", "--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kthena doctor: error: --url http://127.0.0.1:9: cannot reach")
+    assert err.count("\n") == 1
+
+
+# ---- host checks -----------------------------------------------------------------------------
+def _config(tmp_path, body: str) -> str:  # noqa: ANN001
+    path = tmp_path / "kthena_config.yaml"
+    path.write_text(body)
+    return str(path)
+
+
+NPU_TWO_NODES = """
+cluster: {topology: "atlas-800t-a2:2", nnodes: 2}
+parallelism: {strategy: auto}
+model: {checkpoint_path: default, dtype: bfloat16}
+service: {max_batch_size: 16}
+"""
+
+
+def test_a_missing_hccl_variable_fails_on_a_two_node_npu_plan(tmp_path) -> None:
+    config = _config(tmp_path, NPU_TWO_NODES)
+    discovery = discover_all()
+    missing = _by_name(host_checks(load_host_facts(config, {}, lambda: discovery)))
+    env = missing["collectives_env"]
+    assert env.verdict == "fail" and "HCCL_IF_IP and HCCL_SOCKET_IFNAME are both unset" in env.value
+    assert missing["native_kernels"].verdict == "skip"  # an NPU plan
+    if isinstance(discovery.npu, NotPresent):  # this host has no NPU
+        assert missing["devices"].verdict == "fail"
+        assert "this host shows 0" in missing["devices"].value
+    given = _by_name(host_checks(load_host_facts(config, {"HCCL_IF_IP": "127.0.0.1"},
+                                                 lambda: discovery)))
+    assert given["collectives_env"].verdict == "ok"
+    assert "HCCL_IF_IP=127.0.0.1" in given["collectives_env"].value
+
+
+def test_an_hccl_address_of_another_host_fails(tmp_path) -> None:
+    config = _config(tmp_path, NPU_TWO_NODES)
+    facts = load_host_facts(config, {"HCCL_IF_IP": "192.0.2.77"}, discover_all)  # TEST-NET-1
+    env = _by_name(host_checks(facts))["collectives_env"]
+    assert env.verdict == "fail" and "is not an address of this host" in env.value
+
+
+def test_a_workload_larger_than_this_hosts_memory_fails(tmp_path) -> None:
+    discovery = discover_all()
+    host = sum(d.spec.memory_bytes for d in discovery.cpu.devices)
+    per_sequence = 1280 * 30 * 3 * 64 * 2 * 2  # SmolLM2-135M's bf16 KV for 1024 + 256 tokens
+    sequences = 2 * host // per_sequence + 1
+    config = _config(tmp_path, f"""
+cluster: {{topology: cpu-host}}
+parallelism: {{strategy: auto}}
+model: {{checkpoint_path: default, dtype: bfloat16}}
+service: {{max_batch_size: {sequences}}}
+""")
+    fit = _by_name(host_checks(load_host_facts(config, {}, lambda: discovery)))["kv_fit"]
+    assert fit.verdict == "fail" and f"KV for {sequences} sequences" in fit.value
+    assert "this host has" in fit.value and "max_batch_size" in fit.fix
+
+
+def test_a_workload_no_device_layout_fits_fails(tmp_path) -> None:
+    config = _config(tmp_path, """
+cluster: {topology: atlas-800t-a2}
+parallelism: {strategy: auto}
+model: {checkpoint_path: default, dtype: bfloat16}
+service: {max_batch_size: 1000000}
+""")
+    checks = _by_name(host_checks(load_host_facts(config, {}, discover_all)))
+    assert checks["kv_fit"].verdict == "fail" and checks["kv_fit"].value.startswith("no plan fits")
+    assert checks["devices"].verdict == "skip" and checks["collectives_env"].verdict == "skip"
+
+
+def test_a_pool_smaller_than_the_planned_kv_warns(tmp_path) -> None:
+    config = _config(tmp_path, """
+cluster: {topology: auto}
+parallelism: {strategy: auto}
+model: {checkpoint_path: default, dtype: bfloat16}
+service: {max_batch_size: 16}
+kv_cache: {memory_pool_size: 100MiB}
+""")
+    fit = _by_name(host_checks(load_host_facts(config, {}, discover_all)))["kv_fit"]
+    assert fit.verdict == "warn" and "memory_pool_size 100MiB holds about 3 of them" in fit.value
+
+
+def test_the_example_config_passes_on_this_host() -> None:
+    checks = host_checks(load_host_facts("docs/examples/cpu-smollm2.yaml", {}, discover_all))
+    assert exit_status(checks) == 0, checks
+
+
+def test_a_bad_config_is_one_line(tmp_path, capsys) -> None:
+    config = _config(tmp_path, "service: {max_batch_size: -1}\n")
+    assert kthena_main(["doctor", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "service.max_batch_size" in err
+
+
+def test_calibration_age(tmp_path) -> None:
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"bench": "kthena serve", "machine": {"cpu": "AMD EPYC",
+                                                                       "cores": 2}}))
+    fresh = calibration_check(str(bench))
+    assert fresh.verdict == "ok" and "0 day(s) old, measured on AMD EPYC (2 cores)" in fresh.value
+    old = time.time() - 90 * 86400
+    os.utime(bench, (old, old))
+    stale = calibration_check(str(bench))
+    assert stale.verdict == "warn" and "90 day(s) old" in stale.value
+    assert calibration_check(None).verdict == "skip"
+    bench.write_text("{not json")
+    with pytest.raises(DoctorError, match="--calibration .*cannot read it as JSON"):
+        calibration_check(str(bench))
+
+
+# ---- the data behind the checks --------------------------------------------------------------
+def test_holders_names_every_live_request_and_drops_freed_ones() -> None:
+    from mooncake_kv import KVCacheManager
+
+    kv = KVCacheManager(8, 4, check_invariants=True)
+    kv.match_prefix("a", list(range(9)))
+    kv.try_allocate("a", 9)
+    kv.match_prefix("b", [1, 2])
+    assert kv.holders() == {"a": 3, "b": 0}
+    kv.free("a")
+    assert kv.holders() == {"b": 0}
+
+
+def test_step_times_and_leaks_survive_json_and_sum_over_engines() -> None:
+    core = tiny_engine()
+    one = core.stats()
+    two = EngineStats.from_json(json.loads(json.dumps(one.to_json())))
+    assert two == one
+    times = StepTimes(1.0, 2.0, 3.0, 4.0, 5.0)
+    total = EngineStats.total([attrs.evolve(one, step_times=times, num_leaked_blocks=2)] * 2,
+                              block_size=4)
+    assert total.step_times == StepTimes(2.0, 4.0, 6.0, 8.0, 10.0)
+    assert total.num_leaked_blocks == 4
+    old = one.to_json()
+    del old["step_times"], old["num_leaked_blocks"], old["num_leaked_requests"]
+    assert EngineStats.from_json(old).step_times == StepTimes()  # an older worker's stats
+
