@@ -8,7 +8,9 @@ Steps (each becomes one entry of ``report["steps"]``):
 
     environment             torch, CUDA, the GPU, and the Mooncake wheel's transports
     pytest_cuda             the repository's CUDA-marked tests (pytest -k cuda): the engine's
-                            greedy tokens on cuda equal those on cpu
+                            greedy tokens on cuda equal those on cpu; one launcher rank of
+                            the parallel runner on cuda:0 over nccl; with two GPUs, TP=2 with
+                            every rank's tensors on cuda:RANK and tp=1's tokens
     ops_parity              mooncake_ops on cuda (float32) against their pure-PyTorch
                             references on CPU in float64
     engine_vs_transformers  greedy tokens of LLM(device="cuda", dtype="float32") against
@@ -155,13 +157,14 @@ def bench_serve(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 PYTEST_CUDA = (sys.executable, "-m", "pytest", "-q", "-rs", "kthena_serve/tests/test_engine.py",
-               "-k", "cuda")
+               "kthena_serve/tests/test_placement.py", "-k", "cuda")
 BENCH = (str(Path(sys.executable).with_name("kthena")), "bench", "serve", "--device", "cuda",
          "--no-hf", "--runs", "1", "--plot", "")
 STEPS = (
     Step("environment", "torch, CUDA, the GPU and the Mooncake wheel's transports", False,
          run=environment),
-    Step("pytest_cuda", "CUDA-marked tests: engine greedy tokens on cuda == on cpu", True,
+    Step("pytest_cuda", "CUDA-marked tests: engine greedy tokens on cuda == on cpu; ranks on "
+         "cuda:LOCAL_RANK over nccl (TP=2 where 2 GPUs)", True,
          PYTEST_CUDA, pytest_cuda),
     Step("ops_parity", "mooncake_ops on cuda float32 vs CPU float64", True, run=ops_parity),
     Step("engine_vs_transformers", "greedy tokens: LLM(device='cuda', float32) vs transformers "

@@ -7,12 +7,26 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kthena_comm.device import backend_for_device, device_backend
+from kthena_comm import device as device_module
+from kthena_comm.device import (
+    DeviceBackend,
+    backend_for_device,
+    device_backend,
+    device_count,
+    local_device,
+)
 from kthena_comm.env import RankEnv
-from kthena_comm.errors import InitError, LayoutError, RankEnvError, UnknownBackendError
+from kthena_comm.errors import (
+    DeviceUnavailableError,
+    InitError,
+    LayoutError,
+    RankEnvError,
+    UnknownBackendError,
+)
 from kthena_comm.groups import GroupConfig, connect_store, init_parallel_groups
 from kthena_comm.layout import coords_of, global_rank, group_of, group_ranks
 from kthena_comm.store import open_store
@@ -94,6 +108,28 @@ def test_backend_follows_device_and_can_be_overridden():
     assert backend_for_device("cpu", override="mpi") == "mpi"
     with pytest.raises(UnknownBackendError, match="registered: cpu, cuda, npu"):
         device_backend("tpu")
+
+
+def test_a_rank_binds_its_local_device_and_is_refused_one_the_host_lacks(monkeypatch):
+    assert local_device("cpu", 3) == torch.device("cpu")  # CPU ranks share the host
+    two = DeviceBackend("cuda", "nccl", lambda rank: None, lambda: 2, "two fake GPUs")
+    monkeypatch.setitem(device_module._REGISTRY, "cuda", two)
+    assert device_count("cuda") == 2
+    assert local_device("cuda", 1) == torch.device("cuda", 1)
+    with pytest.raises(DeviceUnavailableError, match=r"LOCAL_RANK=2 binds cuda:2, but this "
+                       r"host has 2 cuda device\(s\) \(cuda needs two fake GPUs\)"):
+        local_device("cuda", 2)
+
+
+def test_devices_are_counted_without_importing_torch_npu():
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed here")
+    assert device_count("npu") == 0 and "torch_npu" not in sys.modules
+    assert device_count("cuda") == torch.cuda.device_count()
+    assert device_count("cpu") == 1
 
 
 def test_layout_needing_another_world_size_is_rejected():

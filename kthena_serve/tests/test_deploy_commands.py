@@ -78,8 +78,19 @@ def test_a_decode_pod_allows_prefill_pods_of_the_pod_network_only():
             check_prefill_url(outside, hosts)
 
 
+@pytest.fixture
+def pod_npus(monkeypatch):
+    """The Atlas pod's 8 NPUs, as kthena_comm would count them there: EngineConfig refuses a
+    device the host lacks, and this host has no NPU."""
+    from kthena_comm import device
+
+    entry = device.device_backend("npu")
+    monkeypatch.setitem(device._REGISTRY, "npu", device.DeviceBackend(
+        "npu", entry.backend, entry.prepare, lambda: 8, entry.requirement))
+
+
 @pytest.mark.parametrize("data", [COLOCATED_CPU, LLAMA_ATLAS], ids=["cpu", "llama-2-70b-910b"])
-def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data):
+def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data, pod_npus):
     (container,) = containers(data).values()
     assert container["command"] == ["kthena"]
     (script,) = entry_points(group="console_scripts", name="kthena")
@@ -93,7 +104,7 @@ def test_colocated_pods_run_kthena_serve_with_flags_it_accepts(data):
     assert config.tp == int(container["args"][container["args"].index("--tp") + 1])
 
 
-def test_llama_pods_ask_the_engine_for_the_plans_tp_on_the_npu():
+def test_llama_pods_ask_the_engine_for_the_plans_tp_on_the_npu(pod_npus):
     (container,) = containers(LLAMA_ATLAS).values()
     config = spec_from_args(build_parser().parse_args(container["args"])).engine
     assert (config.tp, config.device, config.model) == (8, "npu", "/mnt/models/Llama-2-70b-hf")

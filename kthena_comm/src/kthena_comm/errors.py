@@ -35,6 +35,18 @@ class UnknownBackendError(LookupError):
         super().__init__(f"unknown {kind} backend {name!r}; registered: {', '.join(sorted(known))}")
 
 
+class DeviceUnavailableError(ValueError):
+    """A rank's LOCAL_RANK names a device this host does not have."""
+
+    def __init__(self, device_type: str, local_rank: int, have: int, requirement: str) -> None:
+        self.device_type = device_type
+        self.local_rank = local_rank
+        super().__init__(f"LOCAL_RANK={local_rank} binds {device_type}:{local_rank}, but this "
+                         f"host has {have} {device_type} device(s) ({device_type} needs "
+                         f"{requirement}); start at most {have} ranks on this host "
+                         "(--nproc_per_node)")
+
+
 class InitError(CommError):
     """Process-group initialisation failed; names the rank, the address and the variable."""
 

@@ -163,6 +163,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _prepare_process()
     try:
         spec = spec_from_args(args, launcher_world())
+        if spec.engine.world_size > 1 or spec.engine.ranks_from == "env":
+            from kthena_serve.placement import dist_backend
+
+            dist_backend(spec.engine.device)  # a KTHENA_DIST_BACKEND it cannot take: one line
         if spec.kv_events is not None:
             from kthena_serve.kv_events.publisher import import_redis
 

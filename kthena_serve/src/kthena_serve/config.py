@@ -148,6 +148,36 @@ def _check_device(instance: object, attribute: attrs.Attribute, value: str) -> N
         raise ConfigError(attribute.name, "one of 'cpu', 'cuda', 'cuda:N', 'npu', 'npu:N'", value)
 
 
+def _check_device_present(instance: EngineConfig, attribute: attrs.Attribute,
+                          value: str) -> None:
+    """A tp x pp engine binds ``<type>:LOCAL_RANK`` per rank (all on this host when spawned);
+    one rank binds ``device`` as given. Refuse a device this host does not have, by name."""
+    kind, _, index = value.partition(":")
+    if kind == "cpu":
+        return
+    parallel = instance.world_size > 1 or instance.ranks_from == "env"
+    if parallel and index:
+        raise ConfigError(attribute.name, f"{kind!r} without an index when tp x pp > 1 or "
+                          "ranks_from='env'", value,
+                          f"each rank binds {kind}:LOCAL_RANK (kthena-run / torchrun set it)")
+    from kthena_comm.device import device_backend
+
+    entry = device_backend(kind)
+    have = entry.count()
+    if parallel:
+        spawned = instance.ranks_from == "spawn"
+        need = instance.world_size if spawned else 1
+        why = (f"tp {instance.tp} x pp {instance.pp} spawns one rank per {kind} device of this "
+               f"host and needs {need}" if spawned else f"each rank binds {kind}:LOCAL_RANK")
+    else:
+        need = int(index or 0) + 1
+        why = f"{value!r} needs {need} {kind} device(s)"
+    if have < need:
+        raise ConfigError(attribute.name, "a device this host has", value,
+                          f"{why}, but this host has {have} ({kind} needs {entry.requirement}); "
+                          "use device 'cpu' here")
+
+
 def _kv_offload(value: object) -> KVOffloadConfig | None:
 
     if value is None or isinstance(value, KVOffloadConfig):
@@ -183,7 +213,10 @@ class EngineConfig:
             llama ``.gguf`` file or a Hub repo id ``ORG/NAME`` (`kthena_serve.model.source`).
         dtype: weight and compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
         device: where weights, KV pool and sampling live (``"cpu"``, ``"cuda[:N]"``,
-            ``"npu[:N]"``); only CPU is verified on hardware.
+            ``"npu[:N]"``); with ``tp * pp > 1`` (or ``ranks_from="env"``) no index: each rank
+            binds ``<type>:LOCAL_RANK`` and loads its shard and pool there
+            (`kthena_serve.placement`). A device this host lacks (too few for the spawned
+            ranks) is refused. Only CPU is verified on hardware (docs/accelerators.md).
         max_num_seqs: requests running at once (the decode batch size).
         max_num_batched_tokens: tokens one step may compute (prefill chunks + decodes).
         target_step_ms: decode protection: while any request decodes, a step's prefill tokens
@@ -240,7 +273,7 @@ class EngineConfig:
 
     model: str = attrs.field(default="default", converter=_model_path)
     dtype: str = attrs.field(default="bfloat16", validator=_one_of(*_DTYPE_CHOICES))
-    device: str = attrs.field(default="cpu", validator=_check_device)
+    device: str = attrs.field(default="cpu", validator=[_check_device, _check_device_present])
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
     target_step_ms: float | None = attrs.field(default=DEFAULT_TARGET_STEP_MS,

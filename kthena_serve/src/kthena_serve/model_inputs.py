@@ -34,6 +34,11 @@ class ModelInputs:
         """int64 [T]: each new token's position in its sequence."""
         return self.attention.positions
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInputs:
+        """The same inputs with every tensor on ``device`` (these very tensors if there)."""
+        return ModelInputs(self.input_ids.to(device, non_blocking=non_blocking),
+                           self.attention.to(device, non_blocking=non_blocking))
+
 
 def build_inputs(batch: ScheduledBatch, block_size: int,
                  device: torch.device | str | None = None) -> ModelInputs:
@@ -49,7 +54,5 @@ def build_inputs(batch: ScheduledBatch, block_size: int,
         seqs.append((seq.block_ids, seq.start, len(seq.token_ids)))
     paged = paged_batch(seqs, block_size=block_size)
     input_ids = torch.tensor(tokens, dtype=torch.int64)
-    if device is None:
-        return ModelInputs(input_ids, paged)
-    return ModelInputs(input_ids.to(device, non_blocking=True),
-                       paged.to(device, non_blocking=True))
+    inputs = ModelInputs(input_ids, paged)
+    return inputs if device is None else inputs.to(device, non_blocking=True)

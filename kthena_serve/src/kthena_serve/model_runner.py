@@ -68,8 +68,10 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
     return layout
 
 
-def create_pool(layout: KVLayout, config: EngineConfig, *, shared: bool = False) -> KVPool:
-    """The engine's pool: on ``config.device``, or in shared memory (host) for PD decode.
+def create_pool(layout: KVLayout, config: EngineConfig, *, shared: bool = False,
+                device: torch.device | None = None) -> KVPool:
+    """The engine's pool: on ``device`` (a rank's own, e.g. ``cuda:1``), by default
+    ``config.device``, or in shared memory (host) for PD decode.
 
     Raises:
         ValueError: a shared pool asked for off the host.
@@ -77,7 +79,7 @@ def create_pool(layout: KVLayout, config: EngineConfig, *, shared: bool = False)
     if shared and config.device != "cpu":
         raise ValueError(f"a shared-memory KV pool lives in host memory, but device="
                          f"{config.device!r}; PD over shm needs device='cpu'")
-    return KVPool.create(layout, shared=shared, device=config.device)
+    return KVPool.create(layout, shared=shared, device=device or config.device)
 
 
 def sampled_logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:

@@ -17,6 +17,13 @@ min(pp, tokens / MIN_MICROBATCH_TOKENS)), contiguous runs of sequences with near
 counts: stage 0 sends micro-batch m and goes on to m+1 while stage 1 computes m, so the stages
 overlap instead of waiting for the whole step.
 
+Each rank binds its device (``cpu``, or ``<type>:LOCAL_RANK`` of ``config.device``), joins the
+groups over that device's backend (gloo / nccl / hccl: `kthena_serve.placement`), loads its own
+shard onto it (built on the meta device, each checkpoint slice copied in) and creates its pool
+there. Rank 0 broadcasts each step's inputs as host tensors (a pickled device tensor would come
+back on rank 0's device index); every rank moves them to its device, and the stage-to-stage
+sends and the logits stay there.
+
 Ranks come from one of two places (``EngineConfig.ranks_from``):
 
 * ``spawn``: this process is rank 0 and starts ranks 1.. itself as spawned processes of this
@@ -36,6 +43,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -44,9 +52,13 @@ from kthena_serve.config import EngineConfig
 from kthena_serve.errors import RankDiedError
 from kthena_serve.model_inputs import ModelInputs, build_inputs
 from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches, sampled_logits
+from kthena_serve.placement import RankPlacement, group_config, rank_device
 from kthena_serve.scheduled import ScheduledBatch
 from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
 from mooncake_kv.pool import KVPool
+
+if TYPE_CHECKING:
+    from kthena_comm.groups import GroupConfig
 
 __all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_microbatches"]
 
@@ -56,6 +68,7 @@ __all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_
 # so a small decode step runs whole (stages alternate) and a prefill-sized one is pipelined.
 MIN_MICROBATCH_TOKENS = 64
 _MASTER_ADDR = "127.0.0.1"  # spawn: every rank is on this host, nothing else needs the store
+_PLACEMENT = "placement"  # rank 0's broadcast asking every rank for its RankPlacement
 
 
 def _free_port() -> int:
@@ -67,7 +80,8 @@ def _free_port() -> int:
 def _rank_env(rank: int, world_size: int, port: int):  # noqa: ANN202
     from kthena_comm.env import RankEnv
 
-    return RankEnv(rank=rank, world_size=world_size, master_addr=_MASTER_ADDR, master_port=port)
+    return RankEnv(rank=rank, world_size=world_size, local_rank=rank,  # all on this host
+                   master_addr=_MASTER_ADDR, master_port=port)
 
 
 def _pin(index: int) -> None:
@@ -99,25 +113,28 @@ def split_microbatches(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch
 class _Stage:
     """This rank's share of a step: its layers over its pool, and the sends between stages."""
 
-    def __init__(self, config: EngineConfig, rank_env, check_peers=None) -> None:  # noqa: ANN001
+    def __init__(self, config: EngineConfig, rank_env, group: GroupConfig,  # noqa: ANN001
+                 check_peers=None) -> None:  # noqa: ANN001
         from kthena_comm.groups import init_parallel_groups
         from kthena_core.layout import Layout
         from kthena_serve.model import PipelineStage, TensorParallel, load_model
         from kthena_serve.model.config import ModelConfig
         from kthena_serve.model.loader import resolve_checkpoint
 
-        _pin(rank_env.local_rank if config.ranks_from == "env" else rank_env.rank)
-        self.groups = init_parallel_groups(Layout(config.tp, config.pp), rank_env,
+        _pin(rank_env.local_rank)
+        self.device = rank_device(config, rank_env.local_rank)
+        self.groups = init_parallel_groups(Layout(config.tp, config.pp), rank_env, group,
                                            check_peers=check_peers)
         pp = self.groups.pp
         layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
         stage = PipelineStage.of(layers, config.pp, pp.group_rank)
         tp = TensorParallel.from_comm_group(self.groups.tp)
-        self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype, tp=tp,
-                                                stage=stage, quantization=config.quantization,
+        self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype,
+                                                device=self.device, tp=tp, stage=stage,
+                                                quantization=config.quantization,
                                                 kernels=config.kernels,
                                                 kv_block_size=config.block_size)
-        self.pool = create_pool(_layout(config, self.model), config)
+        self.pool = create_pool(_layout(config, self.model), config, device=self.device)
         self.kv_caches = layer_caches(self.pool)
         self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
         ranks = pp.ranks
@@ -125,18 +142,27 @@ class _Stage:
         self.next = ranks[stage.rank + 1] if not stage.is_last else None
         self.head = ranks[0]  # stage 0 of my TP column: global rank 0 for tp rank 0
 
+    def placement(self) -> RankPlacement:
+        """Where this rank's parameters, buffers and pool tensors are."""
+        pool = [self.pool.buffer, *(t for layer in self.kv_caches for t in layer)]
+        return RankPlacement.of(self.groups.world.rank, self.device, self.groups.backend,
+                                self.model, pool)
+
     @torch.inference_mode()
     def run(self, micro: list[ModelInputs]) -> list[torch.Tensor]:
-        """Forward every micro-batch through this stage; rank 0 gets each one's logits back."""
+        """Forward every micro-batch (host tensors) through this stage, on this rank's device;
+        rank 0 gets each one's logits back."""
         from kthena_comm.collectives import recv, send
 
-        pp, stage = self.groups.pp, self.stage
+        pp, stage, device = self.groups.pp, self.stage, self.device
         hidden_size, dtype = self.model.config.hidden_size, self.dtype
         pending, logits = [], []
+        micro = [inputs.to(device) for inputs in micro]
         for inputs in micro:
             hidden = None
             if not stage.is_first:
-                both = torch.empty(2, inputs.input_ids.shape[0], hidden_size, dtype=dtype)
+                both = torch.empty(2, inputs.input_ids.shape[0], hidden_size, dtype=dtype,
+                                   device=device)
                 recv(both, pp, self.prev)
                 hidden = (both[0], both[1])
             out = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.attention,
@@ -150,7 +176,8 @@ class _Stage:
         if stage.size > 1 and stage.is_first and self.tp_rank == 0:
             vocab = self.model.config.vocab_size
             for inputs in micro:
-                rows = torch.empty(len(inputs.attention.logits_indices), vocab, dtype=dtype)
+                rows = torch.empty(len(inputs.attention.logits_indices), vocab, dtype=dtype,
+                                   device=device)
                 recv(rows, pp, self.groups.pp.ranks[-1])
                 logits.append(rows.float())
         for handle in pending:
@@ -176,13 +203,16 @@ def _serve_steps(stage: _Stage) -> None:
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return
+            if box[0] == _PLACEMENT:
+                dist.gather_object(stage.placement(), None, dst=0)
+                continue
             stage.run(box[0])
     finally:
         stage.close()
 
 
-def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
-    _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port)))
+def _worker_main(config: EngineConfig, rank: int, port: int, group: GroupConfig) -> None:
+    _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port), group))
 
 
 def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena_comm RankEnv
@@ -191,12 +221,14 @@ def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena
     Raises:
         ValueError: rank 0 (it serves: build the engine with ``ranks_from="env"``), or a
             WORLD_SIZE other than tp x pp.
+        kthena_serve.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` does not fit the device.
+        kthena_comm.errors.DeviceUnavailableError: no device LOCAL_RANK on this host.
     """
     _check_world(config, rank_env)
     if rank_env.rank == 0:
         raise ValueError("rank 0 serves the API: build the engine (ranks_from='env') there; "
                          "serve_rank is for ranks 1..")
-    _serve_steps(_Stage(config, rank_env))
+    _serve_steps(_Stage(config, rank_env, group_config(config)))
 
 
 def _check_world(config: EngineConfig, rank_env) -> None:  # noqa: ANN001
@@ -286,7 +318,10 @@ class ParallelModelRunner:
             RankDiedError: a spawned rank exited before it joined (at once, not on timeout).
             kthena_comm.errors.InitError: the ranks did not all join within the deadline.
             ValueError: ``ranks_from="env"`` without rank 0 of a tp x pp world.
+            kthena_serve.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` (read here, and
+                by each launcher-started rank) does not name the device's backend.
         """
+        group = group_config(config)  # before any rank starts: a bad variable is one error
         self._config = self._fixed_pool_size(config)
         # Rank 0 pins this process to one core and one thread; close() gives both back, so a
         # later engine of this process spawns its ranks onto every core again.
@@ -298,14 +333,14 @@ class ParallelModelRunner:
                 raise ValueError("ranks_from='env': pass rank 0's RankEnv (RankEnv.from_env()); "
                                  "the other ranks run serve_rank")
             _check_world(config, rank_env)
-            self._stage = _Stage(self._config, rank_env)
+            self._stage = _Stage(self._config, rank_env, group)
         else:
             port = _free_port()
             with _loopback_gloo():
-                self._workers = self._start_workers(port)
+                self._workers = self._start_workers(port, group)
                 try:
                     self._stage = _Stage(self._config, _rank_env(0, config.world_size, port),
-                                         check_peers=lambda: _check_workers(self._workers))
+                                         group, check_peers=lambda: _check_workers(self._workers))
                 except BaseException:
                     self._stop_workers(grace_s=0)
                     os.sched_setaffinity(0, self._saved[0])
@@ -315,12 +350,13 @@ class ParallelModelRunner:
         self.block_size = config.block_size
         self._parts = config.pp_microbatches
 
-    def _start_workers(self, port: int) -> list[mp.process.BaseProcess]:
+    def _start_workers(self, port: int, group: GroupConfig) -> list[mp.process.BaseProcess]:
         context = mp.get_context("spawn")
         workers = []
         with _worker_environment():
             for rank in range(1, self._config.world_size):
-                worker = context.Process(target=_worker_main, args=(self._config, rank, port),
+                worker = context.Process(target=_worker_main,
+                                         args=(self._config, rank, port, group),
                                          name=f"kthena-rank{rank}", daemon=True)
                 worker.start()
                 workers.append(worker)
@@ -360,7 +396,19 @@ class ParallelModelRunner:
     @property
     def device(self) -> torch.device:
         assert self._stage is not None
-        return self._stage.pool.buffer.device
+        return self._stage.device
+
+    def placements(self) -> list[RankPlacement]:
+        """Every rank's `RankPlacement`, in rank order: the device it bound, its backend, and
+        where its parameters, buffers and KV pool tensors are (asked of each rank between
+        steps)."""
+        import torch.distributed as dist
+
+        assert self._stage is not None
+        dist.broadcast_object_list([_PLACEMENT], src=0)
+        gathered: list[RankPlacement | None] = [None] * self._config.world_size
+        dist.gather_object(self._stage.placement(), gathered, dst=0)
+        return [p for p in gathered if p is not None]
 
     @property
     def pool(self) -> KVPool:
@@ -374,7 +422,7 @@ class ParallelModelRunner:
         assert self._stage is not None
         parts = self._parts or max(1, min(self._config.pp,
                                           batch.num_tokens // MIN_MICROBATCH_TOKENS))
-        micro = [build_inputs(part, self.block_size, self.device)
+        micro = [build_inputs(part, self.block_size)  # host tensors: each rank moves its own
                  for part in split_microbatches(batch, parts)]
         dist.broadcast_object_list([micro], src=0)
         logits = self._stage.run(micro)

@@ -91,7 +91,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(F.linear and SDPA); the KTHENA_KERNELS environment variable "
                              "overrides it (default auto)")
     parser.add_argument("--device",
-                        help="cpu (default), cuda[:N] or npu[:N] (only cpu is verified on "
+                        help="cpu (default), cuda[:N] or npu[:N], refused where this host "
+                             "lacks it; with --tp/--pp > 1 no index: each rank binds "
+                             "cuda:LOCAL_RANK / npu:LOCAL_RANK (only cpu is verified on "
                              "hardware)")
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks (one core each; default 1)")
     parser.add_argument("--pp", type=int,
