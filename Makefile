@@ -7,7 +7,7 @@ LAYERS := kthena_core kthena_comm mooncake_kv mooncake_ops kthena_serve
 STAMP  := $(VENV)/.installed
 DEPS   := pyproject.toml $(foreach L,$(LAYERS),$(L)/pyproject.toml) Makefile native/setup.py $(wildcard native/csrc*/*)
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-faults lint clean
 
 # The native build this CPU loads: avx512 (every kernel), avx2 (all but the AVX512_BF16 ones), or none.
 NATIVE_ISA := import torch; c = torch.backends.cpu.get_cpu_capability(); \
@@ -21,6 +21,8 @@ $(STAMP): $(DEPS)
 	dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q libibverbs1)
 	# The --kv-events tests start a redis-server of their own on a free loopback port (Debian package).
 	dpkg -s redis-server >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q redis-server)
+	# The network-fault tests drop and lose packets between two namespaces with nftables.
+	dpkg -s nftables >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q nftables)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a CPU wheel of 2.13.0 lies on disk; an unpinned torch pulls a CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=64" wheel
@@ -58,7 +60,15 @@ test: lint
 	# OMP_WAIT_POLICY=PASSIVE: spin-waiting OpenMP pools collapse throughput on shared cores.
 	# Two pytest workers, each taking whole files (module fixtures start once): many tests wait
 	# on processes and sockets, so two overlap (~16 min instead of ~21 on a 2-core Zen 3).
-	OMP_WAIT_POLICY=PASSIVE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 --dist loadfile
+	# The network and control-plane fault tests (marked `faults`, ~2 min) run in make test-faults.
+	OMP_WAIT_POLICY=PASSIVE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 --dist loadfile \
+	  -m "not faults"
+
+# Faults between hosts (docs/network_faults.md): a partition, a slow and a lossy link between a
+# prefill and a decode worker in two network namespaces (root), a Mooncake master and a Redis
+# killed under load. One process: the cases share two namespaces and wait out timeouts.
+test-faults: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -m faults kthena_serve/tests/test_network_faults.py
 
 clean:
 	rm -rf $(VENV)

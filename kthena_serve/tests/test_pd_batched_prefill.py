@@ -22,7 +22,7 @@ import attrs
 import pytest
 import torch
 
-from kthena_comm.errors import TransferError
+from kthena_comm.errors import TransferError, TransferTimeoutError
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 from kthena_serve.model import load_model
@@ -219,6 +219,45 @@ def test_a_cancelled_prefill_fails_alone(decode, prefill, prompts, one_at_a_time
     texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
     assert texts == {"cancel-0": one_at_a_time["0"], "cancel-2": one_at_a_time["2"]}
     assert_no_blocks_held(decode, executor)
+
+
+class StuckPush:
+    """A batched push whose put outlives ``finish``'s deadline (a partitioned link holds it in
+    the kernel): ``finish`` times out while the put goes on until ``land`` is set."""
+
+    layerwise = False
+
+    def __init__(self) -> None:
+        self.land = threading.Event()
+
+    def push_layer(self, layer: int, src_ids, dst_ids) -> None:  # noqa: ANN001
+        raise AssertionError("a batched push gets no layers")
+
+    def finish(self, src_ids, dst_ids) -> int:  # noqa: ANN001
+        raise TransferTimeoutError("mooncake", "10.0.0.2:1", "put", "not complete after 8s")
+
+    def settled(self) -> bool:
+        return self.land.is_set()
+
+
+def test_a_timed_out_push_keeps_its_request_busy_until_its_put_ends(decode, prefill,  # noqa: ANN001
+                                                                    prompts) -> None:
+    """The decode worker frees a failed request's reservation once ``cancel`` says nothing of
+    it runs: a put that the hand-off stopped waiting for may still land, so it is busy until
+    the put has ended (test_network_faults.py makes this with a real partition)."""
+    executor, _ = prefill
+    task = reserve(decode, "stuck", prompts[0], pool_ref(decode), "stuck")
+    push = StuckPush()
+    future = executor.submit_local(task, push)
+    with pytest.raises(TransferTimeoutError):
+        future.result(timeout=120)
+    assert executor.cancel("stuck") is True  # the put may still write the reserved blocks
+    assert executor.cancel("stuck") is True
+    push.land.set()
+    assert executor.cancel("stuck") is False
+    assert decode.release("stuck")
+    assert_no_blocks_held(decode, executor)
+    assert executor.cancel("stuck") is False
 
 
 def test_a_prompt_waits_for_a_batch_mates_blocks(model, decode, prompts, one_at_a_time) -> None:  # noqa: ANN001

@@ -125,6 +125,9 @@ class PrefillExecutor:
         self._closing: str | None = None
         self._compute = concurrent.futures.ThreadPoolExecutor(1, "kthena-prefill")
         self._handoff = concurrent.futures.ThreadPoolExecutor(4, "kthena-prefill-handoff")
+        # submit_local's pushes until none of their puts may land any more (see cancel)
+        self._pushes: dict[str, BlockPush] = {}
+        self._handing_off: set[str] = set()  # rids whose hand-off has not returned
         self.num_steps = self.num_computed_tokens = 0  # reported in /pd/state
         if not own_pool:
             raise ValueError("a prefill executor needs its own pool (own_pool=True or a "
@@ -202,7 +205,12 @@ class PrefillExecutor:
         if push.layerwise:
             job.push, job.push_dst = push, tuple(task.block_ids)
             job.num_pushed = task.num_cached_tokens // task.pool.block_size
-        return self._submit(job)
+        future = self._submit(job)
+        with self._lock:
+            for rid in [rid for rid in self._pushes if not self._is_writing(rid)]:
+                del self._pushes[rid]
+            self._pushes[task.request_id] = push
+        return future
 
     def submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
                      cache_salt: str | None = None) -> concurrent.futures.Future:
@@ -237,16 +245,27 @@ class PrefillExecutor:
     def cancel(self, rid: str) -> bool:
         """Drop ``rid`` at the next step boundary (its future raises ``PrefillCancelled``).
 
-        Returns True while a forward that writes its KV is running (ask again), False once
+        Returns True while a forward that writes its KV is running, or a put of its KV into
+        a decode pool may still land (its hand-off runs, or a put it gave up waiting for
+        still does: a partitioned link delivers it when it heals); ask again. False once
         nothing of it runs any more (or it is not here): only then may its blocks be reused.
         """
         with self._lock:
+            queued = False
             for job in self._queue:
                 if job.rid == rid:
-                    job.cancelled = True
+                    queued = job.cancelled = True
                     if rid not in self._in_flight:
                         self._kick()
-            return rid in self._in_flight
+            writing = self._is_writing(rid)
+            if not writing and not queued:
+                self._pushes.pop(rid, None)
+            return rid in self._in_flight or writing
+
+    def _is_writing(self, rid: str) -> bool:
+        """Whether a put of ``rid``'s KV may be running or about to start (holding ``_lock``)."""
+        push = self._pushes.get(rid)
+        return push is not None and (rid in self._handing_off or not push.settled())
 
     def call(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the compute thread, between steps (the own KV manager's owner)."""
@@ -450,11 +469,15 @@ class PrefillExecutor:
         when the push fails)."""
         owned = self._finish_owned(job, token, logprobs, returning=True)
         first = task.num_cached_tokens // task.pool.block_size
+        with self._lock:
+            self._handing_off.add(job.rid)
 
         def handoff() -> PrefillResult:  # handoff_s: from the end of its last forward
             try:
                 num_bytes = push.finish(owned.block_ids[first:], task.block_ids[first:])
             finally:
+                with self._lock:
+                    self._handing_off.discard(job.rid)
                 with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # stopping
                     self.call(self.free, job.rid).result()
             return PrefillResult(job.rid, token, len(job.token_ids) - job.num_cached,

@@ -16,8 +16,11 @@ Each block of each layer is pushed once, when it is complete (chunked prefill: a
 fills only partly goes with a later chunk). The session works over any kthena_comm engine
 (``mooncake`` across hosts; ``shm`` when the decode pool is a segment that engine allocated,
 as the benchmark does). A failed put is kept, not raised into the model's forward (the batch's
-other requests go on); ``finish`` raises it after every put of the request has settled, so
-the source blocks are never freed under a running put.
+other requests go on); ``finish`` raises it once every put of the request has settled or its
+deadline has passed. A put past its deadline may still be running (a partitioned link holds
+it in the kernel; after healing its bytes land): ``settled`` says when none is, and until then
+the prefill worker answers that the request is still writing (``PrefillExecutor.cancel``), so
+the decode worker keeps the destination blocks quarantined instead of handing them out.
 
 Get (behind the Kthena router, ``BlockGetter``): the prefill worker serves its own pool — in a
 ``shm`` segment other processes on the host can map (``shm_segment_pool``), or registered with
@@ -80,6 +83,9 @@ class BlockPush(Protocol):
     def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
         """Move what is left and wait for everything; the bytes moved (hand-off thread)."""
 
+    def settled(self) -> bool:
+        """Whether no put of this push is running (none may land any more); any thread."""
+
 
 class PushSession:
     """One request's KV push from a local pool into a remote one (see the module docs).
@@ -126,7 +132,8 @@ class PushSession:
 
         Raises:
             kthena_comm.transfer errors (PeerUnreachableError, TransferTimeoutError ...),
-            the first a put met, once every put of this session has settled.
+            the first a put met, once every put of this session has settled or the deadline
+            (``timeout_s`` from now) has passed (``settled`` then says whether one still runs).
         """
         if not self.layerwise and src_ids and self._error is None:
             self._put(self.layout.pair_ranges(src_ids, dst_ids, self.dst_layout))
@@ -141,6 +148,12 @@ class PushSession:
         if self._error is not None:
             raise self._error
         return self.num_bytes
+
+    def settled(self) -> bool:
+        """Whether every put submitted so far has completed or failed (a put that ``finish``
+        stopped waiting for may still be running: it may still write the remote blocks)."""
+        with self._lock:
+            return all(future.done() for future in self._futures[self._num_checked:])
 
     def _failed(self) -> bool:
         """Whether a put failed already (the ones that finished are looked at once)."""

@@ -34,10 +34,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_local_master(*extra_args: str, timeout_s: float = 30.0,
+def start_local_master(*extra_args: str, timeout_s: float = 30.0, rpc_port: int | None = None,
                        ) -> tuple[subprocess.Popen, str]:
     """Start a master on free 127.0.0.1 ports; (process, ``"127.0.0.1:<rpc port>"``) once its
-    RPC port answers. ``extra_args`` go to the master (e.g. ``--default_kv_lease_ttl=100``).
+    RPC port answers. ``extra_args`` go to the master (e.g. ``--default_kv_lease_ttl=100``);
+    ``rpc_port`` is the RPC port to take instead of a free one (a master started again where
+    its clients look for it: they reconnect by themselves).
 
     Raises:
         MasterUnavailableError: the binary is missing, exited, or did not answer in time.
@@ -46,7 +48,7 @@ def start_local_master(*extra_args: str, timeout_s: float = 30.0,
     if not binary.exists():
         raise MasterUnavailableError(f"mooncake_master not found at {binary}; install "
                                      "mooncake-kv[store] (the Mooncake wheel ships it)")
-    rpc, metrics = _free_port(), _free_port()
+    rpc, metrics = rpc_port or _free_port(), _free_port()
     proc = subprocess.Popen(
         [str(binary), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
          f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
