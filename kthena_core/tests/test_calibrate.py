@@ -88,7 +88,8 @@ def test_unreadable_file(tmp_path):
         load_bench(tmp_path / "missing.json")
 
 
-def test_cli_plan_json_carries_the_calibration(tmp_path, capsys):
+def test_cli_plan_json_carries_the_calibration(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))
     topo = tmp_path / "host.yaml"
     topo.write_text(yaml.safe_dump(bench_host().to_dict()))
     argv = ["plan", "--topology", str(topo), "--calibrate", str(BENCH),
@@ -104,6 +105,7 @@ def test_cli_plan_json_carries_the_calibration(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "calibration from" in text and "uncalibrated" in text and "b_offline" in text
+    assert not (tmp_path / "cache" / "calibration").exists()  # a YAML topology is not this machine
 
 
 def test_cli_reports_a_bad_calibration_file(tmp_path, capsys):
@@ -114,3 +116,123 @@ def test_cli_reports_a_bad_calibration_file(tmp_path, capsys):
 def test_docs_example_is_the_recorded_fixture():
     docs = Path(__file__).parents[2] / "docs" / "examples" / "bench_cpu_smollm2.json"
     assert docs.read_bytes() == BENCH.read_bytes()
+
+
+# ---- physical factors and the calibration file ---------------------------------------------------
+def _synthetic_bench(truth, topo=None):
+    """A bench whose every figure is the cost model's own prediction with the factors `truth`."""
+    from kthena_core.calibrate import bench_points, predict
+    from kthena_core.planner import Planner
+
+    model, topo = load_model_spec("default"), topo or bench_host()
+    dev = Planner(truth).device_figures(topo)
+    bench = copy.deepcopy(load_bench(BENCH))
+    values = {(p.case, p.quantity): predict(p, model, dev) for p in bench_points(bench, model)}
+    k = bench["kthena"]
+    k["a_batch1"] = {"ttft_s": values["a_batch1", "ttft_s"],
+                     "decode_tok_s": 1 / values["a_batch1", "decode_step_s"]}
+    k["b_offline"]["output_tok_s"] = values["b_offline", "throughput_tok_s"]
+    for case in ("c_shared_prefix_reuse", "c_shared_prefix_no_reuse"):
+        k[case]["total_s"] = 32 * 16 / values[case, "throughput_tok_s"]
+    return bench
+
+
+@pytest.mark.parametrize("truth", [(0.9, 0.35, 0.003), (0.2, 0.95, 0.0), (0.06, 0.1, 0.01)])
+def test_factors_inside_the_physical_range_are_fitted_back(truth):
+    import attrs
+
+    from kthena_core.calibrate import EFFICIENCY_FLOOR
+    from kthena_core.cost_model import CostParams
+
+    params = CostParams(compute_efficiency=truth[0], memory_efficiency=truth[1], step_overhead_s=truth[2])
+    cal = fit_calibration(_synthetic_bench(params), load_model_spec("default"), bench_host())
+    assert attrs.astuple(cal.params) == pytest.approx(attrs.astuple(params), rel=1e-6, abs=1e-9)
+    d = cal.to_dict()
+    assert d["allowed"]["memory_efficiency"] == [EFFICIENCY_FLOOR, 1.0]
+    assert d["relative_to"]["memory_bw"] == 10e9 and d["relative_to"]["peak_flops"] == 664.6e9
+
+
+@pytest.mark.parametrize(("factor", "value"), [("memory_efficiency", 5.9), ("compute_efficiency", 3.0),
+                                               ("memory_efficiency", 0.01)])
+def test_an_unphysical_fit_is_refused_naming_the_factor(factor, value):
+    from kthena_core.calibrate import EFFICIENCY_FLOOR, UnphysicalFitError
+    from kthena_core.cost_model import CostParams
+
+    truth = CostParams(**{"compute_efficiency": 0.5, "memory_efficiency": 0.5, "step_overhead_s": 0.0,
+                          factor: value})
+    with pytest.raises(UnphysicalFitError) as refused:
+        fit_calibration(_synthetic_bench(truth), load_model_spec("default"), bench_host())
+    message = str(refused.value)
+    assert f"{factor} = {value:.4g}" in message
+    assert f"allowed range [{EFFICIENCY_FLOOR:.4g}, 1]" in message and "10.00 GB/s" in message
+
+
+def test_the_placeholder_bandwidth_is_refused_and_the_measured_one_fits():
+    # The issue's case: a bench on a host whose bandwidth was a 10 GB/s placeholder wants a
+    # memory efficiency far above 1; with the bandwidth measured on that host it is physical.
+    import attrs
+
+    from kthena_core.calibrate import UnphysicalFitError
+
+    bench = load_bench(Path(__file__).parents[2] / "docs" / "bench_serve.json")
+    limits = bench["limits"]["machine"]
+    with pytest.raises(UnphysicalFitError, match="memory_efficiency = "):
+        fit_calibration(bench, load_model_spec("default"), bench_host())
+    spec = attrs.evolve(bench_host().devices[0].spec, memory_bw=limits["bandwidth_gb_s"] * 1e9,
+                        peak_flops={"bf16": limits["matmul_peak_gflop_s"] * 1e9})
+    measured = Topology(devices=(Device(0, 0, 0, spec),), source="discovered:cpu")
+    cal = fit_calibration(bench, load_model_spec("default"), measured)
+    assert 0.05 <= cal.params.memory_efficiency <= 1 and 0.05 <= cal.params.compute_efficiency <= 1
+
+
+def test_the_calibration_file_round_trips_and_is_checked(tmp_path):
+    from kthena_core.calibrate import (
+        UnphysicalFitError,
+        find_calibration,
+        load_calibration,
+        save_calibration,
+    )
+
+    cal = fit_calibration(load_bench(BENCH), load_model_spec("default"), bench_host(), source="b.json")
+    path = save_calibration(cal, tmp_path / "cal.json")
+    used = load_calibration(path)
+    assert used.params == cal.params and used.to_json()["source"] == "b.json"
+    assert used.to_json()["factors"]["memory_efficiency"] == cal.params.memory_efficiency
+    with pytest.raises(CalibrationError, match="a `kthena bench serve` JSON"):
+        load_calibration(BENCH)
+    data = json.loads(path.read_text())
+    data["factors"]["memory_efficiency"] = 5.93
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(UnphysicalFitError, match=r"memory_efficiency = 5.93 is outside"):
+        load_calibration(tmp_path / "bad.json")
+    # this machine's cached calibration applies to a plan on this machine only
+    (tmp_path / "cache" / "calibration").mkdir(parents=True)
+    from kthena_core.calibrate import cached_calibration_path
+
+    save_calibration(cal, cached_calibration_path(tmp_path / "cache"))
+    assert find_calibration(None, tmp_path / "cache", this_machine=True).params == cal.params
+    assert find_calibration(None, tmp_path / "cache", this_machine=False) is None
+    assert find_calibration("none", tmp_path / "cache", this_machine=True) is None
+    assert find_calibration(str(path), tmp_path / "cache", this_machine=False).path == str(path)
+
+
+def test_plan_calibrate_writes_the_file_and_calibration_uses_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))
+    topo = tmp_path / "host.yaml"
+    topo.write_text(yaml.safe_dump(bench_host().to_dict()))
+    out = tmp_path / "cal.json"
+    assert main(["plan", "--topology", str(topo), "--calibrate", str(BENCH),
+                 "--calibration-out", str(out), "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert fitted["calibration"]["file"] == str(out) and out.is_file()
+    assert main(["plan", "--topology", str(topo), "--calibration", str(out), "--json"]) == 0
+    used = json.loads(capsys.readouterr().out)
+    assert used["calibration"]["file"] == str(out)
+    assert used["cost_factors"] == fitted["cost_factors"] == fitted["calibration"]["factors"]
+    assert used["estimate"] == fitted["estimate"]
+    assert main(["plan", "--topology", str(topo), "--calibrate", str(BENCH), "--calibration",
+                 str(out)]) == 2
+    # kthena deploy k8s scores its plan with the file and says so in the header
+    deploy = Path(__file__).parents[2] / "docs" / "deploy" / "smollm2-pd.yaml"
+    assert main(["deploy", "k8s", "--config", str(deploy), "--calibration", str(out)]) == 0
+    assert f"(calibration {out})" in capsys.readouterr().out

@@ -79,15 +79,19 @@ def test_per_numa_and_per_core_are_exclusive(xeon):
         cpu_topology(xeon, per_numa=True, per_core=True)
 
 
-def test_auto_cores_on_this_machine_has_a_device_per_usable_core():
+def test_auto_cores_on_this_machine_has_a_device_per_usable_core(tmp_path):
+    from kthena_core.discovery import measure_host
+
     facts = read_cpu_facts()
-    cores = resolve_topology("auto:cores")
+    measured = measure_host(tmp_path)  # measured once; every call below reads it back
+    cores = resolve_topology("auto:cores", cache_dir=tmp_path)
     assert cores.num_devices == facts.num_cores
     if facts.threads_per_core in (None, 1):
         assert cores.num_devices == len(os.sched_getaffinity(0))
     if cores.source.startswith("discovered:cpu") and discover().source == "discovered:cpu":
-        assert discover(per_core=True) == cores
-    host = resolve_topology("auto")
+        assert discover(per_core=True, host=measure_host(tmp_path)) == cores
+        assert measured.memory_bw == pytest.approx(cores.devices[0].spec.memory_bw * cores.num_devices)
+    host = resolve_topology("auto", cache_dir=tmp_path)
     if host.source == "discovered:cpu":  # a CPU-only machine: the same host, split
         assert sum(d.spec.flops("fp32") for d in cores.devices) == pytest.approx(
             host.devices[0].spec.flops("fp32"))

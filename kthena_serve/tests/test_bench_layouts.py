@@ -16,7 +16,7 @@ import pytest
 
 from kthena_core.calibrate import load_bench
 from kthena_core.cost_model import CostParams
-from kthena_core.discovery import CpuFacts, NumaNode, cpu_topology
+from kthena_core.discovery import CpuFacts, HostFigures, NumaNode, cpu_topology
 from kthena_core.known_models import load_model_spec
 from kthena_core.layout import Layout
 from kthena_serve.bench.layouts import (
@@ -39,6 +39,9 @@ GiB = 1 << 30
 FACTS = CpuFacts(model_name="AMD EPYC", num_cpus=2, num_cores=2, threads_per_core=1,
                  flags={"avx512f", "avx512_bf16", "avx2", "fma"}, clock_hz=2.6e9,
                  memory_bytes=24 * GiB, numa_nodes=(NumaNode(0, (0, 1)),))
+# Its host probe, as `kthena bench serve`'s limits measured such a host (docs/bench_serve.json):
+# the peaks the fitted efficiencies are fractions of.
+HOST = HostFigures(50.48e9, {"bf16": 348.9e9, "fp32": 145.4e9}, threads=2)
 
 
 def test_parse_layouts():
@@ -68,8 +71,8 @@ def test_summarize_takes_medians_and_keeps_the_runs():
 @pytest.fixture(scope="module")
 def setup():
     model = load_model_spec("default")
-    cal = calibrate(load_bench(BENCH), model, FACTS, str(BENCH))
-    return model, cal, cpu_topology(FACTS), cpu_topology(FACTS, per_core=True)
+    cal = calibrate(load_bench(BENCH), model, FACTS, str(BENCH), HOST)
+    return model, cal, cpu_topology(FACTS, host=HOST), cpu_topology(FACTS, per_core=True, host=HOST)
 
 
 def test_predictions_use_the_host_for_one_rank_and_the_cores_for_several(setup):
@@ -101,7 +104,7 @@ def test_the_calibration_uses_the_bench_thread_count(setup):
     model, cal, *_ = setup
     one_thread = json.loads(BENCH.read_text())
     one_thread["machine"]["torch_threads"] = 1
-    slower_device = calibrate(one_thread, model, FACTS, "one thread")
+    slower_device = calibrate(one_thread, model, FACTS, "one thread", HOST)
     # The same measurements on one core's figures (half the host's): efficiencies twice as high.
     assert slower_device.params.compute_efficiency == pytest.approx(2 * cal.params.compute_efficiency)
     assert slower_device.params.memory_efficiency == pytest.approx(2 * cal.params.memory_efficiency)
@@ -112,7 +115,7 @@ def test_one_rank_is_calibrated_on_the_host_bench_several_on_the_one_thread_benc
     model, cal, host, cores = setup
     one_thread = json.loads(BENCH.read_text())
     one_thread["machine"]["torch_threads"] = 1
-    cals = {"host": cal, "cores": calibrate(one_thread, model, FACTS, "one thread")}
+    cals = {"host": cal, "cores": calibrate(one_thread, model, FACTS, "one thread", HOST)}
     options = LayoutBenchOptions()
     tp1 = predictions(model, LayoutSpec("tp1"), options, cals, host, cores)
     pp2 = predictions(model, LayoutSpec("pp2", Layout(1, pp=2)), options, cals, host, cores)

@@ -106,6 +106,42 @@ def test_served_layout_is_the_plan_layout(tmp_path):
     assert str(spec.layout) == f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={lay.sp}"
 
 
+def test_a_calibration_file_scores_the_plan_and_reaches_get_plan(tmp_path, monkeypatch):
+    from kthena_core.calibrate import fit_calibration, load_bench, save_calibration
+    from kthena_core.known_models import load_model_spec
+
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))  # no cached calibration
+    bench = os.path.join(os.path.dirname(EXAMPLE), "bench_cpu_smollm2.json")
+    import yaml
+
+    from kthena_core.hardware import DeviceSpec
+    from kthena_core.topology import Device, Topology
+
+    # the 2-core host the bench ran on, with its bandwidth and matmul peak as measured
+    spec = DeviceSpec(name="cpu-host", kind="cpu", vendor="AuthenticAMD", memory_bytes=24 << 30,
+                      memory_bw=50e9, peak_flops={"bf16": 349e9, "fp32": 145e9},
+                      link_kind="memory", link_bw=50e9, link_latency=1e-6, pcie_bw=50e9)
+    topology = Topology(devices=(Device(0, 0, 0, spec),), name="AMD EPYC", source="host.yaml")
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(topology.to_dict()))
+    config = tmp_path / "kthena_config.yaml"
+    config.write_text("cluster: {topology: host.yaml}\nparallelism: {strategy: auto}\n")
+    cal = fit_calibration(load_bench(bench), load_model_spec("default"), topology, source=bench)
+    path = save_calibration(cal, tmp_path / "cal.json")
+    argv = ["serve", "--config", str(config), "--calibration", str(path)]
+    report = spec_from_args(build_parser().parse_args(argv)).report()["plan"]
+    assert report["calibration"]["file"] == str(path) and report["calibration"]["source"] == bench
+    assert report["cost_factors"] == report["calibration"]["factors"] == {
+        "compute_efficiency": cal.params.compute_efficiency,
+        "memory_efficiency": cal.params.memory_efficiency,
+        "step_overhead_s": cal.params.step_overhead_s}
+    uncalibrated = spec_from_args(build_parser().parse_args(["serve", "--config", str(config)]))
+    plan = uncalibrated.report()["plan"]
+    assert plan["calibration"] is None and plan["cost_factors"]["memory_efficiency"] == 0.8
+    assert plan["estimate"] != report["estimate"]  # the factors changed the prediction
+    with pytest.raises(ValueError, match="--calibration scores the plan of --config"):
+        spec_from_args(build_parser().parse_args(["serve", "--calibration", str(path)]))
+
+
 def test_pd_mode_serves_the_plans_prefill_and_decode_split():
     cfg = load_config({"service": {"mode": "pd"}, "parallelism": {"strategy": "auto"},
                        "cluster": {"topology": "atlas-800t-a2"}})

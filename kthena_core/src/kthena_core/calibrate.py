@@ -14,18 +14,46 @@ model predicts each t_i as a sum of ``coef x max(u x flops / peak_flops, v x byt
 terms. Fixing which side of every max() wins makes t_i linear in (u, v, o), so the fit is:
 
     for every assignment of max() sides: solve min sum_i ((A_i . (u, v, o)) / t_i - 1)^2
-    (numpy least squares on the relative residuals; o = 0 is also tried), keep solutions with
-    u, v > 0 and o >= 0, and return the one whose *true* model (with the max()) has the smallest
-    sum of squared relative errors.
+    (numpy least squares on the relative residuals), with each of u and v free or pinned at a
+    bound of its physical range and o free or 0; keep solutions with u, v > 0 and o >= 0, and
+    return the physical one whose *true* model (with the max()) has the smallest sum of squared
+    relative errors.
 
 A factor no point constrains (e.g. u when every point is memory-bound) keeps its prior value.
+
+**Physical factors.** The peaks are the topology's: on a CPU host, what the host probe measured
+(``kthena_core.discovery.host_probe``). An efficiency is achieved / peak, so a fit is kept only
+when each factor lies in its physical range::
+
+    compute_efficiency   [EFFICIENCY_FLOOR, 1.0]   of the measured matmul peak
+    memory_efficiency    [EFFICIENCY_FLOOR, 1.0]   of the measured memory bandwidth
+    step_overhead_s      [0, the smallest measured time]
+
+The fit pins a factor that would leave its range at the bound. When that pinned fit's largest
+relative error is more than PINNING_TOLERANCE (10 points) worse than the unconstrained fit's,
+only an unphysical factor explains the measurements: above 1.0 the peak it is relative to is too
+low (a placeholder, or a probe on fewer threads than the bench ran), below the floor the cost
+model misses a cost the bench paid. The factor would then describe an error, not the machine,
+so the fit is refused with the factor, its value and its range (`UnphysicalFitError`), and
+nothing is written.
+
+**The calibration file** (`save_calibration`, `load_calibration`) is the fit's JSON
+(``Calibration.to_dict``: factors, allowed ranges, the peaks they are relative to, residuals)
+plus ``"kind": "kthena calibration"``. ``kthena plan --calibrate`` writes it to the cache for
+this machine (`cached_calibration_path`: ``<cache_dir>/calibration/<CPU key>.json``) or to
+``--calibration-out``; ``kthena plan``, ``kthena serve --config`` and ``kthena deploy k8s``
+read it with ``--calibration FILE`` or, for a plan on this machine's discovered topology, from
+the cache (`find_calibration`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,8 +77,21 @@ from kthena_core.planner import Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
-__all__ = ["BenchPoint", "Calibration", "CalibrationError", "bench_points", "fit_calibration",
-           "load_bench"]
+__all__ = ["EFFICIENCY_FLOOR", "BenchPoint", "Calibration", "CalibrationError", "CalibrationFile",
+           "UnphysicalFitError", "bench_points", "cached_calibration_path", "check_physical",
+           "factors_dict", "find_calibration", "fit_calibration", "is_this_machine", "load_bench",
+           "load_calibration", "save_calibration"]
+
+# The lowest efficiency a fit may give (achieved / measured peak). A small model's kernels reach
+# a fair share of a CPU's peak (kthena bench serve's fraction_of_limit: 0.27-0.97 on this
+# project's hosts); 5% is far below any of them, so a factor under it means the cost model
+# misses a cost, not that the hardware is that slow.
+EFFICIENCY_FLOOR = 0.05
+# A fit pinned to its physical ranges is kept unless its largest relative error is this much
+# worse than the unconstrained fit's: then only an unphysical factor explains the measurements.
+PINNING_TOLERANCE = 0.10
+FILE_KIND = "kthena calibration"
+_FACTORS = ("compute_efficiency", "memory_efficiency", "step_overhead_s")
 
 _ONE = Layout(1, 1, 1)
 _NO_LINKS = Links(math.inf, 0.0, math.inf, 0.0, math.inf)
@@ -61,6 +102,11 @@ _CASES = {"a_batch1": (128, 64, 1), "b_offline": (128, 64, 32),
 
 class CalibrationError(ValueError):
     """The bench JSON cannot calibrate this plan; the message names the field or the mismatch."""
+
+
+class UnphysicalFitError(CalibrationError):
+    """The best fit has a factor outside its physical range; the message names the factor, its
+    value and the range."""
 
 
 @attrs.frozen
@@ -83,18 +129,58 @@ class Calibration:
     points: tuple[BenchPoint, ...]
     uncalibrated: tuple[float, ...]  # predictions with the prior params, one per point
     calibrated: tuple[float, ...]
+    model: str = ""
+    relative_to: Mapping[str, Any] = attrs.field(factory=dict)  # the peaks, and where from
+    allowed: Mapping[str, tuple[float, float]] = attrs.field(factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         rows = [{"case": p.case, "quantity": p.quantity, "measured": p.measured,
                  "predicted_uncalibrated": u, "predicted": c,
                  "rel_error_uncalibrated": u / p.measured - 1, "rel_error": c / p.measured - 1}
                 for p, u, c in zip(self.points, self.uncalibrated, self.calibrated, strict=True)]
-        return {"source": self.source, "bench_machine": dict(self.bench_machine),
-                "factors": {"compute_efficiency": self.params.compute_efficiency,
-                            "memory_efficiency": self.params.memory_efficiency,
-                            "step_overhead_s": self.params.step_overhead_s},
+        return {"source": self.source, "model": self.model, "bench_machine": dict(self.bench_machine),
+                "factors": factors_dict(self.params),
+                "allowed": {k: list(v) for k, v in self.allowed.items()},
+                "relative_to": dict(self.relative_to),
                 "residuals": rows,
                 "max_abs_rel_error": max(abs(r["rel_error"]) for r in rows)}
+
+
+def factors_dict(params: CostParams) -> dict[str, float]:
+    """The three fitted factors of ``params``, by name."""
+    return {name: float(getattr(params, name)) for name in _FACTORS}
+
+
+def _allowed(times: np.ndarray) -> dict[str, tuple[float, float]]:
+    return {"compute_efficiency": (EFFICIENCY_FLOOR, 1.0),
+            "memory_efficiency": (EFFICIENCY_FLOOR, 1.0),
+            "step_overhead_s": (0.0, float(times.min()))}
+
+
+def check_physical(params: CostParams, allowed: Mapping[str, tuple[float, float]], *,
+                   where: str, peaks: str = "") -> None:
+    """Refuse factors outside their physical range.
+
+    Raises:
+        UnphysicalFitError: names the first factor out of range, its value and the range.
+    """
+    for name, (low, high) in allowed.items():
+        value = float(getattr(params, name))
+        if low <= value <= high:
+            continue
+        if name == "step_overhead_s":
+            unit, why = " s", "a fixed cost per step cannot exceed the fastest step measured"
+        elif value > high:
+            unit, why = " of the measured peak", ("the peak it is relative to is too low (a "
+                                                  "placeholder, or a probe on fewer threads "
+                                                  "than the bench ran)")
+        else:
+            unit, why = " of the measured peak", "the cost model misses a cost the bench paid"
+        raise UnphysicalFitError(
+            f"{where}: unphysical fit refused: {name} = {value:.4g} is outside the allowed "
+            f"range [{low:.4g}, {high:.4g}]{unit}{f' ({peaks})' if peaks else ''}: {why}. "
+            "Measure again (`kthena bench serve` on an idle machine), or plan with the default "
+            "factors")
 
 
 def load_bench(path: str | Path) -> dict[str, Any]:
@@ -203,10 +289,12 @@ def _terms(point: BenchPoint, model: ModelSpec) -> list[tuple[float, tuple[float
 
 def fit_calibration(bench: Mapping[str, Any], model: ModelSpec, topology: Topology,
                     prior: CostParams | None = None, *, source: str = "bench") -> Calibration:
-    """Fit compute_efficiency, memory_efficiency and step_overhead_s to `bench` (see module doc).
+    """Fit compute_efficiency, memory_efficiency and step_overhead_s to `bench` (see module doc),
+    within their physical ranges.
 
     Raises:
         CalibrationError: the bench JSON is invalid for this model, or no fit is possible.
+        UnphysicalFitError: the measurements are explained only by a factor out of its range.
     """
     prior = prior or CostParams()
     points = bench_points(bench, model, where=source)
@@ -215,36 +303,176 @@ def fit_calibration(bench: Mapping[str, Any], model: ModelSpec, topology: Topolo
     terms = [_terms(p, model) for p in points]
     times = np.array([_as_time(p, p.measured) for p in points])
     base = Planner(prior).device_figures(topology)
-    best: tuple[float, CostParams] | None = None
+    allowed = _allowed(times)
+    best: dict[bool, tuple[float, float, CostParams]] = {}  # physical? -> (sq err, max err, params)
     for u, v, o in _candidates(terms, times, peak, prior):
         params = attrs.evolve(prior, compute_efficiency=1 / u, memory_efficiency=1 / v, step_overhead_s=o)
         dev = attrs.evolve(base, flops=peak.flops / u, memory_bw=peak.memory_bw / v, step_overhead=o)
-        err = sum((_as_time(p, predict(p, model, dev)) / t - 1) ** 2 for p, t in zip(points, times, strict=True))
-        if best is None or err < best[0]:
-            best = (err, params)
-    if best is None:
+        rel = [_as_time(p, predict(p, model, dev)) / t - 1 for p, t in zip(points, times, strict=True)]
+        fit = (sum(r * r for r in rel), max(abs(r) for r in rel), params)
+        physical = _is_physical(params, allowed)
+        if physical not in best or fit[0] < best[physical][0]:
+            best[physical] = fit
+    if not best:
         raise CalibrationError(f"{source}: no positive efficiencies fit the measurements")
-    params = best[1]
+    relative_to = _relative_to(topology, peak)
+    unphysical = best.get(False)
+    if True not in best or (unphysical is not None and unphysical[0] < best[True][0]
+                            and best[True][1] > unphysical[1] + PINNING_TOLERANCE):
+        assert unphysical is not None
+        check_physical(unphysical[2], allowed, where=source,
+                       peaks=f"{peak.flops / 1e9:.1f} GFLOP/s, {peak.memory_bw / 1e9:.2f} GB/s: "
+                             f"{relative_to['device_source']}")
+    params = best[True][2]
     fitted = Planner(params).device_figures(topology)
     return Calibration(params, source, dict(bench.get("machine") or {}), points,
                        tuple(predict(p, model, base) for p in points),
-                       tuple(predict(p, model, fitted) for p in points))
+                       tuple(predict(p, model, fitted) for p in points),
+                       model.name, relative_to, allowed)
+
+
+def _is_physical(params: CostParams, allowed: Mapping[str, tuple[float, float]]) -> bool:
+    return all(low <= getattr(params, name) <= high for name, (low, high) in allowed.items())
+
+
+def _relative_to(topology: Topology, peak: DeviceFigures) -> dict[str, Any]:
+    spec = topology.devices[0].spec
+    return {"topology": topology.source or topology.name, "device": spec.name,
+            "device_source": spec.source, "peak_flops": peak.flops, "memory_bw": peak.memory_bw}
 
 
 def _candidates(terms: list[list[tuple[float, tuple[float, float]]]], times: np.ndarray,
                 peak: DeviceFigures, prior: CostParams):
-    """(u, v, o) least-squares solutions, one per assignment of max() sides and o free / o = 0."""
+    """(u, v, o) least-squares solutions, one per assignment of max() sides, with each of u and
+    v free or pinned at a bound of its range (efficiency 1.0 or the floor) and o free or 0."""
     flat = [(i, c, f / peak.flops, b / peak.memory_bw) for i, ts in enumerate(terms) for c, (f, b) in ts]
-    fixed = {0: 1 / prior.compute_efficiency, 1: 1 / prior.memory_efficiency}
+    prior_x = {0: 1 / prior.compute_efficiency, 1: 1 / prior.memory_efficiency, 2: 0.0}
+    pins = (None, 1.0, 1 / EFFICIENCY_FLOOR)
     for sides in itertools.product((0, 1), repeat=len(flat)):
         a = np.zeros((len(times), 3))
         for (i, c, xc, xm), side in zip(flat, sides, strict=True):
             a[i, side] += c * (xc if side == 0 else xm)
             a[i, 2] += c
-        for free_o in (True, False):
-            cols = [k for k in (0, 1) if a[:, k].any()] + ([2] if free_o else [])
-            rhs = times - sum(a[:, k] * fixed[k] for k in (0, 1) if k not in cols)
-            sol, *_ = np.linalg.lstsq(a[:, cols] / times[:, None], rhs / times, rcond=None)
-            x = {**fixed, 2: 0.0, **dict(zip(cols, sol, strict=True))}
+        # pins only matter where the free fit leaves the physical range
+        leaves = _leaves_range(a, times, prior_x)
+        for pin_u, pin_v, pin_o in itertools.product(pins, pins, (None, 0.0)):
+            if (pin_u, pin_v) != (None, None) and not leaves:
+                continue
+            fixed = {}
+            for k, pin in ((0, pin_u), (1, pin_v), (2, pin_o)):
+                if not a[:, k].any():  # no point constrains it: the prior's value
+                    fixed[k] = prior_x[k]
+                elif pin is not None:
+                    fixed[k] = pin
+            cols = [k for k in (0, 1, 2) if k not in fixed]
+            rhs = times - sum(a[:, k] * x for k, x in fixed.items())
+            sol = np.linalg.lstsq(a[:, cols] / times[:, None], rhs / times, rcond=None)[0] if cols else []
+            x = {**fixed, **dict(zip(cols, sol, strict=True))}
             if x[0] > 0 and x[1] > 0 and x[2] >= 0:
                 yield float(x[0]), float(x[1]), float(x[2])
+
+
+def _leaves_range(a: np.ndarray, times: np.ndarray, prior_x: Mapping[int, float]) -> bool:
+    """Whether the free fit of this side assignment puts u or v outside [1, 1 / floor]."""
+    cols = [k for k in (0, 1, 2) if a[:, k].any()]
+    rhs = times - sum(a[:, k] * prior_x[k] for k in (0, 1) if k not in cols)
+    x = dict(zip(cols, np.linalg.lstsq(a[:, cols] / times[:, None], rhs / times, rcond=None)[0],
+                 strict=True))
+    return any(not 1.0 <= x[k] <= 1 / EFFICIENCY_FLOOR for k in (0, 1) if k in x)
+
+
+# ---- the calibration file -----------------------------------------------------------------------
+@attrs.frozen
+class CalibrationFile:
+    """A calibration read back: its factors over the default CostParams, and where it came from."""
+
+    params: CostParams
+    path: str
+    data: Mapping[str, Any] = attrs.field(eq=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """What a plan reports as ``calibration``: the file, the bench it was fitted to, the
+        factors used, their allowed ranges and the peaks they multiply."""
+        return {"file": self.path, "source": self.data.get("source"), "model": self.data.get("model"),
+                "created": self.data.get("created"), "factors": factors_dict(self.params),
+                "allowed": self.data.get("allowed"), "relative_to": self.data.get("relative_to"),
+                "max_abs_rel_error": self.data.get("max_abs_rel_error")}
+
+
+def machine_key(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """This machine's key for its cached calibration: the CPU model name and flags."""
+    from kthena_core.discovery.host_probe import cpu_identity
+
+    return hashlib.sha256(json.dumps(cpu_identity(cpuinfo)).encode()).hexdigest()[:20]
+
+
+def cached_calibration_path(cache_dir: str | os.PathLike[str]) -> Path:
+    """``<cache_dir>/calibration/<machine key>.json``: this machine's calibration."""
+    return Path(cache_dir) / "calibration" / f"{machine_key()}.json"
+
+
+def save_calibration(cal: Calibration, path: str | os.PathLike[str]) -> Path:
+    """Write ``cal`` as a calibration file (atomically); returns the path."""
+    path = Path(path)
+    record = {"kind": FILE_KIND, **cal.to_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "machine": dict(cal.bench_machine)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def load_calibration(path: str | os.PathLike[str]) -> CalibrationFile:
+    """Read a calibration file and check its factors are physical.
+
+    Raises:
+        CalibrationError: unreadable, not a calibration file (a bench JSON is named as such),
+            or a factor missing; ``UnphysicalFitError``: a factor outside its allowed range.
+    """
+    where = f"--calibration {path}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{where}: cannot read it: {e}") from None
+    if not isinstance(data, dict) or data.get("kind") != FILE_KIND:
+        hint = (" (this is a `kthena bench serve` JSON: fit it with `kthena plan --calibrate "
+                "BENCH.json`, which writes the calibration file)"
+                if isinstance(data, dict) and data.get("bench") == "kthena serve" else "")
+        raise CalibrationError(f"{where}: not a calibration file: 'kind' is not {FILE_KIND!r}{hint}")
+    factors = data.get("factors")
+    values = {}
+    for name in _FACTORS:
+        value = factors.get(name) if isinstance(factors, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CalibrationError(f"{where}: factors.{name}: expected a number, got {value!r}")
+        values[name] = float(value)
+    params = attrs.evolve(CostParams(), **values)
+    allowed = {"compute_efficiency": (EFFICIENCY_FLOOR, 1.0),
+               "memory_efficiency": (EFFICIENCY_FLOOR, 1.0), "step_overhead_s": (0.0, math.inf)}
+    check_physical(params, allowed, where=where)
+    return CalibrationFile(params, str(path), data)
+
+
+def find_calibration(path: str | None, cache_dir: str | os.PathLike[str] | None,
+                     this_machine: bool) -> CalibrationFile | None:
+    """The calibration a plan uses: ``path`` when given ("none": no calibration); else, for a
+    plan on this machine (``this_machine``: its topology is ``auto`` or ``auto:cores``), this
+    machine's cached one when the cache holds one; else None.
+
+    Raises:
+        CalibrationError: as `load_calibration`.
+    """
+    if path == "none":
+        return None
+    if path:
+        return load_calibration(path)
+    if cache_dir is None or not this_machine:
+        return None
+    cached = cached_calibration_path(cache_dir)
+    return load_calibration(cached) if cached.is_file() else None
+
+
+def is_this_machine(topology_spec: str) -> bool:
+    """Whether a ``--topology`` / ``cluster.topology`` value discovers this machine."""
+    return topology_spec in ("auto", "auto:cores")

@@ -12,70 +12,123 @@ import json
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
 
+from kthena_core.cache_dir import default_cache_dir
 from kthena_core.config_plan import resolve_topology
 from kthena_core.known_models import load_model_spec
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kthena_core.planner import Planner
-    from kthena_core.report import format_calibration, format_plan
     from kthena_core.workload import Workload
 
+    if args.calibrate and args.calibration:
+        print("kthena plan: --calibrate fits a new calibration, --calibration uses one; give one "
+              "of them", file=sys.stderr)
+        return 2
     if args.config:
         return _cmd_plan_config(args)
+    cache = default_cache_dir()
     model = load_model_spec(args.model)
-    topology = resolve_topology(args.topology)
+    topology = resolve_topology(args.topology, cache_dir=cache)
     workload = Workload.parse(args.workload) if args.workload else Workload()
     overrides = {k: v for k, v in (("mode", args.mode), ("objective", args.objective)) if v}
     if overrides:
         workload = Workload(**{**workload.to_dict(), **overrides})
-    calibration = None
-    if args.calibrate:
-        from kthena_core.calibrate import fit_calibration, load_bench
+    fitted, used = _calibration(args, model, topology, cache, args.topology)
+    plan = Planner(_params(fitted, used)).plan(model, topology, workload)
+    _print_plan(args, plan, fitted, used)
+    return 0
 
-        calibration = fit_calibration(load_bench(args.calibrate), model, topology, source=args.calibrate)
-    plan = Planner(calibration.params if calibration else None).plan(model, topology, workload)
+
+def _calibration(args: argparse.Namespace, model: Any, topology: Any, cache: Path,
+                 topology_spec: str):
+    """(the fit of --calibrate or None, the calibration the plan uses or None); a fit is
+    written to --calibration-out, else to this machine's cache when planned on this machine."""
+    from kthena_core.calibrate import (
+        cached_calibration_path,
+        find_calibration,
+        fit_calibration,
+        is_this_machine,
+        load_bench,
+        load_calibration,
+        save_calibration,
+    )
+
+    if not args.calibrate:
+        return None, find_calibration(args.calibration, cache, is_this_machine(topology_spec))
+    fitted = fit_calibration(load_bench(args.calibrate), model, topology, source=args.calibrate)
+    out = args.calibration_out or (cached_calibration_path(cache)
+                                   if is_this_machine(topology_spec) else None)
+    if out is None:
+        print("kthena plan: the calibration is not written: the topology is not this machine's "
+              "(auto, auto:cores); name a file with --calibration-out", file=sys.stderr)
+        return fitted, None
+    path = save_calibration(fitted, out)
+    print(f"kthena plan: calibration written to {path}", file=sys.stderr)
+    return fitted, load_calibration(path)
+
+
+def _print_plan(args: argparse.Namespace, plan: Any, fitted: Any, used: Any) -> None:
+    from kthena_core.calibrate import factors_dict
+    from kthena_core.report import format_calibration, format_plan
+
     if args.json:
         out = plan.to_dict(args.candidates)
-        out["calibration"] = calibration.to_dict() if calibration else None
+        out["calibration"] = ({**fitted.to_dict(), "file": used.path if used else None}
+                              if fitted else used.to_json() if used else None)
+        out["cost_factors"] = factors_dict(_params(fitted, used) or _default_params())
         print(json.dumps(out))
-    else:
-        print(format_plan(plan, args.candidates))
-        if calibration:
-            print(format_calibration(calibration))
-    return 0
+        return
+    print(format_plan(plan, args.candidates))
+    if fitted:
+        print(format_calibration(fitted))
+    elif used:
+        f = factors_dict(used.params)
+        print(f"calibration {used.path}: compute_efficiency {f['compute_efficiency']:.3g}, "
+              f"memory_efficiency {f['memory_efficiency']:.3g}, step_overhead_s "
+              f"{f['step_overhead_s']:.3g} (fitted to {used.data.get('source')})")
+
+
+def _params(fitted: Any, used: Any) -> Any:
+    """The factors the plan is scored with: the calibration file's, else the fit's, else None."""
+    return used.params if used else fitted.params if fitted else None
+
+
+def _default_params():
+    from kthena_core.cost_model import CostParams
+
+    return CostParams()
 
 
 def _cmd_plan_config(args: argparse.Namespace) -> int:
     """``kthena plan --config FILE``: the plan ``kthena serve --config FILE`` serves."""
-    from kthena_core.config_plan import plan_config_file
-    from kthena_core.report import format_plan
+    from kthena_core.config_plan import load_config_file, plan_config
 
-    given = [f"--{n}" for n in ("model", "topology", "workload", "mode", "objective", "calibrate")
+    given = [f"--{n}" for n in ("model", "topology", "workload", "mode", "objective")
              if getattr(args, n) not in (None, "", "default", "auto")]
     if given:
         print(f"kthena plan: --config gives the model, topology and workload; drop "
               f"{', '.join(given)}", file=sys.stderr)
         return 2
-    _, _, plan = plan_config_file(args.config)
-    if args.json:
-        out = plan.to_dict(args.candidates)
-        out["calibration"] = None
-        print(json.dumps(out))
-    else:
-        print(format_plan(plan, args.candidates))
+    cache = default_cache_dir()
+    cfg, topology = load_config_file(args.config, cache_dir=cache)
+    model = load_model_spec(cfg.model.checkpoint_path)
+    fitted, used = _calibration(args, model, topology, cache, cfg.cluster.topology)
+    _print_plan(args, plan_config(cfg, topology, model, _params(fitted, used)), fitted, used)
     return 0
 
 
 def _cmd_topo(args: argparse.Namespace) -> int:
-    from kthena_core.discovery import describe, discover_all
+    from kthena_core.discovery import describe, discover_all, measure_host
 
     if args.topology != "auto":
-        topology = resolve_topology(args.topology)
+        topology = resolve_topology(args.topology, cache_dir=default_cache_dir())
         print(json.dumps(topology.to_dict()) if args.json else describe(topology))
         return 0
-    report = discover_all()
+    report = discover_all(host=measure_host(default_cache_dir()))
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -123,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--candidates", type=int, default=8, help="runner-up candidates to show")
     plan.add_argument("--calibrate", metavar="BENCH.json", default="",
                       help="fit the cost model's efficiencies to a `kthena bench serve` JSON of this model "
-                           "on this machine")
+                           "on this machine (each within [0.05, 1.0] of the measured peak, or "
+                           "refused), plan with them and write the calibration file "
+                           "(--calibration-out, default this machine's cached one)")
+    plan.add_argument("--calibration-out", metavar="FILE.json", default=None,
+                      help="where --calibrate writes the calibration file")
+    plan.add_argument("--calibration", metavar="FILE.json", default=None,
+                      help="plan with this calibration file's factors ('none': the defaults; "
+                           "default: this machine's cached calibration, when planning on this "
+                           "machine)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_cmd_plan)
 

@@ -17,6 +17,7 @@ import attrs
 
 from kthena_core import topology as topo
 from kthena_core.config import ConfigError, KthenaConfig, load_config
+from kthena_core.cost_model import CostParams
 from kthena_core.known_models import load_model_spec
 from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
@@ -24,14 +25,15 @@ from kthena_core.planner import Plan, Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
-__all__ = ["config_workload", "plan_config", "plan_config_file", "resolve_topology"]
+__all__ = ["config_workload", "load_config_file", "plan_config", "plan_config_file",
+           "resolve_topology"]
 
 
 class _PinnedPlanner(Planner):
     """The planner restricted to one layout (a pinned strategy) or to sp = 1 (auto)."""
 
-    def __init__(self, pinned: Layout | None) -> None:
-        super().__init__()
+    def __init__(self, pinned: Layout | None, params: CostParams | None = None) -> None:
+        super().__init__(params)
         self.pinned = pinned
 
     def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
@@ -47,13 +49,15 @@ def config_workload(cfg: KthenaConfig) -> Workload:
                     concurrency=cfg.service.max_batch_size)
 
 
-def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None = None) -> Plan:
+def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None = None,
+                params: CostParams | None = None) -> Plan:
     """Plan `cfg` on `topology` (``cluster.topology`` resolved by the caller).
 
     Args:
         cfg: a loaded config.
         topology: the devices to plan over.
         model: the model's spec; default ``load_model_spec(cfg.model.checkpoint_path)``.
+        params: the cost model's factors (a calibration's); default ``CostParams()``.
 
     Raises:
         ConfigError: a pinned layout needs more devices than the topology has, or the
@@ -72,21 +76,23 @@ def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None =
                 f"{pinned.num_devices} devices, but topology {topology.name or topology.source!r} "
                 f"has {topology.num_devices}; lower the sizes, use strategy: auto, or name a "
                 "larger cluster.topology")
-    return _PinnedPlanner(pinned).plan(model, topology, config_workload(cfg))
+    return _PinnedPlanner(pinned, params).plan(model, topology, config_workload(cfg))
 
 
-def resolve_topology(spec: str) -> Topology:
+def resolve_topology(spec: str, *, cache_dir: str | os.PathLike[str] | None = None,
+                     measure: bool = True) -> Topology:
     """'auto' (discover this machine), 'auto:cores' (this host's CPU, one device per core, as
     ``kthena serve --tp/--pp/--dp`` pins one rank per core), a YAML file, or a catalog node name
-    with ':N' nodes."""
-    if spec == "auto":
-        from kthena_core.discovery import discover
+    with ':N' nodes.
 
-        return discover()
-    if spec == "auto:cores":
-        from kthena_core.discovery import discover_cpu
+    Discovery measures the host's memory bandwidth and matmul peak (``measure_host``, cached
+    under ``cache_dir`` when given) unless ``measure`` is False (estimates then).
+    """
+    if spec in ("auto", "auto:cores"):
+        from kthena_core.discovery import discover, discover_cpu, measure_host
 
-        return discover_cpu(per_core=True)
+        host = measure_host(cache_dir) if measure else None
+        return discover(host=host) if spec == "auto" else discover_cpu(per_core=True, host=host)
     if spec.endswith((".yaml", ".yml")):
         return topo.Topology.from_yaml(spec)
     name, _, count = spec.partition(":")
@@ -97,13 +103,26 @@ def resolve_topology(spec: str) -> Topology:
     return topo.from_catalog(name, num_nodes)
 
 
-def plan_config_file(path: str) -> tuple[KthenaConfig, Topology, Plan]:
-    """Load `path`, resolve its topology and plan it: what ``kthena plan --config`` prints and
-    ``kthena serve --config`` serves. A relative ``model.checkpoint_path`` or topology YAML is
-    relative to the config file.
+def plan_config_file(path: str, *, cache_dir: str | os.PathLike[str] | None = None,
+                     params: CostParams | None = None) -> tuple[KthenaConfig, Topology, Plan]:
+    """Load `path`, resolve its topology and plan it with ``params``: what ``kthena plan
+    --config`` prints and ``kthena serve --config`` serves.
 
     Raises:
         ConfigError, TopologyError, NoFeasiblePlanError: as their loaders and the planner.
+    """
+    cfg, topology = load_config_file(path, cache_dir=cache_dir)
+    return cfg, topology, plan_config(cfg, topology, params=params)
+
+
+def load_config_file(path: str, *, cache_dir: str | os.PathLike[str] | None = None,
+                     ) -> tuple[KthenaConfig, Topology]:
+    """Load `path` and resolve its ``cluster.topology`` (host measurements cached under
+    ``cache_dir``). A relative ``model.checkpoint_path`` or topology YAML is relative to the
+    config file.
+
+    Raises:
+        ConfigError, TopologyError: as their loaders.
     """
     cfg = load_config(path)
     base = os.path.dirname(os.path.abspath(path))
@@ -114,5 +133,4 @@ def plan_config_file(path: str) -> tuple[KthenaConfig, Topology, Plan]:
     spec = cfg.cluster.topology
     if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
         spec = os.path.join(base, spec)
-    topology = resolve_topology(spec)
-    return cfg, topology, plan_config(cfg, topology)
+    return cfg, resolve_topology(spec, cache_dir=cache_dir)

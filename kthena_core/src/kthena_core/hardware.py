@@ -387,8 +387,10 @@ def cpu_host_spec(
     arch: str = "",
     clock_hz: float | None = None,
     memory_bw: float | None = None,
+    peak_flops: Mapping[str, float] | None = None,
     name: str = "cpu-host",
     vendor: str = "generic",
+    source: str = "",
 ) -> DeviceSpec:
     """A CPU host seen as one device, built from discovered facts.
 
@@ -399,9 +401,11 @@ def cpu_host_spec(
         arch: "x86_64", "aarch64", ...
         clock_hz: sustained clock; unknown defaults to 2.5 GHz.
         memory_bw: measured (STREAM-like) bandwidth; unknown defaults to a rough 5 GB/s per
-            core, clamped to [10, 300] GB/s. That is a placeholder; pass a measured figure for
-            real planning.
+            core, clamped to [10, 300] GB/s. That is a placeholder; discovery passes the host
+            probe's measurement (``kthena_core.discovery.host_probe``).
+        peak_flops: measured FLOP/s per dtype for these cores; unknown: estimated as below.
         name, vendor: for display.
+        source: where the figures come from (default: the estimate's description).
 
     Returns:
         A DeviceSpec of kind "cpu" whose peak_flops is ``cores x clock x FLOP/cycle`` from
@@ -417,11 +421,12 @@ def cpu_host_spec(
     clock = clock_hz if clock_hz and clock_hz > 0 else _DEFAULT_CPU_CLOCK_HZ
     per_cycle = cpu_flops_per_cycle(flags, arch)
     bw = memory_bw if memory_bw and memory_bw > 0 else min(max(5 * G * num_cores, 10 * G), 300 * G)
+    peaks = dict(peak_flops) if peak_flops else {k: num_cores * clock * v for k, v in per_cycle.items()}
     return DeviceSpec(
         name=name, kind="cpu", vendor=vendor, memory_bytes=int(memory_bytes), memory_bw=bw,
-        peak_flops={k: num_cores * clock * v for k, v in per_cycle.items()},
-        link_kind="memory", link_bw=bw, link_latency=1e-6, pcie_bw=bw,
-        source=f"estimated: {num_cores} cores x {clock / 1e9:.2f} GHz x FLOP/cycle from CPU flags",
+        peak_flops=peaks, link_kind="memory", link_bw=bw, link_latency=1e-6, pcie_bw=bw,
+        source=source or f"estimated: {num_cores} cores x {clock / 1e9:.2f} GHz x FLOP/cycle "
+                         "from CPU flags; memory bandwidth a placeholder (not measured)",
     )
 
 

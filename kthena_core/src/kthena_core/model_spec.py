@@ -167,14 +167,23 @@ class ModelSpec:
         qk, v = self._attn_qk_dim()
         return 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * num_queries * context_len
 
+    def lm_head_flops(self) -> float:
+        """FLOPs of the LM head for one token (vocab x hidden, tied or not)."""
+        return 2.0 * self.vocab_size * self.hidden_size
+
     def prefill_flops(self, prompt_len: int, cached_len: int = 0) -> float:
-        """FLOPs to prefill `prompt_len` new tokens after `cached_len` cached ones (causal)."""
+        """FLOPs to prefill `prompt_len` new tokens after `cached_len` cached ones (causal).
+
+        Only the last token goes through the LM head: the engine computes logits at the
+        sampled positions only (``logits_indices``), one per prefilled sequence.
+        """
         n = prompt_len
         # Token i (0-based among new tokens) attends to cached_len + i + 1 keys.
         attended = n * cached_len + n * (n + 1) / 2
         qk, v = self._attn_qk_dim()
         attn = 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * attended
-        return self.matmul_flops_per_token() * n + attn
+        body = self.matmul_flops_per_token() - self.lm_head_flops()
+        return body * n + self.lm_head_flops() * min(n, 1) + attn
 
     def decode_flops(self, context_len: int) -> float:
         """FLOPs to generate one token with `context_len` tokens already in the KV cache."""

@@ -70,6 +70,11 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                              "machine), print the plan and serve exactly that plan; flags given "
                              "explicitly on the command line override the config "
                              "(docs/kthena_core.md lists what each key drives)")
+    parser.add_argument("--calibration", metavar="FILE.json",
+                        help="with --config: score the plan with this calibration file's "
+                             "factors (`kthena plan --calibrate` writes it; 'none': the "
+                             "defaults; default: this machine's cached one when the config's "
+                             "topology is auto); GET /plan shows the factors used")
     add_engine_args(parser)
     parser.add_argument("--host", help="address to bind (default 127.0.0.1, loopback)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
@@ -139,18 +144,24 @@ def spec_from_args(args: argparse.Namespace, world_size: int = 1) -> ServeSpec:
     given = vars(args)
     flags = {k: v for k, v in given.items() if k not in _NOT_SETTINGS}
     flags["api_key"] = _api_key(given)
-    return resolve_spec(flags, flags.pop("config", None), world_size)
+    return resolve_spec(flags, flags.pop("config", None), world_size,
+                        calibration=flags.pop("calibration", None))
 
 
-def resolve_spec(flags: dict, config: str | None, world_size: int = 1) -> ServeSpec:
-    """Plan ``config`` (printing the plan), put ``flags`` over it, and say which flags
-    overrode it: ``kthena serve`` and ``launch_distributed_inference`` alike. ``world_size``:
-    WORLD_SIZE of a launcher (``kthena-run``) that started this process, else 1.
+def resolve_spec(flags: dict, config: str | None, world_size: int = 1, *,
+                 calibration: str | None = None) -> ServeSpec:
+    """Plan ``config`` (printing the plan; ``calibration``: its calibration file), put
+    ``flags`` over it, and say which flags overrode it: ``kthena serve`` and
+    ``launch_distributed_inference`` alike. ``world_size``: WORLD_SIZE of a launcher
+    (``kthena-run``) that started this process, else 1.
 
     Raises:
-        ValueError: a bad config, an unservable plan, or a refused setting.
+        ValueError: a bad config, a bad calibration, an unservable plan, or a refused setting.
     """
-    planned = plan_config_path(config, world_size) if config else None
+    if calibration is not None and not config:
+        raise ValueError("--calibration scores the plan of --config FILE.yaml; give --config, "
+                         "or drop --calibration")
+    planned = plan_config_path(config, world_size, calibration) if config else None
     spec = ServeSpec.resolve(flags, planned, world_size=world_size)
     overridden = [flag_name(k) for k in planned.settings() if k in flags] if planned else []
     if overridden:

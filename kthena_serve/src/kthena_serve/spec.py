@@ -46,6 +46,7 @@ from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
 from kthena_serve.pd.config import PDConfig
 
 if TYPE_CHECKING:
+    from kthena_core.calibrate import CalibrationFile
     from kthena_core.config import CompressionConfig, KthenaConfig
     from kthena_core.planner import Plan
     from kthena_core.topology import Topology
@@ -115,11 +116,13 @@ class PlannedConfig:
         path: the config file.
         config: the loaded config.
         plan: its plan (``kthena plan --config``).
+        calibration: the calibration file the plan was scored with (None: default factors).
     """
 
     path: str
     config: KthenaConfig
     plan: Plan
+    calibration: CalibrationFile | None = None
 
     @property
     def layout(self) -> Layout:
@@ -131,9 +134,15 @@ class PlannedConfig:
         return config_settings(self.config, self.plan)
 
     def to_json(self) -> dict[str, Any]:
-        """What GET /plan carries as ``plan`` (``kthena plan --config``'s JSON)."""
+        """What GET /plan carries as ``plan`` (``kthena plan --config``'s JSON): the plan, the
+        calibration it used (None: uncalibrated) and the cost factors it was scored with."""
+        from kthena_core.calibrate import factors_dict
+        from kthena_core.cost_model import CostParams
+
         out = self.plan.to_dict(PLAN_CANDIDATES)
-        out["calibration"] = None
+        cal = self.calibration
+        out["calibration"] = cal.to_json() if cal else None
+        out["cost_factors"] = factors_dict(cal.params if cal else CostParams())
         return out
 
 
@@ -381,19 +390,32 @@ def _kv_events(s: Mapping[str, Any], served: str) -> KVEventsConfig | None:
 
 
 # ---- the config and its plan --------------------------------------------------------------------
-def plan_config_path(path: str, launcher_world: int = 1) -> PlannedConfig:
+def plan_config_path(path: str, launcher_world: int = 1, calibration: str | None = None,
+                     ) -> PlannedConfig:
     """Load and plan a ``kthena_config.yaml``, print the plan, and refuse what cannot be served.
 
+    ``calibration``: a calibration file (``kthena plan --calibrate`` writes it), ``"none"`` for
+    the default factors, or None: this machine's cached calibration when the config's topology
+    is this machine's (``auto``), else the defaults.
+
     Raises:
-        ValueError: a bad config (kthena_core's ``ConfigError``), no feasible plan, or
-            ``UnservablePlanError``.
+        ValueError: a bad config (kthena_core's ``ConfigError``), a bad calibration file
+            (``CalibrationError``), no feasible plan, or ``UnservablePlanError``.
     """
-    from kthena_core.config_plan import plan_config_file
+    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.calibrate import find_calibration, is_this_machine
+    from kthena_core.config_plan import load_config_file, plan_config
     from kthena_core.report import format_plan
 
-    cfg, topology, plan = plan_config_file(path)
-    planned = PlannedConfig(path, cfg, plan)
+    cache = default_cache_dir()
+    cfg, topology = load_config_file(path, cache_dir=cache)
+    cal = find_calibration(calibration, cache, is_this_machine(cfg.cluster.topology))
+    plan = plan_config(cfg, topology, params=cal.params if cal else None)
+    planned = PlannedConfig(path, cfg, plan, cal)
     print(format_plan(plan, PLAN_CANDIDATES), flush=True)
+    if cal is not None:
+        print(f"kthena serve: plan scored with calibration {cal.path} (fitted to "
+              f"{cal.data.get('source')})", flush=True)
     print(f"kthena serve: plan layout {planned.layout} mode={plan.workload.mode}", flush=True)
     check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
     return planned

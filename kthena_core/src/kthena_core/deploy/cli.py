@@ -1,4 +1,4 @@
-"""``kthena deploy k8s --config deploy.yaml [--image IMAGE] [--out DIR]``.
+"""``kthena deploy k8s --config deploy.yaml [--image IMAGE] [--out DIR] [--calibration FILE]``.
 
 Prints the manifests as one multi-document YAML stream, or with ``--out`` writes one file per
 object (``modelserving.yaml``, ``modelserver.yaml``, ``modelroute.yaml``) and prints their paths.
@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from kthena_core.cache_dir import default_cache_dir
+from kthena_core.calibrate import CalibrationFile, factors_dict, find_calibration
 from kthena_core.deploy.k8s import pd_secret_name, render_manifests, to_yaml
 from kthena_core.deploy.plan import Deployment, plan_deployment
 from kthena_core.deploy.spec import load_deploy_spec
+from kthena_core.planner import Planner
 
 __all__ = ["add_deploy_parser"]
 
@@ -25,12 +28,20 @@ def add_deploy_parser(subparsers: argparse._SubParsersAction) -> None:
     k8s.add_argument("--image", default=None, help="worker image (overrides the file's image)")
     k8s.add_argument("--out", default=None,
                      help="write one YAML file per object into this folder instead of stdout")
+    k8s.add_argument("--calibration", default=None, metavar="FILE.json",
+                     help="plan with this calibration file's factors (`kthena plan --calibrate` "
+                          "writes it; 'none': the defaults; default: this machine's cached one "
+                          "when the topology is this machine's)")
     k8s.set_defaults(func=_cmd_deploy_k8s)
 
 
-def header(dep: Deployment) -> str:
-    """The comment at the top of the rendered YAML: the plan, and the Secret PD needs."""
+def header(dep: Deployment, calibration: CalibrationFile | None = None) -> str:
+    """The comment at the top of the rendered YAML: the plan, its cost factors, and the Secret
+    PD needs."""
     lines = ["Rendered by `kthena deploy k8s`.", f"plan: {dep.summary()}"]
+    if calibration is not None:
+        factors = ", ".join(f"{k} {v:.3g}" for k, v in factors_dict(calibration.params).items())
+        lines.append(f"cost factors: {factors} (calibration {calibration.path})")
     if dep.spec.mode == "pd":
         lines.append(f"needs the Secret {pd_secret_name(dep)} (key: secret) in namespace "
                      f"{dep.spec.namespace}; see docs/kthena.md")
@@ -38,15 +49,19 @@ def header(dep: Deployment) -> str:
 
 
 def _cmd_deploy_k8s(args: argparse.Namespace) -> int:
-    dep = plan_deployment(load_deploy_spec(args.config, image=args.image))
+    spec = load_deploy_spec(args.config, image=args.image)
+    # a deploy file's topology is a catalog node or a YAML file: never this machine's cache
+    calibration = find_calibration(args.calibration, default_cache_dir(), this_machine=False)
+    dep = plan_deployment(spec, Planner(calibration.params if calibration else None))
     manifests = render_manifests(dep)
+    top = header(dep, calibration)
     if args.out is None:
-        print(to_yaml(manifests, header(dep)), end="")
+        print(to_yaml(manifests, top), end="")
         return 0
     os.makedirs(args.out, exist_ok=True)
     for manifest in manifests:
         path = os.path.join(args.out, f"{manifest['kind'].lower()}.yaml")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(to_yaml([manifest], header(dep)))
+            f.write(to_yaml([manifest], top))
         print(path)
     return 0

@@ -39,6 +39,7 @@ from kthena_core.discovery.cpu import (
     read_cpu_facts,
 )
 from kthena_core.discovery.describe import describe
+from kthena_core.discovery.host_probe import HostFigures, measure_host
 from kthena_core.discovery.nvidia import (
     GpuInfo,
     build_nvidia_topology,
@@ -52,6 +53,7 @@ __all__ = [
     "CpuFacts",
     "Discovery",
     "GpuInfo",
+    "HostFigures",
     "NotPresent",
     "NpuChip",
     "NpuSmiInfo",
@@ -68,6 +70,7 @@ __all__ = [
     "discover_ascend",
     "discover_cpu",
     "discover_nvidia",
+    "measure_host",
     "parse_cpulist",
     "parse_lscpu",
     "parse_npu_smi_info",
@@ -118,20 +121,23 @@ class Discovery:
 
 
 def discover_all(*, per_numa: bool = False, per_core: bool = False,
-                 use_torch: bool = True) -> Discovery:
+                 use_torch: bool = True, host: HostFigures | None = None) -> Discovery:
     """Run every probe (never raises except for per_numa with per_core). Ascend devices get NUMA
-    affinities from the CPU facts. ``per_numa`` / ``per_core`` split the CPU host (cpu.py)."""
+    affinities from the CPU facts. ``per_numa`` / ``per_core`` split the CPU host (cpu.py);
+    ``host`` is its measured bandwidth and matmul peak (``measure_host``; None: estimates)."""
     facts = read_cpu_facts()
-    cpu = cpu_topology(facts, per_numa=per_numa, per_core=per_core)
+    cpu = cpu_topology(facts, per_numa=per_numa, per_core=per_core, host=host)
     npu = _guard("npu", lambda: discover_ascend(numa_cpus=numa_cpu_map(facts)))
     gpu = _guard("gpu", lambda: discover_nvidia(use_torch=use_torch))
     return Discovery(npu=npu, gpu=gpu, cpu=cpu)
 
 
-def discover(*, per_numa: bool = False, per_core: bool = False, use_torch: bool = True) -> Topology:
+def discover(*, per_numa: bool = False, per_core: bool = False, use_torch: bool = True,
+             host: HostFigures | None = None) -> Topology:
     """The best topology on this machine: Ascend NPUs, else NVIDIA GPUs, else the CPU host (one
-    device, one per NUMA node with ``per_numa``, one per core with ``per_core``)."""
-    return discover_all(per_numa=per_numa, per_core=per_core, use_torch=use_torch).best
+    device, one per NUMA node with ``per_numa``, one per core with ``per_core``; its figures
+    measured when ``host`` is given)."""
+    return discover_all(per_numa=per_numa, per_core=per_core, use_torch=use_torch, host=host).best
 
 
 def _guard(kind: str, probe: Any) -> Topology | NotPresent:

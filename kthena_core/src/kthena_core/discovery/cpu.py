@@ -10,6 +10,10 @@ uses every core through torch's intra-op threads, and splitting a small model ac
 with gloo costs more than it saves. ``per_numa=True`` gives one device per NUMA node, which
 some experiments need. ``per_core=True`` gives one device per usable physical core, the way
 ``kthena serve --tp/--pp/--dp`` places one rank per core, joined by gloo over loopback.
+
+The host's memory bandwidth and matmul peak come from ``host`` (the host probe's measurement,
+``host_probe.measure_host``, cached per machine); without it they are estimates from the clock
+and flags and a bandwidth placeholder, and the device's ``source`` says so.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import attrs
 
 from kthena_core.discovery._common import ParseError, parse_cpulist
+from kthena_core.discovery.host_probe import HostFigures
 from kthena_core.hardware import cpu_host_spec, get_node
 from kthena_core.topology import Device, Link, Topology
 
@@ -330,8 +335,11 @@ GLOO_LOOPBACK_BW = 1.0e9
 
 
 def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = False, name: str = "",
-                 source: str = "discovered:cpu") -> Topology:
+                 source: str = "discovered:cpu", host: HostFigures | None = None) -> Topology:
     """A single-node topology of the host: one cpu device, one per NUMA node, or one per core.
+
+    ``host``: the measured bandwidth and matmul peak of the whole host (every core's threads);
+    None keeps the estimates. A NUMA node or a core gets its share of both, by cores.
 
     With ``per_numa``, each NUMA node gets the share of cores and the memory it holds, and the
     nodes are joined by "sys" links at half a node's memory bandwidth. That is a rough stand-in for
@@ -348,16 +356,16 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = Fa
     nic = get_node("cpu-host")  # discovery cannot see the NIC speed; assume the catalog's host NIC
     net = {"inter_node_bw": nic.nic_bw, "inter_node_latency": nic.nic_latency}
     if per_core:
-        return _per_core_topology(facts, label, source + ":per-core", net)
+        return _per_core_topology(facts, label, source + ":per-core", net, host)
     if not per_numa or len(facts.numa_nodes) < 2:
-        spec = _host_spec(facts, facts.num_cores, facts.memory_bytes, "cpu-host")
+        spec = _host_spec(facts, facts.num_cores, facts.memory_bytes, "cpu-host", host)
         numa = facts.numa_nodes[0].id if len(facts.numa_nodes) == 1 else None
         return Topology(devices=(Device(0, 0, 0, spec, numa_node=numa),), name=label, source=source, **net)
     devices, total_cpus = [], sum(len(n.cpus) for n in facts.numa_nodes)
     for i, node in enumerate(facts.numa_nodes):
         cores = max(1, round(facts.num_cores * len(node.cpus) / total_cpus))
         memory = node.memory_bytes or facts.memory_bytes // len(facts.numa_nodes)
-        spec = _host_spec(facts, cores, memory, f"cpu-numa{node.id}")
+        spec = _host_spec(facts, cores, memory, f"cpu-numa{node.id}", host)
         devices.append(Device(i, 0, i, spec, numa_node=node.id))
     links = tuple(
         Link(a=a.index, b=b.index, kind="sys", latency=2e-6, via="NUMA",
@@ -367,23 +375,34 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = Fa
     return Topology(devices=tuple(devices), links=links, name=label, source=source + ":per-numa", **net)
 
 
-def _host_spec(facts: CpuFacts, cores: int, memory: int, name: str, **figures: float):
-    return cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch, clock_hz=facts.clock_hz,
-                         name=name, vendor=facts.vendor or "generic", **figures)
+def _host_spec(facts: CpuFacts, cores: int, memory: int, name: str, host: HostFigures | None):
+    """``cores`` of this host as one device; with ``host``, its measured figures scaled by
+    cores / the host's cores (the cores share one memory bus and scale the matmul peak)."""
+    if host is None:
+        return cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch,
+                             clock_hz=facts.clock_hz, name=name, vendor=facts.vendor or "generic")
+    share = cores / max(facts.num_cores, 1)
+    return cpu_host_spec(cores, memory, memory_bw=host.memory_bw * share,
+                         peak_flops={k: v * share for k, v in host.peak_flops.items()},
+                         name=name, vendor=facts.vendor or "generic",
+                         source=host.describe() + ("" if share == 1 else
+                                                   f"; this device's share {cores}/{facts.num_cores}"))
 
 
-def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, float]) -> Topology:
+def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, float],
+                       host: HostFigures | None) -> Topology:
     """One device per usable physical core: the layout ``kthena serve`` runs with one rank per core.
 
     Each core gets the figures that are honestly its own when every core works at once, which
     is what a tp / pp / dp layout over all cores does:
 
-    * FLOP/s: one core's peak (clock x FLOP/cycle), so the devices sum to the host's.
+    * FLOP/s: one core's peak (the host probe's measured peak / cores; without a measurement,
+      clock x FLOP/cycle), so the devices sum to the host's.
     * memory bandwidth: the host's figure divided by the cores. The cores share one memory bus,
       and a rank that is decoding is bandwidth-bound; one core alone can pull more than its
-      share (a PP stage while the other stage waits), which this model does not credit. The
-      figure is cpu_host_spec's placeholder, not a measurement: calibrate it with a one-thread
-      ``kthena bench serve --threads 1`` (docs/bench_layouts.md).
+      share (a PP stage while the other stage waits), which this model does not credit; the
+      memory efficiency a one-thread ``kthena bench serve --threads 1`` calibration fits may
+      therefore approach 1.0 (docs/bench_layouts.md).
     * memory capacity: usable RAM divided by the cores (0, "unknown", stays 0).
     * fabric: gloo over loopback (``GLOO_LOOPBACK_BW`` / ``GLOO_LOOPBACK_LATENCY``, measured),
       as every core's ``link_bw`` / ``link_latency`` rather than n x (n - 1) / 2 explicit links:
@@ -393,10 +412,11 @@ def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, 
     NUMA nodes in proportion to the usable CPUs each node holds.
     """
     n = facts.num_cores
-    host = _host_spec(facts, n, facts.memory_bytes, "cpu-host")
-    core = _host_spec(facts, 1, facts.memory_bytes // n, "cpu-core", memory_bw=host.memory_bw / n)
+    whole = _host_spec(facts, n, facts.memory_bytes, "cpu-host", host)
+    core = _host_spec(facts, 1, facts.memory_bytes // n, "cpu-core", host)
     core = attrs.evolve(
-        core, link_bw=GLOO_LOOPBACK_BW, link_latency=GLOO_LOOPBACK_LATENCY,
+        core, memory_bw=whole.memory_bw / n, pcie_bw=whole.memory_bw / n,
+        link_bw=GLOO_LOOPBACK_BW, link_latency=GLOO_LOOPBACK_LATENCY,
         source=f"one of {n} cores: {core.source}; 1/{n} of the host's memory bandwidth and RAM; "
                "fabric gloo over loopback (measured, see discovery/cpu.py)")
     cpus = [(node.id, cpu) for node in facts.numa_nodes for cpu in node.cpus]
@@ -406,10 +426,11 @@ def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, 
 
 
 def discover_cpu(*, per_numa: bool = False, per_core: bool = False, root: str | Path = "/",
-                 usable_cpus: set[int] | None = None) -> Topology:
-    """This host's CPU as a Topology (always succeeds; missing files just mean fewer facts)."""
+                 usable_cpus: set[int] | None = None, host: HostFigures | None = None) -> Topology:
+    """This host's CPU as a Topology (always succeeds; missing files just mean fewer facts).
+    ``host``: the host probe's measurement (None: estimated figures)."""
     return cpu_topology(read_cpu_facts(root, usable_cpus=usable_cpus), per_numa=per_numa,
-                        per_core=per_core)
+                        per_core=per_core, host=host)
 
 
 def numa_cpu_map(facts: CpuFacts) -> Mapping[int, tuple[int, ...]]:

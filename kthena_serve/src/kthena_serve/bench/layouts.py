@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
     from kthena_core.calibrate import Calibration
     from kthena_core.cost_model import CostParams
-    from kthena_core.discovery import CpuFacts
+    from kthena_core.discovery import CpuFacts, HostFigures
     from kthena_core.model_spec import ModelSpec
     from kthena_core.topology import Topology
 
@@ -183,22 +183,25 @@ def predictions(model: ModelSpec, layout: LayoutSpec, options: LayoutBenchOption
 
 
 def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
-              source: str) -> Calibration:
+              source: str, host: HostFigures | None = None) -> Calibration:
     """Fit the cost model to ``bench`` on the device it ran on: ``machine.torch_threads`` cores
-    of this host (default all), each with the figures of an ``auto:cores`` device. The factors
-    then scale the same per-core figures the predictions use, whatever the bench's threads.
+    of this host (default all), each with the figures of an ``auto:cores`` device (measured by
+    ``host``: the host probe's figures). The factors then scale the same per-core figures the
+    predictions use, whatever the bench's threads.
 
     Raises:
-        CalibrationError: the bench JSON does not fit this model.
+        CalibrationError: the bench JSON does not fit this model, or the fit is unphysical.
     """
     from kthena_core.calibrate import fit_calibration
     from kthena_core.discovery import cpu_topology
 
     threads = int((bench.get("machine") or {}).get("torch_threads") or facts.num_cores)
-    core = cpu_topology(facts, per_core=True).devices[0].spec
-    ran_on = cpu_topology(attrs.evolve(facts, num_cores=threads))
+    core = cpu_topology(facts, per_core=True, host=host).devices[0].spec
+    ran_on = cpu_topology(facts, host=host)
     device = ran_on.devices[0]
-    spec = attrs.evolve(device.spec, memory_bw=core.memory_bw * threads)
+    spec = attrs.evolve(device.spec, memory_bw=core.memory_bw * threads,
+                        peak_flops={k: v * threads for k, v in core.peak_flops.items()},
+                        source=f"{threads} x ({core.source})")
     ran_on = attrs.evolve(ran_on, devices=(attrs.evolve(device, spec=spec),))
     return fit_calibration(bench, model, ran_on, source=source)
 
@@ -250,6 +253,12 @@ def format_table(result: Mapping[str, Any]) -> str:
                                 else f"{vs[s]['throughput_tok_s']:.2f}x"
                                 for s in ("measured", "predicted_default", "predicted_calibrated")))
         lines.append("| " + " | ".join(cells) + " |")
+    ratios = [r for row in result["layouts"].values()
+              for r in row.get("ratio", {}).get("calibrated", {}).values() if r]
+    if ratios:
+        within = sum(abs(1 / r - 1) <= 0.25 for r in ratios)
+        lines.append(f"\ncalibrated prediction within ±25% of measured: {within} of "
+                     f"{len(ratios)} figures (worst {max(abs(1 / r - 1) for r in ratios):.0%})")
     m = result["machine"]
     lines.append(f"\nmeasured / planner default / planner calibrated; {m.get('cpu')}, "
                  f"{m.get('cores')} cores, load {m.get('loadavg_before')} -> {m.get('loadavg_after')}")
@@ -462,7 +471,7 @@ def _bench_serve(options: LayoutBenchOptions, threads: int | None) -> dict[str, 
 
 
 def _calibrations(options: LayoutBenchOptions, model: ModelSpec, facts: CpuFacts,
-                  ) -> dict[str, Any]:
+                  host_figures: HostFigures | None = None) -> dict[str, Any]:
     """{"host": Calibration, "cores": Calibration, "benches": {...}}: one fit per kind of device.
 
     Threads do not scale a small model's step evenly (batch 1 on this project's 2 cores: one
@@ -480,9 +489,11 @@ def _calibrations(options: LayoutBenchOptions, model: ModelSpec, facts: CpuFacts
     else:
         core_bench = _bench_serve(options, 1)
     this_run = "kthena bench serve --cases a,b{} (this run)"
-    host = calibrate(host_bench, model, facts, options.calibrate or this_run.format(""))
+    host = calibrate(host_bench, model, facts, options.calibrate or this_run.format(""),
+                     host_figures)
     cores = host if core_bench is None else calibrate(
-        core_bench, model, facts, options.calibrate_cores or this_run.format(" --threads 1"))
+        core_bench, model, facts, options.calibrate_cores or this_run.format(" --threads 1"),
+        host_figures)
     return {"host": host, "cores": cores, "benches": {"host": host_bench, "cores": core_bench}}
 
 
@@ -493,14 +504,18 @@ def run_layout_bench(options: LayoutBenchOptions) -> dict[str, Any]:
         CalibrationError: the bench JSON does not fit the model.
         LayoutBenchError: a server did not start or failed a request.
     """
-    from kthena_core.discovery import cpu_topology, read_cpu_facts
+    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
     from kthena_core.known_models import load_model_spec
 
     machine = _machine()
     model = load_model_spec(options.model)
     facts = read_cpu_facts()
-    cals = _calibrations(options, model, facts)
-    host, cores = cpu_topology(facts), cpu_topology(facts, per_core=True)
+    measured = measure_host(default_cache_dir())  # the peaks the factors are fractions of
+    machine["host_probe"] = measured.to_dict() if measured else None
+    cals = _calibrations(options, model, facts, measured)
+    host = cpu_topology(facts, host=measured)
+    cores = cpu_topology(facts, per_core=True, host=measured)
     rows: dict[str, dict[str, Any]] = {}
     for layout in options.layouts:
         lay = layout.layout

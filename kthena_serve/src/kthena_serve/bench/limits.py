@@ -1,6 +1,7 @@
 """Physical limits of ``kthena bench serve``'s workloads on the machine they ran on.
 
-Two figures are measured on the bench's own torch threads, each the best of a few runs:
+Two figures are measured on the bench's own torch threads, each the best of a few runs, by the
+probes CPU discovery uses (``kthena_core.discovery.host_probe``):
 
 * memory bandwidth: a ``sum`` over a 256 MiB tensor (bytes read ÷ seconds), in bf16 and in
   float32; the larger counts, since the bf16 sum can be bound by its conversions, not memory;
@@ -28,12 +29,12 @@ and limit ÷ achieved for a time, so 1.0 is the machine's limit for both.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kthena_core.discovery.host_probe import BANDWIDTH_BYTES, measure_bandwidth, measure_matmul_peak
 from kthena_core.dtypes import dtype_bytes
 from kthena_core.shape import ModelShape
 
@@ -48,7 +49,6 @@ COMPARED = (("(a) decode, batch 1, tok/s", "a_batch1", "decode_tok_s"),
             ("(b) 32 x (128 -> 64), output tok/s", "b_offline", "output_tok_s"),
             ("(c) shared prefix, reuse on, total s", "c_shared_prefix_reuse", "total_s"),
             ("(c) shared prefix, reuse off, total s", "c_shared_prefix_no_reuse", "total_s"))
-BANDWIDTH_BYTES = 256 * 2**20
 MATMUL_ROWS = 2048
 
 
@@ -171,49 +171,17 @@ def peer_speedups(ours: Mapping[str, Mapping[str, float]],
 
 
 # ---- measurement -------------------------------------------------------------------------------
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after a warm-up: a limit is the best the machine
-    did, and on a shared machine the slower runs measure the neighbours, not the hardware."""
-    fn()  # warm-up: page faults, oneDNN primitive creation
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _bandwidth(repeats: int) -> dict[str, float]:
-    """Bytes/s read by a sum over 256 MiB, bf16 and float32 (the larger one is the limit: on
-    some CPUs the bf16 -> float conversion, not memory, bounds the bf16 sum)."""
-    import torch
-
-    out = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        data = torch.ones(BANDWIDTH_BYTES // torch.empty((), dtype=dtype).element_size(),
-                          dtype=dtype)
-        out[str(dtype).removeprefix("torch.")] = BANDWIDTH_BYTES / _best_s(data.sum, repeats)
-        del data
-    return out
-
-
 def measure_limits(shape: ModelShape, repeats: int = 5) -> tuple[MachineLimits, dict[str, Any]]:
-    """Measure bandwidth and matmul peak on torch's current threads; (limits, JSON details)."""
-    import torch
-    import torch.nn.functional as F
+    """Measure bandwidth and matmul peak on torch's current threads; (limits, JSON details).
 
-    with torch.inference_mode():
-        reads = _bandwidth(repeats)
-        out_features, in_features = largest_linear(shape)
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(MATMUL_ROWS, in_features, generator=generator)
-        w = torch.randn(out_features, in_features, generator=generator)
-        flops = 2 * MATMUL_ROWS * in_features * out_features
-        peaks = {}
-        for dtype in (torch.bfloat16, torch.float32):
-            xd, wd = x.to(dtype), w.to(dtype)
-            peaks[str(dtype).removeprefix("torch.")] = flops / _best_s(
-                lambda xd=xd, wd=wd: F.linear(xd, wd), repeats)
+    The probes are discovery's (``kthena_core.discovery.host_probe``), here at the model's own
+    largest linear.
+    """
+    import torch
+
+    reads = measure_bandwidth(BANDWIDTH_BYTES, repeats)
+    out_features, in_features = largest_linear(shape)
+    peaks = measure_matmul_peak(MATMUL_ROWS, in_features, out_features, repeats)
     limits = MachineLimits(max(reads.values()), max(peaks.values()))
     details = {"bandwidth_gb_s": round(limits.bandwidth_bytes_s / 1e9, 2),
                **{f"sum_{name}_gb_s": round(v / 1e9, 2) for name, v in reads.items()},

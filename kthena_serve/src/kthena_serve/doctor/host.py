@@ -65,6 +65,7 @@ def load_host_facts(config_path: str | None, environ: Mapping[str, str],
     Raises:
         DoctorError: the config does not load, or its topology cannot be resolved.
     """
+    from kthena_core.cache_dir import default_cache_dir
     from kthena_core.config_plan import plan_config_file
     from kthena_core.discovery import discover_all
     from kthena_core.planner import NoFeasiblePlanError
@@ -75,7 +76,7 @@ def load_host_facts(config_path: str | None, environ: Mapping[str, str],
     if not os.path.isfile(config_path):
         raise DoctorError(f"--config {config_path}: no such file")
     try:
-        cfg, topology, plan = plan_config_file(config_path)
+        cfg, topology, plan = plan_config_file(config_path, cache_dir=default_cache_dir())
     except NoFeasiblePlanError as error:
         cfg, topology = _config_and_topology(config_path)
         return HostFacts(cfg, topology, None, str(error), discovery, environ)
@@ -86,14 +87,10 @@ def load_host_facts(config_path: str | None, environ: Mapping[str, str],
 
 def _config_and_topology(path: str) -> tuple[KthenaConfig, Topology]:
     """The config and topology of a config the planner refused (both loaded fine before)."""
-    from kthena_core.config import load_config
-    from kthena_core.config_plan import resolve_topology
+    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.config_plan import load_config_file
 
-    cfg = load_config(path)
-    spec = cfg.cluster.topology
-    if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
-        spec = os.path.join(os.path.dirname(os.path.abspath(path)), spec)
-    return cfg, resolve_topology(spec)
+    return load_config_file(path, cache_dir=default_cache_dir())
 
 
 def host_checks(facts: HostFacts) -> list[Check]:

@@ -22,19 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kthena_core.cache_dir import CACHE_ENV, default_cache_dir  # noqa: F401 - re-exported here
 from kthena_serve.model._gguf_vocab import build_tokenizer, tokenizer_config
 from kthena_serve.model._gguf_weights import hf_config, iter_hf_tensors
 from kthena_serve.model.errors import ConversionError
 
 DEFAULT_CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "KTHENA_CACHE_DIR"
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors",
                     "tokenizer.json", "tokenizer_config.json")
-
-
-def default_cache_dir() -> Path:
-    """``$KTHENA_CACHE_DIR`` if set, else ``~/.cache/kthena``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kthena")
 
 
 def ensure_default_checkpoint(cache_dir: str | os.PathLike[str] | None = None,
