@@ -294,3 +294,55 @@ def test_pd_router_passes_a_decode_workers_refusal_on() -> None:
                       if line.startswith("data: {")]
             assert events[-1]["error"]["code"] == "overloaded"  # headers were out: in band
             assert stream.text.rstrip().endswith("data: [DONE]")
+
+
+def test_pd_router_keeps_one_queue_per_path() -> None:
+    """A prompt prefilled on the decode worker's core (short: under pd_threshold) and one sent
+    to a prefill worker wait in different queues: the short one queued does not count against
+    a long one, and a second long one is refused by its own path's queue."""
+    from kthena_serve.cluster.router import Router
+    from kthena_serve.pd.frontend import DISAGGREGATED, LOCAL, RemoteEngine, build_router_app
+
+    release = threading.Event()
+    short = "Hi there"
+    long_prompt = " ".join(["The capital of France is a city of light."] * 8)
+    tokenizer = default_tokenizer()
+    threshold = len(tokenizer.encode(short)) + 1
+    assert len(tokenizer.encode(long_prompt)) > threshold
+    config = EngineConfig(max_queued_tokens=len(tokenizer.encode(long_prompt)),
+                          max_queue_delay_s=0)
+    try:
+        with BackgroundServer(_decode_worker(False, release)) as worker:
+            router = Router([("decode-0", "decode", worker.url),
+                             ("prefill-0", "prefill", worker.url)],
+                            PDConfig(pd_threshold_tokens=threshold), block_size=config.block_size)
+            for state in router.workers.values():
+                state.is_up = True
+            remote = RemoteEngine(router, tokenizer, config, (2048, 49152))
+            app = build_router_app(remote, model_name=MODEL)
+            with contextlib.closing(router), BackgroundServer(app) as server, \
+                    httpx.Client(base_url=server.url, timeout=60) as http:
+                def body(prompt: str, **extra) -> dict:
+                    return {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+
+                with http.stream("POST", "/v1/completions",
+                                 json=body(short, stream=True)) as first:
+                    assert first.status_code == 200
+                    wait_until(lambda: remote.admission[LOCAL].load().num_requests == 1,
+                               "the short prompt queued locally")
+                    with http.stream("POST", "/v1/completions",
+                                     json=body(long_prompt, stream=True)) as second:
+                        # one queue for both would hold short + long tokens, over the bound
+                        assert second.status_code == 200  # its own queue was empty
+                        wait_until(lambda: remote.admission[DISAGGREGATED].load().num_requests
+                                   == 1, "the long prompt queued for a prefill worker")
+                        assert remote.stats().queue.num_requests == 2  # both, reported
+                        # a second long prompt: its own path's queue is at the bound
+                        assert_overloaded(http.post("/v1/completions", json=body(long_prompt)))
+                        release.set()
+                        assert read_stream(second) == "x"
+                    assert read_stream(first) == "x"
+                assert all(g.load().num_requests == 0 for g in remote.admission.values())
+                assert not remote._path_of
+    finally:
+        release.set()

@@ -212,6 +212,17 @@ class Router:
         Raises:
             LookupError: no decode worker is up.
         """
+        decision = self.preview(prompt_ids, cache_salt)
+        self.metrics.decision(decision.reason)
+        return decision
+
+    def preview(self, prompt_ids: list[int], cache_salt: str | None = None) -> Decision:
+        """What ``choose`` would pick now, counting nothing (the PD router's admission asks
+        which path, a prefill worker or the decode worker's own core, a prompt will take).
+
+        Raises:
+            LookupError: no decode worker is up.
+        """
         with self._lock:
             decodes, prefills = self.up("decode"), self.up("prefill")
             if not decodes:
@@ -230,7 +241,6 @@ class Router:
                 reason = "disaggregated"
                 prefill = max(prefills, key=lambda w: self._score(
                     w, prefills, cached.get(w.name, 0) / num_blocks))
-        self.metrics.decision(reason)
         return Decision(decode, prefill, reason, decode_cached)
 
     def _score(self, worker: WorkerState, peers: list[WorkerState], overlap: float) -> float:

@@ -6,10 +6,14 @@ asks the ``Router`` for workers, and streams the decode worker's NDJSON outputs;
 re-stamped here, on the client's side of the wire. Its stats are the sum of what the workers
 measured and reported in their last ``/pd/state``.
 
-Overload: the router is the admission point of a PD deployment. It keeps its own
-``AdmissionGate`` (admission.py) over every request it sent and has not seen a first token of,
-with the workers' ``EngineConfig`` bounds; its rate is measured here (admission to first token,
-through prefill and handoff), starting from the sum of the decode workers' reported rates. Decode
+Overload: the router is the admission point of a PD deployment. A prompt takes one of two
+paths whose speeds differ by an order of magnitude: a prefill worker (``disaggregated``) or the
+decode worker's own core between its decode steps (``local``: a short uncached part, or no
+prefill worker). So the router keeps one ``AdmissionGate`` (admission.py) per path, with the
+workers' ``EngineConfig`` bounds, over every request it sent that way and has not seen a first
+token of; the path is the router's own pick (``Router.preview``) at admission, each gate's rate
+and error are measured here (admission to first token), starting from the reported rates of
+the workers on that path (prefill workers, or decode workers). Decode
 workers do not check ``/pd/generate`` again (a refusal there would come after this router's 200
 went out); one that answers 503 ``overloaded`` all the same (a worker that is not this
 deployment's) is passed on as ``OverloadedError``: the app's 503 with the worker's
@@ -43,7 +47,11 @@ from kthena_serve.pd.protocol import output_from_json, params_to_json
 from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.server.errors import OVERLOADED
 
-__all__ = ["RemoteEngine", "build_router_app"]
+__all__ = ["DISAGGREGATED", "LOCAL", "PATHS", "RemoteEngine", "build_router_app"]
+
+DISAGGREGATED, LOCAL = "disaggregated", "local"  # a prompt's path: a prefill worker, or not
+PATHS = (DISAGGREGATED, LOCAL)
+_MAX_PATHS_KEPT = 4096
 
 
 class RemoteEngine:
@@ -68,7 +76,9 @@ class RemoteEngine:
         self._processor = InputProcessor(tokenizer, self._limits, config.chat_special_tokens)
         self._client: httpx.AsyncClient | None = None
         self._closing: str | None = None  # set by abort_all: the server is shutting down
-        self.admission = AdmissionGate(AdmissionLimits.of(config))
+        limits = AdmissionLimits.of(config)
+        self.admission = {path: AdmissionGate(limits) for path in PATHS}  # path -> its gate
+        self._path_of: dict[str, str] = {}  # request id -> the path it was admitted on
 
     @classmethod
     def for_model(cls, router: Router, config: EngineConfig, tokenizer=None, *,  # noqa: ANN001
@@ -107,26 +117,55 @@ class RemoteEngine:
         parts = [EngineStats.from_json(w.stats) for w in workers]
         decodes = [p for p, w in zip(parts, workers, strict=True) if w.role == "decode"]
         total = EngineStats.total(parts, self.config.block_size, kv_from=decodes)
-        return attrs.evolve(total, queue=self.admission.load(self._prior_rate()))
+        queue = QueueLoad.total([gate.load(self._prior_rate(path))
+                                 for path, gate in self.admission.items()])
+        return attrs.evolve(total, queue=queue)
 
-    def _prior_rate(self) -> float | None:
-        """The decode workers' reported rates summed: the router's rate before it measures."""
-        loads = [QueueLoad.from_json(w.stats.get("queue")) for w in self.router.up("decode")
-                 if w.stats]
-        rates = [q.prefill_tokens_per_s for q in loads
-                 if q is not None and q.prefill_tokens_per_s is not None]
-        return sum(rates) if rates else None
+    def _prior_rate(self, path: str) -> float | None:
+        """The reported rates of the workers on ``path`` summed (prefill workers for
+        ``disaggregated``, else decode workers; decode workers when no prefill worker
+        reported one): a gate's rate before it measures."""
+        def summed(role: str) -> float | None:
+            loads = [QueueLoad.from_json(w.stats.get("queue")) for w in self.router.up(role)
+                     if w.stats]
+            rates = [q.prefill_tokens_per_s for q in loads
+                     if q is not None and q.prefill_tokens_per_s is not None]
+            return sum(rates) if rates else None
+
+        rate = summed("prefill") if path == DISAGGREGATED else None
+        return rate if rate is not None else summed("decode")
+
+    def _path(self, request: EngineRequest) -> str:
+        try:
+            decision = self.router.preview(list(request.prompt_ids), request.cache_salt)
+        except LookupError:
+            return LOCAL  # no decode worker: generate will say so
+        return DISAGGREGATED if decision.prefill is not None else LOCAL
 
     def check_admission(self, requests: Sequence[EngineRequest]) -> None:
-        """Queue one API call's requests at the router, or refuse them all past the bound.
+        """Queue one API call's requests at the router, each on its path's gate, or refuse
+        them all when any path is past its bound.
 
         Raises:
-            OverloadedError: the router's queue is past its bound.
+            OverloadedError: a path's queue is past its bound.
         """
-        refusal = self.admission.try_admit([(r.request_id, len(r.prompt_ids)) for r in requests],
-                                           self._prior_rate())
-        if refusal is not None:
-            raise refusal.error()
+        by_path: dict[str, list[EngineRequest]] = {}
+        for request in requests:
+            by_path.setdefault(self._path(request), []).append(request)
+        admitted: list[tuple[str, EngineRequest]] = []
+        for path, group in by_path.items():
+            refusal = self.admission[path].try_admit(
+                [(r.request_id, len(r.prompt_ids)) for r in group], self._prior_rate(path))
+            if refusal is not None:
+                for done_path, request in admitted:  # all of the call or none of it
+                    self.admission[done_path].forget(request.request_id)
+                    self._path_of.pop(request.request_id, None)
+                raise refusal.error()
+            for request in group:
+                self._path_of[request.request_id] = path
+                admitted.append((path, request))
+        while len(self._path_of) > _MAX_PATHS_KEPT:  # admitted, then never streamed (a 400)
+            self._path_of.pop(next(iter(self._path_of)))
 
     def abort(self, request_id: str) -> None:
         """Closing the stream to the decode worker aborts the request there."""
@@ -148,17 +187,19 @@ class RemoteEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request from a decode worker; it is queued (admission) until its first
         token. Leaving early closes the worker's stream, which aborts it there."""
-        self.admission.claim(request.request_id, len(request.prompt_ids))
+        path = self._path_of.pop(request.request_id, None) or self._path(request)
+        gate = self.admission[path]
+        gate.claim(request.request_id, len(request.prompt_ids))
         queued = True
         try:
             async with contextlib.aclosing(self._generate(request)) as outputs:
                 async for out in outputs:
                     if queued and out.token_ids:
-                        self.admission.started(request.request_id)
+                        gate.started(request.request_id)
                         queued = False
                     yield out
         finally:
-            self.admission.forget(request.request_id)
+            gate.forget(request.request_id)
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         try:
