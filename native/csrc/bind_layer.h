@@ -20,11 +20,12 @@ std::optional<at::Tensor> int8_linear(const at::Tensor&, const at::Tensor&, cons
 
 inline void def_layer_ops(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("write_kv", &write_kv);
-  m.def("rms_norm", &rms_norm);
-  m.def("rotary_embedding", &rotary_embedding);
-  m.def("silu_and_mul", &silu_and_mul);
-  m.def("int8_linear", &int8_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_embedding", &rotary_embedding, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear", &int8_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace mops

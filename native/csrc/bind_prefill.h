@@ -21,7 +21,7 @@ inline void def_paged_prefill_attention(pybind11::module_& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("cached_lens"),
         py::arg("query_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace mops

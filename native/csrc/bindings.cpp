@@ -1,6 +1,9 @@
 // Python module mooncake_ops_native: the CPU kernels mooncake_ops loads when present.
 // Every entry returns None / False when a call does not fit the kernel, so the Python adapter
 // runs the PyTorch reference instead; bad values raise ValueError (std::invalid_argument).
+// Every kernel runs with the GIL released (py::call_guard<py::gil_scoped_release>: arguments
+// are converted before and the result after, with the GIL held): the engine thread's kernels
+// no longer stop the server's event loop, which then answers HTTP while a step computes.
 #include <torch/extension.h>
 
 #include <optional>
@@ -28,11 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
-  m.def("bf16_pack_weight", &mops::bf16_pack_weight);
-  m.def("bf16_gate_up_silu", &mops::bf16_gate_up_silu, py::arg("x"), py::arg("weight"));
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_pack_weight", &mops::bf16_pack_weight, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_gate_up_silu", &mops::bf16_gate_up_silu, py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_supported", &mops::bf16_linear_supported);
   m.def("bf16_int8_weight_linear", &mops::bf16_int8_weight_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
-  m.def("bf16_int8_weight_gate_up_silu", &mops::bf16_int8_weight_gate_up_silu, py::arg("x"), py::arg("weight"));
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_int8_weight_gate_up_silu", &mops::bf16_int8_weight_gate_up_silu, py::arg("x"), py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
 }

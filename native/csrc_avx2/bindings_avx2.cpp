@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mooncake_ops native CPU kernels (AVX2)";
   m.attr("isa") = "avx2";
   mops::def_paged_decode_attention(m);
-  m.def("dense_linear", &mops::dense_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("dense_linear", &mops::dense_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
 }
