@@ -111,6 +111,14 @@ class RedisServer:
             probe.close()
         raise AssertionError("redis-server did not start")
 
+    def kill(self) -> None:
+        """SIGKILL: the server is lost, as in a crash (``start`` brings up an empty one on the
+        same port)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -33,6 +32,7 @@ import pytest
 from _faults import Link, inside, nft_reason
 from _netns import two_host_network
 from _tiny import default_tokenizer, greedy_text
+from test_kv_events_redis import RedisServer
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
@@ -428,7 +428,7 @@ def test_redis_lost_under_load_then_back(tmp_path) -> None:  # noqa: ANN001
     from kthena_serve.server.metrics import add_collector
 
     prompts = list(LOAD_PROMPTS)  # the load picks up prompts added while it runs
-    server = RedisProcess(tmp_path).start()
+    server = RedisServer(tmp_path).start()
     client = redis.Redis(port=server.port, socket_timeout=5)
     publishers: list[RedisKVPublisher] = []
 
@@ -480,51 +480,3 @@ def _run_id(client) -> str | None:  # noqa: ANN001
     except redis.RedisError:
         return None
 
-
-class RedisProcess:
-    """A ``redis-server`` of this test's own on a free 127.0.0.1 port (no persistence)."""
-
-    def __init__(self, workdir) -> None:  # noqa: ANN001
-        import shutil
-        import socket
-
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is missing: make install (apt-get install redis-server)")
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.workdir, self.url = workdir, f"redis://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> RedisProcess:
-        import redis
-
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        probe = redis.Redis(port=self.port, socket_timeout=1)
-        try:
-            wait_for(lambda: _pings(probe), 10, "redis-server answering")
-        finally:
-            probe.close()
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-
-def _pings(client) -> bool:  # noqa: ANN001
-    import redis
-
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
