@@ -343,6 +343,6 @@ def test_pd_router_keeps_one_queue_per_path() -> None:
                         assert read_stream(second) == "x"
                     assert read_stream(first) == "x"
                 assert all(g.load().num_requests == 0 for g in remote.admission.values())
-                assert not remote._path_of
+                assert not remote._admitted
     finally:
         release.set()

@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from kthena_serve.admission import AdmissionGate, AdmissionLimits, QueueLoad
 from kthena_serve.client import EngineStats
 from kthena_serve.cluster.auth import auth_headers
-from kthena_serve.cluster.router import Router
+from kthena_serve.cluster.router import Decision, Router
 from kthena_serve.config import EngineConfig
 from kthena_serve.errors import (
     EngineDeadError,
@@ -78,7 +78,9 @@ class RemoteEngine:
         self._closing: str | None = None  # set by abort_all: the server is shutting down
         limits = AdmissionLimits.of(config)
         self.admission = {path: AdmissionGate(limits) for path in PATHS}  # path -> its gate
-        self._path_of: dict[str, str] = {}  # request id -> the path it was admitted on
+        # request id -> (its path, the router's pick at admission, None without a decode
+        # worker): generate routes by that pick instead of hashing the prompt again
+        self._admitted: dict[str, tuple[str, Decision | None]] = {}
 
     @classmethod
     def for_model(cls, router: Router, config: EngineConfig, tokenizer=None, *,  # noqa: ANN001
@@ -135,12 +137,13 @@ class RemoteEngine:
         rate = summed("prefill") if path == DISAGGREGATED else None
         return rate if rate is not None else summed("decode")
 
-    def _path(self, request: EngineRequest) -> str:
+    def _pick(self, request: EngineRequest) -> tuple[str, Decision | None]:
+        """(path, the router's pick now, counting nothing); None: no decode worker is up."""
         try:
             decision = self.router.preview(list(request.prompt_ids), request.cache_salt)
         except LookupError:
-            return LOCAL  # no decode worker: generate will say so
-        return DISAGGREGATED if decision.prefill is not None else LOCAL
+            return LOCAL, None  # generate says so
+        return (DISAGGREGATED if decision.prefill is not None else LOCAL), decision
 
     def check_admission(self, requests: Sequence[EngineRequest]) -> None:
         """Queue one API call's requests at the router, each on its path's gate, or refuse
@@ -149,9 +152,10 @@ class RemoteEngine:
         Raises:
             OverloadedError: a path's queue is past its bound.
         """
+        picks = {r.request_id: self._pick(r) for r in requests}
         by_path: dict[str, list[EngineRequest]] = {}
         for request in requests:
-            by_path.setdefault(self._path(request), []).append(request)
+            by_path.setdefault(picks[request.request_id][0], []).append(request)
         admitted: list[tuple[str, EngineRequest]] = []
         for path, group in by_path.items():
             refusal = self.admission[path].try_admit(
@@ -159,13 +163,13 @@ class RemoteEngine:
             if refusal is not None:
                 for done_path, request in admitted:  # all of the call or none of it
                     self.admission[done_path].forget(request.request_id)
-                    self._path_of.pop(request.request_id, None)
+                    self._admitted.pop(request.request_id, None)
                 raise refusal.error()
             for request in group:
-                self._path_of[request.request_id] = path
+                self._admitted[request.request_id] = picks[request.request_id]
                 admitted.append((path, request))
-        while len(self._path_of) > _MAX_PATHS_KEPT:  # admitted, then never streamed (a 400)
-            self._path_of.pop(next(iter(self._path_of)))
+        while len(self._admitted) > _MAX_PATHS_KEPT:  # admitted, then never streamed (a 400)
+            self._admitted.pop(next(iter(self._admitted)))
 
     def abort(self, request_id: str) -> None:
         """Closing the stream to the decode worker aborts the request there."""
@@ -187,12 +191,12 @@ class RemoteEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request from a decode worker; it is queued (admission) until its first
         token. Leaving early closes the worker's stream, which aborts it there."""
-        path = self._path_of.pop(request.request_id, None) or self._path(request)
+        path, decision = self._admitted.pop(request.request_id, None) or self._pick(request)
         gate = self.admission[path]
         gate.claim(request.request_id, len(request.prompt_ids))
         queued = True
         try:
-            async with contextlib.aclosing(self._generate(request)) as outputs:
+            async with contextlib.aclosing(self._generate(request, decision)) as outputs:
                 async for out in outputs:
                     if queued and out.token_ids:
                         gate.started(request.request_id)
@@ -201,11 +205,15 @@ class RemoteEngine:
         finally:
             gate.forget(request.request_id)
 
-    async def _generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        try:
-            decision = self.router.choose(list(request.prompt_ids), request.cache_salt)
-        except LookupError as error:
-            raise EngineDeadError(f"no worker can take the request: {error}") from None
+    async def _generate(self, request: EngineRequest, decision: Decision | None
+                        ) -> AsyncIterator[RequestOutput]:
+        if decision is None:
+            try:
+                decision = self.router.choose(list(request.prompt_ids), request.cache_salt)
+            except LookupError as error:
+                raise EngineDeadError(f"no worker can take the request: {error}") from None
+        else:
+            self.router.metrics.decision(decision.reason)
         decode = decision.decode
         body = {"request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
                 "params": params_to_json(request.params), "cache_salt": request.cache_salt,
