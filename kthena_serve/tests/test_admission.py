@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kthena_serve.admission import (
+    ESTIMATE_FLOOR_S,
+    FACTOR_HALF_LIFE_S,
+    FACTOR_KEEP_S,
     MAX_RETRY_AFTER_S,
     AdmissionGate,
     AdmissionLimits,
+    KVOutlook,
     QueueLoad,
     ServiceRate,
     decide,
@@ -68,15 +73,54 @@ def test_past_the_token_bound_is_refused() -> None:
     assert slow is not None and slow.retry_after_s == MAX_RETRY_AFTER_S  # 300 s, capped
 
 
-def test_the_measured_error_is_added_before_the_delay_bound() -> None:
+def test_the_measured_factor_scales_the_estimate_before_the_delay_bound() -> None:
     limits = AdmissionLimits(max_queue_delay_s=5.0)
     load = QueueLoad(num_requests=2, num_tokens=3000, prefill_tokens_per_s=1000.0)
     assert decide(limits, load, 0) is None  # 3 s
-    late = QueueLoad(2, 3000, 1000.0, wait_error_s=2.5)
-    refusal = decide(limits, late, 0)  # 3 s + 2.5 s late lately
-    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(5.5)
-    assert refusal.retry_after_s == 1 and "2.5 s later" in refusal.message
-    assert QueueLoad.total([late, load]).wait_error_s == 2.5
+    late = QueueLoad(2, 3000, 1000.0, wait_factor=1.6)
+    refusal = decide(limits, late, 0)  # (3 s + floor) x 1.6 - floor
+    expected = (3.0 + ESTIMATE_FLOOR_S) * 1.6 - ESTIMATE_FLOOR_S
+    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(expected)
+    assert refusal.retry_after_s == math.ceil(expected - 5.0) and "1.60x" in refusal.message
+    assert QueueLoad.total([late, load]).wait_factor == 1.6
+    assert QueueLoad(2, 3000, 1000.0, wait_factor=1.0).expected_wait_s() == pytest.approx(3.0)
+
+
+# ---- the KV part of the wait ----------------------------------------------------------------------
+def test_the_kv_part_is_the_missing_blocks_over_the_release_rate() -> None:
+    kv = KVOutlook(free_blocks=10, demand_blocks=30, release_blocks_per_s=5.0, block_size=16,
+                   out_blocks=2)
+    load = QueueLoad(num_requests=3, num_tokens=320, prefill_tokens_per_s=1000.0, kv=kv)
+    assert load.kv_wait_s() == pytest.approx(20 / 5.0)  # 30 wanted, 10 free
+    # a new request of 33 tokens: 3 prompt blocks + 2 output blocks more
+    assert load.kv_wait_s(33) == pytest.approx(25 / 5.0)
+    assert load.estimated_wait_s(33) == pytest.approx(5.0)  # the KV part is the larger
+    roomy = attrs.evolve(kv, free_blocks=100)
+    assert attrs.evolve(load, kv=roomy).kv_wait_s(33) == 0.0
+    assert attrs.evolve(load, kv=roomy).estimated_wait_s(33) == pytest.approx(353 / 1000)
+    unknown = attrs.evolve(kv, release_blocks_per_s=None)
+    assert attrs.evolve(load, kv=unknown).kv_wait_s(33) is None  # nothing measured yet
+    assert attrs.evolve(load, kv=unknown).estimated_wait_s(33) == pytest.approx(353 / 1000)
+    stalled = attrs.evolve(kv, release_blocks_per_s=0.0)
+    assert attrs.evolve(load, kv=stalled).kv_wait_s() == math.inf
+    only_kv = QueueLoad(3, 320, None, kv=kv)  # no compute rate: the KV part alone
+    assert only_kv.estimated_wait_s() == pytest.approx(4.0)
+
+
+def test_a_full_pool_refuses_and_says_so() -> None:
+    kv = KVOutlook(free_blocks=0, demand_blocks=100, release_blocks_per_s=10.0, block_size=16)
+    load = QueueLoad(num_requests=5, num_tokens=500, prefill_tokens_per_s=10_000.0, kv=kv)
+    refusal = decide(AdmissionLimits(max_queue_delay_s=5.0), load, 16)  # 101 blocks / 10 per s
+    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(10.1)
+    assert "KV pool" in refusal.message and refusal.retry_after_s == 6
+
+
+def test_queue_load_round_trips_through_json_with_its_kv_outlook() -> None:
+    kv = KVOutlook(3, 9, 1.5, 16, 2)
+    load = QueueLoad(2, 100, 50.0, 1.25, kv)
+    assert QueueLoad.from_json(load.to_json()) == load
+    assert QueueLoad.from_json(QueueLoad(1, 2).to_json()) == QueueLoad(1, 2)
+    assert QueueLoad.total([load, load]).kv is None  # two pools are not one
 
 
 def test_an_empty_queue_always_admits() -> None:
@@ -160,30 +204,38 @@ def test_gate_counts_admitted_requests_until_their_first_token() -> None:
     assert gate.load().num_tokens == 30
 
 
-def test_gate_learns_how_late_first_tokens_come_and_forgets_it() -> None:
+def test_gate_learns_how_late_first_tokens_come_and_forgets_it_slowly() -> None:
     clock = Clock()
     gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
     prior = 100.0  # tokens/s
     assert gate.try_admit([("a", 100)], prior) is None  # estimated 1 s
     gate.claim("a", 100)
-    assert gate.try_admit([("b", 100)], prior) is None
-    clock.now += 4.0  # "a" took 4 s: 3 s late
+    clock.now += 3.0  # "a" took 3 s against 1 s: (3 + floor) / (1 + floor)
     gate.started("a")
-    assert gate.load(prior).wait_error_s == pytest.approx(3.0, abs=0.5)
-    gate.claim("b", 100)
-    gate.started("b")  # "b" waited 4 s too, estimated about 2 s
-    error = gate.load(prior).wait_error_s
-    assert error == pytest.approx(3.0, abs=0.5)
-    clock.now += 31.0  # the samples age out (ERROR_HORIZON_S)
-    assert gate.load(prior).wait_error_s == 0.0
+    ratio = (3.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S)
+    assert gate.load(prior).wait_factor == pytest.approx(ratio, rel=0.01)
+    clock.now += FACTOR_HALF_LIFE_S  # its excess over 1 halves
+    assert gate.load(prior).wait_factor == pytest.approx(1 + (ratio - 1) / 2, rel=0.01)
+    clock.now += FACTOR_KEEP_S  # then it is dropped
+    assert gate.load(prior).wait_factor == 1.0
     gate.claim("c", 10)  # never admitted: no estimate, no sample
     clock.now += 50.0
     gate.started("c")
-    assert gate.load(prior).wait_error_s == 0.0
+    assert gate.load(prior).wait_factor == 1.0
+
+
+def test_early_first_tokens_do_not_lower_the_factor_below_one() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    assert gate.try_admit([("b", 500)], 100.0) is None  # estimated 5 s
+    gate.claim("b", 500)
+    clock.now += 1.0
+    gate.started("b")  # 1 s: early
+    assert gate.load(100.0).wait_factor == 1.0
 
 
 def test_a_queue_running_late_counts_before_its_first_tokens_come() -> None:
-    """A slowdown shows at once: a queued request past its estimate is an error sample of how
+    """A slowdown shows at once: a queued request past its estimate is a ratio sample of how
     late it is so far, so new requests are refused before any late first token arrives."""
     clock = Clock()
     gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
@@ -191,13 +243,29 @@ def test_a_queue_running_late_counts_before_its_first_tokens_come() -> None:
     assert gate.try_admit([("a", 100)], prior) is None  # estimated 1 s
     gate.claim("a", 100)
     clock.now += 0.5
-    assert gate.load(prior).wait_error_s == 0.0  # within its estimate: no sample
-    clock.now += 8.5  # 9 s queued, 8 s late, no first token yet
-    assert gate.load(prior).wait_error_s == pytest.approx(8.0, abs=0.1)
-    refusal = gate.try_admit([("b", 300)], prior)  # 4 s estimated + 8 s late: past 10 s
+    assert gate.load(prior).wait_factor == 1.0  # within its estimate: no sample
+    clock.now += 8.5  # 9 s queued against 1 s, no first token yet
+    late = (9.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S)
+    assert gate.load(prior).wait_factor == pytest.approx(late)
+    refusal = gate.try_admit([("b", 300)], prior)  # (4 s + floor) x 5 - floor: past 10 s
     assert refusal is not None and refusal.limit == "queue_delay"
-    gate.started("a")  # the lateness became a recorded sample (~8.5 s after the busy time)
-    assert gate.load(prior).wait_error_s > 7.0
+    gate.started("a")  # the lateness became a recorded sample
+    assert gate.load(prior).wait_factor == pytest.approx(late)
+
+
+def test_the_gate_applies_the_slowdown_and_the_kv_outlook() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    assert gate.try_admit([("a", 600)], 100.0) is None  # empty: admitted
+    assert gate.load(100.0, slowdown=0.5).prefill_tokens_per_s == pytest.approx(50.0)
+    assert gate.try_admit([("b", 300)], 100.0) is None  # 9 s at 100 tokens/s
+    assert gate.num_queued == 2
+    refusal = gate.try_admit([("c", 50)], 100.0, slowdown=0.5)  # 950 tokens at 50 per s
+    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(19.0)
+    full = KVOutlook(free_blocks=0, demand_blocks=200, release_blocks_per_s=10.0, block_size=16)
+    refusal = gate.try_admit([("c", 16)], 10_000.0, full)  # compute is fast; blocks are not
+    assert refusal is not None and refusal.estimated_wait_s == pytest.approx(20.1)
+    assert gate.load(10_000.0, full).kv == full
 
 
 def test_admitted_requests_that_never_start_expire() -> None:

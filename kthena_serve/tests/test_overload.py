@@ -346,3 +346,36 @@ def test_pd_router_keeps_one_queue_per_path() -> None:
                 assert not remote._admitted
     finally:
         release.set()
+
+
+# ---- what the engine tells the gate ------------------------------------------------------------
+def test_engine_kv_outlook_counts_the_blocks_the_queue_will_take_and_measures_releases() -> None:
+    """Against the engine's own state: waiting prompts count prompt + output blocks (outputs at
+    max_tokens until a request has finished, then at the measured mean), running ones the
+    blocks their outputs still need; finishing requests is what gives a release rate."""
+    from kthena_serve.sampling_params import SamplingParams
+
+    engine = tiny_engine(num_kv_blocks=64, block_size=4, max_num_seqs=2,
+                         target_step_ms=100.0)
+    first = engine.kv_outlook()
+    assert first.release_blocks_per_s is None and first.out_blocks == 0  # nothing finished
+    assert first.free_blocks == engine.kv.num_free_blocks and first.demand_blocks == 0
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i in range(4):  # 2 seats: two run, two wait
+        engine.add_request(f"r{i}", list(range(10 + i, 20 + i)), params)  # 10 prompt tokens
+    engine.step()
+    outlook = engine.kv_outlook()
+    waiting = list(engine.scheduler.waiting)
+    running = list(engine.scheduler.running)
+    assert len(waiting) == 2 and len(running) == 2
+    whole = -(-(10 + 6) // 4)  # 4 blocks per request: prompt + max_tokens
+    assert outlook.demand_blocks == 2 * whole + sum(whole - len(r.block_ids) for r in running)
+    assert outlook.free_blocks == engine.kv.num_free_blocks
+    assert engine.prefill_slowdown(0) == 1.0  # no more rows than now: no slowdown
+    assert 0.0 < engine.prefill_slowdown(2) <= 1.0
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine.kv_outlook()
+    assert done.demand_blocks == 0 and done.free_blocks == 64
+    assert done.release_blocks_per_s is not None and done.release_blocks_per_s > 0
+    assert done.out_blocks == -(-6 // 4)  # every output was 6 tokens

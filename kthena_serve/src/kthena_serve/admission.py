@@ -14,21 +14,36 @@ protection's prefill cap, a full KV pool, taken seats, preemptions, a remote pre
 prior (before a backlog has been seen, and what it decays back to after one) is the step cost
 model's prefill capacity at the running decodes (``StepCostModel.prefill_tokens_per_s``).
 
-How far off that estimate runs is measured too: when a request's first token arrives, the time
-it took since admission minus the estimate made then is one sample of the estimate's error; the
-gate keeps the samples of the last ``ERROR_HORIZON_S`` seconds and adds their ``ERROR_QUANTILE``
-quantile (at least 0: ``QueueLoad.wait_error_s``) to every estimate it compares with the bound.
-A request still queued past its estimate counts too, with how late it is so far (its error
-will be at least that): a slowdown shows in the error as soon as the queue runs late, not only
-once the late first tokens come. Under steady
-overload the queue fills up to the bound, so without it half the admitted requests would wait
-longer than the bound; with it, the bound holds for the TTFT tail the requests actually saw
-(a KV pool that thrashes, a process that loses its cores, chunked long prompts ...). The
-horizon is short so that one stall does not keep the queue short for long after it.
+The queue also waits for KV blocks: a prompt starts only when the pool has its blocks, and
+once the pool is full the queue is served as fast as finished requests give blocks back, not
+as fast as prompts compute (measured on the soak's 256 MiB pool: prefill fell from 1,300 to
+under 300 tokens/s for ten seconds after a burst filled it). So the engine thread reports a
+``KVOutlook`` after each step: the free blocks, the blocks the waiting prompts and the running
+requests' outputs will still take (outputs at the measured mean length, at most their
+``max_tokens``), and the rate finished requests released blocks at (measured, decayed like the
+service rate). The KV part of the wait is the blocks missing for everything queued, the new
+request included, over that release rate; the estimate is the larger of the two parts.
+
+How far off that estimate runs is measured too, as a ratio: when a request's first token arrives,
+``(actual wait + ESTIMATE_FLOOR_S) / (estimate made at its admission + ESTIMATE_FLOOR_S)`` is one
+sample (the floor keeps a short wait's step-sized jitter from reading as a large ratio), and a
+request still queued past its estimate is a sample of how late it is so far (its ratio will be
+at least that: a slowdown shows as soon as the queue runs late, not only once the late first
+tokens come). A sample's excess over 1 halves every ``FACTOR_HALF_LIFE_S`` seconds; the
+``FACTOR_QUANTILE`` quantile of the decayed samples (at least 1: ``QueueLoad.wait_factor``)
+scales every estimate before it is compared with the bound. A ratio, because the error grows
+with the queue: each admitted request becomes a decode that takes step time from the prefills
+behind it, so a full queue is served slower than the rate measured while it filled (measured:
+waits of 18 s against estimates of 9 s right after a burst of admissions). A decay, not a
+window, because a window that drops its samples at once lets the queue refill in one burst
+(measured: a 60 s cycle of overshoot, then refusing nearly everything for 30 s). Under steady
+overload the queue fills up to the bound, so without the factor half the admitted requests
+would wait longer than the bound; with it, the bound holds for the TTFT tail the requests
+actually saw (a KV pool that thrashes, a process that loses its cores, chunked long prompts ...).
 
 Two bounds (``AdmissionLimits``, from ``EngineConfig.max_queue_delay_s`` / ``max_queued_tokens``):
 
-* ``max_queue_delay_s``: refuse when the estimated wait, plus the measured error, exceeds it. The same as vLLM's
+* ``max_queue_delay_s``: refuse when the estimated wait, scaled by the measured factor, exceeds it. The same as vLLM's
   ``max_num_queued_tokens`` sized ``target_TTFT x prefill_throughput``, with the throughput
   measured here instead of guessed.
 * ``max_queued_tokens``: refuse when the queued prompt tokens, the new ones included, exceed it.
@@ -58,12 +73,14 @@ import attrs
 
 from kthena_serve.errors import OverloadedError
 
-__all__ = ["MAX_RETRY_AFTER_S", "AdmissionGate", "AdmissionLimits", "QueueLoad", "Refusal",
-           "ServiceRate", "decide"]
+__all__ = ["MAX_RETRY_AFTER_S", "AdmissionGate", "AdmissionLimits", "KVOutlook", "QueueLoad",
+           "Refusal", "ServiceRate", "decide"]
 
 MAX_RETRY_AFTER_S = 60
-ERROR_HORIZON_S = 30.0  # how long an estimate's error sample counts
-ERROR_QUANTILE = 0.99  # the TTFT tail the bound is held for
+ESTIMATE_FLOOR_S = 1.0  # added to wait and estimate in a ratio sample, and to the estimate scaled
+FACTOR_HALF_LIFE_S = 120.0  # a ratio sample's excess over 1 halves in this many seconds
+FACTOR_KEEP_S = 3 * FACTOR_HALF_LIFE_S  # then it is dropped (its excess down to 1/8)
+FACTOR_QUANTILE = 0.99  # the TTFT tail the bound is held for
 QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
 QUEUED_TOKENS = "queued_tokens"
 
@@ -91,6 +108,27 @@ class AdmissionLimits:
 
 
 @attrs.frozen
+class KVOutlook:
+    """What an engine's KV pool holds in store for its queue (the engine thread's snapshot).
+
+    Attributes:
+        free_blocks: blocks an allocation may take now.
+        demand_blocks: blocks the waiting prompts (with their outputs) and the running
+            requests' remaining outputs will still take.
+        release_blocks_per_s: blocks finished requests gave back per second (measured; None:
+            none yet).
+        block_size: tokens per block.
+        out_blocks: a new request's expected output, in blocks (the measured mean length).
+    """
+
+    free_blocks: int
+    demand_blocks: int
+    release_blocks_per_s: float | None
+    block_size: int
+    out_blocks: int = 0
+
+
+@attrs.frozen
 class QueueLoad:
     """An engine's queue now: what the bound is checked against (reported to routers).
 
@@ -99,39 +137,70 @@ class QueueLoad:
         num_tokens: their prompt tokens.
         prefill_tokens_per_s: the measured rate the queue is served at (None: nothing measured
             and no prior; the delay bound then admits).
-        wait_error_s: how much later than estimated recent first tokens came (the
-            ``ERROR_QUANTILE`` of the last ``ERROR_HORIZON_S`` seconds' samples, at least 0):
-            added to an estimate before it is compared with the bound.
+        wait_factor: how many times longer than estimated recent first tokens took (the
+            ``FACTOR_QUANTILE`` of the decayed ratio samples, at least 1): scales an estimate
+            before it is compared with the bound (``expected_wait_s``).
     """
 
     num_requests: int = 0
     num_tokens: int = 0
     prefill_tokens_per_s: float | None = None
-    wait_error_s: float = 0.0
+    wait_factor: float = 1.0
+    kv: KVOutlook | None = None
 
     def estimated_wait_s(self, num_new_tokens: int = 0) -> float | None:
         """Seconds until the first token of a request of ``num_new_tokens`` prompt tokens
-        admitted now (None: no rate to estimate from)."""
+        admitted now: the larger of the compute part (queued prompt tokens over the rate) and
+        the KV part (``kv_wait_s``); None: neither can be estimated."""
         rate = self.prefill_tokens_per_s
-        if rate is None:
+        compute = None
+        if rate is not None:
+            tokens = self.num_tokens + num_new_tokens
+            compute = tokens / rate if rate > 0 else (math.inf if tokens else 0.0)
+        kv = self.kv_wait_s(num_new_tokens)
+        if compute is None or kv is None:
+            return kv if compute is None else compute
+        return max(compute, kv)
+
+    def kv_wait_s(self, num_new_tokens: int = 0) -> float | None:
+        """Seconds until the pool has the blocks of everything queued and of a new request of
+        ``num_new_tokens`` prompt tokens, at the measured release rate (0: they fit now; None:
+        no KV outlook or no release measured)."""
+        kv = self.kv
+        if kv is None:
             return None
-        tokens = self.num_tokens + num_new_tokens
-        return tokens / rate if rate > 0 else (math.inf if tokens else 0.0)
+        new = -(-num_new_tokens // kv.block_size) + kv.out_blocks if num_new_tokens else 0
+        missing = kv.demand_blocks + new - kv.free_blocks
+        if missing <= 0:
+            return 0.0
+        rate = kv.release_blocks_per_s
+        return None if rate is None else (missing / rate if rate > 0 else math.inf)
+
+    def expected_wait_s(self, num_new_tokens: int = 0) -> float | None:
+        """The estimate scaled by the measured factor: ``(estimate + ESTIMATE_FLOOR_S) x
+        wait_factor - ESTIMATE_FLOOR_S`` (the estimate itself at a factor of 1)."""
+        wait = self.estimated_wait_s(num_new_tokens)
+        if wait is None or self.wait_factor <= 1.0:
+            return wait
+        return (wait + ESTIMATE_FLOOR_S) * self.wait_factor - ESTIMATE_FLOOR_S
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> QueueLoad | None:
-        return None if data is None else cls(**data)
+        if data is None:
+            return None
+        kv = data.get("kv")
+        return cls(**{**data, "kv": None if kv is None else KVOutlook(**kv)})
 
     @classmethod
     def total(cls, parts: Sequence[QueueLoad]) -> QueueLoad:
         """Several engines' queues as one (requests, tokens and rates summed; the largest
-        error)."""
+        factor; no KV outlook: each pool is its own)."""
         rates = [p.prefill_tokens_per_s for p in parts if p.prefill_tokens_per_s is not None]
         return cls(sum(p.num_requests for p in parts), sum(p.num_tokens for p in parts),
-                   sum(rates) if rates else None, max((p.wait_error_s for p in parts), default=0.0))
+                   sum(rates) if rates else None, max((p.wait_factor for p in parts), default=1.0))
 
 
 @attrs.frozen
@@ -165,8 +234,8 @@ def decide(limits: AdmissionLimits, load: QueueLoad, num_new_tokens: int) -> Ref
     """Admit (None) or refuse a request of ``num_new_tokens`` prompt tokens given ``load``.
 
     An empty queue always admits; the token bound counts the new tokens too; the delay bound
-    compares the estimated wait (``QueueLoad.estimated_wait_s``, the new tokens included) plus
-    the measured error (``QueueLoad.wait_error_s``).
+    compares the estimated wait (``QueueLoad.estimated_wait_s``, the new tokens included)
+    scaled by the measured factor (``QueueLoad.expected_wait_s``).
     """
     if load.num_requests == 0:
         return None
@@ -181,16 +250,21 @@ def decide(limits: AdmissionLimits, load: QueueLoad, num_new_tokens: int) -> Ref
                        f"its bound of {cap} (--max-queued-tokens); retry later or on another "
                        "replica")
     bound = limits.max_queue_delay_s
-    if bound is None or wait is None:
+    expected = load.expected_wait_s(num_new_tokens)
+    if bound is None or expected is None:
         return None
-    expected = wait + load.wait_error_s
     if expected > bound:
+        parts = [f"{load.num_tokens} prompt tokens queued"
+                 + (f" at {rate:.0f} tokens/s" if rate is not None else "")]
+        kv_wait = load.kv_wait_s(num_new_tokens)
+        if kv_wait:
+            parts.append(f"{kv_wait:.1f} s until the KV pool has their blocks")
+        if load.wait_factor > 1.0:
+            parts.append(f"first tokens lately took up to {load.wait_factor:.2f}x the estimate")
         return Refusal(QUEUE_DELAY, expected, _retry_after(expected - bound),
                        f"the server is overloaded: the first token would come in about "
-                       f"{expected:.1f} s ({load.num_tokens} prompt tokens queued at "
-                       f"{rate:.0f} tokens/s, and first tokens lately came up to "
-                       f"{load.wait_error_s:.1f} s later than that estimate), over its bound "
-                       f"of {bound:g} s (--max-queue-delay); retry later or on another replica")
+                       f"{expected:.1f} s ({'; '.join(parts)}), over its bound of {bound:g} s "
+                       "(--max-queue-delay); retry later or on another replica")
     return None
 
 
@@ -255,20 +329,23 @@ class AdmissionGate:
         # request id -> [prompt tokens, claim deadline | None, admitted at, estimate | None]
         self._queued: dict[str, list] = {}
         self._num_tokens = 0
-        self._errors: deque[tuple[float, float]] = deque()  # (when, actual - estimated wait)
+        self._ratios: deque[tuple[float, float]] = deque()  # (when, ratio sample; module docs)
 
     def try_admit(self, requests: Sequence[tuple[str, int]], prior: float | None = None,
-                  ) -> Refusal | None:
+                  kv: KVOutlook | None = None, slowdown: float = 1.0) -> Refusal | None:
         """Queue ``requests`` ((request id, prompt tokens) of one API call) or refuse them all.
 
         Args:
             prior: the prefill capacity the rate starts from (tokens/s; None: none known).
+            kv: the engine's KV outlook (None: the wait is the compute part alone).
+            slowdown: scales the measured rate: how much slower the queue will compute once
+                the requests ahead decode beside it (the engine's ``prefill_slowdown``).
         """
         num_new = sum(n for _, n in requests)
         with self._lock:
             now = self._advance()
             self._expire(now)
-            load = self._load(prior)
+            load = self._load(prior, kv, slowdown)
             refusal = decide(self.limits, load, num_new)
             if refusal is None:
                 estimate = load.estimated_wait_s(num_new)
@@ -290,7 +367,7 @@ class AdmissionGate:
 
     def started(self, request_id: str) -> None:
         """Its first token arrived: it leaves the queue, its tokens count as served and, if it
-        was admitted with an estimate, its wait minus that estimate is an error sample."""
+        was admitted with an estimate, its wait against that estimate is a ratio sample."""
         with self._lock:
             now = self._advance()
             entry = self._queued.pop(request_id, None)
@@ -299,7 +376,7 @@ class AdmissionGate:
                 self._num_tokens -= tokens
                 self._rate.credit(tokens)
                 if estimate is not None and math.isfinite(estimate):
-                    self._errors.append((now, now - admitted - estimate))
+                    self._ratios.append((now, _ratio(now - admitted, estimate)))
 
     def forget(self, request_id: str) -> None:
         """It ended (or was released) without a first token; nothing happens if it left."""
@@ -309,10 +386,17 @@ class AdmissionGate:
             if entry is not None:
                 self._num_tokens -= entry[0]
 
-    def load(self, prior: float | None = None) -> QueueLoad:
+    def load(self, prior: float | None = None, kv: KVOutlook | None = None,
+             slowdown: float = 1.0) -> QueueLoad:
         with self._lock:
             self._expire(self._advance())
-            return self._load(prior)
+            return self._load(prior, kv, slowdown)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests admitted that have no first token yet."""
+        with self._lock:
+            return len(self._queued)
 
     # ---- under the lock -----------------------------------------------------------------------
     def _advance(self) -> float:
@@ -334,21 +418,30 @@ class AdmissionGate:
         for rid in stale:
             self._num_tokens -= self._queued.pop(rid)[0]
 
-    def _load(self, prior: float | None) -> QueueLoad:
-        return QueueLoad(len(self._queued), self._num_tokens, self._rate.rate(prior),
-                         self._wait_error())
+    def _load(self, prior: float | None, kv: KVOutlook | None = None,
+              slowdown: float = 1.0) -> QueueLoad:
+        rate = self._rate.rate(prior)
+        return QueueLoad(len(self._queued), self._num_tokens,
+                         None if rate is None else rate * slowdown, self._wait_factor(), kv)
 
-    def _wait_error(self) -> float:
-        """The ``ERROR_QUANTILE`` (nearest rank), at least 0, of the recent error samples and of
-        how late the requests still queued are so far."""
+    def _wait_factor(self) -> float:
+        """The ``FACTOR_QUANTILE`` (nearest rank), at least 1, of the recorded ratio samples
+        (their excess over 1 decayed) and of how late the requests still queued are so far."""
         now = self._clock()
-        horizon = now - ERROR_HORIZON_S
-        while self._errors and self._errors[0][0] < horizon:
-            self._errors.popleft()
-        late = [now - admitted - estimate for _, _, admitted, estimate in self._queued.values()
-                if estimate is not None and math.isfinite(estimate)
-                and now - admitted > estimate]
-        if not self._errors and not late:
-            return 0.0
-        ordered = sorted([error for _, error in self._errors] + late)
-        return max(0.0, ordered[min(len(ordered) - 1, math.ceil(ERROR_QUANTILE * len(ordered)) - 1)])
+        while self._ratios and self._ratios[0][0] < now - FACTOR_KEEP_S:
+            self._ratios.popleft()
+        values = [1.0 + max(0.0, ratio - 1.0) * 0.5 ** ((now - when) / FACTOR_HALF_LIFE_S)
+                  for when, ratio in self._ratios]
+        values += [_ratio(now - admitted, estimate)
+                   for _, _, admitted, estimate in self._queued.values()
+                   if estimate is not None and math.isfinite(estimate)
+                   and now - admitted > estimate]
+        if not values:
+            return 1.0
+        values.sort()
+        return max(1.0, values[min(len(values) - 1, math.ceil(FACTOR_QUANTILE * len(values)) - 1)])
+
+
+def _ratio(waited_s: float, estimate_s: float) -> float:
+    """One sample of how much longer than estimated a first token took (module docs)."""
+    return (waited_s + ESTIMATE_FLOOR_S) / (estimate_s + ESTIMATE_FLOOR_S)

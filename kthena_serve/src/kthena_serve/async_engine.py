@@ -173,6 +173,8 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self.admission = AdmissionGate(AdmissionLimits.of(engine.config))
         self._capacity = engine.prefill_capacity()  # written by the engine thread
+        self._kv_outlook = engine.kv_outlook()  # and these two
+        self._slowdown = 1.0
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options: Any) -> AsyncLLM:
@@ -216,7 +218,7 @@ class AsyncLLM:
             OverloadedError: the queue is past its bound.
         """
         refusal = self.admission.try_admit([(r.request_id, len(r.prompt_ids)) for r in requests],
-                                           self._capacity)
+                                           self._capacity, self._kv_outlook, self._slowdown)
         if refusal is not None:
             raise refusal.error()
 
@@ -321,7 +323,8 @@ class AsyncLLM:
             idle_s += time.perf_counter() - since
         return attrs.evolve(self._stats, kv=self.engine.kv.stats(),
                             kv_tiers=self.engine.kv_tier_stats(),
-                            queue=self.admission.load(self._capacity),
+                            queue=self.admission.load(self._capacity, self._kv_outlook,
+                                                      self._slowdown),
                             step_times=attrs.evolve(self._stats.step_times, idle_s=idle_s))
 
     def _submit(self, command: object) -> None:
@@ -352,6 +355,8 @@ class AsyncLLM:
                 continue
             self._stats = engine.stats()
             self._capacity = engine.prefill_capacity()
+            self._kv_outlook = engine.kv_outlook()
+            self._slowdown = engine.prefill_slowdown(self.admission.num_queued)
             self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()  # on the owner thread: the KV manager allows no other

@@ -17,12 +17,14 @@ or the caller of ``LLM.generate``). The KV manager checks it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
 import attrs
 import torch
 
+from kthena_serve.admission import KVOutlook, ServiceRate
 from kthena_serve.client import EngineStats
 from kthena_serve.config import EngineConfig
 from kthena_serve.grammar import Grammars
@@ -159,6 +161,11 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
+        # kv_outlook's meters: blocks released per second, and the mean output length
+        self._released = ServiceRate()
+        self._released_seen = 0
+        self._finished_seen = self._finished_tokens_seen = 0
+        self._mean_output: float | None = None
         self._step_times = StepTimes()
 
     def _prefill_budget(self) -> DecodeProtectingBudget | None:
@@ -451,16 +458,63 @@ class LLMEngine:
         )
 
     # ---- observability ----------------------------------------------------------------------
-    def prefill_capacity(self) -> float | None:
-        """Prompt tokens per second the step cost model predicts with the requests running now
-        (steps of the prefill budget, or ``max_num_batched_tokens``); None without a cost model.
-        The admission bound's prior rate (``kthena_serve.admission``)."""
+    def prefill_capacity(self, rows: int | None = None) -> float | None:
+        """Prompt tokens per second the step cost model predicts with ``rows`` requests running
+        (default: those running now; steps of the prefill budget, or
+        ``max_num_batched_tokens``); None without a cost model. The admission bound's prior
+        rate (``kthena_serve.admission``)."""
         if self.step_cost is None:
             return None
-        rows = len(self.scheduler.running)
+        rows = len(self.scheduler.running) if rows is None else rows
         budget = self.scheduler.prefill_budget
         tokens = budget(rows) if budget is not None and rows else self.config.max_num_batched_tokens
         return self.step_cost.prefill_tokens_per_s(rows, max(1, tokens))
+
+    def prefill_slowdown(self, num_queued: int) -> float:
+        """How much slower than now the queue's prompts will compute once the ``num_queued``
+        requests admitted ahead decode beside them (each becomes a decode row that takes step
+        time from the prefills behind it): the cost model's capacity with as many rows as the
+        larger of those running and those queued (at most ``max_num_seqs``) over its capacity
+        now, at most 1 (1 without a cost model)."""
+        now = self.prefill_capacity()
+        rows = min(self.config.max_num_seqs, max(len(self.scheduler.running), num_queued))
+        later = self.prefill_capacity(rows)
+        if now is None or later is None or not now > 0:
+            return 1.0
+        return min(1.0, later / now)
+
+    def kv_outlook(self) -> KVOutlook:
+        """What the pool holds in store for the queue (``kthena_serve.admission``): free blocks,
+        the blocks waiting prompts and running outputs will still take, and the measured rate
+        finished requests give blocks back at. Outputs count at the mean length of the last
+        finished ones (decayed), at most their ``max_tokens``; prefix hits are not subtracted,
+        so the demand errs high. The engine's thread only."""
+        scheduler = self.scheduler
+        now = time.monotonic()
+        self._released.advance(now, True)
+        self._released.credit(scheduler.num_released_blocks - self._released_seen)
+        self._released_seen = scheduler.num_released_blocks
+        finished = scheduler.num_finished - self._finished_seen
+        if finished:
+            mean = (scheduler.num_finished_output_tokens - self._finished_tokens_seen) / finished
+            self._mean_output = mean if self._mean_output is None else (
+                0.9 * self._mean_output + 0.1 * mean)
+            self._finished_seen = scheduler.num_finished
+            self._finished_tokens_seen = scheduler.num_finished_output_tokens
+        size = scheduler.block_size
+
+        def blocks(request: Request) -> int:
+            out = request.stream.max_tokens if request.stream is not None else 0
+            if self._mean_output is not None:
+                out = min(out, math.ceil(self._mean_output))
+            return -(-(request.num_prompt_tokens + out) // size)
+
+        demand = sum(blocks(r) for r in scheduler.waiting) + sum(
+            max(0, blocks(r) - len(r.block_ids)) for r in scheduler.running
+            if r.request_id not in scheduler.external)
+        out_blocks = 0 if self._mean_output is None else math.ceil(self._mean_output / size)
+        return KVOutlook(self.kv.num_free_blocks, demand, self._released.rate(None), size,
+                         out_blocks)
 
     def stats(self) -> EngineStats:
         """Counters and a consistent KV snapshot (the KV part is safe from any thread; the

@@ -117,6 +117,11 @@ class Scheduler:
         self._batch_key = batch_key
         self.prefill_budget = prefill_budget
         self._step_key: Hashable | None = None  # this step's batch key, once one is picked
+        # blocks finished running requests gave back, and their output tokens (admission's
+        # KV outlook: the engine's ``kv_outlook``)
+        self.num_released_blocks = 0
+        self.num_finished = 0
+        self.num_finished_output_tokens = 0
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -170,6 +175,9 @@ class Scheduler:
         if request.request_id in self.external:
             self.external.discard(request.request_id)  # the blocks are another scheduler's
         else:
+            self.num_released_blocks += len(request.block_ids)
+            self.num_finished += 1
+            self.num_finished_output_tokens += request.num_output_tokens
             self.kv.free(request.request_id)
         _mark_finished(request, reason)
 

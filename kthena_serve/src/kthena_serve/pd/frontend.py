@@ -31,7 +31,7 @@ import attrs
 import httpx
 from fastapi import FastAPI
 
-from kthena_serve.admission import AdmissionGate, AdmissionLimits, QueueLoad
+from kthena_serve.admission import AdmissionGate, AdmissionLimits, KVOutlook, QueueLoad
 from kthena_serve.client import EngineStats
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Decision, Router
@@ -137,6 +137,23 @@ class RemoteEngine:
         rate = summed("prefill") if path == DISAGGREGATED else None
         return rate if rate is not None else summed("decode")
 
+    def _kv_outlook(self) -> KVOutlook | None:
+        """The decode workers' pools as one outlook (every prompt ends up in one of them):
+        their reported free blocks, demand and release rates summed, plus the blocks of what
+        this router has queued on either path (some of which a worker counts already: the
+        demand errs high); None before a decode worker reported one."""
+        loads = [QueueLoad.from_json(w.stats.get("queue")) for w in self.router.up("decode")
+                 if w.stats]
+        kvs = [q.kv for q in loads if q is not None and q.kv is not None]
+        if not kvs:
+            return None
+        size, out = kvs[0].block_size, max(k.out_blocks for k in kvs)
+        rates = [k.release_blocks_per_s for k in kvs if k.release_blocks_per_s is not None]
+        queued = [gate.load() for gate in self.admission.values()]
+        extra = sum(-(-q.num_tokens // size) + q.num_requests * out for q in queued)
+        return KVOutlook(sum(k.free_blocks for k in kvs), sum(k.demand_blocks for k in kvs) + extra,
+                         sum(rates) if rates else None, size, out)
+
     def _pick(self, request: EngineRequest) -> tuple[str, Decision | None]:
         """(path, the router's pick now, counting nothing); None: no decode worker is up."""
         try:
@@ -157,9 +174,10 @@ class RemoteEngine:
         for request in requests:
             by_path.setdefault(picks[request.request_id][0], []).append(request)
         admitted: list[tuple[str, EngineRequest]] = []
+        kv = self._kv_outlook()
         for path, group in by_path.items():
             refusal = self.admission[path].try_admit(
-                [(r.request_id, len(r.prompt_ids)) for r in group], self._prior_rate(path))
+                [(r.request_id, len(r.prompt_ids)) for r in group], self._prior_rate(path), kv)
             if refusal is not None:
                 for done_path, request in admitted:  # all of the call or none of it
                     self.admission[done_path].forget(request.request_id)

@@ -115,11 +115,13 @@ def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
                      "Prompt tokens per second the queue is served at (measured, admission to "
                      "first token)", queue.prefill_tokens_per_s)
         yield _gauge("kthena_admission_estimated_wait_seconds",
-                     "Estimated wait for the first token of a request admitted now (queued "
-                     "prompt tokens over that rate)", queue.estimated_wait_s() or 0.0)
-    yield _gauge("kthena_admission_wait_error_seconds",
-                 "How much later than estimated recent first tokens came (high quantile; "
-                 "added to the estimate before the --max-queue-delay check)", queue.wait_error_s)
+                     "Estimated wait for the first token of a request admitted now (the larger "
+                     "of queued prompt tokens over that rate and the wait for KV blocks; "
+                     "before the factor)", queue.estimated_wait_s() or 0.0)
+    yield _gauge("kthena_admission_wait_factor",
+                 "How many times longer than estimated recent first tokens took (high "
+                 "quantile, at least 1; scales the estimate before the --max-queue-delay "
+                 "check)", queue.wait_factor)
 
 
 _TIER_COUNTERS = (  # KVTierStats field -> (kthena_kv_tier_* name, help)
