@@ -3,13 +3,15 @@
 Every rendered object is validated against the ``openAPIV3Schema`` of its CRD (copied from
 volcano-sh/kthena into data/kthena_crds/) with `jsonschema`, and walked for keys the schema
 does not define (the API server's strict field validation would reject those; plain JSON Schema
-lets them through). The two documented deployments are pinned byte for byte to the files
+lets them through). The NetworkPolicy has no CRD: it is validated against a schema written
+from the Kubernetes API reference (data/k8s/networkpolicy-v1.schema.json). The two documented deployments are pinned byte for byte to the files
 docs/kthena.md shows.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,20 @@ def unknown_keys(value: Any, schema: dict[str, Any], path: str = "") -> list[str
     return found
 
 
+@functools.cache
+def network_policy_schema() -> dict[str, Any]:
+    with open(Path(__file__).parent / "data" / "k8s" / "networkpolicy-v1.schema.json",
+              encoding="utf-8") as f:
+        return json.load(f)
+
+
 def check_against_crd(manifest: dict[str, Any]) -> None:
+    """Valid under its CRD's schema (a NetworkPolicy: under the Kubernetes API's shape)."""
+    if manifest["kind"] == "NetworkPolicy":
+        schema = network_policy_schema()
+        jsonschema.Draft7Validator(schema).validate(manifest)
+        assert unknown_keys(manifest, schema) == []
+        return
     api_version, schema = crd(manifest["kind"])
     assert manifest["apiVersion"] == api_version
     jsonschema.Draft7Validator(schema).validate(manifest)
@@ -79,8 +94,11 @@ def check_against_crd(manifest: dict[str, Any]) -> None:
 
 
 def render(data: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """(deployment, its Kthena objects: ModelServing, ModelServer, ModelRoute)."""
     dep = plan_deployment(load_deploy_spec(data))
-    return dep, render_manifests(dep)
+    policy, *kthena = render_manifests(dep)
+    assert policy["kind"] == "NetworkPolicy"
+    return dep, kthena
 
 
 def pods(serving: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -102,10 +120,13 @@ def pods(serving: dict[str, Any]) -> dict[str, dict[str, Any]]:
     {**LLAMA_ATLAS, "device_resource": "huawei.com/ascend-1980"},
 ], ids=["pd-cpu", "llama-2-70b-2x8-910b", "colocated-cpu", "pd-1p2d-port", "h100", "ascend-1980"])
 def test_every_manifest_validates_against_its_crd(data):
-    _, manifests = render(data)
-    assert [m["kind"] for m in manifests] == ["ModelServing", "ModelServer", "ModelRoute"]
-    for manifest in manifests:
-        check_against_crd(manifest)
+    for kv_events in (None, "redis://redis.kthena-system:6379"):
+        extra = {"kv_events": kv_events} if kv_events else {}
+        manifests = render_manifests(plan_deployment(load_deploy_spec({**data, **extra})))
+        assert [m["kind"] for m in manifests] == ["NetworkPolicy", "ModelServing",
+                                                  "ModelServer", "ModelRoute"]
+        for manifest in manifests:
+            check_against_crd(manifest)
 
 
 def test_the_strict_walk_catches_a_misspelt_key():
@@ -196,6 +217,89 @@ def test_an_explicit_pd_split_must_cover_the_plans_instances():
         "prefill": 1, "decode": 2}
 
 
+# ---- KV events, the API key, the NetworkPolicy ----------------------------------------------------
+REDIS = "redis://redis.kthena-system:6379"
+COLOCATED_CPU = {**{k: v for k, v in PD_CPU.items() if k != "pod_network"}, "mode": "colocated",
+                 "name": "smollm2"}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container["env"]}
+
+
+@pytest.mark.parametrize("data", [PD_CPU, COLOCATED_CPU], ids=["pd", "colocated"])
+def test_kv_events_make_every_worker_publish_as_its_own_pod(data):
+    _, (serving, _, _) = render({**data, "kv_events": REDIS})
+    for container in pods(serving).values():
+        args = container["args"]
+        assert args[args.index("--kv-events") + 1] == REDIS
+        # the owner name kthena-router's plugin compares: {pod name}.{namespace}
+        assert args[args.index("--pod-name") + 1] == "$(POD_NAME).$(POD_NAMESPACE)"
+        env = env_of(container)
+        assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["POD_NAMESPACE"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "metadata.namespace"}}
+    _, (serving, _, _) = render(data)  # without the key, nothing of it
+    for container in pods(serving).values():
+        assert not {"--kv-events", "--pod-name"} & set(container["args"])
+        assert "POD_NAMESPACE" not in env_of(container)
+
+
+@pytest.mark.parametrize("data", [PD_CPU, COLOCATED_CPU, LLAMA_ATLAS],
+                         ids=["pd", "colocated", "llama"])
+def test_every_worker_takes_the_api_key_from_a_secret(data):
+    dep, (serving, _, _) = render(data)
+    for container in pods(serving).values():
+        assert env_of(container)["KTHENA_API_KEY"]["valueFrom"] == {
+            "secretKeyRef": {"name": f"{dep.spec.name}-api-key", "key": "api-key"}}
+        assert not [a for a in container["args"] if "api-key" in a or "api_key" in a]
+    assert (f"needs the Secret {dep.spec.name}-api-key (key: api-key) in namespace "
+            f"{dep.spec.namespace}") in header(dep)
+
+
+@pytest.mark.parametrize(("data", "has_siblings"), [
+    (PD_CPU, True), (COLOCATED_CPU, False),
+    ({**PD_CPU, "router_namespace": "gateway", "port": 9000, "namespace": "serving"}, True),
+], ids=["pd", "colocated", "pd-elsewhere"])
+def test_the_network_policy_admits_only_the_router_and_in_pd_the_sibling_pods(data,
+                                                                             has_siblings):
+    dep = plan_deployment(load_deploy_spec(data))
+    policy, _, server, _ = render_manifests(dep)
+    spec = policy["spec"]
+    assert policy["metadata"] == {"name": dep.spec.name, "namespace": dep.spec.namespace}
+    # the pods it guards are the pods kthena-router sends to
+    assert spec["podSelector"] == {"matchLabels": server["spec"]["workloadSelector"][
+        "matchLabels"]}
+    assert spec["policyTypes"] == ["Ingress"]  # egress (Redis, the registry) is left open
+    router, *rest = spec["ingress"]
+    assert router == {"from": [{
+        "namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": data.get("router_namespace", "kthena-system")}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kthena-router"}}}],
+        "ports": [{"protocol": "TCP", "port": dep.spec.port}]}
+    assert rest == ([{"from": [{"podSelector": spec["podSelector"]}]}] if has_siblings else [])
+    check_against_crd(policy)
+
+
+def test_the_network_policy_schema_catches_what_the_api_server_refuses():
+    import copy
+
+    policy = render_manifests(plan_deployment(load_deploy_spec(PD_CPU)))[0]
+    check_against_crd(policy)
+    breaks = [
+        lambda p: p["spec"].pop("podSelector"),
+        lambda p: p["spec"].update(policyType=p["spec"].pop("policyTypes")),
+        lambda p: p["spec"]["ingress"][0]["from"][0].update(ipBlock={"cidr": "10.0.0.0/8"}),
+        lambda p: p["spec"]["ingress"][0]["ports"][0].update(protocol="HTTP"),
+        lambda p: p["spec"]["ingress"][1]["from"][0].pop("podSelector"),
+    ]
+    for change in breaks:
+        broken = copy.deepcopy(policy)
+        change(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            check_against_crd(broken)
+
+
 # ---- bad deploy.yaml ------------------------------------------------------------------------------
 BAD = [
     ({"num_node": 2}, "num_node: unknown key (did you mean 'num_nodes'?)"),
@@ -243,6 +347,13 @@ BAD = [
      "pod_network: got '10.244.0.0/16'; allowed: only with mode: pd"),
     ({"pod_networks": "10.244.0.0/16"}, "pod_networks: unknown key (did you mean "
                                         "'pod_network'?)"),
+    ({"kv_events": "http://redis:6379"}, "kv_events: 'http://redis:6379' is not a redis:// URL"),
+    ({"kv_events": "redis://redis"}, "kv_events: 'redis://redis' needs a host and a port"),
+    ({"kv_events": 6379}, "kv_events: 6379 is not a URL; write redis://HOST:PORT"),
+    ({"kv_events": "redis://:hunter2@redis:6379"}, "kv_events: got 'redis://:***@redis:6379'; "
+     "allowed: redis://HOST:PORT[/DB] without a user or password"),
+    ({"kv_event": "redis://redis:6379"}, "kv_event: unknown key (did you mean 'kv_events'?)"),
+    ({"router_namespace": "Kthena"}, "router_namespace: got 'Kthena'; allowed: a DNS label"),
 ]
 
 
@@ -272,15 +383,42 @@ def test_a_pipeline_inside_one_pod_is_served_with_pp_and_sized_for_its_ranks():
 
     spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
     dep = plan_deployment(spec, _PinnedPlanner(Layout(4, 2, 1)))
-    docs = render_manifests(dep)
-    check_against_crd(docs[0])
-    args = pods(docs[0])["serve"]["args"]
+    _, serving, *_ = render_manifests(dep)
+    check_against_crd(serving)
+    args = pods(serving)["serve"]["args"]
     assert args[args.index("--tp") + 1] == "4" and args[args.index("--pp") + 1] == "2"
     assert dep.num_devices_per_pod == 8 and dep.cpu == 8 * 4
     with pytest.raises(DeployError, match=r"gives each worker TP2 x PP2"):
         plan_deployment(load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
                                           "pod_network": POD_NETWORK}),
                         _PinnedPlanner(Layout(2, 2, 2)))
+
+
+def test_a_plan_with_sp_renders_kthena_serve_sp():
+    from kthena_core.config_plan import _PinnedPlanner as _Pinned
+    from kthena_core.layout import Layout
+
+    spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
+    dep = plan_deployment(spec, _Pinned(Layout(8, 1, 1, 8)))
+    _, serving, *_ = render_manifests(dep)
+    check_against_crd(serving)
+    args = pods(serving)["serve"]["args"]
+    assert args[args.index("--tp") + 1] == "8" and args[args.index("--sp") + 1] == "8"
+    plain = plan_deployment(spec, _Pinned(Layout(8, 1, 1)))
+    assert "--sp" not in pods(render_manifests(plain)[1])["serve"]["args"]
+
+
+def test_sp_with_pipeline_stages_or_pd_is_refused_by_name():
+    from kthena_core.config_plan import _PinnedPlanner as _Pinned
+    from kthena_core.layout import Layout
+
+    spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
+    with pytest.raises(DeployError, match=r"with SP4 in mode colocated"):
+        plan_deployment(spec, _Pinned(Layout(4, 2, 1, 4)))
+    pd = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
+                           "pod_network": POD_NETWORK})
+    with pytest.raises(DeployError, match=r"SP4 in mode pd"):
+        plan_deployment(pd, _Pinned(Layout(4, 1, 2, 4)))
 
 
 def test_num_nodes_cannot_contradict_a_multi_node_topology_file(tmp_path):
@@ -303,8 +441,9 @@ def test_cli_prints_one_yaml_stream(tmp_path, capsys):
     assert main(["deploy", "k8s", "--config", write_config(tmp_path, PD_CPU),
                  "--image", "other:1"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ModelServing", "ModelServer", "ModelRoute"]
-    assert {c["image"] for c in pods(docs[0]).values()} == {"other:1"}
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "ModelServing", "ModelServer",
+                                         "ModelRoute"]
+    assert {c["image"] for c in pods(docs[1]).values()} == {"other:1"}
 
 
 def test_cli_writes_one_file_per_object(tmp_path, capsys):
@@ -312,7 +451,7 @@ def test_cli_writes_one_file_per_object(tmp_path, capsys):
     assert main(["deploy", "k8s", "--config", write_config(tmp_path, PD_CPU), "--out",
                  str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["modelroute.yaml", "modelserver.yaml",
-                                                    "modelserving.yaml"]
+                                                    "modelserving.yaml", "networkpolicy.yaml"]
     for path in out.iterdir():
         check_against_crd(yaml.safe_load(path.read_text(encoding="utf-8")))
 

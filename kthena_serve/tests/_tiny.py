@@ -81,10 +81,12 @@ def tiny_engine(**config) -> LLMEngine:
     return LLMEngine.from_config(engine_config, model=model, tokenizer=default_tokenizer())
 
 
-def tiny_checkpoint(folder, *, seed: int = 0):  # noqa: ANN001, ANN201
+def tiny_checkpoint(folder, *, seed: int = 0, **config):  # noqa: ANN001, ANN003, ANN201
     """Write a Hugging Face checkpoint folder of a tiny random Llama (2 layers, hidden 64, tied
     embeddings, bf16-safe values) with the default checkpoint's tokenizer files into ``folder``;
-    returns it as a ``Path``. What ``--model FOLDER`` loads in a second, not a real model."""
+    returns it as a ``Path``. What ``--model FOLDER`` loads in a second, not a real model.
+    ``config`` overrides config.json keys (e.g. ``num_attention_heads=9, num_key_value_heads=3,
+    head_dim=8`` for SmolLM2's uneven head split)."""
     import json
     import shutil
     from pathlib import Path
@@ -102,6 +104,7 @@ def tiny_checkpoint(folder, *, seed: int = 0):  # noqa: ANN001, ANN201
     hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
               tie_word_embeddings=True, torch_dtype="float32")
+    hf.update(config)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     config = ModelConfig.from_dict(hf)
     q, kv, h, inter = (config.num_attention_heads * config.head_dim,

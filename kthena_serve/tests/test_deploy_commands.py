@@ -9,6 +9,7 @@ before the process starts; the test does the same.
 from __future__ import annotations
 
 import json
+import re
 from importlib.metadata import entry_points
 from importlib.util import find_spec
 from pathlib import Path
@@ -19,7 +20,7 @@ from fastapi import FastAPI
 
 from kthena_core.cli import build_parser
 from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_serving
-from kthena_core.deploy.k8s import HEALTH_PATH, PD_SECRET_ENV
+from kthena_core.deploy.k8s import API_KEY_ENV, HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve, spec_from_args
 from kthena_serve.cluster.auth import SECRET_ENV, check_prefill_url
 from kthena_serve.config import EngineConfig
@@ -34,7 +35,8 @@ COLOCATED_CPU = {k: v for k, v in {**PD_CPU, "name": "smollm2", "mode": "colocat
                  if k != "pod_network"}
 LLAMA_ATLAS = {"name": "llama-2-70b", "image": "kthena-worker:test", "model": "llama-2-70b",
                "checkpoint": "/mnt/models/Llama-2-70b-hf", "topology": ATLAS, "num_nodes": 2}
-POD = {"POD_NAME": "smollm2-pd-0-decode-0-0", "POD_IP": "10.1.2.3"}
+POD = {"POD_NAME": "smollm2-pd-0-decode-0-0", "POD_IP": "10.1.2.3", "POD_NAMESPACE": "serving"}
+REDIS = "redis://redis.kthena-system:6379"
 
 
 def containers(data: dict) -> dict[str, dict]:
@@ -115,6 +117,43 @@ def test_the_secret_travels_in_the_variable_the_pd_auth_reads():
     for container in containers(PD_CPU).values():
         assert SECRET_ENV in {e["name"] for e in container["env"]}
         assert SECRET_ENV not in " ".join(container["args"])
+
+
+@pytest.mark.parametrize("data", [PD_CPU, COLOCATED_CPU], ids=["pd", "colocated"])
+def test_kv_events_make_each_pod_publish_under_its_own_name(data, monkeypatch):
+    """The rendered --kv-events / --pod-name, expanded as Kubernetes does, give the owner name
+    kthena-router's plugin compares ({pod name}.{namespace}) in both entry points."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for role, container in containers({**data, "kv_events": REDIS}).items():
+        argv = expand(container["args"])
+        if role == "serve":
+            config = spec_from_args(build_parser().parse_args(argv)).kv_events
+        else:
+            config = worker._kv_events(worker._parse(argv))
+        assert (config.redis_url, config.pod, config.model) == (
+            REDIS, f"{POD['POD_NAME']}.{POD['POD_NAMESPACE']}", "smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("data", [PD_CPU, COLOCATED_CPU, {**PD_CPU, "kv_events": REDIS},
+                                  {**COLOCATED_CPU, "kv_events": REDIS}],
+                         ids=["pd", "colocated", "pd-kv-events", "colocated-kv-events"])
+def test_every_variable_the_args_name_is_in_the_pods_env(data):
+    """Kubernetes expands $(VAR) only from the container's env; an unknown one stays as text."""
+    for container in containers(data).values():
+        names = set(re.findall(r"\$\((\w+)\)", " ".join(container["args"])))
+        assert names <= {e["name"] for e in container["env"]}
+
+
+def test_the_api_key_travels_in_the_variable_both_entry_points_read(monkeypatch):
+    for container in [*containers(PD_CPU).values(), *containers(COLOCATED_CPU).values()]:
+        (key,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
+        assert set(key["valueFrom"]) == {"secretKeyRef"}
+    monkeypatch.setenv(API_KEY_ENV, "key-of-the-pd-worker")
+    assert worker._take_api_key() == "key-of-the-pd-worker"
+    monkeypatch.setenv(API_KEY_ENV, "key-of-kthena-serve")
+    (container,) = containers(COLOCATED_CPU).values()
+    spec = spec_from_args(build_parser().parse_args(expand(container["args"])))
+    assert spec.api_key == "key-of-kthena-serve"
 
 
 def test_the_probed_path_is_served_by_both_kinds_of_worker():

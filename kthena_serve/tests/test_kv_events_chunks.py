@@ -240,7 +240,9 @@ def test_flags_build_the_config():
      "--kv-events-chunk-size: "),
     (("--pod-name", "p.ns"), "only with --kv-events"),
     (("--kv-events-max-chunks", "7"), "only with --kv-events"),
-    (("--kv-events", "redis://h:1", "--pod-name", "p.ns", "--mode", "pd"), "--mode pd"),
+    # PD: each worker announces as NAME-WORKER.NAMESPACE, which must still be a pod name
+    (("--kv-events", "redis://h:1", "--pod-name", "p" * 250 + ".ns", "--mode", "pd"),
+     "--pod-name: .*-prefill-0.ns"),
     (("--kv-events", "redis://h:1", "--pod-name", "p.ns", "--no-prefix-caching"),
      "--no-prefix-caching"),
 ])
@@ -248,6 +250,17 @@ def test_flags_are_refused_by_name(argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
         _kv_events(*argv)
     assert str(info.value).startswith("--")
+
+
+def test_pd_workers_each_get_their_own_owner_name():
+    config = _kv_events("--kv-events", "redis://h:1", "--pod-name", "kthena-0.serving",
+                        "--mode", "pd")
+    from kthena_serve.pd.launcher import worker_names
+
+    owners = [config.for_worker(name).pod for name in worker_names(1, 2)]
+    assert owners == ["kthena-0-prefill-0.serving", "kthena-0-decode-0.serving",
+                      "kthena-0-decode-1.serving"]
+    assert {config.for_worker("decode-1").model} == {"m"}
 
 
 def test_password_is_not_echoed():

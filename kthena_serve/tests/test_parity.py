@@ -237,3 +237,12 @@ def test_repetition_penalty_is_token_identical_to_transformers(ours, prompts, hf
     assert penalised == _cut(hf, eos)
     plain = _cut(_engine_tokens(chosen, eos), eos)
     assert penalised != plain  # the penalty changed what greedy picks on these prompts
+
+
+def test_an_uneven_pipeline_split_engine_matches_one_process(ours, prompts):
+    """PP=2 cut at layer 10 (10 + 20 layers, each stage's pool sized for its own layers) through
+    the engine: token-identical to the single-process engine in float32."""
+    batch = [prompts[0], prompts[2], prompts[4]]
+    eos = set(ours[1].eos_token_ids)
+    uneven = _engine_tokens(batch, eos, pp=2, pipeline_split_points=(10,))
+    assert _cut(uneven, eos) == _cut(_engine_tokens(batch, eos), eos)

@@ -38,7 +38,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if overrides:
         workload = Workload(**{**workload.to_dict(), **overrides})
     fitted, used = _calibration(args, model, topology, cache, args.topology)
-    plan = Planner(_params(fitted, used)).plan(model, topology, workload)
+    params = _params(fitted, used)
+    if args.sp_collective_factor is not None:
+        if not args.sp_collective_factor > 0:
+            print(f"kthena plan: --sp-collective-factor must be > 0 (1: a ring), got "
+                  f"{args.sp_collective_factor}", file=sys.stderr)
+            return 2
+        import attrs
+
+        params = attrs.evolve(params or _default_params(),
+                              sp_collective_factor=args.sp_collective_factor)
+    plan = Planner(params, sequence_parallel=args.sp).plan(model, topology, workload)
     _print_plan(args, plan, fitted, used)
     return 0
 
@@ -113,6 +123,10 @@ def _cmd_plan_config(args: argparse.Namespace) -> int:
         print(f"kthena plan: --config gives the model, topology and workload; drop "
               f"{', '.join(given)}", file=sys.stderr)
         return 2
+    if args.sp or args.sp_collective_factor is not None:
+        print("kthena plan: --config's parallelism.sequence_parallel_enabled decides whether SP "
+              "is weighed; drop --sp and --sp-collective-factor", file=sys.stderr)
+        return 2
     cache = default_cache_dir()
     cfg, topology = load_config_file(args.config, cache_dir=cache)
     model = load_model_spec(cfg.model.checkpoint_path)
@@ -185,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan with this calibration file's factors ('none': the defaults; "
                            "default: this machine's cached calibration, when planning on this "
                            "machine)")
+    plan.add_argument("--sp", action="store_true",
+                      help="also weigh sequence parallelism (sp = tp over the TP group; the "
+                           "engine runs it at pp = 1, colocated); default: every layout sp = 1")
+    plan.add_argument("--sp-collective-factor", type=float, default=None, metavar="F",
+                      help="SP's reduce-scatter + all-gather over the ring all-reduce's price "
+                           "(default 1: a ring; `kthena bench layouts --sp-prompts` measures it "
+                           "for gloo)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_cmd_plan)
 

@@ -3,7 +3,8 @@
 ```yaml
 cluster:      {master_addr: 127.0.0.1, master_port: 29500, world_size: 8, local_rank: 0,
                topology: auto}
-parallelism:  {strategy: tp_pp, tensor_parallel_size: 4, pipeline_parallel_size: 2}
+parallelism:  {strategy: tp_pp, tensor_parallel_size: 4, pipeline_parallel_size: 2,
+               pipeline_split_points: [10]}    # optional: where stage 1 starts
 model:        {checkpoint_path: default, dtype: float16}
 service:      {api_type: http, host: 0.0.0.0, port: 8000, max_batch_size: 32, kv_cache_reuse: true}
 kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: none}}
@@ -29,6 +30,7 @@ import attrs
 from kthena_core._yaml import read_yaml
 from kthena_core.dtypes import ENGINE_DTYPES, canonical_dtype
 from kthena_core.model_spec import ModelSpec
+from kthena_core.shape import LayerSplitError, check_split_points
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,10 @@ class ParallelismConfig:
     sequence_parallel_group_size: int = 1
     fused_communication: bool = False
     bucket_size_mb: float | None = None
+    pipeline_split_points: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v)
+    """The first layer of pipeline stages 1 .. pp - 1 (``[10]``: layers 0..9 on stage 0);
+    unset: equal stages, or the planner's split where its cost model finds them unbalanced."""
 
 
 @attrs.frozen
@@ -124,16 +130,25 @@ class KthenaConfig:
 
         Raises:
             ConfigError: tp cannot split the heads (the message lists the tp values that can),
-                or pp does not divide the layers.
+                pp does not divide the layers (no split points), or the split points do not cut
+                them into pp non-empty stages.
         """
         tp = self.parallelism.tensor_parallel_size
         pp = self.parallelism.pipeline_parallel_size
+        points = self.parallelism.pipeline_split_points
         allowed = model.allowed_tp_sizes()
         _check(tp in allowed, "parallelism.tensor_parallel_size", tp,
                f"one of {', '.join(map(str, allowed))} ({model.name} has "
                f"{model.num_attention_heads} attention heads, {model.num_key_value_heads} KV heads)")
+        if points is not None:
+            try:
+                check_split_points(model.num_layers, pp, points)
+            except LayerSplitError as e:
+                raise ConfigError(f"parallelism.pipeline_split_points: {e} ({model.name})") from None
+            return
         _check(model.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
-               f"a divisor of {model.name}'s {model.num_layers} layers")
+               f"a divisor of {model.name}'s {model.num_layers} layers, or any pp up to "
+               "them with parallelism.pipeline_split_points")
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -225,11 +240,9 @@ def _cross_checks(cfg: KthenaConfig, base_dir: str | None) -> None:
            f"{par.tensor_parallel_size} x {par.pipeline_parallel_size} x {par.data_parallel_size} = {used}")
     _check(cl.local_rank < cl.world_size, "cluster.local_rank", cl.local_rank, f"0..{cl.world_size - 1}")
     _check(cl.node_rank < cl.nnodes, "cluster.node_rank", cl.node_rank, f"0..{cl.nnodes - 1}")
-    if par.sequence_parallel_enabled:
-        sp = par.sequence_parallel_group_size
-        _check(sp in (1, par.tensor_parallel_size), "parallelism.sequence_parallel_group_size", sp,
-               f"1 or tensor_parallel_size ({par.tensor_parallel_size}); SP shares the TP group")
+    _check_sequence_parallel(cfg)
     _check_strategy(par)
+    _check_split_points(par)
     _reject_unsupported(cfg)
     path = cfg.model.checkpoint_path
     if path != "default":
@@ -261,6 +274,49 @@ def _check_strategy(par: ParallelismConfig) -> None:
                               f"{par.strategy!r}; {how}")
 
 
+def _check_split_points(par: ParallelismConfig) -> None:
+    """The points' form here; their range needs the model's layers (`validate_against`)."""
+    points, pp = par.pipeline_split_points, par.pipeline_parallel_size
+    if points is None:
+        return
+    path = "parallelism.pipeline_split_points"
+    _check(par.strategy != "auto", path, list(points) if isinstance(points, tuple) else points,
+           "unset with strategy auto (the planner chooses pp and its split); pin "
+           "pipeline_parallel_size with a strategy that includes pp")
+    ok = (isinstance(points, tuple) and len(points) == pp - 1 and all(
+        isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points)
+        and all(b > a for a, b in zip(points, points[1:], strict=False)))
+    _check(ok, path, list(points) if isinstance(points, tuple) else points,
+           f"a list of {pp - 1} strictly increasing layer indices >= 1 for "
+           f"pipeline_parallel_size {pp}: the first layer of stages 1..{pp - 1}" if pp > 1 else
+           "unset with pipeline_parallel_size 1 (split points cut the layers into pp > 1 stages)")
+
+
+def _check_sequence_parallel(cfg: KthenaConfig) -> None:
+    """SP runs over the TP group (the seed's usual case: group size = TP size), colocated, with
+    pp = 1; under ``strategy: auto`` the planner may pick it (group size unset: its tp)."""
+    par = cfg.parallelism
+    sp, tp = par.sequence_parallel_group_size, par.tensor_parallel_size
+    if not par.sequence_parallel_enabled:
+        _check(sp == 1, "parallelism.sequence_parallel_group_size", sp,
+               "1 (unset) while sequence_parallel_enabled is false; set "
+               "sequence_parallel_enabled: true to use it")
+        return
+    _check(cfg.service.mode == "colocated", "parallelism.sequence_parallel_enabled", True,
+           "false with service.mode pd (sequence parallelism splits a prompt over a worker's "
+           "TP ranks, and PD workers run tp = 1)")
+    _check(par.pipeline_parallel_size == 1, "parallelism.sequence_parallel_enabled", True,
+           f"false with pipeline_parallel_size {par.pipeline_parallel_size} (SP with PP is "
+           "not wired: a stage would hand the next a sharded residual stream)")
+    if par.strategy == "auto":
+        _check(sp == 1, "parallelism.sequence_parallel_group_size", sp,
+               "unset with strategy auto (the planner picks SP over its own TP group)")
+        return
+    _check(sp == tp and tp > 1, "parallelism.sequence_parallel_group_size", sp,
+           f"tensor_parallel_size ({tp}), which must be > 1: SP shares the TP group; a separate "
+           "SP group with replicated weights is not wired")
+
+
 def _reject_unsupported(cfg: KthenaConfig) -> None:
     """Values the SDK parses but cannot honour yet: refused by name, never silently kept."""
     par, model, kv = cfg.parallelism, cfg.model, cfg.kv_cache
@@ -278,9 +334,6 @@ def _reject_unsupported(cfg: KthenaConfig) -> None:
            "high_throughput variant exists)")
     _check(model.dtype in ENGINE_DTYPES, "model.dtype", model.dtype,
            "bfloat16, float16 or float32 (the dtypes the engine serves weights in)")
-    _check(not par.sequence_parallel_enabled, "parallelism.sequence_parallel_enabled", True,
-           "false (the engine runs no sequence parallelism; the planner still models SP when "
-           "asked directly, through kthena plan)")
     for key in ("compute_dtype", "parameter_dtype"):
         value = getattr(model, key)
         _check(value in (None, model.dtype), f"model.{key}", value,

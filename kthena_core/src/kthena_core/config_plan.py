@@ -4,8 +4,11 @@ and sizes.
 ``parallelism.strategy: auto`` lets the planner choose tp x pp x dp over the topology's devices;
 any other strategy pins the config's own sizes, and the planner judges that one layout (memory,
 head split, layer split), so a pinned layout that cannot run is refused with the planner's
-reasons instead of being served blind. SP is off (the config refuses
-``sequence_parallel_enabled``), so every layout has sp = 1.
+reasons instead of being served blind. ``parallelism.pipeline_split_points`` pins that layout's
+stages too; without it the planner keeps equal stages, or moves the split where its cost model
+finds them unbalanced (`kthena_core.pipeline_split`). ``sequence_parallel_enabled``
+pins sp = ``sequence_parallel_group_size`` (= tp), or under auto lets the planner weigh sp = tp
+for its pp = 1 layouts; without it every layout has sp = 1.
 """
 
 from __future__ import annotations
@@ -30,17 +33,25 @@ __all__ = ["config_workload", "load_config_file", "plan_config", "plan_config_fi
 
 
 class _PinnedPlanner(Planner):
-    """The planner restricted to one layout (a pinned strategy) or to sp = 1 (auto)."""
+    """The planner restricted to one layout (a pinned strategy) or to sp = 1 (auto), with the
+    pinned layout's split points when the config names them."""
 
-    def __init__(self, pinned: Layout | None, params: CostParams | None = None) -> None:
-        super().__init__(params)
+    def __init__(self, pinned: Layout | None, params: CostParams | None = None,
+                 split_points: tuple[int, ...] | None = None, *, allow_sp: bool = False) -> None:
+        super().__init__(params, sequence_parallel=allow_sp)
         self.pinned = pinned
+        self.split_points = split_points
+        self.allow_sp = allow_sp  # auto: sp = tp too, where pp = 1 (what the engine runs)
+
+    def pipeline_split_points(self, layout: Layout) -> tuple[int, ...] | None:
+        return self.split_points if layout == self.pinned else None
 
     def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
         if self.pinned is not None:
             yield self.pinned
             return
-        yield from (lay for lay in super().layouts(model, topology, workload) if lay.sp == 1)
+        yield from (lay for lay in super().layouts(model, topology, workload)
+                    if lay.sp == 1 or (self.allow_sp and lay.pp == 1))
 
 
 def config_workload(cfg: KthenaConfig) -> Workload:
@@ -69,14 +80,18 @@ def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None =
     pinned = None
     if par.strategy != "auto":
         cfg.validate_against(model)
-        pinned = Layout(par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size)
+        sp = par.sequence_parallel_group_size if par.sequence_parallel_enabled else 1
+        pinned = Layout(par.tensor_parallel_size, par.pipeline_parallel_size,
+                        par.data_parallel_size, sp)
         if pinned.num_devices > topology.num_devices:
             raise ConfigError(
                 f"parallelism: tp {pinned.tp} x pp {pinned.pp} x dp {pinned.dp} = "
                 f"{pinned.num_devices} devices, but topology {topology.name or topology.source!r} "
                 f"has {topology.num_devices}; lower the sizes, use strategy: auto, or name a "
                 "larger cluster.topology")
-    return _PinnedPlanner(pinned, params).plan(model, topology, config_workload(cfg))
+    return _PinnedPlanner(pinned, params, par.pipeline_split_points,
+                          allow_sp=par.sequence_parallel_enabled).plan(
+        model, topology, config_workload(cfg))
 
 
 def resolve_topology(spec: str, *, cache_dir: str | os.PathLike[str] | None = None,

@@ -2,23 +2,37 @@
 
 Every time is ``max(compute, memory traffic)`` per pipeline stage plus the collectives that
 cannot overlap it (two TP all-reduces per layer, a ring costing ``2(tp-1)/tp x bytes / bw``
-plus ``2(tp-1)`` link latencies) and the pipeline's point-to-point hops. Decode runs
+plus ``2(tp-1)`` link latencies) and the pipeline's point-to-point hops. A decode stage is
+priced with its own layers plus its ends (the final norm and LM head on the last stage), so
+with a large vocabulary equal stages are unbalanced and the slowest one sets the pace
+(`kthena_core.pipeline_split` moves the split points). Decode runs
 ``m = min(B, pp)`` micro-batches; with fewer micro-batches than stages the pipeline idles::
 
     step = max(m, pp) x t_micro         bubble = 1 - m / max(m, pp)
 
 Co-located serving pays for prefills inside decode (each prompt stalls the batch), PD serving
 pays a KV transfer from the prefill to the decode instance instead.
+
+Sequence parallelism (sp = tp, the engine's Megatron-style SP over the TP group) changes a
+prefill only: each of the two all-reduces per layer becomes a reduce-scatter plus an all-gather
+(ring: ``(tp-1)/tp x bytes / bw + (tp-1)`` latencies each, the pair scaled by
+``CostParams.sp_collective_factor``), and the token-wise work (RMSNorms and residual adds, priced
+as memory traffic) runs on 1/sp of the tokens. The matmuls and attention keep TP's head split
+over every token, so attention's quadratic term is not divided by sp: SP's saving is linear in
+the prompt while attention grows with its square, and on a ring SP's collectives cost what the
+all-reduce did.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 
 from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
+from kthena_core.shape import stage_layer_ranges
 from kthena_core.workload import Workload
 
 GiB = 1024**3
@@ -38,6 +52,10 @@ class CostParams:
     memory_utilization: float = 0.9   # share of device memory the runtime may use
     runtime_reserve_bytes: float = 1 * GiB  # workspace, comm buffers, allocator slack (capped at 5%)
     step_overhead_s: float = 0.0      # fixed cost per forward pass per stage (launches, Python)
+    # SP's reduce-scatter + all-gather pair over the ring model's price (which equals one
+    # all-reduce): 1 on a ring backend; `kthena bench layouts --sp-prompts` measures it (gloo's
+    # reduce-scatter costs about a whole all-reduce, docs/bench_layouts.md)
+    sp_collective_factor: float = 1.0
 
 
 @attrs.frozen
@@ -101,6 +119,43 @@ def allreduce_time(num_bytes: float, n: int, bw: float, latency: float) -> float
     return 2 * (n - 1) / n * num_bytes / bw + 2 * (n - 1) * latency
 
 
+def reduce_scatter_time(num_bytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring reduce-scatter of `num_bytes` (the whole tensor) over `n` ranks."""
+    return 0.0 if n <= 1 else (n - 1) / n * num_bytes / bw + (n - 1) * latency
+
+
+def all_gather_time(num_bytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-gather into `num_bytes` (the whole gathered tensor) over `n` ranks."""
+    return reduce_scatter_time(num_bytes, n, bw, latency)
+
+
+# RMSNorm with its fused residual add reads x and the residual and writes both: four passes over
+# [tokens, hidden] per norm, two norms per layer
+TOKENWISE_PASSES_PER_LAYER = 8
+
+
+def prefill_layer_comm(model: ModelSpec, tokens: int, layout: Layout, links: Links,
+                       params: CostParams) -> float:
+    """One layer's TP collectives in a prefill of `tokens` tokens: two all-reduces, or with SP
+    two reduce-scatter + all-gather pairs (times ``params.sp_collective_factor``)."""
+    act = tokens * model.hidden_size * 2.0
+    if layout.sp > 1:
+        pair = (reduce_scatter_time(act, layout.tp, links.tp_bw, links.tp_latency)
+                + all_gather_time(act, layout.tp, links.tp_bw, links.tp_latency))
+        return 2 * params.sp_collective_factor * pair
+    return 2 * allreduce_time(act, layout.tp, links.tp_bw, links.tp_latency)
+
+
+def sp_tokenwise_saving(model: ModelSpec, tokens: int, layout: Layout, dev: DeviceFigures,
+                        per_elem: float) -> float:
+    """Seconds of token-wise work (norms, residual adds) SP takes off one stage's prefill: each
+    rank does 1/sp of it. Zero without SP."""
+    if layout.sp <= 1:
+        return 0.0
+    full = TOKENWISE_PASSES_PER_LAYER * tokens * model.hidden_size * per_elem / dev.memory_bw
+    return (1 - 1 / layout.sp) * full * model.num_layers / layout.pp
+
+
 def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int) -> float:
     """Weights on the most loaded device: its share of layers plus embedding and/or LM head."""
     total = model.weight_bytes(dtype)
@@ -116,16 +171,26 @@ def activation_bytes(model: ModelSpec, wl: Workload, layout: Layout) -> float:
     """Peak live activations of one prefill step of a whole prompt, one layer at a time."""
     per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
     hidden_parts = 4 * model.hidden_size / max(layout.sp, 1)
+    if layout.sp > 1:  # SP's all-gather materialises the whole [tokens, hidden] matmul input
+        hidden_parts += model.hidden_size
     sharded = (2 * model.intermediate_size + 3 * model.num_attention_heads * model.head_dim) / layout.tp
     return wl.prompt_len * per_elem * (hidden_parts + sharded)
 
 
 def memory(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, params: CostParams,
-           seqs_per_replica: int) -> Memory:
-    """Per-device memory of `layout` holding `seqs_per_replica` full-context sequences."""
+           seqs_per_replica: int, split_points: Sequence[int] | None = None) -> Memory:
+    """Per-device memory of `layout` holding `seqs_per_replica` full-context sequences; with
+    `split_points`, of the stage holding the most weights (and the one with the most layers'
+    KV: every stage's pool has as many blocks)."""
     kv = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * seqs_per_replica * wl.context_len
+    weights = stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp)
+    if split_points is not None:
+        ranges = stage_layer_ranges(model.num_layers, layout.pp, split_points)
+        kv *= layout.pp * max(map(len, ranges)) / model.num_layers
+        weights = max(_held_weight_bytes(model, wl.dtype, layout.tp, r, s == 0, s == layout.pp - 1)
+                      for s, r in enumerate(ranges))
     return Memory(
-        weights=stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp),
+        weights=weights,
         kv_cache=kv,
         activations=activation_bytes(model, wl, layout),
         reserve=min(params.runtime_reserve_bytes, 0.05 * dev.capacity),
@@ -141,65 +206,133 @@ def prefill_work(model: ModelSpec, wl: Workload, layout: Layout) -> tuple[float,
     return flops, model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
 
 
-def decode_work(model: ModelSpec, wl: Workload, layout: Layout, batch: int) -> tuple[float, float]:
-    """(FLOPs, bytes read) of one device for one micro-batch of `batch` sequences to advance a token."""
-    micro = max(1, min(batch, layout.pp))
-    b = batch / micro
-    ctx = wl.prompt_len + wl.output_len / 2
-    flops = b * model.decode_flops(int(ctx)) / (layout.tp * layout.pp)
-    weights = model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
-    kv_read = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * b * ctx
-    return flops, weights + kv_read
+def _held_weight_bytes(model: ModelSpec, dtype: str, tp: int, layers: range, first: bool,
+                       last: bool) -> float:
+    """Weights one device of a stage holds: its layers, the embedding on the first stage, the
+    final norm and LM head on the last (a tied head is a second copy of the embedding there)."""
+    per = model.weight_bytes(dtype) / model.num_params()
+    embed = model.vocab_size * model.hidden_size
+    head = 0 if model.tie_word_embeddings and first else embed if last else 0
+    params = sum(model.layer_params(i) for i in layers) + (embed if first else 0)
+    params += head + (model.hidden_size if last else 0)
+    return params * per / tp
 
 
-def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links) -> float:
-    """Time to first token of one request alone on a replica (its uncached part only)."""
+class StagePricer:
+    """One decode micro-step of any contiguous run of layers as a pipeline stage, on one device.
+
+    A stage's work is its layers' (weights, attention over the context, KV read), plus the final
+    norm and LM head on the last stage; the first stage's embedding lookup reads a few rows and
+    is not counted. Per-layer sums are prefix sums, so pricing a run is O(1): the split balancer
+    prices many of them.
+    """
+
+    def __init__(self, model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures | None,
+                 links: Links | None, batch: int) -> None:
+        micro = max(1, min(batch, layout.pp))
+        self.b = b = batch / micro
+        ctx = wl.prompt_len + wl.output_len / 2
+        tp, per = layout.tp, model.weight_bytes(wl.dtype) / model.num_params()
+        attn = model.attention_flops(1, int(ctx) + 1) / model.num_layers
+        kv = model.kv_bytes_per_token(wl.kv_dtype, tp) / model.num_layers * b * ctx
+        self._flops, self._bytes = [0.0], [0.0]
+        for i in range(model.num_layers):
+            self._flops.append(self._flops[-1] + b * (2.0 * model.layer_params(i, active=True) + attn) / tp)
+            self._bytes.append(self._bytes[-1] + model.layer_params(i) * per / tp + kv)
+        end = model.vocab_size * model.hidden_size + model.hidden_size  # LM head + final norm
+        self._last = (b * 2.0 * end / tp, end * per / tp)
+        self.dev, self.num_layers = dev, model.num_layers
+        act = b * model.hidden_size * 2.0
+        links = links or Links(math.inf, 0.0, math.inf, 0.0, math.inf)  # work() needs none
+        self._layer_comm = 2 * allreduce_time(act, tp, links.tp_bw, links.tp_latency)
+        self.hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
+
+    def work(self, layers: range, last: bool) -> tuple[float, float]:
+        """(FLOPs, bytes read) of the stage running `layers` (and the LM head if `last`)."""
+        flops = self._flops[layers.stop] - self._flops[layers.start]
+        nbytes = self._bytes[layers.stop] - self._bytes[layers.start]
+        return (flops + self._last[0], nbytes + self._last[1]) if last else (flops, nbytes)
+
+    def comm(self, layers: range) -> float:
+        """The stage's TP all-reduces (two per layer) and its hop to the next stage."""
+        return len(layers) * self._layer_comm + self.hop
+
+    def time(self, layers: range, last: bool) -> float:
+        """Seconds of one micro-batch through the stage: roofline, overhead, collectives."""
+        flops, nbytes = self.work(layers, last)
+        assert self.dev is not None, "StagePricer.time needs the device figures"
+        return (max(flops / self.dev.flops, nbytes / self.dev.memory_bw) + self.dev.step_overhead
+                + self.comm(layers))
+
+
+def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
+                 params: CostParams | None = None) -> float:
+    """Time to first token of one request alone on a replica (its uncached part only); with
+    sp > 1, SP's collectives (scaled by ``params.sp_collective_factor``) and its token-wise
+    saving (see the module docs)."""
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
     flops, nbytes = prefill_work(model, wl, layout)
     act = new * model.hidden_size * 2.0
-    comm = 2 * model.num_layers / layout.pp * allreduce_time(act, layout.tp, links.tp_bw, links.tp_latency)
+    comm = model.num_layers / layout.pp * prefill_layer_comm(model, new, layout, links,
+                                                             params or CostParams())
     hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
-    stage = max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead
+    per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
+    stage = (max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead
+             - sp_tokenwise_saving(model, new, layout, dev, per_elem))
     return layout.pp * (stage + comm) + (layout.pp - 1) * hop
 
 
+def decode_work(model: ModelSpec, wl: Workload, layout: Layout, batch: int,
+                split_points: Sequence[int] | None = None) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one device of the last stage (the whole model when pp = 1) for one
+    micro-batch of `batch` sequences to advance a token."""
+    last = stage_layer_ranges(model.num_layers, layout.pp, split_points)[-1]
+    return StagePricer(model, wl, layout, None, None, batch).work(last, True)
+
+
 def decode_step(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
-                batch: int) -> tuple[float, float, float]:
-    """(step time, comm fraction, bubble fraction) for `batch` sequences to advance one token."""
+                batch: int, split_points: Sequence[int] | None = None) -> tuple[float, float, float]:
+    """(step time, comm fraction, bubble fraction) for `batch` sequences to advance one token.
+
+    Each stage is priced with its own layers and ends (`StagePricer`); the slowest stage sets
+    the pipeline's pace. `split_points`: where stages 1.. start (None: equal stages).
+    """
     micro = max(1, min(batch, layout.pp))
-    b = batch / micro
-    flops, nbytes = decode_work(model, wl, layout, batch)
-    act = b * model.hidden_size * 2.0
-    comm = 2 * model.num_layers / layout.pp * allreduce_time(act, layout.tp, links.tp_bw, links.tp_latency)
-    hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
-    t_micro = max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead + comm + hop
+    pricer = StagePricer(model, wl, layout, dev, links, batch)
+    ranges = stage_layer_ranges(model.num_layers, layout.pp, split_points)
+    times = [pricer.time(r, s == layout.pp - 1) for s, r in enumerate(ranges)]
+    slowest = max(range(layout.pp), key=times.__getitem__)
+    t_micro = times[slowest]
     slots = max(micro, layout.pp)
     step = slots * t_micro
-    return step, (comm + hop) / t_micro, 1 - micro / slots
+    return step, pricer.comm(ranges[slowest]) / t_micro, 1 - micro / slots
 
 
 def estimate_colocated(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures,
-                       links: Links) -> Estimate:
+                       links: Links, split_points: Sequence[int] | None = None,
+                       params: CostParams | None = None) -> Estimate:
     """Prefill and decode time-share each replica; prompts stall the running batch."""
     batch = math.ceil(wl.concurrency / layout.dp)
-    ttft = prefill_time(model, wl, layout, dev, links)
-    step, comm, bubble = decode_step(model, wl, layout, dev, links, batch)
+    ttft = prefill_time(model, wl, layout, dev, links, params)
+    step, comm, bubble = decode_step(model, wl, layout, dev, links, batch, split_points)
     # Over one request lifetime the batch absorbs `batch` prefills spread over output_len steps.
     tpot = step + batch * ttft / wl.output_len
     throughput = layout.dp * batch / tpot
     return Estimate(ttft, tpot, throughput, comm, bubble)
 
 
-def estimate_pd(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links) -> Estimate:
+def estimate_pd(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
+                split_points: Sequence[int] | None = None,
+                params: CostParams | None = None) -> Estimate:
     """Best split of the dp replicas into prefill and decode instances (needs dp >= 2)."""
-    ttft = prefill_time(model, wl, layout, dev, links)
+    ttft = prefill_time(model, wl, layout, dev, links, params)
     kv_bytes = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * wl.prompt_len
     transfer = kv_bytes / links.pd_bw
     best: Estimate | None = None
     for n_p in range(1, layout.dp):
         n_d = layout.dp - n_p
         batch = math.ceil(wl.concurrency / n_d)
-        step, comm, bubble = decode_step(model, wl, layout, dev, links, batch)
+        step, comm, bubble = decode_step(model, wl, layout, dev, links, batch, split_points)
         rate = min(n_p / ttft, n_d * batch / (step * wl.output_len))  # requests/s
         est = Estimate(ttft + transfer, step, rate * wl.output_len, comm, bubble, transfer, n_p, n_d)
         if best is None or est.throughput_tok_s > best.throughput_tok_s:

@@ -143,6 +143,11 @@ class ModelSpec:
     def _layer_params(self, layer: int, active: bool) -> int:
         return self._attention_params() + self._mlp_params(layer, active) + 2 * self.hidden_size
 
+    def layer_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of decoder layer `layer` (attention, MLP or its experts, two norms);
+        `active=True` counts only the experts a token is routed to."""
+        return self._layer_params(layer, active)
+
     def num_params(self, *, active: bool = False) -> int:
         """Parameter count; `active=True` counts only the experts a token is routed to."""
         embed = self.vocab_size * self.hidden_size

@@ -4,7 +4,9 @@
 layout that uses at most the topology's devices, rejects those the engine cannot shard (a tp the
 heads cannot be split over, by the one rule in `kthena_core.shape.check_tp`; a pp that does not
 divide the layers) or that do not fit memory, scores the rest with the roofline model in
-`cost_model`, and keeps the whole table so a plan can say why each rival lost. KV memory is
+`cost_model`, and keeps the whole table so a plan can say why each rival lost. A pipeline's
+stages are equal unless the cost model finds them unbalanced (the LM head on the last stage),
+when the plan moves the split points and says why (`kthena_core.pipeline_split`). KV memory is
 sized for the rank holding the most KV heads (3 KV heads over tp=2: 2).
 
 Devices that discovery marks unhealthy (``Device.health`` in `EXCLUDED_HEALTH`) get no rank:
@@ -20,7 +22,7 @@ a TP group stays inside one fast link domain (an HCCS mesh, an NVLink island) wh
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -31,6 +33,7 @@ from kthena_core.cost_model import (
     Estimate,
     Links,
     Memory,
+    StagePricer,
     estimate_colocated,
     estimate_pd,
     memory,
@@ -38,7 +41,8 @@ from kthena_core.cost_model import (
 from kthena_core.hardware import DeviceSpec
 from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec, human_bytes
-from kthena_core.shape import HeadSplitError, LayerSplitError, check_pp
+from kthena_core.pipeline_split import PipelineSplit, pinned_split, propose_split
+from kthena_core.shape import HeadSplitError, LayerSplitError, check_pp, check_split_points
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
@@ -83,6 +87,7 @@ class Evaluation:
     memory: Memory | None = None
     estimate: Estimate | None = None
     cost: float = math.inf
+    split: PipelineSplit | None = None  # pp > 1: the stages' split, and why (pipeline_split)
 
     @property
     def feasible(self) -> bool:
@@ -115,6 +120,13 @@ class Plan:
     def world_size(self) -> int:
         return self.chosen.layout.num_devices
 
+    @property
+    def pipeline_split_points(self) -> tuple[int, ...] | None:
+        """Where the chosen layout's stages 1.. start when they are not equal stages (moved by
+        the planner, or pinned by the config); None: equal stages (``--pp`` alone)."""
+        split = self.chosen.split
+        return split.points if split is not None and split.is_uneven else None
+
     def tp_groups(self) -> list[list[int]]:
         """Ranks of each TP group (consecutive ranks)."""
         tp = self.layout.tp
@@ -146,6 +158,26 @@ class Plan:
                 rivals.append(e)
         return rivals
 
+    def sp_note(self) -> str | None:
+        """Why the chosen layout runs with or without sequence parallelism: its SP twin (same
+        devices and groups, the other sp) compared on cost, TTFT and activation memory; None
+        when the chosen layout has no twin (tp = 1, or SP not weighed)."""
+        lay = self.chosen.layout
+        twin = next((e for e in self.evaluations if e.layout.device_mapping == lay.device_mapping
+                     and e.layout.sp != lay.sp), None)
+        if twin is None:
+            return None
+        if not twin.feasible:
+            return f"{'without' if lay.sp > 1 else 'with'} SP: " + "; ".join(twin.reasons)
+        on, off = (self.chosen, twin) if lay.sp > 1 else (twin, self.chosen)
+        assert on.estimate and off.estimate and on.memory and off.memory
+        verdict = "chosen" if lay.sp > 1 else "not chosen"
+        return (f"SP{lay.tp} {verdict}: predicted TTFT {on.estimate.ttft_s * 1e3:.1f} ms "
+                f"with SP vs {off.estimate.ttft_s * 1e3:.1f} ms without (SP's reduce-scatter + "
+                "all-gather against TP's all-reduce, the norms on 1/sp of the tokens); "
+                f"activations {human_bytes(on.memory.activations)} vs "
+                f"{human_bytes(off.memory.activations)} per device")
+
     def runner_ups(self, k: int = 5) -> list[tuple[Evaluation, str]]:
         """The next `k` rivals with one line each on why they lost to the chosen one."""
         return [(e, why_lost(e, self.chosen, self.workload)) for e in self.rivals()[:k]]
@@ -161,6 +193,8 @@ class Plan:
             "excluded_devices": [x.to_dict() for x in self.excluded],
             "memory_per_device": _memory_dict(self.chosen.memory),
             "estimate": attrs.asdict(self.chosen.estimate) if self.chosen.estimate else None,
+            "pipeline_split": (self.chosen.split.to_dict(self.model.num_layers)
+                               if self.chosen.split else None),
             "candidates": [
                 {"layout": attrs.asdict(e.layout), "feasible": e.feasible, "cost": _finite(e.cost),
                  "estimate": attrs.asdict(e.estimate) if e.estimate else None,
@@ -168,6 +202,7 @@ class Plan:
                 for e in self.rivals()[:num_candidates]
             ],
             "num_candidates_considered": len(self.evaluations),
+            "sequence_parallel": self.sp_note(),
         }
 
 
@@ -223,8 +258,12 @@ def _divisors(n: int, limit: int) -> list[int]:
 class Planner:
     """Enumerates, filters and scores layouts. Stateless apart from its cost parameters."""
 
-    def __init__(self, params: CostParams | None = None) -> None:
+    def __init__(self, params: CostParams | None = None, *,
+                 sequence_parallel: bool = False) -> None:
+        """``sequence_parallel``: also weigh sp = tp for every tp > 1 layout (the cost model
+        prices SP's collectives and its token-wise saving); off, every layout has sp = 1."""
         self.params = params or CostParams()
+        self.sequence_parallel = sequence_parallel
 
     def device_figures(self, topology: Topology) -> DeviceFigures:
         """The per-device figures (peaks x efficiencies) this planner scores `topology` with."""
@@ -233,56 +272,88 @@ class Planner:
     # ---- enumeration ---------------------------------------------------------------------
 
     def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
-        """Every (tp, pp, dp, sp) with tp*pp*dp <= usable devices; divisibility is judged later."""
+        """Every (tp, pp, dp, sp) with tp*pp*dp <= usable devices (sp > 1 only when weighed);
+        divisibility is judged later."""
         n = len(usable_device_ids(topology))
         for tp in range(1, n + 1):
             for pp in range(1, n // tp + 1):
                 for dp in range(1, n // (tp * pp) + 1):
                     if workload.mode == "pd" and dp < 2:
                         continue
-                    for sp in (1, tp) if tp > 1 else (1,):
+                    for sp in (1, tp) if tp > 1 and self.sequence_parallel else (1,):
                         yield Layout(tp, pp, dp, sp)
 
-    def structural_reasons(self, model: ModelSpec, layout: Layout) -> list[str]:
-        """Why `layout` cannot shard `model` at all (empty if it can)."""
+    def structural_reasons(self, model: ModelSpec, layout: Layout,
+                           split_points: Sequence[int] | None = None) -> list[str]:
+        """Why `layout` (cut at `split_points`, or into equal stages) cannot shard `model` at
+        all (empty if it can)."""
         reasons = []
         try:
             model.check_tp(layout.tp)
         except HeadSplitError as e:
             reasons.append(str(e))
         try:
-            check_pp(model.num_layers, layout.pp)
+            if split_points is None:
+                check_pp(model.num_layers, layout.pp)
+            else:
+                check_split_points(model.num_layers, layout.pp, split_points)
         except LayerSplitError as e:
             reasons.append(str(e))
         return reasons
 
+    def pipeline_split_points(self, layout: Layout) -> tuple[int, ...] | None:
+        """Split points this planner must use for `layout` (None: its own choice, see
+        `evaluate`); a pinned config overrides it."""
+        return None
+
     # ---- scoring -------------------------------------------------------------------------
 
     def evaluate(self, model: ModelSpec, topology: Topology, workload: Workload, layout: Layout,
-                 ctx: _TopologyView | None = None) -> Evaluation:
-        """Judge one layout: structure, memory, SLOs, then cost."""
-        reasons = self.structural_reasons(model, layout)
+                 ctx: _TopologyView | None = None,
+                 split_points: Sequence[int] | None = None) -> Evaluation:
+        """Judge one layout: structure, pipeline split, memory, SLOs, then cost.
+
+        With pp > 1 the stages are cut at `split_points` when given; otherwise equal stages,
+        or the balanced split when the cost model finds equal stages unbalanced by more than
+        `UNEVEN_THRESHOLD` (`kthena_core.pipeline_split.propose_split`).
+        """
+        points = None if split_points is None else tuple(split_points)
+        reasons = self.structural_reasons(model, layout, points)
         if reasons:
             return Evaluation(layout, tuple(reasons))
         ctx = ctx or _TopologyView(topology, self.params)
         dev = ctx.figures
+        links = ctx.links(layout.tp, layout.pp, layout.dp)
+        split = self._split(model, workload, layout, dev, links, points)
+        points = split.points if split is not None and split.is_uneven else None
         seqs = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
-        mem = memory(model, workload, layout, dev, self.params, seqs)
+        mem = memory(model, workload, layout, dev, self.params, seqs, points)
         if not mem.fits:
             reasons.append(
                 f"needs {human_bytes(mem.total)} per device > {human_bytes(mem.capacity)} usable "
                 f"(weights {human_bytes(mem.weights)}, KV {human_bytes(mem.kv_cache)})"
             )
-            return Evaluation(layout, tuple(reasons), mem)
-        links = ctx.links(layout.tp, layout.pp, layout.dp)
+            return Evaluation(layout, tuple(reasons), mem, split=split)
         estimate = estimate_pd if workload.mode == "pd" else estimate_colocated
-        est = estimate(model, workload, layout, dev, links)
+        est = estimate(model, workload, layout, dev, links, points, self.params)
         reasons += _slo_reasons(workload, est)
         if workload.objective == "throughput":
             cost = -est.throughput_tok_s
         else:
             cost = est.ttft_s + workload.output_len * est.tpot_s
-        return Evaluation(layout, tuple(reasons), mem, est, math.inf if reasons else cost)
+        return Evaluation(layout, tuple(reasons), mem, est, math.inf if reasons else cost, split)
+
+    @staticmethod
+    def _split(model: ModelSpec, workload: Workload, layout: Layout, dev: DeviceFigures,
+               links: Links, points: tuple[int, ...] | None) -> PipelineSplit | None:
+        """The stages' split (pp > 1), priced at the decode batch of one replica."""
+        if layout.pp == 1:
+            return None
+        batch = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
+        pricer = StagePricer(model, workload, layout, dev, links, batch)
+        if points is not None:
+            return pinned_split(model.num_layers, layout.pp, points, pricer.time)
+        return propose_split(model.num_layers, layout.pp, pricer.time)
 
     def plan(self, model: ModelSpec, topology: Topology, workload: Workload | None = None) -> Plan:
         """Choose the best layout.
@@ -293,7 +364,8 @@ class Planner:
         workload = workload or Workload()
         ctx = _TopologyView(topology, self.params)
         evals = sorted(
-            (self.evaluate(model, topology, workload, lay, ctx) for lay in self.layouts(model, topology, workload)),
+            (self.evaluate(model, topology, workload, lay, ctx, self.pipeline_split_points(lay))
+             for lay in self.layouts(model, topology, workload)),
             key=Evaluation.sort_key,
         )
         if not evals or not evals[0].feasible:

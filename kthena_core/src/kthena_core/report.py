@@ -30,6 +30,10 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         "",
         f"plan      {_layout_text(best)} on {plan.world_size} device(s): {list(plan.device_ids)}",
     ]
+    if best.split is not None:
+        lines.append(f"pipeline  {best.split.reason(plan.model.num_layers)}")
+    if (sp := plan.sp_note()) is not None:
+        lines.append(f"sp        {sp}")
     if plan.excluded:
         lines.append(f"excluded  {len(plan.excluded)} device(s) given no rank: "
                      + ", ".join(f"{x.device_id} ({x.reason})" for x in plan.excluded))

@@ -1,4 +1,5 @@
-"""ModelShape: a decoder's tensor geometry, and the one rule for splitting its heads over TP ranks.
+"""ModelShape: a decoder's tensor geometry, and the one rule for splitting its heads over TP ranks
+(and its layers over pipeline stages: `stage_layer_range`, equal or cut at split points).
 
 The rule lives here and nowhere else: the planner, the config check, the engine's shard plan
 and every KV pool's sizing call these functions.
@@ -19,6 +20,7 @@ the largest share: ``kv_heads_per_rank(kv_heads, tp)`` with no rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -195,8 +197,8 @@ class LayerSplitError(ValueError):
 
 
 def check_pp(num_layers: int, pp: int) -> None:
-    """Raise unless `pp` stages split `num_layers` layers evenly (the planner's rule: even
-    stages keep the pipeline balanced and every stage's KV pool the same size).
+    """Raise unless `pp` stages split `num_layers` layers evenly: the rule of the default, equal
+    split (explicit split points, `check_split_points`, allow any pp up to num_layers).
 
     Raises:
         LayerSplitError: a count is not positive or pp does not divide the layers; the message
@@ -210,14 +212,70 @@ def check_pp(num_layers: int, pp: int) -> None:
                               f"stages; allowed pp: {allowed}")
 
 
-def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
-    """The decoder layers pipeline stage `stage` of `pp` runs: contiguous, ``num_layers / pp``
-    each (stage 0 holds the embedding, stage pp - 1 the final norm and LM head).
+def equal_split_points(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The default split's points: ``num_layers / pp`` layers per stage (see `check_pp`)."""
+    check_pp(num_layers, pp)
+    return tuple(s * (num_layers // pp) for s in range(1, pp))
+
+
+def check_split_points(num_layers: int, pp: int, split_points: Sequence[int]) -> tuple[int, ...]:
+    """Check explicit pipeline split points; return them as a tuple.
+
+    A split point is the first layer of stages 1 .. pp - 1 (stage 0 starts at layer 0)::
+
+        30 layers, pp=3, split_points (10, 22):   stage 0: 0..9   stage 1: 10..21   stage 2: 22..29
+
+    Any ``pp`` up to ``num_layers`` can be split this way; only the equal default needs pp to
+    divide the layers.
 
     Raises:
-        LayerSplitError: see `check_pp`, or `stage` outside 0 .. pp - 1.
+        LayerSplitError: a count is not positive, the points are not pp - 1 ints, not strictly
+            increasing, or outside 1 .. num_layers - 1 (which would leave a stage no layer).
     """
-    check_pp(num_layers, pp)
+    if num_layers < 1 or pp < 1:
+        raise LayerSplitError(f"num_layers={num_layers} and pp={pp} must both be >= 1")
+    points = tuple(split_points)
+    shown = list(points)
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in points):
+        raise LayerSplitError(f"pipeline_split_points={shown} must be ints: the first layer "
+                              f"index of stages 1..{pp - 1}")
+    if len(points) != pp - 1:
+        raise LayerSplitError(f"pipeline_split_points={shown} has {len(points)} point(s), but "
+                              f"pp={pp} stages need {pp - 1}: the first layer of each stage "
+                              "after stage 0")
+    if pp > num_layers:
+        raise LayerSplitError(f"pp={pp} exceeds num_layers={num_layers}: a stage would hold "
+                              "no layer")
+    if any(p < 1 or p >= num_layers for p in points):
+        raise LayerSplitError(f"pipeline_split_points={shown}: each point must be in "
+                              f"1..{num_layers - 1} ({num_layers} layers; stage 0 starts at "
+                              "layer 0 and every stage holds at least one layer)")
+    if any(b <= a for a, b in zip(points, points[1:], strict=False)):
+        raise LayerSplitError(f"pipeline_split_points={shown} must be strictly increasing "
+                              "(every stage holds at least one layer)")
+    return points
+
+
+def stage_layer_ranges(num_layers: int, pp: int,
+                       split_points: Sequence[int] | None = None) -> tuple[range, ...]:
+    """Every stage's layers, in stage order: `stage_layer_range` for stages 0 .. pp - 1."""
+    points = (equal_split_points(num_layers, pp) if split_points is None
+              else check_split_points(num_layers, pp, split_points))
+    bounds = (0, *points, num_layers)
+    return tuple(range(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int,
+                      split_points: Sequence[int] | None = None) -> range:
+    """The decoder layers pipeline stage `stage` of `pp` runs: contiguous, ``num_layers / pp``
+    each by default, or cut at ``split_points`` (see `check_split_points`). Stage 0 holds the
+    embedding, stage pp - 1 the final norm and LM head.
+
+    Raises:
+        LayerSplitError: see `check_pp` (no split points) or `check_split_points`, or `stage`
+            outside 0 .. pp - 1.
+    """
+    ranges = stage_layer_ranges(num_layers, pp, split_points)
     if not 0 <= stage < pp:
         raise LayerSplitError(f"stage={stage} is outside 0..{pp - 1} for pp={pp}")
-    return _split(num_layers, pp, stage)
+    return ranges[stage]

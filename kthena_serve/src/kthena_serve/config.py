@@ -178,6 +178,29 @@ def _check_device_present(instance: EngineConfig, attribute: attrs.Attribute,
                           "use device 'cpu' here")
 
 
+def _split_points(value: object) -> object:
+    """A list (JSON, YAML) becomes a tuple; anything else is left for the validator."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_split_points(instance: EngineConfig, attribute: attrs.Attribute,
+                        value: object) -> None:
+    """Count and order here; the layer range is checked against the model when it loads
+    (`kthena_core.shape.check_split_points`, through ``PipelineStage.of``)."""
+    if value is None:
+        return
+    requirement = (f"None (equal stages) or {instance.pp - 1} strictly increasing positive "
+                   f"int(s) for pp={instance.pp}: the first layer of stages 1..{instance.pp - 1}")
+    if instance.pp == 1:
+        raise ConfigError(attribute.name, "None with pp=1", value,
+                          "split points cut the layers into pp > 1 pipeline stages")
+    ok = (isinstance(value, tuple) and len(value) == instance.pp - 1
+          and all(_is_int(p) and p >= 1 for p in value)
+          and all(b > a for a, b in zip(value, value[1:], strict=False)))
+    if not ok:
+        raise ConfigError(attribute.name, requirement, value)
+
+
 def _kv_offload(value: object) -> KVOffloadConfig | None:
 
     if value is None or isinstance(value, KVOffloadConfig):
@@ -199,6 +222,35 @@ def _check_kv_offload(instance: EngineConfig, attribute: attrs.Attribute, value:
     if not instance.enable_prefix_caching:
         raise ConfigError(attribute.name, "None without prefix caching", str(value),
                           "only cached (committed) blocks are offloaded and promoted")
+
+
+# docs/kthena_serve.md, "Sequence parallelism": a forward of fewer tokens runs as plain TP
+DEFAULT_SP_MIN_TOKENS = 512
+
+
+def _check_sp(instance: EngineConfig, attribute: attrs.Attribute, value: object) -> None:
+    """SP runs over the TP group (Megatron style): 1 (off) or tp, with pp = 1."""
+    if not _is_int(value) or value not in (1, instance.tp):
+        hint = ("sequence parallelism splits a long prompt's tokens over the TP group, so "
+                "sp = tp; a separate SP group with replicated weights (sp > 1 at tp = 1) is "
+                "not wired")
+        raise ConfigError(attribute.name, f"1 or tp ({instance.tp})", value, hint)
+    if value > 1 and instance.pp > 1:
+        raise ConfigError(attribute.name, "1 with pp > 1", value,
+                          f"sequence parallelism with pipeline parallelism (pp={instance.pp}) "
+                          "is not wired: a stage would hand the next a sharded residual "
+                          "stream; use sp with pp=1, or pp without sp")
+
+
+def _check_sp_min_tokens(instance: EngineConfig, attribute: attrs.Attribute,
+                         value: object) -> None:
+    _positive(instance, attribute, value)
+    if instance.sp > 1 and value > instance.max_num_batched_tokens:
+        raise ConfigError(attribute.name, "at most max_num_batched_tokens "
+                          f"({instance.max_num_batched_tokens}) when sp > 1", value,
+                          "a forward holds at most max_num_batched_tokens tokens (long prompts "
+                          "are prefilled in chunks of it), so SP would never run; lower it or "
+                          "raise max_num_batched_tokens")
 
 
 @attrs.frozen(kw_only=True)
@@ -247,9 +299,19 @@ class EngineConfig:
         tp: tensor-parallel degree (worker processes, one per core).
         pp: pipeline-parallel degree: the layers split into ``pp`` stages, each stage ``tp``
             processes; ``tp * pp`` processes in all (one per core where there are enough).
+        sp: sequence parallelism: 1 (off) or ``tp`` (a long forward's tokens are split over
+            the TP group for the token-wise work: `kthena_serve.model.sp`); needs ``pp == 1``.
+        sp_min_tokens: with ``sp > 1``, a forward of fewer tokens (and every decode-only one)
+            runs as plain TP (default `DEFAULT_SP_MIN_TOKENS`); at most
+            ``max_num_batched_tokens`` (a prompt is prefilled in chunks of that many tokens).
         pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (runs of sequences
             with near-equal tokens), so stage s works on micro-batch m while stage s+1 works on
             m-1; default min(pp, step tokens / 64): small decode steps run whole.
+        pipeline_split_points: where the pipeline stages start when ``pp > 1``: the first layer
+            of stages 1 .. pp - 1, strictly increasing (``(10,)``: stage 0 holds layers 0..9,
+            stage 1 the rest); None: equal stages (pp must divide the layers). Each stage's KV
+            pool holds its own layers; the block count every rank shares is sized for the
+            stage with the most layers, so every rank fits ``kv_cache_memory``.
         ranks_from: where ranks 1.. of a ``tp * pp > 1`` engine come from: ``"spawn"`` (this
             process starts them on this host) or ``"env"`` (a launcher such as ``kthena-run``
             started them, on one host or several, and set RANK / WORLD_SIZE / MASTER_ADDR /
@@ -291,7 +353,12 @@ class EngineConfig:
     kv_cache_dtype: str = attrs.field(default="auto", validator=_check_kv_dtype)
     tp: int = attrs.field(default=1, validator=_positive)
     pp: int = attrs.field(default=1, validator=_positive)
+    sp: int = attrs.field(default=1, validator=_check_sp)
+    sp_min_tokens: int = attrs.field(default=DEFAULT_SP_MIN_TOKENS,
+                                     validator=_check_sp_min_tokens)
     pp_microbatches: int | None = attrs.field(default=None, validator=_optional_positive)
+    pipeline_split_points: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_split_points, validator=_check_split_points)
     ranks_from: str = attrs.field(default="spawn", validator=_one_of("spawn", "env"))
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)

@@ -127,13 +127,15 @@ class _Stage:
                                            check_peers=check_peers)
         pp = self.groups.pp
         layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
-        stage = PipelineStage.of(layers, config.pp, pp.group_rank)
+        stage = PipelineStage.of(layers, config.pp, pp.group_rank,
+                                 _rank0_split_points(config.pipeline_split_points))
         tp = TensorParallel.from_comm_group(self.groups.tp)
         self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype,
                                                 device=self.device, tp=tp, stage=stage,
                                                 quantization=config.quantization,
                                                 kernels=config.kernels,
-                                                kv_block_size=config.block_size)
+                                                kv_block_size=config.block_size,
+                                                sp=_sequence_parallel(config))
         self.pool = create_pool(_layout(config, self.model), config, device=self.device)
         self.kv_caches = layer_caches(self.pool)
         self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
@@ -187,6 +189,24 @@ class _Stage:
     def close(self) -> None:
         self.pool.close()
         self.groups.destroy()
+
+
+def _sequence_parallel(config: EngineConfig):  # noqa: ANN202
+    """SP over the TP group for forwards of ``sp_min_tokens`` or more (None: ``sp == 1``)."""
+    from kthena_serve.model import SequenceParallel
+
+    return SequenceParallel(config.sp_min_tokens) if config.sp > 1 else None
+
+
+def _rank0_split_points(points: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Rank 0's ``pipeline_split_points``, on every rank. Under a launcher each rank resolved
+    its own config, and a plan's moved split rests on figures measured on each host; rank 0's
+    is the one it serves and reports, so every stage is cut where rank 0 cuts it."""
+    import torch.distributed as dist
+
+    box = [points]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
@@ -373,18 +393,25 @@ class ParallelModelRunner:
 
     @staticmethod
     def _fixed_pool_size(config: EngineConfig) -> EngineConfig:
-        """Ranks may hold different KV head counts (3 heads over 2 ranks: 2 + 1); all need the
-        same block count, sized here by the largest share of heads and one stage's layers, so
-        every rank fits the budget."""
-        if config.num_kv_blocks is not None:
-            return config
+        """Ranks may hold different KV head counts (3 heads over 2 ranks: 2 + 1) and stages
+        different layer counts (``pipeline_split_points``); all need the same block count, sized
+        here by the largest share of heads and the stage with the most layers, so every rank
+        fits the budget (a stage with fewer layers has a smaller pool of as many blocks).
+
+        Raises:
+            TensorParallelError: the split points do not cut the model's layers into pp
+                non-empty stages (checked here, before any rank starts).
+        """
         from kthena_core import kv_heads_per_rank
         from kthena_serve.model import ModelConfig, PipelineStage, resolve_checkpoint
 
         model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
+        layers = max(len(PipelineStage.of(model.num_hidden_layers, config.pp, stage,
+                                          config.pipeline_split_points).layers)
+                     for stage in range(config.pp))
+        if config.num_kv_blocks is not None:
+            return config
         heads = kv_heads_per_rank(model.num_key_value_heads, config.tp)
-        # every stage holds num_layers / pp layers (kthena_core.shape.stage_layer_range)
-        layers = len(PipelineStage.of(model.num_hidden_layers, config.pp).layers)
         layout = kv_layout_for(layers, heads, model.head_dim, config)
         return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
 

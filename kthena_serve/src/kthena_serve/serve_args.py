@@ -22,9 +22,10 @@ SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it
 ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target_step_ms",
                       "max_queue_delay_s", "max_queued_tokens", "block_size",
                       "kv_cache_memory", "max_model_len", "dtype", "kv_cache_dtype",
-                      "quantization", "device", "tp", "pp", "enable_prefix_caching",
+                      "quantization", "device", "tp", "pp", "pipeline_split_points",
+                      "enable_prefix_caching",
                       "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens",
-                      "kernels")
+                      "kernels", "sp", "sp_min_tokens")
 
 
 def _default(field: str) -> object:
@@ -99,6 +100,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int,
                         help="pipeline-parallel stages (layers split into PP stages, each of "
                              "--tp ranks; tp x pp processes; default 1)")
+    parser.add_argument("--sp", type=int,
+                        help="sequence parallelism: 1 (off, the default) or --tp: a long "
+                             "prompt's tokens are split over the TP ranks for norms, residuals "
+                             "and the embedding (all-gather before, reduce-scatter after each "
+                             "sharded matmul); not with --pp > 1 or --mode pd")
+    parser.add_argument("--sp-min-tokens", type=int, metavar="N",
+                        help="with --sp > 1, forwards of fewer than N tokens (and every "
+                             f"decode) run as plain TP (default {_default('sp_min_tokens')})")
+    parser.add_argument("--pipeline-split-points", type=split_points_arg, metavar="L1[,L2...]",
+                        help="where pipeline stages 1..PP-1 start: their first layer indices, "
+                             "strictly increasing (--pp 2 --pipeline-split-points 10: layers "
+                             "0..9 on stage 0, the rest on stage 1); default: equal stages")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn prefix reuse off (default on)")
     parser.add_argument("--prefix-index", choices=("hash", "radix"),
@@ -119,6 +132,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-special-tokens", choices=("text", "control"),
                         help="special tokens typed in chat content: text (no forged turns, "
                              "default) or control tokens")
+
+
+def split_points_arg(text: str) -> tuple[int, ...]:
+    """``--pipeline-split-points 10,20`` as (10, 20); the engine config checks count and order.
+
+    Raises:
+        argparse.ArgumentTypeError: not comma-separated ints.
+    """
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not comma-separated layer indices, e.g. 10 or 10,20") from None
 
 
 def add_public_metrics_arg(parser: argparse.ArgumentParser, credential: str) -> None:

@@ -11,7 +11,9 @@ Three sources, one precedence, one place::
 typed value once. The CLI, ``launch_distributed_inference`` and the PD / DP launchers take the
 spec; nothing reads a flag again. How the config's keys become settings:
 
-    plan tp / pp                         -> tp / pp
+    plan tp / pp / sp                    -> tp / pp / sp
+    plan's uneven pipeline split         -> pipeline_split_points (parallelism.pipeline_split_points,
+                                            or the planner's balanced split; none: equal stages)
     plan dp (colocated)                  -> dp (replicas behind one router)
     service.mode pd + plan's PD split    -> mode pd, prefill N, decode M
     model.checkpoint_path / dtype        -> model / dtype
@@ -44,6 +46,7 @@ from kthena_serve.cluster.config import RouterWeights
 from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.launcher import worker_names as pd_worker_names
 
 if TYPE_CHECKING:
     from kthena_core.calibrate import CalibrationFile
@@ -214,6 +217,8 @@ class ServeSpec:
             raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; allowed: "
                              f"{', '.join(sorted(_ENGINE_FIELDS | set(_SERVE_DEFAULTS)))}")
         given = {**(planned.settings() if planned else {}), **flags}
+        if "pp" in flags and "pipeline_split_points" not in flags:
+            given.pop("pipeline_split_points", None)  # the plan's points cut the plan's pp
         if (planned is not None and planned.config.kv_cache.max_tokens
                 and "kv_cache_memory" not in flags):
             block = given.get("block_size", EngineConfig().block_size)
@@ -240,12 +245,14 @@ class ServeSpec:
         """What this spec serves (in ``mode``): colocated is ``dp`` replicas; PD is one prefill
         + decode set."""
         dp = 1 if self.mode == "pd" else self.dp
-        return Layout(self.engine.tp, self.engine.pp, dp)
+        return Layout(self.engine.tp, self.engine.pp, dp, self.engine.sp)
 
     def served(self) -> dict[str, Any]:
         """GET /plan's ``served`` (and ``kthena_deployment_info``'s labels); PD adds its
         worker counts."""
         out: dict[str, Any] = {**attrs.asdict(self.layout), "mode": self.mode}
+        if self.engine.pipeline_split_points is not None:
+            out["pipeline_split_points"] = list(self.engine.pipeline_split_points)
         if self.mode == "pd":
             out.update(prefill=self.num_prefill, decode=self.num_decode)
         return out
@@ -340,7 +347,9 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
     if s["stream_stall_timeout"] is not None:
         raise ValueError("--stream-stall-timeout applies to colocated serving; PD decode "
                          "workers use 120 s: leave it out with --mode pd")
-    for name, what in (("tp", "a TP decode worker's pool is split across ranks"),
+    for name, what in (("sp", "sequence parallelism splits a prompt over a worker's TP "
+                              "ranks, which PD workers do not have"),
+                       ("tp", "a TP decode worker's pool is split across ranks"),
                        ("pp", "a pipelined decode worker's pool is split by layers across "
                               "stages")):
         value = s.get(name, 1)
@@ -374,16 +383,17 @@ def _kv_events(s: Mapping[str, Any], served: str) -> KVEventsConfig | None:
     if s["pod_name"] is None:
         raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
                          "router looks for")
-    if s["mode"] == "pd":
-        raise ValueError("--kv-events: not supported with --mode pd (the decode workers of one "
-                         "pod would share one owner name); run it colocated")
     if s.get("enable_prefix_caching") is False:
         raise ValueError("--kv-events: nothing is cached with --no-prefix-caching, so there "
                          "is nothing to announce; drop one of them")
     try:
-        return KVEventsConfig(redis_url=s["kv_events"], pod=s["pod_name"], model=served,
-                              chunk_size=s["kv_events_chunk_size"],
-                              max_chunks=s["kv_events_max_chunks"])
+        config = KVEventsConfig(redis_url=s["kv_events"], pod=s["pod_name"], model=served,
+                                chunk_size=s["kv_events_chunk_size"],
+                                max_chunks=s["kv_events_max_chunks"])
+        if s["mode"] == "pd":  # each worker announces as --pod-name's NAME-WORKER.NAMESPACE
+            for worker in pd_worker_names(s["prefill"], s["decode"]):
+                config.for_worker(worker)
+        return config
     except KVEventsConfigError as error:  # its ``model`` is the served name, not --model
         flag = "--served-model-name" if error.field == "model" else flag_name(error.field)
         raise ValueError(f"{flag}: {error}") from None
@@ -426,7 +436,8 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
     service, kv = cfg.service, cfg.kv_cache
     out: dict[str, Any] = {
         "model": cfg.model.checkpoint_path, "dtype": torch_name(cfg.model.dtype),
-        "tp": plan.layout.tp, "pp": plan.layout.pp, "max_num_seqs": service.max_batch_size,
+        "tp": plan.layout.tp, "pp": plan.layout.pp, "sp": plan.layout.sp,
+        "max_num_seqs": service.max_batch_size,
         "block_size": kv.reuse_bucket_size, "enable_prefix_caching": service.kv_cache_reuse,
         "host": service.host, "port": service.port, "mode": service.mode,
         "kv_cache_dtype": _kv_cache_dtype(kv.compression, plan.model.head_dim),
@@ -436,6 +447,8 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
         out.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
     else:
         out["dp"] = plan.layout.dp
+    if plan.pipeline_split_points is not None:  # pinned by the config, or moved by the plan
+        out["pipeline_split_points"] = plan.pipeline_split_points
     if service.target_step_ms is not None:
         out["target_step_ms"] = service.target_step_ms
     if service.max_queue_delay is not None:

@@ -2,8 +2,8 @@
 
 `load_deploy_spec` reads and checks a deploy.yaml (spec.py), `plan_deployment` runs the planner
 and cuts its layout into worker pods (plan.py), and `render_manifests` turns that into the
-ModelServing, ModelServer and ModelRoute objects of volcano-sh/kthena (k8s.py), plain dicts that
-`to_yaml` writes out. Nothing here talks to a cluster.
+ModelServing, ModelServer and ModelRoute objects of volcano-sh/kthena and a NetworkPolicy that
+guards the worker pods (k8s.py), plain dicts that `to_yaml` writes out. Nothing here talks to a cluster.
 """
 
 from kthena_core.deploy.k8s import (
@@ -11,6 +11,7 @@ from kthena_core.deploy.k8s import (
     render_model_route,
     render_model_server,
     render_model_serving,
+    render_network_policy,
     to_yaml,
 )
 from kthena_core.deploy.plan import Deployment, Role, plan_deployment
@@ -27,5 +28,6 @@ __all__ = [
     "render_model_route",
     "render_model_server",
     "render_model_serving",
+    "render_network_policy",
     "to_yaml",
 ]

@@ -1,7 +1,8 @@
 """``kthena deploy k8s --config deploy.yaml [--image IMAGE] [--out DIR] [--calibration FILE]``.
 
 Prints the manifests as one multi-document YAML stream, or with ``--out`` writes one file per
-object (``modelserving.yaml``, ``modelserver.yaml``, ``modelroute.yaml``) and prints their paths.
+object (``networkpolicy.yaml``, ``modelserving.yaml``, ``modelserver.yaml``,
+``modelroute.yaml``) and prints their paths.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import os
 
 from kthena_core.cache_dir import default_cache_dir
 from kthena_core.calibrate import CalibrationFile, factors_dict, find_calibration
-from kthena_core.deploy.k8s import pd_secret_name, render_manifests, to_yaml
+from kthena_core.deploy.k8s import (
+    API_KEY_SECRET_KEY,
+    api_key_secret_name,
+    pd_secret_name,
+    render_manifests,
+    to_yaml,
+)
 from kthena_core.deploy.plan import Deployment, plan_deployment
 from kthena_core.deploy.spec import load_deploy_spec
 from kthena_core.planner import Planner
@@ -36,12 +43,14 @@ def add_deploy_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def header(dep: Deployment, calibration: CalibrationFile | None = None) -> str:
-    """The comment at the top of the rendered YAML: the plan, its cost factors, and the Secret
-    PD needs."""
+    """The comment at the top of the rendered YAML: the plan, its cost factors, and the
+    Secrets the pods need."""
     lines = ["Rendered by `kthena deploy k8s`.", f"plan: {dep.summary()}"]
     if calibration is not None:
         factors = ", ".join(f"{k} {v:.3g}" for k, v in factors_dict(calibration.params).items())
         lines.append(f"cost factors: {factors} (calibration {calibration.path})")
+    lines.append(f"needs the Secret {api_key_secret_name(dep)} (key: {API_KEY_SECRET_KEY}) in "
+                 f"namespace {dep.spec.namespace}: the API key clients send; see docs/kthena.md")
     if dep.spec.mode == "pd":
         lines.append(f"needs the Secret {pd_secret_name(dep)} (key: secret) in namespace "
                      f"{dep.spec.namespace}; see docs/kthena.md")

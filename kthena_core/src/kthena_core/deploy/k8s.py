@@ -9,6 +9,9 @@ Three objects, named after deploy.yaml's ``name``::
                                                    a ``pdGroup`` pairing the roles by group and
                                                    a ``kvConnector``
     ModelRoute    (networking.serving.volcano.sh)  the model name clients send -> that server
+    NetworkPolicy (networking.k8s.io)              who may reach the worker pods: kthena-router
+                                                   on the worker port; in PD mode also the
+                                                   deployment's own pods (the KV handoff)
 
 The containers run this SDK's real entry points (the image is deploy/Dockerfile's):
 
@@ -18,6 +21,12 @@ The containers run this SDK's real entry points (the image is deploy/Dockerfile'
   the environment variable the PD auth reads, never on the command line; KV moves between pods
   over the Mooncake transport, advertised at the pod's IP. A decode worker takes KV only from
   hosts in deploy.yaml's ``pod_network`` (``--prefill-hosts``).
+
+Every worker takes the API key from the Kubernetes Secret ``<name>-api-key`` (key ``api-key``)
+in ``KTHENA_API_KEY`` (kthena-router forwards its client's ``Authorization`` header). With
+deploy.yaml's ``kv_events``, every worker publishes its KV cache's router chunks to that Redis
+(``--kv-events``) as its own pod, ``--pod-name $(POD_NAME).$(POD_NAMESPACE)`` from the
+downward API: the name kthena-router's kvcache-aware plugin looks for.
 
 Every pod runs with ``--public-metrics``: kthena-router scrapes each pod's ``/metrics`` (vLLM's
 ``vllm:*`` names) without credentials, so that one path is open, as in vLLM; the OpenAI routes
@@ -42,7 +51,7 @@ from kthena_core.deploy.plan import Deployment, GiB, Role
 from kthena_core.launcher import rank_environment
 
 __all__ = ["render_manifests", "render_model_route", "render_model_server",
-           "render_model_serving", "to_yaml"]
+           "render_model_serving", "render_network_policy", "to_yaml"]
 
 SERVING_API = "workload.serving.volcano.sh/v1alpha1"
 NETWORKING_API = "networking.serving.volcano.sh/v1alpha1"
@@ -52,6 +61,15 @@ GROUP_KEY = "modelserving.volcano.sh/group-name"
 # Must equal kthena_serve.cluster.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare
 # them).
 PD_SECRET_ENV = "KTHENA_PD_SECRET"
+# Must equal what kthena serve and the PD worker read (kthena_serve's tests compare them).
+API_KEY_ENV = "KTHENA_API_KEY"
+API_KEY_SECRET_KEY = "api-key"
+# The pod owner name kthena-router's kvcache-aware plugin compares: {pod name}.{namespace}.
+KV_EVENTS_OWNER = "$(POD_NAME).$(POD_NAMESPACE)"
+# kthena-router's pods (its Helm chart's deployment) and the label every namespace carries.
+ROUTER_POD_LABELS = {"app.kubernetes.io/component": "kthena-router"}
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+NETWORK_POLICY_API = "networking.k8s.io/v1"
 HEALTH_PATH = "/health"
 PUBLIC_METRICS_FLAG = "--public-metrics"  # kthena-router scrapes /metrics without credentials
 KV_CONNECTOR = "mooncake"  # the PD transport the workers are told to use across pods
@@ -65,9 +83,15 @@ def pd_secret_name(dep: Deployment) -> str:
     return f"{dep.spec.name}-pd-secret"
 
 
+def api_key_secret_name(dep: Deployment) -> str:
+    return f"{dep.spec.name}-api-key"
+
+
 def render_manifests(dep: Deployment) -> list[dict[str, Any]]:
-    """ModelServing, ModelServer and ModelRoute, in the order to apply them."""
-    return [render_model_serving(dep), render_model_server(dep), render_model_route(dep)]
+    """NetworkPolicy, ModelServing, ModelServer and ModelRoute, in the order to apply them
+    (the policy first: no pod runs unguarded)."""
+    return [render_network_policy(dep), render_model_serving(dep), render_model_server(dep),
+            render_model_route(dep)]
 
 
 def _metadata(dep: Deployment) -> dict[str, Any]:
@@ -124,6 +148,13 @@ def engine_fields(dep: Deployment) -> dict[str, Any]:
             "max_num_seqs": dep.max_num_seqs}
 
 
+def _split_args(dep: Deployment) -> list[str]:
+    """``--pipeline-split-points`` where the plan's stages are not equal (its cost model moved
+    them: the LM head weighs on the last stage)."""
+    points = dep.plan.pipeline_split_points
+    return [] if points is None else ["--pipeline-split-points", ",".join(map(str, points))]
+
+
 def _mib(num_bytes: int) -> str:
     return f"{math.ceil(num_bytes / 2**20)}MiB"
 
@@ -137,8 +168,11 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
             *(["--pp", str(dep.pp)] if dep.pp > 1 else []),
+            *(["--sp", str(dep.plan.layout.sp)] if dep.plan.layout.sp > 1 else []),
+            *_split_args(dep),
             "--kv-cache-memory", engine["kv_cache_memory"],
-            "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG]}
+            "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG,
+            *_kv_events_args(dep)]}
     compact = {"separators": (",", ":"), "sort_keys": True}
     # Prefill pod IPs are unknown until the pods run: a decode worker allows the pod network.
     allow = ["--prefill-hosts", ",".join(dep.spec.pod_network)] if role.name == "decode" else []
@@ -146,18 +180,37 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
         "--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
         "--served-model-name", dep.spec.served_model_name, "--engine-config", json.dumps(engine_fields(dep), **compact),
         "--pd-config", json.dumps({"transport": KV_CONNECTOR}, **compact),
-        "--mooncake-host", "$(POD_IP)", *allow, PUBLIC_METRICS_FLAG]}
+        "--mooncake-host", "$(POD_IP)", *allow, PUBLIC_METRICS_FLAG, *_kv_events_args(dep)]}
+
+
+def _kv_events_args(dep: Deployment) -> list[str]:
+    """``--kv-events URL --pod-name $(POD_NAME).$(POD_NAMESPACE)``, or nothing without
+    deploy.yaml's ``kv_events``."""
+    if dep.spec.kv_events is None:
+        return []
+    return ["--kv-events", dep.spec.kv_events, "--pod-name", KV_EVENTS_OWNER]
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    """An environment variable from the downward API (``metadata.name``, ``status.podIP``)."""
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
-    if role.name != "serve":
-        env += [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": PD_SECRET_ENV, "valueFrom": {"secretKeyRef": {
-                "name": pd_secret_name(dep), "key": "secret"}}},
-        ]
+    is_pd, has_events = role.name != "serve", dep.spec.kv_events is not None
+    if is_pd or has_events:
+        env.append(_field_env("POD_NAME", "metadata.name"))
+    if has_events:
+        env.append(_field_env("POD_NAMESPACE", "metadata.namespace"))
+    if is_pd:
+        env += [_field_env("POD_IP", "status.podIP"),
+                _secret_env(PD_SECRET_ENV, pd_secret_name(dep), "secret")]
+    env.append(_secret_env(API_KEY_ENV, api_key_secret_name(dep), API_KEY_SECRET_KEY))
     rank = _rank_environment(dep)
     return env + [{"name": k, "value": v} for k, v in sorted(rank.items())]
 
@@ -192,6 +245,25 @@ def _probes(dep: Deployment) -> dict[str, Any]:
         "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**get, "periodSeconds": 10, "failureThreshold": 6},
     }
+
+
+# ---- NetworkPolicy -------------------------------------------------------------------------------
+def render_network_policy(dep: Deployment) -> dict[str, Any]:
+    """Ingress to the worker pods: kthena-router's pods (in ``router_namespace``) on the worker
+    port; in PD mode also the deployment's own pods, on every port (the PD routes, and
+    Mooncake's transfer ports, which it picks at run time). Egress (Redis, the registry) is
+    not restricted."""
+    workers = {"matchLabels": {NAME_LABEL: dep.spec.name}}
+    router = {"namespaceSelector": {"matchLabels": {
+                  NAMESPACE_NAME_LABEL: dep.spec.router_namespace}},
+              "podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}
+    rules: list[dict[str, Any]] = [
+        {"from": [router], "ports": [{"protocol": "TCP", "port": dep.spec.port}]}]
+    if dep.spec.mode == "pd":
+        rules.append({"from": [{"podSelector": workers}]})
+    return {"apiVersion": NETWORK_POLICY_API, "kind": "NetworkPolicy",
+            "metadata": _metadata(dep),
+            "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": rules}}
 
 
 # ---- ModelServer and ModelRoute ------------------------------------------------------------------

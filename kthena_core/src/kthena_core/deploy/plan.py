@@ -2,11 +2,13 @@
 
 ``plan_deployment`` runs `Planner.plan` on the spec's model, topology and workload and keeps
 its layout as is: one worker pod per replica (``dp`` of them), each running one engine over
-``tp x pp`` devices (``kthena serve --tp --pp``: its ranks are processes of the pod). In PD mode the replicas are split into prefill and decode workers as the plan
+``tp x pp`` devices (``kthena serve --tp --pp``: its ranks are processes of the pod; where the
+plan moved the pipeline's split points off equal stages, ``--pipeline-split-points`` too). In PD mode the replicas are split into prefill and decode workers as the plan
 splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
 
+A plan with sequence parallelism (sp = tp, pp = 1, colocated) runs with ``kthena serve --sp``.
 It refuses a plan the serving engine cannot run, saying which key to change: sequence
-parallelism (the engine runs none), a tp x pp engine larger than one node (its ranks are
+parallelism with pipeline stages or in PD mode (not wired), a tp x pp engine larger than one node (its ranks are
 processes of one pod; an engine over several hosts runs under ``kthena-run``, which these
 manifests do not start), and in PD mode ``tp`` or ``pp > 1`` (a PD decode worker holds one whole
 KV pool, which a prefill worker writes; ``kthena serve --mode pd`` refuses them for the same
@@ -139,11 +141,13 @@ def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
 
 def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
     lay = plan.chosen.layout
-    if lay.sp > 1:
+    if lay.sp > 1 and (lay.pp > 1 or spec.mode == "pd"):
         raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp} with "
-                                    f"SP{lay.sp}",
-                              "nodes where the plan needs no sequence parallelism (the serving "
-                              "engine runs none): larger devices or more of them per node")
+                                    f"SP{lay.sp} in mode {spec.mode}",
+                              "nodes where the plan needs no sequence parallelism with "
+                              "pipeline stages or PD workers (the engine runs SP over the TP "
+                              "group of a colocated pp=1 engine only): larger devices or more "
+                              "of them per node")
     per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
     if lay.tp * lay.pp > per_node:
         raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp}, an engine larger "

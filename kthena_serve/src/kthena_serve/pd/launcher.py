@@ -9,7 +9,8 @@ Each decode worker is told the prefill workers' hosts (``--prefill-hosts``: loop
 ``host`` / ``worker_hosts``). The workers' OpenAI routes (what the Kthena router calls) get
 ``api_key`` in the environment (``KTHENA_API_KEY``); without one they are open, as ``kthena
 serve`` without ``--api-key``. With ``public_metrics`` every worker serves ``/metrics`` without
-the secret (``--public-metrics``).
+the secret (``--public-metrics``). With ``kv_events`` every worker publishes its KV events to
+Redis under its own owner name (``KVEventsConfig.for_worker``: ``NAME-WORKER.NAMESPACE``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from kthena_serve.cluster.launcher import ProcessLauncher, WorkerProcess, Worker
 
 if TYPE_CHECKING:
     from kthena_serve.config import EngineConfig
+    from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.config import PDConfig
 
-__all__ = ["PDLauncher", "split_cores"]
+__all__ = ["PDLauncher", "split_cores", "worker_names"]
+
+
+def worker_names(num_prefill: int, num_decode: int) -> list[str]:
+    """The workers' names, ``prefill-0``.. then ``decode-0``.. (also in their KV events'
+    owner names: ``KVEventsConfig.for_worker``)."""
+    return ([f"prefill-{i}" for i in range(num_prefill)]
+            + [f"decode-{i}" for i in range(num_decode)])
 
 
 def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[WorkerSpec]:
@@ -39,8 +48,7 @@ def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[Wor
         ValueError: no worker, or no core.
     """
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
-    names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in
-                                                           range(num_decode)]
+    names = worker_names(num_prefill, num_decode)
     if not roles:
         raise ValueError("start at least one decode worker")
     return [WorkerSpec(name, role, share) for name, role, share in
@@ -59,6 +67,9 @@ class PDLauncher(ProcessLauncher):
         on_restart: called with (name, url) after a restarted worker is ready.
         api_key: what the workers' OpenAI routes require (None: nothing).
         public_metrics: the workers serve /metrics without the secret (``--public-metrics``).
+        kv_events: every worker publishes its KV cache's router chunks to this Redis, under
+            its own owner name (``kv_events.for_worker(name)``) and for ``kv_events.model``
+            (then the workers' ``--served-model-name``); None: no worker publishes.
 
     Attributes:
         secret: this deployment's secret; every worker call needs it (cluster/auth.py).
@@ -74,7 +85,8 @@ class PDLauncher(ProcessLauncher):
                  mooncake_host: str | None = None, quiet: bool = False,
                  worker_hosts: dict[str, str] | None = None,
                  worker_prefix: dict[str, list[str]] | None = None,
-                 api_key: str | None = None, public_metrics: bool = False) -> None:
+                 api_key: str | None = None, public_metrics: bool = False,
+                 kv_events: KVEventsConfig | None = None) -> None:
         cores = cores or sorted(os.sched_getaffinity(0))
         super().__init__(split_cores(cores, num_prefill, num_decode), host=host,
                          restart=restart, on_restart=on_restart, quiet=quiet)
@@ -85,6 +97,7 @@ class PDLauncher(ProcessLauncher):
         self.worker_prefix = worker_prefix or {}  # e.g. ["ip", "netns", "exec", "ns-b"]
         self.api_key = api_key
         self.public_metrics = public_metrics
+        self.kv_events = kv_events
 
     def _host(self, name: str) -> str:
         return self.worker_hosts.get(name, self.host)
@@ -104,6 +117,12 @@ class PDLauncher(ProcessLauncher):
             cmd += ["--prefill-hosts", ",".join(sorted(self._prefill_hosts()))]
         if self.public_metrics:
             cmd.append("--public-metrics")
+        if self.kv_events is not None:
+            own = self.kv_events.for_worker(name)
+            cmd += ["--kv-events", own.redis_url, "--pod-name", own.pod,
+                    "--served-model-name", own.model,
+                    "--kv-events-chunk-size", str(own.chunk_size),
+                    "--kv-events-max-chunks", str(own.max_chunks)]
         return cmd
 
     def _environment(self, worker: WorkerProcess) -> dict[str, str]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.pins import Pin, PinTable
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.prefill_connector import PrefillConnector
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
                       mooncake_host: str | None = None, advertise_host: str = "127.0.0.1",
                       api_key: str | None = None, served_model_name: str | None = None,
-                      public_metrics: bool = False) -> tuple[shared.OnePort, shared.Closer]:
+                      public_metrics: bool = False, kv_events: KVEventsConfig | None = None,
+                      ) -> tuple[shared.OnePort, shared.Closer]:
     """The prefill worker: model + executor on one compute thread, /pd/prefill, /pd/cancel,
     and the OpenAI routes with pinned prefills a decode worker pulls (/pd/kv/lease, release).
 
@@ -63,10 +65,15 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
         served_model_name: the ``model`` the OpenAI routes serve and the metrics' model_name
             (default: from the model).
         public_metrics: /metrics needs no secret (the Kthena router scrapes without one).
+        kv_events: publish the own pool's cached router chunks to Redis under this worker's
+            owner name (None: off). The own pool holds what a prefill can reuse: every prompt
+            over mooncake, the Kthena router's prefills over shm (a /pd/prefill over shm
+            writes the decode worker's pool, which that worker announces).
     """
     routes = _PrefillRoutes(name, config, pd, mooncake_host=mooncake_host,
                             advertise_host=advertise_host,
-                            served_model_name=shared.served_name(config, served_model_name))
+                            served_model_name=shared.served_name(config, served_model_name),
+                            kv_events=kv_events)
     app = shared.control_app(secret, public_metrics, signed_paths=DECODE_TO_PREFILL_PATHS)
     app.state.on_port = routes.connector.set_port
     shared.common_routes(app, routes.render_metrics, lambda: True)
@@ -87,7 +94,7 @@ class _PrefillRoutes:
 
     def __init__(self, name: str, config: EngineConfig, pd: PDConfig, *,
                  mooncake_host: str | None, advertise_host: str, served_model_name: str,
-                 ) -> None:
+                 kv_events: KVEventsConfig | None) -> None:
         from kthena_serve.model import load_model
         from kthena_serve.pd.pins import PinTable
         from kthena_serve.pd.prefill_connector import PrefillConnector, PrefillEngine
@@ -114,6 +121,8 @@ class _PrefillRoutes:
         self.connector = PrefillConnector(self.engine, f"{name}-{self.incarnation}",
                                           advertise_host)
         self.server_metrics = ServerMetrics(self.engine, served_model_name)
+        self.publisher = shared.start_kv_events(name, kv_events, self.executor.kv,
+                                                self.server_metrics)
 
     def _free(self, pin: Pin) -> None:
         """An expired or released pin's blocks, freed on the compute thread (their owner)."""
@@ -171,6 +180,8 @@ class _PrefillRoutes:
                            num_pins_expired=pins.num_expired)
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()  # removes this worker's fields before the pool goes
         self.engine.abort_all("the prefill worker is stopping")
         self.sweeper.stop()
         self.pins.clear()

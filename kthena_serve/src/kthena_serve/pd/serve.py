@@ -61,7 +61,7 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     print(f"kthena serve --mode pd: starting {spec.num_prefill} prefill + {spec.num_decode} "
           "decode workers ...", file=sys.stderr, flush=True)
     launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
-                          api_key=spec.api_key).start()
+                          api_key=spec.api_key, kv_events=spec.kv_events).start()
     router = Router(launcher.endpoints(), spec.pd, config.block_size, PDMetrics("router"),
                     secret=launcher.secret, hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url

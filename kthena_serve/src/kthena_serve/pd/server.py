@@ -37,8 +37,11 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from kthena_serve.client import EngineClient, KVConnector
+    from kthena_serve.kv_events import KVEventSource, RedisKVPublisher
+    from kthena_serve.kv_events.config import KVEventsConfig
 
-__all__ = ["Closer", "OnePort", "common_routes", "control_app", "openai_app", "served_name"]
+__all__ = ["Closer", "OnePort", "common_routes", "control_app", "openai_app", "served_name",
+           "start_kv_events"]
 
 Closer = Callable[[], None]
 
@@ -87,6 +90,25 @@ def openai_app(engine: EngineClient, config: EngineConfig, connector: KVConnecto
     assert served is not None, "worker metrics carry the served model name"
     return build_app(engine, model_name=served, aliases={config.model, "default"} - {served},
                      api_key=api_key, kv_connector=connector, metrics=metrics)
+
+
+def start_kv_events(name: str, config: KVEventsConfig | None, source: KVEventSource,
+                    metrics: ServerMetrics) -> RedisKVPublisher | None:
+    """The worker's KV-event publisher over ``source`` (its KV manager), under the worker's
+    own owner name (``config.pod``), its counters on the worker's /metrics; None if off."""
+    if config is None:
+        return None
+    import sys
+
+    from kthena_serve.kv_events import KVEventsCollector, RedisKVPublisher
+    from kthena_serve.kv_events.config import redacted_url
+
+    publisher = RedisKVPublisher(config, source).start()
+    metrics.registry.register(KVEventsCollector(publisher))
+    print(f"pd worker {name}: KV events to {redacted_url(config.redis_url)} as {config.pod} "
+          f"(model {config.model!r}, {config.chunk_size}-token chunks)", file=sys.stderr,
+          flush=True)
+    return publisher
 
 
 def common_routes(app: FastAPI, metrics_render: Callable[[], bytes],

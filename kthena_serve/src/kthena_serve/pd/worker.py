@@ -20,6 +20,11 @@ when ``KTHENA_API_KEY`` is set (the key the Kthena router is given), and are ope
 ``kthena serve`` is. A decode worker sends prefill tasks and KV leases only to hosts in
 ``--prefill-hosts`` (default loopback; hosts or networks such as a pod CIDR).
 
+With ``--kv-events redis://HOST:PORT --pod-name NAME.NAMESPACE`` it publishes its KV cache's
+router chunks to that Redis under that owner name (docs/kv_events.md): a decode worker its
+pool, a prefill worker its own pool. In a pod the name is ``$(POD_NAME).$(POD_NAMESPACE)``; the
+PD launcher gives each worker ``--pod-name``'s ``NAME-WORKER.NAMESPACE``.
+
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
 its parent (the launcher) dies, so no worker outlives a killed launcher. That life (secret,
 pinning, PDEATHSIG, ready file, serving) is every worker's: cluster/worker.py.
@@ -41,13 +46,14 @@ from kthena_serve.cluster.worker import (
 )
 
 if TYPE_CHECKING:
+    from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.server import OnePort
 
 __all__ = ["main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from kthena_serve.serve_args import add_public_metrics_arg
+    from kthena_serve.serve_args import add_kv_events_args, add_public_metrics_arg
 
     parser = argparse.ArgumentParser(prog="kthena_serve.pd.worker")
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
@@ -68,7 +74,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None,
                         help="the model id the OpenAI routes serve (default: from the model)")
     add_public_metrics_arg(parser, "the deployment secret")
+    add_kv_events_args(parser)
     return parser.parse_args(argv)
+
+
+def _kv_events(args: argparse.Namespace) -> KVEventsConfig | None:
+    """``--kv-events`` as a ``KVEventsConfig``: owner ``--pod-name``, model the served name.
+
+    Raises:
+        ValueError: a refused flag or combination; the message starts with the flag.
+        ImportError: redis-py is missing (the message names the extra).
+    """
+    import json
+
+    from kthena_serve.config import EngineConfig
+    from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
+    from kthena_serve.kv_events.publisher import import_redis
+    from kthena_serve.pd.server import served_name
+    from kthena_serve.spec import flag_name
+
+    sizes = {"chunk_size": args.kv_events_chunk_size, "max_chunks": args.kv_events_max_chunks}
+    if args.kv_events is None:
+        given = [flag_name(k) for k, v in {"pod": args.pod_name, **sizes}.items()
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} take(s) effect only with --kv-events "
+                             "redis://HOST:PORT")
+        return None
+    if args.pod_name is None:
+        raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
+                         "router looks for (in a pod: $(POD_NAME).$(POD_NAMESPACE) from the "
+                         "downward API)")
+    engine = EngineConfig.from_json(json.loads(args.engine_config))
+    if not engine.enable_prefix_caching:
+        raise ValueError("--kv-events: nothing is cached with enable_prefix_caching false in "
+                         "--engine-config, so there is nothing to announce; drop one of them")
+    model = served_name(engine, args.served_model_name)
+    try:
+        config = KVEventsConfig(args.kv_events, args.pod_name, model,
+                                **{k: v for k, v in sizes.items() if v is not None})
+    except KVEventsConfigError as error:
+        raise ValueError(f"{flag_name(error.field)}: {error}") from None
+    import_redis()
+    return config
 
 
 def _take_api_key() -> str | None:
@@ -97,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     num_threads = pin_to_cores(args.cores)  # first: the imports below load torch
     die_with_parent()
-    app, close = _build_app(args, secret, api_key, num_threads)
+    try:
+        kv_events = _kv_events(args)
+    except (ValueError, ImportError) as error:
+        print(f"kthena_serve.pd.worker {args.name}: {error}", file=sys.stderr)
+        return 2
+    app, close = _build_app(args, secret, api_key, num_threads, kv_events)
 
     def ready(port: int) -> None:
         on_port = getattr(app.state, "on_port", None)
@@ -112,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
-               num_threads: int) -> tuple[OnePort, Callable[[], None]]:
+               num_threads: int, kv_events: KVEventsConfig | None,
+               ) -> tuple[OnePort, Callable[[], None]]:
     """The decode or prefill worker's app (pd/decode_server.py, pd/prefill_server.py) and
     what closes it."""
     import json
@@ -130,12 +184,12 @@ def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
         return build_decode_app(args.name, engine_config, pd_config, secret=secret,
                                 mooncake_host=args.mooncake_host, prefill_hosts=hosts,
                                 api_key=api_key, served_model_name=args.served_model_name,
-                                public_metrics=args.public_metrics)
+                                public_metrics=args.public_metrics, kv_events=kv_events)
     return build_prefill_app(args.name, engine_config, pd_config, secret=secret,
                              mooncake_host=args.mooncake_host,
                              advertise_host=_advertised(args), api_key=api_key,
                              served_model_name=args.served_model_name,
-                             public_metrics=args.public_metrics)
+                             public_metrics=args.public_metrics, kv_events=kv_events)
 
 
 if __name__ == "__main__":
