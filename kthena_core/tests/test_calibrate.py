@@ -236,3 +236,55 @@ def test_plan_calibrate_writes_the_file_and_calibration_uses_it(tmp_path, capsys
     deploy = Path(__file__).parents[2] / "docs" / "deploy" / "smollm2-pd.yaml"
     assert main(["deploy", "k8s", "--config", str(deploy), "--calibration", str(out)]) == 0
     assert f"(calibration {out})" in capsys.readouterr().out
+
+
+def _with_collectives(sizes):
+    bench = copy.deepcopy(load_bench(BENCH))
+    bench["collectives"] = {"hidden": 576, "dtype": "bfloat16", "ranks": 2, "backend": "gloo",
+                            "sizes": sizes}
+    return bench
+
+
+def test_the_benchs_collectives_become_the_sp_factor_of_the_calibration(tmp_path):
+    """(reduce_scatter + all_gather) / all_reduce per size, the median kept: SP is priced with
+    what this machine's collectives cost; without them the factor stays the ring's 1.0."""
+    from kthena_core.calibrate import (
+        UnphysicalFitError,
+        factors_dict,
+        load_calibration,
+        save_calibration,
+    )
+
+    model = load_model_spec("default")
+    sizes = {"2048": {"all_reduce": 0.010, "reduce_scatter": 0.012, "all_gather": 0.013},
+             "8192": {"all_reduce": 0.040, "reduce_scatter": 0.044, "all_gather": 0.052},
+             "4096": {"all_reduce": 0.020, "reduce_scatter": 0.030, "all_gather": 0.030}}
+    cal = fit_calibration(_with_collectives(sizes), model, bench_host())
+    assert cal.params.sp_collective_factor == pytest.approx(2.5)  # median of 2.5, 2.4, 3.0
+    plain = fit_calibration(load_bench(BENCH), model, bench_host())
+    assert plain.params.sp_collective_factor == 1.0 and "sp_collective_factor" not in \
+        factors_dict(plain.params)
+    # the other factors are the same fit either way
+    assert factors_dict(cal.params) == {**factors_dict(plain.params), "sp_collective_factor": 2.5}
+    used = load_calibration(save_calibration(cal, tmp_path / "cal.json"))
+    assert used.params == cal.params
+    assert used.to_json()["factors"]["sp_collective_factor"] == pytest.approx(2.5)
+    data = json.loads((tmp_path / "cal.json").read_text())
+    data["factors"]["sp_collective_factor"] = 0.2
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(UnphysicalFitError, match=r"sp_collective_factor = 0.2 is outside"):
+        load_calibration(tmp_path / "bad.json")
+    fast = {"2048": {"all_reduce": 0.010, "reduce_scatter": 0.001, "all_gather": 0.001}}
+    with pytest.raises(UnphysicalFitError, match="sp_collective_factor"):
+        fit_calibration(_with_collectives(fast), model, bench_host())
+    skipped = copy.deepcopy(load_bench(BENCH))
+    skipped["collectives"] = {"skipped": "one core: two ranks would share it"}
+    assert fit_calibration(skipped, model, bench_host()).params.sp_collective_factor == 1.0
+
+
+@pytest.mark.parametrize("sizes", [{}, {"2048": {"all_reduce": 0.0, "reduce_scatter": 1,
+                                                  "all_gather": 1}},
+                                   {"2048": {"all_reduce": 0.01}}])
+def test_malformed_collectives_are_refused_by_name(sizes):
+    with pytest.raises(CalibrationError, match=r"collectives\.sizes"):
+        fit_calibration(_with_collectives(sizes), load_model_spec("default"), bench_host())

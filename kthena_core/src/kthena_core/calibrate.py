@@ -21,6 +21,15 @@ terms. Fixing which side of every max() wins makes t_i linear in (u, v, o), so t
 
 A factor no point constrains (e.g. u when every point is memory-bound) keeps its prior value.
 
+**SP's collectives.** When the bench JSON carries ``collectives`` (``kthena bench serve``
+times an all-reduce, a reduce-scatter and an all-gather of prompt-sized activations over two
+ranks of the engine's backend on this machine), ``sp_collective_factor`` is their measured
+ratio ``(reduce_scatter + all_gather) / all_reduce``, the median over the sizes timed, instead
+of the ring's 1.0: the planner then prices sequence parallelism with what this machine's
+collectives cost. Its physical range is [SP_FACTOR_FLOOR, SP_FACTOR_CEIL]: the two halves of an
+all-reduce cannot together cost less than half of it, and a ratio past the ceiling is a timing
+disturbed by other work, not the collectives.
+
 **Physical factors.** The peaks are the topology's: on a CPU host, what the host probe measured
 (``kthena_core.discovery.host_probe``). An efficiency is achieved / peak, so a fit is kept only
 when each factor lies in its physical range::
@@ -77,10 +86,10 @@ from kthena_core.planner import Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
-__all__ = ["EFFICIENCY_FLOOR", "BenchPoint", "Calibration", "CalibrationError", "CalibrationFile",
+__all__ = ["EFFICIENCY_FLOOR", "SP_FACTOR_CEIL", "SP_FACTOR_FLOOR", "BenchPoint", "Calibration", "CalibrationError", "CalibrationFile",
            "UnphysicalFitError", "bench_points", "cached_calibration_path", "check_physical",
            "factors_dict", "find_calibration", "fit_calibration", "is_this_machine", "load_bench",
-           "load_calibration", "save_calibration"]
+           "load_calibration", "save_calibration", "sp_collective_factor"]
 
 # The lowest efficiency a fit may give (achieved / measured peak). A small model's kernels reach
 # a fair share of a CPU's peak (kthena bench serve's fraction_of_limit: 0.27-0.97 on this
@@ -92,6 +101,8 @@ EFFICIENCY_FLOOR = 0.05
 PINNING_TOLERANCE = 0.10
 FILE_KIND = "kthena calibration"
 _FACTORS = ("compute_efficiency", "memory_efficiency", "step_overhead_s")
+SP_FACTOR = "sp_collective_factor"  # optional: present when the bench timed the collectives
+SP_FACTOR_FLOOR, SP_FACTOR_CEIL = 0.5, 20.0
 
 _ONE = Layout(1, 1, 1)
 _NO_LINKS = Links(math.inf, 0.0, math.inf, 0.0, math.inf)
@@ -147,8 +158,38 @@ class Calibration:
 
 
 def factors_dict(params: CostParams) -> dict[str, float]:
-    """The three fitted factors of ``params``, by name."""
-    return {name: float(getattr(params, name)) for name in _FACTORS}
+    """The three fitted factors of ``params``, by name, and ``sp_collective_factor`` when it is
+    not the ring's 1.0 (a calibration measured it)."""
+    factors = {name: float(getattr(params, name)) for name in _FACTORS}
+    if params.sp_collective_factor != 1.0:
+        factors[SP_FACTOR] = float(params.sp_collective_factor)
+    return factors
+
+
+def sp_collective_factor(bench: Mapping[str, Any], *, where: str = "bench") -> float | None:
+    """The median ``(reduce_scatter + all_gather) / all_reduce`` of the bench's ``collectives``
+    (None: the bench did not time them).
+
+    Raises:
+        CalibrationError: ``collectives`` is there but malformed (the message names the field).
+    """
+    collectives = bench.get("collectives")
+    if collectives is None or (isinstance(collectives, Mapping) and "skipped" in collectives):
+        return None
+    sizes = collectives.get("sizes") if isinstance(collectives, Mapping) else None
+    if not isinstance(sizes, Mapping) or not sizes:
+        raise CalibrationError(f"{where}: collectives.sizes: expected an object of timed sizes, "
+                               f"got {sizes!r}")
+    ratios = []
+    for size, times in sizes.items():
+        try:
+            ratios.append((float(times["reduce_scatter"]) + float(times["all_gather"]))
+                          / float(times["all_reduce"]))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            raise CalibrationError(f"{where}: collectives.sizes.{size}: expected positive "
+                                   "seconds for all_reduce, reduce_scatter and all_gather, got "
+                                   f"{times!r}") from None
+    return float(np.median(ratios))
 
 
 def _allowed(times: np.ndarray) -> dict[str, tuple[float, float]]:
@@ -170,6 +211,9 @@ def check_physical(params: CostParams, allowed: Mapping[str, tuple[float, float]
             continue
         if name == "step_overhead_s":
             unit, why = " s", "a fixed cost per step cannot exceed the fastest step measured"
+        elif name == SP_FACTOR:
+            unit, why = "", ("a reduce-scatter and an all-gather together cost at least half an "
+                             "all-reduce; far more is a timing disturbed by other work")
         elif value > high:
             unit, why = " of the measured peak", ("the peak it is relative to is too low (a "
                                                   "placeholder, or a probe on fewer threads "
@@ -324,6 +368,11 @@ def fit_calibration(bench: Mapping[str, Any], model: ModelSpec, topology: Topolo
                        peaks=f"{peak.flops / 1e9:.1f} GFLOP/s, {peak.memory_bw / 1e9:.2f} GB/s: "
                              f"{relative_to['device_source']}")
     params = best[True][2]
+    factor = sp_collective_factor(bench, where=source)
+    if factor is not None:
+        params = attrs.evolve(params, sp_collective_factor=factor)
+        allowed = {**allowed, SP_FACTOR: (SP_FACTOR_FLOOR, SP_FACTOR_CEIL)}
+        check_physical(params, {SP_FACTOR: allowed[SP_FACTOR]}, where=source)
     fitted = Planner(params).device_figures(topology)
     return Calibration(params, source, dict(bench.get("machine") or {}), points,
                        tuple(predict(p, model, base) for p in points),
@@ -447,9 +496,16 @@ def load_calibration(path: str | os.PathLike[str]) -> CalibrationFile:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise CalibrationError(f"{where}: factors.{name}: expected a number, got {value!r}")
         values[name] = float(value)
-    params = attrs.evolve(CostParams(), **values)
     allowed = {"compute_efficiency": (EFFICIENCY_FLOOR, 1.0),
                "memory_efficiency": (EFFICIENCY_FLOOR, 1.0), "step_overhead_s": (0.0, math.inf)}
+    if isinstance(factors, Mapping) and SP_FACTOR in factors:
+        value = factors[SP_FACTOR]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CalibrationError(f"{where}: factors.{SP_FACTOR}: expected a number, got "
+                                   f"{value!r}")
+        values[SP_FACTOR] = float(value)
+        allowed[SP_FACTOR] = (SP_FACTOR_FLOOR, SP_FACTOR_CEIL)
+    params = attrs.evolve(CostParams(), **values)
     check_physical(params, allowed, where=where)
     return CalibrationFile(params, str(path), data)
 

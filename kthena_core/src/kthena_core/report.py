@@ -70,7 +70,9 @@ def format_calibration(cal: Calibration) -> str:
     f = cal.params
     lines = [
         f"calibration from {cal.source}: compute_efficiency {f.compute_efficiency:.3g}, "
-        f"memory_efficiency {f.memory_efficiency:.3g}, step_overhead {f.step_overhead_s * 1e3:.2f} ms",
+        f"memory_efficiency {f.memory_efficiency:.3g}, step_overhead {f.step_overhead_s * 1e3:.2f} ms"
+        + (f", sp_collective_factor {f.sp_collective_factor:.3g} (the bench's collectives)"
+           if f.sp_collective_factor != 1.0 else ""),
         f"  {'case':<26} {'quantity':<17} {'measured':>10} {'uncalibrated':>13} {'calibrated':>11}",
     ]
     for p, u, c in zip(cal.points, cal.uncalibrated, cal.calibrated, strict=True):

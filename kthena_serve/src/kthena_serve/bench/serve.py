@@ -14,7 +14,8 @@ is also set against the machine's physical limit, measured first on the same thr
 every run does the same work. Each case runs once per system to warm up, then ``runs`` rounds;
 the JSON reports medians, speed-ups of ours over each peer, the share of the limit each system
 reaches, the machine and its load average; the PNG plots the ratios. Only same-run figures are
-reported.
+reported. Where there are two cores, the TP collectives are timed over two ranks too
+(``collectives``: what ``kthena plan --calibrate`` turns into ``sp_collective_factor``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["CASE_KEYS", "BenchOptions", "interleave", "run_bench", "workload_prompts"]
 
 CASES = ("a", "b", "c")
+COLLECTIVE_ROWS = (2048, 8192)  # prompt-sized activations: the SP range the planner weighs
 
 
 def _check_cases(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -74,6 +76,7 @@ class BenchOptions:
     num_threads: int | None = None
     seed: int = 0
     peer: PeerSpec | None = None
+    collectives: bool = True
 
 
 def _prompts(count: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -279,6 +282,23 @@ def _compare(result: dict) -> None:
                             for name in systems if name != "kthena"}
 
 
+def _collectives(checkpoint: Path) -> dict:
+    """The TP collectives timed over two gloo ranks on prompt-sized activations of the model
+    (``bench.sp_prompts.measure_collectives``): what ``kthena plan --calibrate`` turns into the
+    calibration's ``sp_collective_factor``; skipped, with the reason, on one core."""
+    from kthena_serve.bench.sp_prompts import measure_collectives
+    from kthena_serve.model import ModelConfig
+
+    if (os.cpu_count() or 1) < 2:
+        return {"skipped": "one core: two ranks would share it"}
+    hidden = ModelConfig.from_pretrained(checkpoint).hidden_size
+    measured = measure_collectives(COLLECTIVE_ROWS, hidden, repeat=5)
+    print("kthena bench serve: collectives (reduce-scatter + all-gather over all-reduce): "
+          + ", ".join(f"{n} rows {v['sp_collective_factor']:.2f}"
+                      for n, v in measured["sizes"].items()), file=sys.stderr, flush=True)
+    return measured
+
+
 def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     """Run the cases, ours and the peers' alternating (`interleave`); returns the JSON-ready
     result (and writes the plot)."""
@@ -293,6 +313,8 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
               "quantization": config.quantization, "runs": options.runs,
               "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
+    if options.collectives:
+        result["collectives"] = _collectives(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)
     engine = LLMEngine.from_config(config)
     result["kernels"] = dict(engine.processor.limits.kernels)  # what ran, and how it was chosen
