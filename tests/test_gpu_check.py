@@ -1,5 +1,7 @@
 """scripts/gpu_check.py: its CPU-only parts run here (argument parsing, the plan, the report
-schema, the ops-parity helper), so the GPU check cannot rot between lent GPUs."""
+schema, the ops-parity helper), and its PD hand-off and MC2 steps run here on cpu (the decode
+pool in /dev/shm instead of CUDA IPC, gloo instead of NCCL: the same code otherwise), so the
+GPU check cannot rot between lent GPUs."""
 
 from __future__ import annotations
 
@@ -40,18 +42,21 @@ def test_dry_run_writes_the_plan_in_the_report_schema(tmp_path):
     assert steps["environment"]["status"] == "passed"
     assert steps["environment"]["detail"]["torch"]
     assert "mooncake-transfer-engine-non-cuda" in steps["environment"]["detail"]["mooncake"]
-    assert steps["pd_device_pools"]["status"] == "unsupported"  # said, not faked
-    assert "shared memory" in steps["pd_device_pools"]["detail"]["reason"]
     assert steps["bench_serve"]["status"] == "skipped"
     planned = [n for n, s in steps.items() if s["status"] == "planned"]
     assert planned == ["pytest_cuda", "ops_parity", "engine_vs_transformers",
-                       "mooncake_cuda_memory"]
+                       "mooncake_cuda_memory", "pd_device_pools", "pd_mooncake_device_pools",
+                       "mc2_parity"]
     assert steps["pytest_cuda"]["command"][-2:] == ["-k", "cuda"]
+    assert steps["pd_device_pools"]["reports"] == list(gpu_check.PD_REPORTS)
+    assert {"kv_bytes_written", "bytes_copied", "handoff_s"} <= set(gpu_check.PD_REPORTS)
+    assert steps["pd_mooncake_device_pools"]["reports"] == list(gpu_check.PD_MOONCAKE_REPORTS)
+    assert steps["mc2_parity"]["reports"] == [*gpu_check.MC2_REPORTS, "fused"]
 
 
 def test_schema_check_finds_problems():
     gpu_check = _module()
-    assert "schema is not kthena.gpu_check/1" in gpu_check.validate_report({})
+    assert "schema is not kthena.gpu_check/2" in gpu_check.validate_report({})
     bad = {"schema": gpu_check.SCHEMA, "dry_run": True, "started": "", "machine": {}, "ok": True,
            "steps": [{"name": "x", "status": "great"}]}
     problems = gpu_check.validate_report(bad)
@@ -72,3 +77,38 @@ def test_the_ops_parity_cases_run_and_agree_on_cpu():
               for name, case in gpu_check._parity_cases(torch).items()}
     assert set(errors) == {"paged_decode_attention", "rms_norm", "silu_and_mul"}
     assert max(errors.values()) < 1e-4, errors
+
+
+def test_the_pd_handoff_step_runs_on_cpu_over_a_shm_pool():
+    """The step's code end to end with the cpu route: a prefill child process fills the
+    decode pool's scattered blocks; this process sees that KV in its own pool, and it equals
+    what the child computed into its own pool."""
+    from mooncake_kv import shared_pool_paths
+
+    before = set(shared_pool_paths())
+    status, detail = _module().pd_handoff("cpu", timeout_s=300)
+    assert status == "passed", detail
+    assert set(detail) == set(_module().PD_REPORTS)
+    assert detail["route"] == "shm" and detail["bytes_copied"] == 0  # written in place
+    assert detail["kv_bytes_written"] > 0 and detail["prefill_s"] > 0
+    assert all(detail["checks"].values()) and len(detail["checks"]) == 4
+    assert set(shared_pool_paths()) == before  # the pool's /dev/shm file is gone
+
+
+def test_the_mooncake_push_step_runs_on_cpu_over_tcp():
+    """The cross-host step's code with host pools (the installed wheel has no CUDA): the
+    layer-wise push lands the prefill's blocks in the decode pool's scattered block table."""
+    status, detail = _module().pd_mooncake("cpu", timeout_s=60)
+    assert status == "passed", detail
+    assert set(detail) == set(_module().PD_MOONCAKE_REPORTS)
+    assert detail["location"] == "host" and detail["bytes_moved"] > 0
+    assert detail["num_puts"] > 1 and len(detail["checks"]) == 5
+
+
+def test_the_mc2_step_runs_on_cpu_over_two_gloo_ranks():
+    status, detail = _module().mc2_check("cpu", 2, timeout_s=120)
+    assert status == "passed", detail
+    assert set(detail) == set(_module().MC2_REPORTS)
+    assert set(detail["max_abs_error"]) == {"matmul_all_reduce", "all_gather_matmul",
+                                            "matmul_reduce_scatter"}
+    assert max(detail["max_abs_error"].values()) < detail["tolerance"]

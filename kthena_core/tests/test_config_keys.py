@@ -13,8 +13,12 @@ from kthena_core.topology import from_catalog
     [
         ({"service": {"api_type": "grpc"}}, "service.api_type", "only one served"),
         ({"parallelism": {"fused_communication": True}}, "parallelism.fused_communication",
-         "no bucketed/fused all-reduce"),
-        ({"parallelism": {"bucket_size_mb": 25}}, "parallelism.bucket_size_mb", "unset"),
+         "false with tensor_parallel_size 1"),
+        ({"parallelism": {"strategy": "auto", "fused_communication": True},
+          "service": {"mode": "pd"}}, "parallelism.fused_communication",
+         "false with service.mode pd"),
+        ({"parallelism": {"bucket_size_mb": 25}}, "parallelism.bucket_size_mb",
+         "no all-reduce buckets"),
         ({"model": {"attention_kernel": "memory_efficient"}}, "model.attention_kernel", "flash"),
         ({"model": {"attention_kernel": "high_throughput"}}, "model.attention_kernel", "flash"),
         ({"model": {"dtype": "fp8"}}, "model.dtype", "bfloat16, float16 or float32"),
@@ -56,6 +60,10 @@ def test_every_supported_value_of_the_refused_keys_still_loads():
                                  "compute_dtype": "fp16"},
                        "kv_cache": {"compression": {"method": "none"}, "max_tokens": 4096}})
     assert (cfg.service.mode, cfg.model.compute_dtype, cfg.kv_cache.max_tokens) == ("pd", "fp16", 4096)
+    fused = load_config({"parallelism": {"strategy": "tp", "tensor_parallel_size": 2,
+                                         "fused_communication": True},
+                         "cluster": {"world_size": 2}})
+    assert fused.parallelism.fused_communication  # TP overlap (kthena serve --tp-overlap)
     int8 = load_config({"kv_cache": {"compression": {"method": "int8", "group_size": 64}}})
     assert (int8.kv_cache.compression.method, int8.kv_cache.compression.group_size) == ("int8", 64)
 

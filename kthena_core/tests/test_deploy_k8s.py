@@ -4,7 +4,7 @@ Every rendered object is validated against the ``openAPIV3Schema`` of its CRD (c
 volcano-sh/kthena into data/kthena_crds/) with `jsonschema`, and walked for keys the schema
 does not define (the API server's strict field validation would reject those; plain JSON Schema
 lets them through). The NetworkPolicy has no CRD: it is validated against a schema written
-from the Kubernetes API reference (data/k8s/networkpolicy-v1.schema.json). The two documented deployments are pinned byte for byte to the files
+from the Kubernetes API reference (data/k8s/networkpolicy-v1.schema.json). The documented deployments are pinned byte for byte to the files
 docs/kthena.md shows.
 """
 
@@ -118,7 +118,10 @@ def pods(serving: dict[str, Any]) -> dict[str, dict[str, Any]]:
      "checkpoint": "/models/llama-3-8b", "topology": "dgx-h100",
      "resources": {"cpu": 16, "memory": "96Gi"}},
     {**LLAMA_ATLAS, "device_resource": "huawei.com/ascend-1980"},
-], ids=["pd-cpu", "llama-2-70b-2x8-910b", "colocated-cpu", "pd-1p2d-port", "h100", "ascend-1980"])
+    {**{k: v for k, v in LLAMA_ATLAS.items() if k != "topology"}, "device": "ascend-910b3",
+     "devices": 2, "num_nodes": 8},
+], ids=["pd-cpu", "llama-2-70b-2x8-910b", "colocated-cpu", "pd-1p2d-port", "h100", "ascend-1980",
+        "llama-2-70b-serving-groups"])
 def test_every_manifest_validates_against_its_crd(data):
     for kv_events in (None, "redis://redis.kthena-system:6379"):
         extra = {"kv_events": kv_events} if kv_events else {}
@@ -370,11 +373,80 @@ def test_pd_refuses_a_plan_with_tp_per_worker():
         render({**LLAMA_ATLAS, "mode": "pd", "pod_network": POD_NETWORK})
 
 
-def test_a_tp_group_larger_than_a_node_is_refused():
-    data = {**LLAMA_ATLAS, "topology": None, "device": "ascend-910b3", "devices": 2,
-            "num_nodes": 8}
-    with pytest.raises(DeployError, match=r"an engine larger than a node's 2 device"):
-        render({k: v for k, v in data.items() if v is not None})
+LLAMA_2_PER_NODE = {**{k: v for k, v in LLAMA_ATLAS.items() if k != "topology"},
+                    "device": "ascend-910b3", "devices": 2, "num_nodes": 8}
+
+
+def group_pods(serving: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(entry container, worker container) of the one role."""
+    (role,) = serving["spec"]["template"]["roles"]
+    return (role["entryTemplate"]["spec"]["containers"][0],
+            role["workerTemplate"]["spec"]["containers"][0])
+
+
+def test_an_engine_larger_than_a_node_renders_one_serving_group_per_replica():
+    """TP4 over nodes of 2 NPUs: each replica is an entry pod and a worker pod, scheduled
+    together, both running kthena-run --serving-group with their share of the ranks."""
+    dep, (serving, server, _) = render(LLAMA_2_PER_NODE)
+    for manifest in render_manifests(dep):
+        check_against_crd(manifest)
+    assert (dep.tp, dep.pp, dep.num_nodes_per_engine, dep.num_ranks_per_pod) == (4, 1, 2, 2)
+    spec = serving["spec"]
+    (role,) = spec["template"]["roles"]
+    assert (spec["replicas"], role["replicas"], role["workerReplicas"]) == (dep.num_groups, 1, 1)
+    assert spec["template"]["gangPolicy"] == {"minRoleReplicas": {"serve": 1}}
+    assert spec["recoveryPolicy"] == "ServingGroupRecreate"
+    entry, worker = group_pods(serving)
+    assert entry["args"] == worker["args"] and entry["command"] == ["kthena-run"]
+    args = entry["args"]
+    assert args[:args.index("serve")] == [
+        "--serving-group", "--nnodes", "2", "--nproc_per_node", "2", "--tp", "4", "--pp", "1",
+        "--master_port", "29500", "--backend", "hccl", "--cpus", str(dep.cpu)]
+    serve = args[args.index("serve") + 1:]  # kthena serve's flags, the same on every rank
+    assert serve[serve.index("--tp") + 1] == "4"
+    for container in (entry, worker):
+        assert container["resources"]["limits"]["huawei.com/Ascend910"] == "2"
+        env = env_of(container)
+        assert env["HCCL_IF_IP"]["value"] == "$(POD_IP)"  # HCCL over nodes needs the NIC
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert not any(name.startswith("OMP_") for name in env)  # kthena-run sizes them
+    # only the entry pod serves the API: the probes, the port and the router's pick are its
+    assert {"ports", "startupProbe", "readinessProbe", "livenessProbe"} <= set(entry)
+    assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
+    assert server["spec"]["workloadSelector"]["matchLabels"] == {
+        "modelserving.volcano.sh/name": "llama-2-70b", "modelserving.volcano.sh/entry": "true"}
+    policy = render_manifests(dep)[0]
+    assert {"from": [{"podSelector": policy["spec"]["podSelector"]}]} in policy["spec"]["ingress"]
+
+
+def test_a_pipeline_over_two_cpu_nodes_renders_a_gloo_group():
+    """The group kthena_serve/tests/test_serving_group.py runs in two network namespaces."""
+    from kthena_core.config_plan import _PinnedPlanner
+    from kthena_core.layout import Layout
+
+    spec = load_deploy_spec({
+        "name": "smollm2-pp", "image": "kthena-worker:test", "topology": "cpu-host",
+        "num_nodes": 2, "resources": {"cpu": 1},
+        "workload": {"dtype": "float32", "kv_dtype": "float32", "concurrency": 4}})
+    dep = plan_deployment(spec, _PinnedPlanner(Layout(1, 2, 1)))
+    for manifest in render_manifests(dep):
+        check_against_crd(manifest)
+    entry, worker = group_pods(render_manifests(dep)[1])
+    args = entry["args"]
+    assert args[args.index("--backend") + 1] == "gloo"
+    assert args[args.index("--nproc_per_node") + 1] == "1" and args[args.index("--cpus") + 1] == "1"
+    assert "HCCL_IF_IP" not in env_of(entry) and "POD_IP" not in env_of(worker)
+    assert dep.summary().endswith("pods: 1 serve: entry + 1 worker pod(s), 1 rank(s) each")
+
+
+def test_ranks_that_do_not_split_evenly_over_nodes_are_refused():
+    from kthena_core.config_plan import _PinnedPlanner
+    from kthena_core.layout import Layout
+
+    spec = load_deploy_spec({**LLAMA_2_PER_NODE, "devices": 3, "num_nodes": 3})
+    with pytest.raises(DeployError, match=r"TP8 x PP1: 8 ranks do not split evenly over the 3 "
+                                          r"nodes of 3 device\(s\) it needs; allowed: nodes whose"):
+        plan_deployment(spec, _PinnedPlanner(Layout(8, 1, 1)))
 
 
 def test_a_pipeline_inside_one_pod_is_served_with_pp_and_sized_for_its_ranks():
@@ -468,7 +540,7 @@ def test_relative_topology_resolves_against_the_config_folder():
 
 
 # ---- the documented deployments -------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["smollm2-pd", "llama-2-70b-atlas"])
+@pytest.mark.parametrize("name", ["smollm2-pd", "llama-2-70b-atlas", "llama-2-70b-groups"])
 def test_docs_show_what_the_command_renders_today(name):
     dep = plan_deployment(load_deploy_spec(DOCS / f"{name}.yaml"))
     rendered = (DOCS / f"{name}.rendered.yaml").read_text(encoding="utf-8")

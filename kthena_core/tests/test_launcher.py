@@ -6,7 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from kthena_core.config import ConfigError
 from kthena_core.launcher import main
+from kthena_core.serving_group import ServingGroup
 
 SCRIPT = """
 import json, os, sys
@@ -69,3 +73,41 @@ def test_real_two_rank_gloo_launch(tmp_path):
     assert [r["RANK"] for r in ranks] == ["0", "1"]
     assert all(r["sum"] == 3.0 and r["KTHENA_TP_SIZE"] is None and r["WORLD_SIZE"] == "2" for r in ranks)
     assert all(r["OMP_WAIT_POLICY"] == "PASSIVE" and r["OMP_NUM_THREADS"] for r in ranks)
+
+
+# ---- inside a Kthena serving group ------------------------------------------------------------
+GROUP = {"ENTRY_ADDRESS": "127.0.0.1", "WORKER_INDEX": "1", "GROUP_SIZE": "2"}
+
+
+def test_serving_group_variables_are_master_addr_node_rank_and_nnodes(monkeypatch, capsys):
+    for name, value in GROUP.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--serving-group", "--nnodes", "2", "--nproc_per_node", "2", "--tp", "2",
+                 "--pp", "2", "--backend", "gloo", "--cpus", "6", "--dry-run", "serve"]) == 0
+    out = capsys.readouterr().out
+    assert ("--nnodes=2 --node_rank=1 --nproc_per_node=2 --master_addr=127.0.0.1" in out
+            and "OMP_NUM_THREADS=3" in out)  # --cpus 6 shared by 2 ranks
+
+
+def test_serving_group_takes_no_address_or_rank_flags(monkeypatch, capsys):
+    for name, value in GROUP.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--serving-group", "--node_rank", "0", "--nproc_per_node", "1", "--pp", "2",
+                 "--dry-run", "serve"]) == 2
+    assert "drop --master_addr / --node_rank" in capsys.readouterr().err
+    assert main(["--cpus", "0", "--dry-run", "serve"]) == 2
+    assert "--cpus 0: allowed: an integer >= 1" in capsys.readouterr().err
+
+
+def test_serving_group_from_environ_names_the_variable_and_what_is_allowed():
+    assert ServingGroup.from_environ(GROUP) == ServingGroup("127.0.0.1", 1, 2)
+    assert ServingGroup.from_environ({**GROUP, "GROUP_SIZE": "4"}).group_size == 4  # any size
+    for change, message in [
+        ({"GROUP_SIZE": "0"}, "GROUP_SIZE=0: allowed: an integer >= 1"),
+        ({"ENTRY_ADDRESS": " "}, "ENTRY_ADDRESS=' ': allowed: the entry pod's address"),
+        ({"WORKER_INDEX": "1.0"}, "WORKER_INDEX='1.0': allowed: 0..1"),
+        ({"GROUP_SIZE": "3"}, "GROUP_SIZE=3, but this engine spans --nnodes 2 pods"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            ServingGroup.from_environ({**GROUP, **change}, expected_size=2)
+        assert message in str(error.value)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from _model_testing import GreedyRunner
+from _ranks import run_two_ranks
 
 from kthena_serve.model import ensure_default_checkpoint, load_model
 
@@ -146,33 +144,15 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_over_gloo_matches_tp1(checkpoint, ours, prompts, tmp_path):
     chosen = [prompts[0], prompts[2], prompts[4]]
     expected = _generate(ours[0], chosen, ours[1].eos_token_ids)
     expected = [t[:16] for t in expected]
     (tmp_path / "worker.py").write_text(_WORKER)
     (tmp_path / "prompts.json").write_text(json.dumps(chosen))
-    here = os.path.dirname(os.path.abspath(__file__))  # the worker imports _model_testing
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(rank), port, str(checkpoint),
-                               str(tmp_path / "prompts.json"), str(tmp_path / f"out{rank}.json")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], logs
+    run_two_ranks(lambda rank, port: [str(tmp_path / "worker.py"), str(rank), port,
+                                      str(checkpoint), str(tmp_path / "prompts.json"),
+                                      str(tmp_path / f"out{rank}.json")], timeout=240)
     results = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2)]
     assert [r["kv_heads"] for r in results] == [2, 1]  # 3 KV heads over 2 ranks
     assert [r["tokens"] for r in results] == [expected, expected]

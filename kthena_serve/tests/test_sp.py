@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from _ranks import HERE, run_two_ranks
 from _tiny import tiny_checkpoint
 
 from kthena_serve.model import (
@@ -31,15 +31,8 @@ from kthena_serve.model import (
 )
 from kthena_serve.model.sp import TokenShards
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 UNEVEN_HEADS = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8,
                 "hidden_size": 72, "intermediate_size": 144}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +44,9 @@ def uneven_checkpoint(tmp_path_factory):
 def parity(uneven_checkpoint, tmp_path_factory):
     """Both ranks' results (see _sp_worker.py), after both exited cleanly."""
     out = tmp_path_factory.mktemp("sp_parity")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join(filter(None, (HERE, os.environ.get("PYTHONPATH"))))}
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_sp_worker.py"), str(rank),
-                               port, str(uneven_checkpoint), str(out / f"rank{rank}.json"),
-                               "real"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], logs
+    run_two_ranks(lambda rank, port: [os.path.join(HERE, "_sp_worker.py"), str(rank), port,
+                                      str(uneven_checkpoint), str(out / f"rank{rank}.json"),
+                                      "real"])
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -71,10 +71,50 @@ def _veth_bytes(ns: str) -> int:
                if link["ifname"] != "lo")
 
 
-def test_pipeline_stages_on_two_hosts_serve_the_local_engines_tokens(tmp_path):
+def serve_across_and_ask(launches: list[tuple[list[str], dict | None]], namespaces: tuple[str, str],
+                         logs: list[Path], cwd: Path, client_args: list[str],
+                         client: str = CLIENT) -> tuple[dict, int]:
+    """Start ``launches[i]`` (argv, env) in ``namespaces[i]``, wait for rank 0's API and for
+    rank 1, send PROMPT from the first namespace with ``client`` (``client_args`` after the
+    prompt), stop both whatever happens; (the reply, bytes received in the second namespace
+    while it was answered). Rank 0 must report the PP=2 layout it serves."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for (argv, env), ns, log in zip(launches, namespaces, logs, strict=True):
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env,
+                                          stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                          cwd=cwd))
+        node0 = _wait_for(logs[0], "\ncurl ", procs, 300)
+        assert "serving layout tp=1 pp=2 dp=1 sp=1 mode=colocated" in node0, node0[-3000:]
+        node1 = logs[1].read_text()
+        assert "rank 1 of 2" in node1, node1[-3000:]
+        before = _veth_bytes(namespaces[1])
+        done = subprocess.run(["ip", "netns", "exec", namespaces[0], sys.executable, "-c",
+                               client, PROMPT, *client_args], capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reply = json.loads(done.stdout.strip().splitlines()[-1])
+        assert reply["status"] == 200, reply
+        moved = _veth_bytes(namespaces[1]) - before
+    finally:
+        _stop(procs)
+    assert all(p.returncode is not None for p in procs)
+    return reply, moved
+
+
+def local_greedy_text() -> str:
+    """PROMPT's 12 greedy tokens from one local fp32 engine (what both hosts must serve)."""
     from kthena_serve.llm import LLM
     from kthena_serve.sampling_params import SamplingParams
 
+    llm = LLM(dtype="float32", num_kv_blocks=64)
+    try:
+        return llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].text
+    finally:
+        llm.close()
+
+
+def test_pipeline_stages_on_two_hosts_serve_the_local_engines_tokens(tmp_path):
     _two_node_topology(tmp_path / "two-hosts.yaml")
     kthena_run = Path(sys.executable).with_name("kthena-run")
     with two_host_network("pp", 215) as (ns_a, ns_b, addr_a, _addr_b):
@@ -86,34 +126,13 @@ def test_pipeline_stages_on_two_hosts_serve_the_local_engines_tokens(tmp_path):
             "service: {host: 127.0.0.1, port: 8000, max_batch_size: 8}\n"
             "kv_cache: {memory_pool_size: 64MiB}\n")
         config = str(tmp_path / "deploy.yaml")
-        logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-        procs = []
-        try:
-            for rank, ns in enumerate((ns_a, ns_b)):
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, str(kthena_run), "--config", config,
-                     "--node_rank", str(rank), "serve", "--config", config],
-                    stdout=logs[rank].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path))
-            node0 = _wait_for(logs[0], "\ncurl ", procs, 300)
-            assert "plan layout tp=1 pp=2 dp=1 sp=1 mode=colocated" in node0
-            assert "serving layout tp=1 pp=2 dp=1 sp=1 mode=colocated" in node0
-            node1 = logs[1].read_text()
-            assert "rank 1 of 2" in node1, node1[-3000:]
-            before = _veth_bytes(ns_b)
-            done = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", CLIENT,
-                                   PROMPT], capture_output=True, text=True, timeout=180)
-            assert done.returncode == 0, done.stderr[-3000:]
-            reply = json.loads(done.stdout.strip().splitlines()[-1])
-            assert reply["status"] == 200, reply
-            moved = _veth_bytes(ns_b) - before
-        finally:
-            _stop(procs)
-    llm = LLM(dtype="float32", num_kv_blocks=64)
-    try:
-        local = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].text
-    finally:
-        llm.close()
-    assert reply["body"]["choices"][0]["text"] == local
+        launches = [([str(kthena_run), "--config", config, "--node_rank", str(rank), "serve",
+                      "--config", config], None) for rank in range(2)]
+        reply, moved = serve_across_and_ask(
+            launches, (ns_a, ns_b), [tmp_path / "node0.log", tmp_path / "node1.log"], tmp_path,
+            [])
+        node0 = (tmp_path / "node0.log").read_text()
+        assert "plan layout tp=1 pp=2 dp=1 sp=1 mode=colocated" in node0
+    assert reply["body"]["choices"][0]["text"] == local_greedy_text()
     # stage 0 -> stage 1 activations (12 steps of [tokens, 2, 576] fp32) crossed the veth link
     assert moved > 12 * 2 * 576 * 4, moved
-    assert [p.returncode is not None for p in procs] == [True, True]

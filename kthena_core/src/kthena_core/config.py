@@ -322,12 +322,19 @@ def _reject_unsupported(cfg: KthenaConfig) -> None:
     par, model, kv = cfg.parallelism, cfg.model, cfg.kv_cache
     _check(cfg.service.api_type == "http", "service.api_type", cfg.service.api_type,
            "http (the OpenAI-compatible HTTP API is the only one served; there is no gRPC server)")
-    _check(not par.fused_communication, "parallelism.fused_communication", True,
-           "false (the TP path all-reduces each layer's output as it is produced; there is no "
-           "bucketed/fused all-reduce to turn on)")
+    # fused_communication is TP overlap (kthena serve --tp-overlap): each row-parallel matmul
+    # fused with its all-reduce (MC2), not a bucketed all-reduce, so it has no bucket size
+    _check(not par.fused_communication or cfg.service.mode == "colocated",
+           "parallelism.fused_communication", True,
+           "false with service.mode pd (it fuses each matmul with its TP all-reduce, and PD "
+           "workers run tp = 1)")
+    _check(not par.fused_communication or par.strategy == "auto"
+           or par.tensor_parallel_size > 1, "parallelism.fused_communication", True,
+           "false with tensor_parallel_size 1 (it fuses each matmul with its TP all-reduce, "
+           "and one rank has none)")
     _check(par.bucket_size_mb is None, "parallelism.bucket_size_mb", par.bucket_size_mb,
-           "unset (it sizes the fused all-reduce's buckets, and fused_communication is not "
-           "supported)")
+           "unset (fused_communication fuses each matmul with its own all-reduce (MC2); "
+           "there are no all-reduce buckets to size)")
     _check(model.attention_kernel == "flash", "model.attention_kernel", model.attention_kernel,
            "flash (the engine's one attention path: tiled paged attention that never "
            "materialises a sequence's full score matrix; no memory_efficient or "

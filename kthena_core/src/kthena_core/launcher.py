@@ -20,6 +20,10 @@ user did, to the interface the other nodes reach this one by: the one holding ``
 the master node, else the one the route to ``master_addr`` leaves by. Gloo would otherwise bind
 whatever address the host name resolves to, often loopback or an address of another network.
 
+Inside a Kthena serving group (``--serving-group``: the pods ``kthena deploy k8s`` renders for
+an engine larger than a node) the master address, node rank and node count come from the
+variables Kthena injects, ENTRY_ADDRESS, WORKER_INDEX and GROUP_SIZE (``serving_group.py``).
+
 The script ``serve`` is ``kthena serve`` on every rank (``python -m kthena_core.cli serve``):
 rank 0 serves the API, the other ranks run its steps.
 
@@ -46,6 +50,7 @@ from collections.abc import Mapping, Sequence
 
 from kthena_core.config import ConfigError, KthenaConfig, load_config
 from kthena_core.hccl_env import HcclSettings, check_hccl, hccl_environment
+from kthena_core.serving_group import ServingGroup
 
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
 
@@ -160,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="tensor-parallel size without a config file")
     p.add_argument("--pp", type=int, help="pipeline-parallel size without a config file")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--serving-group", action="store_true",
+                   help="inside a Kthena serving group: master_addr, node_rank and nnodes from "
+                        "ENTRY_ADDRESS, WORKER_INDEX and GROUP_SIZE (GROUP_SIZE must equal "
+                        "--nnodes when given)")
+    p.add_argument("--cpus", type=int,
+                   help="cores the ranks of this node share, for OMP_NUM_THREADS (default: "
+                        "this host's; a pod's CPU limit is not visible as a core count)")
     hccl = p.add_argument_group("HCCL (backend hccl; default: the same variables in the environment)")
     hccl.add_argument("--hccl-if-ip", help="HCCL_IF_IP: this node's address towards the others")
     hccl.add_argument("--hccl-socket-ifname", help="HCCL_SOCKET_IFNAME: NIC names, e.g. '=eth0'")
@@ -176,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.serving_group:
+            _take_serving_group(args, os.environ)
+        if args.cpus is not None and args.cpus < 1:
+            raise ConfigError(f"--cpus {args.cpus}: allowed: an integer >= 1")
         cfg = _config_from_args(args)
         run_argv = torchrun_argv(cfg, args)
     except ConfigError as e:
@@ -192,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gloo_ifname = None
     if backend == "gloo" and nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
         gloo_ifname = gloo_interface(run_argv[3].split("=", 1)[1])
-    env = rank_environment(cfg, backend, nproc, hccl=hccl, gloo_ifname=gloo_ifname)
+    env = rank_environment(cfg, backend, nproc, num_cpus=args.cpus, hccl=hccl,
+                           gloo_ifname=gloo_ifname)
     if args.dry_run:
         for k, v in sorted(env.items()):
             print(f"{k}={v}")
@@ -206,6 +223,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torchrun.main(run_argv)
     return 0
+
+
+def _take_serving_group(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill master_addr / node_rank / nnodes from Kthena's serving-group variables."""
+    if args.master_addr is not None or args.node_rank is not None:
+        raise ConfigError("--serving-group takes the master address and node rank from "
+                          "ENTRY_ADDRESS and WORKER_INDEX; drop --master_addr / --node_rank")
+    group = ServingGroup.from_environ(environ, args.nnodes)
+    args.master_addr, args.node_rank = group.entry_address, group.worker_index
+    args.nnodes = group.group_size
 
 
 def _checked_hccl(args: argparse.Namespace, cfg: KthenaConfig, backend: str,

@@ -253,6 +253,40 @@ def _check_sp_min_tokens(instance: EngineConfig, attribute: attrs.Attribute,
                           "raise max_num_batched_tokens")
 
 
+def _check_tp_overlap(instance: EngineConfig, attribute: attrs.Attribute,
+                      value: object) -> None:
+    """TP overlap fuses each matmul with its TP collective (`kthena_serve.model.overlap`)."""
+    _is_bool(instance, attribute, value)
+    if not value:
+        return
+    if instance.tp == 1:
+        raise ConfigError(attribute.name, "False with tp = 1", value,
+                          "TP overlap fuses each row-parallel matmul with its all-reduce over "
+                          "the TP group, and one rank has none; use it with tp > 1")
+    if instance.quantization is not None:
+        raise ConfigError(attribute.name, "False with quantization int8", value,
+                          "the fused matmul + collective ops take dense weights")
+    kind = instance.device.partition(":")[0]
+    if kind != "cpu":  # cpu always has the tiled op; torch_npu is imported for npu only
+        from mooncake_ops.dispatch import MC2_OPS
+        from mooncake_ops.errors import UnsupportedDeviceError
+        from mooncake_ops.mc2 import require_fused
+
+        try:
+            require_fused(kind, MC2_OPS if instance.sp > 1 else ("matmul_all_reduce",))
+        except UnsupportedDeviceError as error:
+            raise ConfigError(attribute.name, f"False on {kind} with this install", value,
+                              str(error)) from None
+
+
+def _check_tp_overlap_tiles(instance: EngineConfig, attribute: attrs.Attribute,
+                            value: object) -> None:
+    _optional_positive(instance, attribute, value)
+    if value is not None and not instance.tp_overlap:
+        raise ConfigError(attribute.name, "None without tp_overlap", value,
+                          "it sets the row tiles of TP overlap's tiled matmul + collective")
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How one engine is built.
@@ -304,6 +338,13 @@ class EngineConfig:
         sp_min_tokens: with ``sp > 1``, a forward of fewer tokens (and every decode-only one)
             runs as plain TP (default `DEFAULT_SP_MIN_TOKENS`); at most
             ``max_num_batched_tokens`` (a prompt is prefilled in chunks of that many tokens).
+        tp_overlap: with ``tp > 1``, each row-parallel matmul and its all-reduce (and under
+            ``sp`` each all-gather + matmul and matmul + reduce-scatter) run as one MC2 op that
+            overlaps the communication with the compute (`kthena_serve.model.overlap`): the
+            tiled op on cpu (gloo gives no overlap there: docs/kthena_serve.md, "TP overlap"),
+            torch's symmetric-memory async-TP ops on cuda, torch_npu's MC2 ops on npu (both
+            unverified on hardware); refused where the installed torch / torch_npu lacks them.
+        tp_overlap_tiles: row tiles of the tiled op; None: the device's default (1 on cpu).
         pp_microbatches: micro-batches a step is cut into when ``pp > 1`` (runs of sequences
             with near-equal tokens), so stage s works on micro-batch m while stage s+1 works on
             m-1; default min(pp, step tokens / 64): small decode steps run whole.
@@ -356,6 +397,8 @@ class EngineConfig:
     sp: int = attrs.field(default=1, validator=_check_sp)
     sp_min_tokens: int = attrs.field(default=DEFAULT_SP_MIN_TOKENS,
                                      validator=_check_sp_min_tokens)
+    tp_overlap: bool = attrs.field(default=False, validator=_check_tp_overlap)
+    tp_overlap_tiles: int | None = attrs.field(default=None, validator=_check_tp_overlap_tiles)
     pp_microbatches: int | None = attrs.field(default=None, validator=_optional_positive)
     pipeline_split_points: tuple[int, ...] | None = attrs.field(
         default=None, converter=_split_points, validator=_check_split_points)

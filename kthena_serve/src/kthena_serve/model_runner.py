@@ -71,15 +71,21 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
 def create_pool(layout: KVLayout, config: EngineConfig, *, shared: bool = False,
                 device: torch.device | None = None) -> KVPool:
     """The engine's pool: on ``device`` (a rank's own, e.g. ``cuda:1``), by default
-    ``config.device``, or in shared memory (host) for PD decode.
+    ``config.device``. ``shared`` (a PD decode worker's pool, which prefill workers write):
+    on cpu a /dev/shm file; on cuda / npu ordinary device memory, which a prefill worker on
+    the host maps through CUDA IPC (cuda: pd/pool_share.py) or reaches through Mooncake
+    registration (cuda, npu: pd/transfer.py).
 
     Raises:
-        ValueError: a shared pool asked for off the host.
+        ValueError: a shared pool on a device type with neither route.
     """
-    if shared and config.device != "cpu":
-        raise ValueError(f"a shared-memory KV pool lives in host memory, but device="
-                         f"{config.device!r}; PD over shm needs device='cpu'")
-    return KVPool.create(layout, shared=shared, device=device or config.device)
+    where = device or config.device
+    kind = str(where).partition(":")[0]  # not torch.device: it knows npu only with torch_npu
+    if shared and kind not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"a shared KV pool on {kind} is not supported: prefill workers reach "
+                         "a decode pool in /dev/shm (cpu), through CUDA IPC (cuda) or through "
+                         "Mooncake (cuda, npu) only")
+    return KVPool.create(layout, shared=shared and kind == "cpu", device=where)
 
 
 def sampled_logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:

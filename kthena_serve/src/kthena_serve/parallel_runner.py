@@ -129,7 +129,8 @@ class _Stage:
         layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
         stage = PipelineStage.of(layers, config.pp, pp.group_rank,
                                  _rank0_split_points(config.pipeline_split_points))
-        tp = TensorParallel.from_comm_group(self.groups.tp)
+        tp = TensorParallel.from_comm_group(self.groups.tp,
+                                            _tp_overlap(config, self.groups.tp, self.device))
         self.model, self.tokenizer = load_model(config.model, dtype=config.torch_dtype,
                                                 device=self.device, tp=tp, stage=stage,
                                                 quantization=config.quantization,
@@ -196,6 +197,16 @@ def _sequence_parallel(config: EngineConfig):  # noqa: ANN202
     from kthena_serve.model import SequenceParallel
 
     return SequenceParallel(config.sp_min_tokens) if config.sp > 1 else None
+
+
+def _tp_overlap(config: EngineConfig, group, device: torch.device):  # noqa: ANN001, ANN202
+    """MC2 ops over the TP group when ``tp_overlap`` is on (None: matmul, then collective)."""
+    if not config.tp_overlap:
+        return None
+    from kthena_serve.model import mc2_overlap
+
+    return mc2_overlap(group, device.type, num_tiles=config.tp_overlap_tiles,
+                       sequence_parallel=config.sp > 1)
 
 
 def _rank0_split_points(points: tuple[int, ...] | None) -> tuple[int, ...] | None:

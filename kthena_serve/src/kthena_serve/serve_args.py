@@ -25,7 +25,7 @@ ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target
                       "quantization", "device", "tp", "pp", "pipeline_split_points",
                       "enable_prefix_caching",
                       "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens",
-                      "kernels", "sp", "sp_min_tokens")
+                      "kernels", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles")
 
 
 def _default(field: str) -> object:
@@ -108,6 +108,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp-min-tokens", type=int, metavar="N",
                         help="with --sp > 1, forwards of fewer than N tokens (and every "
                              f"decode) run as plain TP (default {_default('sp_min_tokens')})")
+    parser.add_argument("--tp-overlap", action="store_true",
+                        help="with --tp > 1, run each row-parallel matmul and its all-reduce "
+                             "(with --sp, each all-gather + matmul and matmul + reduce-scatter) "
+                             "as one MC2 op overlapping communication and compute: tiled on "
+                             "cpu (gloo gives no overlap there), torch symm_mem async-TP on "
+                             "cuda, torch_npu MC2 on npu (both unverified); the YAML's "
+                             "parallelism.fused_communication (default off)")
+    parser.add_argument("--tp-overlap-tiles", type=int, metavar="N",
+                        help="with --tp-overlap, row tiles of the tiled op (default: the "
+                             "device's, 1 on cpu)")
     parser.add_argument("--pipeline-split-points", type=split_points_arg, metavar="L1[,L2...]",
                         help="where pipeline stages 1..PP-1 start: their first layer indices, "
                              "strictly increasing (--pp 2 --pipeline-split-points 10: layers "

@@ -12,6 +12,7 @@ typed value once. The CLI, ``launch_distributed_inference`` and the PD / DP laun
 spec; nothing reads a flag again. How the config's keys become settings:
 
     plan tp / pp / sp                    -> tp / pp / sp
+    parallelism.fused_communication      -> tp_overlap (MC2: each matmul fused with its collective)
     plan's uneven pipeline split         -> pipeline_split_points (parallelism.pipeline_split_points,
                                             or the planner's balanced split; none: equal stages)
     plan dp (colocated)                  -> dp (replicas behind one router)
@@ -357,6 +358,11 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
             raise ValueError(f"--{name} {value} is not supported in PD mode: a prefill worker "
                              f"writes a decode worker's whole KV pool, and {what}. Use --{name} "
                              f"1 with --mode pd, or --{name} N without it.")
+    from kthena_serve.pd.pool_share import check_pd_device
+
+    device = s.get("device", "cpu")
+    if isinstance(device, str) and device.partition(":")[0] in ("cpu", "cuda", "npu"):
+        check_pd_device(device, s["pd_transport"])  # a bad device: EngineConfig's message
 
 
 def _pd_config(s: Mapping[str, Any]) -> PDConfig:
@@ -457,6 +463,8 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
         out["kv_cache_memory"] = kv.memory_pool_size
     if kv.offload is not None:
         out["kv_offload"] = kv.offload
+    if cfg.parallelism.fused_communication:  # refused there with tp 1 or in PD mode
+        out["tp_overlap"] = True
     return out
 
 

@@ -9,10 +9,18 @@ On cpu / cuda the matmul is tiled over rows and each tile's collective overlaps 
 matmul (`backends/mc2_tiled.py`); on npu the fused torch_npu kernels run (unverified on hardware).
 ``group`` is a kthena_comm ``CommGroup``, a torch ``ProcessGroup``, or None for the world group
 (a single process without torch.distributed is a group of one: plain matmul).
+
+What runs each op per device, and what a caller that asks for overlap gets (`require_fused`):
+
+    op                      cpu     cuda                                    npu (torch_npu)
+    matmul_all_reduce       tiled   tiled over NCCL streams                 npu_mm_all_reduce_base
+    all_gather_matmul       tiled   symm_mem.fused_all_gather_matmul        npu_all_gather_base_mm
+    matmul_reduce_scatter   tiled   symm_mem.fused_matmul_reduce_scatter    npu_mm_reduce_scatter_base
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,10 +29,19 @@ import torch.distributed as dist
 from kthena_comm.groups import CommGroup
 from kthena_comm.layout import Rank
 from mooncake_ops._validate import FLOAT_DTYPES, check_dtype, check_same_device
-from mooncake_ops.dispatch import impl
-from mooncake_ops.errors import OpsShapeError
+from mooncake_ops.backends.base import MC2_OPS
+from mooncake_ops.dispatch import impl, implementation_name
+from mooncake_ops.errors import OpsShapeError, UnsupportedDeviceError
 
-__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter", "resolve_group"]
+__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter", "require_fused",
+           "resolve_group"]
+
+# The fused kernel each op needs, per device type that has one (cpu runs the tiled op).
+_SYMM_MEM = {"all_gather_matmul": "torch.ops.symm_mem.fused_all_gather_matmul",
+             "matmul_reduce_scatter": "torch.ops.symm_mem.fused_matmul_reduce_scatter"}
+_TORCH_NPU = {"matmul_all_reduce": "npu_mm_all_reduce_base",
+              "all_gather_matmul": "npu_all_gather_base_mm",
+              "matmul_reduce_scatter": "npu_mm_reduce_scatter_base"}
 
 # Measured (docs/mooncake_ops.md): over gloo the collective runs on the same CPU cores as the
 # matmul, so tiling only adds per-tile latency; devices whose collectives are offloaded to DMA
@@ -119,3 +136,50 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor,
                             f"the group size {comm.size}; pad x")
     return impl("matmul_reduce_scatter", x.device.type)(x, w, comm, _tiles_for(x, num_tiles), bias,
                                                         timeout_s)
+
+
+def require_fused(device_type: str, ops: Sequence[str] = MC2_OPS) -> Mapping[str, str]:
+    """What runs each of ``ops`` on ``device_type`` for a caller that asks for overlap (the
+    table in the module docs), checked against the installed torch / torch_npu.
+
+    On npu this imports torch_npu (call it only for an npu deployment).
+
+    Returns:
+        op -> implementation name (`mooncake_ops.capabilities`' spelling).
+
+    Raises:
+        UnsupportedDeviceError: a device type without MC2, or a fused kernel missing from the
+            installed torch (cuda) or torch_npu (npu); the message names it and what works.
+    """
+    unknown = sorted(set(ops) - set(MC2_OPS))
+    if unknown:
+        raise OpsShapeError(f"require_fused: {unknown} are not MC2 ops; they are {list(MC2_OPS)}")
+    missing: list[str] = []
+    if device_type == "cuda":
+        from mooncake_ops.backends import mc2_symm_mem
+
+        if not mc2_symm_mem.available():
+            missing = [_SYMM_MEM[op] for op in ops if op in _SYMM_MEM]
+        where = f"torch {torch.__version__}"
+    elif device_type == "npu":
+        from mooncake_ops.backends.torch_npu_api import load
+
+        try:
+            api = load()
+        except ImportError as error:
+            raise UnsupportedDeviceError(f"MC2 overlap on npu needs torch_npu's MC2 ops "
+                                         f"({', '.join(_TORCH_NPU[op] for op in ops)}), and "
+                                         f"torch_npu does not import here ({error}); install "
+                                         "torch_npu with CANN, or run without overlap") from None
+        missing = [_TORCH_NPU[op] for op in ops if not api.has(_TORCH_NPU[op])]
+        where = f"torch_npu {api.release.version}"
+    elif device_type != "cpu":
+        raise UnsupportedDeviceError(f"MC2 overlap runs on cpu (tiled), cuda and npu; device "
+                                     f"type {device_type!r} has none")
+    if missing:
+        raise UnsupportedDeviceError(
+            f"MC2 overlap on {device_type} needs {', '.join(missing)}, which {where} lacks; "
+            "install a version that has it (torch's async-TP ops live in "
+            "torch.distributed._symmetric_memory; torch_npu's MC2 ops in Ascend Extension "
+            "6.0 and later), or run without overlap")
+    return {op: implementation_name(op, device_type) for op in ops}

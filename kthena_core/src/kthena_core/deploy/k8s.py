@@ -16,6 +16,12 @@ Three objects, named after deploy.yaml's ``name``::
 The containers run this SDK's real entry points (the image is deploy/Dockerfile's):
 
 * colocated: ``kthena serve`` (the OpenAI API, ``/health``, ``/metrics``).
+* an engine larger than a node (``Deployment.num_nodes_per_engine`` > 1): one serving group per
+  replica, an entry pod plus ``workerReplicas`` worker pods (``gangPolicy``: scheduled together),
+  each running ``kthena-run --serving-group ... serve <the kthena serve flags>``. kthena-run maps
+  the ENTRY_ADDRESS / WORKER_INDEX / GROUP_SIZE Kthena injects to torchrun's master address,
+  node rank and node count; rank 0 in the entry pod serves the API, so only entry pods have the
+  port and the probes, and the ModelServer selects them by ``modelserving.volcano.sh/entry``.
 * PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode`` (``/health`` and the PD
   worker's routes on one port), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
   the environment variable the PD auth reads, never on the command line; KV moves between pods
@@ -58,6 +64,8 @@ NETWORKING_API = "networking.serving.volcano.sh/v1alpha1"
 NAME_LABEL = "modelserving.volcano.sh/name"
 ROLE_LABEL = "modelserving.volcano.sh/role"
 GROUP_KEY = "modelserving.volcano.sh/group-name"
+ENTRY_LABEL = "modelserving.volcano.sh/entry"  # "true" on a role's entry pod
+MASTER_PORT = 29500  # torchrun's rendezvous in a serving group's entry pod
 # Must equal kthena_serve.cluster.auth.SECRET_ENV (a higher layer; kthena_serve's tests compare
 # them).
 PD_SECRET_ENV = "KTHENA_PD_SECRET"
@@ -100,26 +108,39 @@ def _metadata(dep: Deployment) -> dict[str, Any]:
 
 # ---- ModelServing --------------------------------------------------------------------------------
 def render_model_serving(dep: Deployment) -> dict[str, Any]:
-    """The workers: one role per worker kind, ``workerReplicas: 0`` (one pod per instance)."""
-    pd = dep.spec.mode == "pd"
+    """The workers: one role per worker kind, ``workerReplicas: 0`` (one pod per instance),
+    or for an engine larger than a node an entry pod and ``workerReplicas`` worker pods that
+    are scheduled together (``gangPolicy``)."""
+    pd, group = dep.spec.mode == "pd", dep.num_nodes_per_engine > 1
+    template: dict[str, Any] = {}
+    if group:  # all of an engine's pods or none: a partial group would wait for its ranks
+        template["gangPolicy"] = {"minRoleReplicas": {r.name: r.num_replicas for r in dep.roles}}
+    template["roles"] = [_role(dep, role) for role in dep.roles]
     return {
         "apiVersion": SERVING_API, "kind": "ModelServing", "metadata": _metadata(dep),
         "spec": {
             "schedulerName": "volcano",
             "replicas": dep.num_groups,
-            # PD: a prefill and a decode worker pair up inside one group; recreate them together.
-            "recoveryPolicy": "ServingGroupRecreate" if pd else "RoleRecreate",
-            "template": {"roles": [_role(dep, role) for role in dep.roles]},
+            # PD: a prefill and a decode worker pair up inside one group; a multi-node engine's
+            # ranks cannot rejoin a running one. Either way, recreate the group together.
+            "recoveryPolicy": "ServingGroupRecreate" if pd or group else "RoleRecreate",
+            "template": template,
         },
     }
 
 
 def _role(dep: Deployment, role: Role) -> dict[str, Any]:
-    return {"name": role.name, "replicas": role.num_replicas, "workerReplicas": 0,
-            "entryTemplate": {"spec": _pod_spec(dep, role)}}
+    workers = dep.num_nodes_per_engine - 1
+    out = {"name": role.name, "replicas": role.num_replicas, "workerReplicas": workers,
+           "entryTemplate": {"spec": _pod_spec(dep, role)}}
+    if workers:
+        out["workerTemplate"] = {"spec": _pod_spec(dep, role, is_entry=False)}
+    return out
 
 
-def _pod_spec(dep: Deployment, role: Role) -> dict[str, Any]:
+def _pod_spec(dep: Deployment, role: Role, is_entry: bool = True) -> dict[str, Any]:
+    """A worker pod; in a serving group, ``is_entry`` False is a pod that runs ranks only (no
+    API, so no port and no probes: the entry pod's /health reports a dead rank)."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     # The KV pool of a PD decode worker lives in POSIX shared memory; the container default
     # /dev/shm (64 MiB) would not hold it.
@@ -130,12 +151,13 @@ def _pod_spec(dep: Deployment, role: Role) -> dict[str, Any]:
         mounts.append({"name": "model", "mountPath": dep.spec.checkpoint, "readOnly": True})
         volumes.append({"name": "model", "hostPath": {"path": dep.spec.checkpoint,
                                                       "type": "Directory"}})
+    api: dict[str, Any] = {
+        "ports": [{"name": "http", "containerPort": dep.spec.port, "protocol": "TCP"}]}
     container = {
         "name": "worker", "image": dep.spec.image, **_command(dep, role),
-        "env": _env(dep, role),
-        "ports": [{"name": "http", "containerPort": dep.spec.port, "protocol": "TCP"}],
+        "env": _env(dep, role), **(api if is_entry else {}),
         "resources": {"requests": _resources(dep), "limits": _resources(dep)},
-        **_probes(dep), "volumeMounts": mounts,
+        **(_probes(dep) if is_entry else {}), "volumeMounts": mounts,
     }
     return {"containers": [container], "volumes": volumes,
             "terminationGracePeriodSeconds": GRACE_PERIOD_S}
@@ -163,7 +185,7 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
     port = str(dep.spec.port)
     if role.name == "serve":
         engine = engine_fields(dep)
-        return {"command": ["kthena"], "args": [
+        serve = {"command": ["kthena"], "args": [
             "serve", "--model", engine["model"], "--served-model-name", dep.spec.served_model_name,
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
@@ -173,6 +195,7 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
             "--kv-cache-memory", engine["kv_cache_memory"],
             "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG,
             *_kv_events_args(dep)]}
+        return serve if dep.num_nodes_per_engine == 1 else _group_command(dep, serve["args"])
     compact = {"separators": (",", ":"), "sort_keys": True}
     # Prefill pod IPs are unknown until the pods run: a decode worker allows the pod network.
     allow = ["--prefill-hosts", ",".join(dep.spec.pod_network)] if role.name == "decode" else []
@@ -181,6 +204,19 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
         "--served-model-name", dep.spec.served_model_name, "--engine-config", json.dumps(engine_fields(dep), **compact),
         "--pd-config", json.dumps({"transport": KV_CONNECTOR}, **compact),
         "--mooncake-host", "$(POD_IP)", *allow, PUBLIC_METRICS_FLAG, *_kv_events_args(dep)]}
+
+
+def _group_command(dep: Deployment, serve_args: list[str]) -> dict[str, list[str]]:
+    """Every pod of a serving group: ``kthena-run --serving-group`` starting its share of the
+    engine's ranks, each ``kthena serve`` with the same flags (rank 0, in the entry pod, serves
+    the API). kthena-run takes the master address, node rank and node count from Kthena's
+    ENTRY_ADDRESS, WORKER_INDEX and GROUP_SIZE, and refuses a GROUP_SIZE other than
+    ``--nnodes``."""
+    return {"command": ["kthena-run"], "args": [
+        "--serving-group", "--nnodes", str(dep.num_nodes_per_engine),
+        "--nproc_per_node", str(dep.num_ranks_per_pod), "--tp", str(dep.tp), "--pp", str(dep.pp),
+        "--master_port", str(MASTER_PORT), "--backend", _BACKEND[dep.device_kind],
+        "--cpus", str(dep.cpu), "serve", *serve_args[1:]]}
 
 
 def _kv_events_args(dep: Deployment) -> list[str]:
@@ -207,11 +243,17 @@ def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
         env.append(_field_env("POD_NAME", "metadata.name"))
     if has_events:
         env.append(_field_env("POD_NAMESPACE", "metadata.namespace"))
+    group = dep.num_nodes_per_engine > 1
+    if is_pd or (group and dep.device_kind == "npu"):
+        env.append(_field_env("POD_IP", "status.podIP"))
     if is_pd:
-        env += [_field_env("POD_IP", "status.podIP"),
-                _secret_env(PD_SECRET_ENV, pd_secret_name(dep), "secret")]
+        env.append(_secret_env(PD_SECRET_ENV, pd_secret_name(dep), "secret"))
     env.append(_secret_env(API_KEY_ENV, api_key_secret_name(dep), API_KEY_SECRET_KEY))
     rank = _rank_environment(dep)
+    if group:  # kthena-run sizes the OpenMP pools from --cpus
+        rank = {k: v for k, v in rank.items() if not k.startswith("OMP_")}
+        if dep.device_kind == "npu":  # HCCL over nodes: this pod's address (kthena-run checks it)
+            rank["HCCL_IF_IP"] = "$(POD_IP)"
     return env + [{"name": k, "value": v} for k, v in sorted(rank.items())]
 
 
@@ -250,8 +292,9 @@ def _probes(dep: Deployment) -> dict[str, Any]:
 # ---- NetworkPolicy -------------------------------------------------------------------------------
 def render_network_policy(dep: Deployment) -> dict[str, Any]:
     """Ingress to the worker pods: kthena-router's pods (in ``router_namespace``) on the worker
-    port; in PD mode also the deployment's own pods, on every port (the PD routes, and
-    Mooncake's transfer ports, which it picks at run time). Egress (Redis, the registry) is
+    port; in PD mode and in a serving group also the deployment's own pods, on every port (the
+    PD routes and Mooncake's transfer ports; torchrun's rendezvous and the collectives' ports,
+    picked at run time). Egress (Redis, the registry) is
     not restricted."""
     workers = {"matchLabels": {NAME_LABEL: dep.spec.name}}
     router = {"namespaceSelector": {"matchLabels": {
@@ -259,7 +302,7 @@ def render_network_policy(dep: Deployment) -> dict[str, Any]:
               "podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}
     rules: list[dict[str, Any]] = [
         {"from": [router], "ports": [{"protocol": "TCP", "port": dep.spec.port}]}]
-    if dep.spec.mode == "pd":
+    if dep.spec.mode == "pd" or dep.num_nodes_per_engine > 1:
         rules.append({"from": [{"podSelector": workers}]})
     return {"apiVersion": NETWORK_POLICY_API, "kind": "NetworkPolicy",
             "metadata": _metadata(dep),
@@ -270,6 +313,8 @@ def render_network_policy(dep: Deployment) -> dict[str, Any]:
 def render_model_server(dep: Deployment) -> dict[str, Any]:
     """What kthena-router routes to: the ModelServing's pods on the worker port."""
     selector: dict[str, Any] = {"matchLabels": {NAME_LABEL: dep.spec.name}}
+    if dep.num_nodes_per_engine > 1:  # only entry pods serve the API
+        selector["matchLabels"][ENTRY_LABEL] = "true"
     spec: dict[str, Any] = {
         "model": dep.spec.served_model_name,
         # The CRD offers vLLM or SGLang; the workers follow vLLM's conventions where they

@@ -7,19 +7,22 @@ plan moved the pipeline's split points off equal stages, ``--pipeline-split-poin
 splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
 
 A plan with sequence parallelism (sp = tp, pp = 1, colocated) runs with ``kthena serve --sp``.
+An engine larger than a node runs as one serving group of ``n`` pods, the fewest nodes that
+hold its ``tp x pp`` ranks in equal shares: an entry pod and ``n - 1`` workers, each running
+``kthena-run --serving-group`` (k8s.py).
+
 It refuses a plan the serving engine cannot run, saying which key to change: sequence
-parallelism with pipeline stages or in PD mode (not wired), a tp x pp engine larger than one node (its ranks are
-processes of one pod; an engine over several hosts runs under ``kthena-run``, which these
-manifests do not start), and in PD mode ``tp`` or ``pp > 1`` (a PD decode worker holds one whole
+parallelism with pipeline stages or in PD mode (not wired), tp x pp ranks that do not split
+evenly over the nodes an engine needs (torchrun starts as many on each), and in PD mode ``tp`` or ``pp > 1`` (a PD decode worker holds one whole
 KV pool, which a prefill worker writes; ``kthena serve --mode pd`` refuses them for the same
 reason).
 
 Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
 
-* memory = the plan's per-device total (weights + KV + activations + reserve) x tp x pp on a
-  CPU; on an accelerator, the worker's share of the weights (they pass through host memory
+* memory = the plan's per-device total (weights + KV + activations + reserve) x the pod's
+  ranks (tp x pp, or its share of them in a serving group) on a CPU; on an accelerator, the worker's share of the weights (they pass through host memory
   while loading) plus the plan's runtime reserve; rounded up to whole GiB.
-* cpu = 4 cores per rank (the engine's host threads; on a CPU, its compute threads).
+* cpu = 4 cores per rank of the pod (the engine's host threads; on a CPU, its compute threads).
 * the KV pool (``--kv-cache-memory``) and the running-sequence cap (``--max-num-seqs``) the
   plan sized the memory for.
 """
@@ -59,6 +62,8 @@ class Deployment:
         num_devices_per_pod: accelerators per worker pod (the plan's tp x pp); 0 on a CPU.
         kv_cache_bytes: KV pool per rank (the plan's per-device KV).
         max_num_seqs: sequences one worker runs at once (what the plan sized KV for).
+        num_nodes_per_engine: pods (nodes) one engine's tp x pp ranks span: 1, or a serving
+            group of an entry pod and ``num_nodes_per_engine - 1`` worker pods.
     """
 
     spec: DeploySpec
@@ -71,6 +76,7 @@ class Deployment:
     memory: str
     kv_cache_bytes: int
     max_num_seqs: int
+    num_nodes_per_engine: int = 1
 
     @property
     def tp(self) -> int:
@@ -89,13 +95,21 @@ class Deployment:
         return torch_name(self.spec.workload.dtype)
 
     @property
+    def num_ranks_per_pod(self) -> int:
+        """Ranks of the engine in each of its pods (all of them in a one-pod engine)."""
+        return self.tp * self.pp // self.num_nodes_per_engine
+
+    @property
     def num_devices_per_pod(self) -> int:
-        return 0 if self.device_kind == "cpu" else self.tp * self.pp
+        return 0 if self.device_kind == "cpu" else self.num_ranks_per_pod
 
     def summary(self) -> str:
         """One line: model, nodes, mode, layout and roles."""
         lay = self.plan.chosen.layout
         roles = " + ".join(f"{r.num_replicas} {r.name}" for r in self.roles)
+        if self.num_nodes_per_engine > 1:
+            roles += (f": entry + {self.num_nodes_per_engine - 1} worker pod(s), "
+                      f"{self.num_ranks_per_pod} rank(s) each")
         groups = f"{self.num_groups} x ({roles})" if self.num_groups > 1 else roles
         return (f"{self.spec.model.name} on {self.plan.topology_name}, mode {self.spec.mode}: "
                 f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp} on {self.plan.world_size} "
@@ -113,13 +127,14 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
     plan = (planner or Planner()).plan(spec.model, spec.topology, spec.workload)
     kind, name = _device(spec, plan)
     _check_engine_can_run(spec, plan)
+    nodes = _nodes_per_engine(spec, plan)
     if spec.mode == "pd":
         num_groups, roles = 1, _pd_roles(spec, plan)
     else:
         num_groups, roles = plan.layout.dp, (Role("serve", 1),)
     mem = plan.chosen.memory
     assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
-    ranks = plan.layout.tp * plan.layout.pp
+    ranks = plan.layout.tp * plan.layout.pp // nodes  # per pod
     host_bytes = mem.total * ranks if kind == "cpu" else mem.weights * ranks + mem.reserve
     return Deployment(
         spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
@@ -127,7 +142,8 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
         memory=spec.memory or f"{math.ceil(host_bytes / GiB)}Gi",
         kv_cache_bytes=int(mem.kv_cache),
         max_num_seqs=math.ceil(spec.workload.concurrency / _decode_replicas(spec.workload,
-                                                                             plan.chosen.layout)))
+                                                                             plan.chosen.layout)),
+        num_nodes_per_engine=nodes)
 
 
 def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
@@ -148,13 +164,6 @@ def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
                               "pipeline stages or PD workers (the engine runs SP over the TP "
                               "group of a colocated pp=1 engine only): larger devices or more "
                               "of them per node")
-    per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
-    if lay.tp * lay.pp > per_node:
-        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp}, an engine larger "
-                                    f"than a node's {per_node} device(s)",
-                              "nodes with at least as many devices as one engine's tp x pp "
-                              "ranks (they are processes of one pod; an engine over several "
-                              "hosts runs under kthena-run, docs/deployment.md)")
     if spec.mode == "pd" and (lay.tp > 1 or lay.pp > 1):
         raise DeployError(
             f"mode: got 'pd', but the plan gives each worker TP{lay.tp} x PP{lay.pp} "
@@ -168,6 +177,29 @@ def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
     if spec.workload.kv_dtype != spec.workload.dtype:
         raise DeployError(f"workload.kv_dtype: got {spec.workload.kv_dtype!r}; allowed: "
                           f"{spec.workload.dtype!r} (the serving engine keeps KV in the compute dtype)")
+
+
+def _nodes_per_engine(spec: DeploySpec, plan: Plan) -> int:
+    """Pods one engine spans: 1 where its tp x pp ranks fit a node, else the fewest nodes
+    that hold an equal share of them each (torchrun starts as many ranks on every node).
+
+    Raises:
+        DeployError: the ranks do not split evenly over that many nodes, or a multi-node
+            engine in PD mode.
+    """
+    lay = plan.chosen.layout
+    ranks = lay.tp * lay.pp
+    per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
+    nodes = math.ceil(ranks / per_node)
+    if nodes == 1:
+        return 1
+    if ranks % nodes:
+        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp}: {ranks} ranks do "
+                                    f"not split evenly over the {nodes} nodes of "
+                                    f"{per_node} device(s) it needs",
+                              "nodes whose device count lets an engine's tp x pp ranks split "
+                              "into equal shares (kthena-run starts as many ranks on each)")
+    return nodes
 
 
 def _topology_error(spec: DeploySpec, problem: str, allowed: str) -> DeployError:

@@ -46,6 +46,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="PNG path, '' for none (default bench_serve.png; skipped with a "
                              "note when matplotlib is not installed)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    parser.add_argument("--no-collectives", action="store_true", default=False,
+                        help="skip timing the TP collectives over two ranks (all-reduce, "
+                             "reduce-scatter, all-gather: the calibration's "
+                             "sp_collective_factor) (default: off, they are timed where there "
+                             "are two cores)")
     parser.set_defaults(func=_cmd_bench_serve)
     _register_soak(children)
     from kthena_serve.bench.layouts import add_parser as add_layouts_parser
@@ -60,6 +65,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.bench.trace import add_parser as add_trace_parser
 
     add_trace_parser(children)  # kthena bench trace
+    from kthena_serve.bench.tp_overlap import add_parser as add_tp_overlap_parser
+
+    add_tp_overlap_parser(children)  # kthena bench tp-overlap
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -75,7 +83,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                                                            args.cases.split(",")),
                                hf_baseline=_hf_baseline(args.no_hf),
                                plot=plot_or_note("kthena bench serve", args.plot),
-                               num_threads=args.threads, peer=peer)
+                               num_threads=args.threads, peer=peer,
+                               collectives=not args.no_collectives)
         config = engine_config(vars(args))
     except (ValueError, FileNotFoundError) as error:
         print(f"kthena bench serve: {error}", file=sys.stderr)

@@ -5,6 +5,7 @@
   a llama GGUF file or a Hub repo id (`resolve_checkpoint`, in ``source``);
 * `TensorParallel` / `plan_shards`: tensor parallelism applied from outside the model;
 * `SequenceParallel`: sequence parallelism over the TP group for long prompts (``sp``);
+* `MC2Overlap` / `mc2_overlap`: TP overlap, each matmul fused with its collective (``overlap``);
 * `Tokenizer` / `IncrementalDetokenizer`: text, chat template, streaming-safe detokenisation.
 
 The model reads one step's paged-attention metadata as mooncake_kv's `PagedBatch`. Names are
@@ -26,6 +27,7 @@ _EXPORTS = {
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",
     "SequenceParallel": "sp", "TokenShards": "sp",
+    "MC2Overlap": "overlap", "mc2_overlap": "overlap",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -75,7 +75,8 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: PagedBatch,
                 kv_cache: KVCache, rope: torch.Tensor, context_lens: torch.Tensor | None,
                 shards: TokenShards | None = None) -> torch.Tensor:
-        qkv = self.matmul(x if shards is None else shards.gather(x), self.qkv_weight, self.qkv_bias)
+        qkv = self.matmul(x, self.qkv_weight, self.qkv_bias) if shards is None else \
+            shards.gather_linear(x, self.qkv_weight, self.qkv_bias, self.matmul)
         num_tokens = positions.shape[0]
         q, k, v = qkv[:num_tokens].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -94,9 +95,8 @@ class Attention(nn.Module):
                                           batch.cached_lens, batch.query_lens, self.scale, **quant)
         out = out.reshape(num_tokens, self.q_size)
         if shards is not None:  # the pad rows go in here: the reduce-scatter takes tp*s rows
-            return shards.scatter_sum(self.matmul(shards.pad(out), self.o_weight))
-        out = self.matmul(out, self.o_weight)
-        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+            return shards.linear_scatter_sum(shards.pad(out), self.o_weight, self.matmul)
+        return self.tp.linear_all_reduce(out, self.o_weight, self.matmul)
 
 
 class MLP(nn.Module):
@@ -113,16 +113,16 @@ class MLP(nn.Module):
         self.gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, shards: TokenShards | None = None) -> torch.Tensor:
-        if shards is not None:
-            x = shards.gather(x)
-        if self.gate_up_silu is not None:
-            hidden = self.gate_up_silu(x, self.gate_up_weight)
+        if self.gate_up_silu is not None:  # packed weights: never with TP overlap (dense there)
+            hidden = self.gate_up_silu(x if shards is None else shards.gather(x),
+                                       self.gate_up_weight)
+        elif shards is not None:
+            hidden = silu_and_mul(shards.gather_linear(x, self.gate_up_weight, None, self.matmul))
         else:
             hidden = silu_and_mul(self.matmul(x, self.gate_up_weight))
-        out = self.matmul(hidden, self.down_weight)
         if shards is not None:
-            return shards.scatter_sum(out)
-        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+            return shards.linear_scatter_sum(hidden, self.down_weight, self.matmul)
+        return self.tp.linear_all_reduce(hidden, self.down_weight, self.matmul)
 
 
 class DecoderLayer(nn.Module):
@@ -224,7 +224,13 @@ class LlamaForCausalLM(nn.Module):
         ``native``: `INT8_WEIGHT_ONLY`'s fixed row counts; ``torch``: the weight dequantised
         into F.linear). Decode reads half the bytes of bf16; activations, norms, attention
         and the KV cache keep the compute dtype. Like packing, the last step of loading
-        (after sharding: each rank quantises its shard)."""
+        (after sharding: each rank quantises its shard).
+
+        Raises:
+            TensorParallelError: TP overlap is on (its fused ops take dense weights)."""
+        if self.tp.fused is not None:
+            raise TensorParallelError("int8 weights with TP overlap are not wired: the fused "
+                                      "matmul + collective ops take dense weights; drop one")
         return self.pack_linear_weights(kernels, block_size=block_size, cache_dir=cache_dir,
                                         quantization="int8")
 
@@ -267,12 +273,24 @@ class LlamaForCausalLM(nn.Module):
         self.kernel_choice = choice
         return choice
 
+    def _fused_weights(self) -> frozenset[str]:
+        """The matmul weights that TP overlap's fused ops take (``tp.fused``), which stay dense:
+        the row-parallel ones, and under SP the column-parallel ones after an all-gather."""
+        if self.tp.fused is None:
+            return frozenset()
+        gathered = ("qkv_weight", "gate_up_weight") if self.sp is not None else ()
+        return frozenset(("o_weight", "down_weight", *gathered))
+
     def _swap_matmul_weights(self, kernel: LinearKernel) -> None:
         """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
         owning module's ``matmul`` -> ``kernel.linear``; an MLP's gate/up weight goes to the
-        kernel's fused SwiGLU input instead where it has one (``pack_gate_up``)."""
+        kernel's fused SwiGLU input instead where it has one (``pack_gate_up``). The weights
+        TP overlap's fused ops take stay dense (`_fused_weights`): those ops take plain
+        ``[out, in]`` tensors."""
+        dense = self._fused_weights()
         for module in self.modules():
-            owned = [name for name in _MATMUL_WEIGHTS if isinstance(getattr(module, name, None), torch.Tensor)]
+            owned = [name for name in _MATMUL_WEIGHTS if name not in dense
+                     and isinstance(getattr(module, name, None), torch.Tensor)]
             for name in owned:
                 packed = None
                 if name == "gate_up_weight" and kernel.pack_gate_up is not None:

@@ -16,7 +16,9 @@ TP's all-reduce after each row-parallel matmul becomes a reduce-scatter, and an 
 before each column-parallel one; the residual stream, norms and embedding hold 1/tp of the tokens.
 Pad rows never reach attention, and every other op is row-wise, so they change no real token.
 A forward with fewer than `SequenceParallel.min_tokens` tokens, or a decode-only one, runs as
-plain TP. The model still makes no collective call of its own: it calls the `TensorParallel`'s.
+plain TP. The model still makes no collective call of its own: it calls the `TensorParallel`'s,
+each collective with the matmul beside it as one op (`gather_linear`, `linear_scatter_sum`), so
+TP overlap (`kthena_serve.model.overlap`) can fuse the pair.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kthena_serve.model.errors import TensorParallelError
-from kthena_serve.model.tp import TensorParallel
+from kthena_serve.model.tp import Matmul, TensorParallel
 
 __all__ = ["SequenceParallel", "TokenShards"]
 
@@ -93,6 +95,18 @@ class TokenShards:
     def scatter_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """The group's [tp*s, ...] partial sums -> this rank's [s, ...] shard of their sum."""
         return self.tp.reduce_scatter(partial.contiguous())
+
+    def gather_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      matmul: Matmul) -> torch.Tensor:
+        """``matmul(gather(x), weight, bias)`` as one op (an MC2 all-gather + matmul when the
+        TP group has fused collectives)."""
+        return self.tp.all_gather_linear(x.contiguous(), weight, bias, matmul)
+
+    def linear_scatter_sum(self, x: torch.Tensor, weight: torch.Tensor,
+                           matmul: Matmul) -> torch.Tensor:
+        """``scatter_sum(matmul(x, weight))`` as one op (an MC2 matmul + reduce-scatter when
+        the TP group has fused collectives); ``x`` has tp*s rows."""
+        return self.tp.linear_reduce_scatter(x, weight, matmul)
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor,
              index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,10 @@
 (``all_reduce``). `plan_shards` is a pure function from the config and the rank to the slice of
 heads and MLP columns the rank holds; the loader slices the weights with it and the model sizes
 its layers with it. The model itself never calls a collective: its row-parallel layers (o_proj,
-down_proj) just call ``tp.all_reduce`` when the world is larger than one.
+down_proj) call one op, ``tp.linear_all_reduce(x, weight, matmul)``, and under sequence
+parallelism ``all_gather_linear`` / ``linear_reduce_scatter``. Without ``fused`` each is the
+matmul and then the collective; with it (`kthena_serve.model.overlap`: MC2, compute-communication
+overlap) each is one fused op that overlaps the two.
 
     q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
     o, down          row-parallel: each rank holds the matching input columns; outputs summed
@@ -19,10 +22,11 @@ summed o_proj outputs are exact. The planner and the KV pool sizing use the same
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from kthena_core.shape import HeadSplitError, attention_head_range, kv_head_range
 from kthena_serve.model.config import ModelConfig
@@ -30,6 +34,25 @@ from kthena_serve.model.errors import TensorParallelError
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Collective = Callable[[torch.Tensor], torch.Tensor]
+Matmul = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight [out, in], bias=None)
+
+
+class FusedCollectives(Protocol):
+    """A matmul fused with its collective over the TP group (MC2). Weights are dense
+    ``[out, in]`` (``nn.Linear``'s layout); ``x`` is [rows, in]."""
+
+    def matmul_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``all_reduce(x @ weight.T)``: [rows, out] on every rank."""
+        ...
+
+    def all_gather_matmul(self, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """``all_gather(x) @ weight.T (+ bias)``: [world * rows, out], in rank order."""
+        ...
+
+    def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``reduce_scatter(x @ weight.T)``: this rank's [rows / world, out] of the sum."""
+        ...
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,6 +71,9 @@ class TensorParallel:
             (sequence parallelism, `kthena_serve.model.sp`).
         reduce_scatter: the group's [world_size * n, ...] tensors -> this rank's [n, ...]
             chunk of their sum (sequence parallelism).
+        fused: MC2 ops that overlap each row-parallel matmul with its collective (and, under
+            sequence parallelism, the all-gather with the matmul after it); None: the matmul,
+            then the collective. The model keeps the weights these ops take dense.
     """
 
     rank: int = 0
@@ -55,19 +81,48 @@ class TensorParallel:
     all_reduce: AllReduce = _no_reduce
     all_gather: Collective = _no_reduce
     reduce_scatter: Collective = _no_reduce
+    fused: FusedCollectives | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise TensorParallelError(f"rank {self.rank} of world_size {self.world_size} is invalid; "
                                       f"need world_size >= 1 and 0 <= rank < world_size")
+        if self.fused is not None and self.world_size == 1:
+            raise TensorParallelError("fused collectives (TP overlap) need world_size > 1: one "
+                                      "rank has no collective to overlap; drop them or use tp > 1")
+
+    def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor,
+                          matmul: Matmul = F.linear) -> torch.Tensor:
+        """A row-parallel linear: the group's sum of ``matmul(x, weight)`` (one rank: just it)."""
+        if self.world_size == 1:
+            return matmul(x, weight)
+        if self.fused is not None:
+            return self.fused.matmul_all_reduce(x, weight)
+        return self.all_reduce(matmul(x, weight))
+
+    def all_gather_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None,
+                          matmul: Matmul = F.linear) -> torch.Tensor:
+        """``matmul(all_gather(x), weight, bias)``: a column-parallel linear over every rank's
+        rows (sequence parallelism)."""
+        if self.fused is not None:
+            return self.fused.all_gather_matmul(x, weight, bias)
+        return matmul(self.all_gather(x), weight, bias)
+
+    def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor,
+                              matmul: Matmul = F.linear) -> torch.Tensor:
+        """This rank's rows of the group's sum of ``matmul(x, weight)`` (sequence parallelism)."""
+        if self.fused is not None:
+            return self.fused.matmul_reduce_scatter(x, weight)
+        return self.reduce_scatter(matmul(x, weight))
 
     @classmethod
-    def from_comm_group(cls, group: Any) -> TensorParallel:
+    def from_comm_group(cls, group: Any, fused: FusedCollectives | None = None) -> TensorParallel:
         """kthena_comm's collectives over a ``CommGroup`` (rank, size from the group)."""
         from kthena_comm.collectives import all_gather, all_reduce, reduce_scatter
 
         return cls(group.group_rank, group.size, lambda t: all_reduce(t, group),
-                   lambda t: all_gather(t, group), lambda t: reduce_scatter(t, group))
+                   lambda t: all_gather(t, group), lambda t: reduce_scatter(t, group), fused)
 
     @classmethod
     def from_torch_distributed(cls, group: Any = None) -> TensorParallel:

@@ -148,21 +148,29 @@ class _DecodeRoutes:
 
 
 def _decode_pool(pool: KVPool, config: EngineConfig, pd: PDConfig, mooncake_host: str | None,
-                 ) -> tuple[TransferEngine, MemoryHandle, PoolRef]:
-    """(engine that reads other pools into ``pool``, ``pool``'s handle for it, the reference
-    prefill workers write by): registered with Mooncake (mooncake) or privately (shm)."""
+                 ) -> tuple[TransferEngine, MemoryHandle | None, PoolRef]:
+    """(engine that reads other pools into ``pool``, ``pool``'s handle for it or None, the
+    reference prefill workers write by): registered with Mooncake (mooncake: host or device
+    memory), or privately (shm) with the pool exported to the host (pool_share.py). A device
+    pool over shm has no handle: the shm engine moves host memory only, so the Kthena
+    router's pull path (``BlockGetter``) refuses it, naming the mooncake transport."""
+    from kthena_serve.pd.pool_share import export_pool
     from kthena_serve.pd.transfer import register_pool, shm_engine
 
-    mooncake = None  # the pool as prefill workers put into it
+    mooncake = handle = None  # mooncake: the pool as prefill workers put into it
+    shared: dict = {}
     if pd.transport is Transport.MOONCAKE:
         engine, mooncake = register_pool(pool, mooncake_host or "127.0.0.1",
                                          pd.transfer_timeout_s)
         handle = mooncake
     else:  # the shm engine only reads other pools into this one: private registration
         engine = shm_engine(pd.transfer_timeout_s)
-        handle = engine.register(pool.buffer)
-    ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype, pool.name,
-                  mooncake.to_json() if mooncake is not None else None, config.kv_cache_dtype)
+        shared = export_pool(pool)  # {"shm_name": ...} or {"device_ipc": ...}
+        if pool.buffer.device.type == "cpu":
+            handle = engine.register(pool.buffer)
+    ref = PoolRef(pool.layout.num_blocks, config.block_size, config.dtype,
+                  mooncake_handle=None if mooncake is None else mooncake.to_json(),
+                  kv_cache_dtype=config.kv_cache_dtype, **shared)
     return engine, handle, ref
 
 

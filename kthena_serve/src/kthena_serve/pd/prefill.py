@@ -1,7 +1,8 @@
 """Prefill executor: chunked paged prefills of several requests batched into one forward.
 
-Same host (``shm``): the decode worker's pool is a POSIX shared-memory file; this process maps
-it once (``KVPool.attach``) and the model's paged prefill writes each new token's K/V at
+Same host (``shm``): the decode worker's pool is a POSIX shared-memory file (on cuda: its device
+memory, through CUDA IPC); this process maps it once (pool_share.py: ``open_pool``, the one
+device-specific piece) and the model's paged prefill writes each new token's K/V at
 ``slot = block_ids[pos // block_size] * block_size + pos % block_size`` of *that* pool. The
 decode worker's cached prefix (``num_cached_tokens``) is read in place as attention context,
 so it is neither recomputed nor copied. Nothing but the first token goes back.
@@ -52,6 +53,7 @@ from kthena_serve.engine import create_kv_manager
 from kthena_serve.grammar import Grammars
 from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
 from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.pd.pool_share import open_pool, pool_key
 from kthena_serve.pd.prefill_job import PrefillJob
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.pd.transfer import BlockPush
@@ -62,7 +64,7 @@ from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
 from kthena_serve.scheduler import Scheduler
 from mooncake_kv import KVCacheManager
 from mooncake_kv.layout import KVLayout
-from mooncake_kv.pool import KVPool, KVPoolHandle
+from mooncake_kv.pool import KVPool
 
 __all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor"]
 
@@ -176,7 +178,8 @@ class PrefillExecutor:
 
     # ---- submitting (any thread) ---------------------------------------------------------------
     def submit_shared(self, task: PrefillTask) -> concurrent.futures.Future:
-        """Prefill into the decode pool named by ``task.pool.shm_name`` (zero copy).
+        """Prefill into the decode pool ``task.pool`` names on this host (zero copy: a shm
+        file, or CUDA memory through CUDA IPC; pool_share.py opens it).
 
         Returns a future of the ``PrefillResult``. Raises ValueError for a bad task.
         """
@@ -278,22 +281,21 @@ class PrefillExecutor:
             self._kick()  # a prompt may wait for these blocks
 
     def _attach(self, ref: PoolRef) -> ModelRunner:
-        """A runner over the decode worker's shared pool (mapped once per pool name)."""
-        if ref.shm_name is None:
-            raise ValueError("the task names no shared pool; use the mooncake transport")
+        """A runner over the decode worker's pool (mapped once per pool: pool_share.py)."""
+        key = pool_key(ref)  # PoolShareError (a ValueError) when it names no pool here
         # checked on every task, not only on the first attach: a KV dtype mismatch is refused
         layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype, ref.kv_cache_dtype)
         with self._lock:
-            runner = self._attached.get(ref.shm_name)
+            runner = self._attached.get(key)
             if runner is None:
-                pool = KVPool.attach(KVPoolHandle(ref.shm_name, layout))
+                pool = open_pool(ref, layout)
                 runner = ModelRunner(self.model, pool)
                 in_use = {id(j.runner) for j in self._queue}
                 for name, old in list(self._attached.items()):  # a restarted decode worker
                     if id(old) not in in_use:  # unmaps; the creator owns (and unlinks) the name
                         old.close()
                         del self._attached[name]
-                self._attached[ref.shm_name] = runner
+                self._attached[key] = runner
             return runner
 
     # ---- one step (compute thread) -------------------------------------------------------------

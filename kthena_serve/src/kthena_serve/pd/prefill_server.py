@@ -102,8 +102,8 @@ class _PrefillRoutes:
 
         configure_threads(config.num_threads)
         model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      quantization=config.quantization, kernels=config.kernels,
-                                      kv_block_size=config.block_size)
+                                      device=config.device, quantization=config.quantization,
+                                      kernels=config.kernels, kv_block_size=config.block_size)
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
         # one compiled-grammar cache: the OpenAI routes' checks and the executor's first tokens
@@ -197,9 +197,11 @@ def _prefill_failed(error: Exception) -> Response:
 def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
               mooncake_host: str | None, on_batch: Callable[[int, int], None],
               eos_token_ids: Sequence[int], grammars: Grammars,
-              ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle]:
+              ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle | None]:
     """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
-    private and registered with Mooncake (mooncake), or in a served shm segment (shm)."""
+    private and registered with Mooncake (mooncake: host or device memory), or in a served shm
+    segment (shm, cpu). On a device over shm the own pool is private device memory with no
+    handle (the shm engine moves host memory only): /pd/kv/lease refuses, naming mooncake."""
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
 
@@ -209,6 +211,10 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
         putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1", pd.transfer_timeout_s)
         return executor, putter, putter.engine, putter.local
     engine = shm_engine(pd.transfer_timeout_s)
+    if config.device != "cpu":
+        executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch,
+                                   eos_token_ids=eos_token_ids, grammars=grammars)
+        return executor, None, engine, None
     handles = []
 
     def in_segment(layout: KVLayout) -> KVPool:
@@ -240,7 +246,7 @@ class _Sweeper:
 
 
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
-               handle: MemoryHandle, layout: KVLayout) -> None:
+               handle: MemoryHandle | None, layout: KVLayout) -> None:
     """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them."""
     from kthena_serve.pd.pins import PinError
 
@@ -266,6 +272,11 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                                            f", the decode worker pulls over "
                                            f"{body.get('backend')}: use one --pd-transport"),
                                 status_code=409)
+        if handle is None:
+            return JSONResponse(error_body(409, "this prefill worker's own KV pool is in device "
+                                           f"memory and {backend} moves host memory only: "
+                                           "serving pinned blocks needs --pd-transport "
+                                           "mooncake"), status_code=409)
         try:
             pin = pins.lease(transfer_id, block_ids, digest)
         except PinError as error:

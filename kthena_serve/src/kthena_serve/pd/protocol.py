@@ -29,9 +29,9 @@ __all__ = ["PoolRef", "PrefillResult", "PrefillTask", "output_from_json", "outpu
 
 @attrs.frozen
 class PoolRef:
-    """Where a decode worker's KV pool is: a shm name (same host) and/or a Mooncake handle;
-    ``dtype`` / ``kv_cache_dtype`` are the decode worker's ``EngineConfig`` values (an int8
-    pool's scale region is part of its layout)."""
+    """Where a decode worker's KV pool is: a shm name or a CUDA IPC export (same host:
+    pool_share.py) and/or a Mooncake handle; ``dtype`` / ``kv_cache_dtype`` are the decode
+    worker's ``EngineConfig`` values (an int8 pool's scale region is part of its layout)."""
 
     num_blocks: int
     block_size: int
@@ -39,6 +39,7 @@ class PoolRef:
     shm_name: str | None = None
     mooncake_handle: str | None = None  # kthena_comm MemoryHandle.to_json()
     kv_cache_dtype: str = "auto"
+    device_ipc: dict[str, Any] | None = None  # pool_share.CudaIpcExport.to_json() (cuda pool)
 
 
 @attrs.frozen

@@ -36,7 +36,9 @@ from typing import Protocol
 
 import torch
 
+from kthena_comm.errors import TransportUnavailableError
 from kthena_comm.transfer import (
+    AscendDirectConfig,
     MemoryHandle,
     MooncakeConfig,
     ShmConfig,
@@ -49,8 +51,8 @@ from kthena_comm.transfer import (
 from mooncake_kv.layout import KVLayout, RangePair
 from mooncake_kv.pool import KVPool
 
-__all__ = ["BlockGetter", "BlockPush", "BlockPutter", "PushSession", "register_pool", "shm_engine",
-           "shm_segment_pool"]
+__all__ = ["BlockGetter", "BlockPush", "BlockPutter", "PushSession", "mooncake_config_for",
+           "register_pool", "shm_engine", "shm_segment_pool"]
 
 
 def register_pool(pool: KVPool, host: str, timeout_s: float,
@@ -66,10 +68,25 @@ def register_pool(pool: KVPool, host: str, timeout_s: float,
     from kthena_comm.transfer.mooncake import installed_build
     from mooncake_kv.listen import confine_listeners
 
+    config = mooncake_config_for(pool.buffer.device, host, timeout_s)
     installed_build()  # loads Mooncake (or says how to install it) before bind is redirected
     with confine_listeners(host):
-        engine = create_engine("mooncake", MooncakeConfig(host=host, timeout_s=timeout_s))
+        engine = create_engine("mooncake", config)
     return engine, engine.register(pool.buffer)
+
+
+def mooncake_config_for(device: str | torch.device, host: str,
+                        timeout_s: float) -> MooncakeConfig:
+    """The Mooncake engine settings for a pool on ``device``: TCP for host and cuda memory
+    (a CUDA build registers ``cuda:N``); for ``npu:N`` the ascend_direct transport on that NPU
+    (docs/accelerators.md: documentation only; a wheel without it refuses before any side
+    effect). ``timeout_s`` must exceed the transport's MC_TRANSFER_TIMEOUT (6 s by default).
+    """
+    kind, _, index = str(device).partition(":")  # str: torch.device("npu") needs torch_npu
+    if kind != "npu":
+        return MooncakeConfig(host=host, timeout_s=timeout_s)
+    return MooncakeConfig(host=host, timeout_s=timeout_s, protocol="ascend",
+                          ascend=AscendDirectConfig(device_id=int(index or 0)))
 
 
 class BlockPush(Protocol):
@@ -233,12 +250,13 @@ class BlockGetter:
 
     Args:
         engine: the transfer engine ``local`` is registered with (shm or mooncake).
-        local: the handle of this worker's pool.
+        local: the handle of this worker's pool; None for a device pool over shm (which moves
+            host memory only): every ``get`` is then refused, naming the mooncake transport.
         layout: this worker's pool layout.
         timeout_s: the most one get may take.
     """
 
-    def __init__(self, engine: TransferEngine, local: MemoryHandle, layout: KVLayout,
+    def __init__(self, engine: TransferEngine, local: MemoryHandle | None, layout: KVLayout,
                  timeout_s: float) -> None:
         self.engine, self.local, self.layout, self.timeout_s = engine, local, layout, timeout_s
 
@@ -249,7 +267,15 @@ class BlockGetter:
         Raises:
             mooncake_kv.layout errors: ids out of range or repeated, layouts of another shape.
             kthena_comm.transfer errors (PeerUnreachableError, TransferTimeoutError ...).
+            TransportUnavailableError: this worker's pool is in device memory and the engine
+                is ``shm`` (host memory only).
         """
+        if self.local is None:
+            raise TransportUnavailableError(
+                self.engine.backend, "a decode KV pool in device memory",
+                "this engine moves host memory only; pulling a prefill worker's blocks into a "
+                "device pool needs --pd-transport mooncake (device memory registered with a "
+                "CUDA build of Mooncake)")
         if not src_ids:
             return 0
         pairs = remote_layout.pair_ranges(list(src_ids), list(dst_ids), self.layout)

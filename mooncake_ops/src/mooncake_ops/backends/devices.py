@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mooncake_ops.backends import mc2_tiled, sdpa
+from mooncake_ops.backends import mc2_symm_mem, mc2_tiled, sdpa
 from mooncake_ops.backends import reference as ref
 from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, OpImpl
 
@@ -21,6 +21,7 @@ NATIVE_CPU_PREFILL = ("native-cpp (fp32 arithmetic, AVX2); else torch-sdpa (flas
                       "split; int8 prefix: native-cpp)")
 SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
 TILED = "torch-tiled (kthena_comm async collectives)"
+SYMM_MEM = "torch symm_mem.{op} (async-TP)"
 NATIVE = "native-cpp"
 
 NPU_OPS: Mapping[str, str] = {
@@ -80,7 +81,8 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """SDPA-based attention; PyTorch for the rest (Triton kernels may replace these later)."""
+    """SDPA-based attention; torch's symmetric-memory async-TP ops for all-gather + matmul and
+    matmul + reduce-scatter where torch has them (`mc2_symm_mem`); PyTorch for the rest."""
 
     device_type = "cuda"
 
@@ -88,4 +90,8 @@ class CudaBackend:
         table = reference_table()
         table["paged_decode_attention"] = OpImpl(sdpa.paged_decode_attention, SDPA)
         table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, SDPA)
+        if mc2_symm_mem.available():  # matmul_all_reduce has no symm_mem op: tiled over NCCL
+            for op, fused in zip(("all_gather_matmul", "matmul_reduce_scatter"),
+                                 mc2_symm_mem.OPS, strict=True):
+                table[op] = OpImpl(getattr(mc2_symm_mem, op), SYMM_MEM.format(op=fused))
         return table
