@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 import redis  # the dev extra installs it (kthena-serve[kv-events])
+from _serve_process import start_serve
 from _tiny import tiny_engine
 
 from kthena_serve.kv_events import KVEventsCollector, KVEventsConfig, RedisKVPublisher
@@ -357,21 +358,10 @@ def test_missing_client_names_the_extra(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_kthena_serve_publishes_and_cleans_up(server, client):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KTHENA_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kthena_core.cli", "serve", "--port", "0", "--kv-cache-memory",
-         "64MiB", "--served-model-name", MODEL, "--kv-events", server.url, "--pod-name", POD],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url, _ = start_serve("--port", "0", "--kv-cache-memory", "64MiB",
+                               "--served-model-name", MODEL, "--kv-events", server.url,
+                               "--pod-name", POD)
     try:
-        url = None
-        deadline = time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "kthena serve exited"
-            if line.startswith("curl "):
-                url = line.split()[1].rsplit("/v1/", 1)[0]
-        assert url is not None
         prompt = prompts(1, 40, seed=11)[0]
         reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})

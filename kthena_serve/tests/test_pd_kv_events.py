@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis
 from _kthena_proxy import proxy
+from _serve_process import start_serve
 from _tiny import default_tokenizer
 from test_kv_events_redis import RedisServer, doc_key
 
@@ -223,22 +224,10 @@ def test_kthena_serve_mode_pd_publishes_per_worker_and_cleans_up(server, client)
     ``--pod-name``'s NAME-WORKER.NAMESPACE."""
     import signal
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KTHENA_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kthena_core.cli", "serve", "--mode", "pd", "--prefill", "0",
-         "--decode", "2", "--port", "0", "--kv-cache-memory", "64MiB", "--kv-events",
-         server.url, "--pod-name", POD],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url, _ = start_serve("--mode", "pd", "--prefill", "0", "--decode", "2", "--port", "0",
+                               "--kv-cache-memory", "64MiB", "--kv-events", server.url,
+                               "--pod-name", POD)
     try:
-        url = None
-        deadline = time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "kthena serve exited"
-            if line.startswith("curl "):
-                url = line.split()[1].rsplit("/v1/", 1)[0]
-        assert url is not None
         ids = prompt_ids(100, "through the CLI: ")
         reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": DEFAULT_MODEL_NAME, "prompt": ids, "max_tokens": 4, "temperature": 0})

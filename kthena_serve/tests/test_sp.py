@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from _ranks import HERE, run_two_ranks
+from _serve_process import start_serve
 from _tiny import tiny_checkpoint
 
 from kthena_serve.model import (
@@ -200,29 +200,9 @@ def test_serve_spec_reports_sp():
 
 
 def _start_server(checkpoint, *flags):  # noqa: ANN001, ANN202
-    """``kthena serve`` in a subprocess; (process, base url) once it prints its curl line."""
-    import re
-    import time
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KTHENA_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "kthena_core.cli", "serve", "--model",
-                             str(checkpoint), "--port", "0", "--dtype", "float32",
-                             "--kv-cache-memory", "32MiB", *flags], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if line.startswith("curl "):
-            text = "".join(seen)
-            return proc, re.search(r"on (http://\S+) ", text).group(1), text
-    proc.kill()
-    proc.wait()
-    raise AssertionError("kthena serve did not start:\n" + "".join(seen))
+    """``kthena serve`` of ``checkpoint`` in fp32; (process, base url, its output)."""
+    return start_serve("--model", str(checkpoint), "--port", "0", "--dtype", "float32",
+                       "--kv-cache-memory", "32MiB", *flags, timeout=180)
 
 
 @pytest.fixture
