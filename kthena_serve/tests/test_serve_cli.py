@@ -10,38 +10,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from _serve_process import start_serve
 
 pytestmark = pytest.mark.slow
 
 
-def _kthena(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KTHENA_API_KEY", None)
-    return subprocess.Popen([sys.executable, "-m", "kthena_core.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
-
-
-def _read_curl_line(proc: subprocess.Popen, timeout: float = 240.0) -> str:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if line.startswith("curl "):
-            return line.strip()
-    raise AssertionError("no curl line printed:\n" + "".join(seen))
-
-
 def test_serve_prints_a_working_curl_line():
-    proc = _kthena("serve", "--port", "0", "--kv-cache-memory", "128MiB")
+    proc, _, printed = start_serve("--port", "0", "--kv-cache-memory", "128MiB")
     try:
-        line = _read_curl_line(proc)
+        line = printed.splitlines()[-1].strip()  # the curl line
         assert "127.0.0.1" in line and "/v1/chat/completions" in line
         if shutil.which("curl"):
             out = subprocess.run(line + " -s", shell=True, capture_output=True, text=True,

@@ -11,10 +11,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from _serve_process import start_serve
 
 from kthena_core.cli import build_parser
 from kthena_core.config import load_config
@@ -260,27 +260,14 @@ def test_resolve_refuses_bad_settings_naming_the_flag(flags, message):
 
 @pytest.mark.slow
 def test_kthena_serve_config_prints_the_plan_serves_it_and_answers():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KTHENA_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "kthena_core.cli", "serve", "--config", EXAMPLE,
-                             "--port", "0", "--kv-cache-memory", "128MiB"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
+    env = {k: v for k, v in os.environ.items() if k != "KTHENA_API_KEY"}
+    proc, url, text = start_serve("--config", EXAMPLE, "--port", "0", "--kv-cache-memory",
+                                  "128MiB")
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            seen.append(line)
-            if line.startswith("curl "):
-                break
-        text = "".join(seen)
         assert "plan      TP1 x PP1 x DP1" in text, text
         planned = re.search(r"plan layout (.+)", text).group(1)
         served = re.search(r"serving layout (.+)", text).group(1)
         assert planned == served == "tp=1 pp=1 dp=1 sp=1 mode=colocated", text
-        url = re.search(r"on (http://\S+) ", text).group(1)
         reply = httpx.post(f"{url}/v1/completions", timeout=120,
                            json={"model": "default", "prompt": "The capital of France is",
                                  "max_tokens": 4, "temperature": 0}).json()
