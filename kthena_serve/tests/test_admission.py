@@ -268,6 +268,66 @@ def test_the_gate_applies_the_slowdown_and_the_kv_outlook() -> None:
     assert gate.load(10_000.0, full).kv == full
 
 
+def test_an_admitted_request_must_start_by_the_bound_less_its_own_compute_time() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    prior = 100.0  # tokens/s
+    assert gate.try_admit([("a", 300)], prior) is None  # 3 s of its own compute
+    assert gate.start_by("a") == pytest.approx(clock.now + 10.0 - 3.0)
+    alone = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    assert alone.try_admit([("long", 5000)], prior) is None  # empty queue; 50 s alone
+    assert alone.start_by("long") == pytest.approx(clock.now)  # start at the next step
+    assert gate.start_by("never admitted") is None
+    gate.claim("c", 10)  # claimed without admission (the offline LLM): no deadline
+    assert gate.start_by("c") is None
+    unbounded = AdmissionGate(AdmissionLimits(max_queued_tokens=10_000), clock=clock)
+    assert unbounded.try_admit([("d", 10)], prior) is None
+    assert unbounded.start_by("d") is None  # no delay bound
+    unmeasured = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    assert unmeasured.try_admit([("e", 10)], None) is None
+    assert unmeasured.start_by("e") is None  # no rate to price its own prompt
+
+
+def test_a_request_refused_at_its_deadline_leaves_the_queue_as_a_ratio_sample() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    prior = 100.0
+    assert gate.try_admit([("a", 200)], prior) is None  # estimated 2 s
+    assert gate.try_admit([("b", 100)], prior) is None  # estimated 3 s, start by +9 s
+    gate.claim("a", 200)
+    gate.claim("b", 100)
+    clock.now += 9.0
+    error = gate.timed_out("b")
+    assert isinstance(error, OverloadedError) and error.limit == "queue_timeout"
+    assert 1 <= error.retry_after_s <= MAX_RETRY_AFTER_S
+    assert "--max-queue-delay" in str(error) and "9.0 s queued" in str(error)
+    assert gate.load(prior).num_requests == 1 and gate.load(prior).num_tokens == 200
+    gate.started("a")  # 9 s against 2 s
+    factor = gate.load(prior).wait_factor
+    late_b = (9.0 + ESTIMATE_FLOOR_S) / (3.0 + ESTIMATE_FLOOR_S)
+    late_a = (9.0 + ESTIMATE_FLOOR_S) / (2.0 + ESTIMATE_FLOOR_S)
+    assert factor == pytest.approx(max(late_a, late_b))
+    gate.forget("b")  # already gone: nothing happens
+    assert gate.load(prior).num_requests == 0
+
+
+def test_a_request_that_leaves_late_without_a_first_token_is_a_ratio_sample() -> None:
+    clock = Clock()
+    gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
+    assert gate.try_admit([("a", 100)], 100.0) is None  # estimated 1 s
+    gate.claim("a", 100)
+    clock.now += 5.0
+    gate.forget("a")  # its client left after 5 s: the queue was that slow at least
+    assert gate.load(100.0).wait_factor == pytest.approx(
+        (5.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S))
+    assert gate.try_admit([("b", 100)], 100.0) is None  # empty again
+    gate.claim("b", 100)
+    clock.now += 0.5
+    gate.forget("b")  # left within its estimate: no sample
+    assert gate.load(100.0).wait_factor == pytest.approx(
+        (5.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S), rel=0.01)
+
+
 def test_admitted_requests_that_never_start_expire() -> None:
     clock = Clock()
     gate = AdmissionGate(AdmissionLimits(max_queued_tokens=10), clock=clock,

@@ -93,13 +93,16 @@ def test_overload_report_splits_accepted_refused_and_errors() -> None:
     answers = [_Answer(200, 0.01, 0.5 + i / 100, is_done=True) for i in range(50)]
     answers += [_Answer(503, 0.005 * (i + 1), retry_after=str(1 + i % 3), code="overloaded")
                 for i in range(30)]
+    answers += [_Answer(503, 4.0 + i, code="queue_timeout") for i in range(3)]  # at the deadline
     answers += [_Answer(503, 0.01, code=None, problem="draining"),  # not the bound's 503
                 _Answer(200, 0.01, 0.4, is_done=False)]  # no [DONE]
     calibration = {"completed": 10, "sustainable_rps": 1.0}
     report = _report(OverloadOptions(bound_s=1.0), calibration, 4.0, answers, 20.0)
-    assert (report["num_accepted"], report["num_rejected"], report["num_errors"]) == (50, 30, 2)
+    assert (report["num_accepted"], report["num_rejected"], report["num_errors"]) == (50, 33, 2)
     assert report["accepted_ttft_ms"]["p99"] == 990.0 and report["ttft_p99_within_bound"]
-    assert report["rejected_latency_ms"]["p99"] == 150.0
+    assert report["rejected_latency_ms"]["p99"] == 150.0  # the fast ones only
+    assert report["num_rejected_late"] == 3
+    assert report["rejected_late_latency_ms"]["p50"] == 5000.0
     assert report["retry_after_s"] == {"min": 1, "p50": 2, "max": 3}
     assert report["accepted_rps"] == 2.5 and report["offered_rps"] == 4.0
     assert not _report(OverloadOptions(bound_s=0.5), calibration, 4.0, answers,

@@ -77,6 +77,16 @@ def read_stream(reply: httpx.Response) -> str:
     return text
 
 
+def stream_later(pool: ThreadPoolExecutor, http: httpx.Client, body: dict):  # noqa: ANN201
+    """Stream a completion on ``pool``: a future of (status, text). Its headers come with its
+    first output, so a test holding that output back cannot wait for them inline."""
+    def run() -> tuple[int, str]:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+            return reply.status_code, read_stream(reply) if reply.status_code == 200 else ""
+
+    return pool.submit(run)
+
+
 # ---- colocated: AsyncLLM's gate behind the OpenAI app ------------------------------------------
 @pytest.fixture
 def held():
@@ -106,22 +116,22 @@ def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(he
     url, engine, release = held
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
             "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(BURST) as pool:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as first:
-            assert first.status_code == 200  # admitted: the queue was empty
-            wait_until(lambda: engine.stats().queue.num_requests == 1, "the first to queue")
-            queued = engine.stats().queue.num_tokens
-            burst = [{**body, "stream": i % 2 == 0} for i in range(BURST)]
-            burst.append({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
-                          "max_tokens": 4})
-            replies = list(pool.map(lambda b: http.post(
-                "/v1/chat/completions" if "messages" in b else "/v1/completions", json=b),
-                burst))
-            for reply in replies:
-                assert_overloaded(reply)
-            text = http.get("/metrics").text
-            release.set()
-            assert read_stream(first)  # the admitted request runs to the end
+    with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(BURST + 1) as pool:
+        first = stream_later(pool, http, body)
+        wait_until(lambda: engine.stats().queue.num_requests == 1, "the first to queue")
+        queued = engine.stats().queue.num_tokens
+        burst = [{**body, "stream": i % 2 == 0} for i in range(BURST)]
+        burst.append({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                      "max_tokens": 4})
+        replies = list(pool.map(lambda b: http.post(
+            "/v1/chat/completions" if "messages" in b else "/v1/completions", json=b),
+            burst))
+        for reply in replies:
+            assert_overloaded(reply)
+        text = http.get("/metrics").text
+        release.set()
+        status, streamed = first.result(timeout=60)
+        assert status == 200 and streamed  # admitted (the queue was empty), ran to the end
         num = len(burst)
         assert metric(text, "kthena_requests_rejected_total", reason="overload",
                       limit="queued_tokens") == num
@@ -133,6 +143,71 @@ def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(he
         again = http.post("/v1/completions", json=body)  # the queue drained: admitted again
         assert again.status_code == 200 and again.json()["choices"][0]["text"]
         assert metric(http.get("/metrics").text, "kthena_admission_prefill_tokens_per_second") > 0
+
+
+def _slow_steps(core, seconds: float) -> None:  # noqa: ANN001
+    step = core.step
+
+    def slow_step():  # noqa: ANN202
+        threading.Event().wait(seconds)
+        return step()
+
+    core.step = slow_step
+
+
+def test_an_admitted_request_that_cannot_start_in_time_is_refused_before_its_headers() -> None:
+    """One seat, taken by a long stream: the next requests are admitted (the queue is empty)
+    and wait for the seat; at their deadline (the bound less their own compute) they are
+    refused with 503 ``queue_timeout`` and ``Retry-After``, streamed or not, never a 200
+    stream with an error in it; their blocks and the engine's requests are all given back."""
+    core = tiny_engine(num_kv_blocks=256, max_num_seqs=1, max_queue_delay_s=1.0)
+    _slow_steps(core, 0.02)
+    engine = AsyncLLM(core).start()
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    try:
+        with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions",
+                             json={**body, "max_tokens": 1000, "stream": True}) as first:
+                assert first.status_code == 200  # its headers came with its first output
+                lines = first.iter_lines()
+                assert next(lines).startswith("data: ")
+                replies = [http.post(path, json=b) for path, b in (
+                    ("/v1/completions", {**body, "max_tokens": 4}),
+                    ("/v1/completions", {**body, "max_tokens": 4, "stream": True}),
+                    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "stream": True,
+                                              "messages": [{"role": "user", "content": PROMPT}]}))]
+                for reply in replies:
+                    assert reply.status_code == 503, reply.text
+                    assert int(reply.headers["retry-after"]) >= 1
+                    error = reply.json()["error"]
+                    assert error["code"] == "queue_timeout" and "--max-queue-delay" in error["message"]
+                text = http.get("/metrics").text
+            # the long stream was closed (aborted): everything goes back
+            wait_until(lambda: not core.live_request_ids(), "the engine to drop every request")
+            wait_until(lambda: core.kv.num_free_blocks == 256, "every block back")
+            assert engine.stats().queue.num_requests == 0
+            assert metric(text, "kthena_requests_rejected_total", reason="overload",
+                          limit="queue_timeout") == len(replies)
+            again = http.post("/v1/completions", json={**body, "max_tokens": 4})
+            assert again.status_code == 200 and again.json()["choices"][0]["text"]
+    finally:
+        engine.shutdown()
+
+
+def test_a_lone_request_is_served_whatever_the_bound() -> None:
+    """A deadline shorter than any step: a request alone starts at the next step, so it is
+    never refused (only waiting behind others is)."""
+    engine = AsyncLLM(tiny_engine(max_queue_delay_s=0.001)).start()
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 4}
+    try:
+        with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            for stream in (False, True, False):
+                reply = http.post("/v1/completions", json={**body, "stream": stream})
+                assert reply.status_code == 200, reply.text
+    finally:
+        engine.shutdown()
 
 
 def test_an_invalid_request_is_400_before_admission(held) -> None:
@@ -261,14 +336,13 @@ def test_pd_router_bounds_its_own_queue() -> None:
         with BackgroundServer(_decode_worker(False, release)) as worker:
             remote, app = _pd_app(worker.url, config)
             with contextlib.closing(remote.router), BackgroundServer(app) as router, \
-                    httpx.Client(base_url=router.url, timeout=60) as http:
-                with http.stream("POST", "/v1/completions",
-                                 json={**body, "stream": True}) as first:
-                    assert first.status_code == 200
-                    wait_until(lambda: remote.stats().queue.num_requests == 1, "a queued one")
-                    assert_overloaded(http.post("/v1/completions", json=body))
-                    release.set()
-                    assert read_stream(first) == "x"
+                    httpx.Client(base_url=router.url, timeout=60) as http, \
+                    ThreadPoolExecutor(1) as pool:
+                first = stream_later(pool, http, body)
+                wait_until(lambda: remote.stats().queue.num_requests == 1, "a queued one")
+                assert_overloaded(http.post("/v1/completions", json=body))
+                release.set()
+                assert first.result(timeout=60) == (200, "x")
                 assert remote.stats().queue.num_requests == 0
                 text = http.get("/metrics").text
                 assert metric(text, "kthena_requests_rejected_total", reason="overload") == 1
@@ -290,10 +364,9 @@ def test_pd_router_passes_a_decode_workers_refusal_on() -> None:
             assert reply.json()["error"]["message"] == "decode worker overloaded"
             stream = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                           "max_tokens": 2, "stream": True})
-            events = [json.loads(line[6:]) for line in stream.text.splitlines()
-                      if line.startswith("data: {")]
-            assert events[-1]["error"]["code"] == "overloaded"  # headers were out: in band
-            assert stream.text.rstrip().endswith("data: [DONE]")
+            # before the first output nothing is sent: a status, not an event in a 200 stream
+            assert_overloaded(stream, flag=None)
+            assert stream.headers["retry-after"] == "9"
 
 
 def test_pd_router_keeps_one_queue_per_path() -> None:
@@ -321,27 +394,25 @@ def test_pd_router_keeps_one_queue_per_path() -> None:
             remote = RemoteEngine(router, tokenizer, config, (2048, 49152))
             app = build_router_app(remote, model_name=MODEL)
             with contextlib.closing(router), BackgroundServer(app) as server, \
-                    httpx.Client(base_url=server.url, timeout=60) as http:
+                    httpx.Client(base_url=server.url, timeout=60) as http, \
+                    ThreadPoolExecutor(2) as pool:
                 def body(prompt: str, **extra) -> dict:
                     return {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
 
-                with http.stream("POST", "/v1/completions",
-                                 json=body(short, stream=True)) as first:
-                    assert first.status_code == 200
-                    wait_until(lambda: remote.admission[LOCAL].load().num_requests == 1,
-                               "the short prompt queued locally")
-                    with http.stream("POST", "/v1/completions",
-                                     json=body(long_prompt, stream=True)) as second:
-                        # one queue for both would hold short + long tokens, over the bound
-                        assert second.status_code == 200  # its own queue was empty
-                        wait_until(lambda: remote.admission[DISAGGREGATED].load().num_requests
-                                   == 1, "the long prompt queued for a prefill worker")
-                        assert remote.stats().queue.num_requests == 2  # both, reported
-                        # a second long prompt: its own path's queue is at the bound
-                        assert_overloaded(http.post("/v1/completions", json=body(long_prompt)))
-                        release.set()
-                        assert read_stream(second) == "x"
-                    assert read_stream(first) == "x"
+                first = stream_later(pool, http, body(short))
+                wait_until(lambda: remote.admission[LOCAL].load().num_requests == 1,
+                           "the short prompt queued locally")
+                # one queue for both would hold short + long tokens, over the bound: its own
+                # queue was empty, so it is admitted
+                second = stream_later(pool, http, body(long_prompt))
+                wait_until(lambda: remote.admission[DISAGGREGATED].load().num_requests == 1,
+                           "the long prompt queued for a prefill worker")
+                assert remote.stats().queue.num_requests == 2  # both, reported
+                # a second long prompt: its own path's queue is at the bound
+                assert_overloaded(http.post("/v1/completions", json=body(long_prompt)))
+                release.set()
+                assert second.result(timeout=60) == (200, "x")
+                assert first.result(timeout=60) == (200, "x")
                 assert all(g.load().num_requests == 0 for g in remote.admission.values())
                 assert not remote._admitted
     finally:

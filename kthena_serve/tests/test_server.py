@@ -294,14 +294,18 @@ def test_hostile_numbers_get_400_and_hurt_no_other_stream(client, url):
 
 
 def test_a_request_the_engine_fails_on_fails_alone_over_http(core, engine, url):
-    """A failure inside the engine step for one request: that stream gets an error event and
-    [DONE], a concurrent stream finishes normally, and no block is left referenced."""
+    """A failure inside the engine step for one request: before its first output that is the
+    response's 500 (a streamed answer's headers wait for it), after it the stream gets an error
+    event and [DONE]; a concurrent stream finishes normally, and no block is left referenced."""
     import concurrent.futures
 
     sample = core.sampler.__class__.__call__
 
     def picky(self, logits, requests, token_bitmask=None):
         if any(r.params.presence_penalty == 0.5 for r in requests):
+            raise OverflowError("injected failure")
+        if any(r.params.presence_penalty == 0.25 and len(r.token_ids) > r.num_prompt_tokens + 1
+               for r in requests):  # after its first outputs went out
             raise OverflowError("injected failure")
         return sample(self, logits, requests, token_bitmask)
 
@@ -314,12 +318,18 @@ def test_a_request_the_engine_fails_on_fails_alone_over_http(core, engine, url):
                                json=_completion(max_tokens=32, stream=True))
             bad = http.post("/v1/completions",
                             json=_completion(stream=True, presence_penalty=0.5))
+            late = http.post("/v1/completions",
+                             json=_completion(max_tokens=8, stream=True, presence_penalty=0.25))
             plain = http.post("/v1/completions", json=_completion(presence_penalty=0.5))
             good_events = _events(good.result())
-        bad_events = _events(bad)
-        assert bad_events[-1]["error"]["code"] == "request_failed"
-        assert "injected" not in bad.text  # internals stay in the log
-        assert plain.status_code == 500 and plain.json()["error"]["code"] == "request_failed"
+        for reply in (bad, plain):  # nothing was sent yet: the status says it
+            assert reply.status_code == 500 and reply.json()["error"]["code"] == "request_failed"
+            assert "injected" not in reply.text  # internals stay in the log
+        assert late.status_code == 200
+        late_events = _events(late)
+        assert late_events[0]["choices"][0]["text"] is not None  # outputs came first
+        assert late_events[-1]["error"]["code"] == "request_failed"
+        assert "injected" not in late.text
         assert good_events[-1]["choices"][0]["finish_reason"] == "length"
     finally:
         core.sampler.__class__ = original

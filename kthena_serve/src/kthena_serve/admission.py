@@ -41,6 +41,16 @@ overload the queue fills up to the bound, so without the factor half the admitte
 would wait longer than the bound; with it, the bound holds for the TTFT tail the requests
 actually saw (a KV pool that thrashes, a process that loses its cores, chunked long prompts ...).
 
+The estimate decides at admission; a deadline keeps the bound afterwards. An admitted request
+must *start* (its first prompt chunk scheduled) by its ``start_by``: its admission plus the delay
+bound, less its own prompt's compute time at the rate measured then. One still waiting at that
+point is refused after all (``timed_out``: ``OverloadedError`` with limit ``queue_timeout``, the
+server's 503 with ``Retry-After``; its headers wait for the first output, so this is still a
+status, not an event in a 200 stream). So an estimate that ran short costs the few requests it
+let in too many, not the TTFT tail of everyone admitted; a request that started is never
+refused (a lone prompt longer than the bound is served). Those refusals are samples of the
+ratio too. Like Triton's queue policy with ``timeout_action: REJECT``, measured from admission.
+
 Two bounds (``AdmissionLimits``, from ``EngineConfig.max_queue_delay_s`` / ``max_queued_tokens``):
 
 * ``max_queue_delay_s``: refuse when the estimated wait, scaled by the measured factor, exceeds it. The same as vLLM's
@@ -73,7 +83,7 @@ import attrs
 
 from kthena_serve.errors import OverloadedError
 
-__all__ = ["MAX_RETRY_AFTER_S", "AdmissionGate", "AdmissionLimits", "KVOutlook", "QueueLoad",
+__all__ = ["MAX_RETRY_AFTER_S", "QUEUE_TIMEOUT", "AdmissionGate", "AdmissionLimits", "KVOutlook", "QueueLoad",
            "Refusal", "ServiceRate", "decide"]
 
 MAX_RETRY_AFTER_S = 60
@@ -83,6 +93,7 @@ FACTOR_KEEP_S = 3 * FACTOR_HALF_LIFE_S  # then it is dropped (its excess down to
 FACTOR_QUANTILE = 0.99  # the TTFT tail the bound is held for
 QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
 QUEUED_TOKENS = "queued_tokens"
+QUEUE_TIMEOUT = "queue_timeout"  # OverloadedError.limit: admitted, then not started in time
 
 
 @attrs.frozen
@@ -326,7 +337,8 @@ class AdmissionGate:
         self._claim_timeout_s = claim_timeout_s
         self._rate = rate or ServiceRate()
         self._lock = threading.Lock()
-        # request id -> [prompt tokens, claim deadline | None, admitted at, estimate | None]
+        # request id -> [prompt tokens, claim deadline | None, admitted at, estimate | None,
+        #                start by | None]
         self._queued: dict[str, list] = {}
         self._num_tokens = 0
         self._ratios: deque[tuple[float, float]] = deque()  # (when, ratio sample; module docs)
@@ -351,8 +363,33 @@ class AdmissionGate:
                 estimate = load.estimated_wait_s(num_new)
                 for request_id, num_tokens in requests:
                     self._add(request_id, num_tokens, now + self._claim_timeout_s, now,
-                              estimate)
+                              estimate, self._start_by(now, num_tokens, load))
             return refusal
+
+    def start_by(self, request_id: str) -> float | None:
+        """When (the gate's clock) the admitted request must have started computing, or be
+        refused after all (``timed_out``): its admission plus the delay bound less its own
+        prompt's compute time at the rate measured then (module docs). None: no delay bound,
+        no rate known at its admission, or not admitted here."""
+        with self._lock:
+            entry = self._queued.get(request_id)
+            return None if entry is None else entry[4]
+
+    def timed_out(self, request_id: str) -> OverloadedError:
+        """The refusal of an admitted request that did not start by its ``start_by``; it leaves
+        the queue (its wait is a ratio sample, as in ``forget``)."""
+        with self._lock:
+            now = self._advance()
+            entry = self._queued.get(request_id)
+            waited = 0.0 if entry is None else now - entry[2]
+            self._leave(request_id, now)
+            expected = self._load(None).expected_wait_s()
+        bound = self.limits.max_queue_delay_s or 0.0
+        return OverloadedError(
+            f"the server is overloaded: this request did not start within its share of the "
+            f"queue bound ({waited:.1f} s queued; --max-queue-delay {bound:g} s, less its own "
+            "prompt's compute time); retry later or on another replica",
+            _retry_after(0.0 if expected is None else expected - bound), QUEUE_TIMEOUT)
 
     def claim(self, request_id: str, num_tokens: int) -> None:
         """The request's stream started: it stays queued until ``started`` or ``forget``
@@ -372,19 +409,17 @@ class AdmissionGate:
             now = self._advance()
             entry = self._queued.pop(request_id, None)
             if entry is not None:
-                tokens, _, admitted, estimate = entry
+                tokens, _, admitted, estimate, _ = entry
                 self._num_tokens -= tokens
                 self._rate.credit(tokens)
                 if estimate is not None and math.isfinite(estimate):
                     self._ratios.append((now, _ratio(now - admitted, estimate)))
 
     def forget(self, request_id: str) -> None:
-        """It ended (or was released) without a first token; nothing happens if it left."""
+        """It ended (or was released) without a first token; nothing happens if it left. A
+        wait past its estimate is a ratio sample of at least that much (module docs)."""
         with self._lock:
-            self._advance()
-            entry = self._queued.pop(request_id, None)
-            if entry is not None:
-                self._num_tokens -= entry[0]
+            self._leave(request_id, self._advance())
 
     def load(self, prior: float | None = None, kv: KVOutlook | None = None,
              slowdown: float = 1.0) -> QueueLoad:
@@ -405,12 +440,28 @@ class AdmissionGate:
         return now
 
     def _add(self, request_id: str, num_tokens: int, deadline: float | None, now: float,
-             estimate: float | None) -> None:
+             estimate: float | None, start_by: float | None = None) -> None:
         old = self._queued.pop(request_id, None)
         if old is not None:
             self._num_tokens -= old[0]
-        self._queued[request_id] = [num_tokens, deadline, now, estimate]
+        self._queued[request_id] = [num_tokens, deadline, now, estimate, start_by]
         self._num_tokens += num_tokens
+
+    def _leave(self, request_id: str, now: float) -> None:
+        """It left without a first token: a wait past its estimate is a ratio sample."""
+        entry = self._queued.pop(request_id, None)
+        if entry is None:
+            return
+        self._num_tokens -= entry[0]
+        _, _, admitted, estimate, _ = entry
+        if estimate is not None and math.isfinite(estimate) and now - admitted > estimate:
+            self._ratios.append((now, _ratio(now - admitted, estimate)))
+
+    def _start_by(self, now: float, num_tokens: int, load: QueueLoad) -> float | None:
+        bound, rate = self.limits.max_queue_delay_s, load.prefill_tokens_per_s
+        if bound is None or rate is None or not rate > 0:
+            return None
+        return now + max(0.0, bound - num_tokens / rate)
 
     def _expire(self, now: float) -> None:
         stale = [rid for rid, entry in self._queued.items()
@@ -433,7 +484,7 @@ class AdmissionGate:
         values = [1.0 + max(0.0, ratio - 1.0) * 0.5 ** ((now - when) / FACTOR_HALF_LIFE_S)
                   for when, ratio in self._ratios]
         values += [_ratio(now - admitted, estimate)
-                   for _, _, admitted, estimate in self._queued.values()
+                   for _, _, admitted, estimate, _ in self._queued.values()
                    if estimate is not None and math.isfinite(estimate)
                    and now - admitted > estimate]
         if not values:

@@ -24,7 +24,10 @@ Admission (``check_admission``, admission.py): each request is queued in an ``Ad
 from admission (or its stream's start, or a PD ``reserve``) until its first output reaches its
 stream, and the gate refuses an API call past ``EngineConfig.max_queue_delay_s`` /
 ``max_queued_tokens`` before anything is submitted. The engine thread publishes the step cost
-model's prefill capacity after every step: the gate's prior rate.
+model's prefill capacity after every step: the gate's prior rate. An admitted request that
+has not started computing by its gate's ``start_by`` is taken out of the engine's waiting queue
+by the engine thread and its stream fails with the gate's ``timed_out`` refusal
+(``OverloadedError``, limit ``queue_timeout``), so the bound holds for the requests served.
 """
 
 from __future__ import annotations
@@ -175,6 +178,9 @@ class AsyncLLM:
         self._capacity = engine.prefill_capacity()  # written by the engine thread
         self._kv_outlook = engine.kv_outlook()  # and these two
         self._slowdown = 1.0
+        # request id -> when it must have started (admission.py ``start_by``); written on the
+        # event loop, read and dropped on the engine thread (single dict operations)
+        self._start_by: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options: Any) -> AsyncLLM:
@@ -226,6 +232,9 @@ class AsyncLLM:
         """Stream a validated request's outputs; leaving the loop early (or being cancelled)
         aborts it."""
         self.admission.claim(request.request_id, len(request.prompt_ids))
+        start_by = self.admission.start_by(request.request_id)
+        if start_by is not None:
+            self._start_by[request.request_id] = start_by
         async with self._streaming(request.request_id, Add(request)) as stream:
             async for item in stream:
                 yield item
@@ -276,6 +285,7 @@ class AsyncLLM:
             async with contextlib.aclosing(self._stream(request_id, state)) as stream:
                 yield stream
         finally:
+            self._start_by.pop(request_id, None)
             self.admission.forget(request_id)  # no-op once its first output was taken
 
     async def _stream(self, request_id: str, state: _Stream) -> AsyncIterator[RequestOutput]:
@@ -358,12 +368,30 @@ class AsyncLLM:
             self._kv_outlook = engine.kv_outlook()
             self._slowdown = engine.prefill_slowdown(self.admission.num_queued)
             self._dispatch(outputs)
+            self._refuse_late()  # after a step: each request had a chance to start
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()  # on the owner thread: the KV manager allows no other
 
     def _drain_inbox(self) -> None:
         while self._inbox:
             self._inbox.popleft().run(self)
+
+    def _refuse_late(self) -> None:
+        """Refuse the admitted requests still waiting to start past their ``start_by`` (run
+        after a step, so a request the step could have started is never refused: a lone
+        prompt always runs)."""
+        if not self._start_by:
+            return
+        now = time.monotonic()
+        due = [rid for rid, when in list(self._start_by.items()) if when <= now]
+        if not due:
+            return
+        waiting = self.engine.not_started()
+        for request_id in due:
+            self._start_by.pop(request_id, None)
+            if request_id in waiting:
+                self.engine.abort_request(request_id)
+                self._dispatch([self.admission.timed_out(request_id)], request_id)
 
     def _apply_backpressure(self) -> int:
         """Pause requests whose consumers fell behind, resume those that caught up, abort

@@ -230,6 +230,12 @@ class LLMEngine:
     def live_request_ids(self) -> list[str]:
         return list(self._requests)
 
+    def not_started(self) -> set[str]:
+        """The requests still waiting for their first prompt chunk (a preempted one, which
+        had started, is not among them)."""
+        return {r.request_id for r in self.scheduler.waiting
+                if r.num_computed_tokens == 0 and r.num_preemptions == 0}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

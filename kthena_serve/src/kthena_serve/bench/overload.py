@@ -9,6 +9,8 @@ admits keep their TTFT within its queue bound and the rest are refused fast.
                  for an earlier answer, as independent clients do)
                    200 ─▶ TTFT (first text event), must end with [DONE]
                    503 overloaded ─▶ its latency (send to headers) and Retry-After
+                   503 queue_timeout ─▶ the same, counted apart: admitted, then refused at
+                                        its queue deadline (admission.py), so not fast
                    anything else (or no [DONE]) ─▶ an error
     ─▶ accepted TTFT percentiles against the bound, 503 latency percentiles, counts
 
@@ -82,9 +84,12 @@ def _completed(answer: _Answer) -> bool:
     return answer.status == 200 and answer.is_done and answer.problem is None
 
 
+_REFUSAL_CODES = ("overloaded", "queue_timeout")  # at admission; at the queue deadline
+
+
 def _refused(answer: _Answer) -> bool:
     """A 503 past the server's queue bound (any other 503 is an error)."""
-    return answer.status == 503 and answer.code == "overloaded"
+    return answer.status == 503 and answer.code in _REFUSAL_CODES
 
 
 def _draw(rng: random.Random, target: _Target) -> tuple[str, str]:
@@ -189,6 +194,7 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
             answers: list[_Answer], seconds: float) -> dict:
     accepted = [a for a in answers if _completed(a)]
     rejected = [a for a in answers if _refused(a)]
+    late = [a for a in rejected if a.code == "queue_timeout"]
     errors = [a for a in answers if not _completed(a) and not _refused(a)]
     ttft = [a.ttft_s for a in accepted if a.ttft_s is not None]
     retry = sorted(int(a.retry_after) for a in rejected
@@ -206,8 +212,11 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
         "errors": [a.problem or f"HTTP {a.status}" for a in errors][:_MAX_ERRORS_SHOWN],
         "accepted_rps": round(len(accepted) / seconds, 3) if seconds else None,
         "accepted_ttft_ms": ttft_ms, "ttft_p99_within_bound": within,
+        "num_rejected_late": len(late),
         "rejected_latency_ms": _pcts_ms([a.headers_s for a in rejected
-                                         if a.headers_s is not None]),
+                                         if a.headers_s is not None and a.code != "queue_timeout"]),
+        "rejected_late_latency_ms": _pcts_ms([a.headers_s for a in late
+                                              if a.headers_s is not None]),
         "retry_after_s": {"min": retry[0] if retry else None,
                           "p50": retry[len(retry) // 2] if retry else None,
                           "max": retry[-1] if retry else None},

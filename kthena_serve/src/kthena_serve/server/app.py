@@ -9,7 +9,9 @@
     POST /tokenize, /detokenize                  (vLLM's; see ``tokenization``)
 
 Requests are validated, tokenised and length-checked before anything streams, so every bad
-input is a 4xx with an OpenAI error body. ``prefix_hash`` / ``reuse_offset`` are accepted and
+input is a 4xx with an OpenAI error body. A streamed answer's headers go out with its first
+output, so what fails while it waits (a refusal at its queue deadline, admission.py) is a
+status too. ``prefix_hash`` / ``reuse_offset`` are accepted and
 only compared with what token matching found (a metric); ``cache_salt`` keys the prefix cache.
 """
 
@@ -172,8 +174,8 @@ class _Api:
         job = await self._open_kv(body, job)
         rid = p.new_id("cmpl", body.request_id)
         if body.stream:
-            chunks = self._completion_chunks(rid, body, job)
-            return _sse(chunks)
+            outputs = await self._started(job, request)
+            return _sse(self._completion_chunks(rid, body, job, outputs))
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
         logprobs = [None if o.logprobs is None else self._completion_logprobs(
@@ -217,7 +219,8 @@ class _Api:
         job = await self._open_kv(body, job)
         rid = p.new_id("chatcmpl", body.request_id)
         if body.stream:
-            return _sse(self._chat_chunks(rid, body, job))
+            outputs = await self._started(job, request)
+            return _sse(self._chat_chunks(rid, body, job, outputs))
         finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
@@ -246,12 +249,44 @@ class _Api:
                 raise ApiError(499, "the client closed the request", code="client_closed")
         try:
             finals = task.result()
+        except OverloadedError as error:  # admitted, then not started in time (admission.py)
+            self.metrics.observe_rejected(error.limit)
+            raise
         except Exception:
             self.metrics.observe_aborted(job.num_choices)
             raise
         for out in finals:
             self.metrics.observe(out, hint)
         return finals
+
+    async def _started(self, job: Job, request: Request,
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The job's outputs, once the first has come. Nothing is sent before it, so what fails
+        while the request waits (a refusal at its queue deadline, the engine gone, a failed
+        request) is the response's status and body, not an error event in a 200 stream."""
+        outputs = stream_choices(self.engine, job)
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            while not first.done():
+                await asyncio.wait({first}, timeout=0.5)
+                if not first.done() and await request.is_disconnected():
+                    first.cancel()
+                    await asyncio.gather(first, return_exceptions=True)
+                    self.metrics.observe_aborted(job.num_choices)
+                    raise ApiError(499, "the client closed the request", code="client_closed")
+            head = first.result()
+        except OverloadedError as error:
+            await outputs.aclose()
+            self.metrics.observe_rejected(error.limit)
+            raise
+        except ApiError:
+            await outputs.aclose()
+            raise
+        except Exception:
+            await outputs.aclose()
+            self.metrics.observe_aborted(job.num_choices)
+            raise
+        return _after(head, outputs)
 
     @contextlib.asynccontextmanager
     async def _counting(self, job: Job, finals: dict[int, RequestOutput]) -> AsyncIterator[None]:
@@ -261,13 +296,14 @@ class _Api:
         finally:
             self.metrics.observe_aborted(job.num_choices - len(finals))
 
-    async def _completion_chunks(self, rid: str, body: p.CompletionRequest, job: Job):
+    async def _completion_chunks(self, rid: str, body: p.CompletionRequest, job: Job,
+                                 outputs: AsyncIterator[tuple[int, RequestOutput]]):
         finals: dict[int, RequestOutput] = {}
         pending = _PendingLogprobs()
         offsets: dict[int, p.TextOffsets] = {}
         echoes = dict(enumerate(self._echo_texts(body, job))) if body.echo else {}
         async with self._counting(job, finals):
-            async for choice, out in stream_choices(self.engine, job):
+            async for choice, out in outputs:
                 pending.add(choice, out)
                 if out.finished:
                     finals[choice] = out
@@ -295,7 +331,8 @@ class _Api:
             usage = p.usage(outs, [job.prompt_index(c) for c in sorted(finals)])
             yield p.usage_chunk(rid, "text_completion", self.model_name, usage)
 
-    async def _chat_chunks(self, rid: str, body: p._Common, job: Job):
+    async def _chat_chunks(self, rid: str, body: p._Common, job: Job,
+                           outputs: AsyncIterator[tuple[int, RequestOutput]]):
         for choice in range(job.num_choices):
             chunk = p.chat_chunk(rid, self.model_name, choice,
                                  {"role": "assistant", "content": ""}, None)
@@ -306,7 +343,7 @@ class _Api:
         pending = _PendingLogprobs()
         tools = _ToolDeltas(body)
         async with self._counting(job, finals):
-            async for choice, out in stream_choices(self.engine, job):
+            async for choice, out in outputs:
                 pending.add(choice, out)
                 reason = out.finish_reason.value if out.finish_reason else None
                 if out.finished:
@@ -395,6 +432,15 @@ def _with_kv(response: dict, job: Job) -> dict:
     if job.kv is not None:
         response["kv_transfer_params"] = job.kv.response_params()
     return response
+
+
+async def _after(head: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]],
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``head``, then ``rest``; closing this closes ``rest`` (which aborts what is left)."""
+    async with contextlib.aclosing(rest):
+        yield head
+        async for item in rest:
+            yield item
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

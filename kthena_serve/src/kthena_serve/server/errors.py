@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kthena_serve.admission import QUEUE_TIMEOUT  # also the code of a refusal at its deadline
 from kthena_serve.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -20,7 +21,7 @@ from kthena_serve.errors import (
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["OVERLOADED", "ApiError", "error_body", "install_handlers", "overloaded_response"]
+__all__ = ["OVERLOADED", "QUEUE_TIMEOUT", "ApiError", "error_body", "install_handlers", "overloaded_response"]
 
 OVERLOADED = "overloaded"  # the error code of a refusal past the queue bound (admission.py)
 
@@ -56,8 +57,11 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def overloaded_response(error: OverloadedError) -> JSONResponse:
-    """503 ``{"error": {..., "code": "overloaded"}}`` with the refusal's ``Retry-After``."""
-    return error_response(503, str(error), code=OVERLOADED, retry_after_s=error.retry_after_s)
+    """503 ``{"error": {..., "code": "overloaded"}}`` with the refusal's ``Retry-After``; code
+    ``queue_timeout`` for a request refused at its queue deadline after admission (a DP router
+    does not pass that one on: its wait is spent)."""
+    code = QUEUE_TIMEOUT if error.limit == QUEUE_TIMEOUT else OVERLOADED
+    return error_response(503, str(error), code=code, retry_after_s=error.retry_after_s)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
