@@ -311,21 +311,17 @@ def test_a_request_refused_at_its_deadline_leaves_the_queue_as_a_ratio_sample() 
     assert gate.load(prior).num_requests == 0
 
 
-def test_a_request_that_leaves_late_without_a_first_token_is_a_ratio_sample() -> None:
+def test_a_request_that_ends_without_a_first_token_is_not_a_ratio_sample() -> None:
+    """A failure (a PD handoff waiting out its transfer timeout, a client gone) is not the
+    queue's lateness: it counts while queued, and is forgotten when it ends."""
     clock = Clock()
     gate = AdmissionGate(AdmissionLimits(max_queue_delay_s=10.0), clock=clock)
     assert gate.try_admit([("a", 100)], 100.0) is None  # estimated 1 s
     gate.claim("a", 100)
     clock.now += 5.0
-    gate.forget("a")  # its client left after 5 s: the queue was that slow at least
-    assert gate.load(100.0).wait_factor == pytest.approx(
-        (5.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S))
-    assert gate.try_admit([("b", 100)], 100.0) is None  # empty again
-    gate.claim("b", 100)
-    clock.now += 0.5
-    gate.forget("b")  # left within its estimate: no sample
-    assert gate.load(100.0).wait_factor == pytest.approx(
-        (5.0 + ESTIMATE_FLOOR_S) / (1.0 + ESTIMATE_FLOOR_S), rel=0.01)
+    assert gate.load(100.0).wait_factor > 1.0  # late while queued
+    gate.forget("a")
+    assert gate.load(100.0).wait_factor == 1.0
 
 
 def test_admitted_requests_that_never_start_expire() -> None:

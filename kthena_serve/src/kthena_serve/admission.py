@@ -48,8 +48,9 @@ point is refused after all (``timed_out``: ``OverloadedError`` with limit ``queu
 server's 503 with ``Retry-After``; its headers wait for the first output, so this is still a
 status, not an event in a 200 stream). So an estimate that ran short costs the few requests it
 let in too many, not the TTFT tail of everyone admitted; a request that started is never
-refused (a lone prompt longer than the bound is served). Those refusals are samples of the
-ratio too. Like Triton's queue policy with ``timeout_action: REJECT``, measured from admission.
+refused (a lone prompt longer than the bound is served). Such a refusal is a ratio sample (its
+wait against its estimate); a request that ends otherwise without a first token is not (it may
+have failed for a reason that is not the queue). Like Triton's queue policy with ``timeout_action: REJECT``, measured from admission.
 
 Two bounds (``AdmissionLimits``, from ``EngineConfig.max_queue_delay_s`` / ``max_queued_tokens``):
 
@@ -377,12 +378,14 @@ class AdmissionGate:
 
     def timed_out(self, request_id: str) -> OverloadedError:
         """The refusal of an admitted request that did not start by its ``start_by``; it leaves
-        the queue (its wait is a ratio sample, as in ``forget``)."""
+        the queue, and its wait is a ratio sample (the queue was that late at least)."""
         with self._lock:
             now = self._advance()
             entry = self._queued.get(request_id)
             waited = 0.0 if entry is None else now - entry[2]
-            self._leave(request_id, now)
+            if entry is not None and entry[3] is not None and math.isfinite(entry[3]):
+                self._ratios.append((now, _ratio(waited, entry[3])))
+            self._leave(request_id)
             expected = self._load(None).expected_wait_s()
         bound = self.limits.max_queue_delay_s or 0.0
         return OverloadedError(
@@ -416,10 +419,13 @@ class AdmissionGate:
                     self._ratios.append((now, _ratio(now - admitted, estimate)))
 
     def forget(self, request_id: str) -> None:
-        """It ended (or was released) without a first token; nothing happens if it left. A
-        wait past its estimate is a ratio sample of at least that much (module docs)."""
+        """It ended (or was released) without a first token; nothing happens if it left. Not a
+        ratio sample: it may have failed for a reason that is not the queue (a partition
+        between PD workers waits out the transfer timeout), and its lateness counted while it
+        was queued."""
         with self._lock:
-            self._leave(request_id, self._advance())
+            self._advance()
+            self._leave(request_id)
 
     def load(self, prior: float | None = None, kv: KVOutlook | None = None,
              slowdown: float = 1.0) -> QueueLoad:
@@ -447,15 +453,10 @@ class AdmissionGate:
         self._queued[request_id] = [num_tokens, deadline, now, estimate, start_by]
         self._num_tokens += num_tokens
 
-    def _leave(self, request_id: str, now: float) -> None:
-        """It left without a first token: a wait past its estimate is a ratio sample."""
+    def _leave(self, request_id: str) -> None:
         entry = self._queued.pop(request_id, None)
-        if entry is None:
-            return
-        self._num_tokens -= entry[0]
-        _, _, admitted, estimate, _ = entry
-        if estimate is not None and math.isfinite(estimate) and now - admitted > estimate:
-            self._ratios.append((now, _ratio(now - admitted, estimate)))
+        if entry is not None:
+            self._num_tokens -= entry[0]
 
     def _start_by(self, now: float, num_tokens: int, load: QueueLoad) -> float | None:
         bound, rate = self.limits.max_queue_delay_s, load.prefill_tokens_per_s
