@@ -382,6 +382,11 @@ class GateMachine(RuleBasedStateMachine):
         (self.gate.started if first else self.gate.forget)(rid)
         self.model.pop(rid, None)
 
+    @rule(rid=st.sampled_from("abcdef"))
+    def time_out(self, rid: str) -> None:  # refused at its deadline: it leaves the queue
+        assert self.gate.timed_out(rid).limit == "queue_timeout"
+        self.model.pop(rid, None)
+
     @rule(seconds=st.floats(0.0, 4.0))
     def wait(self, seconds: float) -> None:
         self.clock.now += seconds

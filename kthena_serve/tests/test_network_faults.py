@@ -81,13 +81,21 @@ class Deployment:
 
     def stream(self, ids: list[int]) -> tuple[int, list[dict]]:
         """(status, the events) of a streamed completion."""
-        with inside(self.ns_a):
-            body = {"model": "default", "prompt": ids, "max_tokens": 6, "temperature": 0,
-                    "stream": True}
-            reply = httpx.post(f"{self.cluster.url}/v1/completions", json=body, timeout=120)
+        reply = self._stream(ids)
         events = [json.loads(line[len("data: "):]) for line in reply.text.splitlines()
                   if line.startswith("data: {")]
         return reply.status_code, events
+
+    def stream_refusal(self, ids: list[int]) -> tuple[int, dict]:
+        """(status, the error body) of a streamed completion refused before its headers."""
+        reply = self._stream(ids)
+        return reply.status_code, reply.json() if reply.status_code != 200 else {}
+
+    def _stream(self, ids: list[int]) -> httpx.Response:
+        with inside(self.ns_a):
+            body = {"model": "default", "prompt": ids, "max_tokens": 6, "temperature": 0,
+                    "stream": True}
+            return httpx.post(f"{self.cluster.url}/v1/completions", json=body, timeout=120)
 
     def decode_held(self) -> tuple[int, int]:
         """(decode used blocks, quarantined reservations): readable through a partition."""
@@ -217,17 +225,16 @@ class TestPolicyFail:
         assert pd.decode_metric('kthena_pd_requests_total{path="disaggregated"') == disaggregated + 1
         wait_for(lambda: pd.held() == (0, 0, 0, 0), 10, "nothing held")
 
-    def test_partition_mid_handoff_ends_a_stream_with_an_error_event(self, failing) -> None:  # noqa: ANN001
+    def test_partition_mid_handoff_refuses_a_stream_before_its_headers(self, failing) -> None:  # noqa: ANN001
+        """A streamed answer's headers wait for its first output, so a hand-off that fails
+        before it is the response's 503, not an error event in a 200 stream."""
         pd = failing
         long_prompt = prompt(380, "streamed cut. ")
         try:
-            (status, events), waited, _ = cut_mid_transfer(pd, lambda: pd.stream(long_prompt))
+            (status, body), waited, _ = cut_mid_transfer(pd, lambda: pd.stream_refusal(long_prompt))
             assert waited < TRANSFER_TIMEOUT_S + 10, waited
-            if status == 200:  # headers were out: the stream ends with an error event
-                assert "error" in events[-1], events
-                assert "KV handoff failed" in events[-1]["error"]["message"]
-            else:
-                assert status == 503
+            assert status == 503, body
+            assert "KV handoff failed" in body["error"]["message"], body
             assert_blocks_wait_for_the_late_bytes(pd)
         finally:
             pd.link.heal()

@@ -17,7 +17,8 @@ the workers on that path (prefill workers, or decode workers). Decode
 workers do not check ``/pd/generate`` again (a refusal there would come after this router's 200
 went out); one that answers 503 ``overloaded`` all the same (a worker that is not this
 deployment's) is passed on as ``OverloadedError``: the app's 503 with the worker's
-``Retry-After``, or in a stream whose headers are out, an error event with code ``overloaded``.
+``Retry-After`` (a streamed answer's headers wait for its first output, so this is a status in
+streams too).
 """
 
 from __future__ import annotations

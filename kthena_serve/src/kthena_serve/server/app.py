@@ -462,7 +462,7 @@ def _in_band(error: Exception) -> dict:
         return error_body(error.status, error.message, error.param, error.code)
     if isinstance(error, RequestFailedError):
         return error_body(500, str(error), code="request_failed")
-    if isinstance(error, OverloadedError):  # a PD decode worker refused after the router admitted
+    if isinstance(error, OverloadedError):  # after the first output: not expected, kept safe
         return error_body(503, str(error), code=OVERLOADED)
     if isinstance(error, EngineDeadError):
         return error_body(503, str(error))
