@@ -22,8 +22,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 from fastapi import FastAPI, Request
@@ -54,6 +54,7 @@ __all__ = ["build_app"]
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS = 64
+T = TypeVar("T")
 
 
 class _Api:
@@ -239,22 +240,7 @@ class _Api:
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
-        task = asyncio.ensure_future(collect(self.engine, job))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                self.metrics.observe_aborted(job.num_choices)
-                raise ApiError(499, "the client closed the request", code="client_closed")
-        try:
-            finals = task.result()
-        except OverloadedError as error:  # admitted, then not started in time (admission.py)
-            self.metrics.observe_rejected(error.limit)
-            raise
-        except Exception:
-            self.metrics.observe_aborted(job.num_choices)
-            raise
+        finals = await self._awaiting(collect(self.engine, job), job, request)
         for out in finals:
             self.metrics.observe(out, hint)
         return finals
@@ -265,28 +251,33 @@ class _Api:
         while the request waits (a refusal at its queue deadline, the engine gone, a failed
         request) is the response's status and body, not an error event in a 200 stream."""
         outputs = stream_choices(self.engine, job)
-        first = asyncio.ensure_future(anext(outputs))
         try:
-            while not first.done():
-                await asyncio.wait({first}, timeout=0.5)
-                if not first.done() and await request.is_disconnected():
-                    first.cancel()
-                    await asyncio.gather(first, return_exceptions=True)
-                    self.metrics.observe_aborted(job.num_choices)
-                    raise ApiError(499, "the client closed the request", code="client_closed")
-            head = first.result()
-        except OverloadedError as error:
+            head = await self._awaiting(anext(outputs), job, request)
+        except BaseException:
             await outputs.aclose()
-            self.metrics.observe_rejected(error.limit)
-            raise
-        except ApiError:
-            await outputs.aclose()
-            raise
-        except Exception:
-            await outputs.aclose()
-            self.metrics.observe_aborted(job.num_choices)
             raise
         return _after(head, outputs)
+
+    async def _awaiting(self, work: Awaitable[T], job: Job, request: Request) -> T:
+        """``work``'s result, cancelling it (which aborts the job's requests) if the client goes
+        away (499); a failure counts the job's choices as refused (a queue deadline) or
+        aborted."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                self.metrics.observe_aborted(job.num_choices)
+                raise ApiError(499, "the client closed the request", code="client_closed")
+        try:
+            return task.result()
+        except OverloadedError as error:  # admitted, then not started in time (admission.py)
+            self.metrics.observe_rejected(error.limit)
+            raise
+        except Exception:
+            self.metrics.observe_aborted(job.num_choices)
+            raise
 
     @contextlib.asynccontextmanager
     async def _counting(self, job: Job, finals: dict[int, RequestOutput]) -> AsyncIterator[None]:
