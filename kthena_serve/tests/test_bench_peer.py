@@ -155,6 +155,18 @@ def test_options_reject_bad_cases_and_runs():
         serve.BenchOptions(runs=0)
 
 
+def test_a_passive_wait_policy_is_warned_of_only_where_it_slows_the_figures():
+    """Two threads sleeping between parallel regions slow every step: said once; one thread
+    (no team to wake), another policy or a GOMP_SPINCOUNT of the user's own is not warned of."""
+    note = serve.wait_policy_note(2, {"OMP_WAIT_POLICY": "passive"})
+    assert note is not None and note.startswith("OMP_WAIT_POLICY=PASSIVE is set")
+    assert "unset it" in note
+    for threads, env in ((1, {"OMP_WAIT_POLICY": "PASSIVE"}), (2, {}),
+                         (2, {"OMP_WAIT_POLICY": "ACTIVE"}),
+                         (2, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"})):
+        assert serve.wait_policy_note(threads, env) is None, (threads, env)
+
+
 def test_every_system_runs_the_same_prompts():
     one, two = serve.workload_prompts(("a", "b", "c")), serve.workload_prompts(("a", "b", "c"))
     assert one == two

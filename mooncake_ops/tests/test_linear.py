@@ -224,12 +224,13 @@ def test_native_bf16_weights_outside_its_layout_get_onednn_packing():
 
 
 @native_only
-@pytest.mark.parametrize("rows", [129, 300, 1024])
+@pytest.mark.parametrize("rows", [7, 32, 129, 300, 1024])
 def test_native_bf16_linear_gives_two_threads_the_same_answer_as_one(rows):
-    """Prefill-sized calls whose 64-column panels do not divide among the threads (9 panels:
-    576 outputs, the model's o and down projections) split each panel's rows as well; every
-    output is still summed by one micro-tile in one order, so two threads agree with one bit
-    for bit, and both with float64, on fresh random inputs."""
+    """Calls whose 64-column panels do not divide among the threads (9 panels: 576 outputs,
+    the model's o and down projections): decode-sized ones (7, 32 rows) give each thread 18
+    of the 36 16-column blocks, in panels of 4, 4, 4, 3, 3; prefill-sized ones split each
+    panel's rows as well. Every output is still summed by one micro-tile in one order, so two
+    threads agree with one bit for bit, and both with float64, on fresh random inputs."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     weight = (torch.randn(576, 576, generator=gen) / 24).bfloat16()

@@ -8,17 +8,17 @@
 // so one vdpbf16ps with x's pair p broadcast adds 2 products to 16 outputs, and nothing needs
 // a horizontal sum. Micro-tile: MR x rows by NR blocks of 16 outputs (MR x NR fp32
 // accumulators; 4 x 4 = 64 outputs for 4 rows), per pair p NR weight loads, MR broadcasts and
-// MR x NR vdpbf16ps. Loop: threads split the output blocks (panels of NR x 16 columns, whose
-// K x NR x 16 weights stay in L2 while every row block passes over them), or, when a call has
-// fewer panels than threads and many rows, the rows; calls of 256 rows or more (prefill
-// chunks) split into (panel, 256 rows) tasks that each thread takes as it finishes the last
-// (a static split left one thread waiting whenever the other core ran slower), and smaller
-// ones whose panels do not divide among the threads split each panel's rows too (e.g. 9
-// panels x 2 chunks on 2 threads). Row counts <= 4 stream the weight once at close to memory
-// bandwidth; large ones are bound by the dot products. With several row blocks the next panel
-// is prefetched a few lines per pair while this one is computed, so a batched decode step's
-// weights arrive from DRAM behind the arithmetic (without: 1.2-1.25x slower for 32 rows over
-// cold weights).
+// MR x NR vdpbf16ps. Loop: threads split the output blocks in equal shares (each in panels of
+// up to NR x 16 columns, whose K x NR x 16 weights stay in L2 while every row block passes
+// over them), or, when a call has fewer panels than threads and many rows, the rows; calls
+// of 256 rows or more (prefill chunks) split into (panel, 256 rows) tasks that each thread
+// takes as it finishes the last (a static split left one thread waiting whenever the other
+// core ran slower), and smaller ones whose panels do not divide among the threads split each
+// panel's rows too (e.g. 9 panels x 2 chunks on 2 threads). Row counts <= 4 stream the
+// weight once at close to memory bandwidth; large ones are bound by the dot products. With
+// several row blocks the next panel is prefetched a few lines per pair while this one is
+// computed, so a batched decode step's weights arrive from DRAM behind the arithmetic
+// (without: 1.2-1.25x slower for 32 rows over cold weights).
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
 
@@ -136,26 +136,41 @@ void panel_rows(const bf16* x, int64_t ldx, const uint32_t* w, int64_t K2, const
   }
 }
 
-// Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs; SILU: y is N / 2 wide).
+// Rows [m0, m1) x output blocks [b_begin, b_end) of 16 (SILU: y is N / 2 wide, and the range
+// holds whole (gate, up) pairs), in panels of up to kNR blocks whose sizes differ by at most
+// one block (SILU: one pair): 18 blocks go 4, 4, 4, 3, 3, not 4, 4, 4, 4, 2 (a 2-block tile
+// keeps only 8 accumulators in flight).
 template <bool SILU>
-void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
-               int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
-  const int64_t blocks = N / 16, ldy = SILU ? N / 2 : N;
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t b0 = j * kNR, nb = std::min(kNR, blocks - b0);
+void run_blocks(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
+                int64_t m0, int64_t m1, int64_t b_begin, int64_t b_end) {
+  const int64_t ldy = SILU ? N / 2 : N, unit = SILU ? 2 : 1;  // blocks per indivisible unit
+  const int64_t units = (b_end - b_begin) / unit, per = kNR / unit;
+  const int64_t np = (units + per - 1) / per;  // panels
+  if (np == 0) return;
+  const int64_t row_blocks = (m1 - m0 + kMR - 1) / kMR;
+  auto panel_begin = [&](int64_t j) { return b_begin + unit * (units * j / np); };  // even sizes
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t b0 = panel_begin(j), nb = panel_begin(j + 1) - b0;
     const uint32_t* w = wp + b0 * K2 * 16;
     const bf16* bj = bias != nullptr ? bias + b0 * 16 : nullptr;
     // The next panel's weights (contiguous, `next_lines` cache lines) come in while this one is
     // computed: with several row blocks each takes an equal share, spread over its pairs; one
     // row block streams at memory speed, and only the next panel's first pairs are asked for.
-    const int64_t row_blocks = (m1 - m0 + kMR - 1) / kMR;
-    const int64_t next_blocks = j + 1 < j1 ? std::min(kNR, blocks - b0 - kNR) : 0;
+    const int64_t next_blocks = j + 1 < np ? panel_begin(j + 2) - panel_begin(j + 1) : 0;
     const int64_t next_lines = row_blocks > 1 ? next_blocks * K2 : 0;
-    const char* next = reinterpret_cast<const char*>(w + kNR * K2 * 16);
+    const char* next = reinterpret_cast<const char*>(w + nb * K2 * 16);
     if (row_blocks == 1)
       for (int64_t q = 0; q < next_blocks; ++q) _mm_prefetch(next + q * K2 * 64, _MM_HINT_T0);
     panel_rows<SILU>(x, ldx, w, K2, bj, y + (SILU ? b0 * 8 : b0 * 16), ldy, nb, m0, m1, next, next_lines);
   }
+}
+
+// Rows [m0, m1) x panels [j0, j1) (a panel = kNR blocks of 16 outputs, the last one what is left).
+template <bool SILU>
+void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
+               int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+  const int64_t blocks = N / 16;
+  run_blocks<SILU>(x, ldx, wp, bias, y, N, K2, m0, m1, std::min(blocks, j0 * kNR), std::min(blocks, j1 * kNR));
 }
 
 }  // namespace
@@ -216,8 +231,18 @@ std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, 
         tiles(std::min(M, r * chunk), std::min(M, (r + 1) * chunk), j, j + 1);
       }
     });
-  } else if (panels >= 4 * threads || M < 4 * kMR * threads) {  // split the columns
-    at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) { tiles(0, M, j0, j1); });
+  } else if (panels >= 4 * threads || M < 4 * kMR * threads) {
+    // split the columns, in equal shares of blocks (SILU: of gate / up pairs): 36 blocks go
+    // 18 / 18 on 2 threads where whole panels went 20 / 16 (batch 32 on a Zen 5, 30 layers'
+    // weights cycled: qkv / o / down 49.3 / 30.4 / 72.7 us -> 48.4 / 29.4 / 69.3)
+    const int64_t unit = silu ? 2 : 1, units = N / 16 / unit;
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b0 = unit * (units * t / threads), b1 = unit * (units * (t + 1) / threads);
+        if (silu) run_blocks<true>(xd, ldx, wd, bd, yd, N, K2, 0, M, b0, b1);
+        else run_blocks<false>(xd, ldx, wd, bd, yd, N, K2, 0, M, b0, b1);
+      }
+    });
   } else {  // few panels, many rows: split the rows (in whole micro-tiles)
     const int64_t row_tiles = (M + kMR - 1) / kMR;
     at::parallel_for(0, row_tiles, 1, [&](int64_t t0, int64_t t1) { tiles(t0 * kMR, std::min(M, t1 * kMR), 0, panels); });
