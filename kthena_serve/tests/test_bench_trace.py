@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -193,6 +194,26 @@ def test_options_keep_kthena_args_in_order():
     options = TraceOptions(trace=Path("t"), kthena_args=("--max-num-batched-tokens=512",
                                                           "--no-prefix-caching"))
     assert options.kthena_args == ("--max-num-batched-tokens=512", "--no-prefix-caching")
+
+
+def test_servers_get_the_users_environment_without_the_policy_our_import_set(monkeypatch):
+    """Both servers start as from a shell: the PASSIVE that ``import kthena_serve`` put into
+    this process is left out (`kthena serve` then keeps OpenMP's default spin), a value the
+    user exported is passed on, and our API key never reaches the servers."""
+    from kthena_serve import threads
+    from kthena_serve.bench.trace import _sides
+
+    options = TraceOptions(trace=Path("t"), peer=True)
+    monkeypatch.setenv("KTHENA_API_KEY", "secret")
+    for defaulted, expected in ((True, None), (False, "PASSIVE")):
+        monkeypatch.setattr(threads, "_defaulted", defaulted)
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        sides = {side.name: side for side in _sides(options, Path("py"), Path("m"), "m")}
+        assert set(sides) == {"vllm", "kthena"}
+        for side in sides.values():
+            assert side.env.get("OMP_WAIT_POLICY") == expected, (side.name, defaulted)
+        assert "KTHENA_API_KEY" not in sides["kthena"].env
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # this process's own is untouched
 
 
 # ---- the report --------------------------------------------------------------------------------

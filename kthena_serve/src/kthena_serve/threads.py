@@ -30,7 +30,7 @@ import sys
 from collections.abc import MutableMapping
 
 __all__ = ["configure_threads", "default_wait_policy", "in_process_threads",
-           "keep_openmp_default", "owned_cores", "prepare_worker_env"]
+           "keep_openmp_default", "owned_cores", "prepare_worker_env", "user_environ"]
 
 log = logging.getLogger(__name__)
 WAIT_POLICY = "OMP_WAIT_POLICY"
@@ -80,6 +80,16 @@ def default_wait_policy() -> None:
     elif WAIT_POLICY not in os.environ and not _run_as_our_module():
         os.environ[WAIT_POLICY] = "PASSIVE"
         _defaulted = True
+
+
+def user_environ() -> dict[str, str]:
+    """``os.environ`` as the user set it: without the ``OMP_WAIT_POLICY=PASSIVE`` that
+    ``import kthena_serve`` added (`default_wait_policy`), for a child that should decide its
+    own policy as it would when started from a shell (a server a benchmark starts)."""
+    env = dict(os.environ)
+    if _defaulted and env.get(WAIT_POLICY) == "PASSIVE":
+        del env[WAIT_POLICY]
+    return env
 
 
 def keep_openmp_default() -> None:

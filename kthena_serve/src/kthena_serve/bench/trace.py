@@ -308,6 +308,7 @@ def _replay(side: _Side, replay: _Replay) -> dict:
     lists = per_request(raw)
     return {**side_figures(raw), "errors": error_counts(raw),
             "percentile_check": percentile_check(raw, lists), "server_command": side.server,
+            "server_omp_wait_policy": side.env.get("OMP_WAIT_POLICY", ""),
             "server_ready_s": round(ready_s, 1), "warm_up_s": round(warm_s, 2),
             "idle_wait_s": round(idle_s, 1), "load_avg_1m_before": load_before,
             "load_avg_1m_after": round(os.getloadavg()[0], 2), "_raw": lists}
@@ -331,17 +332,20 @@ def _vllm_version(venv: Path) -> str | None:
 
 
 def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str) -> list[_Side]:
-    from kthena_serve.threads import owned_cores
+    """Each server's command and environment: the user's, without the PASSIVE wait policy
+    ``import kthena_serve`` put into this process, so each decides its OpenMP policy as when
+    started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin)."""
+    from kthena_serve.threads import owned_cores, user_environ
 
     sides = []
     if options.peer:
         port = _free_port()
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, kthena's default KV pool
+        env = {**user_environ(), "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, kthena's default KV pool
                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, owned_cores()))}
         sides.append(_Side("vllm", _vllm_server(python, checkpoint, name, port), env,
                            f"http://127.0.0.1:{port}"))
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "KTHENA_API_KEY"}  # the client sends none
+    env = {k: v for k, v in user_environ().items() if k != "KTHENA_API_KEY"}  # the client sends none
     sides.append(_Side("kthena", _kthena_server(checkpoint, name, port, options.kthena_args),
                        {**env, "PYTHONUNBUFFERED": "1"}, f"http://127.0.0.1:{port}"))
     return sides
