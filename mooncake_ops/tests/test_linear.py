@@ -249,42 +249,6 @@ def test_native_bf16_linear_gives_two_threads_the_same_answer_as_one(rows):
 
 
 @native_only
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
-def test_every_call_on_all_threads_gives_the_same_bits_as_small_calls_on_one(rows):
-    """`NATIVE_PACKED_BF16_ALL_THREADS` runs calls under `ONE_THREAD_MAX_MACS` on every thread
-    (decode rows against the model's 960 x 576 qkv: 1-3 rows are under it; the fused
-    2 x 1536 gate/up: 1 row); each output
-    is still one micro-tile's sum in one order, so it equals the one-thread rule bit for bit,
-    and both match float64, on fresh random inputs."""
-    gen = torch.Generator().manual_seed(rows)
-    one, spread = mo.linear.NATIVE_PACKED_BF16, mo.linear.NATIVE_PACKED_BF16_ALL_THREADS
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    qkv = (torch.randn(960, 576, generator=gen) / 24).bfloat16()
-    gate_up = (torch.randn(3072, 576, generator=gen) / 24).bfloat16()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        packed, fused = one.pack(qkv), one.pack_gate_up(gate_up)
-        assert torch.equal(spread.linear(x, packed), one.linear(x, packed))
-        assert torch.equal(spread.gate_up_silu(x, fused), one.gate_up_silu(x, fused))
-    finally:
-        torch.set_num_threads(previous)
-    assert_close(spread.linear(x, packed), torch.nn.functional.linear(x.double(), qkv.double()),
-                 torch.bfloat16)
-
-
-@native_only
-def test_the_one_thread_bound_is_the_native_builds_and_a_negative_one_is_refused():
-    module = mo.linear._native_module()
-    assert module.bf16_linear_min_parallel_macs == mo.linear.ONE_THREAD_MAX_MACS
-    x = torch.randn(2, 64).bfloat16()
-    packed = mo.linear.NATIVE_PACKED_BF16.pack(torch.randn(32, 64).bfloat16())
-    with pytest.raises(ValueError, match="min_parallel_macs is -1; it is a multiply-add count, "
-                                         "0 or more"):
-        module.bf16_linear(x, packed, None, -1)
-
-
-@native_only
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None)
 @given(rows=st.one_of(st.integers(1, 40), st.sampled_from([129, 300])),

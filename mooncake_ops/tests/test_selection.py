@@ -117,49 +117,6 @@ def test_the_measurement_is_cached_and_timed_again_when_its_key_changes(tmp_path
     assert moved.source == "measured" and moved.key != first.key and timer.calls
 
 
-def test_openmps_wait_settings_are_part_of_the_key(tmp_path, monkeypatch):
-    """Whether a second thread pays off on a small matmul depends on how OpenMP's threads wait
-    (asleep under PASSIVE, spinning otherwise): another policy or spin count times again."""
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    passive = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
-                                 timer=Timings({}))
-    keys = {passive.key}
-    for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "5000")):
-        monkeypatch.setenv(name, value)
-        timer = Timings({})
-        moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
-                                   timer=timer)
-        assert moved.source == "measured" and timer.calls and moved.key not in keys, name
-        keys.add(moved.key)
-
-
-def test_the_native_kernel_is_a_candidate_under_both_threading_rules():
-    """Where the native kernel runs, it is timed twice: small calls on the calling thread, and
-    every call on all threads; both share one packing, so a split between them holds one
-    packed copy of each weight, and they compute the same bits."""
-    from mooncake_ops.linear import (
-        NATIVE_PACKED_BF16,
-        NATIVE_PACKED_BF16_ALL_THREADS,
-        native_bf16_linear_available,
-    )
-
-    weight = torch.randn(64, 96).to(torch.bfloat16)
-    names = [k.name for k in sel.linear_candidates(weight)]
-    if not native_bf16_linear_available():
-        assert "native-packed-bf16" not in names and "native-packed-bf16-all-threads" not in names
-        pytest.skip("no AVX512_BF16 native kernel on this CPU")
-    assert names[:2] == ["native-packed-bf16", "native-packed-bf16-all-threads"]
-    one, spread = NATIVE_PACKED_BF16, NATIVE_PACKED_BF16_ALL_THREADS
-    assert spread.pack is one.pack and spread.pack_gate_up is one.pack_gate_up
-    kernel = sel.split_kernel(spread, one)
-    packed = kernel.pack(weight)
-    x = torch.randn(40, 96).to(torch.bfloat16)
-    assert torch.equal(kernel.linear(x, packed), one.linear(x, one.pack(weight)))
-    choice = sel.KernelChoice("auto", spread.name, one.name)
-    assert choice.linear_kernel().name == "native-packed-bf16-all-threads+native-packed-bf16"
-
-
 def test_a_stale_or_corrupt_cache_file_is_measured_again(tmp_path):
     first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
                                timer=Timings({}))

@@ -15,10 +15,9 @@
 
 namespace mops {
 std::optional<at::Tensor> bf16_linear(const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, int64_t);
+                                      const std::optional<at::Tensor>&);
 at::Tensor bf16_pack_weight(const at::Tensor&);
-std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor&, const at::Tensor&, int64_t);
-int64_t bf16_linear_min_parallel_macs();
+std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor&, const at::Tensor&);
 bool bf16_linear_supported();
 std::optional<at::Tensor> bf16_int8_weight_linear(const at::Tensor&, const at::Tensor&,
                                                   const std::optional<at::Tensor>&);
@@ -31,14 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mops::def_paged_decode_attention(m);
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
-  const int64_t min_macs = mops::bf16_linear_min_parallel_macs();
-  m.attr("bf16_linear_min_parallel_macs") = min_macs;
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none(), py::arg("min_parallel_macs") = min_macs,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_pack_weight", &mops::bf16_pack_weight, py::call_guard<py::gil_scoped_release>());
-  m.def("bf16_gate_up_silu", &mops::bf16_gate_up_silu, py::arg("x"), py::arg("weight"),
-        py::arg("min_parallel_macs") = min_macs, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_gate_up_silu", &mops::bf16_gate_up_silu, py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_supported", &mops::bf16_linear_supported);
   m.def("bf16_int8_weight_linear", &mops::bf16_int8_weight_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());

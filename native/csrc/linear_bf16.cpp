@@ -41,8 +41,7 @@ namespace {
 using bf16 = c10::BFloat16;
 constexpr int64_t kMR = 4;  // x rows per micro-tile
 constexpr int64_t kNR = 4;  // 16-output blocks per micro-tile
-// Calls of fewer multiply-adds run on the calling thread unless the caller asks otherwise
-// (min_parallel_macs; mooncake_ops.linear.ONE_THREAD_MAX_MACS).
+// Fewer multiply-adds run on the calling thread (mooncake_ops.linear.ONE_THREAD_MAX_MACS).
 constexpr int64_t kOneThreadMaxMacs = int64_t{1} << 21;
 // Calls of at least this many rows split into tasks of one panel x this many rows, which the
 // threads take one at a time (~0.1 ms each at the default model's shapes).
@@ -176,12 +175,6 @@ void run_tiles(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias,
 
 }  // namespace
 
-static void check_min_parallel_macs(int64_t macs) {
-  if (macs < 0)
-    throw std::invalid_argument("min_parallel_macs is " + std::to_string(macs) +
-                                "; it is a multiply-add count, 0 or more (0: every call uses every thread)");
-}
-
 // Whether this CPU runs the kernel (AVX512_BF16).
 bool bf16_linear_supported() { return cpu_has_avx512_bf16(); }
 
@@ -196,7 +189,7 @@ at::Tensor bf16_pack_weight(const at::Tensor& w) {
 namespace {
 
 std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
-                                     bool silu, int64_t min_parallel_macs) {
+                                     bool silu) {
   if (!cpu_has_avx512_bf16() || x.dim() != 2 || wp.dim() != 4 || x.scalar_type() != at::kBFloat16 ||
       wp.scalar_type() != at::kBFloat16 || !wp.is_contiguous() || x.stride(1) != 1 || wp.size(2) != 16 ||
       wp.size(3) != 2 || (silu && (bias || wp.size(0) % 2)))
@@ -222,7 +215,7 @@ std::optional<at::Tensor> run_linear(const at::Tensor& x, const at::Tensor& wp, 
   // Row chunks per panel that make the (panel, chunk) tasks divide evenly among the threads:
   // 9 panels (576 outputs) on 2 threads split 5 / 4 by columns alone.
   const int64_t R = threads / std::gcd(panels, threads);
-  if (threads <= 1 || M * N * K < min_parallel_macs) {
+  if (threads <= 1 || M * N * K < kOneThreadMaxMacs) {
     tiles(0, M, 0, panels);
   } else if (M >= kTaskRows) {  // prefill-sized: (panel, row chunk) tasks, taken as threads free up
     const int64_t chunks = (M + kTaskRows - 1) / kTaskRows;
@@ -349,24 +342,16 @@ std::optional<at::Tensor> bf16_int8_weight_gate_up_silu(const at::Tensor& x, con
 
 // x [M, K] bf16 (rows contiguous, any row stride), packed weight as bf16_pack_weight returns,
 // bias [N] bf16 or None. None when the call does not fit (no AVX512_BF16, other dtypes).
-// Calls of fewer than min_parallel_macs (M x N x K) multiply-adds run on the calling thread
-// alone (ValueError when negative; 0: every call uses the torch threads).
 std::optional<at::Tensor> bf16_linear(const at::Tensor& x, const at::Tensor& wp,
-                                      const std::optional<at::Tensor>& bias, int64_t min_parallel_macs) {
-  check_min_parallel_macs(min_parallel_macs);
-  return run_linear(x, wp, bias, false, min_parallel_macs);
+                                      const std::optional<at::Tensor>& bias) {
+  return run_linear(x, wp, bias, false);
 }
 
 // silu(x @ gate^T) * (x @ up^T), [M, W], over a packed weight whose 16-row blocks alternate
 // gate block j, up block j (mooncake_ops.linear packs it so): the SwiGLU input of a down
-// projection in one pass, the [M, 2W] intermediate never written. No bias. min_parallel_macs
-// as for bf16_linear.
-std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t min_parallel_macs) {
-  check_min_parallel_macs(min_parallel_macs);
-  return run_linear(x, wp, std::nullopt, true, min_parallel_macs);
+// projection in one pass, the [M, 2W] intermediate never written. No bias.
+std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor& x, const at::Tensor& wp) {
+  return run_linear(x, wp, std::nullopt, true);
 }
-
-// The default min_parallel_macs of bf16_linear and bf16_gate_up_silu.
-int64_t bf16_linear_min_parallel_macs() { return kOneThreadMaxMacs; }
 
 }  // namespace mops

@@ -25,8 +25,7 @@ tokens), so a long-running server's RSS climbed by about 2 MiB/s until both cach
 row counts from a fixed set (`row_bucket`: exact up to 16 rows, then 8 sizes per power of two,
 fewer than 16 or 12.5% padding rows), so the caches hold a few hundred primitives and stop growing, and
 the primitive for a recurring size is built once instead of every step. Matmuls smaller than
-`ONE_THREAD_MAX_MACS` run on the calling thread alone (see there), except with
-`NATIVE_PACKED_BF16_ALL_THREADS`, the native kernel that spreads every call.
+`ONE_THREAD_MAX_MACS` run on the calling thread alone (see there).
 
 Weight-only int8 (``INT8_WEIGHT_ONLY``, ``--quantization int8``) halves the bytes a decode step
 reads. `pack_int8_weight` quantises each output channel symmetrically (``mooncake_ops.quant``:
@@ -57,8 +56,7 @@ from mooncake_ops.quant import quantize_int8, unpack_int8_rows
 
 __all__ = ["FP32_COMPUTE_BF16", "FP32_MIN_ROWS", "INT8_DEQUANT_DENSE", "INT8_MAX_OP_ROWS",
            "INT8_NATIVE_PANEL", "INT8_OP", "INT8_PANEL_MIN_ROWS", "INT8_WEIGHT_ONLY",
-           "NATIVE_PACKED_BF16", "NATIVE_PACKED_BF16_ALL_THREADS", "ONEDNN_PACKED_BF16",
-           "ONE_THREAD_MAX_MACS", "LinearKernel",
+           "NATIVE_PACKED_BF16", "ONEDNN_PACKED_BF16", "ONE_THREAD_MAX_MACS", "LinearKernel",
            "dequantize_int8_weight", "int8_linear", "int8_panel_available",
            "native_bf16_linear_available", "pack_int8_weight", "row_bucket",
            "select_linear_kernel", "unpack_native_bf16_weight"]
@@ -232,12 +230,11 @@ def unpack_native_bf16_weight(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _native_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None, *,
-                   min_parallel_macs: int = ONE_THREAD_MAX_MACS) -> torch.Tensor:
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.dim() != 4:  # a weight _native_pack left to oneDNN
         return _onednn_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    y = _native_module().bf16_linear(rows, weight, bias, min_parallel_macs)
+    y = _native_module().bf16_linear(rows, weight, bias)
     if y is None:  # a call the kernel does not take (e.g. a float32 x): the dense weight
         y = F.linear(rows, unpack_native_bf16_weight(weight).to(x.dtype),
                      None if bias is None else bias.to(x.dtype))
@@ -263,10 +260,9 @@ def _native_pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
     return _native_module().bf16_pack_weight(_interleave_gate_up(w).contiguous())
 
 
-def _native_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, *,
-                         min_parallel_macs: int = ONE_THREAD_MAX_MACS) -> torch.Tensor:
+def _native_gate_up_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    y = _native_module().bf16_gate_up_silu(rows, packed, min_parallel_macs)
+    y = _native_module().bf16_gate_up_silu(rows, packed)
     if y is None:  # a call the kernel does not take (e.g. a float32 x): unfused, dense weight
         dense = _deinterleave_gate_up(unpack_native_bf16_weight(packed))
         y = silu_and_mul(F.linear(rows, dense.to(x.dtype)))
@@ -275,16 +271,6 @@ def _native_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, *,
 
 NATIVE_PACKED_BF16 = LinearKernel("native-packed-bf16", _native_pack, _native_linear,
                                   _native_pack_gate_up, _native_gate_up_silu)
-# The same kernel and packing with every call on all torch threads, however small: where the
-# OpenMP pool spins between parallel regions (OpenMP's default wait policy) waking it costs
-# little, and a batch-1 decode step's matmuls ran ~1.4x faster so (2-core Zen 5: qkv / o /
-# down / gate-up 29 / 10 / 41 / 98 us -> 17 / 8 / 30 / 70; `kthena bench serve --cases a`
-# 97-104 -> 141-142 tok/s); under PASSIVE the one-thread rule above holds. Kernel selection
-# times both (`mooncake_ops.selection`) and keys its cache by the wait policy.
-NATIVE_PACKED_BF16_ALL_THREADS = LinearKernel(
-    "native-packed-bf16-all-threads", _native_pack,
-    functools.partial(_native_linear, min_parallel_macs=0), _native_pack_gate_up,
-    functools.partial(_native_gate_up_silu, min_parallel_macs=0))
 
 
 def select_linear_kernel(weight: torch.Tensor) -> LinearKernel | None:

@@ -8,8 +8,7 @@ here is timed once, at the model's own shapes, and the fastest runs.
 Three modes (``--kernels``; the ``KTHENA_KERNELS`` environment variable overrides the flag):
 
 * ``auto`` (default): measured. The matmul candidates are the packed native bf16 kernel
-  (AVX512_BF16 builds; twice: small calls on the calling thread, or every call on all
-  threads), oneDNN over weights it re-ordered (``torch.ops.mkldnn``: AMX where the
+  (AVX512_BF16 builds), oneDNN over weights it re-ordered (``torch.ops.mkldnn``: AMX where the
   CPU has it), bf16 weights computed in fp32 (the AVX2 build's dense kernel where loaded) and
   plain ``F.linear``; each is timed on decode-sized calls (1 and 8 rows through the model's own
   weights in layer order, so weights stream from memory as in a decode step) and on a
@@ -30,10 +29,8 @@ each weight). Otherwise a split kernel runs each class on its own winner and hol
 packed copies: twice the weight memory, reported in `KernelChoice.extra_weight_bytes`.
 
 A measurement is cached as JSON under ``<cache_dir>/kernels/`` keyed by the CPU (model name and
-flags), torch's version and thread count, OpenMP's wait settings (``OMP_WAIT_POLICY``,
-``GOMP_SPINCOUNT``: whether a second thread pays off on a small matmul depends on them), the
-native build (file, size, mtime), the mode and the shapes timed; a change to any of them times
-again. A file lock keeps two processes that
+flags), torch's version and thread count, the native build (file, size, mtime), the mode and
+the shapes timed; a change to any of them times again. A file lock keeps two processes that
 start together from timing side by side (the second reads the first's result).
 """
 
@@ -66,7 +63,6 @@ from mooncake_ops.linear import (
     INT8_OP,
     INT8_WEIGHT_ONLY,
     NATIVE_PACKED_BF16,
-    NATIVE_PACKED_BF16_ALL_THREADS,
     ONEDNN_PACKED_BF16,
     LinearKernel,
     int8_panel_available,
@@ -198,8 +194,7 @@ def summary_line(labels: Mapping[str, str]) -> str:
 
 
 _KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
-    NATIVE_PACKED_BF16, NATIVE_PACKED_BF16_ALL_THREADS, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16,
-    TORCH_DENSE,
+    NATIVE_PACKED_BF16, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16, TORCH_DENSE,
     INT8_WEIGHT_ONLY, INT8_OP, INT8_NATIVE_PANEL, INT8_DEQUANT_DENSE)}
 QUANTIZATIONS = (None, "int8")
 
@@ -219,14 +214,14 @@ def resolve_mode(flag: str | None) -> str:
 
 def linear_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
     """The matmul kernels that can run weights like ``weight`` here (bf16 on the CPU: up to
-    five, the native kernel in two threading rules; anything else: none, F.linear runs)."""
+    four; anything else: none, F.linear runs)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return ()
     found = [TORCH_DENSE, FP32_COMPUTE_BF16]
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         found.insert(0, ONEDNN_PACKED_BF16)
     if native_bf16_linear_available():
-        found[:0] = [NATIVE_PACKED_BF16, NATIVE_PACKED_BF16_ALL_THREADS]
+        found.insert(0, NATIVE_PACKED_BF16)
     return tuple(found)
 
 
@@ -459,17 +454,11 @@ def _native_identity() -> list:
     return [Path(path).name, stat.st_size, int(stat.st_mtime)]
 
 
-def _openmp_waiting() -> list[str | None]:
-    """How this process's OpenMP threads wait between parallel regions (read when torch
-    loaded): spinning or asleep decides whether small matmuls gain from a second thread."""
-    return [os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]
-
-
 def cache_key(mode: str, linear_shapes: Sequence, attention: AttentionShape | None) -> str:
     """The hex key of a measurement: what would make another measurement differ."""
     parts = [mode, _cpu_identity(), torch.__version__, torch.get_num_threads(),
-             _openmp_waiting(), native_enabled() and _native_identity(),
-             [list(s) for s in linear_shapes], None if attention is None else attention.key()]
+             native_enabled() and _native_identity(), [list(s) for s in linear_shapes],
+             None if attention is None else attention.key()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
