@@ -117,6 +117,24 @@ def test_the_measurement_is_cached_and_timed_again_when_its_key_changes(tmp_path
     assert moved.source == "measured" and moved.key != first.key and timer.calls
 
 
+def test_openmps_wait_settings_are_part_of_the_key(tmp_path, monkeypatch):
+    """Every multi-threaded timing depends on how OpenMP's threads wait between parallel
+    regions (asleep under PASSIVE, spinning otherwise): another policy or spin count times
+    again."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    passive = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                                 timer=Timings({}))
+    keys = {passive.key}
+    for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "5000")):
+        monkeypatch.setenv(name, value)
+        timer = Timings({})
+        moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                                   timer=timer)
+        assert moved.source == "measured" and timer.calls and moved.key not in keys, name
+        keys.add(moved.key)
+
+
 def test_a_stale_or_corrupt_cache_file_is_measured_again(tmp_path):
     first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
                                timer=Timings({}))

@@ -29,8 +29,9 @@ each weight). Otherwise a split kernel runs each class on its own winner and hol
 packed copies: twice the weight memory, reported in `KernelChoice.extra_weight_bytes`.
 
 A measurement is cached as JSON under ``<cache_dir>/kernels/`` keyed by the CPU (model name and
-flags), torch's version and thread count, the native build (file, size, mtime), the mode and
-the shapes timed; a change to any of them times again. A file lock keeps two processes that
+flags), torch's version and thread count, OpenMP's wait settings (``OMP_WAIT_POLICY``,
+``GOMP_SPINCOUNT``), the native build (file, size, mtime), the mode and the shapes timed; a
+change to any of them times again. A file lock keeps two processes that
 start together from timing side by side (the second reads the first's result).
 """
 
@@ -454,11 +455,18 @@ def _native_identity() -> list:
     return [Path(path).name, stat.st_size, int(stat.st_mtime)]
 
 
+def _openmp_waiting() -> list[str | None]:
+    """How this process's OpenMP threads wait between parallel regions (asleep under PASSIVE,
+    spinning otherwise): every multi-threaded timing depends on it (a batch-32 decode step of
+    the default model took 24 ms against 19 on a 2-core Zen 5)."""
+    return [os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]
+
+
 def cache_key(mode: str, linear_shapes: Sequence, attention: AttentionShape | None) -> str:
     """The hex key of a measurement: what would make another measurement differ."""
     parts = [mode, _cpu_identity(), torch.__version__, torch.get_num_threads(),
-             native_enabled() and _native_identity(), [list(s) for s in linear_shapes],
-             None if attention is None else attention.key()]
+             _openmp_waiting(), native_enabled() and _native_identity(),
+             [list(s) for s in linear_shapes], None if attention is None else attention.key()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
