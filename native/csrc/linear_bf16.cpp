@@ -138,7 +138,7 @@ void panel_rows(const bf16* x, int64_t ldx, const uint32_t* w, int64_t K2, const
 
 // Rows [m0, m1) x output blocks [b_begin, b_end) of 16 (SILU: y is N / 2 wide, and the range
 // holds whole (gate, up) pairs), in panels of up to kNR blocks whose sizes differ by at most
-// one block (SILU: one pair): 18 blocks go 4, 4, 4, 3, 3, not 4, 4, 4, 4, 2 (a 2-block tile
+// one block (SILU: one pair): 18 blocks go 3, 4, 3, 4, 4, not 4, 4, 4, 4, 2 (a 2-block tile
 // keeps only 8 accumulators in flight).
 template <bool SILU>
 void run_blocks(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N, int64_t K2,
