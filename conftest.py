@@ -19,9 +19,113 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # path (``kthena_core/tests/test_x.py`` -> ``kthena_core.tests.test_x``) and would otherwise create
 # an empty ``kthena_core`` placeholder (the distribution folder) that shadows the real package.
 import importlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 for _layer in ("kthena_core", "mooncake_kv", "kthena_comm", "mooncake_ops", "kthena_serve"):
     importlib.import_module(_layer)
+
+
+# ---- a suite that does not read the machine it runs on ------------------------------------------
+# The suite runs with a cache folder of its own (KTHENA_CACHE_DIR: converted model, kernel
+# choices, host probes and calibrations; the user's ~/.cache/kthena is never read or written) and
+# with a recorded host probe standing in for this machine's (KTHENA_HOST_PROBE: SUITE_PROFILE's,
+# from kthena_core/cpu_records), so that a plan, a calibration or a prediction made in a test is
+# the same on every CPU. The controller makes both before xdist starts its workers, which inherit
+# them, and removes the folder at the end. Tests of the probe itself pass their own folders and
+# sizes; `cpu_profile` runs a test once per recorded CPU.
+import sys  # noqa: E402
+
+from kthena_core.cpu_defaults import load_records  # noqa: E402
+
+SUITE_PROFILE = "zen4"
+_SUITE_ENV = ("KTHENA_CACHE_DIR", "KTHENA_HOST_PROBE")
+
+
+def probe_file_of(record, folder: Path) -> Path:
+    """A ``KTHENA_HOST_PROBE`` file in ``folder`` holding ``record``'s probe (the host probe of
+    its bench run), with its CPU's ISA class."""
+    from kthena_core.calibrate import bench_probe
+
+    probe = bench_probe(record.bench).to_dict()
+    probe["cpu"] = {**record.cpu, "isa_class": record.isa_class}
+    path = folder / f"host-probe-{record.name}.json"
+    path.write_text(json.dumps(probe), encoding="utf-8")
+    return path
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker: the controller set both, and it inherited them
+    folder = Path(tempfile.mkdtemp(prefix="kthena-suite-cache-"))
+    config._kthena_suite = (folder, {k: os.environ.get(k) for k in _SUITE_ENV})
+    record = next(r for r in load_records() if r.name == SUITE_PROFILE)
+    os.environ["KTHENA_CACHE_DIR"] = str(folder)
+    os.environ["KTHENA_HOST_PROBE"] = str(probe_file_of(record, folder))
+
+
+def _seed_line(config) -> str | None:
+    seed = getattr(config.option, "randomly_seed", None)
+    if not isinstance(seed, int) or not config.pluginmanager.has_plugin("randomly"):
+        return None
+    return (f"Using --randomly-seed={seed} (test files in a random order; "
+            f"make test PYTEST_ARGS=--randomly-seed={seed} replays it)")
+
+
+def pytest_sessionstart(session):
+    """The order's seed, printed even under -q (pytest-randomly prints it in the header only)."""
+    line = _seed_line(session.config)
+    if line and not os.environ.get("PYTEST_XDIST_WORKER"):
+        session.config.get_terminal_writer().line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = _seed_line(config)
+    if line:
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    found = getattr(config, "_kthena_suite", None)
+    if found is None:
+        return
+    folder, before = found
+    shutil.rmtree(folder, ignore_errors=True)
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(params=[r.name for r in load_records()])
+def cpu_profile(request, tmp_path):
+    """(record, probe file) of each recorded CPU in turn (``kthena_core/cpu_records``)."""
+    record = next(r for r in load_records() if r.name == request.param)
+    return record, probe_file_of(record, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _process_globals_restored():
+    """What a test changes process-wide is put back after it: the op dispatch table
+    (`use_native`, `choose_impl`, which a kernel choice's ``apply`` sets), torch's thread count
+    and ``os.environ``; the next test starts where the first one did, in any order."""
+    from mooncake_ops.dispatch import dispatch_state, restore_dispatch
+
+    dispatch = dispatch_state()
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    environ = dict(os.environ)
+    yield
+    restore_dispatch(dispatch)
+    if threads is not None and sys.modules["torch"].get_num_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 # ---- nothing left behind ---------------------------------------------------------------------
@@ -37,14 +141,9 @@ for _layer in ("kthena_core", "mooncake_kv", "kthena_comm", "mooncake_ops", "kth
 import contextlib  # noqa: E402
 import re  # noqa: E402
 import secrets  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 _SESSION_MARK = "KTHENA_TEST_SESSION"
 # interpreter helpers that live as long as the pytest process that started them

@@ -113,9 +113,15 @@ def test_cli_reports_a_bad_calibration_file(tmp_path, capsys):
     assert "cannot read bench JSON" in capsys.readouterr().err
 
 
-def test_docs_example_is_the_recorded_fixture():
-    docs = Path(__file__).parents[2] / "docs" / "examples" / "bench_cpu_smollm2.json"
-    assert docs.read_bytes() == BENCH.read_bytes()
+def test_the_docs_example_is_the_zen4_records_run_with_its_probe():
+    from kthena_core.cpu_defaults import load_records
+
+    docs = load_bench(Path(__file__).parents[2] / "docs" / "examples" / "bench_cpu_smollm2.json")
+    probe = json.loads((Path(__file__).parents[2] / "docs" / "examples"
+                        / "host_probe_zen4.json").read_text())
+    record = next(r for r in load_records() if r.name == "zen4").bench
+    assert docs["host_probe"] == probe == record["host_probe"] and not probe["provisional"]
+    assert {k: v for k, v in docs["kthena"].items() if k != "c_speedup"} == record["kthena"]
 
 
 # ---- physical factors and the calibration file ---------------------------------------------------
@@ -167,22 +173,116 @@ def test_an_unphysical_fit_is_refused_naming_the_factor(factor, value):
     assert f"allowed range [{EFFICIENCY_FLOOR:.4g}, 1]" in message and "10.00 GB/s" in message
 
 
-def test_the_placeholder_bandwidth_is_refused_and_the_measured_one_fits():
-    # The issue's case: a bench on a host whose bandwidth was a 10 GB/s placeholder wants a
-    # memory efficiency far above 1; with the bandwidth measured on that host it is physical.
+def test_the_placeholder_bandwidth_is_refused_and_the_benchs_own_probe_fits():
+    # The issue's case: a bench fitted against a host whose bandwidth was a 10 GB/s placeholder
+    # wants a memory efficiency far above 1. A bench that carries the probe of its own run is
+    # fitted against that, whatever topology it is given.
     import attrs
 
     from kthena_core.calibrate import UnphysicalFitError
 
     bench = load_bench(Path(__file__).parents[2] / "docs" / "bench_serve.json")
     limits = bench["limits"]["machine"]
+    without = {k: v for k, v in bench.items() if k not in ("limits", "host_probe")}
     with pytest.raises(UnphysicalFitError, match="memory_efficiency = "):
-        fit_calibration(bench, load_model_spec("default"), bench_host())
-    spec = attrs.evolve(bench_host().devices[0].spec, memory_bw=limits["bandwidth_gb_s"] * 1e9,
-                        peak_flops={"bf16": limits["matmul_peak_gflop_s"] * 1e9})
-    measured = Topology(devices=(Device(0, 0, 0, spec),), source="discovered:cpu")
-    cal = fit_calibration(bench, load_model_spec("default"), measured)
+        fit_calibration(without, load_model_spec("default"), bench_host())
+    cal = fit_calibration(bench, load_model_spec("default"), bench_host())
     assert 0.05 <= cal.params.memory_efficiency <= 1 and 0.05 <= cal.params.compute_efficiency <= 1
+    assert cal.relative_to["memory_bw"] == pytest.approx(limits["bandwidth_gb_s"] * 1e9)
+    assert "the bench's own limits probe" in cal.relative_to["device_source"]
+    spec = attrs.evolve(bench_host().devices[0].spec, memory_bw=limits["bandwidth_gb_s"] * 1e9,
+                        peak_flops={"bf16": limits["matmul_peak_gflop_s"] * 1e9,
+                                    "fp32": limits["matmul_float32_gflop_s"] * 1e9})
+    measured = Topology(devices=(Device(0, 0, 0, spec),), source="discovered:cpu")
+    assert fit_calibration(without, load_model_spec("default"), measured).params == cal.params
+
+
+def _with_probe(bench, *, memory_bw, bf16, threads=2, cpu=None):
+    probe = {"memory_bw": memory_bw, "peak_flops": {"bf16": bf16, "fp32": bf16 / 2},
+             "threads": threads, "cpu": cpu or {"model_name": "Test CPU", "family": "1",
+                                                "model": "2"}}
+    return {**bench, "host_probe": probe, "machine": {**bench["machine"], "torch_threads": threads}}
+
+
+def test_a_bench_is_fitted_against_its_own_probe_on_any_machine():
+    truth_host = bench_host()
+    from kthena_core.cost_model import CostParams
+
+    truth = CostParams(compute_efficiency=0.4, memory_efficiency=0.6, step_overhead_s=0.002)
+    spec = truth_host.devices[0].spec
+    bench = _with_probe(_synthetic_bench(truth), memory_bw=spec.memory_bw,
+                        bf16=spec.peak_flops["bf16"])
+    bench["host_probe"]["peak_flops"]["fp32"] = spec.peak_flops["fp32"]
+    elsewhere = Topology(devices=(Device(0, 0, 0, DeviceSpec(
+        name="cpu-host", kind="cpu", vendor="generic", memory_bytes=1 << 34, memory_bw=1e9,
+        peak_flops={"bf16": 1e9, "fp32": 1e9}, link_kind="memory", link_bw=1e9)),))
+    import attrs
+
+    for topology in (truth_host, elsewhere):  # this machine's figures do not enter the fit
+        cal = fit_calibration(bench, load_model_spec("default"), topology)
+        assert attrs.astuple(cal.params) == pytest.approx(attrs.astuple(truth), rel=1e-6,
+                                                          abs=1e-9)
+        assert cal.cpu == {"model_name": "Test CPU", "family": "1", "model": "2"}
+    # the probe's figures are per thread: on one thread, half of two threads' figures
+    halved = _with_probe(bench, memory_bw=spec.memory_bw / 2, bf16=spec.peak_flops["bf16"] / 2,
+                         threads=1)
+    halved["host_probe"]["threads"] = 1
+    halved["machine"]["torch_threads"] = 2  # the bench itself ran on two
+    cal = fit_calibration(halved, load_model_spec("default"), elsewhere)
+    assert cal.relative_to["memory_bw"] == pytest.approx(spec.memory_bw)
+
+
+def test_a_malformed_bench_probe_is_named():
+    bench = {**copy.deepcopy(load_bench(BENCH)), "host_probe": {"memory_bw": 1e9}}
+    with pytest.raises(CalibrationError, match="host_probe: missing field 'peak_flops'"):
+        fit_calibration(bench, load_model_spec("default"), bench_host(), source="b.json")
+
+
+def test_a_calibration_of_another_cpu_is_refused_on_this_machine_by_name(tmp_path, capsys,
+                                                                       monkeypatch):
+    from kthena_core.calibrate import find_calibration, save_calibration
+
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))
+    bench = _with_probe(load_bench(BENCH), memory_bw=50e9, bf16=350e9,
+                        cpu={"model_name": "AMD EPYC", "family": "25", "model": "17"})
+    cal = fit_calibration(bench, load_model_spec("default"), bench_host(), source="zen4.json")
+    path = save_calibration(cal, tmp_path / "zen4-cal.json")
+    zen3 = {"model_name": "AMD EPYC", "family": "25", "model": "1"}
+    with pytest.raises(CalibrationError) as refused:
+        find_calibration(str(path), None, this_machine=True, cpu=zen3)
+    message = str(refused.value)
+    assert message.startswith(f"--calibration {path}: field 'cpu': ")
+    assert "AMD EPYC (family 25 model 17)" in message and "AMD EPYC (family 25 model 1)" in message
+    assert find_calibration(str(path), None, this_machine=False, cpu=zen3).path == str(path)
+    same = {"model_name": "AMD EPYC", "family": "25", "model": "17"}
+    assert find_calibration(str(path), None, this_machine=True, cpu=same).path == str(path)
+    # through the command line: one line, exit 2 (the probe file says which CPU this is)
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"memory_bw": 25e9, "peak_flops": {"bf16": 20e9, "fp32": 130e9},
+                                 "threads": 2, "cpu": zen3}))
+    monkeypatch.setenv("KTHENA_HOST_PROBE", str(probe))
+    assert main(["plan", "--topology", "auto:cores", "--calibration", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "field 'cpu'" in err and "family 25 model 17" in err
+
+
+def test_plan_calibrate_with_another_cpus_bench_says_so_and_keeps_the_cache(tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))
+    bench = _with_probe(load_bench(BENCH), memory_bw=50e9, bf16=350e9,
+                        cpu={"model_name": "AMD EPYC", "family": "25", "model": "17"})
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"memory_bw": 25e9, "peak_flops": {"bf16": 20e9, "fp32": 130e9},
+                                 "threads": 2, "cpu": {"model_name": "AMD EPYC", "family": "25",
+                                                       "model": "1"}}))
+    monkeypatch.setenv("KTHENA_HOST_PROBE", str(probe))
+    assert main(["plan", "--topology", "auto:cores", "--calibrate",
+                 str(tmp_path / "bench.json")]) == 0
+    err = capsys.readouterr().err
+    assert "ran on AMD EPYC (family 25 model 17), this machine is AMD EPYC (family 25 model 1)" in err
+    assert "not written: it is another CPU's" in err
+    assert not (tmp_path / "cache" / "calibration").exists()
 
 
 def test_the_calibration_file_round_trips_and_is_checked(tmp_path):
@@ -210,9 +310,10 @@ def test_the_calibration_file_round_trips_and_is_checked(tmp_path):
     from kthena_core.calibrate import cached_calibration_path
 
     save_calibration(cal, cached_calibration_path(tmp_path / "cache"))
-    assert find_calibration(None, tmp_path / "cache", this_machine=True).params == cal.params
+    cpu = cal.cpu  # the CPU the bench ran on is the one planned for
+    assert find_calibration(None, tmp_path / "cache", this_machine=True, cpu=cpu).params == cal.params
     assert find_calibration(None, tmp_path / "cache", this_machine=False) is None
-    assert find_calibration("none", tmp_path / "cache", this_machine=True) is None
+    assert find_calibration("none", tmp_path / "cache", this_machine=True, cpu=cpu) is None
     assert find_calibration(str(path), tmp_path / "cache", this_machine=False).path == str(path)
 
 

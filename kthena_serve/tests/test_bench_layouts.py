@@ -166,14 +166,23 @@ def test_assemble_and_table_from_given_measurements():
     assert "0.50x / - / 0.62x |" in table and "Test CPU, 2 cores" in table
 
 
-def test_tiny_run_end_to_end(tmp_path):
+DOCS_BENCH = ROOT / "docs" / "examples" / "bench_cpu_smollm2.json"
+
+
+def test_tiny_run_end_to_end(tmp_path, cpu_profile):
+    """The docs' tiny run, with each recorded CPU's probe as this machine's: the bench carries
+    its own probe, so the fit is physical whatever the machine (a Zen 3's one-thread probe made
+    it unphysical before)."""
+    record, probe = cpu_profile
     out = tmp_path / "layouts.json"
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KTHENA_HOST_PROBE": str(probe)}
     done = subprocess.run(
         [sys.executable, "-m", "kthena_core.cli", "bench", "layouts", "--layouts", "tp1",
-         "--requests", "2", "--output-len", "4", "--runs", "1", "--calibrate", str(BENCH),
+         "--requests", "2", "--output-len", "4", "--runs", "1", "--calibrate", str(DOCS_BENCH),
          "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+    ran_here = record.name == "zen4"  # the docs bench is the zen4 record's run
+    assert ("ran on AMD EPYC (family 25 model 17), this machine is" in done.stderr) != ran_here
     result = json.loads(out.read_text())
     assert "| tp1 |" in done.stdout
     row = result["layouts"]["tp1"]
@@ -181,7 +190,8 @@ def test_tiny_run_end_to_end(tmp_path):
     assert all(row["measured"][k] > 0 for k in MEASURES)
     for kind in ("default", "calibrated"):
         assert row[f"predicted_{kind}"]["feasible"] and set(row["ratio"][kind]) == set(MEASURES)
-    assert result["calibration"]["host"]["source"] == str(BENCH)
+    assert result["calibration"]["host"]["source"] == str(DOCS_BENCH)
+    assert result["machine"]["host_probe"]["memory_bw"] == json.loads(probe.read_text())["memory_bw"]
     assert result["calibration"]["cores"]["bench"] == "as host"  # --calibrate alone serves both
     assert result["workload"]["output_len"] == 4 and result["machine"]["cores"] >= 1
     assert attrs.asdict(LayoutSpec("tp1")) == {"name": "tp1",

@@ -196,10 +196,10 @@ def test_options_keep_kthena_args_in_order():
     assert options.kthena_args == ("--max-num-batched-tokens=512", "--no-prefix-caching")
 
 
-def test_servers_get_the_users_environment_without_the_policy_our_import_set(monkeypatch):
-    """Both servers start as from a shell: the PASSIVE that ``import kthena_serve`` put into
-    this process is left out (`kthena serve` then keeps OpenMP's default spin), a value the
-    user exported is passed on, and our API key never reaches the servers."""
+def test_servers_get_the_users_environment_without_the_policy_we_set(monkeypatch):
+    """Both servers start as from a shell: a PASSIVE this process set for itself
+    (`threads.in_process_wait_policy`) is left out (`kthena serve` then keeps OpenMP's default
+    spin), a value the user exported is passed on, and our API key never reaches the servers."""
     from kthena_serve import threads
     from kthena_serve.bench.trace import _sides
 

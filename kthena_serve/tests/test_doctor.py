@@ -1,6 +1,6 @@
 """``kthena doctor`` finds each staged fault: a leaked KV block on a live server, prompts that
 drag the prefix hit rate, a missing HCCL variable, a workload that does not fit, an old
-calibration; and bad input is one line naming what was wrong.
+calibration, kernels timed on a busy host; and bad input is one line naming what was wrong.
 
 Servers are real: a tiny engine behind the OpenAI app on a free loopback port, with an API key.
 The leak is real: a request id the engine never had takes blocks on the engine's own KV
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import attrs
@@ -24,12 +25,16 @@ from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.client import EngineStats
 from kthena_serve.doctor import (
     DoctorError,
+    ServerFacts,
     calibration_check,
     exit_status,
     host_checks,
+    kernel_cache_checks,
     load_host_facts,
+    server_checks,
 )
 from kthena_serve.doctor.cli import run_doctor
+from kthena_serve.doctor.server import Scrape
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.step_times import StepTimes
 
@@ -265,6 +270,73 @@ def test_calibration_age(tmp_path) -> None:
         calibration_check(str(bench))
 
 
+# ---- kernel choices cached on this host ------------------------------------------------------
+def _cache_a_choice(cache_dir, load_1m: float):  # noqa: ANN001, ANN202
+    """A kernel choice timed with injected timings (decode: torch-dense 2 ms, bf16-fp32-compute
+    6 ms over the 1- and 8-row passes; prefill 4 and 5 ms; any other candidate this CPU has,
+    1 s a pass) at an injected load on 2 cores."""
+    import torch
+
+    from mooncake_ops import selection as sel
+
+    table = {"matmul_decode:torch-dense": 1e-3, "matmul_decode:bf16-fp32-compute": 3e-3,
+             "matmul_prefill:torch-dense": 4e-3, "matmul_prefill:bf16-fp32-compute": 5e-3}
+
+    def timer(label: str, fn: object) -> float:
+        return table.get(":".join(label.split(":")[:2]), 1.0)
+
+    g = torch.Generator().manual_seed(0)
+    layers = [[sel.MatmulWeight(torch.randn(64, 32, generator=g).to(torch.bfloat16))]]
+    return sel.choose_kernels("auto", layers, None, None, cache_dir=cache_dir, timer=timer,
+                              load=lambda: sel.MachineLoad(load_1m, 2))
+
+
+def test_the_doctor_lists_cached_kernel_choices_with_margins_age_and_load(
+        tmp_path, monkeypatch, capsys) -> None:
+    choice = _cache_a_choice(tmp_path, load_1m=1.9)
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path))
+    kthena_main(["doctor"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if f"kernel_cache:{choice.key[:8]}" in x)
+    assert line.startswith("warn") and (
+        "matmul decode torch-dense (runner-up x3.00), prefill torch-dense (runner-up x1.25); "
+        "decode attention default (not timed), prefill attention default (not timed); "
+        "timed ") in line
+    assert re.search(r"timed \d+ (s|min) ago at load 1.9 on 2 cores: provisional \(timed "
+                     r"again at the next start\)$", line), line
+
+    later = kernel_cache_checks(tmp_path, now=choice.measured_at_s + 3 * 3600 + 60)
+    assert [c.value.split("; ")[-1] for c in later] == [
+        "timed 3 h ago at load 1.9 on 2 cores: provisional (timed again at the next start)"]
+    assert later[0].verdict == "warn" and "times it again" in later[0].fix
+
+    final = _cache_a_choice(tmp_path, load_1m=0.4)  # the next start, on a quiet host
+    (again,) = kernel_cache_checks(tmp_path, now=final.measured_at_s + 2 * 86400)
+    assert again.verdict == "ok" and again.value.endswith(
+        "timed 2 days ago at load 0.4 on 2 cores: final")
+
+
+def test_no_cached_kernel_choice_is_one_skip_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path))
+    lines = [c for c in run_doctor(None, None, None, None) if c.name.startswith("kernel_cache")]
+    assert [(c.name, c.verdict) for c in lines] == [("kernel_cache", "skip")]
+    assert lines[0].value.startswith(f"no kernel choice cached in {tmp_path}/kernels")
+
+
+def test_a_server_running_provisional_kernels_warns() -> None:
+    from mooncake_ops.selection import KernelChoice
+
+    labels = KernelChoice("auto", "a", "a", {}, "measured", load_1m=1.9, num_cores=2,
+                          provisional=True).labels()
+    names = sorted(labels)
+    quoted = ",".join(f'{n}="{labels[n]}"' for n in names)
+    text = f"# TYPE kthena_kernels_info gauge\nkthena_kernels_info{{{quoted}}} 1.0\n"
+    facts = ServerFacts("http://127.0.0.1:1", True, "test", Scrape.parse(text), {})
+    kernels = _by_name(server_checks(facts))["kernels"]
+    assert kernels.verdict == "warn" and kernels.value.endswith(
+        "(provisional: timed at load 1.9 on 2 cores; timed again at the next start)")
+
+
 # ---- the data behind the checks --------------------------------------------------------------
 def test_holders_names_every_live_request_and_drops_freed_ones() -> None:
     from mooncake_kv import KVCacheManager
@@ -292,3 +364,29 @@ def test_step_times_and_leaks_survive_json_and_sum_over_engines() -> None:
     del old["step_times"], old["num_leaked_blocks"], old["num_leaked_requests"]
     assert EngineStats.from_json(old).step_times == StepTimes()  # an older worker's stats
 
+
+
+def test_the_host_probe_line_names_its_figures_source_age_and_load(tmp_path, monkeypatch,
+                                                                 cpu_profile) -> None:
+    from kthena_core.discovery.host_probe import load_host_probe
+
+    _, probe = cpu_profile
+    monkeypatch.setenv("KTHENA_HOST_PROBE", str(probe))
+    figures = load_host_probe(probe)
+    line = _by_name(host_checks(load_host_facts(None, {}, discover_all)))["host_probe"]
+    assert line.verdict == "ok" and line.value.startswith(f"file {probe}: ")
+    assert f"{figures.memory_bw / 1e9:.1f} GB/s read" in line.value
+    # a probe taken under load warns, says when and at what load, and what happens next
+    busy = {**json.loads(probe.read_text()), "load_avg_1m": 3.5, "cores": 2,
+            "measured_at": time.time() - 7200, "provisional": True}
+    probe.write_text(json.dumps(busy))
+    line = _by_name(host_checks(load_host_facts(None, {}, discover_all)))["host_probe"]
+    assert line.verdict == "warn" and "2 h old, taken at load 3.50 on 2 core(s)" in line.value
+    assert "provisional" in line.value and "measures again" in line.fix
+
+
+def test_a_missing_probe_file_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KTHENA_HOST_PROBE", str(tmp_path / "none.json"))
+    assert kthena_main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"KTHENA_HOST_PROBE={tmp_path / 'none.json'}" in err

@@ -107,7 +107,7 @@ def test_served_layout_is_the_plan_layout(tmp_path):
 
 
 def test_a_calibration_file_scores_the_plan_and_reaches_get_plan(tmp_path, monkeypatch):
-    from kthena_core.calibrate import fit_calibration, load_bench, save_calibration
+    from kthena_core.calibrate import factors_dict, fit_calibration, load_bench, save_calibration
     from kthena_core.known_models import load_model_spec
 
     monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))  # no cached calibration
@@ -130,13 +130,13 @@ def test_a_calibration_file_scores_the_plan_and_reaches_get_plan(tmp_path, monke
     argv = ["serve", "--config", str(config), "--calibration", str(path)]
     report = spec_from_args(build_parser().parse_args(argv)).report()["plan"]
     assert report["calibration"]["file"] == str(path) and report["calibration"]["source"] == bench
-    assert report["cost_factors"] == report["calibration"]["factors"] == {
-        "compute_efficiency": cal.params.compute_efficiency,
-        "memory_efficiency": cal.params.memory_efficiency,
-        "step_overhead_s": cal.params.step_overhead_s}
+    assert report["cost_factors"] == report["calibration"]["factors"] == factors_dict(cal.params)
+    assert report["factors"]["origin"] == "calibration file"
+    assert report["figures"]["memory_bw"] == 50e9 and report["figures"]["device"] == "cpu-host"
     uncalibrated = spec_from_args(build_parser().parse_args(["serve", "--config", str(config)]))
     plan = uncalibrated.report()["plan"]
     assert plan["calibration"] is None and plan["cost_factors"]["memory_efficiency"] == 0.8
+    assert plan["factors"]["origin"] == "built-in default"  # a YAML topology: not this machine
     assert plan["estimate"] != report["estimate"]  # the factors changed the prediction
     with pytest.raises(ValueError, match="--calibration scores the plan of --config"):
         spec_from_args(build_parser().parse_args(["serve", "--calibration", str(path)]))

@@ -1,5 +1,6 @@
 """Threads follow the cores a process owns; workers get PASSIVE OpenMP before torch loads, and
-so does an engine in the user's own process (``import kthena_serve`` first, or one thread)."""
+so does an engine in the user's own process (the first ``LLM``, or one thread); the CLI decides
+for its own process, and ``import kthena_serve`` changes nothing."""
 
 from __future__ import annotations
 
@@ -34,38 +35,104 @@ def test_prepare_worker_env_sets_openmp_before_torch():
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
 
 
-def test_cli_sets_passive_only_for_a_launcher_rank(monkeypatch):
-    """A process alone on its cores keeps OpenMP's default wait policy (PASSIVE would wake the
-    pool through the kernel at every parallel region); a launcher rank, which shares the cores
-    with its siblings, gets PASSIVE; a value the user set stays."""
-    from kthena_serve.cli import _prepare_process
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    for world in (None, "1", " "):
-        if world is None:
-            monkeypatch.delenv("WORLD_SIZE", raising=False)
-        else:
-            monkeypatch.setenv("WORLD_SIZE", world)
-        _prepare_process()
-        assert "OMP_WAIT_POLICY" not in os.environ, world
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    _prepare_process()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    _prepare_process()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+# ---- who decides the wait policy: fresh interpreters, as pytest has loaded torch -------------
+def _python(code: str, policy: str | None, **env_vars: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``OMP_WAIT_POLICY`` = ``policy`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "WORLD_SIZE")}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, **env_vars}, timeout=300, check=True)
 
 
-# ---- an engine in the user's own process (LLM); fresh interpreters, as pytest loaded torch ------
-_IMPORT_FIRST = """
+_IMPORT = """
 import os, sys
+before = dict(os.environ)
 import kthena_serve
-from kthena_serve.cli import _prepare_process
-print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
-_prepare_process()  # what `kthena serve` and `kthena bench` do next, before torch loads
-print(os.environ.get("OMP_WAIT_POLICY"))
+from kthena_serve import LLM, SamplingParams, threads  # what a user's script imports first
+print(dict(os.environ) == before, "torch" in sys.modules)
 """
 
+
+def test_import_leaves_the_environment_alone():
+    """``import kthena_serve`` (and ``LLM``'s module) writes nothing into ``os.environ`` and
+    loads no torch, so ``LLM(...)`` can still decide the policy before OpenMP reads it."""
+    assert _python(_IMPORT, None).stdout.split() == ["True", "False"]
+    assert _python(_IMPORT, "ACTIVE").stdout.split() == ["True", "False"]
+
+
+_DECIDE = """
+import os, sys
+{first}
+from kthena_serve import threads
+threads.in_process_wait_policy()  # what LLM(...) calls first
+threads.in_process_wait_policy()  # a second LLM keeps the first one's choice
+print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules,
+      threads.in_process_threads(None), threads.in_process_threads(3),
+      threads.user_environ().get("OMP_WAIT_POLICY"))
+"""
+
+
+def test_llm_sets_passive_before_torch_and_keeps_a_users_value():
+    """Torch not loaded, nothing exported: PASSIVE, every owned core (None), and children of
+    this process get the environment without it; a value the user exported stays, and is
+    passed on."""
+    code = _DECIDE.format(first="")
+    assert _python(code, None).stdout.split() == ["PASSIVE", "False", "None", "3", "None"]
+    for value in ("ACTIVE", "PASSIVE"):
+        assert _python(code, value).stdout.split() == [value, "False", "None", "3", value]
+
+
+def test_llm_after_torch_sets_nothing_and_runs_one_thread():
+    """Torch loaded first with nothing exported: too late for OpenMP to read the variable, so
+    it is not set, and the engine runs one thread unless the caller gives a count."""
+    out = _python(_DECIDE.format(first="import torch"), None)
+    assert out.stdout.split() == ["None", "True", "1", "3", "None"]
+    assert out.stderr.count("torch was imported before the first LLM") == 1, out.stderr
+
+
+_SPY = """
+import os, sys
+class Spy:  # prints the policy at the moment something first imports torch
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("torch", os.environ.get("OMP_WAIT_POLICY"))
+sys.meta_path.insert(0, Spy())
+from kthena_serve import LLM
+try:
+    LLM(max_num_seqs=0)  # refused by EngineConfig: no model is loaded
+except ValueError:
+    print("refused", os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+def test_llm_decides_before_it_loads_torch():
+    assert _python(_SPY, None).stdout.split() == ["torch", "PASSIVE", "refused", "PASSIVE"]
+    assert _python(_SPY, "ACTIVE").stdout.split() == ["torch", "ACTIVE", "refused", "ACTIVE"]
+
+
+_CLI = """
+import os, sys
+from kthena_serve import threads
+from kthena_serve.cli import _prepare_process
+_prepare_process()  # what `kthena serve` and `kthena bench serve` do first
+threads.in_process_wait_policy()  # an LLM built later in the process keeps the CLI's choice
+print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+"""
+
+
+def test_cli_sets_passive_only_for_a_launcher_rank():
+    """A process alone on its cores keeps OpenMP's default wait policy (PASSIVE would wake the
+    pool through the kernel at every parallel region), also when it builds an ``LLM``; a
+    launcher rank, which shares the cores with its siblings, gets PASSIVE; a value the user
+    set stays."""
+    for world in ({}, {"WORLD_SIZE": "1"}, {"WORLD_SIZE": " "}):
+        assert _python(_CLI, None, **world).stdout.split() == ["None", "False"], world
+    assert _python(_CLI, None, WORLD_SIZE="2").stdout.split() == ["PASSIVE", "False"]
+    assert _python(_CLI, "ACTIVE", WORLD_SIZE="2").stdout.split() == ["ACTIVE", "False"]
+
+
+# ---- an engine in the user's own process (LLM) with a model ----------------------------------
 _TORCH_FIRST = """
 import os
 import torch
@@ -81,29 +148,13 @@ print(os.environ.get("OMP_WAIT_POLICY"), *counts, torch.get_num_threads(),
 """
 
 
-def _python(code: str, policy: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy is not None:
-        env["OMP_WAIT_POLICY"] = policy
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300, check=True)
-
-
-def test_import_sets_passive_before_torch_and_keeps_a_users_value():
-    """``import kthena_serve`` (torch not loaded yet, nothing set): PASSIVE, which the CLI's
-    lone process takes back; a value the user set stays through both."""
-    assert _python(_IMPORT_FIRST, None).stdout.split() == ["PASSIVE", "False", "None"]
-    for value in ("ACTIVE", "PASSIVE"):
-        assert _python(_IMPORT_FIRST, value).stdout.split() == [value, "False", value]
-
-
 def test_llm_after_torch_runs_one_thread_and_says_so_once():
-    """torch imported before kthena_serve with OMP_WAIT_POLICY unset: its OpenMP spins, so LLM
+    """torch imported before the first LLM with OMP_WAIT_POLICY unset: its OpenMP spins, so LLM
     runs one thread (a warning, once, names the fixes), unless num_threads is given; the
     environment is not touched (it is too late for OpenMP to read it)."""
     out = _python(_TORCH_FIRST, None)
     assert out.stdout.split() == ["None", "1", "1", "2", out.stdout.split()[-1]]
-    assert out.stderr.count("torch was imported before kthena_serve") == 1, out.stderr
+    assert out.stderr.count("torch was imported before the first LLM") == 1, out.stderr
     assert "num_threads=N" in out.stderr and "OMP_WAIT_POLICY=PASSIVE" in out.stderr
 
 
@@ -111,7 +162,7 @@ def test_llm_after_torch_with_passive_set_uses_every_owned_core():
     out = _python(_TORCH_FIRST, "PASSIVE")
     policy, first, second, explicit, cores = out.stdout.split()
     assert (policy, first, second, explicit) == ("PASSIVE", cores, cores, "2")
-    assert "torch was imported before kthena_serve" not in out.stderr
+    assert "torch was imported before the first LLM" not in out.stderr
 
 
 def test_our_own_modules_decide_their_policy_themselves(monkeypatch):

@@ -1,15 +1,18 @@
 """Kernel choice by measurement (`mooncake_ops.selection`): the pick, the fallback, the cache
 and its key, the split kernel, the dispatch override and the mode override.
 
-Timings are injected through the ``timer(label, fn)`` argument, so no assert depends on this
-machine's speed; the candidates used are the two every CPU has (``torch-dense`` and
-``bf16-fp32-compute``) unless a test says otherwise.
+Timings are injected through the ``timer(label, fn)`` argument and the machine's load through
+``load``, so no assert depends on this machine's speed or on what else runs on it; the
+candidates used are the two every CPU has (``torch-dense`` and ``bf16-fp32-compute``) unless a
+test says otherwise.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -20,6 +23,14 @@ from mooncake_ops import selection as sel
 from mooncake_ops.linear import FP32_COMPUTE_BF16
 
 ALWAYS = ("torch-dense", "bf16-fp32-compute")
+
+
+def idle() -> sel.MachineLoad:
+    return sel.MachineLoad(0.25, 2)
+
+
+def busy() -> sel.MachineLoad:
+    return sel.MachineLoad(1.9, 2)
 
 
 def _layers(num_layers: int = 2, hidden: int = 32, seed: int = 0) -> list[list[sel.MatmulWeight]]:
@@ -91,27 +102,30 @@ def test_a_candidate_that_fails_is_left_out_and_the_next_fastest_runs():
 
 def test_the_measurement_is_cached_and_timed_again_when_its_key_changes(tmp_path):
     timer = Timings({})
-    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=idle)
     assert first.source == "measured" and timer.calls
     files = list((tmp_path / "kernels").glob("*.json"))
     assert [f.stem for f in files] == [first.key]
     assert json.loads(files[0].read_text())["linear_decode"] == first.linear_decode
 
     timer.calls.clear()
-    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=idle)
     assert again.source == "cached" and not timer.calls
     assert (again.linear_decode, again.linear_prefill) == (first.linear_decode,
                                                              first.linear_prefill)
 
     other = sel.choose_kernels("auto", _layers(hidden=64), None, None, cache_dir=tmp_path,
-                               timer=timer)  # other shapes: another key, timed again
+                               timer=timer, load=idle)  # other shapes: another key, timed again
     assert other.source == "measured" and timer.calls and other.key != first.key
 
     threads = torch.get_num_threads()
     timer.calls.clear()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+        moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                                   load=idle)
     finally:
         torch.set_num_threads(threads)
     assert moved.source == "measured" and moved.key != first.key and timer.calls
@@ -124,26 +138,135 @@ def test_openmps_wait_settings_are_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     passive = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
-                                 timer=Timings({}))
+                                 timer=Timings({}), load=idle)
     keys = {passive.key}
     for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "5000")):
         monkeypatch.setenv(name, value)
         timer = Timings({})
         moved = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
-                                   timer=timer)
+                                   timer=timer, load=idle)
         assert moved.source == "measured" and timer.calls and moved.key not in keys, name
         keys.add(moved.key)
 
 
 def test_a_stale_or_corrupt_cache_file_is_measured_again(tmp_path):
     first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
-                               timer=Timings({}))
+                               timer=Timings({}), load=idle)
     path = tmp_path / "kernels" / f"{first.key}.json"
     path.write_text("{not json")
     timer = Timings({})
-    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer)
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=idle)
     assert again.source == "measured" and timer.calls
     assert json.loads(path.read_text())["key"] == first.key
+
+
+# ---- the load a measurement ran under ------------------------------------------------------------
+
+def test_busy_means_a_load_above_half_the_cores():
+    assert not sel.MachineLoad(1.0, 2).is_busy  # exactly half: the neighbours fit beside us
+    assert sel.MachineLoad(1.01, 2).is_busy
+    assert not sel.MachineLoad(31.5, 64).is_busy and sel.MachineLoad(32.5, 64).is_busy
+
+
+def test_a_choice_timed_on_a_busy_machine_is_provisional_and_timed_again(tmp_path):
+    timer = Timings({})
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=busy)
+    assert first.source == "measured" and first.provisional
+    assert (first.load_1m, first.num_cores) == (1.9, 2)
+    assert first.summary().endswith("(provisional: timed at load 1.9 on 2 cores; timed again "
+                                    "at the next start)")
+    assert first.labels()["provisional"] == "timed at load 1.9 on 2 cores"
+    path = tmp_path / "kernels" / f"{first.key}.json"
+    record = json.loads(path.read_text())
+    assert record["provisional"] is True and record["load_1m"] == 1.9
+    assert record["num_cores"] == 2 and record["measured_at_s"] == first.measured_at_s
+    stamped = datetime.datetime.fromisoformat(record["measured_at"])
+    assert abs(stamped.timestamp() - first.measured_at_s) < 1  # the ISO time is the epoch's
+
+    timer.calls.clear()  # the next start, on an idle machine: timed again and overwritten
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=idle)
+    assert again.source == "measured" and timer.calls and not again.provisional
+    record = json.loads(path.read_text())
+    assert record["provisional"] is False and record["load_1m"] == 0.25
+    assert "provisional" not in again.labels() and "provisional" not in again.summary()
+
+
+def test_a_provisional_choice_timed_while_waiting_for_the_lock_is_a_siblings(tmp_path):
+    # a replica or rank that started beside this one timed it while this call waited: taken
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                               timer=Timings({}), load=busy)
+    path = tmp_path / "kernels" / f"{first.key}.json"
+    record = json.loads(path.read_text())
+    record["measured_at_s"] = time.time() + 60  # written after the next call started
+    path.write_text(json.dumps(record))
+    timer = Timings({})
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=idle)
+    assert again.source == "cached" and again.provisional and not timer.calls
+
+
+def test_a_final_cached_choice_is_reused_with_its_load(tmp_path):
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                               timer=Timings({}), load=idle)
+    timer = Timings({})
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=busy)  # busy now: a final record is still final
+    assert again.source == "cached" and not timer.calls and not again.provisional
+    assert (again.load_1m, again.num_cores, again.measured_at, again.measured_at_s) == (
+        first.load_1m, first.num_cores, first.measured_at, first.measured_at_s)
+
+
+def test_margins_are_the_runner_up_over_the_winner_per_family(tmp_path):
+    choice = sel.KernelChoice("auto", "a", "a", {}, "measured", {
+        "matmul_decode": {"a": 2.0, "b": 3.0, "c": 5.0},
+        "matmul_prefill": {"a": 4.0, "b": None, "c": math.inf},  # one finished
+        "paged_decode_attention": {"x": 0.5, "y": 0.5}})
+    assert choice.margins() == {"matmul_decode": 1.5, "matmul_prefill": None,
+                                "paged_decode_attention": 1.0}
+    # through a measurement: decode is the sum of the 1- and 8-row passes (2 and 6 ms); the
+    # other candidates this CPU may have (native, oneDNN) take the default 1 s per pass
+    timer = Timings({"matmul_decode:torch-dense": 1e-3, "matmul_decode:bf16-fp32-compute": 3e-3,
+                     "matmul_prefill:torch-dense": 4e-3,
+                     "matmul_prefill:bf16-fp32-compute": 5e-3})
+    measured = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                                  timer=timer, load=idle)
+    assert measured.margins() == {"matmul_decode": pytest.approx(3.0),
+                                  "matmul_prefill": pytest.approx(1.25)}
+
+
+def test_an_old_record_without_the_load_reads_back_as_final(tmp_path):
+    first = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                               timer=Timings({}), load=idle)
+    path = tmp_path / "kernels" / f"{first.key}.json"
+    record = json.loads(path.read_text())
+    for name in ("load_1m", "num_cores", "measured_at", "measured_at_s", "provisional"):
+        del record[name]
+    path.write_text(json.dumps(record))
+    timer = Timings({})
+    again = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                               load=busy)
+    assert again.source == "cached" and not timer.calls and not again.provisional
+    assert (again.load_1m, again.num_cores, again.measured_at_s) == (None, None, None)
+    assert again.timed_under() == "" and "provisional" not in again.labels()
+
+
+def test_cached_choices_reads_every_record_and_skips_the_rest(tmp_path):
+    assert sel.cached_choices(tmp_path) == []  # no kernels/ folder at all
+    one = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                             timer=Timings({}), load=idle)
+    two = sel.choose_kernels("auto", _layers(hidden=64), None, None, cache_dir=tmp_path,
+                             timer=Timings({}), load=busy)
+    folder = tmp_path / "kernels"
+    (folder / "torn.json").write_text("{not json")
+    (folder / "foreign.json").write_text(json.dumps({"bench": "something else"}))
+    (folder / "list.json").write_text("[1, 2]")
+    found = {c.key: c for c in sel.cached_choices(tmp_path)}
+    assert set(found) == {one.key, two.key}
+    assert found[two.key].provisional and found[two.key].source == "cached"
+    assert not found[one.key].provisional
 
 
 def test_the_split_kernel_runs_each_class_on_its_own_kernel():
@@ -299,7 +422,7 @@ def test_int8_auto_takes_the_fastest_int8_path_per_class_and_shares_the_packed_w
     timer = Timings({"matmul_decode:int8-op": 0.5, "matmul_decode:int8-dequant-dense": 9.0,
                      "matmul_prefill:int8-op": 9.0, "matmul_prefill:int8-dequant-dense": 0.5})
     choice = sel.choose_kernels("auto", _layers(), None, None, timer=timer,
-                                quantization="int8", cache_dir=tmp_path)
+                                quantization="int8", cache_dir=tmp_path, load=idle)
     assert (choice.linear_decode, choice.linear_prefill) == ("int8-op", "int8-dequant-dense")
     assert any(c.startswith("matmul_decode:int8-weight-only") for c in timer.calls)
     assert not [c for c in timer.calls if "torch-dense" in c or "bf16" in c]  # bf16 not timed
@@ -311,10 +434,10 @@ def test_int8_auto_takes_the_fastest_int8_path_per_class_and_shares_the_packed_w
     assert torch.equal(kernel.linear(x, packed), sel.INT8_DEQUANT_DENSE.linear(x, packed))
     # int8 and bf16 measurements of the same shapes are kept apart
     bf16 = sel.choose_kernels("auto", _layers(), None, None, timer=Timings({}),
-                              cache_dir=tmp_path)
+                              cache_dir=tmp_path, load=idle)
     assert bf16.source == "measured" and bf16.key != choice.key
     again = sel.choose_kernels("auto", _layers(), None, None, timer=Timings({}),
-                               quantization="int8", cache_dir=tmp_path)
+                               quantization="int8", cache_dir=tmp_path, load=idle)
     assert again.source == "cached" and again.linear_prefill == "int8-dequant-dense"
 
 

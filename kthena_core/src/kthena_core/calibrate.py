@@ -46,6 +46,14 @@ model misses a cost the bench paid. The factor would then describe an error, not
 so the fit is refused with the factor, its value and its range (`UnphysicalFitError`), and
 nothing is written.
 
+**The bench's own probe.** A ``kthena bench serve`` JSON carries the host probe of its own run
+(``host_probe``; older ones only the limits probe, ``limits.machine``), and the fit is relative to
+those figures, scaled to the bench's threads (`bench_topology`), not to the probe of the machine
+that fits it: a bench from another CPU fits as it fitted there. The calibration records that CPU
+(``cpu``: model name, family, model). Planning this machine with a calibration file of another
+CPU is refused by name (`check_cpu`); ``kthena bench layouts`` applying a bench of another CPU
+says so, naming both.
+
 **The calibration file** (`save_calibration`, `load_calibration`) is the fit's JSON
 (``Calibration.to_dict``: factors, allowed ranges, the peaks they are relative to, residuals)
 plus ``"kind": "kthena calibration"``. ``kthena plan --calibrate`` writes it to the cache for
@@ -62,10 +70,11 @@ import itertools
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -86,10 +95,15 @@ from kthena_core.planner import Planner
 from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
-__all__ = ["EFFICIENCY_FLOOR", "SP_FACTOR_CEIL", "SP_FACTOR_FLOOR", "BenchPoint", "Calibration", "CalibrationError", "CalibrationFile",
-           "UnphysicalFitError", "bench_points", "cached_calibration_path", "check_physical",
-           "factors_dict", "find_calibration", "fit_calibration", "is_this_machine", "load_bench",
-           "load_calibration", "save_calibration", "sp_collective_factor"]
+if TYPE_CHECKING:
+    from kthena_core.discovery.host_probe import HostFigures
+
+__all__ = ["EFFICIENCY_FLOOR", "SP_FACTOR_CEIL", "SP_FACTOR_FLOOR", "BenchPoint", "Calibration",
+           "CalibrationError", "CalibrationFile", "UnphysicalFitError", "bench_cpu",
+           "bench_points", "bench_probe", "bench_topology", "cached_calibration_path",
+           "check_cpu", "check_physical", "cpu_text", "factors_dict", "find_calibration",
+           "fit_calibration", "is_this_machine", "load_bench", "load_calibration",
+           "planning_cpu", "same_cpu", "save_calibration", "sp_collective_factor"]
 
 # The lowest efficiency a fit may give (achieved / measured peak). A small model's kernels reach
 # a fair share of a CPU's peak (kthena bench serve's fraction_of_limit: 0.27-0.97 on this
@@ -143,6 +157,7 @@ class Calibration:
     model: str = ""
     relative_to: Mapping[str, Any] = attrs.field(factory=dict)  # the peaks, and where from
     allowed: Mapping[str, tuple[float, float]] = attrs.field(factory=dict)
+    cpu: Mapping[str, Any] = attrs.field(factory=dict)  # the CPU the bench ran on (`bench_cpu`)
 
     def to_dict(self) -> dict[str, Any]:
         rows = [{"case": p.case, "quantity": p.quantity, "measured": p.measured,
@@ -150,7 +165,7 @@ class Calibration:
                  "rel_error_uncalibrated": u / p.measured - 1, "rel_error": c / p.measured - 1}
                 for p, u, c in zip(self.points, self.uncalibrated, self.calibrated, strict=True)]
         return {"source": self.source, "model": self.model, "bench_machine": dict(self.bench_machine),
-                "factors": factors_dict(self.params),
+                "cpu": dict(self.cpu), "factors": factors_dict(self.params),
                 "allowed": {k: list(v) for k, v in self.allowed.items()},
                 "relative_to": dict(self.relative_to),
                 "residuals": rows,
@@ -342,6 +357,7 @@ def fit_calibration(bench: Mapping[str, Any], model: ModelSpec, topology: Topolo
     """
     prior = prior or CostParams()
     points = bench_points(bench, model, where=source)
+    topology = bench_topology(bench, topology, where=source)
     peak = Planner(CostParams(1.0, 1.0, prior.link_efficiency, prior.memory_utilization,
                               prior.runtime_reserve_bytes, 0.0)).device_figures(topology)
     terms = [_terms(p, model) for p in points]
@@ -377,7 +393,7 @@ def fit_calibration(bench: Mapping[str, Any], model: ModelSpec, topology: Topolo
     return Calibration(params, source, dict(bench.get("machine") or {}), points,
                        tuple(predict(p, model, base) for p in points),
                        tuple(predict(p, model, fitted) for p in points),
-                       model.name, relative_to, allowed)
+                       model.name, relative_to, allowed, bench_cpu(bench))
 
 
 def _is_physical(params: CostParams, allowed: Mapping[str, tuple[float, float]]) -> bool:
@@ -428,6 +444,103 @@ def _leaves_range(a: np.ndarray, times: np.ndarray, prior_x: Mapping[int, float]
     x = dict(zip(cols, np.linalg.lstsq(a[:, cols] / times[:, None], rhs / times, rcond=None)[0],
                  strict=True))
     return any(not 1.0 <= x[k] <= 1 / EFFICIENCY_FLOOR for k in (0, 1) if k in x)
+
+
+# ---- the bench's own machine ---------------------------------------------------------------------
+def bench_probe(bench: Mapping[str, Any], *, where: str = "bench") -> HostFigures | None:
+    """The host probe of the bench's own run: its ``host_probe``, else its limits probe
+    (``limits.machine``: bandwidth and matmul peaks at the model's shape, on its threads), else
+    None (the bench recorded neither).
+
+    Raises:
+        CalibrationError: ``host_probe`` is there but malformed (the message names the field).
+    """
+    from kthena_core.discovery.host_probe import HostFigures, HostProbeError
+
+    record = bench.get("host_probe")
+    if record is not None:
+        try:
+            return HostFigures.from_dict(record, "the bench's own host probe",
+                                         where=f"{where}: host_probe")
+        except HostProbeError as e:
+            raise CalibrationError(str(e)) from None
+    limits = (bench.get("limits") or {}).get("machine") if isinstance(bench.get("limits"),
+                                                                     Mapping) else None
+    try:
+        return HostFigures(float(limits["bandwidth_gb_s"]) * 1e9,
+                           {"bf16": float(limits["matmul_peak_gflop_s"]) * 1e9,
+                            "fp32": float(limits["matmul_float32_gflop_s"]) * 1e9},
+                           int(limits.get("torch_threads") or 1),
+                           source="the bench's own limits probe", cpu=bench_cpu(bench))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def bench_cpu(bench: Mapping[str, Any]) -> dict[str, str]:
+    """{"model_name", "family", "model"} of the CPU the bench ran on ("" where it does not say):
+    from its host probe, else from ``machine.cpu`` and ``machine.cpu_isa`` ("family 25 model 1:
+    ...")."""
+    probe = bench.get("host_probe")
+    if isinstance(probe, Mapping) and isinstance(probe.get("cpu"), Mapping) and probe["cpu"]:
+        return {k: str(probe["cpu"].get(k, "")) for k in ("model_name", "family", "model")}
+    machine = bench.get("machine") if isinstance(bench.get("machine"), Mapping) else {}
+    found = re.match(r"family (\d+) model (\d+)", str(machine.get("cpu_isa") or ""))
+    return {"model_name": str(machine.get("cpu") or ""),
+            "family": found[1] if found else "", "model": found[2] if found else ""}
+
+
+def same_cpu(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two CPU labels name the same CPU model (a field either leaves blank is not
+    compared: an old bench that recorded no family cannot be told apart)."""
+    return all(str(a.get(k) or "") == str(b.get(k) or "")
+               for k in ("model_name", "family", "model") if a.get(k) and b.get(k))
+
+
+def cpu_text(cpu: Mapping[str, Any]) -> str:
+    """``AMD EPYC (family 25 model 17)``, or what the label holds."""
+    name = cpu.get("model_name") or "an unnamed CPU"
+    return (f"{name} (family {cpu['family']} model {cpu['model']})"
+            if cpu.get("family") and cpu.get("model") else str(name))
+
+
+def bench_topology(bench: Mapping[str, Any], topology: Topology, *,
+                   where: str = "bench") -> Topology:
+    """``topology``'s first device with the figures of the bench's own run: its probe's figures
+    per thread times the threads the bench ran on (``machine.torch_threads``). Without a probe
+    in the bench, ``topology`` as given (this machine's figures).
+
+    Raises:
+        CalibrationError: a malformed ``host_probe``.
+    """
+    probe = bench_probe(bench, where=where)
+    if probe is None:
+        return topology
+    machine = bench.get("machine") if isinstance(bench.get("machine"), Mapping) else {}
+    threads = int(machine.get("torch_threads") or probe.threads)
+    bw, flops = probe.per_thread()
+    device = topology.devices[0]
+    spec = attrs.evolve(device.spec, memory_bw=bw * threads,
+                        peak_flops={**dict(device.spec.peak_flops),
+                                    **{k: v * threads for k, v in flops.items()}},
+                        source=f"{threads} thread(s) of {probe.describe()}")
+    return Topology(devices=(attrs.evolve(device, index=0, node=0, local_index=0, spec=spec),),
+                    name=f"the bench's machine ({cpu_text(bench_cpu(bench))})",
+                    source="bench:" + where)
+
+
+def check_cpu(calibration: CalibrationFile, cpu: Mapping[str, Any]) -> None:
+    """Refuse a calibration measured on another CPU model than ``cpu`` (this machine's).
+
+    Raises:
+        CalibrationError: names the file, its ``cpu`` field and both CPU models.
+    """
+    theirs = calibration.data.get("cpu")
+    if isinstance(theirs, Mapping) and theirs and not same_cpu(theirs, cpu):
+        raise CalibrationError(
+            f"--calibration {calibration.path}: field 'cpu': it was measured on "
+            f"{cpu_text(theirs)}, this machine is {cpu_text(cpu)}; its factors describe that "
+            "CPU. Calibrate here (`kthena bench serve`, then `kthena plan --calibrate`), or "
+            "plan with --calibration none")
 
 
 # ---- the calibration file -----------------------------------------------------------------------
@@ -510,23 +623,43 @@ def load_calibration(path: str | os.PathLike[str]) -> CalibrationFile:
     return CalibrationFile(params, str(path), data)
 
 
+def planning_cpu(topology: Topology) -> dict[str, Any]:
+    """The CPU a plan on ``topology`` is priced for: its host probe's (``topology.probe``; a
+    ``KTHENA_HOST_PROBE`` file names another machine's), else this machine's."""
+    from kthena_core.discovery.host_probe import cpu_label
+
+    probe_cpu = (topology.probe or {}).get("cpu")
+    return dict(probe_cpu) if isinstance(probe_cpu, Mapping) and probe_cpu else cpu_label()
+
+
 def find_calibration(path: str | None, cache_dir: str | os.PathLike[str] | None,
-                     this_machine: bool) -> CalibrationFile | None:
+                     this_machine: bool, *,
+                     cpu: Mapping[str, Any] | None = None) -> CalibrationFile | None:
     """The calibration a plan uses: ``path`` when given ("none": no calibration); else, for a
     plan on this machine (``this_machine``: its topology is ``auto`` or ``auto:cores``), this
-    machine's cached one when the cache holds one; else None.
+    machine's cached one when the cache holds one; else None. ``cpu``: the CPU the plan's
+    figures are of (`planning_cpu`; default this machine's).
 
     Raises:
-        CalibrationError: as `load_calibration`.
+        CalibrationError: as `load_calibration`; for a plan on this machine, a calibration
+            measured on another CPU model than ``cpu`` (`check_cpu`).
     """
     if path == "none":
         return None
     if path:
-        return load_calibration(path)
-    if cache_dir is None or not this_machine:
+        found = load_calibration(path)
+    elif cache_dir is None or not this_machine:
         return None
-    cached = cached_calibration_path(cache_dir)
-    return load_calibration(cached) if cached.is_file() else None
+    else:
+        cached = cached_calibration_path(cache_dir)
+        if not cached.is_file():
+            return None
+        found = load_calibration(cached)
+    if this_machine:
+        from kthena_core.discovery.host_probe import cpu_label
+
+        check_cpu(found, cpu_label() if cpu is None else cpu)
+    return found
 
 
 def is_this_machine(topology_spec: str) -> bool:

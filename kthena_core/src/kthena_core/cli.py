@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from kthena_core.cache_dir import default_cache_dir
+from kthena_core.cache_dir import default_cache_dir, host_probe_file
 from kthena_core.config_plan import resolve_topology
 from kthena_core.known_models import load_model_spec
 
@@ -32,13 +32,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _cmd_plan_config(args)
     cache = default_cache_dir()
     model = load_model_spec(args.model)
-    topology = resolve_topology(args.topology, cache_dir=cache)
+    topology = resolve_topology(args.topology, cache_dir=cache, probe_file=host_probe_file())
     workload = Workload.parse(args.workload) if args.workload else Workload()
     overrides = {k: v for k, v in (("mode", args.mode), ("objective", args.objective)) if v}
     if overrides:
         workload = Workload(**{**workload.to_dict(), **overrides})
     fitted, used = _calibration(args, model, topology, cache, args.topology)
-    params = _params(fitted, used)
+    factors = _factors(fitted, used, topology, args.topology)
     if args.sp_collective_factor is not None:
         if not args.sp_collective_factor > 0:
             print(f"kthena plan: --sp-collective-factor must be > 0 (1: a ring), got "
@@ -46,11 +46,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return 2
         import attrs
 
-        params = attrs.evolve(params or _default_params(),
-                              sp_collective_factor=args.sp_collective_factor)
-    plan = Planner(params, sequence_parallel=args.sp).plan(model, topology, workload)
-    _print_plan(args, plan, fitted, used)
+        factors = attrs.evolve(factors, params=attrs.evolve(
+            factors.params, sp_collective_factor=args.sp_collective_factor))
+    plan = Planner(factors.params, sequence_parallel=args.sp).plan(model, topology, workload)
+    _print_plan(args, plan, fitted, used, topology, factors)
     return 0
+
+
+def _factors(fitted: Any, used: Any, topology: Any, topology_spec: str) -> Any:
+    """The factors the plan is scored with (``cpu_defaults.plan_factors``): the calibration
+    file's, a fit that was not written, this CPU's class default, or the built-in ones."""
+    from kthena_core.calibrate import is_this_machine
+    from kthena_core.cpu_defaults import PlanFactors, plan_factors
+
+    if used is None and fitted is not None:
+        return PlanFactors(fitted.params, "calibration fit (not written)")
+    return plan_factors(used, topology, is_this_machine(topology_spec))
 
 
 def _calibration(args: argparse.Namespace, model: Any, topology: Any, cache: Path,
@@ -59,58 +70,59 @@ def _calibration(args: argparse.Namespace, model: Any, topology: Any, cache: Pat
     written to --calibration-out, else to this machine's cache when planned on this machine."""
     from kthena_core.calibrate import (
         cached_calibration_path,
+        cpu_text,
         find_calibration,
         fit_calibration,
         is_this_machine,
         load_bench,
         load_calibration,
+        planning_cpu,
+        same_cpu,
         save_calibration,
     )
 
+    here = planning_cpu(topology)
     if not args.calibrate:
-        return None, find_calibration(args.calibration, cache, is_this_machine(topology_spec))
+        return None, find_calibration(args.calibration, cache, is_this_machine(topology_spec),
+                                      cpu=here)
     fitted = fit_calibration(load_bench(args.calibrate), model, topology, source=args.calibrate)
+    foreign = is_this_machine(topology_spec) and not same_cpu(fitted.cpu, here)
+    if foreign:
+        print(f"kthena plan: {args.calibrate} ran on {cpu_text(fitted.cpu)}, this machine is "
+              f"{cpu_text(here)}: the factors were fitted to that CPU's own probe and are "
+              "applied here to this machine's figures", file=sys.stderr)
     out = args.calibration_out or (cached_calibration_path(cache)
-                                   if is_this_machine(topology_spec) else None)
+                                   if is_this_machine(topology_spec) and not foreign else None)
     if out is None:
-        print("kthena plan: the calibration is not written: the topology is not this machine's "
-              "(auto, auto:cores); name a file with --calibration-out", file=sys.stderr)
+        why = ("it is another CPU's" if foreign else
+               "the topology is not this machine's (auto, auto:cores)")
+        print(f"kthena plan: the calibration is not written: {why}; name a file with "
+              "--calibration-out", file=sys.stderr)
         return fitted, None
     path = save_calibration(fitted, out)
     print(f"kthena plan: calibration written to {path}", file=sys.stderr)
     return fitted, load_calibration(path)
 
 
-def _print_plan(args: argparse.Namespace, plan: Any, fitted: Any, used: Any) -> None:
+def _print_plan(args: argparse.Namespace, plan: Any, fitted: Any, used: Any,
+                topology: Any, factors: Any) -> None:
     from kthena_core.calibrate import factors_dict
-    from kthena_core.report import format_calibration, format_plan
+    from kthena_core.report import figures_dict, format_calibration, format_figures, format_plan
 
     if args.json:
         out = plan.to_dict(args.candidates)
         out["calibration"] = ({**fitted.to_dict(), "file": used.path if used else None}
                               if fitted else used.to_json() if used else None)
-        out["cost_factors"] = factors_dict(_params(fitted, used) or _default_params())
+        out["cost_factors"] = factors_dict(factors.params)
+        out["factors"] = factors.to_json()
+        out["figures"] = figures_dict(topology)
         print(json.dumps(out))
         return
     print(format_plan(plan, args.candidates))
+    print(format_figures(topology))
+    print(f"factors   {factors.describe()}")
     if fitted:
         print(format_calibration(fitted))
-    elif used:
-        f = factors_dict(used.params)
-        print(f"calibration {used.path}: compute_efficiency {f['compute_efficiency']:.3g}, "
-              f"memory_efficiency {f['memory_efficiency']:.3g}, step_overhead_s "
-              f"{f['step_overhead_s']:.3g} (fitted to {used.data.get('source')})")
-
-
-def _params(fitted: Any, used: Any) -> Any:
-    """The factors the plan is scored with: the calibration file's, else the fit's, else None."""
-    return used.params if used else fitted.params if fitted else None
-
-
-def _default_params():
-    from kthena_core.cost_model import CostParams
-
-    return CostParams()
 
 
 def _cmd_plan_config(args: argparse.Namespace) -> int:
@@ -128,10 +140,12 @@ def _cmd_plan_config(args: argparse.Namespace) -> int:
               "is weighed; drop --sp and --sp-collective-factor", file=sys.stderr)
         return 2
     cache = default_cache_dir()
-    cfg, topology = load_config_file(args.config, cache_dir=cache)
+    cfg, topology = load_config_file(args.config, cache_dir=cache, probe_file=host_probe_file())
     model = load_model_spec(cfg.model.checkpoint_path)
     fitted, used = _calibration(args, model, topology, cache, cfg.cluster.topology)
-    _print_plan(args, plan_config(cfg, topology, model, _params(fitted, used)), fitted, used)
+    factors = _factors(fitted, used, topology, cfg.cluster.topology)
+    _print_plan(args, plan_config(cfg, topology, model, factors.params), fitted, used,
+                topology, factors)
     return 0
 
 
@@ -139,10 +153,11 @@ def _cmd_topo(args: argparse.Namespace) -> int:
     from kthena_core.discovery import describe, discover_all, measure_host
 
     if args.topology != "auto":
-        topology = resolve_topology(args.topology, cache_dir=default_cache_dir())
+        topology = resolve_topology(args.topology, cache_dir=default_cache_dir(),
+                                    probe_file=host_probe_file())
         print(json.dumps(topology.to_dict()) if args.json else describe(topology))
         return 0
-    report = discover_all(host=measure_host(default_cache_dir()))
+    report = discover_all(host=measure_host(default_cache_dir(), probe_file=host_probe_file()))
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -95,18 +95,24 @@ def plan_config(cfg: KthenaConfig, topology: Topology, model: ModelSpec | None =
 
 
 def resolve_topology(spec: str, *, cache_dir: str | os.PathLike[str] | None = None,
-                     measure: bool = True) -> Topology:
+                     measure: bool = True, probe_file: str | os.PathLike[str] | None = None,
+                     ) -> Topology:
     """'auto' (discover this machine), 'auto:cores' (this host's CPU, one device per core, as
     ``kthena serve --tp/--pp/--dp`` pins one rank per core), a YAML file, or a catalog node name
     with ':N' nodes.
 
     Discovery measures the host's memory bandwidth and matmul peak (``measure_host``, cached
-    under ``cache_dir`` when given) unless ``measure`` is False (estimates then).
+    under ``cache_dir`` when given), or reads them from ``probe_file`` (a recorded probe,
+    ``KTHENA_HOST_PROBE``), unless ``measure`` is False (estimates then).
+
+    Raises:
+        HostProbeError: ``probe_file`` is missing or malformed.
+        TopologyError: a bad YAML file or catalog name.
     """
     if spec in ("auto", "auto:cores"):
         from kthena_core.discovery import discover, discover_cpu, measure_host
 
-        host = measure_host(cache_dir) if measure else None
+        host = measure_host(cache_dir, probe_file=probe_file) if measure else None
         return discover(host=host) if spec == "auto" else discover_cpu(per_core=True, host=host)
     if spec.endswith((".yaml", ".yml")):
         return topo.Topology.from_yaml(spec)
@@ -119,21 +125,24 @@ def resolve_topology(spec: str, *, cache_dir: str | os.PathLike[str] | None = No
 
 
 def plan_config_file(path: str, *, cache_dir: str | os.PathLike[str] | None = None,
-                     params: CostParams | None = None) -> tuple[KthenaConfig, Topology, Plan]:
+                     params: CostParams | None = None,
+                     probe_file: str | os.PathLike[str] | None = None,
+                     ) -> tuple[KthenaConfig, Topology, Plan]:
     """Load `path`, resolve its topology and plan it with ``params``: what ``kthena plan
     --config`` prints and ``kthena serve --config`` serves.
 
     Raises:
         ConfigError, TopologyError, NoFeasiblePlanError: as their loaders and the planner.
     """
-    cfg, topology = load_config_file(path, cache_dir=cache_dir)
+    cfg, topology = load_config_file(path, cache_dir=cache_dir, probe_file=probe_file)
     return cfg, topology, plan_config(cfg, topology, params=params)
 
 
 def load_config_file(path: str, *, cache_dir: str | os.PathLike[str] | None = None,
+                     probe_file: str | os.PathLike[str] | None = None,
                      ) -> tuple[KthenaConfig, Topology]:
     """Load `path` and resolve its ``cluster.topology`` (host measurements cached under
-    ``cache_dir``). A relative ``model.checkpoint_path`` or topology YAML is relative to the
+    ``cache_dir``, or read from ``probe_file``). A relative ``model.checkpoint_path`` or topology YAML is relative to the
     config file.
 
     Raises:
@@ -148,4 +157,4 @@ def load_config_file(path: str, *, cache_dir: str | os.PathLike[str] | None = No
     spec = cfg.cluster.topology
     if spec.endswith((".yaml", ".yml")) and not os.path.isabs(spec):
         spec = os.path.join(base, spec)
-    return cfg, resolve_topology(spec, cache_dir=cache_dir)
+    return cfg, resolve_topology(spec, cache_dir=cache_dir, probe_file=probe_file)

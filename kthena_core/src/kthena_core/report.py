@@ -7,6 +7,7 @@ import math
 from kthena_core.calibrate import Calibration
 from kthena_core.model_spec import human_bytes
 from kthena_core.planner import Evaluation, Plan
+from kthena_core.topology import Topology
 
 
 def _layout_text(e: Evaluation) -> str:
@@ -79,3 +80,21 @@ def format_calibration(cal: Calibration) -> str:
         lines.append(f"  {p.case:<26} {p.quantity:<17} {p.measured:>10.4g} {u:>7.4g} {u / p.measured - 1:>+5.0%} "
                      f"{c:>6.4g} {c / p.measured - 1:>+4.0%}")
     return "\n".join(lines)
+
+
+def figures_dict(topology: Topology) -> dict[str, object]:
+    """The device figures a plan on ``topology`` was scored with, and where they came from
+    (a host probe's line says when it was measured and at what load)."""
+    spec = topology.devices[0].spec
+    return {"device": spec.name, "num_devices": topology.num_devices,
+            "memory_bw": spec.memory_bw, "peak_flops": dict(spec.peak_flops),
+            "source": spec.source}
+
+
+def format_figures(topology: Topology) -> str:
+    """``figures   per device ...`` for a terminal (`figures_dict`)."""
+    spec = topology.devices[0].spec
+    peaks = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in sorted(spec.peak_flops.items()))
+    return (f"figures   per device ({spec.name}, {topology.num_devices} device(s)): "
+            f"{spec.memory_bw / 1e9:.1f} GB/s memory, {peaks}\n"
+            f"          from {spec.source or 'unknown'}")

@@ -107,6 +107,9 @@ class Topology:
         inter_node_latency: seconds.
         name: display name.
         source: where it came from: "discovered:cpu", "yaml:/path", "catalog:atlas-800t-a2x2", ...
+        probe: the host probe a discovered CPU topology's figures come from, in its JSON form
+            (``HostFigures.to_dict`` with its ``source``; None otherwise): which CPU the figures
+            are of, for the calibration a plan takes (not part of ``to_dict`` or equality).
     """
 
     devices: tuple[Device, ...] = attrs.field(converter=tuple)
@@ -115,6 +118,7 @@ class Topology:
     inter_node_latency: float = 10e-6
     name: str = ""
     source: str = ""
+    probe: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
     _link_table: dict[tuple[int, int], Link] = attrs.field(init=False, repr=False, eq=False, hash=False)
 
     def __attrs_post_init__(self) -> None:

@@ -11,8 +11,8 @@
   article's Python entry points, over ``LLM`` and ``kthena serve --config``.
 
 Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used). The
-import sets ``OMP_WAIT_POLICY=PASSIVE`` when it is unset and torch is not loaded yet, so that an
-engine in this process does not stall on a busy machine (``kthena_serve.threads``).
+import leaves the process as it was (``os.environ`` included): OpenMP's wait policy is decided
+by the entry points, ``LLM(...)`` among them, before torch loads (``kthena_serve.threads``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from kthena_core.lazy import lazy_exports
-from kthena_serve.threads import default_wait_policy
-
-default_wait_policy()  # before anything here can load torch
 
 try:
     __version__ = version("kthena-serve")  # the installed package's metadata

@@ -24,7 +24,7 @@ from kthena_serve.serve_args import (
     curl_line,
 )
 from kthena_serve.spec import ServeSpec, flag_name, plan_config_path
-from kthena_serve.threads import keep_openmp_default
+from kthena_serve.threads import entry_point_wait_policy
 
 if TYPE_CHECKING:
     import socket
@@ -43,14 +43,10 @@ def _prepare_process() -> None:
 
     A launcher rank (WORLD_SIZE > 1) shares the machine's cores with its sibling ranks, so it
     gets ``OMP_WAIT_POLICY=PASSIVE``. A process that owns its cores alone keeps OpenMP's
-    default (spin for a few milliseconds, then sleep: the PASSIVE that ``import kthena_serve``
-    set is taken back); the processes it starts (PD workers, DP replicas, TP ranks) set
-    PASSIVE for themselves. A value the user set is left as it is.
+    default (spin for a few milliseconds, then sleep); the processes it starts (PD workers, DP
+    replicas, TP ranks) set PASSIVE for themselves. A value the user set is left as it is.
     """
-    if os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"):
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    else:
-        keep_openmp_default()
+    entry_point_wait_policy(shares_cores=os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"))
 
 
 # ---- kthena serve -------------------------------------------------------------------------------

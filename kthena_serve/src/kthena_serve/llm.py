@@ -1,4 +1,9 @@
-"""LLM: the offline Python API — ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""LLM: the offline Python API — ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Importing this module does not load torch: ``LLM(...)`` first decides OpenMP's wait policy for
+this process (`kthena_serve.threads.in_process_wait_policy`, read once when torch loads), then
+builds the engine, which loads it.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,9 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kthena_serve.config import EngineConfig
-from kthena_serve.engine import LLMEngine
 from kthena_serve.request import RequestOutput
 from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.threads import in_process_threads
+from kthena_serve.threads import in_process_threads, in_process_wait_policy
 
 if TYPE_CHECKING:
     from kthena_serve.model import Tokenizer
@@ -30,10 +34,18 @@ class LLM:
             ``ORG/NAME`` (`kthena_serve.model.source`).
         **engine_config: any other ``EngineConfig`` field (``max_num_seqs``, ``block_size`` ...).
             Without ``num_threads``, one engine (``tp`` and ``pp`` 1) runs one torch thread per
-            core this process may use, or one thread if torch was imported before
-            ``kthena_serve`` with ``OMP_WAIT_POLICY`` unset (see ``kthena_serve.threads``;
-            it logs a warning saying so). Without ``target_step_ms``, offline generation runs
-            with decode protection off (0): it is throughput-only, nobody waits on a token.
+            core this process may use, or one thread if torch was imported before the first
+            ``LLM`` with ``OMP_WAIT_POLICY`` unset (it logs a warning saying so). Without
+            ``target_step_ms``, offline generation runs with decode protection off (0): it is
+            throughput-only, nobody waits on a token.
+
+    The first ``LLM`` in a process sets ``OMP_WAIT_POLICY=PASSIVE`` when it is unset and torch
+    is not loaded yet, so that its threads sleep while idle instead of stalling on a busy
+    machine; a value you exported is kept, and a process whose entry point decided already
+    (the ``kthena`` command, ``python -m kthena_serve...``) keeps that (``kthena_serve.threads``).
+
+    Raises:
+        kthena_serve.config.ConfigError: an ``engine_config`` value is refused (a ``ValueError``).
 
     Example::
 
@@ -43,6 +55,9 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_config) -> None:
+        in_process_wait_policy()  # before torch loads: OpenMP reads the policy once
+        from kthena_serve.engine import LLMEngine
+
         engine_config.setdefault("target_step_ms", 0)  # offline: full steps (throughput)
         config = EngineConfig(model=model, **engine_config)
         if config.world_size == 1:  # parallel ranks are processes that set their own threads

@@ -52,6 +52,7 @@ from kthena_serve.pd.launcher import worker_names as pd_worker_names
 if TYPE_CHECKING:
     from kthena_core.calibrate import CalibrationFile
     from kthena_core.config import CompressionConfig, KthenaConfig
+    from kthena_core.cpu_defaults import PlanFactors
     from kthena_core.planner import Plan
     from kthena_core.topology import Topology
 
@@ -121,12 +122,19 @@ class PlannedConfig:
         config: the loaded config.
         plan: its plan (``kthena plan --config``).
         calibration: the calibration file the plan was scored with (None: default factors).
+        factors: the factors it was scored with and their origin (``kthena_core.cpu_defaults
+            .plan_factors``: the calibration file, this CPU's class default or the built-in
+            ones); None: the calibration's, else the built-in ones.
+        figures: the device figures it was scored with and where they came from
+            (``kthena_core.report.figures_dict``).
     """
 
     path: str
     config: KthenaConfig
     plan: Plan
     calibration: CalibrationFile | None = None
+    factors: PlanFactors | None = None
+    figures: Mapping[str, Any] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -146,7 +154,10 @@ class PlannedConfig:
         out = self.plan.to_dict(PLAN_CANDIDATES)
         cal = self.calibration
         out["calibration"] = cal.to_json() if cal else None
-        out["cost_factors"] = factors_dict(cal.params if cal else CostParams())
+        params = self.factors.params if self.factors else cal.params if cal else CostParams()
+        out["cost_factors"] = factors_dict(params)
+        out["factors"] = self.factors.to_json() if self.factors else None
+        out["figures"] = dict(self.figures) if self.figures else None
         return out
 
 
@@ -418,20 +429,22 @@ def plan_config_path(path: str, launcher_world: int = 1, calibration: str | None
         ValueError: a bad config (kthena_core's ``ConfigError``), a bad calibration file
             (``CalibrationError``), no feasible plan, or ``UnservablePlanError``.
     """
-    from kthena_core.cache_dir import default_cache_dir
-    from kthena_core.calibrate import find_calibration, is_this_machine
+    from kthena_core.cache_dir import default_cache_dir, host_probe_file
+    from kthena_core.calibrate import find_calibration, is_this_machine, planning_cpu
     from kthena_core.config_plan import load_config_file, plan_config
-    from kthena_core.report import format_plan
+    from kthena_core.cpu_defaults import plan_factors
+    from kthena_core.report import figures_dict, format_figures, format_plan
 
     cache = default_cache_dir()
-    cfg, topology = load_config_file(path, cache_dir=cache)
-    cal = find_calibration(calibration, cache, is_this_machine(cfg.cluster.topology))
-    plan = plan_config(cfg, topology, params=cal.params if cal else None)
-    planned = PlannedConfig(path, cfg, plan, cal)
+    cfg, topology = load_config_file(path, cache_dir=cache, probe_file=host_probe_file())
+    this_machine = is_this_machine(cfg.cluster.topology)
+    cal = find_calibration(calibration, cache, this_machine, cpu=planning_cpu(topology))
+    factors = plan_factors(cal, topology, this_machine)
+    plan = plan_config(cfg, topology, params=factors.params)
+    planned = PlannedConfig(path, cfg, plan, cal, factors, figures_dict(topology))
     print(format_plan(plan, PLAN_CANDIDATES), flush=True)
-    if cal is not None:
-        print(f"kthena serve: plan scored with calibration {cal.path} (fitted to "
-              f"{cal.data.get('source')})", flush=True)
+    print(format_figures(topology), flush=True)
+    print(f"kthena serve: plan scored with {factors.describe()}", flush=True)
     print(f"kthena serve: plan layout {planned.layout} mode={plan.workload.mode}", flush=True)
     check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
     return planned

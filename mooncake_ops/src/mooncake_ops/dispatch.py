@@ -23,8 +23,9 @@ from mooncake_ops.errors import NativeUnavailableError, UnsupportedDeviceError
 
 __all__ = [
     "MC2_OPS", "OP_NAMES", "TESTED", "UNVERIFIED", "BackendEntry", "Capability", "DeviceBackend",
-    "OpImpl", "capabilities", "choose_impl", "impl", "implementation_name", "lazy",
-    "native_enabled", "op_candidates", "register_backend", "use_native",
+    "OpImpl", "capabilities", "choose_impl", "dispatch_state", "impl", "implementation_name",
+    "lazy", "native_enabled", "op_candidates", "register_backend", "restore_dispatch",
+    "use_native",
 ]
 
 TESTED = "tested"
@@ -164,6 +165,23 @@ def use_native(enabled: bool, *, strict: bool = False) -> bool:
 
 def native_enabled() -> bool:
     return _state["allow_native"]
+
+
+def dispatch_state() -> tuple[bool, tuple[tuple[tuple[str, str], str], ...]]:
+    """The process-wide dispatch settings (`use_native`'s and every `choose_impl` choice), as a
+    value `restore_dispatch` takes back: what a test fixture or a benchmark A/B saves first."""
+    return _state["allow_native"], tuple(sorted(_CHOSEN.items()))
+
+
+def restore_dispatch(state: tuple[bool, tuple[tuple[tuple[str, str], str], ...]]) -> None:
+    """Put back settings `dispatch_state` saved (a no-op when nothing changed since)."""
+    if state == dispatch_state():
+        return
+    _state["allow_native"] = state[0]
+    _CHOSEN.clear()
+    _CHOSEN.update(state[1])
+    _TABLES.clear()
+    _NAMES.clear()
 
 
 def capabilities() -> tuple[Capability, ...]:

@@ -28,34 +28,41 @@ time on prefill calls too, or the other way round, one kernel runs both (one pac
 each weight). Otherwise a split kernel runs each class on its own winner and holds both
 packed copies: twice the weight memory, reported in `KernelChoice.extra_weight_bytes`.
 
-A measurement is cached as JSON under ``<cache_dir>/kernels/`` keyed by the CPU (model name and
-flags), torch's version and thread count, OpenMP's wait settings (``OMP_WAIT_POLICY``,
-``GOMP_SPINCOUNT``), the native build (file, size, mtime), the mode and the shapes timed; a
-change to any of them times again. A file lock keeps two processes that
-start together from timing side by side (the second reads the first's result).
+A measurement is cached as JSON under ``<cache_dir>/kernels/`` (`mooncake_ops.kernel_cache`)
+keyed by the CPU (model name and flags), torch's version and thread count, OpenMP's wait
+settings (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), the native build (file, size, mtime), the
+mode and the shapes timed; a change to any of them times again. A file lock keeps two processes
+that start together from timing side by side (the second reads the first's result). Each
+measurement records the load it ran under; one timed while the machine was busy (1-minute load
+above half this process's cores) is provisional: it runs, and the next start times again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import datetime
 import functools
-import hashlib
-import json
 import logging
 import math
 import os
-import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from mooncake_ops.dispatch import choose_impl, native_enabled, op_candidates
+from mooncake_ops.dispatch import choose_impl, op_candidates
+from mooncake_ops.kernel_cache import (
+    MachineLoad,
+    cache_key,
+    locked,
+    machine_load,
+    read_record,
+    read_records,
+    record_path,
+    write_record,
+)
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.linear import (
     FP32_COMPUTE_BF16,
@@ -72,9 +79,10 @@ from mooncake_ops.linear import (
 )
 
 __all__ = ["ATTENTION_OPS", "DECODE_MAX_ROWS", "ENV_VAR", "MODES", "PREFILL_ROWS", "SPLIT_LOSS",
-           "TORCH_DENSE", "AttentionShape", "KernelChoice", "MatmulWeight", "choose_kernels",
-           "fastest", "int8_candidates", "linear_candidates", "resolve_mode", "split_kernel", "split_or_single",
-           "summary_line"]
+           "TORCH_DENSE", "AttentionShape", "KernelChoice", "MachineLoad", "MatmulWeight",
+           "cache_key", "cached_choices", "choose_kernels", "fastest", "int8_candidates",
+           "linear_candidates", "machine_load", "resolve_mode", "split_kernel",
+           "split_or_single", "summary_line"]
 
 _log = logging.getLogger("mooncake_ops")
 
@@ -138,6 +146,12 @@ class KernelChoice:
         source: ``measured``, ``cached`` (a measurement read back) or ``fixed`` (no timing).
         timings_ms: family -> candidate -> median milliseconds (None: the candidate failed).
         key: the cache key (hex).
+        load_1m, num_cores: the 1-minute load average just before timing and the cores this
+            process could use (None: not timed, or a record older than these fields).
+        measured_at, measured_at_s: when it was timed, ISO 8601 (local time with its offset)
+            and epoch seconds (None: as above).
+        provisional: timed while the machine was busy (`MachineLoad.is_busy`): it runs, and
+            the next `choose_kernels` with the same cache times again.
     """
 
     mode: str
@@ -147,6 +161,11 @@ class KernelChoice:
     source: str = "fixed"
     timings_ms: Mapping[str, Mapping[str, float | None]] = attrs.field(factory=dict)
     key: str = ""
+    load_1m: float | None = None
+    num_cores: int | None = None
+    measured_at: str | None = None
+    measured_at_s: float | None = None
+    provisional: bool = False
 
     @property
     def split(self) -> bool:
@@ -167,18 +186,54 @@ class KernelChoice:
             choose_impl(op, device_type, self.attention.get(op))
 
     def as_dict(self) -> dict:
-        """For JSON reports and the metrics info gauge."""
+        """For JSON reports and the cache record (`from_record` reads it back)."""
         return {"mode": self.mode, "source": self.source, "linear_decode": self.linear_decode,
                 "linear_prefill": self.linear_prefill, "attention": dict(self.attention),
-                "timings_ms": {f: dict(t) for f, t in self.timings_ms.items()}, "key": self.key}
+                "timings_ms": {f: dict(t) for f, t in self.timings_ms.items()}, "key": self.key,
+                "load_1m": self.load_1m, "num_cores": self.num_cores,
+                "measured_at": self.measured_at, "measured_at_s": self.measured_at_s,
+                "provisional": self.provisional}
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> KernelChoice:
+        """A cache record (`as_dict`) read back, as source ``cached``; a record older than the
+        load fields reads as final, its load and time unknown.
+
+        Raises:
+            KeyError: the record lacks a field every record has (not a kernel choice).
+        """
+        return cls(record["mode"], record["linear_decode"], record["linear_prefill"],
+                   record["attention"], "cached", record["timings_ms"], record["key"],
+                   record.get("load_1m"), record.get("num_cores"), record.get("measured_at"),
+                   record.get("measured_at_s"), bool(record.get("provisional", False)))
+
+    def margins(self) -> dict[str, float | None]:
+        """Family -> runner-up time / winner time, from `timings_ms`: how close the choice
+        was (1.0: a tie). None where fewer than two candidates finished, or the winner's time
+        rounded to 0."""
+        found: dict[str, float | None] = {}
+        for family, times in self.timings_ms.items():
+            ok = sorted(t for t in times.values() if t is not None and math.isfinite(t))
+            found[family] = ok[1] / ok[0] if len(ok) > 1 and ok[0] > 0 else None
+        return found
+
+    def timed_under(self) -> str:
+        """The load it was timed under, ``load 1.9 on 2 cores``; "" when unknown."""
+        if self.load_1m is None or self.num_cores is None:
+            return ""
+        return f"load {round(self.load_1m, 2):g} on {self.num_cores} cores"
 
     def labels(self) -> dict[str, str]:
-        """Flat name -> value (the ``kthena_kernels_info`` gauge's labels, the start-up line)."""
-        return {"mode": self.mode, "source": self.source,
-                "matmul_decode": self.linear_decode or "F.linear",
-                "matmul_prefill": self.linear_prefill or "F.linear",
-                "decode_attention": self.attention.get("paged_decode_attention", "default"),
-                "prefill_attention": self.attention.get("paged_prefill_attention", "default")}
+        """Flat name -> value (the ``kthena_kernels_info`` gauge's labels, the start-up line);
+        a provisional choice adds ``provisional`` (the load it was timed under)."""
+        labels = {"mode": self.mode, "source": self.source,
+                  "matmul_decode": self.linear_decode or "F.linear",
+                  "matmul_prefill": self.linear_prefill or "F.linear",
+                  "decode_attention": self.attention.get("paged_decode_attention", "default"),
+                  "prefill_attention": self.attention.get("paged_prefill_attention", "default")}
+        if self.provisional:
+            labels["provisional"] = f"timed at {self.timed_under()}"
+        return labels
 
     def summary(self) -> str:
         """One line for the start-up log."""
@@ -186,12 +241,17 @@ class KernelChoice:
 
 
 def summary_line(labels: Mapping[str, str]) -> str:
-    """``KernelChoice.labels()`` as one line: ``kernels (auto, measured): matmul ...``."""
+    """``KernelChoice.labels()`` as one line: ``kernels (auto, measured): matmul ...``, ending
+    ``(provisional: timed at load 1.9 on 2 cores; timed again at the next start)`` for a
+    provisional choice."""
     decode, prefill = labels["matmul_decode"], labels["matmul_prefill"]
     matmul = decode if decode == prefill else f"{decode} (decode) / {prefill} (prefill)"
-    return (f"kernels ({labels['mode']}, {labels['source']}): matmul {matmul}; decode "
+    line = (f"kernels ({labels['mode']}, {labels['source']}): matmul {matmul}; decode "
             f"attention {labels['decode_attention']}; prefill attention "
             f"{labels['prefill_attention']}")
+    if "provisional" in labels:
+        line += f" (provisional: {labels['provisional']}; timed again at the next start)"
+    return line
 
 
 _KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
@@ -430,70 +490,6 @@ def measure_attention(shape: AttentionShape, timer: Timer = median_time,
     return found
 
 
-# ---- the cache -----------------------------------------------------------------------------------
-def _cpu_identity() -> list[str]:
-    model, flags = "", ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name.strip() == "model name" and not model:
-                model = value.strip()
-            elif name.strip() == "flags":
-                flags = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
-                break
-    return [model or platform.processor(), flags]
-
-
-def _native_identity() -> list:
-    from mooncake_ops.linear import _native_module
-
-    module = _native_module()
-    path = getattr(module, "__file__", None)
-    if not path:
-        return [None]
-    stat = Path(path).stat()
-    return [Path(path).name, stat.st_size, int(stat.st_mtime)]
-
-
-def _openmp_waiting() -> list[str | None]:
-    """How this process's OpenMP threads wait between parallel regions (asleep under PASSIVE,
-    spinning otherwise): every multi-threaded timing depends on it (a batch-32 decode step of
-    the default model took 24 ms against 19 on a 2-core Zen 5)."""
-    return [os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]
-
-
-def cache_key(mode: str, linear_shapes: Sequence, attention: AttentionShape | None) -> str:
-    """The hex key of a measurement: what would make another measurement differ."""
-    parts = [mode, _cpu_identity(), torch.__version__, torch.get_num_threads(),
-             _openmp_waiting(), native_enabled() and _native_identity(),
-             [list(s) for s in linear_shapes], None if attention is None else attention.key()]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write(path: Path, record: dict) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
-
-
 # ---- the choice ----------------------------------------------------------------------------------
 def _fixed(mode: str, weight: torch.Tensor | None, quantization: str | None) -> KernelChoice:
     if quantization == "int8":
@@ -513,7 +509,8 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
                    lm_head: MatmulWeight | None, attention: AttentionShape | None, *,
                    cache_dir: str | os.PathLike[str] | None = None,
                    timer: Timer = median_time,
-                   quantization: str | None = None) -> KernelChoice:
+                   quantization: str | None = None,
+                   load: Callable[[], MachineLoad] = machine_load) -> KernelChoice:
     """The kernels for a model with these matmul weights and attention shape on this machine.
 
     Args:
@@ -522,10 +519,16 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
         lm_head: the LM head's weight, when this rank computes logits.
         attention: the attention shape, or None to leave attention at the default.
         cache_dir: where measurements are kept (``<cache_dir>/kernels/<key>.json``); None:
-            measure every time.
+            measure every time. A cached measurement is reused unless it is provisional: that
+            one is timed again and overwritten.
         timer: ``timer(label, fn) -> seconds`` (tests inject timings through it).
         quantization: None (the weights' own dtype) or ``"int8"``: the weights are packed
             weight-only int8 by the chosen kernel, and the int8 paths are the candidates.
+        load: the machine's load, read just before timing (tests inject it); a busy machine
+            makes the measurement provisional.
+
+    Returns:
+        The choice; ``source`` says whether it was measured, read from the cache or fixed.
 
     Raises:
         ValueError: an unknown mode or quantization.
@@ -544,26 +547,60 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
         [] if lm_head is None else [[*lm_head.weight.shape, "lm_head"]]) + (
         [["quantization", quantization]] if quantization else [])
     key = cache_key(mode, shapes, attention)
+
+    def measure() -> KernelChoice:
+        return _measure(key, candidates, layers, lm_head, attention, timer, load)
+
     if cache_dir is None:
-        return _measure(key, candidates, layers, lm_head, attention, timer)
-    path = Path(cache_dir) / "kernels" / f"{key}.json"
-    with _locked(path):
-        record = _read(path)
+        return measure()
+    return _cached_or_measured(cache_dir, key, measure)
+
+
+def _cached_or_measured(cache_dir: str | os.PathLike[str], key: str,
+                        measure: Callable[[], KernelChoice]) -> KernelChoice:
+    """The final record of ``key``, else a new measurement written in its place."""
+    path = record_path(cache_dir, key)
+    started = time.time()
+    with locked(path):
+        record = read_record(path)
         if record is not None and record.get("key") == key:
-            return _from_record(record)
-        choice = _measure(key, candidates, layers, lm_head, attention, timer)
-        _write(path, choice.as_dict())
+            cached = KernelChoice.from_record(record)
+            # a provisional record timed while this call waited for the lock is a sibling's
+            # (replicas and ranks start together): timing again in turn would only add up
+            if not cached.provisional or (cached.measured_at_s or 0) >= started:
+                return cached
+            _log.info("kernel selection: the cached choice was timed at %s (a busy "
+                      "machine); timing again", cached.timed_under())
+        choice = measure()
+        write_record(path, choice.as_dict())
     return choice
 
 
-def _from_record(record: dict) -> KernelChoice:
-    return KernelChoice(record["mode"], record["linear_decode"], record["linear_prefill"],
-                        record["attention"], "cached", record["timings_ms"], record["key"])
+def cached_choices(cache_dir: str | os.PathLike[str]) -> list[KernelChoice]:
+    """Every kernel choice cached under ``<cache_dir>/kernels/`` (source ``cached``), by key.
+
+    Args:
+        cache_dir: the cache folder (``choose_kernels``'s ``cache_dir``).
+
+    Returns:
+        The choices whose records read back; unreadable files and JSON that is not a choice
+        are skipped. Empty when the folder does not exist.
+    """
+    found = []
+    for record in read_records(cache_dir):
+        try:
+            found.append(KernelChoice.from_record(record))
+        except (KeyError, TypeError):  # another tool's JSON, or a hand-edited record
+            continue
+    return found
 
 
 def _measure(key: str, candidates: Sequence[LinearKernel],
              layers: Sequence[Sequence[MatmulWeight]], lm_head: MatmulWeight | None,
-             attention: AttentionShape | None, timer: Timer) -> KernelChoice:
+             attention: AttentionShape | None, timer: Timer,
+             load: Callable[[], MachineLoad]) -> KernelChoice:
+    # read before timing: what the timings share the machine with, not what they add to it
+    under, at_s = load(), time.time()
     timings: dict[str, dict[str, float | None]] = {}
     decode = prefill = None
     if candidates:
@@ -577,4 +614,6 @@ def _measure(key: str, candidates: Sequence[LinearKernel],
             chosen[op] = fastest(times)
     ms = {family: {name: None if t is None else round(t * 1e3, 4) for name, t in times.items()}
           for family, times in timings.items()}
-    return KernelChoice("auto", decode, prefill, chosen, "measured", ms, key)
+    at = datetime.datetime.fromtimestamp(at_s).astimezone().isoformat(timespec="seconds")
+    return KernelChoice("auto", decode, prefill, chosen, "measured", ms, key, under.load_1m,
+                        under.num_cores, at, at_s, under.is_busy)

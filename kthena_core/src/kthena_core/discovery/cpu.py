@@ -338,20 +338,28 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = Fa
                  source: str = "discovered:cpu", host: HostFigures | None = None) -> Topology:
     """A single-node topology of the host: one cpu device, one per NUMA node, or one per core.
 
-    ``host``: the measured bandwidth and matmul peak of the whole host (every core's threads);
-    None keeps the estimates. A NUMA node or a core gets its share of both, by cores.
+    ``host``: the host probe's measured bandwidth and matmul peak on its threads; None keeps
+    the estimates. A device of N cores gets one thread's figures times N (`_host_spec`).
 
     With ``per_numa``, each NUMA node gets the share of cores and the memory it holds, and the
     nodes are joined by "sys" links at half a node's memory bandwidth. That is a rough stand-in for
     UPI/QPI or the Kunpeng die interconnect; lscpu and numactl give no bandwidth.
 
-    With ``per_core``, see `_per_core_topology`.
+    With ``per_core``, see `_per_core_topology`. With ``host``, the topology's ``probe`` is its
+    JSON form.
 
     Raises:
         ValueError: both ``per_numa`` and ``per_core``.
     """
     if per_numa and per_core:
         raise ValueError("cpu_topology: choose per_numa or per_core, not both")
+    topology = _cpu_topology(facts, per_numa, per_core, name, source, host)
+    return topology if host is None else attrs.evolve(
+        topology, probe={**host.to_dict(), "source": host.source})
+
+
+def _cpu_topology(facts: CpuFacts, per_numa: bool, per_core: bool, name: str, source: str,
+                  host: HostFigures | None) -> Topology:
     label = name or (facts.model_name or "cpu host")
     nic = get_node("cpu-host")  # discovery cannot see the NIC speed; assume the catalog's host NIC
     net = {"inter_node_bw": nic.nic_bw, "inter_node_latency": nic.nic_latency}
@@ -376,17 +384,20 @@ def cpu_topology(facts: CpuFacts, *, per_numa: bool = False, per_core: bool = Fa
 
 
 def _host_spec(facts: CpuFacts, cores: int, memory: int, name: str, host: HostFigures | None):
-    """``cores`` of this host as one device; with ``host``, its measured figures scaled by
-    cores / the host's cores (the cores share one memory bus and scale the matmul peak)."""
+    """``cores`` of this host as one device; with ``host``, its measured figures scaled by the
+    threads the probe ran on: one thread's figures x ``cores`` (a probe on more threads than
+    the host has cores measured the cores, not the threads)."""
     if host is None:
         return cpu_host_spec(cores, memory, flags=facts.flags, arch=facts.arch,
                              clock_hz=facts.clock_hz, name=name, vendor=facts.vendor or "generic")
-    share = cores / max(facts.num_cores, 1)
+    ran_on = min(host.threads, max(facts.num_cores, 1))
+    share = cores / ran_on
     return cpu_host_spec(cores, memory, memory_bw=host.memory_bw * share,
                          peak_flops={k: v * share for k, v in host.peak_flops.items()},
                          name=name, vendor=facts.vendor or "generic",
                          source=host.describe() + ("" if share == 1 else
-                                                   f"; this device's share {cores}/{facts.num_cores}"))
+                                                   f"; scaled to {cores} core(s) from "
+                                                   f"{ran_on} thread(s)"))
 
 
 def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, float],
@@ -396,8 +407,8 @@ def _per_core_topology(facts: CpuFacts, label: str, source: str, net: dict[str, 
     Each core gets the figures that are honestly its own when every core works at once, which
     is what a tp / pp / dp layout over all cores does:
 
-    * FLOP/s: one core's peak (the host probe's measured peak / cores; without a measurement,
-      clock x FLOP/cycle), so the devices sum to the host's.
+    * FLOP/s: one core's peak (the host probe's measured peak / the threads it ran on; without
+      a measurement, clock x FLOP/cycle), so the devices sum to the host's.
     * memory bandwidth: the host's figure divided by the cores. The cores share one memory bus,
       and a rank that is decoding is bandwidth-bound; one core alone can pull more than its
       share (a PP stage while the other stage waits), which this model does not credit; the

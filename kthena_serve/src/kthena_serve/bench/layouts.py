@@ -189,16 +189,23 @@ def predictions(model: ModelSpec, layout: LayoutSpec, options: LayoutBenchOption
 def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
               source: str, host: HostFigures | None = None) -> Calibration:
     """Fit the cost model to ``bench`` on the device it ran on: ``machine.torch_threads`` cores
-    of this host (default all), each with the figures of an ``auto:cores`` device (measured by
-    ``host``: the host probe's figures). The factors then scale the same per-core figures the
-    predictions use, whatever the bench's threads.
+    (default all), with the figures of the bench's own probe where it carries one
+    (``kthena_core.calibrate.bench_topology``), else those of ``auto:cores`` devices of this host
+    (measured by ``host``: the host probe's figures). The factors then scale the per-core
+    figures the predictions use, whatever the bench's threads. A bench of another CPU model is
+    said so on stderr, naming both.
 
     Raises:
         CalibrationError: the bench JSON does not fit this model, or the fit is unphysical.
     """
-    from kthena_core.calibrate import fit_calibration
+    from kthena_core.calibrate import bench_cpu, cpu_text, fit_calibration, same_cpu
     from kthena_core.discovery import cpu_topology
+    from kthena_core.discovery.host_probe import cpu_label
 
+    ran, here = bench_cpu(bench), dict(host.cpu) if host is not None and host.cpu else cpu_label()
+    if not same_cpu(ran, here):
+        _log(f"{source} ran on {cpu_text(ran)}, this machine is {cpu_text(here)}: the factors "
+             "are fitted to that CPU's own probe and applied here to this machine's figures")
     threads = int((bench.get("machine") or {}).get("torch_threads") or facts.num_cores)
     core = cpu_topology(facts, per_core=True, host=host).devices[0].spec
     ran_on = cpu_topology(facts, host=host)
@@ -509,14 +516,15 @@ def run_layout_bench(options: LayoutBenchOptions) -> dict[str, Any]:
         CalibrationError: the bench JSON does not fit the model.
         LayoutBenchError: a server did not start or failed a request.
     """
-    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.cache_dir import default_cache_dir, host_probe_file
     from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
     from kthena_core.known_models import load_model_spec
 
     machine = _machine()
     model = load_model_spec(options.model)
     facts = read_cpu_facts()
-    measured = measure_host(default_cache_dir())  # the peaks the factors are fractions of
+    # the peaks the factors are fractions of (KTHENA_HOST_PROBE: a recorded probe instead)
+    measured = measure_host(default_cache_dir(), probe_file=host_probe_file())
     machine["host_probe"] = measured.to_dict() if measured else None
     cals = _calibrations(options, model, facts, measured)
     host = cpu_topology(facts, host=measured)

@@ -283,6 +283,17 @@ def _limits(checkpoint: Path) -> dict:
                for case, figures in ideal.items()}}
 
 
+def _host_probe() -> dict | None:
+    """This run's own host probe (measured now, on this process's threads, not read from the
+    cache): the peaks a calibration fitted to this JSON is relative to, wherever it is fitted."""
+    from kthena_core.discovery.host_probe import measure_host
+
+    probe = measure_host(None)
+    if probe is not None:
+        print(f"kthena bench serve: {probe.describe()}", file=sys.stderr, flush=True)
+    return None if probe is None else probe.to_dict()
+
+
 def _compare(result: dict) -> None:
     """Add ``fraction_of_limit`` per system and ``speedup_vs`` per peer (ours over theirs)."""
     metrics: dict[str, tuple[str, ...]] = {}
@@ -325,11 +336,13 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     note = wait_policy_note(threads, os.environ)
     if note:
         print(f"kthena bench serve: {note}", file=sys.stderr, flush=True)
+    probe = _host_probe()  # first: the 1-minute load average it records is not our own work
     checkpoint = resolve_checkpoint(config.model)  # converted once, cached
     result = {"bench": "kthena serve", "model": config.model, "dtype": config.dtype,
               "quantization": config.quantization, "runs": options.runs,
               "machine": _machine(threads)}
     result["limits"] = _limits(checkpoint)
+    result["host_probe"] = probe
     if options.collectives:
         result["collectives"] = _collectives(checkpoint)
     workloads = workload_prompts(options.cases, options.seed)

@@ -262,7 +262,7 @@ def run_sp_bench(options: SpBenchOptions) -> dict[str, Any]:
         LayoutBenchError: a server did not start or failed a request.
         CalibrationError: ``calibrate_cores`` does not fit the model.
     """
-    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.cache_dir import default_cache_dir, host_probe_file
     from kthena_core.calibrate import load_bench
     from kthena_core.cost_model import CostParams
     from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
@@ -271,7 +271,7 @@ def run_sp_bench(options: SpBenchOptions) -> dict[str, Any]:
     machine = _machine()
     model = load_model_spec(options.model)
     facts = read_cpu_facts()
-    host = measure_host(default_cache_dir())
+    host = measure_host(default_cache_dir(), probe_file=host_probe_file())
     cores = cpu_topology(facts, per_core=True, host=host)
     _log("measuring all-reduce, reduce-scatter and all-gather over 2 gloo ranks")
     collectives = measure_collectives(options.prompt_lens, model.hidden_size)

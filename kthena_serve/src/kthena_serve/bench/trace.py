@@ -332,8 +332,8 @@ def _vllm_version(venv: Path) -> str | None:
 
 
 def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str) -> list[_Side]:
-    """Each server's command and environment: the user's, without the PASSIVE wait policy
-    ``import kthena_serve`` put into this process, so each decides its OpenMP policy as when
+    """Each server's command and environment: the user's, without a PASSIVE wait policy this
+    process set for itself (`threads.user_environ`), so each decides its OpenMP policy as when
     started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin)."""
     from kthena_serve.threads import owned_cores, user_environ
 

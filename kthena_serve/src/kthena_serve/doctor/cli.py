@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from kthena_core.cache_dir import default_cache_dir
 from kthena_serve.doctor.check import Check, checks_json, exit_status, format_checks
 from kthena_serve.doctor.host import calibration_check, host_checks, load_host_facts
+from kthena_serve.doctor.kernel_cache import kernel_cache_checks
 from kthena_serve.doctor.server import fetch_server, server_checks
 
 __all__ = ["register_doctor", "run_doctor"]
@@ -35,7 +37,8 @@ def register_doctor(subparsers: argparse._SubParsersAction) -> None:
 def run_doctor(url: str | None, api_key: str | None, config: str | None,
                calibration: str | None, *, environ: dict[str, str] | None = None,
                timeout_s: float = 10.0) -> list[Check]:
-    """Every check: the server's (with ``url``), then the host's.
+    """Every check: the server's (with ``url``), then the host's, then the kernel choices
+    cached on this host (``$KTHENA_CACHE_DIR/kernels``).
 
     Raises:
         DoctorError: bad input (an unreachable server, a refused key, a config that does not
@@ -50,6 +53,7 @@ def run_doctor(url: str | None, api_key: str | None, config: str | None,
     facts = load_host_facts(config, dict(os.environ) if environ is None else environ)
     checks += host_checks(facts)
     checks.append(calibration_check(calibration, plan_report))
+    checks += kernel_cache_checks(default_cache_dir())
     return checks
 
 

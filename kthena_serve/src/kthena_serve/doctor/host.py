@@ -6,6 +6,9 @@ Pure logic over what it is given, so a test stages each fault: the loaded config
     devices          the plan's devices on this node vs what discovery (and *_VISIBLE_DEVICES)
                      shows
     collectives_env  HCCL / NCCL / gloo variables, with the launcher's own checks (hccl_env)
+    host_probe       the measured figures a plan on this host is scored with: where they come
+                     from (measured, cached, KTHENA_HOST_PROBE), their age and the load they were
+                     taken under (warn: provisional, taken under load)
     native_kernels   mooncake_ops' native CPU build loaded (CPU plans)
     kv_fit           the planned KV (and the pool the config sets) vs device or host memory
     calibration      the age and machine of the bench JSON the plan is calibrated from
@@ -24,6 +27,7 @@ import attrs
 from kthena_core.config import KthenaConfig
 from kthena_core.discovery import Discovery, NotPresent
 from kthena_core.discovery.describe import format_bytes
+from kthena_core.discovery.host_probe import HostFigures
 from kthena_core.hccl_env import HcclEnvError, HcclSettings, check_hccl
 from kthena_core.planner import Plan
 from kthena_core.topology import Topology
@@ -48,6 +52,7 @@ class HostFacts:
         plan_error: the planner's refusal (``NoFeasiblePlanError``'s message).
         discovery: what each probe found on this machine.
         environ: the environment the engine's ranks would start with.
+        probe: the host probe plans on this host use (None: none could be taken, no torch).
     """
 
     config: KthenaConfig | None
@@ -56,6 +61,7 @@ class HostFacts:
     plan_error: str | None
     discovery: Discovery
     environ: Mapping[str, str]
+    probe: HostFigures | None = None
 
 
 def load_host_facts(config_path: str | None, environ: Mapping[str, str],
@@ -65,38 +71,44 @@ def load_host_facts(config_path: str | None, environ: Mapping[str, str],
     Raises:
         DoctorError: the config does not load, or its topology cannot be resolved.
     """
-    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.cache_dir import default_cache_dir, host_probe_file
     from kthena_core.config_plan import plan_config_file
-    from kthena_core.discovery import discover_all
+    from kthena_core.discovery import discover_all, measure_host
+    from kthena_core.discovery.host_probe import HostProbeError
     from kthena_core.planner import NoFeasiblePlanError
 
     discovery = (discover or discover_all)()
+    try:  # what `kthena plan` on this host plans with (cached, or measured now)
+        probe = measure_host(default_cache_dir(), probe_file=host_probe_file())
+    except HostProbeError as error:
+        raise DoctorError(str(error)) from None
     if config_path is None:
-        return HostFacts(None, None, None, None, discovery, environ)
+        return HostFacts(None, None, None, None, discovery, environ, probe)
     if not os.path.isfile(config_path):
         raise DoctorError(f"--config {config_path}: no such file")
     try:
-        cfg, topology, plan = plan_config_file(config_path, cache_dir=default_cache_dir())
+        cfg, topology, plan = plan_config_file(config_path, cache_dir=default_cache_dir(),
+                                               probe_file=host_probe_file())
     except NoFeasiblePlanError as error:
         cfg, topology = _config_and_topology(config_path)
-        return HostFacts(cfg, topology, None, str(error), discovery, environ)
+        return HostFacts(cfg, topology, None, str(error), discovery, environ, probe)
     except ValueError as error:  # ConfigError, TopologyError: bad input
         raise DoctorError(f"--config {config_path}: {error}") from None
-    return HostFacts(cfg, topology, plan, None, discovery, environ)
+    return HostFacts(cfg, topology, plan, None, discovery, environ, probe)
 
 
 def _config_and_topology(path: str) -> tuple[KthenaConfig, Topology]:
     """The config and topology of a config the planner refused (both loaded fine before)."""
-    from kthena_core.cache_dir import default_cache_dir
+    from kthena_core.cache_dir import default_cache_dir, host_probe_file
     from kthena_core.config_plan import load_config_file
 
-    return load_config_file(path, cache_dir=default_cache_dir())
+    return load_config_file(path, cache_dir=default_cache_dir(), probe_file=host_probe_file())
 
 
 def host_checks(facts: HostFacts) -> list[Check]:
     """Every host check, in checklist order (see the module docs)."""
-    return [devices_check(facts), collectives_check(facts), native_kernels_check(facts),
-            kv_fit_check(facts)]
+    return [devices_check(facts), collectives_check(facts), host_probe_check(facts),
+            native_kernels_check(facts), kv_fit_check(facts)]
 
 
 def _kind(facts: HostFacts) -> str | None:
@@ -177,6 +189,23 @@ def collectives_check(facts: HostFacts) -> Check:
     return Check("collectives_env", "warn", f"nccl over {nnodes} nodes: {ifname} unset",
                  f"NCCL then picks a NIC itself, which may not reach the other nodes: export "
                  f"{ifname} (e.g. =eth0) on every node")
+
+
+def host_probe_check(facts: HostFacts) -> Check:
+    """The host probe a CPU plan here is scored with: its figures, where they came from, their
+    age and load (`HostFigures.describe`)."""
+    kind = _kind(facts)
+    if kind not in (None, "cpu"):
+        return Check("host_probe", "skip", f"the plan runs on {kind} devices, priced from the "
+                     "catalog; the host probe prices CPU plans")
+    if facts.probe is None:
+        return Check("host_probe", "warn", "not measured (torch is not importable): CPU plans "
+                     "use estimates from the clock and flags", "install torch (README)")
+    if facts.probe.provisional:
+        return Check("host_probe", "warn", facts.probe.describe(),
+                     "the next plan measures again; plan or serve once the machine is idle "
+                     "(or name a recorded probe with KTHENA_HOST_PROBE)")
+    return Check("host_probe", "ok", facts.probe.describe())
 
 
 def native_kernels_check(facts: HostFacts) -> Check:

@@ -224,6 +224,10 @@ def _kernels(m: Scrape) -> Check:
     from mooncake_ops.selection import summary_line
 
     try:
-        return Check("kernels", "ok", summary_line(labels))
+        line = summary_line(labels)
     except KeyError:
         return Check("kernels", "ok", ", ".join(f"{k}={v}" for k, v in sorted(labels.items())))
+    if "provisional" in labels:
+        return Check("kernels", "warn", line, "the kernels were timed on a busy host: the "
+                     "next start times them again (restart when the host is quieter)")
+    return Check("kernels", "ok", line)
