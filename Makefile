@@ -56,17 +56,17 @@ lint: $(STAMP)
 	$(BIN)/python tools/check_import_cycles.py
 	$(BIN)/ruff check .
 
-# Extra pytest arguments, e.g. PYTEST_ARGS="--randomly-seed=N" to replay one run's order.
+# Extra pytest arguments, e.g. PYTEST_ARGS=--order-seed=N to replay one run's order of files.
 PYTEST_ARGS ?=
 
 test: lint
 	# OMP_WAIT_POLICY=PASSIVE: spin-waiting OpenMP pools collapse throughput on shared cores.
 	# Two pytest workers, each taking whole files (module fixtures start once): many tests wait
 	# on processes and sockets, so two overlap (~16 min instead of ~21 on a 2-core Zen 3).
-	# Files and tests run in a random order (pytest-randomly; the seed is printed at the top).
+	# The test files run in a random order (conftest.py; the seed is printed first and last).
 	# The network and control-plane fault tests (marked `faults`, ~2 min) run in make test-faults.
 	OMP_WAIT_POLICY=PASSIVE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 --dist loadfile \
-	  -p randomly -m "not faults" $(PYTEST_ARGS)
+	  -m "not faults" $(PYTEST_ARGS)
 
 # Faults between hosts (docs/network_faults.md): a partition, a slow and a lossy link between a
 # prefill and a decode worker in two network namespaces (root), a Mooncake master and a Redis

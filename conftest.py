@@ -18,8 +18,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # Import the five layers before collection: pytest's importlib mode names a test module after its
 # path (``kthena_core/tests/test_x.py`` -> ``kthena_core.tests.test_x``) and would otherwise create
 # an empty ``kthena_core`` placeholder (the distribution folder) that shadows the real package.
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
+import secrets  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -62,31 +64,62 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a worker: the controller set both, and it inherited them
     folder = Path(tempfile.mkdtemp(prefix="kthena-suite-cache-"))
-    config._kthena_suite = (folder, {k: os.environ.get(k) for k in _SUITE_ENV})
+    config._kthena_suite = (folder, {k: os.environ.get(k) for k in (*_SUITE_ENV, ORDER_SEED_ENV)})
+    os.environ[ORDER_SEED_ENV] = str(config.getoption("order_seed")
+                                     if config.getoption("order_seed") is not None
+                                     else secrets.randbelow(2**32))
     record = next(r for r in load_records() if r.name == SUITE_PROFILE)
     os.environ["KTHENA_CACHE_DIR"] = str(folder)
     os.environ["KTHENA_HOST_PROBE"] = str(probe_file_of(record, folder))
 
 
-def _seed_line(config) -> str | None:
-    seed = getattr(config.option, "randomly_seed", None)
-    if not isinstance(seed, int) or not config.pluginmanager.has_plugin("randomly"):
-        return None
-    return (f"Using --randomly-seed={seed} (test files in a random order; "
-            f"make test PYTEST_ARGS=--randomly-seed={seed} replays it)")
+# ---- test files in a random order -----------------------------------------------------------------
+# The files run in an order drawn from a seed (tests inside a file keep their order: a module's
+# tests may share one deployment and build on each other, as a killed replica does). The
+# controller draws the seed, or takes --order-seed N, and hands it to the xdist workers through
+# the environment, so that every worker collects the same order, as xdist requires.
+ORDER_SEED_ENV = "KTHENA_TEST_ORDER_SEED"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--order-seed", type=int, default=None, metavar="N",
+                     help="run the test files in the order this seed draws (default: a new "
+                          "seed, printed at the start and the end)")
+
+
+def _order_seed(config) -> int:
+    given = config.getoption("order_seed")
+    if given is not None:
+        return given
+    return int(os.environ[ORDER_SEED_ENV])
+
+
+def _seed_line(config) -> str:
+    seed = _order_seed(config)
+    return (f"test files in a random order: --order-seed={seed} (make test "
+            f"PYTEST_ARGS=--order-seed={seed} replays it)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Shuffle the files, keeping each file's tests together and in their order."""
+    import random
+
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(str(item.path), []).append(item)
+    order = list(files)
+    random.Random(_order_seed(config)).shuffle(order)
+    items[:] = [item for path in order for item in files[path]]
 
 
 def pytest_sessionstart(session):
-    """The order's seed, printed even under -q (pytest-randomly prints it in the header only)."""
-    line = _seed_line(session.config)
-    if line and not os.environ.get("PYTEST_XDIST_WORKER"):
-        session.config.get_terminal_writer().line(line)
+    """The order's seed, printed even under -q (by the controller, or by pytest alone)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        session.config.get_terminal_writer().line(_seed_line(session.config))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    line = _seed_line(config)
-    if line:
-        terminalreporter.write_line(line)
+    terminalreporter.write_line(_seed_line(config))
 
 
 def pytest_unconfigure(config):
@@ -109,11 +142,8 @@ def cpu_profile(request, tmp_path):
     return record, probe_file_of(record, tmp_path)
 
 
-@pytest.fixture(autouse=True)
-def _process_globals_restored():
-    """What a test changes process-wide is put back after it: the op dispatch table
-    (`use_native`, `choose_impl`, which a kernel choice's ``apply`` sets), torch's thread count
-    and ``os.environ``; the next test starts where the first one did, in any order."""
+@contextlib.contextmanager
+def _globals_restored():
     from mooncake_ops.dispatch import dispatch_state, restore_dispatch
 
     dispatch = dispatch_state()
@@ -128,6 +158,23 @@ def _process_globals_restored():
         os.environ.update(environ)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _process_globals_restored_per_file():
+    """What a file's module fixtures change process-wide (an engine they build applies its
+    kernel choice) is put back after the file: the next file starts where the first one did."""
+    with _globals_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _process_globals_restored():
+    """What a test changes process-wide is put back after it: the op dispatch table
+    (`use_native`, `choose_impl`, which a kernel choice's ``apply`` sets), torch's thread count
+    and ``os.environ``; the next test starts where the first one did, in any order."""
+    with _globals_restored():
+        yield
+
+
 # ---- nothing left behind ---------------------------------------------------------------------
 # Each pytest process that runs tests (each xdist worker, or pytest itself without xdist) checks
 # at the end of its session that every process its tests started has ended and that every
@@ -138,9 +185,7 @@ def _process_globals_restored():
 # launcher folders after the creating pid), so what other sessions on the machine make is
 # never counted. Leaks fail the run (an error in the last test's teardown, listing them), and
 # are then killed and removed.
-import contextlib  # noqa: E402
 import re  # noqa: E402
-import secrets  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import time
 
@@ -452,3 +453,14 @@ def test_int8_fixed_modes_and_a_bad_quantization():
     assert not timer.calls
     with pytest.raises(ValueError, match=r"quantization='int4': None or 'int8'"):
         sel.choose_kernels("auto", _layers(), None, None, timer=timer, quantization="int4")
+
+
+def test_an_unwritable_cache_folder_warns_and_times_uncached(tmp_path, caplog):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the folder should be")
+    timer = Timings({})
+    with caplog.at_level(logging.WARNING, logger="mooncake_ops"):
+        choice = sel.choose_kernels("auto", _layers(), None, None, cache_dir=blocker,
+                                    timer=timer, load=idle)
+    assert choice.source == "measured" and timer.calls
+    assert "cannot cache in" in caplog.text and blocker.is_file()

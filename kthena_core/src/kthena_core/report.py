@@ -93,8 +93,14 @@ def figures_dict(topology: Topology) -> dict[str, object]:
 
 def format_figures(topology: Topology) -> str:
     """``figures   per device ...`` for a terminal (`figures_dict`)."""
+    import time
+
+    from kthena_core.discovery.host_probe import age_text
+
     spec = topology.devices[0].spec
     peaks = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in sorted(spec.peak_flops.items()))
+    measured = (topology.probe or {}).get("measured_at") or 0
+    age = f" ({age_text(max(0.0, time.time() - measured))} ago)" if measured else ""
     return (f"figures   per device ({spec.name}, {topology.num_devices} device(s)): "
-            f"{spec.memory_bw / 1e9:.1f} GB/s memory, {peaks}\n"
+            f"{spec.memory_bw / 1e9:.1f} GB/s memory, {peaks}{age}\n"
             f"          from {spec.source or 'unknown'}")

@@ -47,6 +47,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import torch
@@ -558,8 +559,20 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
 
 def _cached_or_measured(cache_dir: str | os.PathLike[str], key: str,
                         measure: Callable[[], KernelChoice]) -> KernelChoice:
-    """The final record of ``key``, else a new measurement written in its place."""
+    """The final record of ``key``, else a new measurement written in its place; a cache
+    folder that cannot be written is warned about and the measurement used uncached."""
     path = record_path(cache_dir, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".lock").touch()
+    except OSError as e:
+        _log.warning("kernel selection: cannot cache in %s (%s); timing now, uncached",
+                     path.parent, e.strerror or e)
+        return measure()
+    return _locked_choice(path, key, measure)
+
+
+def _locked_choice(path: Path, key: str, measure: Callable[[], KernelChoice]) -> KernelChoice:
     started = time.time()
     with locked(path):
         record = read_record(path)

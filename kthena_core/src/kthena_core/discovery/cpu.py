@@ -395,7 +395,7 @@ def _host_spec(facts: CpuFacts, cores: int, memory: int, name: str, host: HostFi
     return cpu_host_spec(cores, memory, memory_bw=host.memory_bw * share,
                          peak_flops={k: v * share for k, v in host.peak_flops.items()},
                          name=name, vendor=facts.vendor or "generic",
-                         source=host.describe() + ("" if share == 1 else
+                         source=host.describe(with_age=False) + ("" if share == 1 else
                                                    f"; scaled to {cores} core(s) from "
                                                    f"{ran_on} thread(s)"))
 

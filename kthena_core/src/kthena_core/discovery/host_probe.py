@@ -53,7 +53,7 @@ from typing import Any
 import attrs
 
 __all__ = ["BANDWIDTH_BYTES", "HostFigures", "HostProbeError", "MATMUL_SHAPE", "SAMPLES",
-           "SPREAD_LIMIT", "best_time_s", "cpu_identity", "cpu_label", "host_key", "is_busy", "isa_class",
+           "SPREAD_LIMIT", "age_text", "best_time_s", "cpu_identity", "cpu_label", "host_key", "is_busy", "isa_class",
            "load_host_probe", "measure_bandwidth", "measure_host", "measure_matmul_peak",
            "sample_times"]
 
@@ -119,9 +119,11 @@ class HostFigures:
         """Seconds since it was measured (None: unknown)."""
         return None if not self.measured_at else max(0.0, (now or _now_s()) - self.measured_at)
 
-    def describe(self, now: float | None = None) -> str:
+    def describe(self, now: float | None = None, *, with_age: bool = True) -> str:
         """One line: the figures, where they came from, their age and the load they were taken
-        under (a DeviceSpec's ``source``; ``kthena plan`` and ``kthena doctor`` print it)."""
+        under (``kthena doctor`` prints it). ``with_age=False``: the time it was measured
+        instead of its age, for a value that must not change as time passes (a DeviceSpec's
+        ``source``, which a plan's JSON carries)."""
         peaks = self.peak_flops
         fp32 = f", {peaks['fp32'] / 1e9:.0f} fp32" if "fp32" in peaks else ""
         line = (f"{self.source}: {self.memory_bw / 1e9:.1f} GB/s read, "
@@ -131,7 +133,8 @@ class HostFigures:
         line += f" on {cpu}" if cpu else ""
         age = self.age_s(now)
         if age is not None:
-            line += f", {_age_text(age)} old"
+            line += (f", {age_text(age)} old" if with_age else
+                     f", measured {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(self.measured_at))}")
         if self.load_avg is not None:
             line += f", taken at load {self.load_avg:.2f} on {self.cores or '?'} core(s)"
         line += f", key {self.key})" if self.key else ")"
@@ -199,7 +202,8 @@ def _cpu_text(cpu: Mapping[str, Any]) -> str:
     return f"{name} ({where})" if name and where else name or where
 
 
-def _age_text(seconds: float) -> str:
+def age_text(seconds: float) -> str:
+    """``3 h``, ``2 d``, ``40 s``: an age for people."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f} {unit}"
