@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,14 +86,15 @@ def test_the_pd_handoff_step_runs_on_cpu_over_a_shm_pool():
     what the child computed into its own pool."""
     from mooncake_kv import shared_pool_paths
 
-    before = set(shared_pool_paths())
+    # this process's pools only: the other pytest worker makes and drops pools of its own
+    before = set(shared_pool_paths(os.getpid()))
     status, detail = _module().pd_handoff("cpu", timeout_s=300)
     assert status == "passed", detail
     assert set(detail) == set(_module().PD_REPORTS)
     assert detail["route"] == "shm" and detail["bytes_copied"] == 0  # written in place
     assert detail["kv_bytes_written"] > 0 and detail["prefill_s"] > 0
     assert all(detail["checks"].values()) and len(detail["checks"]) == 4
-    assert set(shared_pool_paths()) == before  # the pool's /dev/shm file is gone
+    assert set(shared_pool_paths(os.getpid())) == before  # the pool's /dev/shm file is gone
 
 
 def test_the_mooncake_push_step_runs_on_cpu_over_tcp():

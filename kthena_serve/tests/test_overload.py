@@ -219,6 +219,52 @@ def test_an_invalid_request_is_400_before_admission(held) -> None:
     assert engine.stats().queue.num_requests == 0
 
 
+def test_a_request_refused_for_its_kv_transfer_params_leaves_no_place_in_the_queue() -> None:
+    """kv_transfer_params sent to a server that computes every request itself is a 400, checked
+    before admission: a queue place left behind counted as a late request for its 30 s claim
+    timeout, and the climbing wait factor refused the good requests after it."""
+    engine = AsyncLLM(tiny_engine(max_queue_delay_s=1.0)).start()
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 2}
+    routed = {**body, "kv_transfer_params": {"do_remote_prefill": True}}
+    try:
+        with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            for stream in (False, True, False, True):
+                reply = http.post("/v1/completions", json={**routed, "stream": stream})
+                assert reply.status_code == 400 and reply.json()["error"]["param"] == (
+                    "kv_transfer_params")
+                chat = http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                    "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
+                assert chat.status_code == 400
+                assert engine.stats().queue.num_requests == 0
+            assert metric(http.get("/metrics").text, "kthena_admission_queued_requests") == 0
+            for _ in range(3):  # the next requests are served, at once
+                assert http.post("/v1/completions", json=body).status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_an_aborted_admitted_request_gives_its_place_back() -> None:
+    """The app's give-back: a request admitted whose stream never started (refused after
+    admission, or its client gone first) is aborted, which forgets its queue place."""
+    engine = AsyncLLM(tiny_engine(max_queue_delay_s=1.0)).start()
+    try:
+        from kthena_serve.request import EngineRequest
+        from kthena_serve.sampling_params import SamplingParams
+
+        ids = tuple(default_tokenizer().encode(PROMPT))
+        requests = [EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=2), 2, None)
+                    for i in range(3)]
+        engine.check_admission(requests)
+        assert engine.stats().queue.num_requests == 3
+        for request in requests:
+            engine.abort(request.request_id)
+        assert engine.stats().queue.num_requests == 0
+    finally:
+        engine.shutdown()
+
+
 # ---- DP: the router passes a replica's refusal on -----------------------------------------------
 def _replica(name: str, refuse: bool) -> FastAPI:
     app = FastAPI()
@@ -348,6 +394,23 @@ def test_pd_router_bounds_its_own_queue() -> None:
                 assert metric(text, "kthena_requests_rejected_total", reason="overload") == 1
     finally:
         release.set()
+
+
+def test_pd_router_refuses_kv_transfer_params_before_its_queue() -> None:
+    release = threading.Event()
+    release.set()
+    config = EngineConfig(max_queue_delay_s=1.0)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    with BackgroundServer(_decode_worker(False, release)) as worker:
+        remote, app = _pd_app(worker.url, config)
+        with contextlib.closing(remote.router), BackgroundServer(app) as router, \
+                httpx.Client(base_url=router.url, timeout=60) as http:
+            for _ in range(3):
+                reply = http.post("/v1/completions", json={
+                    **body, "kv_transfer_params": {"do_remote_prefill": True}})
+                assert reply.status_code == 400, reply.text
+            assert remote.stats().queue.num_requests == 0
+            assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_pd_router_passes_a_decode_workers_refusal_on() -> None:

@@ -417,6 +417,8 @@ def test_forged_kv_transfer_params_get_a_clear_400(workers) -> None:  # noqa: AN
                                                                              params))
         assert reply.status_code == 400 and "prompt" in reply.json()["error"]["message"]
         assert metric(workers, "decode-0", series) == moved  # nothing was read
+        # each refusal came after admission and gave its queue place back at once
+        assert metric(workers, "decode-0", "kthena_admission_queued_requests") == 0
         # the genuine decode request still finds its blocks pinned
         genuine = client.post(f"{decode_url}/v1/completions", json=decode_body(body, params))
         assert genuine.status_code == 200, genuine.text

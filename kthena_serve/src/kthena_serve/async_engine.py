@@ -313,6 +313,9 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """End the request wherever it is: admitted and never streamed (a refusal after
+        admission), its queue place goes back; running, the engine drops it."""
+        self.admission.forget(request_id)
         self._submit(Abort(request_id))
 
     def abort_all(self, message: str) -> None:

@@ -161,7 +161,10 @@ class EngineClient(Protocol):
         """Stream a validated request's outputs; leaving early aborts it."""
         ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """End the request wherever it is: one admitted (``check_admission``) that never
+        streamed gives its queue place back; a running one stops."""
+        ...
 
     def abort_all(self, message: str) -> None:
         """End every request in flight; each stream fails with ``EngineDeadError(message)``."""

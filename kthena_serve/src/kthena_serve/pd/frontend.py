@@ -191,7 +191,11 @@ class RemoteEngine:
             self._admitted.pop(next(iter(self._admitted)))
 
     def abort(self, request_id: str) -> None:
-        """Closing the stream to the decode worker aborts the request there."""
+        """An admitted request that never streamed gives its place on its path's queue back;
+        a streaming one is aborted on the decode worker by closing its stream."""
+        admitted = self._admitted.pop(request_id, None)
+        if admitted is not None:
+            self.admission[admitted[0]].forget(request_id)
 
     def abort_all(self, message: str) -> None:
         """End every stream at its next line (closing it aborts the request on the worker)."""

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -103,13 +103,24 @@ class _Api:
                      f"params: {params}")
         return job
 
-    def _admit(self, job: Job) -> None:
+    @contextlib.contextmanager
+    def _admitted(self, job: Job) -> Iterator[None]:
         """Queue the job's requests, or refuse them at once past the queue bound: 503 with
-        ``Retry-After`` before anything streams (admission.py), counted in the metrics."""
+        ``Retry-After`` before anything streams (admission.py), counted in the metrics. What
+        fails inside (a refusal after admission, a client gone before its stream) aborts the
+        job's requests, which gives their queue places back: a place left behind would count
+        as a late request for its whole claim timeout and refuse the requests after it."""
+        requests = [job.engine_request(c) for c in range(job.num_choices)]
         try:
-            self.engine.check_admission([job.engine_request(c) for c in range(job.num_choices)])
+            self.engine.check_admission(requests)
         except OverloadedError as error:
             self.metrics.observe_rejected(error.limit)
+            raise
+        try:
+            yield
+        except BaseException:
+            for request in requests:
+                self.engine.abort(request.request_id)
             raise
 
     async def _compile_grammar(self, body: p._Common, job: Job) -> None:
@@ -120,11 +131,10 @@ class _Api:
             await asyncio.to_thread(self.engine.processor.compile_grammar, job.params,
                                     body.constraint_param())
 
-    async def _open_kv(self, body: p._Common, job: Job) -> Job:
-        """Hand ``kv_transfer_params`` (PD workers behind the Kthena router) to the connector
-        before anything streams, so a refusal is a 400."""
+    def _check_kv(self, body: p._Common, job: Job) -> None:
+        """What ``kv_transfer_params`` asks that this server cannot do: a 400 before admission."""
         if body.kv_transfer_params is None:
-            return job
+            return
         if self.kv_connector is None:
             raise ApiError(400, "kv_transfer_params is for PD workers (python -m "
                            "kthena_serve.pd.worker); this server computes every request "
@@ -136,6 +146,12 @@ class _Api:
             raise ApiError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) need "
                            "the prompt computed here; with kv_transfer_params a prefill worker "
                            "computed it: leave them out", "prompt_logprobs")
+
+    async def _open_kv(self, body: p._Common, job: Job) -> Job:
+        """Hand ``kv_transfer_params`` (PD workers behind the Kthena router) to the connector
+        before anything streams, so a refusal is a 400 (`_check_kv` passed before admission)."""
+        if body.kv_transfer_params is None or self.kv_connector is None:
+            return job
         session = await self.kv_connector.open(body.kv_transfer_params, job.engine_request(0),
                                                stream=body.stream)
         return job if session is None else attrs.evolve(job, kv=session)
@@ -171,13 +187,14 @@ class _Api:
         self._check_common(body)
         job = self._job(body, self._completion_prompts(body), body.max_tokens)
         await self._compile_grammar(body, job)
-        self._admit(job)
-        job = await self._open_kv(body, job)
+        self._check_kv(body, job)
         rid = p.new_id("cmpl", body.request_id)
-        if body.stream:
-            outputs = await self._started(job, request)
-            return _sse(self._completion_chunks(rid, body, job, outputs))
-        finals = await self._collect(job, request, body.reuse_offset)
+        with self._admitted(job):
+            job = await self._open_kv(body, job)
+            if body.stream:
+                outputs = await self._started(job, request)
+                return _sse(self._completion_chunks(rid, body, job, outputs))
+            finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
         logprobs = [None if o.logprobs is None else self._completion_logprobs(
             body, job, c, o.logprobs, o.prompt_logprobs, p.TextOffsets())
@@ -216,13 +233,14 @@ class _Api:
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(body, self._chat_prompt(body), max_tokens)
         await self._compile_grammar(body, job)
-        self._admit(job)
-        job = await self._open_kv(body, job)
+        self._check_kv(body, job)
         rid = p.new_id("chatcmpl", body.request_id)
-        if body.stream:
-            outputs = await self._started(job, request)
-            return _sse(self._chat_chunks(rid, body, job, outputs))
-        finals = await self._collect(job, request, body.reuse_offset)
+        with self._admitted(job):
+            job = await self._open_kv(body, job)
+            if body.stream:
+                outputs = await self._started(job, request)
+                return _sse(self._chat_chunks(rid, body, job, outputs))
+            finals = await self._collect(job, request, body.reuse_offset)
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
                     p.chat_logprobs(o.logprobs, self.engine.processor.token_bytes,
