@@ -185,3 +185,16 @@ def test_kthena_plan_plans_with_the_recorded_figures_and_prints_them(cpu_profile
     assert out["factors"]["origin"] == "class default"
     assert out["factors"]["records"] == [record.name]  # this record's CPU: its own fit
     assert not (tmp_path / "cache" / "host").exists()  # the machine was not probed
+
+
+def test_kthena_plan_with_an_unwritable_cache_warns_and_plans(tmp_path, monkeypatch, capsys,
+                                                              caplog):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("KTHENA_CACHE_DIR", str(blocker))
+    monkeypatch.delenv("KTHENA_HOST_PROBE", raising=False)  # measure this machine (figures unused)
+    with caplog.at_level(logging.WARNING, logger="kthena_core"):
+        assert main(["plan", "--model", "default", "--topology", "auto:cores", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["figures"]["source"].startswith("one of")
+    assert "cannot cache the measurement" in caplog.text and "Traceback" not in captured.err
