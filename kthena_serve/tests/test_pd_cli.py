@@ -165,3 +165,37 @@ def test_sigkilled_router_leaves_no_workers_shm_or_temp_folder() -> None:
             with contextlib.suppress(OSError):
                 if b"kthena_serve.pd.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_bad_start_up_settings_are_one_line_in_every_mode(capsys) -> None:  # noqa: ANN001
+    """Refused before anything starts: a port that is not one, a PD timeout of 0, PD worker
+    counts outside PD mode (they were silently ignored)."""
+    from kthena_core.cli import main
+
+    cases = [
+        (["--port", "70000"], "--port: 70000 is not a TCP port; allowed 0 to 65535"),
+        (["--mode", "pd", "--port", "70000"], "--port: 70000 is not a TCP port"),
+        (["--dp", "2", "--port", "-1"], "--port: -1 is not a TCP port"),
+        (["--mode", "pd", "--pd-timeout", "0", "--port", "0"],
+         "--pd-timeout: must be more than 0 seconds"),
+        (["--prefill", "2", "--port", "0"], "--prefill 2: PD worker counts, for --mode pd only"),
+        (["--dp", "2", "--decode", "3", "--port", "0"], "--decode 3: PD worker counts"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_a_worker_that_refuses_its_settings_is_one_line_and_leaves_nothing() -> None:
+    """A pool that holds no KV block: the worker says so in one line, the launcher in one more,
+    exit 1, and every process it started is gone (PD and DP)."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    for mode in (["--mode", "pd", "--prefill", "1", "--decode", "1"], ["--dp", "2"]):
+        done = subprocess.run([sys.executable, "-m", "kthena_core.cli", "serve", *mode,
+                               "--kv-cache-memory", "1KiB", "--port", "0"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 1, (mode, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert "error: kv_cache_memory=1024 bytes holds no KV block" in done.stderr
+        assert "before it was ready" in done.stderr

@@ -337,6 +337,16 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
     dp, mode = s["dp"], s["mode"]
     if mode not in ("colocated", "pd"):
         raise ValueError(f"--mode: takes colocated or pd, got {mode!r}")
+    port = s["port"]
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port: {port!r} is not a TCP port; allowed 0 to 65535 (0: any "
+                         "free port)")
+    if mode != "pd":
+        given = [f"--{name} {s[name]}" for name in ("prefill", "decode")
+                 if s[name] != _SERVE_DEFAULTS[name]]
+        if given:
+            raise ValueError(f"{' '.join(given)}: PD worker counts, for --mode pd only; add "
+                             "--mode pd, or drop them (colocated replicas: --dp N)")
     if dp < 1:
         raise ValueError(f"--dp: must be at least 1 (1: one engine; N > 1: N replicas behind "
                          f"one router), got {dp}")
@@ -381,6 +391,10 @@ def _pd_config(s: Mapping[str, Any]) -> PDConfig:
         weights = RouterWeights.parse(s["router_weights"])
     except ValueError as error:
         raise ValueError(f"--router-weights: {error}") from None
+    if not s["pd_timeout"] > 0:
+        raise ValueError(f"--pd-timeout: must be more than 0 seconds (how long a prefill and "
+                         f"its KV hand-off may take before the request fails), got "
+                         f"{s['pd_timeout']}")
     try:
         return PDConfig(policy=s["pd_policy"], transfer_timeout_s=s["pd_timeout"],
                         transport=s["pd_transport"], kv_push=s["pd_kv_push"],

@@ -81,7 +81,8 @@ def build_replica_app(engine: AsyncLLM, name: str, served_model_name: str, alias
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one replica until SIGTERM (then 0); 2 without the deployment secret."""
+    """Run one replica until SIGTERM (then 0); 2 without the deployment secret, or with a
+    setting the engine refuses (one line on stderr)."""
     args = _parse(argv)
     num_threads = pin_to_cores(args.cores, args.ranks)  # first: the imports below load torch
     die_with_parent()
@@ -97,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     fields = json.loads(args.engine_config)
     if fields.get("tp", 1) * fields.get("pp", 1) == 1:
         fields["num_threads"] = num_threads
-    config = EngineConfig.from_json(fields)
-    engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout
-                                  or STALL_TIMEOUT_S)
+    try:
+        config = EngineConfig.from_json(fields)
+        engine = AsyncLLM.from_config(config, stall_timeout=args.stream_stall_timeout
+                                      or STALL_TIMEOUT_S)
+    except ValueError as error:  # a setting the engine refuses (e.g. a pool that holds no block)
+        print(f"kthena_serve.dp.replica {args.name}: error: {error}", file=sys.stderr)
+        return 2
     served = args.served_model_name
     app = build_replica_app(engine, args.name, served, {config.model, "default"} - {served},
                             secret)

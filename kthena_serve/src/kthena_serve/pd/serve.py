@@ -47,6 +47,8 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     """Launch the workers ``spec`` names and serve the router until interrupted, on ``sock``
     (``bind_listener(spec.host, spec.port)``; None: bound when the workers are up).
 
+    Returns 0 after a clean stop; 1 if a worker could not start.
+
     Raises:
         kthena_serve.server.launch.ListenError: the router's address cannot be listened on.
     """
@@ -60,8 +62,12 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     config, name = spec.engine, spec.served_model_name
     print(f"kthena serve --mode pd: starting {spec.num_prefill} prefill + {spec.num_decode} "
           "decode workers ...", file=sys.stderr, flush=True)
-    launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
-                          api_key=spec.api_key, kv_events=spec.kv_events).start()
+    try:
+        launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
+                              api_key=spec.api_key, kv_events=spec.kv_events).start()
+    except (RuntimeError, TimeoutError) as error:  # the worker printed why, in one line
+        print(f"kthena serve --mode pd: {error}", file=sys.stderr)
+        return 1
     router = Router(launcher.endpoints(), spec.pd, config.block_size, PDMetrics("router"),
                     secret=launcher.secret, hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url

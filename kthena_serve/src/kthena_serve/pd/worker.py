@@ -135,7 +135,8 @@ def _advertised(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one PD worker until SIGTERM; 2 without the deployment secret."""
+    """Run one PD worker until SIGTERM; 2 without the deployment secret, or with a setting the
+    engine refuses (one line on stderr)."""
     args = _parse(argv)
     secret = take_secret()
     api_key = _take_api_key()
@@ -150,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as error:
         print(f"kthena_serve.pd.worker {args.name}: {error}", file=sys.stderr)
         return 2
-    app, close = _build_app(args, secret, api_key, num_threads, kv_events)
+    try:
+        app, close = _build_app(args, secret, api_key, num_threads, kv_events)
+    except ValueError as error:  # a setting the engine refuses (e.g. a pool that holds no block)
+        print(f"kthena_serve.pd.worker {args.name}: error: {error}", file=sys.stderr)
+        return 2
 
     def ready(port: int) -> None:
         on_port = getattr(app.state, "on_port", None)
