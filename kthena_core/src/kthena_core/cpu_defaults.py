@@ -11,7 +11,8 @@ figures come from. `default_factors` chooses the factors for a CPU::
     1. a record of the same CPU model (name, family and model): the factors fitted to it
        (``kthena_core.calibrate.fit_calibration``, against its own probe; stored in the
        record's ``fit`` by ``scripts/cpu_record.py``, and refitted by a test);
-    2. else the records of the same ISA class (`isa_class`): the median of their fits;
+    2. else the records of the same ISA class (``discovery.host_probe.isa_class``): the median
+       of their fits;
     3. else every record: the median of their fits.
 
 The factors multiply the figures of the probe being planned with, so a class default follows the
