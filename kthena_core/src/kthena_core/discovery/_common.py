@@ -1,5 +1,6 @@
-"""Shared pieces of discovery: the "not present" result, running a probe command, and the
-device-relation matrix that both ``nvidia-smi topo -m`` and ``npu-smi info -t topo`` print."""
+"""Shared pieces of discovery: the "not present" result, running a probe command, the
+/proc/cpuinfo facts (CPU discovery's and the host probe's), and the device-relation matrix that
+both ``nvidia-smi topo -m`` and ``npu-smi info -t topo`` print."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ __all__ = [
     "ParseError",
     "Runner",
     "TopoMatrix",
+    "parse_cpuinfo",
     "parse_cpulist",
     "pcie_link",
     "parse_topo_matrix",
@@ -229,3 +231,41 @@ def pcie_link(rel: str, a: int, b: int, spec_a: DeviceSpec, spec_b: DeviceSpec) 
         return None
     kind, frac, lat = _PCIE_CLASS[rel]
     return Link(a, b, kind, frac * min(spec_a.pcie_bw, spec_b.pcie_bw), lat, via=rel)
+
+
+def parse_cpuinfo(text: str) -> dict[str, object]:
+    """The few /proc/cpuinfo facts discovery needs: model, vendor, flags, sockets, cores, MHz,
+    and x86's family / model numbers (a VM's model name can be just "AMD EPYC")."""
+    model = vendor = family = model_number = ""
+    flags: set[str] = set()
+    sockets: set[str] = set()
+    cores: set[tuple[str, str]] = set()
+    mhz: float | None = None
+    physical = "0"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "model name" and not model:
+            model = value
+        elif key == "vendor_id" and not vendor:
+            vendor = value
+        elif key == "cpu family" and not family:
+            family = value
+        elif key == "model" and not model_number:
+            model_number = value
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+        elif key == "physical id":
+            physical = value
+            sockets.add(value)
+        elif key == "core id":
+            cores.add((physical, value))
+        elif key == "cpu MHz" and mhz is None:
+            try:
+                mhz = float(value)
+            except ValueError:
+                pass
+    return {"model_name": model, "vendor": vendor, "family": family,
+            "model_number": model_number, "flags": frozenset(flags),
+            "num_sockets": len(sockets) or None, "num_physical_cores": len(cores) or None,
+            "num_logical": text.count("\nprocessor") + text.startswith("processor"), "mhz": mhz}

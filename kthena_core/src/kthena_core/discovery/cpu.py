@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attrs
 
-from kthena_core.discovery._common import ParseError, parse_cpulist
+from kthena_core.discovery._common import ParseError, parse_cpuinfo, parse_cpulist
 from kthena_core.discovery.host_probe import HostFigures
 from kthena_core.hardware import cpu_host_spec, get_node
 from kthena_core.topology import Device, Link, Topology
@@ -198,44 +198,6 @@ def parse_numactl_hardware(text: str) -> NumactlInfo:
 
 
 # -- /proc and /sys ---------------------------------------------------------------------------
-
-
-def parse_cpuinfo(text: str) -> dict[str, object]:
-    """The few /proc/cpuinfo facts discovery needs: model, vendor, flags, sockets, cores, MHz,
-    and x86's family / model numbers (a VM's model name can be just "AMD EPYC")."""
-    model = vendor = family = model_number = ""
-    flags: set[str] = set()
-    sockets: set[str] = set()
-    cores: set[tuple[str, str]] = set()
-    mhz: float | None = None
-    physical = "0"
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "model name" and not model:
-            model = value
-        elif key == "vendor_id" and not vendor:
-            vendor = value
-        elif key == "cpu family" and not family:
-            family = value
-        elif key == "model" and not model_number:
-            model_number = value
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-        elif key == "physical id":
-            physical = value
-            sockets.add(value)
-        elif key == "core id":
-            cores.add((physical, value))
-        elif key == "cpu MHz" and mhz is None:
-            try:
-                mhz = float(value)
-            except ValueError:
-                pass
-    return {"model_name": model, "vendor": vendor, "family": family,
-            "model_number": model_number, "flags": frozenset(flags),
-            "num_sockets": len(sockets) or None, "num_physical_cores": len(cores) or None,
-            "num_logical": text.count("\nprocessor") + text.startswith("processor"), "mhz": mhz}
 
 
 def _read(path: Path) -> str | None:

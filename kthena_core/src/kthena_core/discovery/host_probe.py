@@ -52,6 +52,8 @@ from typing import Any
 
 import attrs
 
+from kthena_core.discovery._common import parse_cpuinfo
+
 __all__ = ["BANDWIDTH_BYTES", "HostFigures", "HostProbeError", "MATMUL_SHAPE", "SAMPLES",
            "SPREAD_LIMIT", "age_text", "best_time_s", "cpu_identity", "cpu_label", "host_key", "is_busy", "isa_class",
            "load_host_probe", "measure_bandwidth", "measure_host", "measure_matmul_peak",
@@ -297,22 +299,13 @@ def isa_class(flags: frozenset[str] | set[str], arch: str = "x86_64") -> str:
 def cpu_label(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
     """{"model_name", "family", "model", "isa_class"} of this CPU (x86's family / model numbers
     tell a Zen 3 from a Zen 4 where a VM's model name is just "AMD EPYC"; "" where unknown)."""
-    found = {"model_name": "", "family": "", "model": ""}
-    names = {"model name": "model_name", "cpu family": "family", "model": "model"}
-    flags: set[str] = set()
+    text = ""
     with contextlib.suppress(OSError), open(cpuinfo) as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            key = names.get(name.strip())
-            if key and not found[key]:
-                found[key] = value.strip()
-            elif name.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
-            if all(found.values()) and flags:
-                break
-    found["model_name"] = found["model_name"] or platform.processor()
-    found["isa_class"] = isa_class(flags, platform.machine())
-    return found
+        text = f.read()
+    info = parse_cpuinfo(text)
+    return {"model_name": str(info["model_name"]) or platform.processor(),
+            "family": str(info["family"]), "model": str(info["model_number"]),
+            "isa_class": isa_class(info["flags"], platform.machine())}  # type: ignore[arg-type]
 
 
 def host_key(threads: int, torch_version: str, sizes: object) -> str:

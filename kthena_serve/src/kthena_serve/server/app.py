@@ -156,6 +156,19 @@ class _Api:
                                                stream=body.stream)
         return job if session is None else attrs.evolve(job, kv=session)
 
+    async def _run(self, body: p._Common, job: Job, request: Request, rid: str,
+                   chunks: Callable[..., AsyncIterator[dict]],
+                   ) -> Response | tuple[Job, list[RequestOutput]]:
+        """Check ``kv_transfer_params``, admit the job, open its KV, then either the SSE
+        response of its ``chunks`` (``body.stream``) or the job and its final outputs."""
+        self._check_kv(body, job)
+        with self._admitted(job):
+            job = await self._open_kv(body, job)
+            if body.stream:
+                outputs = await self._started(job, request)
+                return _sse(chunks(rid, body, job, outputs))
+            return job, await self._collect(job, request, body.reuse_offset)
+
     def _completion_prompts(self, body: p.CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -187,14 +200,11 @@ class _Api:
         self._check_common(body)
         job = self._job(body, self._completion_prompts(body), body.max_tokens)
         await self._compile_grammar(body, job)
-        self._check_kv(body, job)
         rid = p.new_id("cmpl", body.request_id)
-        with self._admitted(job):
-            job = await self._open_kv(body, job)
-            if body.stream:
-                outputs = await self._started(job, request)
-                return _sse(self._completion_chunks(rid, body, job, outputs))
-            finals = await self._collect(job, request, body.reuse_offset)
+        ran = await self._run(body, job, request, rid, self._completion_chunks)
+        if isinstance(ran, Response):
+            return ran
+        job, finals = ran
         usage = p.usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
         logprobs = [None if o.logprobs is None else self._completion_logprobs(
             body, job, c, o.logprobs, o.prompt_logprobs, p.TextOffsets())
@@ -233,14 +243,11 @@ class _Api:
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(body, self._chat_prompt(body), max_tokens)
         await self._compile_grammar(body, job)
-        self._check_kv(body, job)
         rid = p.new_id("chatcmpl", body.request_id)
-        with self._admitted(job):
-            job = await self._open_kv(body, job)
-            if body.stream:
-                outputs = await self._started(job, request)
-                return _sse(self._chat_chunks(rid, body, job, outputs))
-            finals = await self._collect(job, request, body.reuse_offset)
+        ran = await self._run(body, job, request, rid, self._chat_chunks)
+        if isinstance(ran, Response):
+            return ran
+        job, finals = ran
         usage = p.usage(finals, [0] * len(finals))
         logprobs = [None if o.logprobs is None else
                     p.chat_logprobs(o.logprobs, self.engine.processor.token_bytes,
