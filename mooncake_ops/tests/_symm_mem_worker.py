@@ -54,6 +54,9 @@ def main() -> None:
             diffs[f"matmul_reduce_scatter/{m}x{k}x{n}"] = [
                 float((got - ref.unfused_matmul_reduce_scatter(rows, w, comm)).abs().max())]
         print(json.dumps({"rank": rank, "diffs": diffs}), flush=True)
+        # both ranks done before either tears gloo down: a peer closing its connections while
+        # the other still finishes aborted that rank once (SIGABRT after its result was out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
