@@ -13,7 +13,14 @@ import torch
 from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
 
-__all__ = ["default_tokenizer", "greedy_text", "tiny_checkpoint", "tiny_engine", "tiny_llama"]
+__all__ = ["PD_ENGINE", "default_tokenizer", "greedy_text", "tiny_checkpoint", "tiny_engine", "tiny_llama"]
+
+# The engine settings of the PD tests' workers and of the colocated engine their tokens are
+# compared with. Token-for-token equality across processes needs the same kernels on both
+# sides: with kernels="auto" each process times its candidates, and under the suite's load a
+# choice is provisional and timed again at every start, so the reference and a worker can sum
+# a bf16 matmul in different orders and flip a near-tie. "native" picks by the CPU's features.
+PD_ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8, "kernels": "native"}
 
 _TOKENIZER = None
 _REFERENCE_IDS = itertools.count()

@@ -7,6 +7,8 @@ Not a test module; test_pd_mooncake.py runs it under ``ip netns exec``.
 import json
 import sys
 
+from _tiny import PD_ENGINE
+
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
@@ -14,11 +16,11 @@ from kthena_serve.pd.config import PDConfig
 
 def main() -> None:
     ns_b, addr_a, addr_b, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    engine = {"num_kv_blocks": 256, "max_num_seqs": 8}
     pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
     hosts = {"decode-0": addr_a, "prefill-0": addr_b}
     prefix = {"prefill-0": ["ip", "netns", "exec", ns_b]}
-    with PDCluster(EngineConfig(**engine), PDConfig(**pd), worker_hosts=hosts, worker_prefix=prefix) as cluster:
+    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), worker_hosts=hosts,
+                   worker_prefix=prefix) as cluster:
         texts = []
         for ids in prompts:
             reply = cluster.complete(ids, max_tokens=8)

@@ -34,7 +34,9 @@ from kthena_serve.pd.config import PDConfig
 from kthena_serve.spec import ServeSpec
 
 API_KEY = "dp-test-key"
-FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--shutdown-timeout", "2"]
+# "--kernels native" on both sides of a token comparison: see _tiny.PD_ENGINE
+FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--shutdown-timeout", "2",
+         "--kernels", "native"]
 TEXT = ("Data-parallel serving runs whole copies of the engine side by side, and a router in "
         "front sends each request to the copy that already holds its prompt in cache. ")
 
@@ -220,7 +222,7 @@ def reference():
     from kthena_serve.engine import LLMEngine
 
     engine = LLMEngine.from_config(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=8,
-                                                num_threads=1))
+                                                num_threads=1, kernels="native"))
 
     def generate(ids: list[int], max_tokens: int) -> str:
         return greedy_text(engine, ids, max_tokens)

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from _faults import Link, inside, nft_reason
 from _netns import two_host_network
-from _tiny import default_tokenizer, greedy_text
+from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from test_kv_events_redis import RedisServer
 
 from kthena_serve.config import EngineConfig
@@ -42,7 +42,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 TEXT = ("After a partition heals, retransmitted segments of a one-sided put still land in the "
         "decode worker's blocks. ")
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 TRANSFER_TIMEOUT_S = 8.0
 QUIET_BYTES = 256 << 10  # what may cross the link in a second without KV: polls, not blocks
 
@@ -66,7 +65,7 @@ class Deployment:
         self.link = Link(self.ns_a, self.ns_b)
         pd = PDConfig(transport="mooncake", policy=policy, pd_threshold_tokens=16,
                       transfer_timeout_s=TRANSFER_TIMEOUT_S, health_interval_s=0.25)
-        self.cluster = PDCluster(EngineConfig(**ENGINE), pd, tokenizer=default_tokenizer(),
+        self.cluster = PDCluster(EngineConfig(**PD_ENGINE), pd, tokenizer=default_tokenizer(),
                                  worker_hosts={"decode-0": addr_a, "prefill-0": addr_b},
                                  worker_prefix={"prefill-0": ["ip", "netns", "exec", self.ns_b]})
 
@@ -147,7 +146,7 @@ def deployment(hosts: tuple[str, str, str, str], policy: str) -> Iterator[Deploy
 def colocated() -> Iterator[object]:
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
     yield engine
     engine.close()
 

@@ -11,14 +11,13 @@ import time
 
 import httpx
 import pytest
-from _tiny import default_tokenizer
+from _tiny import PD_ENGINE, default_tokenizer
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster, shm_pools
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.sampling_params import SamplingParams
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
 TEXT = ("Paged attention stores the key and value cache in fixed-size blocks, so a scheduler "
         "can share prefixes between requests and evict whole blocks when memory runs short. ")
@@ -31,7 +30,7 @@ def prompt_ids(num_tokens: int, salt: str = "") -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    pd = PDCluster(EngineConfig(**ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
+    pd = PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
     pids = [pd.launcher.pid(name) for name in pd.launcher.workers]
     try:
         yield pd
@@ -44,7 +43,7 @@ def cluster():
 def colocated():
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
     yield engine
     engine.close()
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from _kthena_proxy import decode_body, prefill_body, proxy
 from _netns import two_host_network
-from _tiny import default_tokenizer, greedy_text
+from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,7 +34,6 @@ from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.spec import DEFAULT_MODEL_NAME
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"kv_pin_timeout_s": 8.0, "transfer_timeout_s": 30}
 API_KEY = "kthena-router-key"
 KEY = {"Authorization": f"Bearer {API_KEY}"}
@@ -61,7 +60,7 @@ def shm_files(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workers():
-    launcher = PDLauncher(EngineConfig(**ENGINE), PDConfig(**PD), 1, 1, quiet=True, api_key=API_KEY,
+    launcher = PDLauncher(EngineConfig(**PD_ENGINE), PDConfig(**PD), 1, 1, quiet=True, api_key=API_KEY,
                           public_metrics=True).start()
     pids = [launcher.pid(name) for name in launcher.workers]
     try:
@@ -75,7 +74,7 @@ def workers():
 def colocated():
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
     yield engine
     engine.close()
 

@@ -13,13 +13,12 @@ import time
 
 import httpx
 import pytest
-from _tiny import default_tokenizer
+from _tiny import PD_ENGINE, default_tokenizer
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster, shm_pools
 from kthena_serve.pd.config import PDConfig
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 TEXT = ("Disaggregated serving moves the key-value cache from the prefill instance to the "
         "decode instance, and every transfer must have an explicit outcome. ")
 
@@ -66,7 +65,7 @@ def rejoined(cluster: PDCluster, name: str) -> bool:
 def recompute_cluster():
     pd = {"policy": "recompute", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
           "health_interval_s": 0.2}
-    with PDCluster(EngineConfig(**ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
+    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
         yield cluster
 
 
@@ -74,7 +73,7 @@ def recompute_cluster():
 def fail_cluster():
     pd = {"policy": "fail", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
           "health_interval_s": 0.2}
-    with PDCluster(EngineConfig(**ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
+    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
         yield cluster
 
 

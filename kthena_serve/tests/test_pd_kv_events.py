@@ -20,7 +20,7 @@ import pytest
 import redis
 from _kthena_proxy import proxy
 from _serve_process import start_serve
-from _tiny import default_tokenizer
+from _tiny import PD_ENGINE, default_tokenizer
 from test_kv_events_redis import RedisServer, doc_key
 
 from kthena_serve.config import EngineConfig
@@ -31,7 +31,6 @@ from kthena_serve.pd.config import PDConfig
 from kthena_serve.spec import DEFAULT_MODEL_NAME
 
 POD = "kthena-pd.serving"  # --pod-name; worker W publishes as kthena-pd-W.serving
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}  # block_size 16 = the router's chunk
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2,
       "kv_pin_timeout_s": 8.0}
 DECODES = ("decode-0", "decode-1")
@@ -140,7 +139,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def cluster(server):
     kv_events = KVEventsConfig(server.url, POD, DEFAULT_MODEL_NAME)
-    pd = PDCluster(EngineConfig(**ENGINE), PDConfig(**PD), num_prefill=1, num_decode=2,
+    # block_size 16 (the default) = the router's chunk
+    pd = PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**PD), num_prefill=1, num_decode=2,
                    tokenizer=default_tokenizer(), kv_events=kv_events).start()
     try:
         yield pd

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from _netns import two_host_network
-from _tiny import default_tokenizer, greedy_text
+from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 
 from kthena_serve.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
@@ -22,7 +22,6 @@ from kthena_serve.pd.config import PDConfig
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel (and libibverbs1) is missing")
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 TEXT = "One-sided writes move finished blocks into memory the decode worker registered. "
 
 
@@ -34,7 +33,7 @@ def prompt(num_tokens: int, salt: str) -> list[int]:
 def colocated():
     from kthena_serve.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(**ENGINE, num_threads=1))
+    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
     yield engine
     engine.close()
 
@@ -51,7 +50,7 @@ def _metric(text: str, name: str) -> float:
 def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
     pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
     base = prompt(96, "loopback. ")
-    with PDCluster(EngineConfig(**ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
+    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
         first = base + prompt(30, "first ")
         reply = cluster.complete(first, max_tokens=8)
         assert reply.status_code == 200, reply.text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _tiny import default_tokenizer
+from _tiny import PD_ENGINE, default_tokenizer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -28,7 +28,6 @@ from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
 from mooncake_kv import KVCacheManager
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8}
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
 SECRET_TEXT = "Zanzibar quokkas audit the lighthouse ledger at dawn, every single morning. "
 
@@ -117,7 +116,7 @@ def test_worker_refuses_to_start_without_the_secret() -> None:
 # ---- one deployment ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    pd = PDCluster(EngineConfig(**ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
+    pd = PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**PD), tokenizer=default_tokenizer()).start()
     try:
         yield pd
     finally:
