@@ -250,12 +250,12 @@ def pd_handoff(device: str, timeout_s: float) -> tuple[str, dict]:
     hand-off code is the same (``PrefillExecutor.submit_shared``)."""
     import torch
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import load_model
-    from kthena_serve.model_runner import create_pool, kv_layout_for
+    from kthena_serve.engine.model_runner import create_pool, kv_layout_for
     from kthena_serve.pd.pool_share import export_pool
     from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32)  # the shapes and the prompt
@@ -294,7 +294,7 @@ def pd_prefill_child(data: dict) -> dict:
     same prompt into this process's own pool for comparison."""
     import torch
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import load_model
     from kthena_serve.pd.pool_share import open_pool
     from kthena_serve.pd.prefill import PrefillExecutor
@@ -337,13 +337,13 @@ def pd_mooncake(device: str, timeout_s: float) -> tuple[str, dict]:
     import torch
 
     from kthena_comm.errors import TransportUnavailableError
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import load_model
-    from kthena_serve.model_runner import create_pool, kv_layout_for
+    from kthena_serve.engine.model_runner import create_pool, kv_layout_for
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
     from kthena_serve.pd.transfer import BlockPutter, register_pool
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32, device=device)

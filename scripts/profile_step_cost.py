@@ -43,10 +43,10 @@ def main() -> None:
 
     import torch
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine import LLMEngine
-    from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
-    from kthena_serve.step_cost import StepShape, fit_least_squares
+    from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
+    from kthena_serve.engine.step_cost import StepShape, fit_least_squares
 
     engine = LLMEngine.from_config(EngineConfig(model=args.model))
     runner, size = engine.runner, engine.config.block_size

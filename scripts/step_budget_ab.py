@@ -42,7 +42,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def one_run(engine, seed: int, args: argparse.Namespace) -> dict:  # noqa: ANN001
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     decode = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -96,9 +96,9 @@ def main() -> None:
 
     import torch
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine import LLMEngine
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     targets = [float(t) for t in args.targets.split(",")]
     engines = {t: LLMEngine.from_config(EngineConfig(model=args.model, target_step_ms=t,

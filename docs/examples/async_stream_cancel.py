@@ -20,7 +20,7 @@ import time
 
 from kthena_serve import AsyncLLM, EngineConfig, SamplingParams
 from kthena_serve.client import EngineClient
-from kthena_serve.request import EngineRequest, FinishReason
+from kthena_serve.engine.request import EngineRequest, FinishReason
 
 PARAMS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 

@@ -32,8 +32,8 @@ import torch
 
 import kthena_serve.model.llama as llama
 import mooncake_ops
-from kthena_serve.config import EngineConfig
-from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.model_runner import create_pool, kv_layout_for, layer_caches
 from mooncake_kv.paged import paged_batch
 
 Errors = tuple[float, float, float]  # (max over the vocabulary, over the top 10, KL)

@@ -10,8 +10,8 @@ import itertools
 
 import torch
 
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
 
 __all__ = ["PD_ENGINE", "default_tokenizer", "greedy_text", "tiny_checkpoint", "tiny_engine", "tiny_llama"]
 
@@ -39,7 +39,7 @@ def default_tokenizer():  # noqa: ANN201
 def greedy_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8) -> str | None:
     """Run one greedy request to completion on ``engine`` alone; its text (a reference to
     compare a served answer with)."""
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     engine.add_request(f"ref-{next(_REFERENCE_IDS)}", prompt_ids,
                        SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -13,10 +13,10 @@ import sys
 import attrs
 import torch
 
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model import load_model
-from kthena_serve.sampling_params import SamplingParams
 
 
 def main() -> None:

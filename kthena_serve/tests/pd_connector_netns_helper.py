@@ -14,7 +14,7 @@ import httpx
 from _kthena_proxy import decode_body, prefill_body, proxy
 
 from kthena_serve.cluster.auth import auth_headers
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
 

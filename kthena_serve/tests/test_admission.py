@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kthena_serve.admission import (
+from kthena_serve.engine.admission import (
     ESTIMATE_FLOOR_S,
     FACTOR_HALF_LIFE_S,
     FACTOR_KEEP_S,
@@ -23,9 +23,9 @@ from kthena_serve.admission import (
     ServiceRate,
     decide,
 )
-from kthena_serve.client import EngineStats
-from kthena_serve.errors import OverloadedError
-from kthena_serve.step_cost import StepCoefficients, StepCostModel, StepShape
+from kthena_serve.engine.errors import OverloadedError
+from kthena_serve.engine.stats import EngineStats
+from kthena_serve.engine.step_cost import StepCoefficients, StepCostModel, StepShape
 from mooncake_kv import KVCacheStats
 
 

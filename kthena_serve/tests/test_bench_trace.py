@@ -200,8 +200,8 @@ def test_servers_get_the_users_environment_without_the_policy_we_set(monkeypatch
     """Both servers start as from a shell: a PASSIVE this process set for itself
     (`threads.in_process_wait_policy`) is left out (`kthena serve` then keeps OpenMP's default
     spin), a value the user exported is passed on, and our API key never reaches the servers."""
-    from kthena_serve import threads
     from kthena_serve.bench.trace import _sides
+    from kthena_serve.engine import threads
 
     options = TraceOptions(trace=Path("t"), peer=True)
     monkeypatch.setenv("KTHENA_API_KEY", "secret")

@@ -24,8 +24,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.kv_events import KVEventsConfig, RedisKVPublisher, prompt_chunk_hashes, redis_key
 from kthena_serve.model import Tokenizer, resolve_checkpoint
 from kthena_serve.server import BackgroundServer, build_app

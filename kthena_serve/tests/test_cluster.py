@@ -13,7 +13,6 @@ import attrs
 import httpx
 import pytest
 
-from kthena_serve.client import EngineStats
 from kthena_serve.cluster.config import Role, RouterWeights
 from kthena_serve.cluster.events import EventLog, event_from_json
 from kthena_serve.cluster.router import Router
@@ -24,8 +23,9 @@ from kthena_serve.cluster.worker import (
     take_secret,
     write_ready_file,
 )
+from kthena_serve.engine.stats import EngineStats
+from kthena_serve.engine.threads import owned_cores
 from kthena_serve.pd.config import PDConfig
-from kthena_serve.threads import owned_cores
 from mooncake_kv import BlockHasher, BlockStored, KVCacheManager
 
 COLOCATED = Role.COLOCATED.value

@@ -23,7 +23,7 @@ from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_s
 from kthena_core.deploy.k8s import API_KEY_ENV, HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve, spec_from_args
 from kthena_serve.cluster.auth import SECRET_ENV, check_prefill_url
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd import worker
 from kthena_serve.pd.config import PDConfig, Transport
 

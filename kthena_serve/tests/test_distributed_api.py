@@ -20,9 +20,9 @@ import pytest
 from kthena_core.config import ConfigError as KthenaConfigError
 from kthena_core.config import load_config
 from kthena_serve import DistributedArgumentError, DistributedModel, launch_distributed_inference
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.llm import LLM
 from kthena_serve.model import ensure_default_checkpoint
-from kthena_serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPTS = ["The capital of France is", "Three colours of the sea:"]

@@ -22,7 +22,6 @@ from _tiny import tiny_engine
 from kthena_core.cli import main as kthena_main
 from kthena_core.discovery import NotPresent, discover_all
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.client import EngineStats
 from kthena_serve.doctor import (
     DoctorError,
     ServerFacts,
@@ -35,8 +34,9 @@ from kthena_serve.doctor import (
 )
 from kthena_serve.doctor.cli import run_doctor
 from kthena_serve.doctor.server import Scrape
+from kthena_serve.engine.stats import EngineStats
+from kthena_serve.engine.step_times import StepTimes
 from kthena_serve.server import BackgroundServer, build_app
-from kthena_serve.step_times import StepTimes
 
 MODEL = "tiny"
 KEY = "doctor-test-key"

@@ -26,10 +26,10 @@ from _tiny import default_tokenizer, greedy_text
 
 from kthena_serve.bench.soak import process_tree
 from kthena_serve.cluster.router import Router
-from kthena_serve.config import EngineConfig
 from kthena_serve.dp.frontend import REPLICA_HEADER, routing_prompt
 from kthena_serve.dp.launcher import ROLE, ReplicaLauncher, replica_specs
 from kthena_serve.dp.metrics import merge_replica_metrics
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.spec import ServeSpec
 

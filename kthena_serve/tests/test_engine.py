@@ -10,8 +10,8 @@ import re
 import pytest
 from _tiny import tiny_engine
 
-from kthena_serve.request import FinishReason
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.request import FinishReason
+from kthena_serve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -147,7 +147,7 @@ def test_stop_token_ids_and_max_tokens():
 
 
 def test_too_long_requests_are_refused():
-    from kthena_serve.errors import InvalidRequestError
+    from kthena_serve.engine.errors import InvalidRequestError
 
     engine = tiny_engine(num_kv_blocks=8)  # 32 slots
     with pytest.raises(InvalidRequestError, match="context"):
@@ -197,7 +197,7 @@ def test_engine_config_reaches_the_kv_layer_parts():
     ("target_step_ms", True, "EngineConfig.target_step_ms must be None or 0 (off)"),
 ])
 def test_engine_config_refuses_what_it_cannot_honour(field, value, message):
-    from kthena_serve.config import ConfigError, EngineConfig
+    from kthena_serve.engine.config import ConfigError, EngineConfig
 
     with pytest.raises(ConfigError) as caught:
         EngineConfig(**{field: value})
@@ -229,7 +229,7 @@ def test_engine_config_errors_name_the_cli_flag():
 
 
 def test_engine_config_takes_a_path_for_model(tmp_path):
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
 
     assert EngineConfig(model=tmp_path).model == str(tmp_path)
 
@@ -310,7 +310,7 @@ def _poison(engine, request, where):
 
 
 def test_sampling_fields_are_bounded_at_the_edge():
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     for fields, message in [({"seed": 2**64}, "seed must be an int in [-2**63, 2**64 - 1]"),
                             ({"top_k": 2**64 - 1}, "top_k must be -1 (off) or an int in [1,"),
@@ -330,9 +330,9 @@ def _protected_engine(target_step_ms: float):
     budget it answers); ``target_step_ms`` 0: decode protection off."""
     from _tiny import default_tokenizer, tiny_llama
 
-    from kthena_serve.config import EngineConfig
     from kthena_serve.engine import LLMEngine, build_runner
-    from kthena_serve.step_cost import StepCoefficients, StepCostModel
+    from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.step_cost import StepCoefficients, StepCostModel
 
     config = EngineConfig(dtype="float32", num_kv_blocks=256, block_size=4,
                           max_num_batched_tokens=64, max_num_seqs=8, check_invariants=True,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 
 from kthena_core.cli import build_parser
 from kthena_serve.async_engine import STALL_TIMEOUT_S
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.spec import _SERVE_DEFAULTS
 
 # How a default whose value is not printed as is appears in the help.

@@ -28,18 +28,18 @@ from _logit_error import (
     worst,
 )
 
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.model import load_model
-from kthena_serve.model_runner import (
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.model_runner import (
     ModelRunner,
     create_pool,
     kv_dtype_name,
     kv_layout_for,
 )
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.model import load_model
 from kthena_serve.pd.prefill import PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
-from kthena_serve.sampling_params import SamplingParams
 from mooncake_kv.pool import SHM_DIR
 
 NUM_TOKENS = 16

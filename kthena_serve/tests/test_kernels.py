@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kthena_serve.config import ConfigError, EngineConfig
+from kthena_serve.engine.config import ConfigError, EngineConfig
 
 
 def test_the_config_and_the_flag_refuse_an_unknown_mode(capsys):

@@ -24,9 +24,9 @@ import redis  # the dev extra installs it (kthena-serve[kv-events])
 from _serve_process import start_serve
 from _tiny import tiny_engine
 
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.kv_events import KVEventsCollector, KVEventsConfig, RedisKVPublisher
 from kthena_serve.kv_events.publisher import CLIENT_NAME
-from kthena_serve.sampling_params import SamplingParams
 
 POD = "kthena-0.default"
 MODEL = "tiny"

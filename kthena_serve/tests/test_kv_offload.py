@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.client import EngineStats, KVTierStats
-from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.kv_offload import KVOffloadConfig
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.config import ConfigError, EngineConfig
+from kthena_serve.engine.kv_offload import KVOffloadConfig
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.stats import EngineStats, KVTierStats
 from kthena_serve.serve_args import add_engine_args
 from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.spec import ServeSpec, engine_config

@@ -17,9 +17,9 @@ import random
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kthena_serve.request import FinishReason, Request, RequestStatus
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import Scheduler
+from kthena_serve.engine.request import FinishReason, Request, RequestStatus
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduler import Scheduler
 from mooncake_kv import ExtraKeys, KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kthena_serve.pd.config import PDConfig
-from kthena_serve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kthena_serve.server import BackgroundServer, build_app
 
 transformers = pytest.importorskip("transformers")
@@ -310,8 +310,8 @@ def test_gather_reads_only_what_a_sample_row_offers() -> None:
     logprobs are the raw log-softmax, whatever the sampler did to pick the token."""
     import attrs
 
-    from kthena_serve.logprobs import gather_logprobs
-    from kthena_serve.sampler import Sampler
+    from kthena_serve.engine.logprobs import gather_logprobs
+    from kthena_serve.engine.sampler import Sampler
 
     @attrs.frozen
     class Row:

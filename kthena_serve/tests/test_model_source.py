@@ -76,7 +76,7 @@ def _python(code: str, env: dict[str, str], cwd: Path | None = None) -> subproce
 GENERATE = """
 import json, sys
 from kthena_serve.llm import LLM
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.spec import ServeSpec
 out = {}
 for model in sys.argv[1:]:

@@ -34,7 +34,7 @@ from _netns import two_host_network
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from test_kv_events_redis import RedisServer
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
 

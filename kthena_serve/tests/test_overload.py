@@ -23,10 +23,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.request import FinishReason, RequestOutput
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.protocol import output_to_json
-from kthena_serve.request import FinishReason, RequestOutput
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.errors import error_body
 
@@ -250,8 +250,8 @@ def test_an_aborted_admitted_request_gives_its_place_back() -> None:
     admission, or its client gone first) is aborted, which forgets its queue place."""
     engine = AsyncLLM(tiny_engine(max_queue_delay_s=1.0)).start()
     try:
-        from kthena_serve.request import EngineRequest
-        from kthena_serve.sampling_params import SamplingParams
+        from kthena_serve.engine.request import EngineRequest
+        from kthena_serve.engine.sampling_params import SamplingParams
 
         ids = tuple(default_tokenizer().encode(PROMPT))
         requests = [EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=2), 2, None)
@@ -321,7 +321,7 @@ def test_dp_router_passes_a_refusal_on_then_relays_the_last_one() -> None:
 def test_dp_router_refuses_itself_when_every_replica_reports_a_full_queue() -> None:
     from fastapi.testclient import TestClient
 
-    from kthena_serve.admission import AdmissionLimits, QueueLoad
+    from kthena_serve.engine.admission import AdmissionLimits, QueueLoad
 
     replica = _replica("replica-0", refuse=False)
     with BackgroundServer(replica) as one, BackgroundServer(_replica("r1", False)) as two:
@@ -487,7 +487,7 @@ def test_engine_kv_outlook_counts_the_blocks_the_queue_will_take_and_measures_re
     """Against the engine's own state: waiting prompts count prompt + output blocks (outputs at
     max_tokens until a request has finished, then at the measured mean), running ones the
     blocks their outputs still need; finishing requests is what gives a release rate."""
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     engine = tiny_engine(num_kv_blocks=64, block_size=4, max_num_seqs=2,
                          target_step_ms=100.0)

@@ -161,8 +161,8 @@ def test_tp2_over_gloo_matches_tp1(checkpoint, ours, prompts, tmp_path):
 def _engine_tokens(prompts, eos, **engine):
     """Greedy tokens from the serving engine (scheduler, micro-batches, spawned ranks), cut at
     EOS as transformers' are."""
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     cores = os.sched_getaffinity(0)
     llm = LLM(dtype="float32", num_kv_blocks=128, **engine)
@@ -198,8 +198,8 @@ def test_repetition_penalty_is_token_identical_to_transformers(ours, prompts, hf
     """vLLM's repetition_penalty (every token of the prompt and the output so far: logit / p
     when positive, x p otherwise), greedy in float32 through the engine: the tokens
     transformers' generate(repetition_penalty=1.3) gives, which penalises the same way."""
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     chosen = [prompts[0], prompts[2]]
     eos = set(ours[1].eos_token_ids)

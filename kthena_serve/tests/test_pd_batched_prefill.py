@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from kthena_comm.errors import TransferError, TransferTimeoutError
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.model_runner import ModelRunner, create_pool, kv_layout_for
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model import load_model
-from kthena_serve.model_runner import ModelRunner, create_pool, kv_layout_for
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.prefill import PrefillCancelled, PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
@@ -37,7 +38,6 @@ from kthena_serve.pd.transfer import (
     shm_engine,
     shm_segment_pool,
 )
-from kthena_serve.sampling_params import SamplingParams
 
 BUDGET = 256
 LENGTHS = (150, 140, 120)  # one forward: 150 + 106 of the second; the next: 34 + 120

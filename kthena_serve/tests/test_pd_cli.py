@@ -114,8 +114,8 @@ def test_pd_with_pipeline_parallel_is_refused_clearly(capsys) -> None:  # noqa: 
 def test_shared_pool_with_tensor_parallel_is_refused() -> None:
     import pytest
 
-    from kthena_serve.config import EngineConfig
     from kthena_serve.engine import build_runner
+    from kthena_serve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="shared KV pool with tp=2 x pp=1 is not supported"):
         build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)

@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.cluster.auth import auth_headers
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
 from kthena_serve.spec import DEFAULT_MODEL_NAME
@@ -142,7 +142,7 @@ def test_bodies_are_the_routers() -> None:
 
 
 def test_kv_params_parse_and_refuse_by_name() -> None:
-    from kthena_serve.errors import InvalidRequestError
+    from kthena_serve.engine.errors import InvalidRequestError
     from kthena_serve.pd.kv_params import KVAsk, parse_kv_params, prefill_reply
 
     assert parse_kv_params({"do_remote_decode": True, "do_remote_prefill": False}) == (

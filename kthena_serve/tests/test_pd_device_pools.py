@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kthena_comm.errors import TransportUnavailableError
-from kthena_serve.config import EngineConfig
-from kthena_serve.model_runner import create_pool, kv_layout_for
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.model_runner import create_pool, kv_layout_for
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.pool_share import (
     CudaIpcExport,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from _tiny import PD_ENGINE, default_tokenizer
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster, shm_pools
 from kthena_serve.pd.config import PDConfig
 

@@ -23,7 +23,7 @@ from _serve_process import start_serve
 from _tiny import PD_ENGINE, default_tokenizer
 from test_kv_events_redis import RedisServer, doc_key
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.kv_events import KVEventsConfig
 from kthena_serve.pd import worker
 from kthena_serve.pd.cluster import PDCluster

@@ -16,7 +16,7 @@ import pytest
 from _netns import two_host_network
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kthena_serve.engine.request import FinishReason, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.pd.launcher import split_cores
 from kthena_serve.pd.protocol import (
     PoolRef,
@@ -14,8 +16,6 @@ from kthena_serve.pd.protocol import (
     params_from_json,
     params_to_json,
 )
-from kthena_serve.request import FinishReason, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
 
 
 def test_split_cores_disjoint_then_shared() -> None:

@@ -1,4 +1,4 @@
-"""A tp x pp engine on its device (`kthena_serve.placement`, issue 38 item 1).
+"""A tp x pp engine on its device (`kthena_serve.engine.placement`, issue 38 item 1).
 
 On CPU: each rank of a TP=2 and of a PP=2 engine reports every parameter, buffer and KV pool
 tensor on the device it bound, over the gloo group; the backend chosen per device type is the
@@ -21,11 +21,11 @@ from _tiny import tiny_checkpoint
 
 from kthena_comm import device as device_module
 from kthena_comm.device import DeviceBackend
-from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.parallel_runner import _free_port
-from kthena_serve.placement import DIST_BACKEND_ENV, DistBackendError, dist_backend
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.config import ConfigError, EngineConfig
+from kthena_serve.engine.parallel_runner import _free_port
+from kthena_serve.engine.placement import DIST_BACKEND_ENV, DistBackendError, dist_backend
+from kthena_serve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kthena_core.shape import LayerSplitError, check_pp, stage_layer_range, stage_layer_ranges
+from kthena_serve.engine.parallel_runner import split_microbatches
+from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
 from kthena_serve.model import PipelineStage, TensorParallelError
 from kthena_serve.model.errors import BatchError
-from kthena_serve.parallel_runner import split_microbatches
-from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
 
 
 def _batch(lengths: list[int]) -> ScheduledBatch:
@@ -85,7 +85,7 @@ def test_each_stage_loads_only_its_layers_and_ends(stages):
 
 
 def test_two_stages_chained_give_the_whole_models_logits(stages):
-    from kthena_serve.model_inputs import build_inputs
+    from kthena_serve.engine.model_inputs import build_inputs
 
     whole, (first, last) = stages
     batch = _batch([11, 7])
@@ -159,7 +159,7 @@ def uneven_stages(stages):
 
 
 def test_uneven_stages_chained_give_the_whole_models_logits(stages, uneven_stages):
-    from kthena_serve.model_inputs import build_inputs
+    from kthena_serve.engine.model_inputs import build_inputs
 
     whole, (first, last) = stages[0], uneven_stages
     assert (len(first.layers), len(last.layers)) == (10, 20)
@@ -182,8 +182,8 @@ def six_layers(tmp_path_factory):
 
 
 def _tiny_engine(checkpoint, **fields):
-    from kthena_serve.config import EngineConfig
     from kthena_serve.engine import LLMEngine
+    from kthena_serve.engine.config import EngineConfig
 
     return LLMEngine.from_config(EngineConfig(model=str(checkpoint), dtype="float32",
                                               kernels="torch", block_size=4,
@@ -191,7 +191,7 @@ def _tiny_engine(checkpoint, **fields):
 
 
 def _greedy(engine, prompts, max_tokens=8):
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -225,8 +225,8 @@ def test_an_uneven_pipeline_engine_is_token_identical_to_one_process(six_layers,
 
 
 def test_the_shared_block_count_is_sized_for_the_stage_with_the_most_layers(six_layers):
-    from kthena_serve.config import EngineConfig
-    from kthena_serve.parallel_runner import ParallelModelRunner
+    from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.parallel_runner import ParallelModelRunner
 
     def blocks(**fields):
         config = EngineConfig(model=str(six_layers), block_size=4, kv_cache_memory="1MiB",
@@ -247,7 +247,7 @@ def test_bad_split_points_stop_the_engine_before_any_rank_starts(six_layers):
                                                   r"must be in 1\.\.5 \(6 layers"):
         _tiny_engine(six_layers, num_kv_blocks=64, pp=2, pipeline_split_points=(6,))
     assert multiprocessing.active_children() == []  # refused before a rank was spawned
-    from kthena_serve.config import ConfigError
+    from kthena_serve.engine.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"pipeline_split_points must be None \(equal stages\) "
                                           r"or 2 strictly increasing"):

@@ -26,10 +26,10 @@ from _logit_error import (
     worst,
 )
 
-from kthena_serve.config import ConfigError, EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import ConfigError, EngineConfig
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model import load_model
-from kthena_serve.sampling_params import SamplingParams
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kthena_serve.output_stream import OutputStream
-from kthena_serve.request import FinishReason, Request
-from kthena_serve.sampler import Sampler
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.output_stream import OutputStream
+from kthena_serve.engine.request import FinishReason, Request
+from kthena_serve.engine.sampler import Sampler
+from kthena_serve.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, params: SamplingParams, outputs=()) -> Request:
@@ -51,7 +51,7 @@ def test_greedy_argmax_is_torchs_first_maximum(rows, vocab, kind, seed):
     """The chunked greedy argmax gives max(dim=-1)'s index on fresh random logits: ties (bf16
     rounding, a handful of values) resolved to the first, all -inf rows, NaN (counted as the
     maximum, as torch does), a maximum in the part past the last whole chunk."""
-    from kthena_serve.sampler import _argmax
+    from kthena_serve.engine.sampler import _argmax
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen)
@@ -166,7 +166,7 @@ def test_repetition_penalty_matches_a_float64_reference(seed, penalty, num_promp
     """Every token of the prompt and the output: logit / penalty when positive, x penalty
     otherwise; the rest untouched. One correctly rounded fp32 division or product per logit,
     so the result is within 1 ulp of the float64 reference (rtol 2**-23)."""
-    from kthena_serve.sampler import _apply_penalties
+    from kthena_serve.engine.sampler import _apply_penalties
 
     gen = torch.Generator().manual_seed(seed)
     vocab = 64

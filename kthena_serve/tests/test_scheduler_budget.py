@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from kthena_serve.request import FinishReason, Request
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduler import Scheduler
+from kthena_serve.engine.request import FinishReason, Request
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduler import Scheduler
 from mooncake_kv import KVCacheManager
 
 BLOCK = 4

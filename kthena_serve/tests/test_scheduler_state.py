@@ -18,10 +18,10 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kthena_serve.request import FinishReason, Request, RequestStatus
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduled import ScheduledBatch
-from kthena_serve.scheduler import Scheduler
+from kthena_serve.engine.request import FinishReason, Request, RequestStatus
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduled import ScheduledBatch
+from kthena_serve.engine.scheduler import Scheduler
 from mooncake_kv import KVCacheManager
 
 BLOCK_SIZE = 4

@@ -61,7 +61,7 @@ def test_bench_serve_options_have_their_defaults_when_not_given():
 _TP_SCRIPT = """
 import json
 from kthena_serve.llm import LLM
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.sampling_params import SamplingParams
 if __name__ == "__main__":
     prompts = ["The quick brown fox", "Once upon a time"]
     params = SamplingParams(temperature=0, max_tokens=8)

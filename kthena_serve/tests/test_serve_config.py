@@ -207,7 +207,7 @@ def test_the_spec_round_trips_through_json_every_part_typed(tmp_path):
 
 
 def test_target_step_ms_reaches_every_engine_through_the_spec():
-    from kthena_serve.config import DEFAULT_TARGET_STEP_MS
+    from kthena_serve.engine.config import DEFAULT_TARGET_STEP_MS
 
     default = spec_from_args(build_parser().parse_args(["serve"]))
     assert default.engine.target_step_ms == DEFAULT_TARGET_STEP_MS

@@ -404,7 +404,7 @@ def test_special_tokens_typed_in_chat_content_stay_text():
     ``control`` restores Hugging Face's behaviour; ordinary content encodes exactly as before."""
     from _tiny import default_tokenizer
 
-    from kthena_serve.input_processor import InputProcessor
+    from kthena_serve.engine.input_processor import InputProcessor
 
     tokenizer = default_tokenizer()
     start = tokenizer.token_to_id("<|im_start|>")

@@ -10,7 +10,7 @@ import pytest
 from _tiny import tiny_engine
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.client import EngineStats
+from kthena_serve.engine.stats import EngineStats
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.stats_log import INTERVAL_ENV, StatsLine, StatsLogger, log_interval
 from mooncake_kv.results import KVCacheStats

@@ -139,8 +139,8 @@ def test_sp_with_pipeline_stages_is_refused():
 def _engine_tokens(checkpoint, prompts, **layout):
     """Greedy tokens through the serving engine: spawned ranks, scheduler, chunked prefill
     (at most 48 tokens a step), prefix cache."""
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=128, block_size=16,
               max_num_batched_tokens=48, **layout)
@@ -228,8 +228,8 @@ def test_served_tp2_sp2_answers_the_openai_client_as_one_rank_does(sp_server,
     import httpx
     import openai
 
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     url, text = sp_server
     assert "serving layout tp=2 pp=1 dp=1 sp=2 mode=colocated" in text, text

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
-from kthena_serve.step_cost import (
+from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
+from kthena_serve.engine.step_cost import (
     DecodeProtectingBudget,
     StepCoefficients,
     StepCostModel,

@@ -23,15 +23,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.grammar import (
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.grammar import (
     Grammars,
     apply_token_bitmask,
     apply_token_bitmask_reference,
     choice_grammar,
 )
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.pd.protocol import params_from_json, params_to_json
-from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.protocol import ChatCompletionRequest
 from kthena_serve.server.tools import (
@@ -42,7 +43,6 @@ from kthena_serve.server.tools import (
     parse_tool_calls,
     tool_constraint,
 )
-from kthena_serve.structured_output import StructuredOutputsParams
 
 MODEL = "tiny"
 PROMPT = "Answer in JSON:"
@@ -605,7 +605,7 @@ def test_parallel_tool_calls_false_keeps_the_first():
 # ---- PD -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pd_cluster():
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.pd.cluster import PDCluster
     from kthena_serve.pd.config import PDConfig
 

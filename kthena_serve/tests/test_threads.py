@@ -11,14 +11,14 @@ import sys
 _SCRIPT = """
 import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # as a launcher pinning one rank
-from kthena_serve.threads import configure_threads
+from kthena_serve.engine.threads import configure_threads
 import torch
 print(configure_threads(), torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))
 """
 
 
 def test_worker_uses_one_thread_per_owned_core():
-    from kthena_serve.threads import prepare_worker_env
+    from kthena_serve.engine.threads import prepare_worker_env
 
     env = prepare_worker_env(dict(os.environ), 1)
     env.pop("OMP_NUM_THREADS")  # the affinity mask alone must decide
@@ -29,7 +29,7 @@ def test_worker_uses_one_thread_per_owned_core():
 
 
 def test_prepare_worker_env_sets_openmp_before_torch():
-    from kthena_serve.threads import prepare_worker_env
+    from kthena_serve.engine.threads import prepare_worker_env
 
     env = prepare_worker_env({}, 3)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
@@ -49,7 +49,8 @@ _IMPORT = """
 import os, sys
 before = dict(os.environ)
 import kthena_serve
-from kthena_serve import LLM, SamplingParams, threads  # what a user's script imports first
+from kthena_serve import LLM, SamplingParams  # what a user's script imports first
+from kthena_serve.engine import threads  # the module that decides the wait policy
 print(dict(os.environ) == before, "torch" in sys.modules)
 """
 
@@ -64,7 +65,7 @@ def test_import_leaves_the_environment_alone():
 _DECIDE = """
 import os, sys
 {first}
-from kthena_serve import threads
+from kthena_serve.engine import threads
 threads.in_process_wait_policy()  # what LLM(...) calls first
 threads.in_process_wait_policy()  # a second LLM keeps the first one's choice
 print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules,
@@ -113,7 +114,7 @@ def test_llm_decides_before_it_loads_torch():
 
 _CLI = """
 import os, sys
-from kthena_serve import threads
+from kthena_serve.engine import threads
 from kthena_serve.cli import _prepare_process
 _prepare_process()  # what `kthena serve` and `kthena bench serve` do first
 threads.in_process_wait_policy()  # an LLM built later in the process keeps the CLI's choice
@@ -168,7 +169,7 @@ def test_llm_after_torch_with_passive_set_uses_every_owned_core():
 def test_our_own_modules_decide_their_policy_themselves(monkeypatch):
     """``python -m kthena_serve.bench.model`` (a benchmark) or ``... .pd.worker`` sets its own
     policy, as the CLI does: the import's default is for users' programs only."""
-    from kthena_serve.threads import _run_as_our_module
+    from kthena_serve.engine.threads import _run_as_our_module
 
     for argv, ours in ((["python", "-m", "kthena_serve.bench.model", "--steps", "4"], True),
                        (["python", "-m", "kthena_serve"], True),

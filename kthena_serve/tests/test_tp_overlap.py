@@ -18,7 +18,7 @@ import torch
 from _ranks import HERE, run_two_ranks
 from test_sp import uneven_checkpoint  # noqa: F401
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.model import MC2Overlap, TensorParallel, TensorParallelError
 
 SCENARIOS = ["batched_uneven", "single_101", "chunked_101", "short", "prefix_hit"]
@@ -73,8 +73,8 @@ def test_every_tp_collective_went_through_a_fused_op(parity, scenario):
 def _engine_tokens(checkpoint, prompts, **layout):  # noqa: ANN001, ANN202
     """test_sp's engine run, returning rank 0's fused collectives (what the config wired in)
     instead of its SequenceParallel."""
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=128, block_size=16,
               max_num_batched_tokens=48, **layout)

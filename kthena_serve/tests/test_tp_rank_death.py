@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from kthena_serve.errors import RankDiedError
-from kthena_serve.parallel_runner import _check_workers
+from kthena_serve.engine.errors import RankDiedError
+from kthena_serve.engine.parallel_runner import _check_workers
 
 _NO_GUARD = """
 from kthena_serve.llm import LLM

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kthena_comm.groups import connect_store
-from kthena_serve.parallel_runner import _free_port, _rank_env
+from kthena_serve.engine.parallel_runner import _free_port, _rank_env
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 

@@ -104,8 +104,8 @@ def serve_across_and_ask(launches: list[tuple[list[str], dict | None]], namespac
 
 def local_greedy_text() -> str:
     """PROMPT's 12 greedy tokens from one local fp32 engine (what both hosts must serve)."""
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.sampling_params import SamplingParams
 
     llm = LLM(dtype="float32", num_kv_blocks=64)
     try:

@@ -18,8 +18,8 @@ from _tiny import default_tokenizer, tiny_engine, tiny_llama
 from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.model import Tokenizer, resolve_checkpoint
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.server import BackgroundServer, build_app

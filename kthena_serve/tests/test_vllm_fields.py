@@ -17,10 +17,10 @@ import torch
 from _tiny import tiny_engine
 
 from kthena_serve.async_engine import AsyncLLM
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.sampler import Sampler
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.pd.protocol import params_from_json, params_to_json
-from kthena_serve.sampler import Sampler
-from kthena_serve.sampling_params import SamplingParams
 from kthena_serve.server import BackgroundServer, build_app
 
 MODEL = "tiny"

@@ -12,7 +12,7 @@
 
 Names are imported lazily so ``import kthena_serve`` stays cheap (no torch until used). The
 import leaves the process as it was (``os.environ`` included): OpenMP's wait policy is decided
-by the entry points, ``LLM(...)`` among them, before torch loads (``kthena_serve.threads``).
+by the entry points, ``LLM(...)`` among them, before torch loads (``kthena_serve.engine.threads``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine", "EngineStats": "engine",
-    "EngineConfig": "config", "SamplingParams": "sampling_params",
-    "StructuredOutputsParams": "structured_output",
-    "RequestOutput": "request", "FinishReason": "request", "TokenLogprobs": "logprobs",
-    "InvalidRequestError": "errors", "EngineDeadError": "errors", "OverloadedError": "errors",
+    "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine.llm_engine",
+    "EngineStats": "engine.stats", "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_output",
+    "RequestOutput": "engine.request", "FinishReason": "engine.request",
+    "TokenLogprobs": "engine.logprobs", "InvalidRequestError": "engine.errors",
+    "EngineDeadError": "engine.errors", "OverloadedError": "engine.errors",
     "DistributedModel": "distributed", "DistributedArgumentError": "distributed",
     "launch_distributed_inference": "distributed", "load_config": "distributed",
 }

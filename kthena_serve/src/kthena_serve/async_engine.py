@@ -44,16 +44,16 @@ from typing import Any
 
 import attrs
 
-from kthena_serve.admission import AdmissionGate, AdmissionLimits
-from kthena_serve.client import EngineStats
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.errors import EngineDeadError, RequestFailedError
-from kthena_serve.input_processor import InputProcessor
-from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduled import Reservation
+from kthena_serve.engine.admission import AdmissionGate, AdmissionLimits
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import EngineDeadError, RequestFailedError
+from kthena_serve.engine.input_processor import InputProcessor
+from kthena_serve.engine.logprobs import TokenLogprobs
+from kthena_serve.engine.request import EngineRequest, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduled import Reservation
+from kthena_serve.engine.stats import EngineStats
 from mooncake_kv import KVCacheManager
 
 __all__ = ["AsyncLLM"]

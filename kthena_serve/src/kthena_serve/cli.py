@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from kthena_serve.engine.threads import entry_point_wait_policy
 from kthena_serve.pd.serve import add_pd_args
 from kthena_serve.serve_args import (
     SHUTDOWN_MESSAGE,
@@ -24,7 +25,6 @@ from kthena_serve.serve_args import (
     curl_line,
 )
 from kthena_serve.spec import ServeSpec, flag_name, plan_config_path
-from kthena_serve.threads import entry_point_wait_policy
 
 if TYPE_CHECKING:
     import socket
@@ -171,7 +171,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args, launcher_world())
         if spec.engine.world_size > 1 or spec.engine.ranks_from == "env":
-            from kthena_serve.placement import dist_backend
+            from kthena_serve.engine.placement import dist_backend
 
             dist_backend(spec.engine.device)  # a KTHENA_DIST_BACKEND it cannot take: one line
         if spec.kv_events is not None:
@@ -223,7 +223,7 @@ def _serve(spec: ServeSpec, launched: RankEnv | None, sock: socket.socket | None
     if launched is not None:
         spec = attrs.evolve(spec, engine=attrs.evolve(spec.engine, ranks_from="env"))
         if launched.rank != 0:
-            from kthena_serve.parallel_runner import serve_rank
+            from kthena_serve.engine.parallel_runner import serve_rank
 
             print(f"kthena serve: rank {launched.rank} of {launched.world_size} (stage ranks "
                   f"serve rank 0's steps; rank 0 serves the API)", flush=True)

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kthena_core.config import KthenaConfig, load_config
-from kthena_serve.config import ConfigError, EngineConfig
+from kthena_serve.engine.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
+    from kthena_serve.engine.request import RequestOutput
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
-    from kthena_serve.request import RequestOutput
-    from kthena_serve.sampling_params import SamplingParams
 
 __all__ = ["DistributedArgumentError", "DistributedModel", "launch_distributed_inference",
            "load_config"]

@@ -1,7 +1,7 @@
 """LLM: the offline Python API — ``LLM(model=...).generate(prompts, SamplingParams(...))``.
 
 Importing this module does not load torch: ``LLM(...)`` first decides OpenMP's wait policy for
-this process (`kthena_serve.threads.in_process_wait_policy`, read once when torch loads), then
+this process (`kthena_serve.engine.threads.in_process_wait_policy`, read once when torch loads), then
 builds the engine, which loads it.
 """
 
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kthena_serve.config import EngineConfig
-from kthena_serve.request import RequestOutput
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.threads import in_process_threads, in_process_wait_policy
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.request import RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.threads import in_process_threads, in_process_wait_policy
 
 if TYPE_CHECKING:
     from kthena_serve.model import Tokenizer
@@ -42,10 +42,10 @@ class LLM:
     The first ``LLM`` in a process sets ``OMP_WAIT_POLICY=PASSIVE`` when it is unset and torch
     is not loaded yet, so that its threads sleep while idle instead of stalling on a busy
     machine; a value you exported is kept, and a process whose entry point decided already
-    (the ``kthena`` command, ``python -m kthena_serve...``) keeps that (``kthena_serve.threads``).
+    (the ``kthena`` command, ``python -m kthena_serve...``) keeps that (``kthena_serve.engine.threads``).
 
     Raises:
-        kthena_serve.config.ConfigError: an ``engine_config`` value is refused (a ``ValueError``).
+        kthena_serve.engine.config.ConfigError: an ``engine_config`` value is refused (a ``ValueError``).
 
     Example::
 

@@ -30,7 +30,7 @@ ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target
 
 def _default(field: str) -> object:
     """An ``EngineConfig`` field's default (the help shows it; the flag itself has none)."""
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
 
     return attrs.fields_dict(EngineConfig)[field].default
 

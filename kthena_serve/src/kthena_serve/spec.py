@@ -44,7 +44,7 @@ import attrs
 from kthena_core.dtypes import torch_name
 from kthena_core.layout import Layout
 from kthena_serve.cluster.config import RouterWeights
-from kthena_serve.config import ConfigError, EngineConfig
+from kthena_serve.engine.config import ConfigError, EngineConfig
 from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import worker_names as pd_worker_names

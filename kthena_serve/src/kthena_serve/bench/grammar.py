@@ -24,10 +24,10 @@ import time
 import torch
 
 from kthena_serve.bench.machine import host_info, wait_until_idle
-from kthena_serve.grammar import apply_token_bitmask
+from kthena_serve.engine.grammar import apply_token_bitmask
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.llm import LLM
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.structured_output import StructuredOutputsParams
 
 __all__ = ["SCHEMA", "measure"]
 

@@ -47,8 +47,8 @@ from kthena_serve.bench.optional import draw, plot_or_note
 from kthena_serve.bench.plot import save_figure
 
 if TYPE_CHECKING:
-    from kthena_serve.config import EngineConfig
     from kthena_serve.engine import LLMEngine
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import LlamaForCausalLM, Tokenizer
 
 __all__ = ["CASES", "BenchShape", "add_parser", "main", "plot", "run_case"]
@@ -111,7 +111,7 @@ class _Local:
 
 def _serve(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int,
            ) -> tuple[float, list[int]]:
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(request_id, prompt, params)
@@ -177,7 +177,7 @@ class _Worker:
 
 def _worker_main(spec_json: str) -> int:
     from kthena_core.dtypes import torch_dtype
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import load_model
 
     spec = json.loads(spec_json)
@@ -254,7 +254,7 @@ def _block_bytes(model: LlamaForCausalLM, block_size: int, dtype: str) -> int:
 def case_config(case: str, shape: BenchShape, model: LlamaForCausalLM, master: str | None,
                 dtype: str = "bfloat16") -> tuple[EngineConfig, int]:
     """The EngineConfig of each instance of ``case``, and how many instances it runs."""
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
 
     mode, _, kv = case.partition("/")
     block = _block_bytes(model, shape.block_size, dtype)

@@ -40,7 +40,7 @@ import attrs
 from kthena_comm.bench import median_s
 from kthena_serve.bench.machine import cpu_model
 from kthena_serve.bench.optional import draw, plot_or_note
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 
 if TYPE_CHECKING:
@@ -55,12 +55,12 @@ __all__ = ["main"]
 # ---- part 1: handoff ---------------------------------------------------------------------------
 def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
     from kthena_comm.transfer import MooncakeConfig, TransferBatch, create_engine
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.model_runner import kv_layout_for
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.model import resolve_checkpoint
     from kthena_serve.model.config import ModelConfig
-    from kthena_serve.model_runner import kv_layout_for
     from kthena_serve.pd.protocol import PoolRef, PrefillResult, params_to_json
-    from kthena_serve.sampling_params import SamplingParams
     from mooncake_kv.pool import KVPool
 
     model = ModelConfig.from_pretrained(resolve_checkpoint("default"))
@@ -252,12 +252,12 @@ def bench_batched_prefill(lengths: list[int], num_prompts: int, repeats: int) ->
     until every first token is back. Medians of ``repeats``; same weights, same threads."""
     import random
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.model_runner import create_pool, kv_layout_for
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.model import load_model
-    from kthena_serve.model_runner import create_pool, kv_layout_for
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
-    from kthena_serve.sampling_params import SamplingParams
 
     model, _ = load_model("default")
     size = 16

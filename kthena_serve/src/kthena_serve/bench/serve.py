@@ -45,9 +45,9 @@ from kthena_serve.bench.limits import (
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
 from kthena_serve.bench.optional import draw, note_missing
 from kthena_serve.bench.peer import PEER_CASES, PeerSession, PeerSpec
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import LLMEngine
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -328,8 +328,8 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
     """Run the cases, ours and the peers' alternating (`interleave`); returns the JSON-ready
     result (and writes the plot)."""
     from kthena_serve.bench.plot import table
+    from kthena_serve.engine.threads import configure_threads, owned_cores
     from kthena_serve.model import resolve_checkpoint
-    from kthena_serve.threads import configure_threads, owned_cores
 
     config = attrs.evolve(config, num_threads=options.num_threads)
     threads = configure_threads(options.num_threads)

@@ -124,7 +124,7 @@ class SoakOptions:
             return self.max_queue_delay or None
         if self.url is not None:
             return None
-        from kthena_serve.config import DEFAULT_MAX_QUEUE_DELAY_S
+        from kthena_serve.engine.config import DEFAULT_MAX_QUEUE_DELAY_S
 
         return DEFAULT_MAX_QUEUE_DELAY_S
 

@@ -128,7 +128,7 @@ def measure_collectives(rows: Sequence[int], hidden: int, repeat: int = 10) -> d
     their ratio ``(reduce_scatter + all_gather) / all_reduce`` per size."""
     import multiprocessing as mp
 
-    from kthena_serve.parallel_runner import _free_port
+    from kthena_serve.engine.parallel_runner import _free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

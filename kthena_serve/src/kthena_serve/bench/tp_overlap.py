@@ -54,7 +54,7 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _timed(llm, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[float, list]:  # noqa: ANN001
-    from kthena_serve.sampling_params import SamplingParams
+    from kthena_serve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()

@@ -335,7 +335,7 @@ def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str) -> 
     """Each server's command and environment: the user's, without a PASSIVE wait policy this
     process set for itself (`threads.user_environ`), so each decides its OpenMP policy as when
     started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin)."""
-    from kthena_serve.threads import owned_cores, user_environ
+    from kthena_serve.engine.threads import owned_cores, user_environ
 
     sides = []
     if options.peer:

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp
 
-    from kthena_serve.client import EngineStats
     from kthena_serve.cluster.events import EventLog
-    from kthena_serve.input_processor import EngineLimits
+    from kthena_serve.engine.input_processor import EngineLimits
+    from kthena_serve.engine.stats import EngineStats
 
 __all__ = ["die_with_parent", "exit_on_sigterm", "new_incarnation", "pin_to_cores",
            "remove_ready_file", "serve", "serve_worker", "state_reply", "take_secret",
@@ -60,7 +60,7 @@ def pin_to_cores(cores: str, num_ranks: int = 1) -> int:
         threads per rank: the cores owned divided among ``num_ranks`` (at least 1), also
         ``OMP_NUM_THREADS``.
     """
-    from kthena_serve.threads import owned_cores
+    from kthena_serve.engine.threads import owned_cores
 
     ids = {int(c) for c in cores.split(",") if c.strip()}
     if ids and hasattr(os, "sched_setaffinity"):

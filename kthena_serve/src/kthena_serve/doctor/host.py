@@ -32,7 +32,7 @@ from kthena_core.hccl_env import HcclEnvError, HcclSettings, check_hccl
 from kthena_core.planner import Plan
 from kthena_core.topology import Topology
 from kthena_serve.doctor.check import Check, DoctorError
-from kthena_serve.sizes import parse_bytes
+from kthena_serve.engine.sizes import parse_bytes
 
 __all__ = ["HostFacts", "calibration_check", "host_checks", "load_host_facts"]
 

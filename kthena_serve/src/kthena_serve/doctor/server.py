@@ -21,7 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.doctor.check import Check, DoctorError
-from kthena_serve.step_times import PHASES
+from kthena_serve.engine.step_times import PHASES
 
 __all__ = ["Scrape", "ServerFacts", "fetch_server", "server_checks"]
 

@@ -50,13 +50,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kthena_serve.admission import AdmissionLimits, QueueLoad, Refusal, decide
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Pick, Router
 from kthena_serve.dp.launcher import ROLE
 from kthena_serve.dp.metrics import DPMetrics, merge_replica_metrics
-from kthena_serve.errors import InvalidRequestError, OverloadedError
-from kthena_serve.input_processor import InputProcessor
+from kthena_serve.engine.admission import AdmissionLimits, QueueLoad, Refusal, decide
+from kthena_serve.engine.errors import InvalidRequestError, OverloadedError
+from kthena_serve.engine.input_processor import InputProcessor
 from kthena_serve.server import protocol as p
 from kthena_serve.server.app import add_api_middleware, add_plan_route
 from kthena_serve.server.errors import (

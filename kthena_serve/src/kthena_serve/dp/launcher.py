@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from kthena_serve.cluster.config import Role
 from kthena_serve.cluster.launcher import ProcessLauncher, WorkerProcess, WorkerSpec, share_cores
-from kthena_serve.threads import owned_cores
+from kthena_serve.engine.threads import owned_cores
 
 if TYPE_CHECKING:
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
 
 __all__ = ["ReplicaLauncher", "replica_specs"]
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
 
     fields = json.loads(args.engine_config)
     if fields.get("tp", 1) * fields.get("pp", 1) == 1:

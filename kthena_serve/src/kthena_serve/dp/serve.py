@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import socket
 
-    from kthena_serve.config import EngineConfig
     from kthena_serve.dp.launcher import ReplicaLauncher
-    from kthena_serve.input_processor import InputProcessor
+    from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.input_processor import InputProcessor
     from kthena_serve.spec import ServeSpec
 
 __all__ = ["run_dp"]
@@ -26,7 +26,7 @@ _PREFIX = "kthena serve"
 
 def _routing_processor(config: EngineConfig) -> InputProcessor:
     """The replicas' ``InputProcessor``: same tokenizer, chat template and special-token rule."""
-    from kthena_serve.input_processor import EngineLimits, InputProcessor
+    from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
     from kthena_serve.model import ModelConfig, Tokenizer, resolve_checkpoint
 
     folder = resolve_checkpoint(config.model)
@@ -65,10 +65,10 @@ def run_dp(spec: ServeSpec, sock: socket.socket | None = None) -> int:
 
 
 def _serve(spec: ServeSpec, launcher: ReplicaLauncher, sock: socket.socket | None) -> int:
-    from kthena_serve.admission import AdmissionLimits
     from kthena_serve.cluster.router import Router
     from kthena_serve.cluster.worker import serve
     from kthena_serve.dp.frontend import DPFrontend, build_dp_app
+    from kthena_serve.engine.admission import AdmissionLimits
     from kthena_serve.serve_args import SHUTDOWN_MESSAGE, curl_line
 
     config = spec.engine

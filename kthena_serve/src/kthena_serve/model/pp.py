@@ -12,7 +12,7 @@ cannot disagree::
 
 The first stage embeds the tokens, the last computes logits (a tied LM head means the last stage
 loads the embedding table too); a middle stage turns a (hidden, residual) pair into the next one.
-Nothing here sends tensors: the runner (kthena_serve.parallel_runner) moves them between stages.
+Nothing here sends tensors: the runner (kthena_serve.engine.parallel_runner) moves them between stages.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import httpx
 
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Router
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher

@@ -29,11 +29,11 @@ import httpx
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.cluster.auth import signed_json
-from kthena_serve.errors import EngineDeadError
+from kthena_serve.engine.errors import EngineDeadError
+from kthena_serve.engine.request import EngineRequest, RequestOutput
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
-from kthena_serve.request import EngineRequest, RequestOutput
 
 __all__ = ["DecodeService", "HandoffError", "prefill_client"]
 

@@ -42,15 +42,15 @@ from kthena_comm.transfer import MemoryHandle
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.client import KVSession
 from kthena_serve.cluster.auth import check_prefill_url, signed_json
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.logprobs import TokenLogprobs
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.logprobs import TokenLogprobs
+from kthena_serve.engine.request import EngineRequest, RequestOutput
+from kthena_serve.engine.scheduled import Reservation
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.decode import HandoffError, prefill_client
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.transfer import BlockGetter
-from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.scheduled import Reservation
 from mooncake_kv.layout import KVLayout
 
 __all__ = ["DecodeConnector", "Lease"]

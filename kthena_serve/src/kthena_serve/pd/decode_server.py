@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kthena_serve.cluster.auth import LOOPBACK_HOSTS, check_prefill_url
 from kthena_serve.cluster.events import EventLog
 from kthena_serve.cluster.worker import new_incarnation, state_reply
-from kthena_serve.config import EngineConfig
-from kthena_serve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from kthena_serve.pd import server as shared
 from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.decode import HandoffError
@@ -29,8 +29,8 @@ from kthena_serve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.engine.request import RequestOutput
     from kthena_serve.kv_events.config import KVEventsConfig
-    from kthena_serve.request import RequestOutput
     from mooncake_kv.pool import KVPool
 
 

@@ -32,20 +32,20 @@ import attrs
 import httpx
 from fastapi import FastAPI
 
-from kthena_serve.admission import AdmissionGate, AdmissionLimits, KVOutlook, QueueLoad
-from kthena_serve.client import EngineStats
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Decision, Router
-from kthena_serve.config import EngineConfig
-from kthena_serve.errors import (
+from kthena_serve.engine.admission import AdmissionGate, AdmissionLimits, KVOutlook, QueueLoad
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
     OverloadedError,
     RequestFailedError,
 )
-from kthena_serve.input_processor import EngineLimits, InputProcessor
+from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
+from kthena_serve.engine.request import EngineRequest, RequestOutput
+from kthena_serve.engine.stats import EngineStats
 from kthena_serve.pd.protocol import output_from_json, params_to_json
-from kthena_serve.request import EngineRequest, RequestOutput
 from kthena_serve.server.errors import OVERLOADED
 
 __all__ = ["DISAGGREGATED", "LOCAL", "PATHS", "RemoteEngine", "build_router_app"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.engine.errors import InvalidRequestError
 
 __all__ = ["KVAsk", "RemotePrefill", "parse_kv_params", "prefill_reply", "prompt_digest"]
 

@@ -26,7 +26,7 @@ from kthena_serve.cluster.auth import LOOPBACK_HOSTS
 from kthena_serve.cluster.launcher import ProcessLauncher, WorkerProcess, WorkerSpec, share_cores
 
 if TYPE_CHECKING:
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.config import PDConfig
 

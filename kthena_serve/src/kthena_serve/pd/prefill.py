@@ -48,20 +48,20 @@ from typing import Any
 import attrs
 import torch
 
-from kthena_serve.config import EngineConfig
 from kthena_serve.engine import create_kv_manager
-from kthena_serve.grammar import Grammars
-from kthena_serve.logprobs import TokenLogprobs, gather_logprobs
-from kthena_serve.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.grammar import Grammars
+from kthena_serve.engine.logprobs import TokenLogprobs, gather_logprobs
+from kthena_serve.engine.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.engine.request import Request
+from kthena_serve.engine.sampler import Sampler
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
+from kthena_serve.engine.scheduler import Scheduler
 from kthena_serve.pd.pool_share import open_pool, pool_key
 from kthena_serve.pd.prefill_job import PrefillJob
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.pd.transfer import BlockPush
-from kthena_serve.request import Request
-from kthena_serve.sampler import Sampler
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduled import ScheduledBatch, ScheduledSeq
-from kthena_serve.scheduler import Scheduler
 from mooncake_kv import KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool

@@ -24,17 +24,18 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from kthena_serve.client import EngineStats, KVSession
-from kthena_serve.config import EngineConfig
-from kthena_serve.errors import EngineDeadError, InvalidRequestError
-from kthena_serve.input_processor import EngineLimits, InputProcessor
+from kthena_serve.client import KVSession
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import EngineDeadError, InvalidRequestError
+from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
+from kthena_serve.engine.output_stream import OutputStream
+from kthena_serve.engine.request import EngineRequest, FinishReason, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.stats import EngineStats
 from kthena_serve.model import IncrementalDetokenizer
-from kthena_serve.output_stream import OutputStream
 from kthena_serve.pd.kv_params import PARAM, KVAsk, parse_kv_params, prefill_reply, prompt_digest
 from kthena_serve.pd.pins import Pin, PinTable
 from kthena_serve.pd.prefill import ExecutorClosedError, OwnedPrefill, PrefillExecutor
-from kthena_serve.request import EngineRequest, FinishReason, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
 
 __all__ = ["PrefillConnector", "PrefillEngine"]
 

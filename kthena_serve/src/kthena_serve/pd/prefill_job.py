@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
-    from kthena_serve.logprobs import TokenLogprobs
-    from kthena_serve.model_runner import ModelRunner
+    from kthena_serve.engine.logprobs import TokenLogprobs
+    from kthena_serve.engine.model_runner import ModelRunner
+    from kthena_serve.engine.request import Request
+    from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.pd.transfer import BlockPush
-    from kthena_serve.request import Request
-    from kthena_serve.sampling_params import SamplingParams
 
 __all__ = ["PrefillJob"]
 

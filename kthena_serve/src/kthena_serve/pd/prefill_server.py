@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from kthena_serve.cluster.auth import DECODE_TO_PREFILL_PATHS
 from kthena_serve.cluster.events import EventLog
 from kthena_serve.cluster.worker import new_incarnation, state_reply
-from kthena_serve.config import EngineConfig
-from kthena_serve.grammar import Grammars
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.grammar import Grammars
 from kthena_serve.pd import server as shared
 from kthena_serve.pd.config import KVPush, PDConfig, Transport
 from kthena_serve.pd.metrics import PDMetrics
@@ -95,10 +95,10 @@ class _PrefillRoutes:
     def __init__(self, name: str, config: EngineConfig, pd: PDConfig, *,
                  mooncake_host: str | None, advertise_host: str, served_model_name: str,
                  kv_events: KVEventsConfig | None) -> None:
+        from kthena_serve.engine.threads import configure_threads
         from kthena_serve.model import load_model
         from kthena_serve.pd.pins import PinTable
         from kthena_serve.pd.prefill_connector import PrefillConnector, PrefillEngine
-        from kthena_serve.threads import configure_threads
 
         configure_threads(config.num_threads)
         model, tokenizer = load_model(config.model, dtype=config.torch_dtype,

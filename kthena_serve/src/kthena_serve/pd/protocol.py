@@ -19,9 +19,9 @@ from typing import Any
 
 import attrs
 
-from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.request import FinishReason, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.logprobs import TokenLogprobs
+from kthena_serve.engine.request import FinishReason, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
 
 __all__ = ["PoolRef", "PrefillResult", "PrefillTask", "output_from_json", "output_to_json",
            "params_from_json", "params_to_json"]

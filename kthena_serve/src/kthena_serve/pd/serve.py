@@ -76,7 +76,7 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
                            public_metrics=spec.public_metrics, deployment=spec.report())
 
     def ready(port: int) -> None:
-        from kthena_serve.model_runner import kv_dtype_name
+        from kthena_serve.engine.model_runner import kv_dtype_name
 
         print(f"kthena serve --mode pd: {name} on http://{spec.host}:{port} "
               f"({launcher.describe()}; kv dtype={kv_dtype_name(config)}). Try:", flush=True)

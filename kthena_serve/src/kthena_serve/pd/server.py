@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 from kthena_serve.server.errors import error_body
 from kthena_serve.server.metrics import ServerMetrics
 from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths

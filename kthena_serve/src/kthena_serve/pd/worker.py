@@ -87,7 +87,7 @@ def _kv_events(args: argparse.Namespace) -> KVEventsConfig | None:
     """
     import json
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
     from kthena_serve.kv_events.publisher import import_redis
     from kthena_serve.pd.server import served_name
@@ -176,7 +176,7 @@ def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
     what closes it."""
     import json
 
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.pd.config import PDConfig
     from kthena_serve.pd.decode_server import build_decode_app
     from kthena_serve.pd.prefill_server import build_prefill_app

@@ -31,10 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kthena_serve.client import EngineClient, KVConnector
-from kthena_serve.errors import EngineDeadError, OverloadedError, RequestFailedError
-from kthena_serve.logprobs import TokenLogprobs
+from kthena_serve.engine.errors import EngineDeadError, OverloadedError, RequestFailedError
+from kthena_serve.engine.logprobs import TokenLogprobs
+from kthena_serve.engine.request import RequestOutput
 from kthena_serve.model.errors import ChatTemplateError
-from kthena_serve.request import RequestOutput
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import OVERLOADED, ApiError, error_body, install_handlers
 from kthena_serve.server.generation import Job, collect, stream_choices

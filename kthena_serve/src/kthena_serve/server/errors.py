@@ -10,8 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kthena_serve.admission import QUEUE_TIMEOUT  # also the code of a refusal at its deadline
-from kthena_serve.errors import (
+from kthena_serve.engine.admission import (
+    QUEUE_TIMEOUT,  # also the code of a refusal at its deadline
+)
+from kthena_serve.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
     OverloadedError,

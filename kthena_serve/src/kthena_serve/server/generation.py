@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import attrs
 
 from kthena_serve.client import EngineClient, KVSession
-from kthena_serve.request import EngineRequest, RequestOutput
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.request import EngineRequest, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
 
 __all__ = ["Job", "collect", "stream_choices"]
 

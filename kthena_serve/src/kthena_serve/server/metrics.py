@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kthena_serve.admission import QueueLoad
-from kthena_serve.client import EngineStats, KVTierStats
-from kthena_serve.request import RequestOutput
+from kthena_serve.engine.admission import QueueLoad
+from kthena_serve.engine.request import RequestOutput
+from kthena_serve.engine.stats import EngineStats, KVTierStats
+from kthena_serve.engine.step_times import PHASES
 from kthena_serve.server.vllm_metrics import VllmMetrics, engine_families
-from kthena_serve.step_times import PHASES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import Collector
 
-    from kthena_serve.input_processor import EngineLimits, InputProcessor
+    from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
 
 __all__ = ["ServerMetrics", "StatsSource", "add_collector"]
 

@@ -19,12 +19,12 @@ from typing import Any, Literal
 import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.logprobs import TokenLogprobs
-from kthena_serve.request import FinishReason, RequestOutput
-from kthena_serve.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.logprobs import TokenLogprobs
+from kthena_serve.engine.request import FinishReason, RequestOutput
+from kthena_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.server.tools import NamedToolChoice, Tool, ToolCall, tool_constraint
-from kthena_serve.structured_output import StructuredOutputsParams
 
 __all__ = [
     "ChatCompletionRequest",

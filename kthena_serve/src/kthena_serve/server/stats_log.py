@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kthena_serve.client import EngineStats
+from kthena_serve.engine.stats import EngineStats
 
 __all__ = ["INTERVAL_ENV", "StatsLine", "StatsLogger", "log_interval"]
 

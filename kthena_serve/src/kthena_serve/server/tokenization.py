@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from kthena_serve.client import EngineClient
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.server.protocol import ChatMessage, _refuse, _Strict
 from kthena_serve.server.tools import Tool, chat_inputs

@@ -30,8 +30,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.structured_output import StructuredOutputsParams
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 
 __all__ = ["CalledFunction", "NamedToolChoice", "Tool", "ToolCall", "ToolCallParser",
            "add_deltas", "chat_inputs", "parse_tool_calls", "tool_constraint", "uses_hermes"]

@@ -44,7 +44,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from kthena_serve.client import EngineStats
+from kthena_serve.engine.stats import EngineStats
 
 __all__ = ["VllmMetrics", "engine_families"]
 

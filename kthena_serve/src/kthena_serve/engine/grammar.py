@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.structured_output import StructuredOutputsParams
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kthena_serve.model import Tokenizer

@@ -6,9 +6,9 @@ import math
 
 import attrs
 
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.structured_output import StructuredOutputsParams
-from kthena_serve.structured_output import structured_outputs as _structured_outputs
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.structured_output import StructuredOutputsParams
+from kthena_serve.engine.structured_output import structured_outputs as _structured_outputs
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_SEED", "MAX_TOP_K", "MIN_SEED",
            "SamplingParams", "check_num_logprobs"]

@@ -14,9 +14,9 @@ from typing import Protocol
 import torch
 
 from kthena_core.dtypes import canonical_dtype
-from kthena_serve.config import EngineConfig
-from kthena_serve.model_inputs import ModelInputs, build_inputs
-from kthena_serve.scheduled import ScheduledBatch
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.model_inputs import ModelInputs, build_inputs
+from kthena_serve.engine.scheduled import ScheduledBatch
 from mooncake_kv.layout import KVLayout, LayoutKind
 from mooncake_kv.pool import KVPool
 from mooncake_kv.sizing import KVShape

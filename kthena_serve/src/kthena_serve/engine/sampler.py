@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.sampling_params import SamplingParams
 
 __all__ = ["SampleRow", "Sampler"]
 
@@ -189,7 +189,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
         if token_bitmask is None:
             raise ValueError("requests with structured_outputs need the batch's token_bitmask "
                              "(Grammars.fill_bitmask)")
-        from kthena_serve.grammar import apply_token_bitmask
+        from kthena_serve.engine.grammar import apply_token_bitmask
 
         apply_token_bitmask(logits, token_bitmask, constrained)
     return logits

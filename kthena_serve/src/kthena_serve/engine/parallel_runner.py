@@ -18,7 +18,7 @@ counts: stage 0 sends micro-batch m and goes on to m+1 while stage 1 computes m,
 overlap instead of waiting for the whole step.
 
 Each rank binds its device (``cpu``, or ``<type>:LOCAL_RANK`` of ``config.device``), joins the
-groups over that device's backend (gloo / nccl / hccl: `kthena_serve.placement`), loads its own
+groups over that device's backend (gloo / nccl / hccl: `kthena_serve.engine.placement`), loads its own
 shard onto it (built on the meta device, each checkpoint slice copied in) and creates its pool
 there. Rank 0 broadcasts each step's inputs as host tensors (a pickled device tensor would come
 back on rank 0's device index); every rank moves them to its device, and the stage-to-stage
@@ -48,13 +48,18 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kthena_serve.config import EngineConfig
-from kthena_serve.errors import RankDiedError
-from kthena_serve.model_inputs import ModelInputs, build_inputs
-from kthena_serve.model_runner import create_pool, kv_layout_for, layer_caches, sampled_logits
-from kthena_serve.placement import RankPlacement, group_config, rank_device
-from kthena_serve.scheduled import ScheduledBatch
-from kthena_serve.threads import configure_threads, owned_cores, prepare_worker_env
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import RankDiedError
+from kthena_serve.engine.model_inputs import ModelInputs, build_inputs
+from kthena_serve.engine.model_runner import (
+    create_pool,
+    kv_layout_for,
+    layer_caches,
+    sampled_logits,
+)
+from kthena_serve.engine.placement import RankPlacement, group_config, rank_device
+from kthena_serve.engine.scheduled import ScheduledBatch
+from kthena_serve.engine.threads import configure_threads, owned_cores, prepare_worker_env
 from mooncake_kv.pool import KVPool
 
 if TYPE_CHECKING:
@@ -252,7 +257,7 @@ def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena
     Raises:
         ValueError: rank 0 (it serves: build the engine with ``ranks_from="env"``), or a
             WORLD_SIZE other than tp x pp.
-        kthena_serve.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` does not fit the device.
+        kthena_serve.engine.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` does not fit the device.
         kthena_comm.errors.DeviceUnavailableError: no device LOCAL_RANK on this host.
     """
     _check_world(config, rank_env)
@@ -349,7 +354,7 @@ class ParallelModelRunner:
             RankDiedError: a spawned rank exited before it joined (at once, not on timeout).
             kthena_comm.errors.InitError: the ranks did not all join within the deadline.
             ValueError: ``ranks_from="env"`` without rank 0 of a tp x pp world.
-            kthena_serve.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` (read here, and
+            kthena_serve.engine.placement.DistBackendError: ``KTHENA_DIST_BACKEND`` (read here, and
                 by each launcher-started rank) does not name the device's backend.
         """
         group = group_config(config)  # before any rank starts: a bad variable is one error

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kthena_serve.logprobs import TokenLogprobs
+    from kthena_serve.engine.logprobs import TokenLogprobs
 
 __all__ = ["EngineRequest", "FinishReason", "Request", "RequestOutput", "RequestStatus"]
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from kthena_serve.client import KVTierStats
-from kthena_serve.kv_offload_config import DEFAULT_MASTER, KVOffloadConfig
+from kthena_serve.engine.kv_offload_config import DEFAULT_MASTER, KVOffloadConfig
+from kthena_serve.engine.stats import KVTierStats
 
 if TYPE_CHECKING:
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from mooncake_kv import KVCacheManager
     from mooncake_kv.tiers import AsyncOffloader, OffloadSnapshot
     from mooncake_kv.tiers.offload import BlockStorage

@@ -1,14 +1,5 @@
-"""LLMEngine: requests in, outputs out; ``step()`` is schedule -> run -> postprocess.
-
-Assembled from injected parts (``LLMEngine.from_config`` builds the defaults)::
-
-    LLMEngine ── InputProcessor   tokenise + validate once (EngineRequest); grammars compiled
-              ── Scheduler        continuous batching; PD verbs reserve / admit_prefilled
-              │     ├─ KVCacheManager  (mooncake_kv: index kind, hash algorithm, block size)
-              │     └─ prefill budget  (target_step_ms: StepCostModel, fed every step's time)
-              ── runner           ModelRunner over a given KVPool (host, shm, device) or tp x pp ranks
-              ── Sampler          on the runner's device; a GrammarMatcher per structured request
-                                  fills the batch's token bitmask (grammar.py)
+"""LLMEngine: requests in, outputs out; ``step()`` is schedule -> run -> postprocess (the room's
+map is in ``kthena_serve/engine/__init__.py``).
 
 Single-threaded by contract: one thread calls every method (the async engine's loop thread,
 or the caller of ``LLM.generate``). The KV manager checks it.
@@ -24,32 +15,32 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kthena_serve.admission import KVOutlook, ServiceRate
-from kthena_serve.client import EngineStats
-from kthena_serve.config import EngineConfig
-from kthena_serve.grammar import Grammars
-from kthena_serve.input_processor import EngineLimits, InputProcessor
-from kthena_serve.logprobs import TokenLogprobs, gather_logprobs, prompt_logprobs
-from kthena_serve.model import IncrementalDetokenizer, Tokenizer
-from kthena_serve.model_runner import (
+from kthena_serve.engine.admission import KVOutlook, ServiceRate
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.grammar import Grammars
+from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
+from kthena_serve.engine.logprobs import TokenLogprobs, gather_logprobs, prompt_logprobs
+from kthena_serve.engine.model_runner import (
     ModelRunner,
     Runner,
     create_pool,
     kv_dtype_name,
     kv_layout_for,
 )
-from kthena_serve.output_stream import OutputStream
-from kthena_serve.request import EngineRequest, FinishReason, Request, RequestOutput
-from kthena_serve.sampler import Sampler
-from kthena_serve.sampling_params import SamplingParams
-from kthena_serve.scheduled import Reservation, ScheduledBatch
-from kthena_serve.scheduler import Scheduler
-from kthena_serve.step_cost import DecodeProtectingBudget, StepCostModel, StepShape
-from kthena_serve.step_times import StepTimes
-from kthena_serve.threads import configure_threads
+from kthena_serve.engine.output_stream import OutputStream
+from kthena_serve.engine.request import EngineRequest, FinishReason, Request, RequestOutput
+from kthena_serve.engine.sampler import Sampler
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.scheduled import Reservation, ScheduledBatch
+from kthena_serve.engine.scheduler import Scheduler
+from kthena_serve.engine.stats import EngineStats
+from kthena_serve.engine.step_cost import DecodeProtectingBudget, StepCostModel, StepShape
+from kthena_serve.engine.step_times import StepTimes
+from kthena_serve.engine.threads import configure_threads
+from kthena_serve.model import IncrementalDetokenizer, Tokenizer
 from mooncake_kv import KVCacheManager
 
-__all__ = ["EngineStats", "LLMEngine", "build_runner", "create_kv_manager"]
+__all__ = ["LLMEngine", "build_runner", "create_kv_manager"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +74,7 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
                              "supported: each rank holds its own heads' and layers' pool, and a "
                              "PD prefill worker writes one whole pool; run PD workers with "
                              "tp=1 and pp=1")
-        from kthena_serve.parallel_runner import ParallelModelRunner
+        from kthena_serve.engine.parallel_runner import ParallelModelRunner
 
         rank_env = None
         if config.ranks_from == "env":
@@ -126,9 +117,9 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv = kv or create_kv_manager(config, runner.num_blocks)
-        self.offloader = None  # --kv-offload: tiers below the pool (kthena_serve.kv_offload)
+        self.offloader = None  # --kv-offload: tiers below the pool (kthena_serve.engine.kv_offload)
         if config.kv_offload is not None:
-            from kthena_serve.kv_offload import open_offloader
+            from kthena_serve.engine.kv_offload import open_offloader
 
             if scheduler is not None:
                 raise ValueError("config.kv_offload opens an offloader for the engine's own "
@@ -468,7 +459,7 @@ class LLMEngine:
         """Prompt tokens per second the step cost model predicts with ``rows`` requests running
         (default: those running now; steps of the prefill budget, or
         ``max_num_batched_tokens``); None without a cost model. The admission bound's prior
-        rate (``kthena_serve.admission``)."""
+        rate (``kthena_serve.engine.admission``)."""
         if self.step_cost is None:
             return None
         rows = len(self.scheduler.running) if rows is None else rows
@@ -490,7 +481,7 @@ class LLMEngine:
         return min(1.0, later / now)
 
     def kv_outlook(self) -> KVOutlook:
-        """What the pool holds in store for the queue (``kthena_serve.admission``): free blocks,
+        """What the pool holds in store for the queue (``kthena_serve.engine.admission``): free blocks,
         the blocks waiting prompts and running outputs will still take, and the measured rate
         finished requests give blocks back at. Outputs count at the mean length of the last
         finished ones (decayed), at most their ``max_tokens``; prefix hits are not subtracted,
@@ -544,7 +535,7 @@ class LLMEngine:
         """Per-tier ``KVTierStats`` of ``--kv-offload`` (empty without it); any thread."""
         if self.offloader is None:
             return ()
-        from kthena_serve.kv_offload import tier_stats
+        from kthena_serve.engine.kv_offload import tier_stats
 
         return tier_stats(self.offloader.snapshot())
 

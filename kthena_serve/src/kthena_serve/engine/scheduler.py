@@ -52,8 +52,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
-from kthena_serve.request import FinishReason, Request, RequestStatus
-from kthena_serve.scheduled import Reservation, ScheduledBatch, ScheduledSeq
+from kthena_serve.engine.request import FinishReason, Request, RequestStatus
+from kthena_serve.engine.scheduled import Reservation, ScheduledBatch, ScheduledSeq
 from mooncake_kv import ExtraKeys, KVCacheBlocks, KVCacheManager
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kthena_serve.config import EngineConfig
+from kthena_serve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from kthena_comm.groups import GroupConfig

@@ -82,7 +82,7 @@ from typing import Any
 
 import attrs
 
-from kthena_serve.errors import OverloadedError
+from kthena_serve.engine.errors import OverloadedError
 
 __all__ = ["MAX_RETRY_AFTER_S", "QUEUE_TIMEOUT", "AdmissionGate", "AdmissionLimits", "KVOutlook", "QueueLoad",
            "Refusal", "ServiceRate", "decide"]

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from kthena_serve.scheduled import ScheduledBatch
+from kthena_serve.engine.scheduled import ScheduledBatch
 
 __all__ = ["BACKLOG_STEPS", "DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
            "StepShape", "fit_least_squares"]
@@ -189,7 +189,7 @@ class StepCostModel:
     def prefill_tokens_per_s(self, num_decode_rows: int, num_prefill_tokens: int) -> float:
         """Prompt tokens per second of steps that each carry ``num_prefill_tokens`` beside
         ``num_decode_rows`` decodes (attention charged at ``pairs_per_token``): the prior of
-        the admission bound's rate (``kthena_serve.admission``)."""
+        the admission bound's rate (``kthena_serve.engine.admission``)."""
         shape = StepShape(num_prefill_tokens, num_decode_rows,
                           int(num_prefill_tokens * self.pairs_per_token))
         seconds = self.predict(shape)

@@ -1,6 +1,6 @@
 """The ``--kv-offload`` value: ``KVOffloadConfig`` (parsed, checked, frozen).
 
-See ``kthena_serve.kv_offload`` for the syntax and the offloader it opens; this module holds
+See ``kthena_serve.engine.kv_offload`` for the syntax and the offloader it opens; this module holds
 only the value, so ``EngineConfig`` can check it without importing the engine side.
 """
 
@@ -10,7 +10,7 @@ import re
 
 import attrs
 
-from kthena_serve.sizes import parse_bytes
+from kthena_serve.engine.sizes import parse_bytes
 
 __all__ = ["DEFAULT_MASTER", "SYNTAX", "KVOffloadConfig", "KVOffloadSyntaxError"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kthena_serve.request import FinishReason
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.request import FinishReason
+from kthena_serve.engine.sampling_params import SamplingParams
 
 __all__ = ["OutputStream"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from kthena_serve.errors import InvalidRequestError
+from kthena_serve.engine.errors import InvalidRequestError
 
 __all__ = ["CONSTRAINTS", "StructuredOutputsParams", "structured_outputs"]
 

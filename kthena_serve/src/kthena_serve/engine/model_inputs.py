@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kthena_serve.scheduled import ScheduledBatch
+from kthena_serve.engine.scheduled import ScheduledBatch
 from mooncake_kv.paged import PagedBatch, paged_batch
 
 __all__ = ["ModelInputs", "build_inputs"]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from kthena_serve.sampler import SampleRow
+from kthena_serve.engine.sampler import SampleRow
 
 __all__ = ["TokenLogprobs", "gather_logprobs", "prompt_logprobs"]
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kthena_serve.errors import InvalidRequestError
-from kthena_serve.grammar import Grammars
-from kthena_serve.request import EngineRequest
-from kthena_serve.sampling_params import SamplingParams
+from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.grammar import Grammars
+from kthena_serve.engine.request import EngineRequest
+from kthena_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kthena_serve.config import EngineConfig
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import Tokenizer
 
 __all__ = ["EngineLimits", "InputProcessor"]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kthena_core import dtypes
-from kthena_serve.kv_offload_config import KVOffloadConfig
-from kthena_serve.sizes import parse_bytes
+from kthena_serve.engine.kv_offload_config import KVOffloadConfig
+from kthena_serve.engine.sizes import parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -301,7 +301,7 @@ class EngineConfig:
         device: where weights, KV pool and sampling live (``"cpu"``, ``"cuda[:N]"``,
             ``"npu[:N]"``); with ``tp * pp > 1`` (or ``ranks_from="env"``) no index: each rank
             binds ``<type>:LOCAL_RANK`` and loads its shard and pool there
-            (`kthena_serve.placement`). A device this host lacks (too few for the spawned
+            (`kthena_serve.engine.placement`). A device this host lacks (too few for the spawned
             ranks) is refused. Only CPU is verified on hardware (docs/accelerators.md).
         max_num_seqs: requests running at once (the decode batch size).
         max_num_batched_tokens: tokens one step may compute (prefill chunks + decodes).
@@ -312,7 +312,7 @@ class EngineConfig:
             (every step fills ``max_num_batched_tokens``). Default 100 (docs/kthena_serve.md,
             "Decode protection", has the measurements). The PD prefill worker, which runs no
             decodes, ignores it.
-        max_queue_delay_s: overload control (``kthena_serve.admission``): a request whose
+        max_queue_delay_s: overload control (``kthena_serve.engine.admission``): a request whose
             estimated wait for its first token (the prompt tokens queued ahead of it and its own,
             over the rate the queue has been served at, measured) exceeds this many seconds is
             refused at once (HTTP 503 with ``Retry-After``). None or 0: off (unbounded
@@ -357,7 +357,7 @@ class EngineConfig:
             process starts them on this host) or ``"env"`` (a launcher such as ``kthena-run``
             started them, on one host or several, and set RANK / WORLD_SIZE / MASTER_ADDR /
             MASTER_PORT; this process must be rank 0, the others run
-            ``kthena_serve.parallel_runner.serve_rank``).
+            ``kthena_serve.engine.parallel_runner.serve_rank``).
         num_threads: torch threads; default the cores this process may run on.
         max_n: largest ``n`` (choices per request) the server accepts.
         check_invariants: run the KV manager's self-check after every verb (tests).
@@ -366,7 +366,7 @@ class EngineConfig:
         quantization: ``"int8"``: weight-only int8 matmul weights (one float32 scale per output
             channel; activations and the KV cache keep ``dtype``); None: weights in ``dtype``.
         kv_offload: tiers below the pool, as text (``"host=2GiB"``,
-            ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.kv_offload``)
+            ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.engine.kv_offload``)
             or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.
         kernels: how the CPU matmul and attention kernels are chosen: ``"auto"`` (each
             candidate timed once on this machine at the model's shapes, the fastest taken,
