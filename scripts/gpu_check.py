@@ -251,11 +251,11 @@ def pd_handoff(device: str, timeout_s: float) -> tuple[str, dict]:
     import torch
 
     from kthena_serve.engine.config import EngineConfig
-    from kthena_serve.model import load_model
     from kthena_serve.engine.model_runner import create_pool, kv_layout_for
+    from kthena_serve.engine.sampling_params import SamplingParams
+    from kthena_serve.model import load_model
     from kthena_serve.pd.pool_share import export_pool
     from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
-    from kthena_serve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32)  # the shapes and the prompt
@@ -338,12 +338,12 @@ def pd_mooncake(device: str, timeout_s: float) -> tuple[str, dict]:
 
     from kthena_comm.errors import TransportUnavailableError
     from kthena_serve.engine.config import EngineConfig
-    from kthena_serve.model import load_model
     from kthena_serve.engine.model_runner import create_pool, kv_layout_for
+    from kthena_serve.engine.sampling_params import SamplingParams
+    from kthena_serve.model import load_model
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
     from kthena_serve.pd.transfer import BlockPutter, register_pool
-    from kthena_serve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32, device=device)

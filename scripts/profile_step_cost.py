@@ -43,8 +43,8 @@ def main() -> None:
 
     import torch
 
-    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine import LLMEngine
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
     from kthena_serve.engine.step_cost import StepShape, fit_least_squares
 

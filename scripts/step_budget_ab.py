@@ -96,8 +96,8 @@ def main() -> None:
 
     import torch
 
-    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine import LLMEngine
+    from kthena_serve.engine.config import EngineConfig
     from kthena_serve.engine.sampling_params import SamplingParams
 
     targets = [float(t) for t in args.targets.split(",")]

@@ -22,8 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
 import torch  # noqa: E402
 
 import mooncake_ops.linear as linear  # noqa: E402
-from kthena_serve.engine.config import EngineConfig  # noqa: E402
 from kthena_serve.engine import LLMEngine  # noqa: E402
+from kthena_serve.engine.config import EngineConfig  # noqa: E402
 from kthena_serve.engine.sampling_params import SamplingParams  # noqa: E402
 
 NUM_REQUESTS, MAX_TOKENS = 16, 32

@@ -10,8 +10,8 @@ import sys
 from _tiny import PD_ENGINE
 
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster
 
 
 def main() -> None:

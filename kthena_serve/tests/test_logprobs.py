@@ -248,7 +248,7 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(url, route, fields)
 
 # ---- PD: the first token's logprobs come from the prefill worker -------------------------------
 def test_pd_logprobs_match_transformers(loaded, hf, offline) -> None:  # noqa: ANN001
-    from kthena_serve.pd.cluster import PDCluster
+    from kthena_serve.pd.embedded import PDCluster
 
     tokenizer = loaded[1]
     ids = tokenizer.encode(PROMPT + " red, yellow and blue." * 4)  # over the threshold

@@ -35,8 +35,8 @@ from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from test_kv_events_redis import RedisServer
 
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ from _tiny import PD_ENGINE, default_tokenizer
 
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.sampling_params import SamplingParams
-from kthena_serve.pd.cluster import PDCluster, shm_pools
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster, shm_pools
 
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
 TEXT = ("Paged attention stores the key and value cache in fixed-size blocks, so a scheduler "

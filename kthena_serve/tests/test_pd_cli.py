@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from kthena_serve.pd.cluster import shm_pools
+from kthena_serve.pd.embedded import shm_pools
 
 
 def _children(pid: int) -> list[int]:

@@ -16,8 +16,8 @@ import pytest
 from _tiny import PD_ENGINE, default_tokenizer
 
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.pd.cluster import PDCluster, shm_pools
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster, shm_pools
 
 TEXT = ("Disaggregated serving moves the key-value cache from the prefill instance to the "
         "decode instance, and every transfer must have an explicit outcome. ")

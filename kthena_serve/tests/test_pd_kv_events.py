@@ -26,8 +26,8 @@ from test_kv_events_redis import RedisServer, doc_key
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.kv_events import KVEventsConfig
 from kthena_serve.pd import worker
-from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster
 from kthena_serve.spec import DEFAULT_MODEL_NAME
 
 POD = "kthena-pd.serving"  # --pod-name; worker W publishes as kthena-pd-W.serving

@@ -17,8 +17,8 @@ from _netns import two_host_network
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel (and libibverbs1) is missing")
 

@@ -22,8 +22,8 @@ from kthena_serve.cluster.auth import LOOPBACK_HOSTS, SECRET_ENV, check_prefill_
 from kthena_serve.cluster.events import EventLog, event_from_json
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.sampling_params import SamplingParams
-from kthena_serve.pd.cluster import PDCluster
 from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster
 from kthena_serve.pd.protocol import params_to_json
 from kthena_serve.server.middleware import ApiKeyMiddleware, public_paths
 from mooncake_kv import KVCacheManager

@@ -606,8 +606,8 @@ def test_parallel_tool_calls_false_keeps_the_first():
 @pytest.fixture(scope="module")
 def pd_cluster():
     from kthena_serve.engine.config import EngineConfig
-    from kthena_serve.pd.cluster import PDCluster
     from kthena_serve.pd.config import PDConfig
+    from kthena_serve.pd.embedded import PDCluster
 
     pd = PDCluster(EngineConfig(num_kv_blocks=256, max_num_seqs=8),
                    PDConfig(pd_threshold_tokens=24, transfer_timeout_s=60,

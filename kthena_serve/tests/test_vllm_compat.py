@@ -398,7 +398,7 @@ def _events(response: httpx.Response) -> list[dict]:
 
 # ---- PD router ------------------------------------------------------------------------------
 def test_pd_router_serves_vllm_metrics_and_tokenize(hf_tokenizer):
-    from kthena_serve.pd.cluster import PDCluster
+    from kthena_serve.pd.embedded import PDCluster
 
     pd = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2}
     with PDCluster(EngineConfig(**{"num_kv_blocks": 128, "max_num_seqs": 4}), PDConfig(**pd),

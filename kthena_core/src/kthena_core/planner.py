@@ -251,10 +251,6 @@ def why_lost(e: Evaluation, best: Evaluation, wl: Workload) -> str:
     return f"{head} ({', '.join(detail)})"
 
 
-def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
 class Planner:
     """Enumerates, filters and scores layouts. Stateless apart from its cost parameters."""
 

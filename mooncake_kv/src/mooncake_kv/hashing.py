@@ -269,10 +269,6 @@ class BlockChain:
     def __len__(self) -> int:
         return len(self.hashes)
 
-    def parent_of(self, index: int) -> BlockHash | None:
-        """Hash of block ``index - 1``, or None for block 0 (whose parent is the root)."""
-        return self.hashes[index - 1] if index > 0 else None
-
     def extend(self, token_ids: Sequence[int]) -> int:
         """Hash the blocks of ``token_ids`` (the whole sequence) that filled since last time.
 

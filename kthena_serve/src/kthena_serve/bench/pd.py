@@ -219,7 +219,7 @@ def bench_serving(opts: argparse.Namespace) -> dict:
     The benchmark's own process (client, router, OpenAI app) runs on the prefill worker's
     cores, so the decode worker's core serves only the decode worker in both PD runs.
     """
-    from kthena_serve.pd.cluster import PDCluster
+    from kthena_serve.pd.embedded import PDCluster
 
     engine = {"num_kv_blocks": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 2048}
     pd = {"pd_threshold_tokens": 64, "transfer_timeout_s": 120}
@@ -323,7 +323,7 @@ def bench_overlap(token_counts: list[int], repeats: int) -> list[dict]:
     """
     import random
 
-    from kthena_serve.pd.cluster import PDCluster
+    from kthena_serve.pd.embedded import PDCluster
 
     rng = random.Random(7)
     engine = {"num_kv_blocks": 2 * max(token_counts) // 16 + 64, "max_num_seqs": 4,

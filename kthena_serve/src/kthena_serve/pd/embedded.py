@@ -1,4 +1,5 @@
-"""PDCluster: launcher + router + OpenAI server in one object (tests, bench, embedding).
+"""PDCluster: a whole PD deployment embedded in one object: launcher + router + OpenAI server
+(tests, bench, embedding in an application).
 
 Example::
 
