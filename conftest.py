@@ -23,6 +23,7 @@ import importlib  # noqa: E402
 import json  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -30,6 +31,10 @@ import pytest  # noqa: E402
 
 for _layer in ("kthena_core", "mooncake_kv", "kthena_comm", "mooncake_ops", "kthena_serve"):
     importlib.import_module(_layer)
+
+# Every package's tests import the shared helpers of tests/_support.py (free_port, wait_until,
+# metric_value, ...) as ``_support`` and the test doubles of tests/doubles as ``doubles``.
+sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
 
 # ---- a suite that does not read the machine it runs on ------------------------------------------
@@ -40,8 +45,6 @@ for _layer in ("kthena_core", "mooncake_kv", "kthena_comm", "mooncake_ops", "kth
 # the same on every CPU. The controller makes both before xdist starts its workers, which inherit
 # them, and removes the folder at the end. Tests of the probe itself pass their own folders and
 # sizes; `cpu_profile` runs a test once per recorded CPU.
-import sys  # noqa: E402
-
 from kthena_core.cpu_defaults import load_records  # noqa: E402
 
 SUITE_PROFILE = "zen4"
@@ -51,7 +54,7 @@ _SUITE_ENV = ("KTHENA_CACHE_DIR", "KTHENA_HOST_PROBE")
 def probe_file_of(record, folder: Path) -> Path:
     """A ``KTHENA_HOST_PROBE`` file in ``folder`` holding ``record``'s probe (the host probe of
     its bench run), with its CPU's ISA class."""
-    from kthena_core.calibrate import bench_probe
+    from kthena_core.bench_record import bench_probe
 
     probe = bench_probe(record.bench).to_dict()
     probe["cpu"] = {**record.cpu, "isa_class": record.isa_class}

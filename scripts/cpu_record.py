@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kthena_core.calibrate import bench_cpu, bench_probe
+from kthena_core.bench_record import bench_cpu, bench_probe
 from kthena_core.cpu_defaults import fit_record, load_records
 
 FITTED = ("compute_efficiency", "memory_efficiency", "step_overhead_s")

@@ -259,7 +259,7 @@ def pd_handoff(device: str, timeout_s: float) -> tuple[str, dict]:
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32)  # the shapes and the prompt
-    layout = kv_layout_for(net.config.num_hidden_layers, net.num_kv_heads_per_rank,
+    layout = kv_layout_for(net.config.shape.num_layers, net.num_kv_heads_per_rank,
                            net.head_dim, config)
     del net
     ids = tokenizer.encode(PD_PROMPT * 4)[: (len(PD_BLOCKS) - 1) * config.block_size + 3]
@@ -347,7 +347,7 @@ def pd_mooncake(device: str, timeout_s: float) -> tuple[str, dict]:
 
     config = EngineConfig(device=device, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     net, tokenizer = load_model("default", dtype=torch.float32, device=device)
-    layout = kv_layout_for(net.config.num_hidden_layers, net.num_kv_heads_per_rank,
+    layout = kv_layout_for(net.config.shape.num_layers, net.num_kv_heads_per_rank,
                            net.head_dim, config)
     ids = tokenizer.encode(PD_PROMPT * 4)[: (len(PD_BLOCKS) - 1) * config.block_size + 3]
     params = SamplingParams(temperature=0, max_tokens=1)

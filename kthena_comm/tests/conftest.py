@@ -11,7 +11,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _support import free_port
 
 from kthena_comm.transfer import MemoryHandle
 
@@ -32,12 +32,6 @@ def quiet_env(**extra: str) -> dict[str, str]:
                GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Peer:

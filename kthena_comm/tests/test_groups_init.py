@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from _support import free_port
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -81,7 +82,7 @@ def test_rank_env_from_env_reads_torchrun_variables():
 
 def test_rank0_joins_a_store_the_launcher_already_hosts():
     """Under torchrun (use_agent_store) rank 0 is a client: no second store fights for the port."""
-    port = _free_port()
+    port = free_port()
     agent = open_store("127.0.0.1", port, None, True, timedelta(seconds=5))  # torchrun's agent
     try:
         store = connect_store(RankEnv(0, 1, master_port=port, use_agent_store=True), timeout_s=5)
@@ -133,13 +134,13 @@ def test_devices_are_counted_without_importing_torch_npu():
 
 
 def test_layout_needing_another_world_size_is_rejected():
-    env = RankEnv(0, 2, master_port=_free_port())
+    env = RankEnv(0, 2, master_port=free_port())
     with pytest.raises(LayoutError, match="needs 4 ranks but WORLD_SIZE=2"):
         init_parallel_groups(Layout(tp=2, dp=2), env)
 
 
 def test_unreachable_master_fails_in_bounded_time_naming_rank_and_address():
-    env = RankEnv(1, 2, master_port=_free_port())
+    env = RankEnv(1, 2, master_port=free_port())
     start = time.monotonic()
     with pytest.raises(InitError) as info:
         connect_store(env, timeout_s=2)
@@ -149,7 +150,7 @@ def test_unreachable_master_fails_in_bounded_time_naming_rank_and_address():
 
 
 def test_missing_ranks_fail_in_bounded_time_naming_world_size():
-    env = RankEnv(0, 2, master_port=_free_port())
+    env = RankEnv(0, 2, master_port=free_port())
     start = time.monotonic()
     with pytest.raises(InitError, match="only 1 of 2 ranks joined") as info:
         connect_store(env, timeout_s=1.5)
@@ -166,15 +167,9 @@ def test_taken_master_port_names_master_port():
             init_parallel_groups(Layout(1), env, GroupConfig(timeout_s=2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_master_store_listens_on_master_addr_only():
     """torch's own bind takes every interface; ours only MASTER_ADDR (127.0.0.2 is refused)."""
-    env = RankEnv(0, 1, master_port=_free_port())
+    env = RankEnv(0, 1, master_port=free_port())
     store = connect_store(env, timeout_s=5)
     try:
         with socket.create_connection(("127.0.0.1", env.master_port), timeout=2):

@@ -9,25 +9,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from _support import free_port
+
 RANK_SCRIPT = Path(__file__).parent / "_rank_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_rank_kthena_run_reuses_torchruns_store():
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "kthena_core.launcher", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--backend", "gloo",
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--backend", "gloo",
          str(RANK_SCRIPT), "collectives"],
         capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

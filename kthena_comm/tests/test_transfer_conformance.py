@@ -13,11 +13,11 @@ from __future__ import annotations
 import glob
 import mmap
 import random
-import socket
 import time
 
 import attrs
 import pytest
+from _support import eventually, free_port
 
 from kthena_comm.errors import (
     EngineClosedError,
@@ -106,17 +106,11 @@ def _make_pair(backend: str, peer_factory, seed: int = 7):
         fabric = LocalFabric()
         return create_engine("local", LocalConfig(fabric)), InProcessRemote(fabric, REMOTE_BYTES, seed)
     if backend == "torch":  # the peer waits for us (rank 0 hosts the store) before saying hello
-        port = _free_port()
+        port = free_port()
         peer = peer_factory("torch", REMOTE_BYTES, seed, str(port))
         config = TorchConfig(rank=0, world_size=2, master_port=port, connect_timeout_s=60)
         return create_engine("torch", config), ProcessRemote(peer)
     return create_engine(backend), ProcessRemote(peer_factory(backend, REMOTE_BYTES, seed))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -305,7 +299,7 @@ def test_peer_killed_mid_transfer_raises_not_hangs(fresh_pair, shm_prefix):
     with pytest.raises((PeerUnreachableError, TransferError)):
         engine.notify(remote.handle, b"are you there?")
     assert time.monotonic() - start < DEADLINE_S + 5
-    assert _eventually(lambda: not glob.glob(f"/dev/shm/{shm_prefix}*"), 5)
+    assert eventually(lambda: not glob.glob(f"/dev/shm/{shm_prefix}*"), 5)
 
 
 def test_double_close_is_harmless_and_later_use_is_clear(fresh_pair):
@@ -315,12 +309,3 @@ def test_double_close_is_harmless_and_later_use_is_clear(fresh_pair):
     engine.close()
     with pytest.raises(EngineClosedError, match="after close"):
         engine.batch_put([TransferOp(local, 0, local, 0, 1)])
-
-
-def _eventually(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True

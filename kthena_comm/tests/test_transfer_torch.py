@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import mmap
 import signal
-import socket
 import threading
 import time
 
 import pytest
+from _support import eventually, free_port
 
 from kthena_comm.errors import InitError, PeerUnreachableError, TransferTimeoutError
 from kthena_comm.transfer import TorchConfig, TransferOp, create_engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _service_threads() -> list[threading.Thread]:
@@ -26,14 +20,14 @@ def _service_threads() -> list[threading.Thread]:
 
 def test_missing_peer_is_an_init_error_not_a_hang():
     start = time.monotonic()
-    config = TorchConfig(rank=0, world_size=2, master_port=_free_port(), connect_timeout_s=1.5)
+    config = TorchConfig(rank=0, world_size=2, master_port=free_port(), connect_timeout_s=1.5)
     with pytest.raises(InitError, match="MASTER_ADDR/MASTER_PORT/WORLD_SIZE"):
         create_engine("torch", config)
     assert time.monotonic() - start < 15
 
 
 def test_single_rank_world_copies_locally_and_checks_ranges():
-    config = TorchConfig(rank=0, world_size=1, master_port=_free_port(), connect_timeout_s=10)
+    config = TorchConfig(rank=0, world_size=1, master_port=free_port(), connect_timeout_s=10)
     with create_engine("torch", config) as engine:
         src, dst = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)
         src[:] = bytes(range(256)) * 16
@@ -46,7 +40,7 @@ def test_single_rank_world_copies_locally_and_checks_ranges():
 
 
 def test_stopped_peer_times_out_then_engine_refuses_quickly(peer_factory):
-    port = _free_port()
+    port = free_port()
     peer = peer_factory("torch", 1 << 20, 3, str(port))
     config = TorchConfig(rank=0, world_size=2, master_port=port, timeout_s=2.0)
     engine = create_engine("torch", config)
@@ -56,7 +50,9 @@ def test_stopped_peer_times_out_then_engine_refuses_quickly(peer_factory):
     engine.batch_put([TransferOp(local, 0, handle, 0, 4096)])
     peer.proc.send_signal(signal.SIGSTOP)
     try:
-        assert _eventually_stopped(peer.proc.pid), "SIGSTOP did not take effect"
+        # delivery can lag on a loaded machine
+        assert eventually(lambda: _is_stopped(peer.proc.pid), 10, interval_s=0.02), \
+            "SIGSTOP did not take effect"
         start = time.monotonic()
         with pytest.raises(TransferTimeoutError, match=handle.peer):
             engine.batch_put([TransferOp(local, 0, handle, 0, 1 << 20)])
@@ -71,18 +67,13 @@ def test_stopped_peer_times_out_then_engine_refuses_quickly(peer_factory):
     assert not _service_threads()
 
 
-def _eventually_stopped(pid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:  # delivery can lag on a loaded machine
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
-                return True
-        time.sleep(0.02)
-    return False
+def _is_stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] in ("T", "t")
 
 
 def test_close_stops_service_threads_and_peer_sees_us_gone(peer_factory):
-    port = _free_port()
+    port = free_port()
     peer = peer_factory("torch", 1 << 16, 4, str(port))
     engine = create_engine("torch", TorchConfig(rank=0, world_size=2, master_port=port))
     address = engine.address

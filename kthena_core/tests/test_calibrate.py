@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kthena_core.calibrate import CalibrationError, fit_calibration, load_bench
+from kthena_core.bench_record import CalibrationError, load_bench
+from kthena_core.calibrate import fit_calibration
 from kthena_core.cli import main
 from kthena_core.hardware import DeviceSpec
 from kthena_core.known_models import load_model_spec
@@ -127,7 +128,8 @@ def test_the_docs_example_is_the_zen4_records_run_with_its_probe():
 # ---- physical factors and the calibration file ---------------------------------------------------
 def _synthetic_bench(truth, topo=None):
     """A bench whose every figure is the cost model's own prediction with the factors `truth`."""
-    from kthena_core.calibrate import bench_points, predict
+    from kthena_core.bench_record import bench_points
+    from kthena_core.calibrate import predict
     from kthena_core.planner import Planner
 
     model, topo = load_model_spec("default"), topo or bench_host()
@@ -240,7 +242,7 @@ def test_a_malformed_bench_probe_is_named():
 
 def test_a_calibration_of_another_cpu_is_refused_on_this_machine_by_name(tmp_path, capsys,
                                                                        monkeypatch):
-    from kthena_core.calibrate import find_calibration, save_calibration
+    from kthena_core.calibration_file import find_calibration, save_calibration
 
     monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))
     bench = _with_probe(load_bench(BENCH), memory_bw=50e9, bf16=350e9,
@@ -286,12 +288,8 @@ def test_plan_calibrate_with_another_cpus_bench_says_so_and_keeps_the_cache(tmp_
 
 
 def test_the_calibration_file_round_trips_and_is_checked(tmp_path):
-    from kthena_core.calibrate import (
-        UnphysicalFitError,
-        find_calibration,
-        load_calibration,
-        save_calibration,
-    )
+    from kthena_core.calibrate import UnphysicalFitError
+    from kthena_core.calibration_file import find_calibration, load_calibration, save_calibration
 
     cal = fit_calibration(load_bench(BENCH), load_model_spec("default"), bench_host(), source="b.json")
     path = save_calibration(cal, tmp_path / "cal.json")
@@ -307,7 +305,7 @@ def test_the_calibration_file_round_trips_and_is_checked(tmp_path):
         load_calibration(tmp_path / "bad.json")
     # this machine's cached calibration applies to a plan on this machine only
     (tmp_path / "cache" / "calibration").mkdir(parents=True)
-    from kthena_core.calibrate import cached_calibration_path
+    from kthena_core.calibration_file import cached_calibration_path
 
     save_calibration(cal, cached_calibration_path(tmp_path / "cache"))
     cpu = cal.cpu  # the CPU the bench ran on is the one planned for
@@ -349,12 +347,8 @@ def _with_collectives(sizes):
 def test_the_benchs_collectives_become_the_sp_factor_of_the_calibration(tmp_path):
     """(reduce_scatter + all_gather) / all_reduce per size, the median kept: SP is priced with
     what this machine's collectives cost; without them the factor stays the ring's 1.0."""
-    from kthena_core.calibrate import (
-        UnphysicalFitError,
-        factors_dict,
-        load_calibration,
-        save_calibration,
-    )
+    from kthena_core.calibrate import UnphysicalFitError, factors_dict
+    from kthena_core.calibration_file import load_calibration, save_calibration
 
     model = load_model_spec("default")
     sizes = {"2048": {"all_reduce": 0.010, "reduce_scatter": 0.012, "all_gather": 0.013},

@@ -43,7 +43,8 @@ def test_plan_json_carries_the_model_figures_the_text_shows(capsys):
     model = json.loads(capsys.readouterr().out)["model"]
     spec = load_model_spec("llama-3-8b")
     assert model["name"] == spec.name == "llama-3-8b"
-    assert model["num_params"] == spec.num_params() and model["num_layers"] == spec.num_layers == 32
+    assert model["num_params"] == spec.num_params()
+    assert model["num_layers"] == spec.shape.num_layers == 32
     assert (model["num_attention_heads"], model["num_key_value_heads"]) == (32, 8)
     assert model["kv_dtype"] == "fp8" and model["kv_bytes_per_token"] == spec.kv_bytes_per_token("fp8")
     assert model["weight_bytes"] == spec.weight_bytes("bf16")

@@ -65,12 +65,9 @@ def test_a_cpu_without_a_record_takes_its_isa_class_then_every_record():
 
 
 def test_a_plan_says_where_its_factors_came_from(cpu_profile, tmp_path):
-    from kthena_core.calibrate import (
-        fit_calibration,
-        load_bench,
-        load_calibration,
-        save_calibration,
-    )
+    from kthena_core.bench_record import load_bench
+    from kthena_core.calibrate import fit_calibration
+    from kthena_core.calibration_file import load_calibration, save_calibration
     from kthena_core.config_plan import resolve_topology
     from kthena_core.known_models import load_model_spec
 

@@ -154,7 +154,8 @@ def test_pd_on_cpu_runs_the_plan_split_as_prefill_and_decode_workers():
         assert container["command"] == ["python3", "-m", "kthena_serve.pd.worker"]
         args = container["args"]
         assert args[args.index("--role") + 1] == role
-        assert '"tp":1' in args[args.index("--engine-config") + 1]
+        spec = json.loads(args[args.index("--spec") + 1])  # kthena_serve's ServeSpec JSON
+        assert spec["engine"]["tp"] == 1 and spec["mode"] == "pd"
         assert "0.0.0.0" in args and "$(POD_IP)" in args
         assert not any(name.startswith(("nvidia.com", "huawei.com"))
                        for name in container["resources"]["limits"])
@@ -163,7 +164,7 @@ def test_pd_on_cpu_runs_the_plan_split_as_prefill_and_decode_workers():
                                                        "key": "secret"}
         assert {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"} in container["env"]
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-        assert args.count("--public-metrics") == 1  # kthena-router scrapes every pod
+        assert spec["public_metrics"] is True  # kthena-router scrapes every pod
     group = server["spec"]["workloadSelector"]["pdGroup"]
     assert group["prefillLabels"] == {"modelserving.volcano.sh/role": "prefill"}
     assert group["decodeLabels"] == {"modelserving.volcano.sh/role": "decode"}
@@ -235,9 +236,13 @@ def test_kv_events_make_every_worker_publish_as_its_own_pod(data):
     _, (serving, _, _) = render({**data, "kv_events": REDIS})
     for container in pods(serving).values():
         args = container["args"]
-        assert args[args.index("--kv-events") + 1] == REDIS
+        if "--spec" in args:  # a PD worker: its ServeSpec JSON
+            events = json.loads(args[args.index("--spec") + 1])["kv_events"]
+            got = (events["redis_url"], events["pod"])
+        else:
+            got = (args[args.index("--kv-events") + 1], args[args.index("--pod-name") + 1])
         # the owner name kthena-router's plugin compares: {pod name}.{namespace}
-        assert args[args.index("--pod-name") + 1] == "$(POD_NAME).$(POD_NAMESPACE)"
+        assert got == (REDIS, "$(POD_NAME).$(POD_NAMESPACE)")
         env = env_of(container)
         assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["POD_NAMESPACE"]["valueFrom"] == {
@@ -245,6 +250,7 @@ def test_kv_events_make_every_worker_publish_as_its_own_pod(data):
     _, (serving, _, _) = render(data)  # without the key, nothing of it
     for container in pods(serving).values():
         assert not {"--kv-events", "--pod-name"} & set(container["args"])
+        assert "redis" not in " ".join(container["args"])
         assert "POD_NAMESPACE" not in env_of(container)
 
 

@@ -1,12 +1,12 @@
 """kthena-run: config -> torchrun argv and per-rank environment, and a real 2-rank gloo launch."""
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _support import free_port
 
 from kthena_core.config import ConfigError
 from kthena_core.launcher import main
@@ -26,12 +26,6 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_dry_run_prints_env_and_argv(tmp_path, capsys):

@@ -76,7 +76,8 @@ def test_shape_and_checkpoint_dtype():
     assert spec.shape == ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
                                     hidden_size=576, intermediate_size=1536, vocab_size=49152,
                                     dtype="bf16")
-    assert ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "dtype": "float16"}).dtype == "fp16"
+    fp16 = ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "dtype": "float16"})
+    assert fp16.shape.dtype == "fp16"
     with pytest.raises(ModelSpecError, match="dtype: unknown dtype 'float64'"):
         ModelSpec.from_hf_config({**KNOWN_CONFIGS["mistral-7b"], "torch_dtype": "float64"})
 
@@ -92,7 +93,7 @@ def test_flops_match_brute_force_sum():
     n, cached = 37, 11
     per_token = [spec.matmul_flops_per_token() + spec.attention_flops(1, cached + i + 1) for i in range(n)]
     # the LM head runs for the last prompt token only (the engine's logits_indices)
-    lm_head_skipped = (n - 1) * 2.0 * spec.vocab_size * spec.hidden_size
+    lm_head_skipped = (n - 1) * 2.0 * spec.shape.vocab_size * spec.shape.hidden_size
     assert spec.prefill_flops(n, cached) == pytest.approx(sum(per_token) - lm_head_skipped, rel=1e-12)
     assert spec.decode_flops(100) == pytest.approx(per_token[0] - spec.attention_flops(1, cached + 1)
                                                    + spec.attention_flops(1, 101))
@@ -101,8 +102,10 @@ def test_flops_match_brute_force_sum():
 def test_default_model_from_gguf_metadata():
     path = default_gguf_path()
     spec = ModelSpec.from_gguf(path)
-    assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads) == (30, 576, 9, 3)
-    assert spec.head_dim == 64 and spec.vocab_size == 49152 and spec.tie_word_embeddings
+    shape = spec.shape
+    assert (shape.num_layers, shape.hidden_size) == (30, 576)
+    assert (shape.num_attention_heads, shape.num_kv_heads) == (9, 3)
+    assert shape.head_dim == 64 and shape.vocab_size == 49152 and spec.tie_word_embeddings
     assert spec.num_params() / 1e6 == pytest.approx(134.5, abs=0.5)
     # The GGUF file and the built-in config agree.
     builtin = ModelSpec.from_hf_config(KNOWN_CONFIGS["smollm2-135m-instruct"])
@@ -111,8 +114,8 @@ def test_default_model_from_gguf_metadata():
 
 def test_from_hf_config_file_and_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(KNOWN_CONFIGS["mistral-7b"]))
-    assert ModelSpec.from_hf_config(tmp_path).num_key_value_heads == 8
-    assert ModelSpec.from_hf_config(tmp_path / "config.json").num_layers == 32
+    assert ModelSpec.from_hf_config(tmp_path).shape.num_kv_heads == 8
+    assert ModelSpec.from_hf_config(tmp_path / "config.json").shape.num_layers == 32
 
 
 @pytest.mark.parametrize(
@@ -163,7 +166,7 @@ def test_missing_default_model_says_what_to_install(monkeypatch):
         default_gguf_path()
     assert isinstance(e.value, FileNotFoundError) and "\n" not in str(e.value)
     # The planner still knows the default model's architecture without the file.
-    assert load_model_spec("default").num_layers == 30
+    assert load_model_spec("default").shape.num_layers == 30
 
 
 def test_gguf_header_reader_agrees_with_the_gguf_package():

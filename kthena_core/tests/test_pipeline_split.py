@@ -21,6 +21,7 @@ from kthena_core.planner import Planner
 from kthena_core.report import format_plan
 from kthena_core.shape import (
     LayerSplitError,
+    ModelShape,
     check_split_points,
     stage_layer_range,
     stage_layer_ranges,
@@ -30,12 +31,12 @@ from kthena_core.workload import Workload
 
 # 8 layers of ~2.6M weights and an untied LM head of 32000 x 512 = 16.4M (~6 layers' worth):
 # with pp=2 the last stage's share is 4 layers + the head, the first's 4 layers.
-BIG_HEAD = ModelSpec(name="big-head", architecture="LlamaForCausalLM", num_layers=8,
-                     hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                     num_key_value_heads=8, head_dim=64, vocab_size=32000)
-SMALL_HEAD = ModelSpec(name="small-head", architecture="LlamaForCausalLM", num_layers=8,
-                       hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                       num_key_value_heads=8, head_dim=64, vocab_size=64)
+BIG_HEAD = ModelSpec(name="big-head", architecture="LlamaForCausalLM", shape=ModelShape(
+    num_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_kv_heads=8,
+    head_dim=64, vocab_size=32000))
+SMALL_HEAD = ModelSpec(name="small-head", architecture="LlamaForCausalLM", shape=ModelShape(
+    num_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_kv_heads=8,
+    head_dim=64, vocab_size=64))
 ATLAS = from_catalog("atlas-800t-a2", 1)
 WORKLOAD = Workload(prompt_len=128, output_len=64, concurrency=2)
 

@@ -15,6 +15,7 @@ from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.planner import NoFeasiblePlanError, Planner
 from kthena_core.report import format_plan
+from kthena_core.shape import ModelShape
 from kthena_core.topology import Device, Topology, from_catalog
 from kthena_core.workload import Workload
 
@@ -35,11 +36,12 @@ def models(draw):
     head_dim = draw(st.sampled_from([64, 128]))
     return ModelSpec(
         name="random", architecture="LlamaForCausalLM",
-        num_layers=draw(st.sampled_from([2, 3, 4, 6, 8, 12, 30])),
-        hidden_size=heads * head_dim,
-        intermediate_size=draw(st.sampled_from([2, 3, 4])) * heads * head_dim,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        vocab_size=draw(st.sampled_from([1000, 32000])),
+        shape=ModelShape(
+            num_layers=draw(st.sampled_from([2, 3, 4, 6, 8, 12, 30])),
+            hidden_size=heads * head_dim,
+            intermediate_size=draw(st.sampled_from([2, 3, 4])) * heads * head_dim,
+            num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+            vocab_size=draw(st.sampled_from([1000, 32000]))),
         tie_word_embeddings=draw(st.booleans()),
     )
 
@@ -78,9 +80,9 @@ def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
     lay = plan.chosen.layout
     assert plan.chosen.memory.total <= plan.chosen.memory.capacity
     assert len(plan.device_ids) == len(set(plan.device_ids)) == lay.tp * lay.pp * lay.dp == plan.world_size
-    assert lay.tp <= model.num_attention_heads
-    assert lay.tp <= model.num_key_value_heads or lay.tp % model.num_key_value_heads == 0
-    assert model.num_layers % lay.pp == 0
+    assert lay.tp <= model.shape.num_attention_heads
+    assert lay.tp <= model.shape.num_kv_heads or lay.tp % model.shape.num_kv_heads == 0
+    assert model.shape.num_layers % lay.pp == 0
     # independent memory check: at least the weight shard must fit
     assert model.weight_bytes(wl.dtype) / (lay.tp * lay.pp) <= get_device(device).memory_bytes
     # groups partition the ranks
@@ -98,9 +100,9 @@ def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
 
 def test_structural_check_is_the_engine_head_split_rule():
     for heads, kv in [(9, 3), (64, 8), (28, 4), (8, 8), (4, 1)]:
-        model = ModelSpec(name="m", architecture="LlamaForCausalLM", num_layers=1, hidden_size=heads * 4,
-                          intermediate_size=8, num_attention_heads=heads, num_key_value_heads=kv,
-                          head_dim=4, vocab_size=8)
+        model = ModelSpec(name="m", architecture="LlamaForCausalLM", shape=ModelShape(
+            num_layers=1, hidden_size=heads * 4, intermediate_size=8, num_attention_heads=heads,
+            num_kv_heads=kv, head_dim=4, vocab_size=8))
         for tp in range(1, heads + 3):
             engine_runs = tp <= heads and (tp <= kv or tp % kv == 0)
             assert (Planner().structural_reasons(model, Layout(tp, 1, 1, 1)) == []) == engine_runs
@@ -108,7 +110,7 @@ def test_structural_check_is_the_engine_head_split_rule():
 
 def test_default_model_accepts_tp2_and_sizes_kv_by_the_largest_share():
     model = load_model_spec("default")  # SmolLM2-135M: 9 heads, 3 KV heads, 30 layers, head_dim 64
-    assert (model.num_attention_heads, model.num_key_value_heads) == (9, 3)
+    assert (model.shape.num_attention_heads, model.shape.num_kv_heads) == (9, 3)
     wl = Workload(concurrency=4, kv_dtype="bf16")
     ev = Planner().evaluate(model, small_topology(2, "nvidia-rtx-4090"), wl, Layout(2, 1, 1, 1))
     assert ev.feasible, ev.reasons

@@ -1,8 +1,16 @@
-"""How two engines' greedy outputs of one prompt compare (the int8 KV and int8 weight tests)."""
+"""How two engines' greedy outputs of one prompt compare (the int8 KV and int8 weight tests):
+the questions, how they are asked, and how the answers are compared."""
 
 from __future__ import annotations
 
-QUESTIONS = [  # chat prompts, each answered with 16 greedy tokens by both engines
+from kthena_serve.engine.sampling_params import SamplingParams
+
+NUM_TOKENS = 16
+# each question answered with NUM_TOKENS greedy tokens by both engines, with the top logprobs
+# that gap_at_divergence reads
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+
+QUESTIONS = [  # chat prompts
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "List three prime numbers.",
@@ -10,6 +18,12 @@ QUESTIONS = [  # chat prompts, each answered with 16 greedy tokens by both engin
     "用一句话介绍长城。",
     "How do I reverse a list in Python?",
 ]
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:  # noqa: ANN001 - a kthena_serve Tokenizer
+    """QUESTIONS as token ids, each asked as a user turn in the model's chat template."""
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+            for q in QUESTIONS]
 
 
 def agreed(reference, other) -> int:  # noqa: ANN001 - RequestOutputs

@@ -47,7 +47,7 @@ def first_decode_logprobs(model, prompt: Sequence[int], token: int,  # noqa: ANN
     driven directly over a fresh pool of ``kv_cache_dtype`` in the model's own dtype."""
     dtype = str(model.embed_weight.dtype).removeprefix("torch.")
     config = EngineConfig(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
-    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+    layout = kv_layout_for(model.config.shape.num_layers, model.num_kv_heads_per_rank,
                            model.head_dim, config)
     pool = create_pool(layout, config)
     try:
@@ -131,3 +131,19 @@ def served_bound(fp8: Errors, bf16: Errors) -> Errors:
 
 def fmt(values: Sequence[float]) -> str:
     return "(" + ", ".join(f"{x:.3g}" for x in values) + ")"
+
+
+def assert_within_yardsticks(got: dict[str, Errors]) -> None:
+    """Print the first decode step's errors (``got``: worst over the prompts of int8's
+    ``int8_format``, ``fp8_format``, ``bf16`` and ``served``) and check them against the
+    yardsticks: int8's format error at most fp8's, and the served int8 engine within
+    ``served_bound`` of the served bf16 one. Nonzero int8 errors show the int8 path really
+    ran."""
+    print("\nfirst decode step (max over vocab, over top 10, KL), worst of 6: "
+          f"int8 format {fmt(got['int8_format'])}, fp8 format {fmt(got['fp8_format'])}, "
+          f"bf16 {fmt(got['bf16'])}, served int8 vs bf16 {fmt(got['served'])} "
+          f"(bound {fmt(served_bound(got['fp8_format'], got['bf16']))})")
+    assert got["int8_format"][0] > 0 and got["served"][0] > 0
+    assert all(x <= y for x, y in zip(got["int8_format"], got["fp8_format"], strict=True))
+    bound = served_bound(got["fp8_format"], got["bf16"])
+    assert all(x <= y for x, y in zip(got["served"], bound, strict=True))

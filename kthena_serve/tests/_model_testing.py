@@ -25,7 +25,7 @@ class GreedyRunner:
         dtype = dtype or model.embed_weight.dtype
         shape = (num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(model.config.num_hidden_layers)]
+                          for _ in range(model.config.shape.num_layers)]
         self._next_block = 0
         self._prefix_blocks: dict[tuple[int, ...], int] = {}  # full-block token prefix -> block id
         self.num_computed_prompt_tokens = 0

@@ -1,8 +1,9 @@
-"""``kthena serve`` as a child process of a test, up to its curl line."""
+"""``kthena serve`` as a child process of a test: started up to its curl line, and stopped."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,3 +30,21 @@ def start_serve(*args: str, timeout: float = 240) -> tuple[subprocess.Popen, str
     proc.kill()
     proc.wait()
     raise AssertionError("kthena serve printed no curl line:\n" + "".join(seen)[-4000:])
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it still runs, wait for it, and close its stdout."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM ``proc`` (a server drains and exits), wait up to ``timeout`` s, then ``reap`` it
+    (killed if it is still running)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        reap(proc)

@@ -90,7 +90,7 @@ def main() -> None:
 
         tp = TensorParallel.from_comm_group(CommGroup("tp", (0, 1), rank, dist.group.WORLD))
         models = _models(tiny, tp)
-        vocab = models["tp1"][0].config.vocab_size
+        vocab = models["tp1"][0].config.shape.vocab_size
         results = {"kv_heads": models["sp"][0].num_kv_heads_per_rank,
                    "q_heads": len(models["sp"][0].plan.q_heads),
                    "layers": len(models["sp"][0].layers)}
@@ -101,7 +101,7 @@ def main() -> None:
             from kthena_serve.model import ensure_default_checkpoint
 
             models = _models(str(ensure_default_checkpoint(progress=False)), tp)
-            vocab = models["tp1"][0].config.vocab_size
+            vocab = models["tp1"][0].config.shape.vocab_size
             results["real_batched_uneven"] = _run(
                 models, lambda r: _scenarios(vocab, seed=1)["batched_uneven"](r))
         with open(out, "w") as f:

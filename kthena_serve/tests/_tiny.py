@@ -7,13 +7,18 @@ checkpoint. The tokenizer is the default checkpoint's (converted once, then cach
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import EngineConfig
 
-__all__ = ["PD_ENGINE", "default_tokenizer", "greedy_text", "tiny_checkpoint", "tiny_engine", "tiny_llama"]
+if TYPE_CHECKING:
+    from kthena_serve.engine.request import RequestOutput
+
+__all__ = ["PD_ENGINE", "default_tokenizer", "finish_all", "greedy_text", "tiny_checkpoint",
+           "tiny_engine", "tiny_llama"]
 
 # The engine settings of the PD tests' workers and of the colocated engine their tokens are
 # compared with. Token-for-token equality across processes needs the same kernels on both
@@ -36,30 +41,37 @@ def default_tokenizer():  # noqa: ANN201
     return _TOKENIZER
 
 
-def greedy_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8) -> str | None:
+def finish_all(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step ``engine`` until no request is left unfinished; the final output of each request
+    that finished meanwhile, by request id."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    return finals
+
+
+def greedy_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8) -> str:
     """Run one greedy request to completion on ``engine`` alone; its text (a reference to
     compare a served answer with)."""
     from kthena_serve.engine.sampling_params import SamplingParams
 
-    engine.add_request(f"ref-{next(_REFERENCE_IDS)}", prompt_ids,
-                       SamplingParams(temperature=0, max_tokens=max_tokens))
-    text = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.text if out.finished else text
-    return text
+    request_id = f"ref-{next(_REFERENCE_IDS)}"
+    engine.add_request(request_id, prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return finish_all(engine)[request_id].text
 
 
 def tiny_llama(vocab_size: int = 49152, *, num_layers: int = 2, hidden_size: int = 64,
                num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 4096, seed: int = 0,
                dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):  # noqa: ANN201
     """A randomly initialised ``LlamaForCausalLM`` with well-separated logits (few argmax ties)."""
+    from kthena_core.shape import ModelShape
     from kthena_serve.model import LlamaForCausalLM, ModelConfig
 
     config = ModelConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        ModelShape(num_layers=num_layers, num_attention_heads=num_heads,
+                   num_kv_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                   hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                   vocab_size=vocab_size),
         max_position_embeddings=max_len, tie_word_embeddings=False, eos_token_id=2,
     )
     generator = torch.Generator().manual_seed(seed)
@@ -114,10 +126,11 @@ def tiny_checkpoint(folder, *, seed: int = 0, **config):  # noqa: ANN001, ANN003
     hf.update(config)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     config = ModelConfig.from_dict(hf)
-    q, kv, h, inter = (config.num_attention_heads * config.head_dim,
-                       config.num_key_value_heads * config.head_dim, config.hidden_size,
-                       config.intermediate_size)
-    shapes = {"embed_tokens": (config.vocab_size, h), "q_proj": (q, h), "k_proj": (kv, h),
+    shape = config.shape
+    q, kv, h, inter = (shape.num_attention_heads * shape.head_dim,
+                       shape.num_kv_heads * shape.head_dim, shape.hidden_size,
+                       shape.intermediate_size)
+    shapes = {"embed_tokens": (shape.vocab_size, h), "q_proj": (q, h), "k_proj": (kv, h),
               "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
               "up_proj": (inter, h), "down_proj": (h, inter)}
     generator = torch.Generator().manual_seed(seed)

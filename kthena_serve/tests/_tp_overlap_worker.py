@@ -122,7 +122,7 @@ def main() -> None:
         group = CommGroup("tp", (0, 1), rank, dist.group.WORLD)
         results: dict = {"ops": _op_errors(group, rank)}
         models = _models(tiny, group, ("tp", "mc2", "sp", "sp_mc2"))
-        vocab = models["tp"][0].config.vocab_size
+        vocab = models["tp"][0].config.shape.vocab_size
         results["layers"] = len(models["tp"][0].layers)
         for name in _scenarios(vocab):
             results[name] = _run_counted(models, lambda r, n=name: _scenarios(vocab)[n](r))
@@ -131,7 +131,7 @@ def main() -> None:
 
             models = _models(str(ensure_default_checkpoint(progress=False)), group,
                              ("tp", "mc2"))
-            vocab = models["tp"][0].config.vocab_size
+            vocab = models["tp"][0].config.shape.vocab_size
             results["real_batched_uneven"] = _run_counted(
                 models, lambda r: _scenarios(vocab, seed=1)["batched_uneven"](r))
         with open(out, "w") as f:

@@ -1,6 +1,6 @@
 """Makes this folder's shared test helpers (``_netns``, ``_tiny``, ``_model_testing``,
-``_kthena_proxy``, ...) importable, and the transformers reference model shared by the modules
-that compare against it."""
+``_kthena_proxy``, ...) importable; the transformers reference model shared by the modules
+that compare against it, and the colocated engine of the PD tests."""
 
 import os
 import sys
@@ -22,3 +22,18 @@ def hf_gguf_model():
     folder, name = os.path.split(known.default_gguf_path())
     return transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    """A colocated engine with the PD workers' settings (``_tiny.PD_ENGINE``), one thread: the
+    reference a PD test compares its workers' greedy text with (``_tiny.greedy_text``). One
+    per module that asks for it."""
+    from _tiny import PD_ENGINE
+
+    from kthena_serve.engine import LLMEngine
+    from kthena_serve.engine.config import EngineConfig
+
+    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
+    yield engine
+    engine.close()

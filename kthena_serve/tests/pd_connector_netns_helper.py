@@ -6,40 +6,15 @@ Not a test module; test_pd_connector.py runs it under ``ip netns exec``.
 """
 
 import json
-import os
 import sys
-import time
 
 import httpx
 from _kthena_proxy import decode_body, prefill_body, proxy
+from test_pd_connector import held, metric, shm_files
 
-from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
-
-
-def _state(launcher: PDLauncher, name: str) -> dict:
-    return httpx.get(f"{launcher.url(name)}/pd/state", params={"since": 1 << 62},
-                     headers=auth_headers(launcher.secret), timeout=10).json()
-
-
-def _metric(launcher: PDLauncher, name: str, series: str) -> float:
-    text = httpx.get(f"{launcher.url(name)}/metrics", headers=auth_headers(launcher.secret),
-                     timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(series))
-
-
-def _held(launcher: PDLauncher) -> list[int]:
-    deadline = time.monotonic() + 10
-    while True:
-        prefill, decode = _state(launcher, "prefill-0"), _state(launcher, "decode-0")
-        held = [prefill["kv"]["num_used_blocks"], prefill["num_pinned"],
-                decode["kv"]["num_used_blocks"], decode["num_quarantined"]]
-        if not any(held) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.1)
 
 
 def main() -> None:
@@ -64,7 +39,7 @@ def main() -> None:
                              if reply is not None and reply.status_code == 200
                              else f"HTTP {(reply or exchange.prefill).status_code}: "
                                   f"{(reply or exchange.prefill).text}")
-            pulled = _metric(launcher, "decode-0", 'kthena_pd_requests_total{path="pulled"')
+            pulled = metric(launcher, "decode-0", 'kthena_pd_requests_total{path="pulled"')
             body = {"model": "default", "prompt": prompts[0], "max_tokens": 2}
             answer = client.post(f"{prefill_url}/v1/completions", json=prefill_body(body))
             foreign = {**answer.json()["kv_transfer_params"], "remote_host": "10.99.0.1"}
@@ -72,16 +47,14 @@ def main() -> None:
                                   json=decode_body(body, foreign)).status_code
             client.post(f"{decode_url}/v1/completions",  # the genuine one frees the pin
                         json=decode_body(body, answer.json()["kv_transfer_params"]))
-        pulled_bytes = _metric(launcher, "decode-0",
-                               'kthena_pd_transferred_bytes_total{role="decode"}')
-        held = _held(launcher)
+        pulled_bytes = metric(launcher, "decode-0",
+                              'kthena_pd_transferred_bytes_total{role="decode"}')
+        still_held = list(held(launcher))
     finally:
         launcher.stop()
-    left = [name for name in os.listdir("/dev/shm") for pid in pids
-            if name.startswith((f"mooncake_kv.{pid}.", f"kthena-{pid}-"))]
     print(json.dumps({"texts": texts, "params": params, "pulled": pulled,
-                      "pulled_bytes": pulled_bytes, "held": held, "foreign_host": refused,
-                      "shm_left": left}), flush=True)
+                      "pulled_bytes": pulled_bytes, "held": still_held,
+                      "foreign_host": refused, "shm_left": shm_files(pids)}), flush=True)
 
 
 if __name__ == "__main__":

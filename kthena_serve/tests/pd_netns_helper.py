@@ -7,6 +7,7 @@ Not a test module; test_pd_mooncake.py runs it under ``ip netns exec``.
 import json
 import sys
 
+from _support import metric_value
 from _tiny import PD_ENGINE
 
 from kthena_serve.engine.config import EngineConfig
@@ -27,8 +28,7 @@ def main() -> None:
             texts.append(reply.json()["choices"][0]["text"] if reply.status_code == 200
                          else f"HTTP {reply.status_code}: {reply.text}")
         metrics = cluster.worker_metrics("prefill-0")
-    moved = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                if line.startswith("kthena_pd_transferred_bytes_total"))
+    moved = metric_value(metrics, "kthena_pd_transferred_bytes_total")
     print(json.dumps({"texts": texts, "transferred_bytes": moved}), flush=True)
 
 

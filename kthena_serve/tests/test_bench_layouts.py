@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kthena_core.calibrate import load_bench
+from kthena_core.bench_record import load_bench
 from kthena_core.cost_model import CostParams
 from kthena_core.discovery import CpuFacts, HostFigures, NumaNode, cpu_topology
 from kthena_core.known_models import load_model_spec

@@ -179,12 +179,19 @@ def test_no_replica_up_is_a_lookup_error() -> None:
 
 
 # ---- the wire: KV events and the state reply ----------------------------------------------------
-def test_event_json_round_trip() -> None:
+def _kv_with_a_request() -> tuple[KVCacheManager, EventLog]:
+    """8 blocks of 4 tokens and their event log, after request "a" committed 9 tokens (two
+    full blocks stored: one event)."""
     kv = KVCacheManager(8, 4)
     log = EventLog(kv)
     kv.match_prefix("a", list(range(9)))
     kv.try_allocate("a", 9)
     kv.commit("a", list(range(9)))
+    return kv, log
+
+
+def test_event_json_round_trip() -> None:
+    _, log = _kv_with_a_request()
     first, last, events = log.since(0)
     assert (first, last) == (1, 1)
     stored = event_from_json(events[0])
@@ -199,11 +206,7 @@ def _stats(kv: KVCacheManager, num_running: int) -> EngineStats:
 
 def test_the_router_reads_what_state_reply_says() -> None:
     """``state_reply`` (every worker's state route) and ``Router.poll`` agree on the wire."""
-    kv = KVCacheManager(8, 4)
-    events = EventLog(kv)
-    kv.match_prefix("a", list(range(9)))
-    kv.try_allocate("a", 9)
-    kv.commit("a", list(range(9)))
+    kv, events = _kv_with_a_request()
     incarnation = ["one"]
 
     def handler(request: httpx.Request) -> httpx.Response:

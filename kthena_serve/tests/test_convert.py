@@ -59,8 +59,10 @@ def hf_tokenizer():
 def test_checkpoint_folder_and_config(checkpoint):
     assert all((checkpoint / name).is_file() for name in CHECKPOINT_FILES)
     config = ModelConfig.from_pretrained(checkpoint)
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (49152, 576, 1536, 30)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    shape = config.shape
+    sizes = (shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers)
+    assert sizes == (49152, 576, 1536, 30)
+    assert (shape.num_attention_heads, shape.num_kv_heads, shape.head_dim) == (9, 3, 64)
     assert (config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == (100000.0, 1e-05, 8192)
     assert config.tie_word_embeddings and not config.attention_bias and config.rope_scaling is None
     assert (config.bos_token_id, config.eos_token_ids) == (1, {2})

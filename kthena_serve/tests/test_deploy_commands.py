@@ -8,7 +8,6 @@ before the process starts; the test does the same.
 
 from __future__ import annotations
 
-import json
 import re
 from importlib.metadata import entry_points
 from importlib.util import find_spec
@@ -23,9 +22,8 @@ from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_s
 from kthena_core.deploy.k8s import API_KEY_ENV, HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve, spec_from_args
 from kthena_serve.cluster.auth import SECRET_ENV, check_prefill_url
-from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd import worker
-from kthena_serve.pd.config import PDConfig, Transport
+from kthena_serve.pd.config import Transport
 
 ATLAS = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "atlas-800t-a2.yaml")
 POD_NETWORK = "10.244.0.0/16"
@@ -62,11 +60,12 @@ def test_pd_workers_parse_with_the_worker_parser_and_build_valid_configs():
         args = worker._parse(expand(container["args"]))
         assert (args.role, args.host, args.port) == (role, "0.0.0.0", 8000)
         assert args.name == POD["POD_NAME"] and args.mooncake_host == POD["POD_IP"]
-        assert args.served_model_name == "smollm2-135m-instruct"
-        config = EngineConfig(**json.loads(args.engine_config))
+        spec = worker._spec(args)  # the ServeSpec the worker serves
+        assert spec.served_model_name == "smollm2-135m-instruct"
+        config = spec.engine
         assert (config.model, config.device, config.tp) == ("default", "cpu", 1)
-        assert PDConfig(**json.loads(args.pd_config)).transport is Transport.MOONCAKE
-        assert args.public_metrics  # kthena-router scrapes /metrics without the secret
+        assert spec.pd.transport is Transport.MOONCAKE
+        assert spec.public_metrics  # kthena-router scrapes /metrics without the secret
 
 
 def test_a_decode_pod_allows_prefill_pods_of_the_pod_network_only():
@@ -129,7 +128,7 @@ def test_kv_events_make_each_pod_publish_under_its_own_name(data, monkeypatch):
         if role == "serve":
             config = spec_from_args(build_parser().parse_args(argv)).kv_events
         else:
-            config = worker._kv_events(worker._parse(argv))
+            config = worker._spec(worker._parse(argv)).kv_events
         assert (config.redis_url, config.pod, config.model) == (
             REDIS, f"{POD['POD_NAME']}.{POD['POD_NAMESPACE']}", "smollm2-135m-instruct")
 

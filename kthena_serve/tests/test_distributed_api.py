@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from _support import free_port
 
 from kthena_core.config import ConfigError as KthenaConfigError
 from kthena_core.config import load_config
@@ -188,12 +188,6 @@ _SERVE = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 240.0) -> str:
     deadline, seen = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
@@ -208,7 +202,7 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 240.0) -> 
 
 @pytest.mark.slow
 def test_launch_serves_the_plan_with_the_models_choices_until_sigterm(tmp_path, checkpoint):
-    port = _free_port()
+    port = free_port()
     config = {**CONFIG, "service": {**CONFIG["service"], "port": port}}
     script = tmp_path / "serve.py"
     script.write_text(_SERVE)

@@ -16,12 +16,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from _support import metric_value, wait_until
 from _tiny import default_tokenizer, greedy_text
 
 from kthena_serve.bench.soak import process_tree
@@ -135,14 +135,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 class Deployment:
     """``kthena serve --dp 2`` in a subprocess; its output is read on a thread."""
 
@@ -151,8 +143,8 @@ class Deployment:
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        _wait_for(lambda: self.url is not None or self.proc.poll() is not None, 300,
-                  "the router's ready line")
+        wait_until(lambda: self.url is not None or self.proc.poll() is not None, 300,
+                   "the router's ready line")
         assert self.url, "kthena serve --dp 2 exited:\n" + "".join(self.lines)
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -232,14 +224,6 @@ def reference():
     engine.close()
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_greedy_outputs_equal_one_engine(dp: Deployment, reference) -> None:  # noqa: ANN001
     for i, prompt in enumerate(["The capital of France is", "Once upon a time, there",
                                 "def fibonacci(n):"]):
@@ -285,9 +269,9 @@ def test_a_client_that_leaves_ends_its_request_on_the_replica(dp: Deployment) ->
             events += line.startswith("data: ")
             if events == 3:
                 break  # leave: closing the stream drops the connection
-    _wait_for(lambda: dp.replicas()[served]["in_flight"] == 0, 20, "the router to let go")
-    _wait_for(lambda: dp.replicas()[served]["num_running"] == 0, 20,  # 2800 tokens take longer
-              "the replica to abort the request")
+    wait_until(lambda: dp.replicas()[served]["in_flight"] == 0, 20, "the router to let go")
+    wait_until(lambda: dp.replicas()[served]["num_running"] == 0, 20,  # 2800 tokens take longer
+               "the replica to abort the request")
 
 
 def test_shared_prefix_goes_to_the_replica_that_holds_it(dp: Deployment) -> None:
@@ -295,15 +279,15 @@ def test_shared_prefix_goes_to_the_replica_that_holds_it(dp: Deployment) -> None
     first = dp.complete(prefix + "Question one?", max_tokens=4)
     assert first.status_code == 200, first.text
     holder = first.headers[REPLICA_HEADER]
-    before = metric(dp.metrics(), "kthena_dp_routed_requests_total", replica=holder,
-                    reason="prefix")
+    before = metric_value(dp.metrics(), "kthena_dp_routed_requests_total{", replica=holder,
+                          reason="prefix")
     for question in ("Question two?", "Question three?", "Question four?"):
         reply = dp.complete(prefix + question, max_tokens=4)
         assert reply.status_code == 200, reply.text
         assert reply.headers[REPLICA_HEADER] == holder
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * 16
-    after = metric(dp.metrics(), "kthena_dp_routed_requests_total", replica=holder,
-                   reason="prefix")
+    after = metric_value(dp.metrics(), "kthena_dp_routed_requests_total{", replica=holder,
+                         reason="prefix")
     assert after - before == 3
 
 
@@ -334,11 +318,11 @@ def test_errors_models_tokenize_and_metrics_pass_through(dp: Deployment) -> None
     docs = httpx.get(f"{dp.url}/docs", headers=dp.headers, timeout=10)
     assert docs.status_code == 200 and "/openapi.json" in docs.text
     text = dp.metrics()
-    assert metric(text, "kthena_dp_replica_up") == 2
-    assert metric(text, "kthena_requests_total", replica="replica-0") > 0
-    assert metric(text, "kthena_requests_total", replica="replica-1") > 0
-    assert metric(text, "kthena_dp_routed_requests_total") >= 16
-    assert metric(text, "kthena_dp_replica_in_flight") == 0  # every relayed answer let go
+    assert metric_value(text, "kthena_dp_replica_up{") == 2
+    assert metric_value(text, "kthena_requests_total{", replica="replica-0") > 0
+    assert metric_value(text, "kthena_requests_total{", replica="replica-1") > 0
+    assert metric_value(text, "kthena_dp_routed_requests_total{") >= 16
+    assert metric_value(text, "kthena_dp_replica_in_flight{") == 0  # every relayed answer let go
 
 
 def test_replicas_take_only_the_deployment_secret(dp: Deployment) -> None:
@@ -356,8 +340,8 @@ def test_replicas_take_only_the_deployment_secret(dp: Deployment) -> None:
 def test_a_killed_replica_leaves_the_other_serving(dp: Deployment) -> None:
     old = dp.replica_pid("replica-1")
     os.kill(old, signal.SIGKILL)
-    _wait_for(lambda: not _alive(old), 30, "the killed replica to be reaped")
-    _wait_for(lambda: dp.replica_pid("replica-1") not in (None, old), 30, "its restart")
+    wait_until(lambda: not _alive(old), 30, "the killed replica to be reaped")
+    wait_until(lambda: dp.replica_pid("replica-1") not in (None, old), 30, "its restart")
     new = dp.replica_pid("replica-1")
     os.kill(new, signal.SIGSTOP)  # held while loading: it cannot come back during the checks
     try:
@@ -365,11 +349,11 @@ def test_a_killed_replica_leaves_the_other_serving(dp: Deployment) -> None:
             reply = dp.complete(f"After the kill, request {i}.", max_tokens=4)
             assert reply.status_code == 200, reply.text
             assert reply.headers[REPLICA_HEADER] == "replica-0"
-        _wait_for(lambda: not dp.replicas()["replica-1"]["up"], 30, "replica-1 marked down")
-        assert metric(dp.metrics(), "kthena_dp_replica_up", replica="replica-1") == 0
+        wait_until(lambda: not dp.replicas()["replica-1"]["up"], 30, "replica-1 marked down")
+        assert metric_value(dp.metrics(), "kthena_dp_replica_up{", replica="replica-1") == 0
     finally:
         os.kill(new, signal.SIGCONT)
-    _wait_for(lambda: dp.replicas()["replica-1"]["up"], 180, "replica-1 to be back")
+    wait_until(lambda: dp.replicas()["replica-1"]["up"], 180, "replica-1 to be back")
     back = dp.complete("Back again: a fresh prompt.", max_tokens=4)  # picked least: replica-1
     assert back.status_code == 200 and back.headers[REPLICA_HEADER] == "replica-1"
 
@@ -395,7 +379,7 @@ def test_all_replicas_down_is_a_clear_503() -> None:
         assert client.get("/plan").json()["served"] == served
         text = client.get("/metrics").text
         assert 'kthena_deployment_info{dp="2",mode="colocated",pp="1",sp="1",tp="1"} 1.0' in text
-        assert metric(text, "kthena_dp_replica_up") == 0
+        assert metric_value(text, "kthena_dp_replica_up{") == 0
 
 
 def test_sigterm_stops_every_replica(dp: Deployment) -> None:
@@ -403,7 +387,7 @@ def test_sigterm_stops_every_replica(dp: Deployment) -> None:
     assert dp.replica_pid("replica-0") in processes and dp.replica_pid("replica-1") in processes
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(timeout=60) == 0
-    _wait_for(lambda: not any(_alive(pid) for pid in processes), 30, "no process left")
+    wait_until(lambda: not any(_alive(pid) for pid in processes), 30, "no process left")
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -8,7 +8,7 @@ import random
 import re
 
 import pytest
-from _tiny import tiny_engine
+from _tiny import finish_all, tiny_engine
 
 from kthena_serve.engine.request import FinishReason
 from kthena_serve.engine.sampling_params import SamplingParams
@@ -27,11 +27,7 @@ def _run(engine, prompts, params=GREEDY):
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = finish_all(engine)
     return [finals[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -272,11 +268,7 @@ def test_a_failing_request_fails_alone(reference, where):
         engine.add_request(f"r{i}", prompt, GREEDY)
     bad = engine.add_request("bad", prompts[0], GREEDY)
     _poison(engine, bad, where)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = finish_all(engine)
     bad = finals.pop("bad")
     assert bad.finish_reason is FinishReason.ABORT and "retry it" in bad.error
     assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == solo

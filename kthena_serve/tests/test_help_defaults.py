@@ -41,11 +41,20 @@ def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             and not isinstance(a, argparse._HelpAction)]
 
 
+@pytest.fixture(autouse=True)
+def _no_environment_defaults(monkeypatch):
+    """The help shows the defaults of a run with no KTHENA_KERNELS set."""
+    monkeypatch.delenv("KTHENA_KERNELS", raising=False)
+
+
 def _serve_default(dest: str) -> object:
     if dest in SHOWN_AS:
         return SHOWN_AS[dest]
     fields = attrs.fields_dict(EngineConfig)
-    return fields[dest].default if dest in fields else _SERVE_DEFAULTS.get(dest)
+    if dest not in fields:
+        return _SERVE_DEFAULTS.get(dest)
+    default = fields[dest].default
+    return default.factory() if isinstance(default, attrs.Factory) else default
 
 
 def _shown(value: object) -> set[str]:

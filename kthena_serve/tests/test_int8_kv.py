@@ -17,16 +17,16 @@ import argparse
 
 import pytest
 import torch
-from _greedy_agreement import QUESTIONS, agreed, gap_at_divergence
+from _greedy_agreement import GREEDY, NUM_TOKENS, agreed, chat_prompts, gap_at_divergence
 from _logit_error import (
+    assert_within_yardsticks,
     errors,
     first_decode_logprobs,
-    fmt,
     fp8_kv,
     reference_kernels,
-    served_bound,
     worst,
 )
+from _tiny import finish_all
 
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import EngineConfig
@@ -42,8 +42,6 @@ from kthena_serve.pd.prefill import PrefillExecutor
 from kthena_serve.pd.protocol import PoolRef, PrefillTask, params_to_json
 from mooncake_kv.pool import SHM_DIR
 
-NUM_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
 MEMORY = "32MiB"
 
 
@@ -56,9 +54,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def prompts(loaded) -> list[list[int]]:  # noqa: ANN001
-    tokenizer = loaded[1]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-            for q in QUESTIONS]
+    return chat_prompts(loaded[1])
 
 
 def _engine(loaded, **options) -> LLMEngine:  # noqa: ANN001
@@ -75,10 +71,7 @@ def _run(engine: LLMEngine, prompts, params=GREEDY, *, one_at_a_time: bool = Fal
     for group in groups:
         for i in group:
             engine.add_request(f"q{i}", prompts[i], params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        finals.update(finish_all(engine))
     return [finals[f"q{i}"] for i in range(len(prompts))]
 
 
@@ -154,15 +147,7 @@ def test_first_decode_step_logit_error_is_bounded(first_step):  # noqa: ANN001
     Zen 4: on an AMX Xeon, where PyTorch's bf16 matmuls are oneDNN's AMX ones, int8 measured
     KL 5.5e-3 against 1.5 x 2.3e-3 there (int8 alone, with the kernels held fixed, mixes its
     format error with two bf16 runs' rounding, which varies with the CPU)."""
-    got = first_step
-    print("\nfirst decode step (max over vocab, over top 10, KL), worst of 6: "
-          f"int8 format {fmt(got['int8_format'])}, fp8 format {fmt(got['fp8_format'])}, "
-          f"bf16 {fmt(got['bf16'])}, served int8 vs bf16 {fmt(got['served'])} "
-          f"(bound {fmt(served_bound(got['fp8_format'], got['bf16']))})")
-    assert got["int8_format"][0] > 0 and got["served"][0] > 0  # the int8 pools really ran
-    assert all(x <= y for x, y in zip(got["int8_format"], got["fp8_format"], strict=True))
-    bound = served_bound(got["fp8_format"], got["bf16"])
-    assert all(x <= y for x, y in zip(got["served"], bound, strict=True))
+    assert_within_yardsticks(first_step)  # nonzero int8 errors: the int8 pools really ran
 
 
 def near_tie(first_step) -> float:  # noqa: ANN001
@@ -256,7 +241,7 @@ def test_tp2_int8_pools_give_the_tokens_of_one_rank(loaded, prompts, both,  # no
 def pd_pair(loaded):  # noqa: ANN001
     model, tokenizer = loaded
     config = EngineConfig(num_kv_blocks=64, kv_cache_dtype="int8", num_threads=1)
-    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+    layout = kv_layout_for(model.config.shape.num_layers, model.num_kv_heads_per_rank,
                            model.head_dim, config)
     decode = LLMEngine(config, ModelRunner(model, create_pool(layout, config, shared=True)),
                        tokenizer)
@@ -293,10 +278,7 @@ def _decode_all(decode: LLMEngine, firsts: dict[str, int]) -> dict[str, tuple[in
     tokens = {}
     for rid, token in firsts.items():
         decode.admit_prefilled(rid, token)
-        while decode.has_unfinished_requests():
-            for out in decode.step():
-                if out.finished:
-                    tokens[out.request_id] = tuple(out.token_ids)
+        tokens.update((r, tuple(out.token_ids)) for r, out in finish_all(decode).items())
     return tokens
 
 

@@ -1,4 +1,4 @@
-"""The kernel choice as the server uses it: flag, config field and environment override,
+"""The kernel choice as the server uses it: flag, config field and its environment default,
 the start-up line, the ``kthena_kernels_info`` gauge and the model's packed matmuls
 (`mooncake_ops.selection` has the selection logic's own tests)."""
 
@@ -21,22 +21,40 @@ def test_the_config_and_the_flag_refuse_an_unknown_mode(capsys):
         capsys.readouterr().err)
 
 
-def test_the_flag_reaches_the_engine_config():
+def test_the_flag_reaches_the_engine_config(monkeypatch):
     from kthena_core.cli import build_parser
     from kthena_serve.cli import spec_from_args
 
+    monkeypatch.delenv("KTHENA_KERNELS", raising=False)
     args = build_parser().parse_args(["serve", "--kernels", "torch"])
     assert spec_from_args(args).engine.kernels == "torch"
     assert spec_from_args(build_parser().parse_args(["serve"])).engine.kernels == "auto"
 
 
-def test_an_unknown_environment_override_stops_loading_with_its_name(monkeypatch):
-    from kthena_serve.model import load_model
-
+def test_an_unknown_environment_default_stops_the_config_with_its_name(monkeypatch):
     monkeypatch.setenv("KTHENA_KERNELS", "fast")
     with pytest.raises(ValueError, match="KTHENA_KERNELS='fast': the kernel choice is one of "
                                          "auto, native, torch"):
-        load_model("default")
+        EngineConfig()
+    monkeypatch.setenv("KTHENA_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="KTHENA_KERNELS='fastest': the kernel choice is one "
+                                         "of auto, native, torch"):
+        EngineConfig(dtype="float32")
+
+
+def test_the_environment_is_the_default_and_never_overrides_a_given_mode(monkeypatch):
+    from kthena_core.cli import build_parser
+    from kthena_serve.cli import spec_from_args
+
+    monkeypatch.setenv("KTHENA_KERNELS", "torch")
+    assert EngineConfig().kernels == "torch"
+    assert EngineConfig(kernels="native").kernels == "native"
+    assert EngineConfig.from_json(EngineConfig(kernels="auto").to_json()).kernels == "auto"
+    assert spec_from_args(build_parser().parse_args(["serve"])).engine.kernels == "torch"
+    args = build_parser().parse_args(["serve", "--kernels", "native"])
+    assert spec_from_args(args).engine.kernels == "native"
+    monkeypatch.setenv("KTHENA_KERNELS", "fast")  # a bad default does not matter once given
+    assert EngineConfig(kernels="auto").kernels == "auto"
 
 
 def test_torch_mode_keeps_dense_weights_and_sdpa_attention(monkeypatch):

@@ -255,7 +255,7 @@ def test_flags_are_refused_by_name(argv, message):
 def test_pd_workers_each_get_their_own_owner_name():
     config = _kv_events("--kv-events", "redis://h:1", "--pod-name", "kthena-0.serving",
                         "--mode", "pd")
-    from kthena_serve.pd.launcher import worker_names
+    from kthena_serve.cluster.config import worker_names
 
     owners = [config.for_worker(name).pod for name in worker_names(1, 2)]
     assert owners == ["kthena-0-prefill-0.serving", "kthena-0-decode-0.serving",

@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import httpx
 import pytest
 import redis  # the dev extra installs it (kthena-serve[kv-events])
 from _serve_process import start_serve
+from _support import free_port, wait_until
 from _tiny import tiny_engine
 
 from kthena_serve.engine.sampling_params import SamplingParams
@@ -88,9 +88,7 @@ class RedisServer:
     def __init__(self, workdir) -> None:  # noqa: ANN001
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is missing: make install (apt-get install redis-server)")
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
         self.url = f"redis://127.0.0.1:{self.port}"
@@ -169,13 +167,6 @@ def generate(engine, prompt_list: list[list[int]], max_tokens: int = 9,  # noqa:
     return [done[request_id] for request_id in ids]
 
 
-def wait_until(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 # ---- tests ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk_size", [16, 6])
 def test_keys_and_values_are_what_the_router_reads(server, client, chunk_size):
@@ -234,7 +225,7 @@ def test_redis_gone_mid_run_then_back(server, client):
         assert publisher.wait_synced()
         server.stop()
         during = generate(engine, prompts(3, 40, seed=4))  # serving goes on
-        wait_until(lambda: publisher.stats().num_redis_errors > 0)
+        wait_until(lambda: publisher.stats().num_redis_errors > 0, 20, "a Redis error")
         assert not publisher.wait_synced(timeout=0.3)
         server.start()  # same port, empty: the publisher resyncs everything it holds
         assert publisher.wait_synced()
@@ -274,7 +265,7 @@ def test_shutdown_removes_fields_and_leaks_nothing(server, client):
     publisher.close()
     assert owned(client) == {}
     assert client.hget(next(iter(keys)), "other-pod.default") == b"1"
-    wait_until(lambda: CLIENT_NAME not in names())  # its socket is closed
+    wait_until(lambda: CLIENT_NAME not in names(), 20, "its socket to close")
     assert set(threading.enumerate()) <= threads_before
     with pytest.raises(ValueError, match="not subscribed"):
         engine.kv.unsubscribe(publisher._on_event)
@@ -301,7 +292,7 @@ def test_refresh_rewrites_timestamps(server, client):
         assert publisher.wait_synced()
         key = next(iter(owned(client)))
         client.hset(key, POD, "1")  # as if written long ago
-        wait_until(lambda: int(client.hget(key, POD)) > 1)
+        wait_until(lambda: int(client.hget(key, POD)) > 1, 20, "the key rewritten")
         assert publisher.stats().num_published_keys == publisher.stats().num_held_chunks
 
 
@@ -366,7 +357,7 @@ def test_kthena_serve_publishes_and_cleans_up(server, client):
         reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200
-        wait_until(lambda: router_score(client, prompt) == (2, 3))
+        wait_until(lambda: router_score(client, prompt) == (2, 3), 20, "the router's score (2, 3)")
         assert "kthena_kv_events_published_keys_total" in httpx.get(f"{url}/metrics").text
     finally:
         proc.send_signal(signal.SIGINT)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _serve_process import reap
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine import LLMEngine
@@ -275,10 +276,7 @@ def stop_peer(peer: subprocess.Popen) -> None:
         peer.stdin.close()
         peer.wait(timeout=60)
     finally:
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
-        peer.stdout.close()
+        reap(peer)
     assert peer.returncode == 0, f"engine process ended with {peer.returncode}"
 
 
@@ -367,7 +365,8 @@ def test_kv_bench_cases_and_their_per_turn_figures(loaded):
     assert host["per_turn"][2]["computed_prompt_tokens"] < off["per_turn"][2]["computed_prompt_tokens"]
     assert host["tiers"][0]["num_promoted_blocks"] > 0 and off["tiers"] == []
     # the pool never holds more than its blocks; the host tier holds what left it
-    pool_bytes = shape.pool_blocks * 2 * model.config.num_hidden_layers * model.num_kv_heads_per_rank \
+    layers = model.config.shape.num_layers
+    pool_bytes = shape.pool_blocks * 2 * layers * model.num_kv_heads_per_rank \
         * model.head_dim * shape.block_size * 4
     assert all(t["pool_bytes"] <= pool_bytes and t["host_bytes"] == 0 for t in off["per_turn"])
     assert host["per_turn"][-1]["host_bytes"] == host["tiers"][0]["used_bytes"] > 0

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _serve_process import stop
 
 MODE = os.environ.get("KTHENA_LEAK_DEMO", "")
 pytestmark = pytest.mark.skipif(MODE not in ("clean", "leak"),
@@ -42,21 +42,10 @@ def _start_pd() -> subprocess.Popen:
     raise RuntimeError("kthena serve --mode pd: no ready line")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-
-
 def test_a_pd_test_that_fails_on_purpose():
     proc = _start_pd()
     try:
         raise AssertionError("failing on purpose, with the PD server up")
     finally:
         if MODE == "clean":
-            _stop(proc)
+            stop(proc)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _serve_process import stop
 
 from mooncake_kv.listen import listening_sockets
 
@@ -68,14 +68,7 @@ def _serve_and_read_listeners(*flags: str) -> dict[str, list[tuple[str, int]]]:
             pytest.fail(f"kthena serve {flags}: no ready line")
         return {f"{pid} {_role(pid)}": listening_sockets(pid) for pid in _tree(proc.pid)}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
+        stop(proc)
 
 
 def _check(listeners: dict[str, list[tuple[str, int]]], expected_listening: int) -> None:

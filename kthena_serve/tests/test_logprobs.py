@@ -14,6 +14,7 @@ import json
 import httpx
 import pytest
 import torch
+from _support import metric_value
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine import LLMEngine
@@ -264,7 +265,7 @@ def test_pd_logprobs_match_transformers(loaded, hf, offline) -> None:  # noqa: A
             **_base(_CHAT), "max_tokens": 4, "temperature": 0, "stream": True, "logprobs": True,
             "top_logprobs": 2})
         handed_off = cluster.worker_metrics("decode-0")
-    assert _metric(handed_off, "kthena_pd_requests_total", 'path="disaggregated"') == 2
+    assert metric_value(handed_off, "kthena_pd_requests_total", path="disaggregated") == 2
     logprobs = reply.json()["choices"][0]["logprobs"]
     expected = reference(hf, ids, output)
     assert logprobs["tokens"] == [token_text(tokenizer, t) for t in output]
@@ -294,11 +295,6 @@ def _stream(url: str, route: str, body: dict) -> list[dict]:
         lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
     assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
-
-
-def _metric(text: str, name: str, label: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and label in line)
 
 
 def _close(got: list[float], want: list[float]) -> None:

@@ -168,11 +168,12 @@ def test_tensor_parallel_shards_sum_to_the_full_model(tiny, world):
 
 
 def test_plan_matches_kthena_core_rule_and_covers_every_head_once():
-    from kthena_core.shape import allowed_tp_sizes, kv_head_range, kv_heads_per_rank
+    from kthena_core.shape import ModelShape, allowed_tp_sizes, kv_head_range, kv_heads_per_rank
 
     for heads, kv, inter in [(32, 8, 11008), (9, 3, 1536), (28, 4, 18944), (64, 8, 28672)]:
-        config = ModelConfig(vocab_size=8, hidden_size=heads * 4, intermediate_size=inter, num_hidden_layers=1,
-                             num_attention_heads=heads, num_key_value_heads=kv, head_dim=4)
+        config = ModelConfig(ModelShape(num_layers=1, num_attention_heads=heads, num_kv_heads=kv,
+                                        head_dim=4, hidden_size=heads * 4, intermediate_size=inter,
+                                        vocab_size=8))
         for world in range(1, heads + 1):
             try:
                 plans = [plan_shards(config, TensorParallel(r, world)) for r in range(world)]
@@ -189,7 +190,7 @@ def test_plan_matches_kthena_core_rule_and_covers_every_head_once():
 
 
 def test_tensor_parallel_and_plan_errors():
-    config = ModelConfig(**TINY)
+    config = ModelConfig.from_dict(TINY)
     with pytest.raises(TensorParallelError, match="rank 2 of world_size 2"):
         TensorParallel(2, 2)
     with pytest.raises(TensorParallelError, match="multiple of it"):

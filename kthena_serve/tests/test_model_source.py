@@ -200,7 +200,7 @@ def test_a_gguf_file_is_converted_once_per_content(tmp_path, monkeypatch):
     shutil.copyfile(default_gguf_path(), gguf)
     first = resolve_checkpoint(gguf)
     assert first.parent == tmp_path / "cache" / "gguf" and first.name.startswith("smol-")
-    assert ModelConfig.from_pretrained(first).num_hidden_layers == 30  # SmolLM2-135M's
+    assert ModelConfig.from_pretrained(first).shape.num_layers == 30  # SmolLM2-135M's
     made = (first / "config.json").stat().st_mtime_ns
     assert resolve_checkpoint(str(gguf)) == first  # found, not converted again
     assert (first / "config.json").stat().st_mtime_ns == made

@@ -31,6 +31,7 @@ import httpx
 import pytest
 from _faults import Link, inside, nft_reason
 from _netns import two_host_network
+from _support import metric_value, wait_until
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from test_kv_events_redis import RedisServer
 
@@ -48,11 +49,6 @@ QUIET_BYTES = 256 << 10  # what may cross the link in a second without KV: polls
 
 def prompt(num_tokens: int, salt: str) -> list[int]:
     return default_tokenizer().encode(salt + TEXT * (num_tokens // 15 + 2))[:num_tokens]
-
-
-def metric(text: str, series: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(series))
 
 
 # ---- PD across two namespaces ---------------------------------------------------------------------
@@ -112,11 +108,11 @@ class Deployment:
 
     def decode_metric(self, series: str) -> float:
         with inside(self.ns_a):
-            return metric(self.cluster.worker_metrics("decode-0"), series)
+            return metric_value(self.cluster.worker_metrics("decode-0"), series)
 
     def prefill_metric(self, series: str) -> float:
         with inside(self.ns_a):
-            return metric(self.cluster.worker_metrics("prefill-0"), series)
+            return metric_value(self.cluster.worker_metrics("prefill-0"), series)
 
     def prefill_is_up(self) -> bool:
         with inside(self.ns_a):
@@ -168,8 +164,8 @@ def cut_mid_transfer(pd: Deployment, send) -> tuple[object, float, int]:  # noqa
     before = pd.link.rx_bytes(pd.ns_a)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
-        wait_for(lambda: pd.link.rx_bytes(pd.ns_a) - before > 200_000 or answer.done(), 60,
-                "KV crossing the slowed link")
+        wait_until(lambda: pd.link.rx_bytes(pd.ns_a) - before > 200_000 or answer.done(), 60,
+                   "KV crossing the slowed link")
         assert not answer.done(), answer.result()  # the push was still running when cut
         pd.link.partition()
         cut = time.monotonic()
@@ -188,12 +184,13 @@ def assert_blocks_wait_for_the_late_bytes(pd: Deployment) -> None:
         landed.append(pd.link.rx_bytes(pd.ns_a))
         return pd.held() == (0, 0, 0, 0)
 
-    wait_for(freed, 90, "blocks freed after healing")
+    # every 0.1 s: bytes landing after the freeing but before the poll that sees it go uncounted
+    wait_until(freed, 90, "blocks freed after healing", interval_s=0.1)
     time.sleep(1.0)
     late = pd.link.rx_bytes(pd.ns_a) - landed[-1]
     assert late < QUIET_BYTES, f"{late} bytes landed after the blocks were freed"
     assert landed[-1] - landed[0] > 1 << 20, "the cut push never resumed"
-    wait_for(pd.prefill_is_up, 30, "the router routes to the prefill worker again")
+    wait_until(pd.prefill_is_up, 30, "the router routes to the prefill worker again")
 
 
 class TestPolicyFail:
@@ -222,7 +219,7 @@ class TestPolicyFail:
         disaggregated = pd.decode_metric('kthena_pd_requests_total{path="disaggregated"')
         assert pd.text(long_prompt) == greedy_text(colocated, long_prompt, 6)
         assert pd.decode_metric('kthena_pd_requests_total{path="disaggregated"') == disaggregated + 1
-        wait_for(lambda: pd.held() == (0, 0, 0, 0), 10, "nothing held")
+        wait_until(lambda: pd.held() == (0, 0, 0, 0), 10, "nothing held")
 
     def test_partition_mid_handoff_refuses_a_stream_before_its_headers(self, failing) -> None:  # noqa: ANN001
         """A streamed answer's headers wait for its first output, so a hand-off that fails
@@ -258,7 +255,7 @@ class TestPolicyFail:
         assert pd.decode_metric("kthena_pd_transfer_failures_total") == failures, mechanisms
         assert pd.decode_metric('kthena_pd_requests_total{path="disaggregated"') == disaggregated + 4
         assert pd.prefill_metric("kthena_pd_transferred_bytes_total") - moved > 4 * 150 * 23040
-        wait_for(lambda: pd.held() == (0, 0, 0, 0), 10, "nothing held")
+        wait_until(lambda: pd.held() == (0, 0, 0, 0), 10, "nothing held")
 
 
 def test_partition_mid_handoff_recomputes_under_the_recompute_policy(recomputing,  # noqa: ANN001
@@ -336,14 +333,7 @@ def served(engine, make_app=None) -> Iterator[str]:  # noqa: ANN001
 
 
 def scrape(url: str, series: str) -> float:
-    return metric(httpx.get(f"{url}/metrics", timeout=10).text, series)
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(0.1)
+    return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, series)
 
 
 def reference_texts(prompts: list[str]) -> list[str]:
@@ -386,20 +376,20 @@ def test_mooncake_master_lost_under_load_then_back(caplog) -> None:  # noqa: ANN
         with served(engine) as url:
             load = Load(url, prompts)
             try:
-                wait_for(lambda: scrape(url, f"kthena_kv_tier_stored_blocks_total{store}") > 0
-                         and scrape(url, 'kthena_kv_tier_hits_total{tier="host"}') > 0, 60,
-                         "blocks in the store and promotions from the host tier")
+                wait_until(lambda: scrape(url, f"kthena_kv_tier_stored_blocks_total{store}") > 0
+                           and scrape(url, 'kthena_kv_tier_hits_total{tier="host"}') > 0, 60,
+                           "blocks in the store and promotions from the host tier")
                 master.kill()
                 master.wait()
                 killed = time.monotonic()
                 host_hits = scrape(url, 'kthena_kv_tier_hits_total{tier="host"}')
                 prompts += [f"New while the master is gone {i}: its blocks find no store. " * 2
                             for i in range(4)]
-                wait_for(lambda: scrape(url, f"kthena_kv_tier_errors_total{store}") > 0, 60,
-                         "the store's failures counted")
-                wait_for(lambda: load.count_after(killed) >= 10
-                         and scrape(url, 'kthena_kv_tier_hits_total{tier="host"}') > host_hits,
-                         60, "answers and host-tier promotions with the master gone")
+                wait_until(lambda: scrape(url, f"kthena_kv_tier_errors_total{store}") > 0, 60,
+                           "the store's failures counted")
+                wait_until(lambda: load.count_after(killed) >= 10
+                           and scrape(url, 'kthena_kv_tier_hits_total{tier="host"}') > host_hits,
+                           60, "answers and host-tier promotions with the master gone")
                 stored = scrape(url, f"kthena_kv_tier_stored_blocks_total{store}")
                 master, _ = start_local_master(rpc_port=port)
                 back = time.monotonic()
@@ -411,8 +401,8 @@ def test_mooncake_master_lost_under_load_then_back(caplog) -> None:  # noqa: ANN
                     return scrape(url, f"kthena_kv_tier_stored_blocks_total{store}") > stored
 
                 # the tier is skipped for retry_after_s (10 s) after a failure, then tried again
-                wait_for(new_blocks_stored, 60, "the store taking blocks again")
-                wait_for(lambda: load.count_after(back) >= 5, 60, "answers after the return")
+                wait_until(new_blocks_stored, 60, "the store taking blocks again")
+                wait_until(lambda: load.count_after(back) >= 5, 60, "answers after the return")
             finally:
                 answers = load.stop()
     finally:
@@ -451,19 +441,19 @@ def test_redis_lost_under_load_then_back(tmp_path) -> None:  # noqa: ANN001
         with served(tiny_engine(num_kv_blocks=256), with_events) as url:
             load = Load(url, prompts)
             try:
-                wait_for(lambda: keys() > 0, 60, "KV events in Redis")
+                wait_until(lambda: keys() > 0, 60, "KV events in Redis")
                 first_run = client.info("server")["run_id"]
                 server.kill()
                 killed = time.monotonic()
                 prompts += [f"New while Redis is gone {i}: blocks with events to publish. " * 2
                             for i in range(4)]
-                wait_for(lambda: scrape(url, "kthena_kv_events_redis_errors_total") > 0, 60,
-                         "Redis errors counted")
-                wait_for(lambda: load.count_after(killed) >= 10, 60, "answers with Redis gone")
+                wait_until(lambda: scrape(url, "kthena_kv_events_redis_errors_total") > 0, 60,
+                           "Redis errors counted")
+                wait_until(lambda: load.count_after(killed) >= 10, 60, "answers with Redis gone")
                 server.start()  # same port, empty (no persistence); the publisher may refill
                 # it before we look, so tell the new server by its run id, not by its keys
-                wait_for(lambda: _run_id(client) not in (None, first_run), 30, "the new Redis")
-                wait_for(lambda: keys() > 0, 60, "events in the new Redis")
+                wait_until(lambda: _run_id(client) not in (None, first_run), 30, "the new Redis")
+                wait_until(lambda: keys() > 0, 60, "events in the new Redis")
                 assert publishers[0].wait_synced()
                 held = {f"matrix:kv:block:tiny@{chunk}" for chunk in publishers[0].held_chunks()}
                 assert held and held <= {key.decode() for key in

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from _support import metric_value, wait_until
 from _tiny import default_tokenizer, tiny_engine
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,23 +34,6 @@ from kthena_serve.server.errors import error_body
 MODEL = "tiny"
 PROMPT = "The capital of France is a city of light and"
 BURST = 6
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def wait_until(condition, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
-    done = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return
-        done.wait(0.02)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def assert_overloaded(reply: httpx.Response, flag: str | None = "--max-queued-tokens") -> None:
@@ -118,7 +102,7 @@ def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(he
             "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(BURST + 1) as pool:
         first = stream_later(pool, http, body)
-        wait_until(lambda: engine.stats().queue.num_requests == 1, "the first to queue")
+        wait_until(lambda: engine.stats().queue.num_requests == 1, 60, "the first to queue")
         queued = engine.stats().queue.num_tokens
         burst = [{**body, "stream": i % 2 == 0} for i in range(BURST)]
         burst.append({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
@@ -133,16 +117,17 @@ def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(he
         status, streamed = first.result(timeout=60)
         assert status == 200 and streamed  # admitted (the queue was empty), ran to the end
         num = len(burst)
-        assert metric(text, "kthena_requests_rejected_total", reason="overload",
-                      limit="queued_tokens") == num
-        assert metric(text, "vllm:admission_rejections_total", model_name=MODEL,
-                      reason="max_num_queued_tokens") == num
-        assert metric(text, "kthena_admission_queued_requests") == 1
-        assert metric(text, "kthena_admission_queued_prompt_tokens") == queued
-        wait_until(lambda: engine.stats().queue.num_requests == 0, "the queue to empty")
+        assert metric_value(text, "kthena_requests_rejected_total", reason="overload",
+                            limit="queued_tokens") == num
+        assert metric_value(text, "vllm:admission_rejections_total", model_name=MODEL,
+                            reason="max_num_queued_tokens") == num
+        assert metric_value(text, "kthena_admission_queued_requests") == 1
+        assert metric_value(text, "kthena_admission_queued_prompt_tokens") == queued
+        wait_until(lambda: engine.stats().queue.num_requests == 0, 60, "the queue to empty")
         again = http.post("/v1/completions", json=body)  # the queue drained: admitted again
         assert again.status_code == 200 and again.json()["choices"][0]["text"]
-        assert metric(http.get("/metrics").text, "kthena_admission_prefill_tokens_per_second") > 0
+        assert metric_value(http.get("/metrics").text,
+                            "kthena_admission_prefill_tokens_per_second") > 0
 
 
 def _slow_steps(core, seconds: float) -> None:  # noqa: ANN001
@@ -184,11 +169,12 @@ def test_an_admitted_request_that_cannot_start_in_time_is_refused_before_its_hea
                     assert error["code"] == "queue_timeout" and "--max-queue-delay" in error["message"]
                 text = http.get("/metrics").text
             # the long stream was closed (aborted): everything goes back
-            wait_until(lambda: not core.live_request_ids(), "the engine to drop every request")
-            wait_until(lambda: core.kv.num_free_blocks == 256, "every block back")
+            wait_until(lambda: not core.live_request_ids(), 60,
+                       "the engine to drop every request")
+            wait_until(lambda: core.kv.num_free_blocks == 256, 60, "every block back")
             assert engine.stats().queue.num_requests == 0
-            assert metric(text, "kthena_requests_rejected_total", reason="overload",
-                          limit="queue_timeout") == len(replies)
+            assert metric_value(text, "kthena_requests_rejected_total", reason="overload",
+                                limit="queue_timeout") == len(replies)
             again = http.post("/v1/completions", json={**body, "max_tokens": 4})
             assert again.status_code == 200 and again.json()["choices"][0]["text"]
     finally:
@@ -238,7 +224,8 @@ def test_a_request_refused_for_its_kv_transfer_params_leaves_no_place_in_the_que
                     "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
                 assert chat.status_code == 400
                 assert engine.stats().queue.num_requests == 0
-            assert metric(http.get("/metrics").text, "kthena_admission_queued_requests") == 0
+            assert metric_value(http.get("/metrics").text,
+                                "kthena_admission_queued_requests") == 0
             for _ in range(3):  # the next requests are served, at once
                 assert http.post("/v1/completions", json=body).status_code == 200
     finally:
@@ -309,7 +296,7 @@ def test_dp_router_passes_a_refusal_on_then_relays_the_last_one() -> None:
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "replica-1"
             assert busy.state.calls == 1
             text = client.get("/metrics").text
-            assert metric(text, "kthena_dp_passed_on_total", replica="replica-0") == 1
+            assert metric_value(text, "kthena_dp_passed_on_total", replica="replica-0") == 1
             assert all(w.num_in_flight == 0 for w in router.workers.values())
             router.mark_down("replica-1")  # only the refusing one is left: relayed as is
             reply = client.post("/v1/completions", json=body)
@@ -338,7 +325,7 @@ def test_dp_router_refuses_itself_when_every_replica_reports_a_full_queue() -> N
             assert reply.headers["retry-after"] == "4"  # ceil(5.0... - 2) with the new tokens
             assert replica.state.calls == 0
             text = client.get("/metrics").text
-            assert metric(text, "kthena_dp_rejected_requests_total", reason="overload") == 1
+            assert metric_value(text, "kthena_dp_rejected_requests_total", reason="overload") == 1
 
 
 # ---- PD: the router's own queue, and a decode worker's refusal -------------------------------------
@@ -385,13 +372,13 @@ def test_pd_router_bounds_its_own_queue() -> None:
                     httpx.Client(base_url=router.url, timeout=60) as http, \
                     ThreadPoolExecutor(1) as pool:
                 first = stream_later(pool, http, body)
-                wait_until(lambda: remote.stats().queue.num_requests == 1, "a queued one")
+                wait_until(lambda: remote.stats().queue.num_requests == 1, 60, "a queued one")
                 assert_overloaded(http.post("/v1/completions", json=body))
                 release.set()
                 assert first.result(timeout=60) == (200, "x")
                 assert remote.stats().queue.num_requests == 0
                 text = http.get("/metrics").text
-                assert metric(text, "kthena_requests_rejected_total", reason="overload") == 1
+                assert metric_value(text, "kthena_requests_rejected_total", reason="overload") == 1
     finally:
         release.set()
 
@@ -464,12 +451,12 @@ def test_pd_router_keeps_one_queue_per_path() -> None:
 
                 first = stream_later(pool, http, body(short))
                 wait_until(lambda: remote.admission[LOCAL].load().num_requests == 1,
-                           "the short prompt queued locally")
+                           60, "the short prompt queued locally")
                 # one queue for both would hold short + long tokens, over the bound: its own
                 # queue was empty, so it is admitted
                 second = stream_later(pool, http, body(long_prompt))
                 wait_until(lambda: remote.admission[DISAGGREGATED].load().num_requests == 1,
-                           "the long prompt queued for a prefill worker")
+                           60, "the long prompt queued for a prefill worker")
                 assert remote.stats().queue.num_requests == 2  # both, reported
                 # a second long prompt: its own path's queue is at the bound
                 assert_overloaded(http.post("/v1/completions", json=body(long_prompt)))

@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from _tiny import PD_ENGINE, default_tokenizer
+from _support import eventually, metric_value
+from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.embedded import PDCluster, shm_pools
 
@@ -39,44 +39,16 @@ def cluster():
     assert not [p for p in shm_pools() for pid in pids if f".{pid}." in p]
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    from kthena_serve.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
-    yield engine
-    engine.close()
-
-
-def reference(engine, ids: list[int], max_tokens: int) -> str:  # noqa: ANN001
-    engine.add_request(f"ref-{time.monotonic_ns()}", ids,
-                       SamplingParams(temperature=0, max_tokens=max_tokens))
-    text = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                text = out.text
-    return text
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_greedy_tokens_match_colocated(cluster, colocated) -> None:  # noqa: ANN001
-    before = metric(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
-                    path="disaggregated")
+    before = metric_value(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                          path="disaggregated")
     for n in (40, 97, 150):
         ids = prompt_ids(n, salt=f"case {n}: ")
         reply = cluster.complete(ids, max_tokens=12)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == reference(colocated, ids, 12)
-    after = metric(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
-                   path="disaggregated")
+        assert reply.json()["choices"][0]["text"] == greedy_text(colocated, ids, 12)
+    after = metric_value(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                         path="disaggregated")
     assert after - before == 3  # all three went through the prefill worker
 
 
@@ -99,28 +71,28 @@ def test_shared_prefix_hits_on_the_decode_side(cluster, colocated) -> None:  # n
     second = cluster.complete(second_ids, max_tokens=6)
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 80  # at least 5 of the 6 shared blocks: not recomputed, not moved
-    assert second.json()["choices"][0]["text"] == reference(colocated, second_ids, 6)
-    deadline = time.monotonic() + 5  # the router learns the decode worker's blocks
-    while cluster.router.index.match(base)["decode-0"] < 5 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert second.json()["choices"][0]["text"] == greedy_text(colocated, second_ids, 6)
+    # the router learns the decode worker's blocks
+    eventually(lambda: cluster.router.index.match(base)["decode-0"] >= 5, 5, interval_s=0.1)
     assert cluster.router.index.match(base)["decode-0"] >= 5
 
 
 def test_short_uncached_part_runs_on_the_decode_worker(cluster) -> None:  # noqa: ANN001
     router_metrics = httpx.get(f"{cluster.url}/metrics").text
-    before = metric(router_metrics, "kthena_pd_router_decisions_total", decision="short_prompt")
+    before = metric_value(router_metrics, "kthena_pd_router_decisions_total",
+                          decision="short_prompt")
     assert cluster.complete(prompt_ids(10, "short "), max_tokens=3).status_code == 200
-    after = metric(httpx.get(f"{cluster.url}/metrics").text, "kthena_pd_router_decisions_total",
-                   decision="short_prompt")
+    after = metric_value(httpx.get(f"{cluster.url}/metrics").text,
+                         "kthena_pd_router_decisions_total", decision="short_prompt")
     assert after == before + 1
 
 
 def test_metrics_and_no_blocks_left(cluster) -> None:  # noqa: ANN001
     text = cluster.worker_metrics("prefill-0")
-    assert metric(text, "kthena_pd_prefill_seconds_count") >= 3
-    assert metric(text, "kthena_pd_transferred_bytes_total") == 0  # zero copy
+    assert metric_value(text, "kthena_pd_prefill_seconds_count") >= 3
+    assert metric_value(text, "kthena_pd_transferred_bytes_total") == 0  # zero copy
     decode = cluster.worker_metrics("decode-0")
-    assert metric(decode, "kthena_pd_handoff_seconds_count") >= 3
+    assert metric_value(decode, "kthena_pd_handoff_seconds_count") >= 3
     assert re.search(r"kthena_pd_router_decisions_total\{.*disaggregated",
                      httpx.get(f"{cluster.url}/metrics").text)
     state = cluster.worker_state("decode-0")
@@ -138,10 +110,10 @@ def test_router_stats_are_the_workers_measured_stats(cluster) -> None:  # noqa: 
     computed = sum(s["stats"]["num_computed_prompt_tokens"] for s in states)
     assert generated >= 5 and computed >= 48 - 16  # the decode side may hold a cached prefix
     text = httpx.get(f"{cluster.url}/metrics").text
-    assert metric(text, "kthena_generation_tokens_total") == generated
-    assert metric(text, "kthena_computed_prompt_tokens_total") == computed
+    assert metric_value(text, "kthena_generation_tokens_total") == generated
+    assert metric_value(text, "kthena_computed_prompt_tokens_total") == computed
     assert states[1]["stats"]["num_generated_tokens"] == 0  # the first token counts once
-    assert metric(text, "kthena_kv_blocks_free") == states[0]["kv"]["num_free_blocks"]
+    assert metric_value(text, "kthena_kv_blocks_free") == states[0]["kv"]["num_free_blocks"]
 
 
 def test_out_of_vocab_ids_get_400_like_colocated(cluster, colocated) -> None:  # noqa: ANN001

@@ -21,6 +21,7 @@ import threading
 import attrs
 import pytest
 import torch
+from _tiny import finish_all
 
 from kthena_comm.errors import TransferError, TransferTimeoutError
 from kthena_serve.engine import LLMEngine
@@ -56,7 +57,7 @@ def decode(model):  # noqa: ANN001
     """The decode worker's engine: its pool in shared memory, as PD runs it."""
     net, tokenizer = model
     config = EngineConfig(num_kv_blocks=64, max_num_seqs=8)
-    layout = kv_layout_for(net.config.num_hidden_layers, net.num_kv_heads_per_rank,
+    layout = kv_layout_for(net.config.shape.num_layers, net.num_kv_heads_per_rank,
                            net.head_dim, config)
     engine = LLMEngine(config, ModelRunner(net, create_pool(layout, config, shared=True)),
                        tokenizer)
@@ -96,14 +97,22 @@ def reserve(decode: LLMEngine, rid: str, ids: list[int], ref: PoolRef, salt: str
 
 
 def admit_and_decode(decode: LLMEngine, first_tokens: dict[str, int]) -> dict[str, str]:
-    texts = {}
     for rid, token in first_tokens.items():
         decode.admit_prefilled(rid, token)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                texts[out.request_id] = out.text
-    return texts
+    return {rid: out.text for rid, out in finish_all(decode).items()}
+
+
+@contextlib.contextmanager
+def over_mooncake(decode: LLMEngine, executor: PrefillExecutor):
+    """The decode pool registered for Mooncake on 127.0.0.1 and a putter from the executor's
+    pool: yields (the pool's ``PoolRef`` with its Mooncake handle, the putter); closes both."""
+    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
+    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
+    try:
+        yield pool_ref(decode, handle.to_json()), putter
+    finally:
+        putter.close()
+        engine.close()
 
 
 @contextlib.contextmanager
@@ -167,10 +176,7 @@ def test_a_failed_handoff_fails_alone(decode, prefill, prompts, one_at_a_time) -
     """Mooncake: the middle request's reservation is released and its task names blocks past
     the decode pool's registered memory; its put fails, its batch-mates' puts land."""
     executor, _ = prefill
-    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
-    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
-    try:
-        ref = pool_ref(decode, handle.to_json())
+    with over_mooncake(decode, executor) as (ref, putter):
         tasks = [reserve(decode, f"put-{i}", ids, ref, "put") for i, ids in enumerate(prompts)]
         assert decode.release("put-1")
         offset = ref.num_blocks  # a reservation in a pool twice the size of the registered one
@@ -190,9 +196,6 @@ def test_a_failed_handoff_fails_alone(decode, prefill, prompts, one_at_a_time) -
         texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
         assert texts == {"put-0": one_at_a_time["0"], "put-2": one_at_a_time["2"]}
         assert_no_blocks_held(decode, executor)
-    finally:
-        putter.close()
-        engine.close()
 
 
 def test_a_cancelled_prefill_fails_alone(decode, prefill, prompts, one_at_a_time) -> None:  # noqa: ANN001
@@ -267,23 +270,19 @@ def test_a_prompt_waits_for_a_batch_mates_blocks(model, decode, prompts, one_at_
     executor = PrefillExecutor(model[0], EngineConfig(num_kv_blocks=16,
                                                       max_num_batched_tokens=BUDGET),
                                own_pool=True, on_batch=metrics.observe_batch)
-    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
-    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
     try:
-        ref = pool_ref(decode, handle.to_json())
-        layout = executor.layout_for(ref.num_blocks)
-        tasks = [reserve(decode, f"wait-{i}", prompts[i], ref, "wait") for i in (0, 2)]
-        with compute_held(executor):
-            futures = [executor.submit_local(task, putter.session(
-                ref.mooncake_handle, layout, layerwise=True)) for task in tasks]
-        results = [future.result(timeout=120) for future in futures]
-        assert forwards(metrics) == (2, 2)  # one prompt per forward: the pool held one
-        texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
-        assert texts == {"wait-0": one_at_a_time["0"], "wait-2": one_at_a_time["2"]}
-        assert_no_blocks_held(decode, executor)
+        with over_mooncake(decode, executor) as (ref, putter):
+            layout = executor.layout_for(ref.num_blocks)
+            tasks = [reserve(decode, f"wait-{i}", prompts[i], ref, "wait") for i in (0, 2)]
+            with compute_held(executor):
+                futures = [executor.submit_local(task, putter.session(
+                    ref.mooncake_handle, layout, layerwise=True)) for task in tasks]
+            results = [future.result(timeout=120) for future in futures]
+            assert forwards(metrics) == (2, 2)  # one prompt per forward: the pool held one
+            texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+            assert texts == {"wait-0": one_at_a_time["0"], "wait-2": one_at_a_time["2"]}
+            assert_no_blocks_held(decode, executor)
     finally:
-        putter.close()
-        engine.close()
         executor.close()
 
 
@@ -306,12 +305,9 @@ def test_layerwise_and_batched_pushes_land_the_same_kv(decode, prefill, prompts,
     (the 140-token prompt's two chunks: 6 blocks with the first, 3 with the second), and the
     greedy text of a prompt prefilled alone."""
     executor, _ = prefill
-    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
-    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
     num_layers = executor.pool.layout.shape.num_layers
     kv, calls = {}, {}
-    try:
-        ref = pool_ref(decode, handle.to_json())
+    with over_mooncake(decode, executor) as (ref, putter):
         layout = executor.layout_for(ref.num_blocks)
         for mode in ("layerwise", "batched"):
             tasks = [reserve(decode, f"{mode}-{i}", ids, ref, mode) for i, ids in enumerate(prompts)]
@@ -331,9 +327,6 @@ def test_layerwise_and_batched_pushes_land_the_same_kv(decode, prefill, prompts,
                          "batched": [1, 1, 1]}
         for a, b in zip(kv["layerwise"], kv["batched"], strict=True):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit for bit
-    finally:
-        putter.close()
-        engine.close()
 
 
 def own_shm_entries() -> set[str]:
@@ -349,47 +342,43 @@ def test_a_push_failing_at_layer_k_fails_its_request_alone(decode, prefill, prom
     its request fails once its earlier puts have settled, and its prefill blocks come back;
     its batch-mates (Mooncake, layer-wise) land and decode as if alone."""
     executor, _ = prefill
-    engine, handle = register_pool(decode.runner.pool, "127.0.0.1", 30.0)
-    putter = BlockPutter(executor.pool, "127.0.0.1", 30.0)
-    owner, pusher = shm_engine(30.0), shm_engine(30.0)
-    shm_before = own_shm_entries()
-    k = 7
-    try:
-        ref = pool_ref(decode, handle.to_json())
-        layout = executor.layout_for(ref.num_blocks)
-        segment_pool, segment = shm_segment_pool(owner, layout)
-        local = pusher.register(executor.pool.buffer)
-        tasks = [reserve(decode, f"layer-{i}", ids, ref, "layer") for i, ids in enumerate(prompts)]
-        failing = PushSession(pusher, local, executor.pool.layout, segment, layout, 30.0,
-                              layerwise=True)
-        real_push = failing.push_layer
+    with over_mooncake(decode, executor) as (ref, putter):
+        owner, pusher = shm_engine(30.0), shm_engine(30.0)
+        shm_before = own_shm_entries()
+        k = 7
+        try:
+            layout = executor.layout_for(ref.num_blocks)
+            segment_pool, segment = shm_segment_pool(owner, layout)
+            local = pusher.register(executor.pool.buffer)
+            tasks = [reserve(decode, f"layer-{i}", ids, ref, "layer") for i, ids in enumerate(prompts)]
+            failing = PushSession(pusher, local, executor.pool.layout, segment, layout, 30.0,
+                                  layerwise=True)
+            real_push = failing.push_layer
 
-        def push_layer(layer, src, dst) -> None:  # noqa: ANN001
-            if layer == k:
-                segment_pool.close()
-                owner.close()  # the decode side's process is gone: its segment with it
-            real_push(layer, src, dst)
+            def push_layer(layer, src, dst) -> None:  # noqa: ANN001
+                if layer == k:
+                    segment_pool.close()
+                    owner.close()  # the decode side's process is gone: its segment with it
+                real_push(layer, src, dst)
 
-        failing.push_layer = push_layer
-        sessions = [putter.session(ref.mooncake_handle, layout, layerwise=True), failing,
-                    putter.session(ref.mooncake_handle, layout, layerwise=True)]
-        with compute_held(executor):
-            futures = [executor.submit_local(t, p) for t, p in zip(tasks, sessions, strict=True)]
-        with pytest.raises(TransferError, match="unregistered segment"):
-            futures[1].result(timeout=120)
-        num_layers = executor.pool.layout.shape.num_layers
-        # layers 0..k-1 went out; layer k's put is either refused as it is submitted (the
-        # transfer engine already saw the segment go: no call counted) or submitted and fails
-        # when it runs; later layers may be submitted before that failure is seen, no more
-        assert k <= failing.num_calls <= num_layers
-        assert decode.release("layer-1")  # the decode worker's failure policy releases it
-        results = [futures[0].result(timeout=120), futures[2].result(timeout=120)]
-        texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
-        assert texts == {"layer-0": one_at_a_time["0"], "layer-2": one_at_a_time["2"]}
-        assert_no_blocks_held(decode, executor)
-    finally:
-        putter.close()
-        engine.close()
-        pusher.close()
-        owner.close()
+            failing.push_layer = push_layer
+            sessions = [putter.session(ref.mooncake_handle, layout, layerwise=True), failing,
+                        putter.session(ref.mooncake_handle, layout, layerwise=True)]
+            with compute_held(executor):
+                futures = [executor.submit_local(t, p) for t, p in zip(tasks, sessions, strict=True)]
+            with pytest.raises(TransferError, match="unregistered segment"):
+                futures[1].result(timeout=120)
+            num_layers = executor.pool.layout.shape.num_layers
+            # layers 0..k-1 went out; layer k's put is either refused as it is submitted (the
+            # transfer engine already saw the segment go: no call counted) or submitted and fails
+            # when it runs; later layers may be submitted before that failure is seen, no more
+            assert k <= failing.num_calls <= num_layers
+            assert decode.release("layer-1")  # the decode worker's failure policy releases it
+            results = [futures[0].result(timeout=120), futures[2].result(timeout=120)]
+            texts = admit_and_decode(decode, {r.request_id: r.first_token_id for r in results})
+            assert texts == {"layer-0": one_at_a_time["0"], "layer-2": one_at_a_time["2"]}
+            assert_no_blocks_held(decode, executor)
+        finally:
+            pusher.close()
+            owner.close()
     assert own_shm_entries() <= shm_before  # the segment went with its owner

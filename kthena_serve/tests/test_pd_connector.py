@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from _kthena_proxy import decode_body, prefill_body, proxy
-from _netns import two_host_network
+from _netns import run_in_first_host, two_host_network
+from _support import eventually, metric_value
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -30,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.engine.config import EngineConfig
+from kthena_serve.model.source import DEFAULT_MODEL_NAME
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
-from kthena_serve.spec import DEFAULT_MODEL_NAME
 
 PD = {"kv_pin_timeout_s": 8.0, "transfer_timeout_s": 30}
 API_KEY = "kthena-router-key"
@@ -70,46 +67,41 @@ def workers():
     assert not shm_files(pids)
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    from kthena_serve.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
-    yield engine
-    engine.close()
-
-
-def reference(engine, ids: list[int], max_tokens: int) -> str:  # noqa: ANN001
-    return greedy_text(engine, ids, max_tokens)
-
-
+# (pd_connector_netns_helper.py, run in a network namespace, imports state, metric, held and
+# shm_files from here)
 def state(launcher: PDLauncher, name: str) -> dict:
     return httpx.get(f"{launcher.url(name)}/pd/state", params={"since": 1 << 62},
                      headers=auth_headers(launcher.secret), timeout=10).json()
 
 
 def metric(launcher: PDLauncher, name: str, series: str) -> float:
+    """``_support.metric_value`` of worker ``name``'s /metrics."""
     text = httpx.get(f"{launcher.url(name)}/metrics", headers=auth_headers(launcher.secret),
                      timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(series))
+    return metric_value(text, series)
 
 
 def urls(launcher: PDLauncher) -> tuple[str, str]:
     return launcher.url("prefill-0"), launcher.url("decode-0")
 
 
+def _held_now(launcher: PDLauncher) -> tuple[int, int, int, int]:
+    prefill, decode = state(launcher, "prefill-0"), state(launcher, "decode-0")
+    return (prefill["kv"]["num_used_blocks"], prefill["num_pinned"],
+            decode["kv"]["num_used_blocks"], decode["num_quarantined"])
+
+
+def held(launcher: PDLauncher) -> tuple[int, int, int, int]:
+    """(prefill used blocks, pins; decode used blocks, quarantined), once all are 0 or after
+    10 s (a release is a message to the compute thread)."""
+    eventually(lambda: not any(_held_now(launcher)), 10, interval_s=0.1)
+    return _held_now(launcher)
+
+
 def assert_nothing_held(launcher: PDLauncher) -> None:
     """No block used on either worker, no pin left on the prefill worker."""
-    deadline = time.monotonic() + 10  # a release is a message to the compute thread
-    while True:
-        prefill, decode = state(launcher, "prefill-0"), state(launcher, "decode-0")
-        held = (prefill["kv"]["num_used_blocks"], prefill["num_pinned"],
-                decode["kv"]["num_used_blocks"], decode["num_quarantined"])
-        if held == (0, 0, 0, 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert held == (0, 0, 0, 0), held
+    found = held(launcher)
+    assert found == (0, 0, 0, 0), found
 
 
 def sse_text(response: httpx.Response) -> tuple[str, dict | None]:
@@ -313,7 +305,7 @@ def test_router_sequence_matches_colocated_greedy_output(workers, colocated) -> 
             assert params["remote_port"] == int(prefill_url.rsplit(":", 1)[1])
             assert prefill["usage"]["completion_tokens"] == 1
             assert exchange.decode.status_code == 200, exchange.decode.text
-            expected = reference(colocated, ids, 12)
+            expected = greedy_text(colocated, ids, 12)
             if stream:
                 text, usage = sse_text(exchange.decode)
                 assert usage is not None and usage["completion_tokens"] == 12  # include_usage
@@ -338,7 +330,7 @@ def test_chat_with_max_completion_tokens(workers, colocated) -> None:  # noqa: A
     assert exchange.decode is not None and exchange.decode.status_code == 200, exchange
     ids = colocated.processor.encode_chat(messages)
     answer = exchange.decode.json()["choices"][0]["message"]["content"]
-    assert answer == reference(colocated, ids, 10)
+    assert answer == greedy_text(colocated, ids, 10)
     assert_nothing_held(workers)
 
 
@@ -354,7 +346,7 @@ def test_decode_skips_the_blocks_it_already_caches(workers, colocated) -> None: 
             exchange = proxy(client, "/v1/completions", body, *urls(workers))
             assert exchange.decode.status_code == 200, exchange.decode.text
             reply = exchange.decode.json()
-            assert reply["choices"][0]["text"] == reference(colocated, ids, 6)
+            assert reply["choices"][0]["text"] == greedy_text(colocated, ids, 6)
             moved.append(metric(workers, "decode-0", series) - before)
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80  # decode-side hit
     assert 0 < moved[1] <= moved[0] / 3  # only the tail crossed: 2 of 8 blocks
@@ -371,9 +363,8 @@ def test_prefill_timeout_frees_blocks_when_no_decode_comes(workers) -> None:  # 
         pinned = state(workers, "prefill-0")
         assert pinned["num_pinned"] == 1 and pinned["kv"]["num_used_blocks"] == 4
         expired_before = pinned["num_pins_expired"]
-        deadline = time.monotonic() + PD["kv_pin_timeout_s"] + 30
-        while state(workers, "prefill-0")["num_pinned"] and time.monotonic() < deadline:
-            time.sleep(0.25)
+        eventually(lambda: not state(workers, "prefill-0")["num_pinned"],
+                   PD["kv_pin_timeout_s"] + 30, interval_s=0.25)
         after = state(workers, "prefill-0")
         assert after["num_pinned"] == 0 and after["num_pins_expired"] == expired_before + 1
         late = client.post(f"{decode_url}/v1/completions",
@@ -567,15 +558,10 @@ def two_hosts():
 
 
 def test_mooncake_pull_between_two_network_namespaces(two_hosts, colocated) -> None:  # noqa: ANN001
-    ns_a, ns_b, addr_a, addr_b = two_hosts
     prompts = [prompt_ids(70, "namespaces one. "), prompt_ids(110, "namespaces two. ")]
-    helper = Path(__file__).with_name("pd_connector_netns_helper.py")
-    done = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, str(helper), ns_b,
-                           addr_a, addr_b, json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["texts"] == [reference(colocated, ids, 8) for ids in prompts]
+    result = run_in_first_host(two_hosts, "pd_connector_netns_helper.py", prompts, 300)
+    assert result["texts"] == [greedy_text(colocated, ids, 8) for ids in prompts]
+    addr_b = two_hosts[3]
     assert all(p["remote_host"] == addr_b for p in result["params"])  # the other host
     assert result["pulled_bytes"] > 0 and result["pulled"] == len(prompts)
     assert result["held"] == [0, 0, 0, 0]  # prefill used, pinned; decode used, quarantined

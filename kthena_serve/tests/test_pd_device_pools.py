@@ -26,7 +26,6 @@ from kthena_serve.pd.config import PDConfig, Transport
 from kthena_serve.pd.pool_share import (
     CudaIpcExport,
     PoolShareError,
-    check_pd_device,
     export_pool,
     open_pool,
     pool_key,
@@ -156,18 +155,18 @@ def test_opening_a_cuda_pool_here_is_refused_by_size_then_for_want_of_cuda(layou
 # ---- refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("transport", list(Transport))
 def test_pd_takes_cpu_and_cuda_on_both_transports_npu_over_mooncake_only(transport):
-    check_pd_device("cpu", transport)
-    check_pd_device("cuda:0", transport)
+    PDConfig.check_device("cpu", transport)
+    PDConfig.check_device("cuda:0", transport)
     for device in ("npu", "npu:3"):
         if transport is Transport.MOONCAKE:
-            check_pd_device(device, transport)  # ascend_direct: documentation only
+            PDConfig.check_device(device, transport)  # ascend_direct: documentation only
             continue
         with pytest.raises(PoolShareError, match="same-host route is not wired on npu") as no:
-            check_pd_device(device, transport)
+            PDConfig.check_device(device, transport)
         assert "no released IPC for NPU memory" in str(no.value)
         assert "--pd-transport mooncake" in str(no.value)
     with pytest.raises(PoolShareError, match="no PD pool route for 'xpu'"):
-        check_pd_device("xpu", transport)
+        PDConfig.check_device("xpu", transport)
     with pytest.raises(PoolShareError, match="no released IPC for NPU memory"):
         share_for("npu:0")
     assert share_for("cuda:1").device_type == "cuda" and share_for("cpu").device_type == "cpu"

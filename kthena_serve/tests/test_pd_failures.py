@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
+from _support import wait_until
 from _tiny import PD_ENGINE, default_tokenizer
 
 from kthena_serve.engine.config import EngineConfig
@@ -25,14 +25,6 @@ TEXT = ("Disaggregated serving moves the key-value cache from the prefill instan
 
 def long_prompt(num_tokens: int, salt: str) -> list[int]:
     return default_tokenizer().encode(salt + TEXT * (num_tokens // 20 + 2))[:num_tokens]
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def in_background(fn):  # noqa: ANN001, ANN201
@@ -50,8 +42,8 @@ def is_busy(cluster: PDCluster, name: str) -> bool:
 
 
 def assert_clean(cluster: PDCluster, dead_pids: list[int]) -> None:
-    wait_for(lambda: cluster.worker_state("decode-0")["kv"]["num_used_blocks"] == 0, 30,
-             "the decode worker to hold no blocks")
+    wait_until(lambda: cluster.worker_state("decode-0")["kv"]["num_used_blocks"] == 0, 30,
+               "the decode worker to hold no blocks")
     assert cluster.worker_state("decode-0")["num_quarantined"] == 0
     for pid in dead_pids:
         assert not [p for p in shm_pools() if f".{pid}." in p], f"pool of dead pid {pid} left"
@@ -61,19 +53,21 @@ def rejoined(cluster: PDCluster, name: str) -> bool:
     return cluster.router.workers[name].is_up
 
 
+def pd_cluster(policy: str) -> PDCluster:
+    pd = {"policy": policy, "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
+          "health_interval_s": 0.2}
+    return PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer())
+
+
 @pytest.fixture(scope="module")
 def recompute_cluster():
-    pd = {"policy": "recompute", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
-          "health_interval_s": 0.2}
-    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
+    with pd_cluster("recompute") as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def fail_cluster():
-    pd = {"policy": "fail", "transfer_timeout_s": 4, "pd_threshold_tokens": 16,
-          "health_interval_s": 0.2}
-    with PDCluster(EngineConfig(**PD_ENGINE), PDConfig(**pd), tokenizer=default_tokenizer()) as cluster:
+    with pd_cluster("fail") as cluster:
         yield cluster
 
 
@@ -96,13 +90,13 @@ def test_killed_prefill_recompute_gives_the_right_tokens(recompute_cluster) -> N
     prompts = [long_prompt(500, f"kill prefill {i}. ") for i in range(3)]
     cluster.router.config = cluster.pd_config  # (unchanged; documents the policy in use)
     jobs = in_flight(cluster, prompts, 8)
-    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    wait_until(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
     old = cluster.launcher.kill("prefill-0", signal.SIGKILL)
     answers = replies(jobs)
     assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
     # never wrong tokens: the same prompts served again after recovery give the same texts
-    wait_for(lambda: rejoined(cluster, "prefill-0") and cluster.launcher.pid("prefill-0") not in (old, None),
-             120, "the prefill worker to rejoin")
+    wait_until(lambda: rejoined(cluster, "prefill-0") and cluster.launcher.pid("prefill-0") not in (old, None),
+               120, "the prefill worker to rejoin")
     for ids, reply in zip(prompts, answers, strict=True):
         again = cluster.complete(ids, max_tokens=8)
         assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]
@@ -115,7 +109,7 @@ def test_hung_prefill_times_out_and_blocks_stay_quarantined(recompute_cluster) -
     cluster = recompute_cluster
     ids = long_prompt(600, "stop prefill. ")
     thread, box = in_background(lambda: cluster.complete(ids, max_tokens=4))
-    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    wait_until(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
     cluster.launcher.kill("prefill-0", signal.SIGSTOP)
     try:
         thread.join(120)
@@ -132,7 +126,7 @@ def test_killed_prefill_with_policy_fail_is_a_clear_503(fail_cluster) -> None:  
     cluster = fail_cluster
     prompts = [long_prompt(500, f"fail policy {i}. ") for i in range(3)]
     jobs = in_flight(cluster, prompts, 8)
-    wait_for(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
+    wait_until(lambda: is_busy(cluster, "prefill-0"), 60, "the prefill to start")
     old = cluster.launcher.kill("prefill-0")
     answers = replies(jobs)
     assert [r.status_code for r in answers] == [503, 503, 503], [r.text for r in answers]
@@ -140,9 +134,9 @@ def test_killed_prefill_with_policy_fail_is_a_clear_503(fail_cluster) -> None:  
     # the failed handoff marks the prefill worker down at once (passive health check) ...
     assert not rejoined(cluster, "prefill-0")
     # ... and only a poll of the restarted process brings it back
-    wait_for(lambda: cluster.launcher.pid("prefill-0") not in (old, None)
-             and rejoined(cluster, "prefill-0"),
-             120, "the prefill worker to rejoin")
+    wait_until(lambda: cluster.launcher.pid("prefill-0") not in (old, None)
+               and rejoined(cluster, "prefill-0"),
+               120, "the prefill worker to rejoin")
     assert cluster.complete(prompts[0][:100], max_tokens=2).status_code == 200
     assert_clean(cluster, [old])
 
@@ -151,14 +145,14 @@ def test_killed_decode_fails_in_flight_and_rejoins(fail_cluster) -> None:  # noq
     cluster = fail_cluster
     ids = long_prompt(64, "kill decode. ")
     thread, box = in_background(lambda: cluster.complete(ids, max_tokens=400, ignore_eos=True))
-    wait_for(lambda: cluster.worker_state("decode-0")["num_running"] > 0, 60, "decoding")
+    wait_until(lambda: cluster.worker_state("decode-0")["num_running"] > 0, 60, "decoding")
     old = cluster.launcher.kill("decode-0")
     thread.join(60)
     assert box["result"].status_code == 503
     assert "decode worker" in box["result"].json()["error"]["message"]
     assert not cluster.router.workers["decode-0"].is_up  # no more traffic to it
-    wait_for(lambda: rejoined(cluster, "decode-0") and cluster.launcher.pid("decode-0") not in (old, None),
-             120, "the decode worker to rejoin")
+    wait_until(lambda: rejoined(cluster, "decode-0") and cluster.launcher.pid("decode-0") not in (old, None),
+               120, "the decode worker to rejoin")
     reply = cluster.complete(ids, max_tokens=4)
     assert reply.status_code == 200, reply.text
     assert_clean(cluster, [old])

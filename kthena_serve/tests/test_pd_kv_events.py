@@ -10,6 +10,7 @@ the same workers' KV events over ``/pd/state``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,15 +21,17 @@ import pytest
 import redis
 from _kthena_proxy import proxy
 from _serve_process import start_serve
+from _support import eventually, metric_value
 from _tiny import PD_ENGINE, default_tokenizer
 from test_kv_events_redis import RedisServer, doc_key
 
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.kv_events import KVEventsConfig
+from kthena_serve.model.source import DEFAULT_MODEL_NAME
 from kthena_serve.pd import worker
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.embedded import PDCluster
-from kthena_serve.spec import DEFAULT_MODEL_NAME
+from kthena_serve.spec import ServeSpec
 
 POD = "kthena-pd.serving"  # --pod-name; worker W publishes as kthena-pd-W.serving
 PD = {"pd_threshold_tokens": 24, "transfer_timeout_s": 60, "health_interval_s": 0.2,
@@ -66,57 +69,51 @@ def owners(client: redis.Redis) -> set[str]:
     return found
 
 
-def wait_for(check, timeout: float = 30.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
-
-
 def decode_requests(cluster: PDCluster, name: str) -> float:
-    text = cluster.worker_metrics(name)
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kthena_pd_requests_total"))
+    return metric_value(cluster.worker_metrics(name), "kthena_pd_requests_total")
 
 
 # ---- without processes ----------------------------------------------------------------------------
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--kv-events", "http://r:6379", "--pod-name", "a.b"],
-     r"^--kv-events: .*'http://r:6379' is not a redis:// URL.*write redis://HOST:PORT"),
-    (["--kv-events", "redis://r:6379"], r"^--kv-events: needs --pod-name NAME.NAMESPACE"),
-    (["--kv-events", "redis://r:6379", "--pod-name", "Decode_0.ns"],
-     r"^--pod-name: .*is not NAME.NAMESPACE"),
-    (["--kv-events", "redis://r:6379", "--pod-name", "a.b", "--engine-config",
-      '{"enable_prefix_caching": false}'], r"^--kv-events: nothing is cached"),
-    (["--pod-name", "a.b", "--kv-events-chunk-size", "8"],
-     r"^--pod-name, --kv-events-chunk-size take\(s\) effect only with --kv-events"),
+def spec_argv(kv_events: dict | None, **engine: object) -> list[str]:
+    """A decode worker's argv with the ServeSpec JSON the PD launcher gives it."""
+    spec = ServeSpec(engine=EngineConfig(**engine), mode="pd").to_json()
+    spec["kv_events"] = kv_events
+    return ["--role", "decode", "--name", "decode-0", "--spec", json.dumps(spec)]
+
+
+@pytest.mark.parametrize(("kv_events", "engine", "message"), [
+    ({"redis_url": "http://r:6379", "pod": "a.b", "model": "m"}, {},
+     r"^--spec: KVEventsConfig.redis_url: .*'http://r:6379' is not a redis:// URL.*write "
+     r"redis://HOST:PORT"),
+    ({"redis_url": "redis://r:6379", "model": "m"}, {},
+     r"^--spec: not a ServeSpec's JSON: .*'pod'"),
+    ({"redis_url": "redis://r:6379", "pod": "Decode_0.ns", "model": "m"}, {},
+     r"^--spec: KVEventsConfig.pod: .*is not NAME.NAMESPACE"),
+    ({"redis_url": "redis://r:6379", "pod": "a.b", "model": "m"},
+     {"enable_prefix_caching": False}, r"^--spec: --kv-events: nothing is cached"),
 ])
-def test_a_worker_refuses_bad_kv_event_flags_by_name(argv, message) -> None:  # noqa: ANN001
-    args = worker._parse(["--role", "decode", "--name", "decode-0", *argv])
+def test_a_worker_refuses_bad_kv_events_in_its_spec(kv_events, engine, message) -> None:  # noqa: ANN001
+    args = worker._parse(spec_argv(kv_events, **engine))
     with pytest.raises(ValueError, match=message):
-        worker._kv_events(args)
+        worker._spec(args)
 
 
-def test_a_worker_with_a_bad_flag_exits_2_before_loading_the_model(tmp_path) -> None:  # noqa: ANN001
+def test_a_worker_with_a_bad_spec_exits_2_before_loading_the_model(tmp_path) -> None:  # noqa: ANN001
     env = {**os.environ, "KTHENA_PD_SECRET": "s" * 32}
+    bad = {"redis_url": "rediss://127.0.0.1:6379", "pod": "a.b", "model": "m"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kthena_serve.pd.worker", "--role", "decode", "--name",
-         "decode-0", "--ready-file", str(tmp_path / "ready"), "--kv-events",
-         "rediss://127.0.0.1:6379", "--pod-name", "a.b"],
-        env=env, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "kthena_serve.pd.worker", *spec_argv(bad), "--ready-file",
+         str(tmp_path / "ready")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("kthena_serve.pd.worker decode-0: --kv-events: ")
+    assert proc.stderr.startswith("kthena_serve.pd.worker decode-0: --spec: KVEventsConfig.")
     assert "'rediss://127.0.0.1:6379' is not a redis:// URL" in proc.stderr
     assert not (tmp_path / "ready").exists()
 
 
 def test_a_worker_publishes_as_the_pod_name_it_is_given() -> None:
-    args = worker._parse(["--role", "decode", "--name", "x", "--kv-events", "redis://r:6379",
-                          "--pod-name", "smollm2-pd-0-decode-0-0.serving",
-                          "--kv-events-max-chunks", "64"])
-    config = worker._kv_events(args)
+    events = {"redis_url": "redis://r:6379", "pod": "smollm2-pd-0-decode-0-0.serving",
+              "model": DEFAULT_MODEL_NAME, "max_chunks": 64}
+    config = worker._spec(worker._parse(spec_argv(events))).kv_events
     assert (config.pod, config.model, config.chunk_size, config.max_chunks) == (
         "smollm2-pd-0-decode-0-0.serving", DEFAULT_MODEL_NAME, 16, 64)
 
@@ -169,7 +166,7 @@ def test_each_worker_publishes_under_its_own_owner_and_the_routers_pick_agrees(
 
     expected = {(w, decode): 6 if w in (decode, "prefill-0") else 0
                 for decode in prompts for w in ("prefill-0", *DECODES)}
-    assert wait_for(lambda: redis_view() == expected), redis_view()
+    assert eventually(lambda: redis_view() == expected, 30, interval_s=0.1), redis_view()
     assert owners(client) == {owner("prefill-0"), owner("decode-0"), owner("decode-1")}
     now = time.time()
     for ids in prompts.values():
@@ -185,8 +182,9 @@ def test_each_worker_publishes_under_its_own_owner_and_the_routers_pick_agrees(
         return {(w, decode): router.index.match(ids).get(w, 0)
                 for decode, ids in prompts.items() for w in DECODES}
 
-    assert wait_for(lambda: router_view() == {k: v for k, v in expected.items()
-                                              if k[0] in DECODES}), router_view()
+    assert eventually(lambda: router_view() == {k: v for k, v in expected.items()
+                                                if k[0] in DECODES}, 30, interval_s=0.1), \
+        router_view()
     for decode, ids in prompts.items():
         decision = router.preview(ids)
         best = max(DECODES, key=lambda w, ids=ids: redis_run(client, owner(w), ids))
@@ -233,7 +231,7 @@ def test_kthena_serve_mode_pd_publishes_per_worker_and_cleans_up(server, client)
             "model": DEFAULT_MODEL_NAME, "prompt": ids, "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
         decodes = {owner(w): w for w in DECODES}
-        assert wait_for(lambda: len(owners(client)) == 1)
+        assert eventually(lambda: len(owners(client)) == 1, 30, interval_s=0.1)
         (holder,) = owners(client)
         assert holder in decodes and redis_run(client, holder, ids) == 6
     finally:

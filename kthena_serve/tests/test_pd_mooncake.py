@@ -7,13 +7,9 @@ as two hosts; that case is skipped, with the reason, where namespaces cannot be 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from _netns import two_host_network
+from _netns import run_in_first_host, two_host_network
+from _support import metric_value
 from _tiny import PD_ENGINE, default_tokenizer, greedy_text
 
 from kthena_serve.engine.config import EngineConfig
@@ -29,24 +25,6 @@ def prompt(num_tokens: int, salt: str) -> list[int]:
     return default_tokenizer().encode(salt + TEXT * (num_tokens // 15 + 2))[:num_tokens]
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    from kthena_serve.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
-    yield engine
-    engine.close()
-
-
-def reference(engine, ids: list[int], max_tokens: int = 8) -> str:  # noqa: ANN001
-    return greedy_text(engine, ids, max_tokens)
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name))
-
-
 def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
     pd = {"transport": "mooncake", "pd_threshold_tokens": 16, "transfer_timeout_s": 60}
     base = prompt(96, "loopback. ")
@@ -54,17 +32,17 @@ def test_mooncake_handoff_over_loopback(colocated) -> None:  # noqa: ANN001
         first = base + prompt(30, "first ")
         reply = cluster.complete(first, max_tokens=8)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == reference(colocated, first)
-        moved_first = _metric(cluster.worker_metrics("prefill-0"),
-                              "kthena_pd_transferred_bytes_total")
+        assert reply.json()["choices"][0]["text"] == greedy_text(colocated, first)
+        moved_first = metric_value(cluster.worker_metrics("prefill-0"),
+                                   "kthena_pd_transferred_bytes_total")
         assert moved_first > 0
         second = base + prompt(40, "second ")
         reply = cluster.complete(second, max_tokens=8)
-        assert reply.json()["choices"][0]["text"] == reference(colocated, second)
+        assert reply.json()["choices"][0]["text"] == greedy_text(colocated, second)
         prefill = cluster.worker_metrics("prefill-0")
-        assert _metric(prefill, "kthena_pd_prefill_cached_tokens_total") >= 80  # prefill-side hit
+        assert metric_value(prefill, "kthena_pd_prefill_cached_tokens_total") >= 80  # prefill-side hit
         # the decode worker already held the shared blocks: only the new tail crossed the wire
-        assert _metric(prefill, "kthena_pd_transferred_bytes_total") - moved_first < moved_first
+        assert metric_value(prefill, "kthena_pd_transferred_bytes_total") - moved_first < moved_first
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
 
 
@@ -75,13 +53,7 @@ def two_hosts():
 
 
 def test_mooncake_handoff_between_two_network_namespaces(two_hosts, colocated) -> None:  # noqa: ANN001
-    ns_a, ns_b, addr_a, addr_b = two_hosts
     prompts = [prompt(70, "namespaces one. "), prompt(110, "namespaces two. ")]
-    helper = Path(__file__).with_name("pd_netns_helper.py")
-    done = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, str(helper), ns_b,
-                           addr_a, addr_b, json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["texts"] == [reference(colocated, ids) for ids in prompts]
+    result = run_in_first_host(two_hosts, "pd_netns_helper.py", prompts, 240)
+    assert result["texts"] == [greedy_text(colocated, ids) for ids in prompts]
     assert result["transferred_bytes"] > 0

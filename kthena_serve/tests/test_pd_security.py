@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _support import metric_value
 from _tiny import PD_ENGINE, default_tokenizer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -169,8 +170,7 @@ def test_generate_with_the_secret_runs_and_a_foreign_prefill_url_is_refused(clus
 
 
 def _finished(metrics: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return metric_value(metrics, "vllm:request_success_total{")
 
 
 def test_openai_requests_through_the_router_still_work(cluster) -> None:  # noqa: ANN001

@@ -21,9 +21,9 @@ from _tiny import tiny_checkpoint
 
 from kthena_comm import device as device_module
 from kthena_comm.device import DeviceBackend
+from kthena_core.ports import free_port
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import ConfigError, EngineConfig
-from kthena_serve.engine.parallel_runner import _free_port
 from kthena_serve.engine.placement import DIST_BACKEND_ENV, DistBackendError, dist_backend
 from kthena_serve.engine.sampling_params import SamplingParams
 
@@ -201,7 +201,7 @@ def test_a_launcher_rank_binds_local_rank_0_over_its_devices_backend(monkeypatch
     finally:
         single.close()
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     engine = _engine(checkpoint, device=device, ranks_from="env")
     try:

@@ -288,7 +288,7 @@ def test_a_bad_flag_is_refused_in_one_line(argv, message, capsys):
 
 
 def test_yaml_split_points_reach_the_engine_through_the_spec(tmp_path):
-    from kthena_serve.spec import plan_config_path
+    from kthena_serve.planned import plan_config_path
 
     path = tmp_path / "kthena_config.yaml"
     path.write_text("cluster: {topology: atlas-800t-a2, world_size: 2}\n"

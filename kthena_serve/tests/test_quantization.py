@@ -15,24 +15,20 @@ import sys
 
 import pytest
 import torch
-from _greedy_agreement import QUESTIONS, agreed, gap_at_divergence
+from _greedy_agreement import GREEDY, NUM_TOKENS, agreed, chat_prompts, gap_at_divergence
 from _logit_error import (
+    assert_within_yardsticks,
     errors,
     first_decode_logprobs,
-    fmt,
     fp8_weights,
     reference_kernels,
-    served_bound,
     worst,
 )
+from _tiny import finish_all
 
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import ConfigError, EngineConfig
-from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model import load_model
-
-NUM_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +44,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def prompts(models) -> list[list[int]]:  # noqa: ANN001
-    tokenizer = models[None][1]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-            for q in QUESTIONS]
+    return chat_prompts(models[None][1])
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +59,7 @@ def both(models, prompts):  # noqa: ANN001
         try:
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"q{i}", prompt, GREEDY)
-            done = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+            done = finish_all(engine)
             outs.append([done[f"q{i}"] for i in range(len(prompts))])
         finally:
             engine.close()
@@ -116,15 +106,7 @@ def test_first_decode_step_logit_error_is_bounded(first_step):  # noqa: ANN001
       error plus the bf16 error of each side (bf16's error: the bf16 engine's against the
       float32 run, on this CPU with its kernels). Measured on a Zen 5: 1.8, 0.68, 1.3e-2
       against a bound of 4.9, 1.6, 9.4e-2 (bf16's own error 0.46, 0.19, 1.5e-3)."""
-    got = first_step
-    print("\nfirst decode step (max over vocab, over top 10, KL), worst of 6: "
-          f"int8 format {fmt(got['int8_format'])}, fp8 format {fmt(got['fp8_format'])}, "
-          f"bf16 {fmt(got['bf16'])}, served int8 vs bf16 {fmt(got['served'])} "
-          f"(bound {fmt(served_bound(got['fp8_format'], got['bf16']))})")
-    assert got["int8_format"][0] > 0 and got["served"][0] > 0  # the int8 weights really ran
-    assert all(x <= y for x, y in zip(got["int8_format"], got["fp8_format"], strict=True))
-    bound = served_bound(got["fp8_format"], got["bf16"])
-    assert all(x <= y for x, y in zip(got["served"], bound, strict=True))
+    assert_within_yardsticks(first_step)  # nonzero int8 errors: the int8 weights really ran
 
 
 def test_greedy_tokens_agree_with_bf16_weights(both, first_step):  # noqa: ANN001

@@ -22,13 +22,13 @@ from kthena_core.config_plan import plan_config
 from kthena_core.discovery import discover
 from kthena_core.topology import from_catalog
 from kthena_serve.cli import spec_from_args
-from kthena_serve.spec import (
-    ServeSpec,
+from kthena_serve.planned import (
     UnservablePlanError,
     check_servable,
     config_settings,
     plan_config_path,
 )
+from kthena_serve.spec import ServeSpec
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "examples", "cpu-smollm2.yaml")
 
@@ -107,7 +107,9 @@ def test_served_layout_is_the_plan_layout(tmp_path):
 
 
 def test_a_calibration_file_scores_the_plan_and_reaches_get_plan(tmp_path, monkeypatch):
-    from kthena_core.calibrate import factors_dict, fit_calibration, load_bench, save_calibration
+    from kthena_core.bench_record import load_bench
+    from kthena_core.calibrate import factors_dict, fit_calibration
+    from kthena_core.calibration_file import save_calibration
     from kthena_core.known_models import load_model_spec
 
     monkeypatch.setenv("KTHENA_CACHE_DIR", str(tmp_path / "cache"))  # no cached calibration

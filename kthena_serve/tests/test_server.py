@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from _support import eventually, metric_value
 from _tiny import tiny_engine
 
 from kthena_serve.async_engine import AsyncLLM
@@ -220,10 +221,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(engine, core, url):
 
 
 def _aborted(client) -> float:
-    text = client.get("/metrics").text
-    line = next((x for x in text.splitlines()
-                 if x.startswith('kthena_requests_total{finish_reason="abort"}')), None)
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+    return metric_value(client.get("/metrics").text, 'kthena_requests_total{finish_reason="abort"}')
 
 
 def test_disconnect_without_streaming_aborts_too(engine, url, client, caplog):
@@ -232,9 +230,7 @@ def test_disconnect_without_streaming_aborts_too(engine, url, client, caplog):
     with httpx.Client(base_url=url, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body)
     _wait_idle(engine)
-    deadline = time.monotonic() + 5
-    while _aborted(client) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: _aborted(client) >= before + 1, 5)
     assert _aborted(client) == before + 1  # counted in the request metrics
     assert not [r for r in caplog.records if r.exc_info]  # no traceback for a client that left
 
@@ -248,9 +244,7 @@ def test_aborted_streams_are_counted(client, url, engine):
             if line.startswith("data: "):
                 break
     _wait_idle(engine)
-    deadline = time.monotonic() + 5
-    while _aborted(client) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: _aborted(client) >= before + 1, 5)
     assert _aborted(client) == before + 1
 
 
@@ -425,14 +419,14 @@ def test_special_tokens_typed_in_chat_content_stay_text():
 
 
 def test_api_key_from_a_file(tmp_path, monkeypatch):
-    from kthena_serve.cli import _api_key
+    from kthena_serve.deployment import api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     monkeypatch.setenv("KTHENA_API_KEY", "from-env")
     args = {"api_key_file": str(key_file)}  # the flags given, as kthena serve's parser keeps them
-    assert _api_key(args) == "from-file"
-    assert _api_key({}) == "from-env"
+    assert api_key(args) == "from-file"
+    assert api_key({}) == "from-env"
     key_file.write_text("\n")
     with pytest.raises(ValueError, match="is empty; put the key on its first line"):
-        _api_key(args)
+        api_key(args)

@@ -21,6 +21,7 @@ from _ranks import HERE, run_two_ranks
 from _serve_process import start_serve
 from _tiny import tiny_checkpoint
 
+from kthena_core.shape import ModelShape
 from kthena_serve.model import (
     LlamaForCausalLM,
     ModelConfig,
@@ -127,41 +128,48 @@ def test_a_bad_threshold_is_refused_by_name(value):
 
 
 def test_sp_with_pipeline_stages_is_refused():
-    config = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         head_dim=8, max_position_embeddings=64)
+    config = ModelConfig(ModelShape(num_layers=2, num_attention_heads=2, num_kv_heads=2, head_dim=8,
+                                    hidden_size=16, intermediate_size=32, vocab_size=64),
+                         max_position_embeddings=64)
     with torch.device("meta"), pytest.raises(TensorParallelError,
                                              match=r"pipeline parallelism \(pp=2\) is not wired"):
         LlamaForCausalLM(config, TensorParallel(0, 2), PipelineStage.of(2, 2, 0),
                          SequenceParallel())
 
 
-def _engine_tokens(checkpoint, prompts, **layout):
+def engine_prompts() -> list[list[int]]:
+    """A 101-token prompt (prefilled in chunks) and a 23-token one beside it."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (101, 23)]
+
+
+def engine_tokens(checkpoint, prompts, wired=lambda model: model.sp, **layout):  # noqa: ANN001, ANN202
     """Greedy tokens through the serving engine: spawned ranks, scheduler, chunked prefill
-    (at most 48 tokens a step), prefix cache."""
+    (at most 48 tokens a step), prefix cache. Returns what ``wired`` reads off rank 0's shard
+    of the model (what the config wired in: its SequenceParallel here, test_tp_overlap's fused
+    collectives), each prompt's tokens, and the first prompt's tokens run again."""
     from kthena_serve.engine.sampling_params import SamplingParams
     from kthena_serve.llm import LLM
 
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=128, block_size=16,
               max_num_batched_tokens=48, **layout)
     try:
-        sp = llm.engine.runner.model.sp  # rank 0's shard: what the config wired in
+        found = wired(llm.engine.runner.model)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
         again = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
     finally:
         llm.close()
-    return sp, [list(o.token_ids) for o in outs], list(again[0].token_ids)
+    return found, [list(o.token_ids) for o in outs], list(again[0].token_ids)
 
 
 @pytest.mark.slow
 def test_engine_with_sp_matches_plain_tp(uneven_checkpoint):
     """TP=2 with SP (threshold 16 tokens) against TP=2 through the engine: a 101-token prompt
     prefilled in chunks with a 23-token one beside it, then the first again (a prefix hit)."""
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (101, 23)]
-    sp, *with_sp = _engine_tokens(uneven_checkpoint, prompts, tp=2, sp=2, sp_min_tokens=16)
+    prompts = engine_prompts()
+    sp, *with_sp = engine_tokens(uneven_checkpoint, prompts, tp=2, sp=2, sp_min_tokens=16)
     assert sp == SequenceParallel(16)
-    none, *plain = _engine_tokens(uneven_checkpoint, prompts, tp=2)
+    none, *plain = engine_tokens(uneven_checkpoint, prompts, tp=2)
     assert none is None
     assert with_sp == plain
     assert with_sp[1] == with_sp[0][0]  # the prefix hit changes no token

@@ -18,6 +18,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from _support import metric_value
 from _tiny import default_tokenizer, tiny_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -623,10 +624,8 @@ def test_json_schema_validates_through_pd(pd_cluster):
     """The prefill worker samples the first token under the grammar, the decode worker's
     matcher continues from it (a first token outside the grammar would fail the request)."""
     def disaggregated() -> float:
-        text = pd_cluster.worker_metrics("decode-0")
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("kthena_pd_requests_total")
-                   and 'path="disaggregated"' in line)
+        return metric_value(pd_cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                            path="disaggregated")
 
     before = disaggregated()
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": OBJECT}}

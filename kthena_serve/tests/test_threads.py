@@ -115,8 +115,8 @@ def test_llm_decides_before_it_loads_torch():
 _CLI = """
 import os, sys
 from kthena_serve.engine import threads
-from kthena_serve.cli import _prepare_process
-_prepare_process()  # what `kthena serve` and `kthena bench serve` do first
+from kthena_serve.deployment import prepare_process
+prepare_process()  # what `kthena serve` and `kthena bench serve` do first
 threads.in_process_wait_policy()  # an LLM built later in the process keeps the CLI's choice
 print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
 """

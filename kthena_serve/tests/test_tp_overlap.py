@@ -14,9 +14,8 @@ import json
 import os
 
 import pytest
-import torch
 from _ranks import HERE, run_two_ranks
-from test_sp import uneven_checkpoint  # noqa: F401
+from test_sp import engine_prompts, engine_tokens, uneven_checkpoint  # noqa: F401
 
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.model import MC2Overlap, TensorParallel, TensorParallelError
@@ -70,32 +69,18 @@ def test_every_tp_collective_went_through_a_fused_op(parity, scenario):
                                            "matmul_reduce_scatter": per_forward * split}
 
 
-def _engine_tokens(checkpoint, prompts, **layout):  # noqa: ANN001, ANN202
-    """test_sp's engine run, returning rank 0's fused collectives (what the config wired in)
-    instead of its SequenceParallel."""
-    from kthena_serve.engine.sampling_params import SamplingParams
-    from kthena_serve.llm import LLM
-
-    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=128, block_size=16,
-              max_num_batched_tokens=48, **layout)
-    try:
-        fused = llm.engine.runner.model.tp.fused
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
-        again = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
-    finally:
-        llm.close()
-    return fused, [list(o.token_ids) for o in outs], list(again[0].token_ids)
-
-
 @pytest.mark.slow
 def test_engine_with_tp_overlap_matches_plain_tp(uneven_checkpoint):  # noqa: F811
     """Through the engine: TP=2 with MC2 (3 tiles) and SP against plain TP=2, a 101-token
     prompt prefilled in 48-token chunks beside a 23-token one, then the first again."""
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (101, 23)]
-    wired, *fused = _engine_tokens(uneven_checkpoint, prompts, tp=2, sp=2, sp_min_tokens=16,
-                                   tp_overlap=True, tp_overlap_tiles=3)
-    none, *plain = _engine_tokens(uneven_checkpoint, prompts, tp=2)
+    prompts = engine_prompts()
+
+    def fused_ops(model):  # noqa: ANN001, ANN202 - rank 0's fused collectives
+        return model.tp.fused
+
+    wired, *fused = engine_tokens(uneven_checkpoint, prompts, fused_ops, tp=2, sp=2,
+                                  sp_min_tokens=16, tp_overlap=True, tp_overlap_tiles=3)
+    none, *plain = engine_tokens(uneven_checkpoint, prompts, fused_ops, tp=2)
     assert isinstance(wired, MC2Overlap) and wired.num_tiles == 3 and none is None
     assert fused == plain
     assert len(fused[0][0]) == 8

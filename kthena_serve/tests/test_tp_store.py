@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kthena_comm.groups import connect_store
-from kthena_serve.engine.parallel_runner import _free_port, _rank_env
+from kthena_core.ports import free_port
+from kthena_serve.engine.parallel_runner import _rank_env
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
@@ -29,7 +30,7 @@ def listening_addresses(port: int) -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 def test_tp_store_master_listens_on_loopback_only() -> None:
-    env = _rank_env(0, 1, _free_port())  # rank 0 of a TP engine, as TPModelRunner builds it
+    env = _rank_env(0, 1, free_port())  # rank 0 of a TP engine, as TPModelRunner builds it
     assert env.master_addr == "127.0.0.1"
     store = connect_store(env, timeout_s=10)
     try:

@@ -82,17 +82,30 @@ def test_segments_tile_the_buffer(shape, num_blocks, kind):
     assert union | padding == set(range(layout.total_bytes))
 
 
-@given(layouts_and_ids(), st.integers(0, 10), st.randoms(use_true_random=False))
-def test_pair_ranges_move_each_block_to_its_destination(case, extra, rnd):
+def _pair_case(case, extra, rnd):
+    """(source layout, its distinct block ids, a destination layout ``extra`` blocks larger, as
+    many destination ids, a random source buffer), drawn from ``rnd``."""
     layout, ids = case
     src_ids = sorted(set(ids))
     dst = KVLayout(layout.shape, layout.num_blocks + extra, layout.kind)
     dst_ids = rnd.sample(range(dst.num_blocks), len(src_ids))
     src_buf = bytes(rnd.getrandbits(8) for _ in range(layout.total_bytes))
+    return layout, src_ids, dst, dst_ids, src_buf
+
+
+def _moved(pairs, src_buf, dst) -> bytearray:
+    """A zeroed buffer of ``dst`` after each pair's bytes are copied into it from ``src_buf``."""
     dst_buf = bytearray(dst.total_bytes)
-    pairs = layout.pair_ranges(src_ids, dst_ids, dst)
     for p in pairs:
         dst_buf[p.dst_offset : p.dst_offset + p.length] = src_buf[p.src_offset : p.src_offset + p.length]
+    return dst_buf
+
+
+@given(layouts_and_ids(), st.integers(0, 10), st.randoms(use_true_random=False))
+def test_pair_ranges_move_each_block_to_its_destination(case, extra, rnd):
+    layout, src_ids, dst, dst_ids, src_buf = _pair_case(case, extra, rnd)
+    pairs = layout.pair_ranges(src_ids, dst_ids, dst)
+    dst_buf = _moved(pairs, src_buf, dst)
     for s, d in zip(src_ids, dst_ids, strict=True):
         src_block = b"".join(src_buf[r.offset : r.end] for r in layout.block_ranges(s))
         dst_block = b"".join(dst_buf[r.offset : r.end] for r in dst.block_ranges(d))
@@ -142,15 +155,9 @@ def test_int8_scales_follow_the_data_region_aligned():
 
 @given(layouts_and_ids(), st.integers(0, 10), st.randoms(use_true_random=False))
 def test_pair_ranges_of_one_layer_move_that_layer_only(case, extra, rnd):
-    layout, ids = case
-    src_ids = sorted(set(ids))
-    dst = KVLayout(layout.shape, layout.num_blocks + extra, layout.kind)
-    dst_ids = rnd.sample(range(dst.num_blocks), len(src_ids))
-    src_buf = bytes(rnd.getrandbits(8) for _ in range(layout.total_bytes))
+    layout, src_ids, dst, dst_ids, src_buf = _pair_case(case, extra, rnd)
     layer = rnd.randrange(layout.shape.num_layers)
-    dst_buf = bytearray(dst.total_bytes)
-    for p in layout.pair_ranges(src_ids, dst_ids, dst, layer=layer):
-        dst_buf[p.dst_offset : p.dst_offset + p.length] = src_buf[p.src_offset : p.src_offset + p.length]
+    dst_buf = _moved(layout.pair_ranges(src_ids, dst_ids, dst, layer=layer), src_buf, dst)
     for s, d in zip(src_ids, dst_ids, strict=True):
         for other in range(layout.shape.num_layers):
             for part in KVPart:

@@ -12,10 +12,10 @@ its block's bytes. At the end: nothing queued, every block free, the threads gon
 from __future__ import annotations
 
 import threading
-import time
 
 import attrs
 import pytest
+from _support import wait_until
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -62,13 +62,6 @@ class GatedPool:
 def frame_size() -> int:
     key = f"{SHAPE.fingerprint()}/{'0' * 32}"  # an xxh3_128 hash is 32 hex digits
     return len(frame_block(key, SHAPE.fingerprint(), bytes(SHAPE.bytes_per_block)))
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.001)
 
 
 @attrs.define
@@ -246,7 +239,7 @@ def test_full_queue_drops_and_eviction_before_copy_drops(rig):
     manager, pool, storage, offloader = rig
     storage.gate.clear()
     compute(manager, pool, "a", [1, 2, 3], keep=True)  # its block: the copier takes it, stalls
-    wait_until(lambda: storage.num_waiting == 1)
+    wait_until(lambda: storage.num_waiting == 1, 5.0, "the copier to stall in a read")
     compute(manager, pool, "b", [4, 5, 6, 7, 8])  # two blocks: one queued, one dropped (full)
     snap = offloader.snapshot()
     assert (snap.in_flight, snap.queue_depth, snap.num_dropped_full) == (1, 1, 1)
@@ -263,7 +256,7 @@ def test_read_racing_a_reuse_is_thrown_away(rig):
     manager, pool, storage, offloader = rig
     storage.gate.clear()
     compute(manager, pool, "a", [1, 2, 3, 4, 5])  # copier stalls inside a's first read
-    wait_until(lambda: storage.num_waiting == 1)
+    wait_until(lambda: storage.num_waiting == 1, 5.0, "the copier to stall in a read")
     compute(manager, pool, "b", [6, 7, 8, 9, 10, 11, 12, 13])  # evicts a's blocks, overwrites
     storage.gate.set()
     assert offloader.drain()

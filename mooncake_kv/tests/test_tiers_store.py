@@ -2,13 +2,13 @@
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _support import free_port
 
 from mooncake_kv.tiers import (
     MooncakeStoreTier,
@@ -21,12 +21,6 @@ from mooncake_kv.tiers.master import master_binary, start_local_master
 from mooncake_kv.tiers.master import stop_master as stop_local
 
 pytestmark = pytest.mark.mooncake
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def processes_with(marker: str) -> list[int]:

@@ -388,10 +388,10 @@ def test_int8_prefill_rows_of_bf16_in_fp32_match_the_oracle(with_bias):
     bias = torch.randn(40, generator=gen).bfloat16() if with_bias else None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mo.linear, "_FP32_SLICE_ELEMENTS", 16 * 64)
-        direct = mo.linear._int8_linear_fp32(x, packed, bias)
+        direct = mo.linear_int8._int8_linear_fp32(x, packed, bias)
     chosen = mo.int8_linear(x, packed, bias)
     exact = _int8_oracle(x, packed, bias)
-    if mo.linear._bf16_arithmetic():
+    if mo.linear.onednn_bf16_available():
         weight = mo.dequantize_int8_weight(packed, torch.bfloat16).double()
         bf16_weight = x.double() @ weight.T + (0 if bias is None else bias.double())
     else:
@@ -468,7 +468,7 @@ def test_int8_fused_gate_up_silu_equals_the_unfused_path(threads, rows, width_bl
         torch.set_num_threads(previous)
     assert fused.shape == (rows, width) and fused.dtype == torch.bfloat16
     assert torch.equal(fused, unfused)
-    if rows >= mo.linear.INT8_PANEL_MIN_ROWS:
+    if rows >= mo.linear_int8.INT8_PANEL_MIN_ROWS:
         assert torch.equal(fused, over_dense)
     both = x.double() @ dense.double().T
     gate, up = both[:, :width], both[:, width:]

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from mooncake_ops import dispatch
+from mooncake_ops import kernel_timing as timing
 from mooncake_ops import selection as sel
-from mooncake_ops.linear import FP32_COMPUTE_BF16
+from mooncake_ops.linear import FP32_COMPUTE_BF16, TORCH_DENSE
+from mooncake_ops.linear_int8 import INT8_DEQUANT_DENSE
 
 ALWAYS = ("torch-dense", "bf16-fp32-compute")
 
@@ -34,15 +36,16 @@ def busy() -> sel.MachineLoad:
     return sel.MachineLoad(1.9, 2)
 
 
-def _layers(num_layers: int = 2, hidden: int = 32, seed: int = 0) -> list[list[sel.MatmulWeight]]:
+def _layers(num_layers: int = 2, hidden: int = 32,
+            seed: int = 0) -> list[list[timing.MatmulWeight]]:
     g = torch.Generator().manual_seed(seed)
 
     def w(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, generator=g).to(torch.bfloat16)
 
-    return [[sel.MatmulWeight(w(3 * hidden, hidden)), sel.MatmulWeight(w(hidden, hidden)),
-             sel.MatmulWeight(w(4 * hidden, hidden), gate_up=True),
-             sel.MatmulWeight(w(hidden, 2 * hidden))] for _ in range(num_layers)]
+    return [[timing.MatmulWeight(w(3 * hidden, hidden)), timing.MatmulWeight(w(hidden, hidden)),
+             timing.MatmulWeight(w(4 * hidden, hidden), gate_up=True),
+             timing.MatmulWeight(w(hidden, 2 * hidden))] for _ in range(num_layers)]
 
 
 class Timings:
@@ -81,12 +84,12 @@ def test_auto_takes_the_fastest_candidate_per_class_from_injected_timings():
                      "matmul_prefill:bf16-fp32-compute": 5.0, "matmul_prefill:torch-dense": 1.0})
     layers = _layers()
     candidates = [k for k in sel.linear_candidates(layers[0][0].weight) if k.name in ALWAYS]
-    found = sel.measure_linear(layers, None, candidates, timer)
+    found = timing.measure_linear(layers, None, candidates, timer)
     assert sel.split_or_single(found["decode"], found["prefill"]) == (
         "bf16-fp32-compute", "torch-dense")
     # every decode row count and the prefill pass of each candidate was timed
     assert {c.split(":")[0] for c in timer.calls} == {"matmul_decode", "matmul_prefill"}
-    assert {int(c.split(":")[2]) for c in timer.calls} == {1, 8, sel.PREFILL_ROWS}
+    assert {int(c.split(":")[2]) for c in timer.calls} == {1, 8, timing.PREFILL_ROWS}
 
 
 def test_a_candidate_that_fails_is_left_out_and_the_next_fastest_runs():
@@ -95,7 +98,7 @@ def test_a_candidate_that_fails_is_left_out_and_the_next_fastest_runs():
                      "matmul_prefill:torch-dense": 1.0})
     layers = _layers()
     candidates = [k for k in sel.linear_candidates(layers[0][0].weight) if k.name in ALWAYS]
-    found = sel.measure_linear(layers, None, candidates, timer)
+    found = timing.measure_linear(layers, None, candidates, timer)
     assert found["decode"]["bf16-fp32-compute"] is None
     assert sel.split_or_single(found["decode"], found["prefill"]) == (
         "torch-dense", "bf16-fp32-compute")
@@ -271,7 +274,7 @@ def test_cached_choices_reads_every_record_and_skips_the_rest(tmp_path):
 
 
 def test_the_split_kernel_runs_each_class_on_its_own_kernel():
-    small, large = sel.TORCH_DENSE, FP32_COMPUTE_BF16
+    small, large = TORCH_DENSE, FP32_COMPUTE_BF16
     kernel = sel.split_kernel(small, large)
     weight = torch.randn(48, 32).to(torch.bfloat16)
     packed = kernel.pack(weight)
@@ -287,7 +290,7 @@ def test_the_split_kernel_fused_gate_up_matches_its_parts():
 
     if not native_bf16_linear_available():
         pytest.skip("the fused SwiGLU input is the AVX512_BF16 native kernel's (not on this CPU)")
-    kernel = sel.split_kernel(NATIVE_PACKED_BF16, sel.TORCH_DENSE)
+    kernel = sel.split_kernel(NATIVE_PACKED_BF16, TORCH_DENSE)
     weight = torch.randn(64, 32).to(torch.bfloat16)
     packed = kernel.pack_gate_up(weight)
     from mooncake_ops import silu_and_mul
@@ -315,10 +318,10 @@ def test_every_linear_candidate_matches_f_linear_on_fresh_inputs():
 
 
 def test_attention_candidates_are_timed_and_the_choice_is_applied_and_reset():
-    shape = sel.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+    shape = timing.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                                dtype=torch.bfloat16)
     timer = Timings({"paged_decode_attention:torch-sdpa": 0.01}, default=1.0)
-    found = sel.measure_attention(shape, timer)
+    found = timing.measure_attention(shape, timer)
     assert sel.fastest(found["paged_decode_attention"]) == "torch-sdpa"
     choice = sel.KernelChoice("auto", None, None, {"paged_decode_attention": "torch-sdpa"})
     before = dispatch.implementation_name("paged_decode_attention", "cpu")
@@ -348,17 +351,14 @@ def test_a_native_choice_is_void_while_native_kernels_are_off():
         dispatch.choose_impl("paged_decode_attention", "cpu", None)
 
 
-def test_the_mode_comes_from_the_environment_first_and_bad_ones_are_named(monkeypatch):
-    monkeypatch.delenv(sel.ENV_VAR, raising=False)
+def test_the_mode_comes_from_the_argument_alone_and_bad_ones_are_named(monkeypatch):
+    """This layer reads no environment: ``KTHENA_KERNELS`` is only kthena_serve's default for
+    ``EngineConfig.kernels`` (kthena_serve/tests/test_kernels.py names a bad one there)."""
+    monkeypatch.setenv("KTHENA_KERNELS", "torch")
     assert sel.resolve_mode(None) == "auto"
     assert sel.resolve_mode("native") == "native"
-    monkeypatch.setenv(sel.ENV_VAR, "torch")
-    assert sel.resolve_mode("native") == "torch"
-    monkeypatch.setenv(sel.ENV_VAR, "fastest")
-    with pytest.raises(ValueError, match="KTHENA_KERNELS='fastest': the kernel choice is one "
-                                         "of auto, native, torch"):
-        sel.resolve_mode("auto")
-    monkeypatch.delenv(sel.ENV_VAR)
+    monkeypatch.setenv("KTHENA_KERNELS", "fastest")
+    assert sel.resolve_mode("auto") == "auto"
     with pytest.raises(ValueError, match="kernels='amx': the kernel choice is one of"):
         sel.resolve_mode("amx")
 
@@ -371,7 +371,7 @@ def test_fixed_modes_time_nothing():
     native = sel.choose_kernels("native", _layers(), None, None, timer=timer)
     assert native.attention == {} and native.source == "fixed"
     assert not timer.calls
-    fp32 = [[sel.MatmulWeight(torch.randn(8, 8))]]  # no packed kernel for fp32: F.linear
+    fp32 = [[timing.MatmulWeight(torch.randn(8, 8))]]  # no packed kernel for fp32: F.linear
     assert sel.choose_kernels("auto", fp32, None, None, timer=timer).linear_kernel() is None
     assert not [c for c in timer.calls if c.startswith("matmul")]
 
@@ -393,7 +393,7 @@ def test_every_int8_candidate_matches_the_dequantised_weight_on_fresh_inputs():
     float64 here). Derived bound, as for the bf16 candidates: x is exact bf16 and the dequantised
     weight is rounded to bf16 at most once (2^-8 relative) before an fp32 sum (K = 96 terms,
     negligible), and the result is rounded to bf16 once: four roundings of the largest |y|."""
-    from mooncake_ops.linear import dequantize_int8_weight, pack_int8_weight
+    from mooncake_ops.linear_int8 import dequantize_int8_weight, pack_int8_weight
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
     weight = torch.randn(64, 96, generator=g).to(torch.bfloat16)
@@ -432,7 +432,7 @@ def test_int8_auto_takes_the_fastest_int8_path_per_class_and_shares_the_packed_w
     packed = kernel.pack(weight)
     assert packed.dtype == torch.int8
     x = torch.randn(40, 32).to(torch.bfloat16)  # a prefill-sized call: the dequantising path
-    assert torch.equal(kernel.linear(x, packed), sel.INT8_DEQUANT_DENSE.linear(x, packed))
+    assert torch.equal(kernel.linear(x, packed), INT8_DEQUANT_DENSE.linear(x, packed))
     # int8 and bf16 measurements of the same shapes are kept apart
     bf16 = sel.choose_kernels("auto", _layers(), None, None, timer=Timings({}),
                               cache_dir=tmp_path, load=idle)

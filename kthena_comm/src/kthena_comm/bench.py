@@ -34,6 +34,8 @@ from kthena_comm.transfer import (
     available_backends,
     create_engine,
 )
+from kthena_core.discovery.host_probe import sample_times
+from kthena_core.ports import free_port
 
 MIB = 1 << 20
 BLOCK_BYTES = 64 * 1024  # a KV block of a small model: 16 tokens × all layers of one rank
@@ -45,13 +47,8 @@ def emit(case: str, **fields: object) -> None:
 
 
 def median_s(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall seconds of ``repeat`` calls of ``fn`` after one warm-up call."""
+    return statistics.median(sample_times(fn, repeat))
 
 
 def machine() -> dict:
@@ -94,7 +91,7 @@ class Remote:
             self.handle = self.owner.register(self.memory)
             self.engine = create_engine("local", LocalConfig(fabric))
             return
-        port = _free_port()
+        port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "kthena_comm.bench", "--serve",
                                       backend, str(nbytes), str(port)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -246,7 +243,7 @@ def bench_zero_copy(sizes: list[int], repeat: int) -> None:
 def bench_allreduce(repeat: int) -> None:
     from kthena_comm.groups import GroupConfig  # noqa: F401  (fail early without torch)
 
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "kthena_comm._bench_allreduce", str(repeat)],
                               stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port),
@@ -255,14 +252,6 @@ def bench_allreduce(repeat: int) -> None:
     out = [p.communicate(timeout=120)[0] for p in procs]
     for line in out[0].splitlines():
         emit("allreduce", **json.loads(line))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:

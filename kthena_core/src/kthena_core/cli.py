@@ -56,7 +56,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _factors(fitted: Any, used: Any, topology: Any, topology_spec: str) -> Any:
     """The factors the plan is scored with (``cpu_defaults.plan_factors``): the calibration
     file's, a fit that was not written, this CPU's class default, or the built-in ones."""
-    from kthena_core.calibrate import is_this_machine
+    from kthena_core.calibration_file import is_this_machine
     from kthena_core.cpu_defaults import PlanFactors, plan_factors
 
     if used is None and fitted is not None:
@@ -68,16 +68,14 @@ def _calibration(args: argparse.Namespace, model: Any, topology: Any, cache: Pat
                  topology_spec: str):
     """(the fit of --calibrate or None, the calibration the plan uses or None); a fit is
     written to --calibration-out, else to this machine's cache when planned on this machine."""
-    from kthena_core.calibrate import (
+    from kthena_core.bench_record import cpu_text, load_bench, same_cpu
+    from kthena_core.calibrate import fit_calibration
+    from kthena_core.calibration_file import (
         cached_calibration_path,
-        cpu_text,
         find_calibration,
-        fit_calibration,
         is_this_machine,
-        load_bench,
         load_calibration,
         planning_cpu,
-        same_cpu,
         save_calibration,
     )
 

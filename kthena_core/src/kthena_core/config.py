@@ -29,8 +29,9 @@ import attrs
 
 from kthena_core._yaml import read_yaml
 from kthena_core.dtypes import ENGINE_DTYPES, canonical_dtype
+from kthena_core.layout import sp_with_pp_refusal
 from kthena_core.model_spec import ModelSpec
-from kthena_core.shape import LayerSplitError, check_split_points
+from kthena_core.shape import LayerSplitError, check_split_points, has_split_points_form
 
 
 class ConfigError(ValueError):
@@ -139,15 +140,16 @@ class KthenaConfig:
         allowed = model.allowed_tp_sizes()
         _check(tp in allowed, "parallelism.tensor_parallel_size", tp,
                f"one of {', '.join(map(str, allowed))} ({model.name} has "
-               f"{model.num_attention_heads} attention heads, {model.num_key_value_heads} KV heads)")
+               f"{model.shape.num_attention_heads} attention heads, "
+               f"{model.shape.num_kv_heads} KV heads)")
         if points is not None:
             try:
-                check_split_points(model.num_layers, pp, points)
+                check_split_points(model.shape.num_layers, pp, points)
             except LayerSplitError as e:
                 raise ConfigError(f"parallelism.pipeline_split_points: {e} ({model.name})") from None
             return
-        _check(model.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
-               f"a divisor of {model.name}'s {model.num_layers} layers, or any pp up to "
+        _check(model.shape.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
+               f"a divisor of {model.name}'s {model.shape.num_layers} layers, or any pp up to "
                "them with parallelism.pipeline_split_points")
 
     def to_dict(self) -> dict[str, Any]:
@@ -283,10 +285,7 @@ def _check_split_points(par: ParallelismConfig) -> None:
     _check(par.strategy != "auto", path, list(points) if isinstance(points, tuple) else points,
            "unset with strategy auto (the planner chooses pp and its split); pin "
            "pipeline_parallel_size with a strategy that includes pp")
-    ok = (isinstance(points, tuple) and len(points) == pp - 1 and all(
-        isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points)
-        and all(b > a for a, b in zip(points, points[1:], strict=False)))
-    _check(ok, path, list(points) if isinstance(points, tuple) else points,
+    _check(has_split_points_form(pp, points), path, list(points) if isinstance(points, tuple) else points,
            f"a list of {pp - 1} strictly increasing layer indices >= 1 for "
            f"pipeline_parallel_size {pp}: the first layer of stages 1..{pp - 1}" if pp > 1 else
            "unset with pipeline_parallel_size 1 (split points cut the layers into pp > 1 stages)")
@@ -305,9 +304,9 @@ def _check_sequence_parallel(cfg: KthenaConfig) -> None:
     _check(cfg.service.mode == "colocated", "parallelism.sequence_parallel_enabled", True,
            "false with service.mode pd (sequence parallelism splits a prompt over a worker's "
            "TP ranks, and PD workers run tp = 1)")
-    _check(par.pipeline_parallel_size == 1, "parallelism.sequence_parallel_enabled", True,
-           f"false with pipeline_parallel_size {par.pipeline_parallel_size} (SP with PP is "
-           "not wired: a stage would hand the next a sharded residual stream)")
+    why = sp_with_pp_refusal(par.pipeline_parallel_size)
+    _check(why is None, "parallelism.sequence_parallel_enabled", True,
+           f"false with pipeline_parallel_size {par.pipeline_parallel_size} ({why})")
     if par.strategy == "auto":
         _check(sp == 1, "parallelism.sequence_parallel_group_size", sp,
                "unset with strategy auto (the planner picks SP over its own TP group)")

@@ -51,7 +51,7 @@ class _PinnedPlanner(Planner):
             yield self.pinned
             return
         yield from (lay for lay in super().layouts(model, topology, workload)
-                    if lay.sp == 1 or (self.allow_sp and lay.pp == 1))
+                    if lay.sp == 1 or (self.allow_sp and lay.sp_refusal() is None))
 
 
 def config_workload(cfg: KthenaConfig) -> Workload:

@@ -138,7 +138,7 @@ def prefill_layer_comm(model: ModelSpec, tokens: int, layout: Layout, links: Lin
                        params: CostParams) -> float:
     """One layer's TP collectives in a prefill of `tokens` tokens: two all-reduces, or with SP
     two reduce-scatter + all-gather pairs (times ``params.sp_collective_factor``)."""
-    act = tokens * model.hidden_size * 2.0
+    act = tokens * model.shape.hidden_size * 2.0
     if layout.sp > 1:
         pair = (reduce_scatter_time(act, layout.tp, links.tp_bw, links.tp_latency)
                 + all_gather_time(act, layout.tp, links.tp_bw, links.tp_latency))
@@ -152,15 +152,15 @@ def sp_tokenwise_saving(model: ModelSpec, tokens: int, layout: Layout, dev: Devi
     rank does 1/sp of it. Zero without SP."""
     if layout.sp <= 1:
         return 0.0
-    full = TOKENWISE_PASSES_PER_LAYER * tokens * model.hidden_size * per_elem / dev.memory_bw
-    return (1 - 1 / layout.sp) * full * model.num_layers / layout.pp
+    full = TOKENWISE_PASSES_PER_LAYER * tokens * model.shape.hidden_size * per_elem / dev.memory_bw
+    return (1 - 1 / layout.sp) * full * model.shape.num_layers / layout.pp
 
 
 def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int) -> float:
     """Weights on the most loaded device: its share of layers plus embedding and/or LM head."""
     total = model.weight_bytes(dtype)
     per_param = total / model.num_params()
-    embed = model.vocab_size * model.hidden_size * per_param
+    embed = model.shape.vocab_size * model.shape.hidden_size * per_param
     head = 0.0 if model.tie_word_embeddings else embed
     layers = total - embed - head
     ends = embed + head if pp == 1 else max(embed, head) if head else embed
@@ -170,10 +170,12 @@ def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int) -> float:
 def activation_bytes(model: ModelSpec, wl: Workload, layout: Layout) -> float:
     """Peak live activations of one prefill step of a whole prompt, one layer at a time."""
     per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
-    hidden_parts = 4 * model.hidden_size / max(layout.sp, 1)
+    hidden_parts = 4 * model.shape.hidden_size / max(layout.sp, 1)
     if layout.sp > 1:  # SP's all-gather materialises the whole [tokens, hidden] matmul input
-        hidden_parts += model.hidden_size
-    sharded = (2 * model.intermediate_size + 3 * model.num_attention_heads * model.head_dim) / layout.tp
+        hidden_parts += model.shape.hidden_size
+    shape = model.shape
+    sharded = (2 * shape.intermediate_size
+               + 3 * shape.num_attention_heads * shape.head_dim) / layout.tp
     return wl.prompt_len * per_elem * (hidden_parts + sharded)
 
 
@@ -185,8 +187,8 @@ def memory(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, p
     kv = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * seqs_per_replica * wl.context_len
     weights = stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp)
     if split_points is not None:
-        ranges = stage_layer_ranges(model.num_layers, layout.pp, split_points)
-        kv *= layout.pp * max(map(len, ranges)) / model.num_layers
+        ranges = stage_layer_ranges(model.shape.num_layers, layout.pp, split_points)
+        kv *= layout.pp * max(map(len, ranges)) / model.shape.num_layers
         weights = max(_held_weight_bytes(model, wl.dtype, layout.tp, r, s == 0, s == layout.pp - 1)
                       for s, r in enumerate(ranges))
     return Memory(
@@ -211,10 +213,10 @@ def _held_weight_bytes(model: ModelSpec, dtype: str, tp: int, layers: range, fir
     """Weights one device of a stage holds: its layers, the embedding on the first stage, the
     final norm and LM head on the last (a tied head is a second copy of the embedding there)."""
     per = model.weight_bytes(dtype) / model.num_params()
-    embed = model.vocab_size * model.hidden_size
+    embed = model.shape.vocab_size * model.shape.hidden_size
     head = 0 if model.tie_word_embeddings and first else embed if last else 0
     params = sum(model.layer_params(i) for i in layers) + (embed if first else 0)
-    params += head + (model.hidden_size if last else 0)
+    params += head + (model.shape.hidden_size if last else 0)
     return params * per / tp
 
 
@@ -233,16 +235,17 @@ class StagePricer:
         self.b = b = batch / micro
         ctx = wl.prompt_len + wl.output_len / 2
         tp, per = layout.tp, model.weight_bytes(wl.dtype) / model.num_params()
-        attn = model.attention_flops(1, int(ctx) + 1) / model.num_layers
-        kv = model.kv_bytes_per_token(wl.kv_dtype, tp) / model.num_layers * b * ctx
+        attn = model.attention_flops(1, int(ctx) + 1) / model.shape.num_layers
+        kv = model.kv_bytes_per_token(wl.kv_dtype, tp) / model.shape.num_layers * b * ctx
         self._flops, self._bytes = [0.0], [0.0]
-        for i in range(model.num_layers):
+        for i in range(model.shape.num_layers):
             self._flops.append(self._flops[-1] + b * (2.0 * model.layer_params(i, active=True) + attn) / tp)
             self._bytes.append(self._bytes[-1] + model.layer_params(i) * per / tp + kv)
-        end = model.vocab_size * model.hidden_size + model.hidden_size  # LM head + final norm
+        hidden = model.shape.hidden_size
+        end = model.shape.vocab_size * hidden + hidden  # LM head + final norm
         self._last = (b * 2.0 * end / tp, end * per / tp)
-        self.dev, self.num_layers = dev, model.num_layers
-        act = b * model.hidden_size * 2.0
+        self.dev, self.num_layers = dev, model.shape.num_layers
+        act = b * model.shape.hidden_size * 2.0
         links = links or Links(math.inf, 0.0, math.inf, 0.0, math.inf)  # work() needs none
         self._layer_comm = 2 * allreduce_time(act, tp, links.tp_bw, links.tp_latency)
         self.hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
@@ -272,8 +275,8 @@ def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigu
     saving (see the module docs)."""
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
     flops, nbytes = prefill_work(model, wl, layout)
-    act = new * model.hidden_size * 2.0
-    comm = model.num_layers / layout.pp * prefill_layer_comm(model, new, layout, links,
+    act = new * model.shape.hidden_size * 2.0
+    comm = model.shape.num_layers / layout.pp * prefill_layer_comm(model, new, layout, links,
                                                              params or CostParams())
     hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
     per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
@@ -286,7 +289,7 @@ def decode_work(model: ModelSpec, wl: Workload, layout: Layout, batch: int,
                 split_points: Sequence[int] | None = None) -> tuple[float, float]:
     """(FLOPs, bytes read) of one device of the last stage (the whole model when pp = 1) for one
     micro-batch of `batch` sequences to advance a token."""
-    last = stage_layer_ranges(model.num_layers, layout.pp, split_points)[-1]
+    last = stage_layer_ranges(model.shape.num_layers, layout.pp, split_points)[-1]
     return StagePricer(model, wl, layout, None, None, batch).work(last, True)
 
 
@@ -299,7 +302,7 @@ def decode_step(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigur
     """
     micro = max(1, min(batch, layout.pp))
     pricer = StagePricer(model, wl, layout, dev, links, batch)
-    ranges = stage_layer_ranges(model.num_layers, layout.pp, split_points)
+    ranges = stage_layer_ranges(model.shape.num_layers, layout.pp, split_points)
     times = [pricer.time(r, s == layout.pp - 1) for s, r in enumerate(ranges)]
     slowest = max(range(layout.pp), key=times.__getitem__)
     t_micro = times[slowest]

@@ -34,18 +34,16 @@ from typing import Any
 
 import attrs
 
-from kthena_core.calibrate import (
+from kthena_core.bench_record import (
     BenchPoint,
-    CalibrationFile,
     bench_points,
     bench_probe,
     bench_topology,
     cpu_text,
-    fit_calibration,
-    planning_cpu,
-    predict,
     same_cpu,
 )
+from kthena_core.calibrate import fit_calibration, predict
+from kthena_core.calibration_file import CalibrationFile, planning_cpu
 from kthena_core.cost_model import CostParams
 from kthena_core.hardware import cpu_host_spec
 from kthena_core.model_spec import ModelSpec
@@ -114,7 +112,7 @@ def load_records(folder: Path = RECORDS_DIR) -> tuple[CpuRecord, ...]:
 
 def _record_topology(record: CpuRecord) -> Topology:
     """A one-device topology for the fit: its figures are replaced by the record's own probe
-    (``calibrate.bench_topology``)."""
+    (``bench_record.bench_topology``)."""
     probe = bench_probe(record.bench, where=record.path)
     assert probe is not None, f"{record.path}: a record carries its run's probe"
     spec = cpu_host_spec(probe.threads, 24 << 30, memory_bw=probe.memory_bw,

@@ -18,10 +18,13 @@ Every figure below cites its public source in a comment. Conventions:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import attrs
 
 from kthena_core.dtypes import dtype_key
+
+_Spec = TypeVar("_Spec")
 
 __all__ = [
     "DEVICE_KINDS",
@@ -286,11 +289,12 @@ _add(DeviceSpec(
 # NVLink 900 GB/s; PCIe Gen5 128 GB/s.
 _H100_SXM_FLOPS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp8": 1979 * T, "int8": 1979 * T,
                    "fp32": 67 * T, "tf32": 494.5 * T}
-_add(DeviceSpec(
+_H100_SXM = DeviceSpec(
     name="nvidia-h100-sxm", kind="gpu", vendor="nvidia", memory_bytes=80 * GiB, memory_bw=3.35 * T,
     peak_flops=_H100_SXM_FLOPS, link_kind="nvlink", link_bw=450 * G,
     link_latency=_NV_LINK_LATENCY, pcie_bw=64 * G, source="NVIDIA H100 datasheet (SXM)",
-))
+)
+_add(_H100_SXM)
 # H100 PCIe: "NVIDIA H100 PCIe GPU" product brief PB-11133-001 and the datasheet's PCIe column:
 # BF16/FP16 1,513 TFLOPS sparse, so 756 dense; FP32 51 TFLOPS; HBM2e 80 GB at 2.0 TB/s; PCIe Gen5
 # x16 128 GB/s. The optional NVLink bridge joins only pairs, so PCIe is the node fabric here.
@@ -304,11 +308,8 @@ _add(DeviceSpec(
 # "NVIDIA H200 Tensor Core GPU" datasheet (SXM): 141 GB HBM3e at 4.8 TB/s. Compute is the same as
 # H100 SXM (BF16 1,979 sparse, FP8 3,958 sparse). NVLink 900 GB/s. The 141 GB is decimal-ish
 # (nvidia-smi reports 143771 MiB); 140 GiB is used.
-_add(DeviceSpec(
-    name="nvidia-h200-sxm", kind="gpu", vendor="nvidia", memory_bytes=140 * GiB, memory_bw=4.8 * T,
-    peak_flops=_H100_SXM_FLOPS, link_kind="nvlink", link_bw=450 * G,
-    link_latency=_NV_LINK_LATENCY, pcie_bw=64 * G, source="NVIDIA H200 datasheet (SXM)",
-))
+_add(attrs.evolve(_H100_SXM, name="nvidia-h200-sxm", memory_bytes=140 * GiB, memory_bw=4.8 * T,
+                  source="NVIDIA H200 datasheet (SXM)"))
 # "NVIDIA L40S" datasheet: 48 GB GDDR6 at 864 GB/s. BF16/FP16 tensor 362.05 dense (733 sparse),
 # FP8 733 dense, INT8 733 dense (1,466 sparse), FP32 91.6 TFLOPS. PCIe Gen4 x16 is 64 GB/s
 # bidirectional, and there is no NVLink.
@@ -510,12 +511,7 @@ def get_device(name: str) -> DeviceSpec:
     Raises:
         UnknownHardwareError: (a KeyError) naming ``name`` and listing the known devices.
     """
-    try:
-        return _DEVICES[name]
-    except KeyError:
-        raise UnknownHardwareError(
-            f"unknown device {name!r}; known devices: {', '.join(list_devices())}"
-        ) from None
+    return _lookup(_DEVICES, "device", name)
 
 
 def get_node(name: str) -> NodeSpec:
@@ -524,12 +520,15 @@ def get_node(name: str) -> NodeSpec:
     Raises:
         UnknownHardwareError: (a KeyError) naming ``name`` and listing the known nodes.
     """
+    return _lookup(_NODES, "node", name)
+
+
+def _lookup(table: dict[str, _Spec], kind: str, name: str) -> _Spec:
     try:
-        return _NODES[name]
+        return table[name]
     except KeyError:
         raise UnknownHardwareError(
-            f"unknown node {name!r}; known nodes: {', '.join(list_nodes())}"
-        ) from None
+            f"unknown {kind} {name!r}; known {kind}s: {', '.join(sorted(table))}") from None
 
 
 def list_devices() -> list[str]:

@@ -15,12 +15,31 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["Layout", "LayoutError"]
+__all__ = ["Layout", "LayoutError", "sp_refusal", "sp_with_pp_refusal"]
 
 
 class LayoutError(ValueError):
     """A parallel layout that cannot exist (a size that is not a positive int, SP neither 1
     nor TP), or one that does not fit the ranks it is used with."""
+
+
+def sp_refusal(tp: int, pp: int, sp: int) -> str | None:
+    """Why sequence parallelism ``sp`` cannot run at ``tp`` x ``pp``, or None when it can: the
+    one home of SP's rules, which the YAML config, the planner, ``kthena deploy``, the engine
+    config and the model all call. SP runs over the TP group (``sp`` is 1 or ``tp``), and not
+    with pipeline stages."""
+    if sp not in (1, tp):
+        return (f"sp={sp} must be 1 or equal tp={tp}: sequence parallelism runs over the "
+                "tensor-parallel group")
+    return sp_with_pp_refusal(pp) if sp > 1 else None
+
+
+def sp_with_pp_refusal(pp: int) -> str | None:
+    """Why sequence parallelism cannot run with ``pp`` pipeline stages, or None (``pp`` 1)."""
+    if pp > 1:
+        return (f"sequence parallelism with pipeline parallelism (pp={pp}) is not wired: a "
+                "stage would hand the next a sharded residual stream")
+    return None
 
 
 def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -48,9 +67,12 @@ class Layout:
     sp: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.sp not in (1, self.tp):
-            raise LayoutError(f"sp={self.sp} must be 1 or equal tp={self.tp}: sequence "
-                              "parallelism runs over the tensor-parallel group")
+        if self.sp not in (1, self.tp):  # SP with PP is a layout the planner prices, then drops
+            raise LayoutError(sp_refusal(self.tp, self.pp, self.sp))
+
+    def sp_refusal(self) -> str | None:
+        """Why this layout's SP cannot run (``sp_refusal``), or None."""
+        return sp_refusal(self.tp, self.pp, self.sp)
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp}"

@@ -39,18 +39,6 @@ class MissingKeyError(ModelSpecError):
         self.key = key
 
 
-def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ModelSpecError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _dtype_key(value: str) -> str:
-    try:
-        return canonical_dtype(value)
-    except ValueError as e:
-        raise ModelSpecError(f"dtype: {e}") from None
-
-
 def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
     if value < 0:
         raise ModelSpecError(f"{attribute.name} must be >= 0, got {value!r}")
@@ -58,23 +46,20 @@ def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen
 class ModelSpec:
-    """Architecture of a decoder-only transformer, as far as sizing and planning need it."""
+    """Architecture of a decoder-only transformer, as far as sizing and planning need it.
+
+    ``shape`` holds the tensor geometry (layers, heads, widths, vocabulary) and the checkpoint's
+    declared weight dtype (config ``torch_dtype``, as a short key); the fields below add what
+    only planning reads.
+    """
 
     name: str
     architecture: str
-    num_layers: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    intermediate_size: int = attrs.field(validator=_positive)
-    num_attention_heads: int = attrs.field(validator=_positive)
-    num_key_value_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
-    vocab_size: int = attrs.field(validator=_positive)
+    shape: ModelShape
     max_position_embeddings: int = 2048  # Hugging Face's LlamaConfig default
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_theta: float = 10000.0
-    # The checkpoint's declared weight dtype (config `torch_dtype`), as a short key.
-    dtype: str = attrs.field(default="bf16", converter=_dtype_key)
     # Mixture of experts (0 = dense). Layers before `first_dense_layers` are dense.
     num_experts: int = attrs.field(default=0, validator=_non_negative)
     num_experts_per_tok: int = attrs.field(default=0, validator=_non_negative)
@@ -89,27 +74,12 @@ class ModelSpec:
     v_head_dim: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelSpecError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelSpecError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..{self.num_experts}"
             )
 
     # ---- structure -------------------------------------------------------------------------
-
-    @property
-    def shape(self) -> ModelShape:
-        """The tensor geometry (layers, heads, widths, vocabulary, dtype) as a `ModelShape`."""
-        return ModelShape(
-            num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size, dtype=self.dtype,
-        )
 
     @property
     def is_moe(self) -> bool:
@@ -120,7 +90,9 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     def _attention_params(self) -> int:
-        h, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        shape = self.shape
+        h, nh, nkv, hd = (shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads,
+                          shape.head_dim)
         if self.is_mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             q = h * self.q_lora_rank + self.q_lora_rank * nh * qk if self.q_lora_rank else h * nh * qk
@@ -133,15 +105,16 @@ class ModelSpec:
         return params
 
     def _mlp_params(self, layer: int, active: bool) -> int:
-        h = self.hidden_size
+        h = self.shape.hidden_size
         if not self.is_moe or layer < self.first_dense_layers:
-            return 3 * h * self.intermediate_size
-        inter = self.moe_intermediate_size or self.intermediate_size
+            return 3 * h * self.shape.intermediate_size
+        inter = self.moe_intermediate_size or self.shape.intermediate_size
         routed = self.num_experts_per_tok if active else self.num_experts
         return (routed + self.num_shared_experts) * 3 * h * inter + h * self.num_experts
 
     def _layer_params(self, layer: int, active: bool) -> int:
-        return self._attention_params() + self._mlp_params(layer, active) + 2 * self.hidden_size
+        norms = 2 * self.shape.hidden_size
+        return self._attention_params() + self._mlp_params(layer, active) + norms
 
     def layer_params(self, layer: int, *, active: bool = False) -> int:
         """Parameters of decoder layer `layer` (attention, MLP or its experts, two norms);
@@ -150,31 +123,32 @@ class ModelSpec:
 
     def num_params(self, *, active: bool = False) -> int:
         """Parameter count; `active=True` counts only the experts a token is routed to."""
-        embed = self.vocab_size * self.hidden_size
+        embed = self.shape.vocab_size * self.shape.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        layers = sum(self._layer_params(i, active) for i in range(self.num_layers))
-        return embed + head + layers + self.hidden_size
+        layers = sum(self._layer_params(i, active) for i in range(self.shape.num_layers))
+        return embed + head + layers + self.shape.hidden_size
 
     # ---- compute ---------------------------------------------------------------------------
 
     def _attn_qk_dim(self) -> tuple[int, int]:
         if self.is_mla:
             return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
-        return self.head_dim, self.head_dim
+        return self.shape.head_dim, self.shape.head_dim
 
     def matmul_flops_per_token(self) -> float:
         """FLOPs of the weight matmuls for one token (2 per active weight; no embedding lookup)."""
-        embed_lookup = self.vocab_size * self.hidden_size
+        embed_lookup = self.shape.vocab_size * self.shape.hidden_size
         return 2.0 * (self.num_params(active=True) - embed_lookup * (0 if self.tie_word_embeddings else 1))
 
     def attention_flops(self, num_queries: int, context_len: int) -> float:
         """FLOPs of QK^T and PV for `num_queries` tokens that each attend to `context_len` keys."""
         qk, v = self._attn_qk_dim()
-        return 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * num_queries * context_len
+        layer_heads = self.shape.num_layers * self.shape.num_attention_heads
+        return 2.0 * layer_heads * (qk + v) * num_queries * context_len
 
     def lm_head_flops(self) -> float:
         """FLOPs of the LM head for one token (vocab x hidden, tied or not)."""
-        return 2.0 * self.vocab_size * self.hidden_size
+        return 2.0 * self.shape.vocab_size * self.shape.hidden_size
 
     def prefill_flops(self, prompt_len: int, cached_len: int = 0) -> float:
         """FLOPs to prefill `prompt_len` new tokens after `cached_len` cached ones (causal).
@@ -186,7 +160,7 @@ class ModelSpec:
         # Token i (0-based among new tokens) attends to cached_len + i + 1 keys.
         attended = n * cached_len + n * (n + 1) / 2
         qk, v = self._attn_qk_dim()
-        attn = 2.0 * self.num_layers * self.num_attention_heads * (qk + v) * attended
+        attn = 2.0 * self.shape.num_layers * self.shape.num_attention_heads * (qk + v) * attended
         body = self.matmul_flops_per_token() - self.lm_head_flops()
         return body * n + self.lm_head_flops() * min(n, 1) + attn
 
@@ -213,15 +187,15 @@ class ModelSpec:
         Raises:
             HeadSplitError: the message names the allowed tp values.
         """
-        check_tp(self.num_attention_heads, self._split_kv_heads, tp)
+        check_tp(self.shape.num_attention_heads, self._split_kv_heads, tp)
 
     def allowed_tp_sizes(self) -> tuple[int, ...]:
         """Every tp `check_tp` accepts, smallest first (SmolLM2-135M: 1, 2, 3, 6, 9)."""
-        return allowed_tp_sizes(self.num_attention_heads, self._split_kv_heads)
+        return allowed_tp_sizes(self.shape.num_attention_heads, self._split_kv_heads)
 
     @property
     def _split_kv_heads(self) -> int:
-        return self.num_attention_heads if self.is_mla else self.num_key_value_heads
+        return self.shape.num_attention_heads if self.is_mla else self.shape.num_kv_heads
 
     def kv_heads_per_rank(self, tp: int = 1, rank: int | None = None) -> int:
         """KV heads one TP rank holds (`kthena_core.shape.kv_heads_per_rank`).
@@ -234,14 +208,14 @@ class ModelSpec:
         Raises:
             HeadSplitError: tp is not positive, or exceeds the KV heads without being a multiple.
         """
-        return kv_heads_per_rank(self.num_key_value_heads, tp, rank)
+        return kv_heads_per_rank(self.shape.num_kv_heads, tp, rank)
 
     def kv_bytes_per_token(self, dtype: str = "bf16", tp: int = 1) -> float:
         """KV-cache bytes one token occupies on the most loaded TP rank (all layers, K and V)."""
         per = dtype_bytes(dtype)
         if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per
-        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * per
+            return self.shape.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per
+        return 2 * self.shape.num_layers * self.kv_heads_per_rank(tp) * self.shape.head_dim * per
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -303,21 +277,23 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
     head_dim = config.get("head_dim") or (config.get("v_head_dim") if kv_lora else None) or hidden // heads
     num_experts = int(config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0)
     arch = config.get("architectures") or [config.get("model_type", "unknown")]
+    sizes = {
+        "num_layers": int(_require(config, "num_hidden_layers")),
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(config, "intermediate_size")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(head_dim),
+        "vocab_size": int(_require(config, "vocab_size")),
+    }
     return ModelSpec(
         name=name,
         architecture=str(arch[0]),
-        num_layers=int(_require(config, "num_hidden_layers")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(config, "intermediate_size")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        vocab_size=int(_require(config, "vocab_size")),
+        shape=_shape(sizes, str(config.get("torch_dtype") or config.get("dtype") or "bf16")),
         max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", _is_qwen2(config, arch))),
         rope_theta=_rope_theta(config),
-        dtype=str(config.get("torch_dtype") or config.get("dtype") or "bf16"),
         num_experts=num_experts,
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
         num_shared_experts=int(config.get("n_shared_experts") or 0),
@@ -329,6 +305,32 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
         qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0) if kv_lora else 0,
         v_head_dim=int(config.get("v_head_dim") or 0) if kv_lora else 0,
     )
+
+
+def _shape(sizes: Mapping[str, int], dtype: str) -> ModelShape:
+    """The `ModelShape` of a config's sizes (by their config names) and dtype; a refused one is
+    a ModelSpecError naming the config's field.
+
+    Raises:
+        ModelSpecError: an unknown dtype, a size that is not positive, or query heads that are
+            not a multiple of the KV heads.
+    """
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise ModelSpecError(f"dtype: {e}") from None
+    for key, value in sizes.items():
+        if value <= 0:
+            raise ModelSpecError(f"{key} must be > 0, got {value!r}")
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads % kv_heads:
+        raise ModelSpecError(f"num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
+    return ModelShape(
+        num_layers=sizes["num_layers"], num_attention_heads=heads, num_kv_heads=kv_heads,
+        head_dim=sizes["head_dim"], hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
+        dtype=dtype)
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:

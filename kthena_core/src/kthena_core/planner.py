@@ -193,7 +193,7 @@ class Plan:
             "excluded_devices": [x.to_dict() for x in self.excluded],
             "memory_per_device": _memory_dict(self.chosen.memory),
             "estimate": attrs.asdict(self.chosen.estimate) if self.chosen.estimate else None,
-            "pipeline_split": (self.chosen.split.to_dict(self.model.num_layers)
+            "pipeline_split": (self.chosen.split.to_dict(self.model.shape.num_layers)
                                if self.chosen.split else None),
             "candidates": [
                 {"layout": attrs.asdict(e.layout), "feasible": e.feasible, "cost": _finite(e.cost),
@@ -211,10 +211,10 @@ def _model_dict(model: ModelSpec, wl: Workload) -> dict[str, Any]:
     return {
         "name": model.name, "architecture": model.architecture,
         "num_params": model.num_params(), "num_active_params": model.num_params(active=True),
-        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size,
+        "num_layers": model.shape.num_layers, "hidden_size": model.shape.hidden_size,
+        "num_attention_heads": model.shape.num_attention_heads,
+        "num_key_value_heads": model.shape.num_kv_heads, "head_dim": model.shape.head_dim,
+        "vocab_size": model.shape.vocab_size,
         "dtype": wl.dtype, "weight_bytes": model.weight_bytes(wl.dtype),
         "kv_dtype": wl.kv_dtype, "kv_bytes_per_token": model.kv_bytes_per_token(wl.kv_dtype),
     }
@@ -290,9 +290,9 @@ class Planner:
             reasons.append(str(e))
         try:
             if split_points is None:
-                check_pp(model.num_layers, layout.pp)
+                check_pp(model.shape.num_layers, layout.pp)
             else:
-                check_split_points(model.num_layers, layout.pp, split_points)
+                check_split_points(model.shape.num_layers, layout.pp, split_points)
         except LayerSplitError as e:
             reasons.append(str(e))
         return reasons
@@ -348,8 +348,8 @@ class Planner:
         batch = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
         pricer = StagePricer(model, workload, layout, dev, links, batch)
         if points is not None:
-            return pinned_split(model.num_layers, layout.pp, points, pricer.time)
-        return propose_split(model.num_layers, layout.pp, pricer.time)
+            return pinned_split(model.shape.num_layers, layout.pp, points, pricer.time)
+        return propose_split(model.shape.num_layers, layout.pp, pricer.time)
 
     def plan(self, model: ModelSpec, topology: Topology, workload: Workload | None = None) -> Plan:
         """Choose the best layout.

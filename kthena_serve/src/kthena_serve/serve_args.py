@@ -12,8 +12,8 @@ import attrs
 
 from kthena_core import dtypes
 
-__all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args", "add_public_metrics_arg",
-           "curl_line"]
+__all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
+           "add_api_key_args", "add_public_metrics_arg", "curl_line", "flag_name"]
 
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
                     "replica")
@@ -28,6 +28,19 @@ ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target
                       "kernels", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles")
 
 
+# Settings whose flag is not --<name with dashes>.
+_FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
+               "max_queue_delay_s": "--max-queue-delay",
+               "pod": "--pod-name", "chunk_size": "--kv-events-chunk-size",
+               "max_chunks": "--kv-events-max-chunks"}
+
+
+def flag_name(setting: str) -> str:
+    """The command-line flag of a setting (``tp`` -> ``--tp``; ``enable_prefix_caching`` ->
+    ``--no-prefix-caching``): messages name what the user typed."""
+    return _FLAG_NAMES.get(setting, "--" + setting.replace("_", "-"))
+
+
 def _default(field: str) -> object:
     """An ``EngineConfig`` field's default (the help shows it; the flag itself has none)."""
     from kthena_serve.engine.config import EngineConfig
@@ -40,12 +53,43 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     field's name. The flags have no defaults of their own (the parser's
     ``argument_default=argparse.SUPPRESS``): a flag not given is absent, and
     ``ServeSpec.resolve`` takes it from the config or ``EngineConfig``'s default."""
+    _add_model_args(parser)
+    _add_scheduling_args(parser)
+    _add_kv_args(parser)
+    _add_parallel_args(parser)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model, its dtypes and kernels, and the device."""
     parser.add_argument("--model", metavar="MODEL",
                         help="'default' (SmolLM2-135M-Instruct), a Hugging Face checkpoint "
                              "folder, a llama .gguf file (converted once into "
                              "$KTHENA_CACHE_DIR) or a Hugging Face Hub repo id ORG/NAME (its "
                              "cached snapshot, else downloaded into $HF_HUB_CACHE; "
                              "HF_HUB_OFFLINE=1: the cache only) (default: default)")
+    parser.add_argument("--dtype", choices=[dtypes.torch_name(k) for k in dtypes.ENGINE_DTYPES],
+                        help=f"weight and compute dtype (default {_default('dtype')})")
+    parser.add_argument("--quantization", choices=("int8",),
+                        help="int8: weight-only int8 matmul weights (one scale per output "
+                             "channel; decode reads half bf16's bytes); default: --dtype")
+    parser.add_argument("--kernels", choices=("auto", "native", "torch"),
+                        help="how CPU matmul and attention kernels are chosen: auto (each "
+                             "candidate timed once on this machine at the model's shapes, the "
+                             "fastest taken, cached), native (by the CPU's features) or torch "
+                             "(F.linear and SDPA); default auto, or KTHENA_KERNELS when set "
+                             "(this flag wins over it)")
+    parser.add_argument("--device",
+                        help="cpu (default), cuda[:N] or npu[:N], refused where this host "
+                             "lacks it; with --tp/--pp > 1 no index: each rank binds "
+                             "cuda:LOCAL_RANK / npu:LOCAL_RANK (only cpu is verified on "
+                             "hardware)")
+    parser.add_argument("--chat-special-tokens", choices=("text", "control"),
+                        help="special tokens typed in chat content: text (no forged turns, "
+                             "default) or control tokens")
+
+
+def _add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """Batching, decode protection and overload control."""
     parser.add_argument("--max-num-seqs", type=int,
                         help=f"requests running at once (default {_default('max_num_seqs')})")
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -69,33 +113,42 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="overload control by size: refuse a request (503) that would make "
                              "the prompt tokens queued without a first token exceed N; 0: off "
                              "(the default)")
+
+
+def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The KV pool, its dtype, prefix reuse and the tiers below it."""
     parser.add_argument("--block-size", type=int,
                         help=f"tokens per KV block (default {_default('block_size')})")
     parser.add_argument("--kv-cache-memory",
                         help="KV pool size, e.g. 512MiB, 2GiB (default 1GiB)")
     parser.add_argument("--max-model-len", type=int,
                         help="context length cap (default: the model's, capped by the pool)")
-    parser.add_argument("--dtype", choices=[dtypes.torch_name(k) for k in dtypes.ENGINE_DTYPES],
-                        help=f"weight and compute dtype (default {_default('dtype')})")
     parser.add_argument("--kv-cache-dtype",
                         help="KV pool dtype: 'auto' (= --dtype, the default) or 'int8' (int8 "
                              "K/V with a float32 scale per token per KV head: ~1.9x the blocks "
                              "of bf16 in the same --kv-cache-memory; the model still computes "
                              "in --dtype)")
-    parser.add_argument("--quantization", choices=("int8",),
-                        help="int8: weight-only int8 matmul weights (one scale per output "
-                             "channel; decode reads half bf16's bytes); default: --dtype")
-    parser.add_argument("--kernels", choices=("auto", "native", "torch"),
-                        help="how CPU matmul and attention kernels are chosen: auto (each "
-                             "candidate timed once on this machine at the model's shapes, the "
-                             "fastest taken, cached), native (by the CPU's features) or torch "
-                             "(F.linear and SDPA); the KTHENA_KERNELS environment variable "
-                             "overrides it (default auto)")
-    parser.add_argument("--device",
-                        help="cpu (default), cuda[:N] or npu[:N], refused where this host "
-                             "lacks it; with --tp/--pp > 1 no index: each rank binds "
-                             "cuda:LOCAL_RANK / npu:LOCAL_RANK (only cpu is verified on "
-                             "hardware)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn prefix reuse off (default on)")
+    parser.add_argument("--prefix-index", choices=("hash", "radix"),
+                        help="prefix index of the KV manager: hash chain (default) or radix tree")
+    parser.add_argument("--hash-algorithm", choices=("xxh3_128", "sha256"),
+                        help="block-hash digest (one per deployment; default xxh3_128)")
+    parser.add_argument("--kv-offload",
+                        metavar="host=SIZE[,store=mooncake@HOST:PORT]",
+                        help="tiers below the KV pool: committed blocks are copied to host "
+                             "memory in the background and promoted back on a prefix hit "
+                             "instead of recomputed; blocks the host tier pushes out go to the "
+                             "Mooncake Store of that mooncake_master (shared by every engine "
+                             "pointed at it); write=through sends every block to the store at "
+                             "once. Also segment=SIZE (RAM lent to the store, default "
+                             "64MiB), queue=N (offload queue bound, default 256), "
+                             "timeout=SECONDS (a promotion's wait, default 5); "
+                             "see docs/kthena_serve.md (default: none)")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor, pipeline and sequence parallelism, and TP overlap."""
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks (one core each; default 1)")
     parser.add_argument("--pp", type=int,
                         help="pipeline-parallel stages (layers split into PP stages, each of "
@@ -122,26 +175,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="where pipeline stages 1..PP-1 start: their first layer indices, "
                              "strictly increasing (--pp 2 --pipeline-split-points 10: layers "
                              "0..9 on stage 0, the rest on stage 1); default: equal stages")
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", help="turn prefix reuse off (default on)")
-    parser.add_argument("--prefix-index", choices=("hash", "radix"),
-                        help="prefix index of the KV manager: hash chain (default) or radix tree")
-    parser.add_argument("--hash-algorithm", choices=("xxh3_128", "sha256"),
-                        help="block-hash digest (one per deployment; default xxh3_128)")
-    parser.add_argument("--kv-offload",
-                        metavar="host=SIZE[,store=mooncake@HOST:PORT]",
-                        help="tiers below the KV pool: committed blocks are copied to host "
-                             "memory in the background and promoted back on a prefix hit "
-                             "instead of recomputed; blocks the host tier pushes out go to the "
-                             "Mooncake Store of that mooncake_master (shared by every engine "
-                             "pointed at it); write=through sends every block to the store at "
-                             "once. Also segment=SIZE (RAM lent to the store, default "
-                             "64MiB), queue=N (offload queue bound, default 256), "
-                             "timeout=SECONDS (a promotion's wait, default 5); "
-                             "see docs/kthena_serve.md (default: none)")
-    parser.add_argument("--chat-special-tokens", choices=("text", "control"),
-                        help="special tokens typed in chat content: text (no forged turns, "
-                             "default) or control tokens")
 
 
 def split_points_arg(text: str) -> tuple[int, ...]:
@@ -155,6 +188,14 @@ def split_points_arg(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not comma-separated layer indices, e.g. 10 or 10,20") from None
+
+
+def add_api_key_args(parser: argparse.ArgumentParser, key: str) -> None:
+    """``--api-key`` and ``--api-key-file``: ``key`` says whose key it is; either wins over
+    $KTHENA_API_KEY (``kthena_serve.deployment.api_key`` reads the three)."""
+    parser.add_argument("--api-key", help=f"{key} (visible in ps: prefer --api-key-file or "
+                                          "$KTHENA_API_KEY)")
+    parser.add_argument("--api-key-file", help="read the API key from this file (first line)")
 
 
 def add_public_metrics_arg(parser: argparse.ArgumentParser, credential: str) -> None:

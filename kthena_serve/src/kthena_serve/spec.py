@@ -37,37 +37,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-from kthena_core.dtypes import torch_name
 from kthena_core.layout import Layout
-from kthena_serve.cluster.config import RouterWeights
+from kthena_serve.cluster.config import RouterWeights, worker_names
 from kthena_serve.engine.config import ConfigError, EngineConfig
 from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
+from kthena_serve.model.source import DEFAULT_MODEL_NAME, served_name
 from kthena_serve.pd.config import PDConfig
-from kthena_serve.pd.launcher import worker_names as pd_worker_names
+from kthena_serve.planned import PlannedConfig
+from kthena_serve.serve_args import flag_name
 
-if TYPE_CHECKING:
-    from kthena_core.calibrate import CalibrationFile
-    from kthena_core.config import CompressionConfig, KthenaConfig
-    from kthena_core.cpu_defaults import PlanFactors
-    from kthena_core.planner import Plan
-    from kthena_core.topology import Topology
+__all__ = ["ServeSpec", "engine_config"]
 
-__all__ = ["DEFAULT_MODEL_NAME", "PlannedConfig", "ServeSpec",
-           "UnservablePlanError", "check_servable", "config_settings", "engine_config",
-           "flag_name", "model_name", "plan_config_path"]
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-PLAN_CANDIDATES = 3  # runner-ups printed at start-up and carried in GET /plan
 _ENGINE_FIELDS = frozenset(f.name for f in attrs.fields(EngineConfig))
-# Settings whose flag is not --<name with dashes>.
-_FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
-               "max_queue_delay_s": "--max-queue-delay",
-               "pod": "--pod-name", "chunk_size": "--kv-events-chunk-size",
-               "max_chunks": "--kv-events-max-chunks"}
 # kthena serve's settings that are not EngineConfig fields (with their defaults).
 _SERVE_DEFAULTS: dict[str, Any] = {
     "mode": "colocated", "dp": 1, "prefill": 1, "decode": 1, "host": "127.0.0.1", "port": 8000,
@@ -78,26 +63,6 @@ _SERVE_DEFAULTS: dict[str, Any] = {
     "kv_events": None, "pod_name": None, "kv_events_chunk_size": 16, "kv_events_max_chunks": 128,
     "disable_log_stats": False, "enable_log_requests": False,
 }
-
-
-class UnservablePlanError(ValueError):
-    """The plan needs something ``kthena serve`` cannot run on one host yet."""
-
-
-def flag_name(setting: str) -> str:
-    """The command-line flag of a setting (``tp`` -> ``--tp``; ``enable_prefix_caching`` ->
-    ``--no-prefix-caching``): messages name what the user typed."""
-    return _FLAG_NAMES.get(setting, "--" + setting.replace("_", "-"))
-
-
-def model_name(model: str) -> str:
-    """The id clients send for ``model``: SmolLM2's for the default, a Hub repo id as it is,
-    else the folder's (or GGUF file's) name."""
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    from kthena_serve.model.source import served_name
-
-    return served_name(model)
 
 
 def engine_config(flags: Mapping[str, Any]) -> EngineConfig:
@@ -111,54 +76,6 @@ def engine_config(flags: Mapping[str, Any]) -> EngineConfig:
         return EngineConfig(**{k: v for k, v in flags.items() if k in _ENGINE_FIELDS})
     except ConfigError as error:
         raise ValueError(f"{flag_name(error.field)}: {error}") from None
-
-
-@attrs.frozen
-class PlannedConfig:
-    """A ``kthena_config.yaml`` with its plan: what ``--config`` adds to the flags.
-
-    Attributes:
-        path: the config file.
-        config: the loaded config.
-        plan: its plan (``kthena plan --config``).
-        calibration: the calibration file the plan was scored with (None: default factors).
-        factors: the factors it was scored with and their origin (``kthena_core.cpu_defaults
-            .plan_factors``: the calibration file, this CPU's class default or the built-in
-            ones); None: the calibration's, else the built-in ones.
-        figures: the device figures it was scored with and where they came from
-            (``kthena_core.report.figures_dict``).
-    """
-
-    path: str
-    config: KthenaConfig
-    plan: Plan
-    calibration: CalibrationFile | None = None
-    factors: PlanFactors | None = None
-    figures: Mapping[str, Any] | None = None
-
-    @property
-    def layout(self) -> Layout:
-        """The plan's layout (its mode is ``plan.workload.mode``)."""
-        return self.plan.layout
-
-    def settings(self) -> dict[str, Any]:
-        """The settings the config and its plan give (see the module docstring)."""
-        return config_settings(self.config, self.plan)
-
-    def to_json(self) -> dict[str, Any]:
-        """What GET /plan carries as ``plan`` (``kthena plan --config``'s JSON): the plan, the
-        calibration it used (None: uncalibrated) and the cost factors it was scored with."""
-        from kthena_core.calibrate import factors_dict
-        from kthena_core.cost_model import CostParams
-
-        out = self.plan.to_dict(PLAN_CANDIDATES)
-        cal = self.calibration
-        out["calibration"] = cal.to_json() if cal else None
-        params = self.factors.params if self.factors else cal.params if cal else CostParams()
-        out["cost_factors"] = factors_dict(params)
-        out["factors"] = self.factors.to_json() if self.factors else None
-        out["figures"] = dict(self.figures) if self.figures else None
-        return out
 
 
 @attrs.frozen(kw_only=True)
@@ -206,6 +123,17 @@ class ServeSpec:
     config_path: str | None = None
     plan: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
+    def __attrs_post_init__(self) -> None:
+        """The rules between values, checked however the spec was built (``resolve``, or the
+        JSON a PD worker is started with).
+
+        Raises:
+            ValueError: KV events without prefix caching (nothing would be announced).
+        """
+        if self.kv_events is not None and not self.engine.enable_prefix_caching:
+            raise ValueError("--kv-events: nothing is cached with --no-prefix-caching, so "
+                             "there is nothing to announce; drop one of them")
+
     # ---- building ---------------------------------------------------------------------------
     @classmethod
     def resolve(cls, flags: Mapping[str, Any], planned: PlannedConfig | None = None, *,
@@ -240,7 +168,7 @@ class ServeSpec:
         _check_combinations(s)
         engine = engine_config(given)
         _check_ranks(engine, world_size)
-        served = s["served_model_name"] or model_name(engine.model)
+        served = s["served_model_name"] or served_name(engine.model)
         return cls(engine=engine, mode=s["mode"], dp=s["dp"], num_prefill=s["prefill"],
                    num_decode=s["decode"], pd=_pd_config(s), host=s["host"], port=s["port"],
                    served_model_name=served, api_key=s["api_key"],
@@ -256,8 +184,7 @@ class ServeSpec:
     def layout(self) -> Layout:
         """What this spec serves (in ``mode``): colocated is ``dp`` replicas; PD is one prefill
         + decode set."""
-        dp = 1 if self.mode == "pd" else self.dp
-        return Layout(self.engine.tp, self.engine.pp, dp, self.engine.sp)
+        return attrs.evolve(self.engine.layout, dp=1 if self.mode == "pd" else self.dp)
 
     def served(self) -> dict[str, Any]:
         """GET /plan's ``served`` (and ``kthena_deployment_info``'s labels); PD adds its
@@ -379,11 +306,9 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
             raise ValueError(f"--{name} {value} is not supported in PD mode: a prefill worker "
                              f"writes a decode worker's whole KV pool, and {what}. Use --{name} "
                              f"1 with --mode pd, or --{name} N without it.")
-    from kthena_serve.pd.pool_share import check_pd_device
-
     device = s.get("device", "cpu")
     if isinstance(device, str) and device.partition(":")[0] in ("cpu", "cuda", "npu"):
-        check_pd_device(device, s["pd_transport"])  # a bad device: EngineConfig's message
+        PDConfig.check_device(device, s["pd_transport"])  # a bad device: EngineConfig's message
 
 
 def _pd_config(s: Mapping[str, Any]) -> PDConfig:
@@ -414,133 +339,14 @@ def _kv_events(s: Mapping[str, Any], served: str) -> KVEventsConfig | None:
     if s["pod_name"] is None:
         raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
                          "router looks for")
-    if s.get("enable_prefix_caching") is False:
-        raise ValueError("--kv-events: nothing is cached with --no-prefix-caching, so there "
-                         "is nothing to announce; drop one of them")
     try:
         config = KVEventsConfig(redis_url=s["kv_events"], pod=s["pod_name"], model=served,
                                 chunk_size=s["kv_events_chunk_size"],
                                 max_chunks=s["kv_events_max_chunks"])
         if s["mode"] == "pd":  # each worker announces as --pod-name's NAME-WORKER.NAMESPACE
-            for worker in pd_worker_names(s["prefill"], s["decode"]):
+            for worker in worker_names(s["prefill"], s["decode"]):
                 config.for_worker(worker)
         return config
     except KVEventsConfigError as error:  # its ``model`` is the served name, not --model
         flag = "--served-model-name" if error.field == "model" else flag_name(error.field)
         raise ValueError(f"{flag}: {error}") from None
-
-
-# ---- the config and its plan --------------------------------------------------------------------
-def plan_config_path(path: str, launcher_world: int = 1, calibration: str | None = None,
-                     ) -> PlannedConfig:
-    """Load and plan a ``kthena_config.yaml``, print the plan, and refuse what cannot be served.
-
-    ``calibration``: a calibration file (``kthena plan --calibrate`` writes it), ``"none"`` for
-    the default factors, or None: this machine's cached calibration when the config's topology
-    is this machine's (``auto``), else the defaults.
-
-    Raises:
-        ValueError: a bad config (kthena_core's ``ConfigError``), a bad calibration file
-            (``CalibrationError``), no feasible plan, or ``UnservablePlanError``.
-    """
-    from kthena_core.cache_dir import default_cache_dir, host_probe_file
-    from kthena_core.calibrate import find_calibration, is_this_machine, planning_cpu
-    from kthena_core.config_plan import load_config_file, plan_config
-    from kthena_core.cpu_defaults import plan_factors
-    from kthena_core.report import figures_dict, format_figures, format_plan
-
-    cache = default_cache_dir()
-    cfg, topology = load_config_file(path, cache_dir=cache, probe_file=host_probe_file())
-    this_machine = is_this_machine(cfg.cluster.topology)
-    cal = find_calibration(calibration, cache, this_machine, cpu=planning_cpu(topology))
-    factors = plan_factors(cal, topology, this_machine)
-    plan = plan_config(cfg, topology, params=factors.params)
-    planned = PlannedConfig(path, cfg, plan, cal, factors, figures_dict(topology))
-    print(format_plan(plan, PLAN_CANDIDATES), flush=True)
-    print(format_figures(topology), flush=True)
-    print(f"kthena serve: plan scored with {factors.describe()}", flush=True)
-    print(f"kthena serve: plan layout {planned.layout} mode={plan.workload.mode}", flush=True)
-    check_servable(plan, topology, cfg.cluster.nnodes, launcher_world)
-    return planned
-
-
-def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
-    """The settings ``cfg`` and its ``plan`` give, by name (``num_kv_blocks`` aside)."""
-    service, kv = cfg.service, cfg.kv_cache
-    out: dict[str, Any] = {
-        "model": cfg.model.checkpoint_path, "dtype": torch_name(cfg.model.dtype),
-        "tp": plan.layout.tp, "pp": plan.layout.pp, "sp": plan.layout.sp,
-        "max_num_seqs": service.max_batch_size,
-        "block_size": kv.reuse_bucket_size, "enable_prefix_caching": service.kv_cache_reuse,
-        "host": service.host, "port": service.port, "mode": service.mode,
-        "kv_cache_dtype": _kv_cache_dtype(kv.compression, plan.model.head_dim),
-    }
-    if service.mode == "pd":
-        est = plan.chosen.estimate
-        out.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
-    else:
-        out["dp"] = plan.layout.dp
-    if plan.pipeline_split_points is not None:  # pinned by the config, or moved by the plan
-        out["pipeline_split_points"] = plan.pipeline_split_points
-    if service.target_step_ms is not None:
-        out["target_step_ms"] = service.target_step_ms
-    if service.max_queue_delay is not None:
-        out["max_queue_delay_s"] = service.max_queue_delay
-    if kv.memory_pool_size is not None:
-        out["kv_cache_memory"] = kv.memory_pool_size
-    if kv.offload is not None:
-        out["kv_offload"] = kv.offload
-    if cfg.parallelism.fused_communication:  # refused there with tp 1 or in PD mode
-        out["tp_overlap"] = True
-    return out
-
-
-def _kv_cache_dtype(compression: CompressionConfig, head_dim: int) -> str:
-    """``kv_cache_dtype`` for ``kv_cache.compression``.
-
-    Raises:
-        ValueError: an int8 ``group_size`` other than the head_dim (scales are per head).
-    """
-    if compression.method != "int8":
-        return "auto"
-    if compression.group_size not in (None, head_dim):
-        raise ValueError(f"kv_cache.compression.group_size: got {compression.group_size}; "
-                         f"allowed: {head_dim} (the model's head_dim) or unset: the int8 KV "
-                         "cache keeps one float32 scale per token per KV head")
-    return "int8"
-
-
-def check_servable(plan: Plan, topology: Topology, nnodes: int = 1,
-                   launcher_world: int = 1) -> None:
-    """Refuse a plan ``kthena serve`` cannot run as planned.
-
-    ``launcher_world``: WORLD_SIZE when ``kthena-run`` / torchrun started this process as one
-    rank of several (1 otherwise). A plan spanning hosts runs only that way: one tp x pp engine
-    whose ranks the launcher placed on every host.
-
-    Raises:
-        UnservablePlanError: names what is not supported yet and what to change.
-    """
-    lay, mode = plan.chosen.layout, plan.workload.mode
-    hosts = sorted({topology.devices[i].node for i in plan.device_ids})
-    spans = max(nnodes, len(hosts))
-    if launcher_world > 1:
-        if mode != "colocated" or lay.dp > 1 or lay.tp * lay.pp != launcher_world:
-            _refuse(f"under kthena-run (WORLD_SIZE={launcher_world}) kthena serve runs one "
-                    f"colocated engine of tp x pp = WORLD_SIZE ranks, but the plan is "
-                    f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mode={mode}. Pin "
-                    f"tensor_parallel_size x pipeline_parallel_size = {launcher_world} with "
-                    "data_parallel_size: 1, or launch without kthena-run")
-    elif spans > 1:
-        _refuse(f"the layout spans {spans} hosts; one kthena serve runs on one host. Start it "
-                "on every host with `kthena-run --nnodes N --node_rank R --master_addr ...` "
-                "(one tp x pp engine over the hosts), name a one-node cluster.topology with "
-                "cluster.nnodes: 1, or render a multi-node deployment with `kthena deploy`")
-    if mode == "pd" and (lay.tp > 1 or lay.pp > 1):
-        _refuse(f"PD with tp={lay.tp} x pp={lay.pp} per worker is not supported yet (a prefill "
-                "worker writes a decode worker's whole KV pool). Set "
-                "parallelism.tensor_parallel_size and pipeline_parallel_size to 1")
-
-
-def _refuse(message: str) -> None:
-    raise UnservablePlanError(f"plan not servable: {message}")

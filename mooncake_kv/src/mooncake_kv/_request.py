@@ -1,18 +1,28 @@
 """What the KV cache manager keeps per live request (``LiveRequest``: its block table, hash
-chain and commit progress), and the guard every mutating verb runs
-under (``mutating``: the manager's lock, the owner thread, the optional self-check)."""
+chain and commit progress), the table of live and recently freed requests that names each
+misuse (``RequestTable``), and the guard every mutating verb runs under (``mutating``: the
+manager's lock, the owner thread, the optional self-check)."""
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from mooncake_kv.hashing import BlockChain
-from mooncake_kv.types import BlockId, OwnerThreadError
+from mooncake_kv.types import (
+    BlockId,
+    DoubleFreeError,
+    DuplicateRequestError,
+    OwnerThreadError,
+    RequestFinishedError,
+    RequestId,
+    UnknownRequestError,
+)
 
-__all__ = ["LiveRequest", "mutating"]
+__all__ = ["LiveRequest", "RequestTable", "mutating"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -39,6 +49,70 @@ class LiveRequest:
         self.num_committed = len(matched)  # full blocks already offered to the index
         self.last_holder: BlockId | None = matched[-1] if matched else None
         self.is_allocated = False
+
+
+class RequestTable:
+    """The live requests by id, and the last ``max_finished`` freed ids: enough to tell a verb
+    after ``free`` or a second ``free`` from an id that was never matched."""
+
+    __slots__ = ("_finished", "_live", "_max_finished")
+
+    def __init__(self, max_finished: int) -> None:
+        self._live: dict[RequestId, LiveRequest] = {}
+        self._finished: OrderedDict[RequestId, None] = OrderedDict()
+        self._max_finished = max_finished
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def items(self) -> Iterator[tuple[RequestId, LiveRequest]]:
+        return iter(self._live.items())
+
+    def check_new(self, request_id: RequestId) -> None:
+        """Raise DuplicateRequestError if ``request_id`` is live."""
+        if request_id in self._live:
+            raise DuplicateRequestError(
+                request_id,
+                f"request {request_id!r} is already live; free it before matching it again",
+            )
+
+    def add(self, request_id: RequestId, request: LiveRequest) -> None:
+        self._finished.pop(request_id, None)
+        self._live[request_id] = request
+
+    def live(self, request_id: RequestId) -> LiveRequest:
+        """The live request; RequestFinishedError after ``free``, else UnknownRequestError."""
+        request = self._live.get(request_id)
+        if request is not None:
+            return request
+        if request_id in self._finished:
+            raise RequestFinishedError(
+                request_id,
+                f"request {request_id!r} was freed; register it again with match_prefix",
+            )
+        raise UnknownRequestError(
+            request_id, f"unknown request {request_id!r}; call match_prefix first"
+        )
+
+    def finish(self, request_id: RequestId) -> LiveRequest:
+        """Remove the live request and remember its id as freed.
+
+        Raises:
+            DoubleFreeError: already freed.  UnknownRequestError: never registered.
+        """
+        request = self._live.pop(request_id, None)
+        if request is None:
+            if request_id in self._finished:
+                raise DoubleFreeError(
+                    request_id, f"request {request_id!r} was already freed; free it only once"
+                )
+            raise UnknownRequestError(
+                request_id, f"unknown request {request_id!r}; only live requests can be freed"
+            )
+        self._finished[request_id] = None
+        if len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+        return request
 
 
 def mutating(verb: _F) -> _F:

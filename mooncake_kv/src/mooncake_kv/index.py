@@ -46,13 +46,8 @@ class PrefixIndex(Protocol):
         """Blocks holding the longest cached prefix of ``chain``, at most ``max_blocks``."""
         ...
 
-    def insert(
-        self,
-        chain: BlockChain,
-        start: int,
-        block_ids: Sequence[BlockId],
-        parent_block: BlockId | None,
-    ) -> list[BlockId]:
+    def insert(self, chain: BlockChain, start: int, block_ids: Sequence[BlockId],
+               parent_block: BlockId | None) -> list[BlockId]:
         """Cache ``chain`` blocks ``start ..`` in ``block_ids`` unless already cached.
 
         Args:
@@ -112,13 +107,8 @@ class HashChainIndex:
             del found[found.index(None) :]
         return found  # type: ignore[return-value]
 
-    def insert(
-        self,
-        chain: BlockChain,
-        start: int,
-        block_ids: Sequence[BlockId],
-        parent_block: BlockId | None,
-    ) -> list[BlockId]:
+    def insert(self, chain: BlockChain, start: int, block_ids: Sequence[BlockId],
+               parent_block: BlockId | None) -> list[BlockId]:
         setdefault = self._blocks.setdefault
         hashes = chain.hashes
         return [setdefault(hashes[i], b) for i, b in enumerate(block_ids, start)]

@@ -55,12 +55,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 from mooncake_kv._invariants import check_consistency
-from mooncake_kv._request import LiveRequest, mutating
+from mooncake_kv._request import LiveRequest, RequestTable, mutating
 from mooncake_kv.allocator import BlockAllocator
 from mooncake_kv.events import (
     AllCleared,
@@ -76,21 +74,15 @@ from mooncake_kv.results import CacheSnapshot, KVCacheBlocks, KVCacheStats, Pref
 from mooncake_kv.types import (
     BlockHash,
     BlockId,
-    DoubleFreeError,
-    DuplicateRequestError,
-    RequestFinishedError,
     RequestId,
     RequestStateError,
     TokenCountError,
     TokenIdError,
-    UnknownRequestError,
 )
 
 __all__ = ["KVCacheManager"]
 
 _log = logging.getLogger(__name__)
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class KVCacheManager:
@@ -113,12 +105,10 @@ class KVCacheManager:
         "_block_size",
         "_bus",
         "_caching",
-        "_finished",
         "_hasher",
         "_index",
         "_index_name",
         "_lock",
-        "_max_finished",
         "_num_evicted",
         "_num_hit_tokens",
         "_num_queries",
@@ -147,9 +137,7 @@ class KVCacheManager:
         self._allocator = BlockAllocator(num_blocks, watcher)
         self._caching = enable_prefix_caching
         self._bus = EventBus()
-        self._requests: dict[RequestId, LiveRequest] = {}
-        self._finished: OrderedDict[RequestId, None] = OrderedDict()
-        self._max_finished = max_finished_ids
+        self._requests = RequestTable(max_finished_ids)
         self._lock = threading.RLock()
         self._owner: int | None = None
         self._self_check = check_invariants
@@ -212,18 +200,14 @@ class KVCacheManager:
             DuplicateRequestError: ``request_id`` is live (free it first).
             TokenIdError: a token id is not an integer in ``[0, 2**32)``.
         """
-        if request_id in self._requests:
-            raise DuplicateRequestError(
-                request_id,
-                f"request {request_id!r} is already live; free it before matching it again",
-            )
+        self._requests.check_new(request_id)
         chain = self._chain(request_id, token_ids, extra_keys) if self._caching else None
         matched: list[BlockId] = []
         if chain is not None and lookup:
             matched = self._index.match(chain, (len(token_ids) - 1) // self._block_size)
             self._allocator.take_refs(matched)
-        self._finished.pop(request_id, None)
-        self._requests[request_id] = LiveRequest(chain, matched, self._block_size, len(token_ids))
+        request = LiveRequest(chain, matched, self._block_size, len(token_ids))
+        self._requests.add(request_id, request)
         num_cached = len(matched) * self._block_size
         self._num_queries += 1
         self._num_query_tokens += len(token_ids)
@@ -238,7 +222,7 @@ class KVCacheManager:
             UnknownRequestError, RequestFinishedError.
         """
         with self._lock:
-            return tuple(self._live(request_id).block_ids)
+            return tuple(self._requests.live(request_id).block_ids)
 
     @mutating
     def try_allocate(self, request_id: RequestId, num_new_tokens: int) -> KVCacheBlocks | None:
@@ -257,7 +241,7 @@ class KVCacheManager:
             TokenCountError: a negative count, or one that reaches past the tokens given to
                 ``match_prefix`` (reserve decode slots with ``try_append``).
         """
-        request = self._live(request_id)
+        request = self._requests.live(request_id)
         total = request.num_tokens + num_new_tokens
         if num_new_tokens > 0 and total > request.num_prompt_tokens:
             raise TokenCountError(
@@ -280,7 +264,7 @@ class KVCacheManager:
             UnknownRequestError, RequestFinishedError, TokenCountError,
             RequestStateError: the request's prefill was never allocated.
         """
-        request = self._live(request_id)
+        request = self._requests.live(request_id)
         if not request.is_allocated:
             raise RequestStateError(
                 request_id,
@@ -300,7 +284,7 @@ class KVCacheManager:
             TokenCountError: more tokens than slots reserved.
             TokenIdError: a newly hashed token id is not an integer in ``[0, 2**32)``.
         """
-        request = self._live(request_id)
+        request = self._requests.live(request_id)
         if len(token_ids) > request.num_tokens:
             raise TokenCountError(
                 request_id,
@@ -339,19 +323,8 @@ class KVCacheManager:
         Raises:
             DoubleFreeError: already freed.  UnknownRequestError: never registered.
         """
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            if request_id in self._finished:
-                raise DoubleFreeError(
-                    request_id, f"request {request_id!r} was already freed; free it only once"
-                )
-            raise UnknownRequestError(
-                request_id, f"unknown request {request_id!r}; only live requests can be freed"
-            )
+        request = self._requests.finish(request_id)
         self._allocator.release(request.block_ids[::-1])
-        self._finished[request_id] = None
-        if len(self._finished) > self._max_finished:
-            self._finished.popitem(last=False)
 
     @mutating
     def evict(self, num_blocks: int) -> int:
@@ -452,19 +425,6 @@ class KVCacheManager:
             return BlockChain(self._hasher, token_ids, extra_keys)
         except ValueError as error:  # pack_tokens names the bad id and its position
             raise TokenIdError(request_id, f"request {request_id!r}: {error}") from None
-
-    def _live(self, request_id: RequestId) -> LiveRequest:
-        request = self._requests.get(request_id)
-        if request is not None:
-            return request
-        if request_id in self._finished:
-            raise RequestFinishedError(
-                request_id,
-                f"request {request_id!r} was freed; register it again with match_prefix",
-            )
-        raise UnknownRequestError(
-            request_id, f"unknown request {request_id!r}; call match_prefix first"
-        )
 
     def _grow(
         self, request: LiveRequest, request_id: RequestId, num_tokens: int

@@ -90,13 +90,8 @@ class RadixIndex:
             node = child
         return found
 
-    def insert(
-        self,
-        chain: BlockChain,
-        start: int,
-        block_ids: Sequence[BlockId],
-        parent_block: BlockId | None,
-    ) -> list[BlockId]:
+    def insert(self, chain: BlockChain, start: int, block_ids: Sequence[BlockId],
+               parent_block: BlockId | None) -> list[BlockId]:
         if parent_block is None:
             node = self._roots.get(chain.root)
             if node is None:

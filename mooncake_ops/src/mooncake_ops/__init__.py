@@ -7,7 +7,7 @@ Functional ops over tensors and int block tables, dispatched per device type (`d
 * `rms_norm`, `rotary_embedding`, `silu_and_mul`, `build_rope_cache`           (layers, rope)
 * `matmul_all_reduce`, `all_gather_matmul`, `matmul_reduce_scatter`              (mc2)
 * `select_linear_kernel`: the CPU matmul kernel for a weight (pre-packed oneDNN bf16)  (linear)
-* `int8_linear`, `pack_int8_weight`, `INT8_WEIGHT_ONLY`: weight-only int8 matmul      (linear)
+* `int8_linear`, `pack_int8_weight`, `INT8_WEIGHT_ONLY`: weight-only int8 matmul (linear_int8)
 * `capabilities()`: what runs where, and what is verified (npu: unverified on hardware)
 """
 
@@ -31,13 +31,12 @@ from mooncake_ops.errors import (
 )
 from mooncake_ops.kv_cache import block_nbytes, gather_blocks, scatter_blocks, write_kv
 from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
-from mooncake_ops.linear import (
+from mooncake_ops.linear import LinearKernel, select_linear_kernel
+from mooncake_ops.linear_int8 import (
     INT8_WEIGHT_ONLY,
-    LinearKernel,
     dequantize_int8_weight,
     int8_linear,
     pack_int8_weight,
-    select_linear_kernel,
 )
 from mooncake_ops.mc2 import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from mooncake_ops.quant import dequantize_int8, quantize_int8

@@ -71,9 +71,9 @@ class _Keyed(Protocol):
 
 
 def _native_identity() -> list:
-    from mooncake_ops.linear import _native_module
+    from mooncake_ops.linear import native_module
 
-    module = _native_module()
+    module = native_module()
     path = getattr(module, "__file__", None)
     if not path:
         return [None]

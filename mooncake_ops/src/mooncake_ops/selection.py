@@ -5,16 +5,14 @@ here is timed once, at the model's own shapes, and the fastest runs.
     model.pack_linear_weights(choice.linear_kernel())   # the matmuls
     choice.apply()                                      # the attention ops (process-wide)
 
-Three modes (``--kernels``; the ``KTHENA_KERNELS`` environment variable overrides the flag):
+Three modes, taken from the caller's ``mode`` argument alone (this layer reads no environment;
+``kthena_serve`` turns ``--kernels`` or ``KTHENA_KERNELS`` into the argument):
 
 * ``auto`` (default): measured. The matmul candidates are the packed native bf16 kernel
   (AVX512_BF16 builds), oneDNN over weights it re-ordered (``torch.ops.mkldnn``: AMX where the
   CPU has it), bf16 weights computed in fp32 (the AVX2 build's dense kernel where loaded) and
-  plain ``F.linear``; each is timed on decode-sized calls (1 and 8 rows through the model's own
-  weights in layer order, so weights stream from memory as in a decode step) and on a
-  prefill-sized one (`PREFILL_ROWS` rows through the first layers' matmuls). Paged decode
-  attention (batch 8, 512 tokens of context) and prefill attention (`PREFILL_ROWS` new tokens
-  after as many cached) are timed per candidate of the dispatch table (`op_candidates`). A
+  plain ``F.linear``; each is timed on decode-sized calls and on a prefill-sized one, and the
+  paged attention ops per candidate of the dispatch table (`mooncake_ops.kernel_timing`). A
   candidate that raises is left out (logged). No ISA name decides anything. With
   ``quantization="int8"`` the candidates are the weight-only int8 paths (`int8_candidates`),
   all over one packed int8 form.
@@ -26,7 +24,7 @@ The matmul choice is made per row class (decode: at most `DECODE_MAX_ROWS` rows;
 more). When the fastest decode kernel is within `SPLIT_LOSS` of the fastest prefill kernel's
 time on prefill calls too, or the other way round, one kernel runs both (one packed copy of
 each weight). Otherwise a split kernel runs each class on its own winner and holds both
-packed copies: twice the weight memory, reported in `KernelChoice.extra_weight_bytes`.
+packed copies, twice the weight memory, unless the two kernels pack alike (`split_kernel`).
 
 A measurement is cached as JSON under ``<cache_dir>/kernels/`` (`mooncake_ops.kernel_cache`)
 keyed by the CPU (model name and flags), torch's version and thread count, OpenMP's wait
@@ -40,20 +38,17 @@ above half this process's cores) is provisional: it runs, and the next start tim
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from mooncake_ops.dispatch import choose_impl, op_candidates
+from mooncake_ops.dispatch import choose_impl
 from mooncake_ops.kernel_cache import (
     MachineLoad,
     cache_key,
@@ -64,74 +59,44 @@ from mooncake_ops.kernel_cache import (
     record_path,
     write_record,
 )
+from mooncake_ops.kernel_timing import (
+    ATTENTION_OPS,
+    AttentionShape,
+    MatmulWeight,
+    Timer,
+    measure_attention,
+    measure_linear,
+    median_time,
+)
 from mooncake_ops.layers import silu_and_mul
 from mooncake_ops.linear import (
     FP32_COMPUTE_BF16,
+    NATIVE_PACKED_BF16,
+    ONEDNN_PACKED_BF16,
+    TORCH_DENSE,
+    LinearKernel,
+    native_bf16_linear_available,
+    onednn_bf16_available,
+    select_linear_kernel,
+)
+from mooncake_ops.linear_int8 import (
     INT8_DEQUANT_DENSE,
     INT8_NATIVE_PANEL,
     INT8_OP,
     INT8_WEIGHT_ONLY,
-    NATIVE_PACKED_BF16,
-    ONEDNN_PACKED_BF16,
-    LinearKernel,
     int8_panel_available,
-    native_bf16_linear_available,
-    select_linear_kernel,
 )
 
-__all__ = ["ATTENTION_OPS", "DECODE_MAX_ROWS", "ENV_VAR", "MODES", "PREFILL_ROWS", "SPLIT_LOSS",
-           "TORCH_DENSE", "AttentionShape", "KernelChoice", "MachineLoad", "MatmulWeight",
-           "cache_key", "cached_choices", "choose_kernels", "fastest", "int8_candidates",
+__all__ = ["DECODE_MAX_ROWS", "MODES", "SPLIT_LOSS", "KernelChoice", "MachineLoad", "cache_key",
+           "cached_choices", "choose_kernels", "fastest", "int8_candidates",
            "linear_candidates", "machine_load", "resolve_mode", "split_kernel",
            "split_or_single", "summary_line"]
 
 _log = logging.getLogger("mooncake_ops")
 
 MODES = ("auto", "native", "torch")
-ENV_VAR = "KTHENA_KERNELS"
 DECODE_MAX_ROWS = 16
-PREFILL_ROWS = 256
 SPLIT_LOSS = 1.2
-ATTENTION_OPS = ("paged_decode_attention", "paged_prefill_attention")
-_DECODE_ROWS = (1, 8)
-_SWEEP_BYTES = 256 << 20  # decode sweeps read at most this much weight (then the LM head)
-_PREFILL_LAYERS = 2
-_REPS = 5
-
-
-def _dense_pack(weight: torch.Tensor) -> torch.Tensor:
-    return weight.detach().contiguous()
-
-
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-TORCH_DENSE = LinearKernel("torch-dense", _dense_pack, _dense_linear)
-
-
-@attrs.frozen
-class MatmulWeight:
-    """One matmul weight of the model, dense [out_features, in_features]; ``gate_up``: the MLP's
-    [gate; up] input, which a kernel with a fused SwiGLU input runs fused."""
-
-    weight: torch.Tensor
-    gate_up: bool = False
-
-
-@attrs.frozen
-class AttentionShape:
-    """What the attention timings are run with: one rank's heads and the KV cache's layout."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    def key(self) -> list:
-        return [self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, str(self.dtype)]
 
 
 @attrs.frozen
@@ -261,17 +226,20 @@ _KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
 QUANTIZATIONS = (None, "int8")
 
 
-def resolve_mode(flag: str | None) -> str:
-    """The mode in force: ``KTHENA_KERNELS`` when set, else ``flag``, else ``auto``.
+def resolve_mode(kernels: str | None) -> str:
+    """The mode ``kernels`` names, ``auto`` when None; nothing else (no environment) decides.
 
     Raises:
-        ValueError: either names no mode (the message says which and lists them).
+        ValueError: ``kernels`` names no mode (the message lists them).
     """
-    env = os.environ.get(ENV_VAR)
-    mode, source = (env, f"{ENV_VAR}={env!r}") if env else (flag or "auto", f"kernels={flag!r}")
-    if mode not in MODES:
-        raise ValueError(f"{source}: the kernel choice is one of {', '.join(MODES)}")
+    mode = kernels or "auto"
+    _check_mode(mode)
     return mode
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"kernels={mode!r}: the kernel choice is one of {', '.join(MODES)}")
 
 
 def linear_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
@@ -280,7 +248,7 @@ def linear_candidates(weight: torch.Tensor) -> tuple[LinearKernel, ...]:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return ()
     found = [TORCH_DENSE, FP32_COMPUTE_BF16]
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if onednn_bf16_available():
         found.insert(0, ONEDNN_PACKED_BF16)
     if native_bf16_linear_available():
         found.insert(0, NATIVE_PACKED_BF16)
@@ -371,126 +339,6 @@ def split_kernel(small: LinearKernel, large: LinearKernel) -> LinearKernel:
                         pack_gate_up if fused else None, gate_up_silu if fused else None)
 
 
-# ---- measurement ---------------------------------------------------------------------------------
-# timer(label, fn) -> seconds; the label names what is timed ("matmul_decode:<kernel>:<rows>",
-# "matmul_prefill:<kernel>:<rows>", "<attention op>:<candidate>"), so tests can inject timings.
-Timer = Callable[[str, Callable[[], object]], float]
-
-
-def median_time(label: str, fn: Callable[[], object], reps: int = _REPS) -> float:
-    """Median wall seconds of ``reps`` calls of ``fn`` after one warm-up call (``label`` is
-    for injected timers only)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _packed(kernel: LinearKernel, weights: Sequence[MatmulWeight]) -> list[tuple[torch.Tensor, bool]]:
-    out = []
-    for w in weights:
-        fused = None
-        if w.gate_up and kernel.pack_gate_up is not None:
-            fused = kernel.pack_gate_up(w.weight)
-        out.append((fused, True) if fused is not None else (kernel.pack(w.weight), False))
-    return out
-
-
-def _time_matmuls(label: str, kernel: LinearKernel, weights: Sequence[MatmulWeight],
-                  rows: int, timer: Timer) -> float:
-    """Seconds for one pass of ``rows`` rows through ``weights`` with ``kernel``."""
-    packed = _packed(kernel, weights)
-    inputs: dict[int, torch.Tensor] = {}
-    calls = []
-    for w, (p, fused) in zip(weights, packed, strict=True):
-        k = w.weight.shape[1]
-        x = inputs.setdefault(k, torch.randn(rows, k, dtype=w.weight.dtype))
-        calls.append((p, fused, x))
-
-    def one_pass() -> None:
-        for p, fused, x in calls:
-            kernel.gate_up_silu(x, p) if fused else kernel.linear(x, p)
-
-    return timer(f"{label}:{kernel.name}:{rows}", one_pass)
-
-
-def _time_or_none(what: str, fn: Callable[[], float]) -> float | None:
-    try:
-        return fn()
-    except Exception as exc:  # a candidate that cannot run here is left out, not fatal
-        _log.warning("kernel selection: %s failed (%s: %s); left out", what,
-                     type(exc).__name__, exc)
-        return None
-
-
-def measure_linear(layers: Sequence[Sequence[MatmulWeight]], lm_head: MatmulWeight | None,
-                   candidates: Sequence[LinearKernel], timer: Timer = median_time,
-                   ) -> dict[str, dict[str, float | None]]:
-    """{"decode": {kernel: s}, "prefill": {kernel: s}} for each candidate: decode is the sum
-    over `_DECODE_ROWS` of a pass through the layers' weights (up to `_SWEEP_BYTES`) and the
-    LM head; prefill a pass of `PREFILL_ROWS` rows through the first `_PREFILL_LAYERS` layers."""
-    sweep, total = [], 0
-    for layer in layers:
-        if sweep and total >= _SWEEP_BYTES:
-            break
-        sweep += list(layer)
-        total += sum(w.weight.nbytes for w in layer)
-    if lm_head is not None:
-        sweep.append(lm_head)
-    first = [w for layer in layers[:_PREFILL_LAYERS] for w in layer]
-    decode: dict[str, float | None] = {}
-    prefill: dict[str, float | None] = {}
-    for kernel in candidates:
-        decode[kernel.name] = _time_or_none(f"{kernel.name} (decode)", lambda k=kernel: sum(
-            _time_matmuls("matmul_decode", k, sweep, rows, timer) for rows in _DECODE_ROWS))
-        prefill[kernel.name] = _time_or_none(f"{kernel.name} (prefill)", lambda k=kernel:
-                                             _time_matmuls("matmul_prefill", k, first,
-                                                           PREFILL_ROWS, timer))
-    return {"decode": decode, "prefill": prefill}
-
-
-def _attention_inputs(shape: AttentionShape, op: str) -> tuple:
-    """Arguments for one timing call of ``op``: decode, a batch of 8 over 512 tokens each;
-    prefill, one sequence of `PREFILL_ROWS` new tokens after as many cached."""
-    context = 512 if op == "paged_decode_attention" else 2 * PREFILL_ROWS
-    batch = 8 if op == "paged_decode_attention" else 1
-    per_seq = -(-context // shape.block_size)
-    num_blocks = batch * per_seq
-    cache = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache, dtype=shape.dtype)
-    v_cache = torch.randn(cache, dtype=shape.dtype)
-    tables = torch.arange(num_blocks, dtype=torch.int32).reshape(batch, per_seq)
-    scale = shape.head_dim ** -0.5
-    if op == "paged_decode_attention":
-        q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype)
-        lens = torch.full((batch,), context, dtype=torch.int32)
-        return q, k_cache, v_cache, tables, lens, scale
-    q = torch.randn(PREFILL_ROWS, shape.num_heads, shape.head_dim, dtype=shape.dtype)
-    k = torch.randn(PREFILL_ROWS, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
-    v = torch.randn_like(k)
-    cached = torch.tensor([context - PREFILL_ROWS], dtype=torch.int32)
-    new = torch.tensor([PREFILL_ROWS], dtype=torch.int32)
-    return q, k, v, k_cache, v_cache, tables, cached, new, scale
-
-
-def measure_attention(shape: AttentionShape, timer: Timer = median_time,
-                      device_type: str = "cpu") -> dict[str, dict[str, float | None]]:
-    """{op: {candidate: s}} for each attention op with more than one candidate here."""
-    found: dict[str, dict[str, float | None]] = {}
-    for op in ATTENTION_OPS:
-        candidates = op_candidates(op, device_type)
-        if len(candidates) < 2:
-            continue
-        args = _attention_inputs(shape, op)
-        found[op] = {name: _time_or_none(f"{op} {name}", functools.partial(
-            timer, f"{op}:{name}", functools.partial(impl.fn, *args)))
-            for name, impl in candidates.items()}
-    return found
-
-
 # ---- the choice ----------------------------------------------------------------------------------
 def _fixed(mode: str, weight: torch.Tensor | None, quantization: str | None) -> KernelChoice:
     if quantization == "int8":
@@ -534,8 +382,7 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
     Raises:
         ValueError: an unknown mode or quantization.
     """
-    if mode not in MODES:
-        raise ValueError(f"kernels={mode!r}: the kernel choice is one of {', '.join(MODES)}")
+    _check_mode(mode)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8)")
     sample = next((w.weight for layer in layers for w in layer), None)

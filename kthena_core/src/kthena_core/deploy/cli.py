@@ -11,7 +11,8 @@ import argparse
 import os
 
 from kthena_core.cache_dir import default_cache_dir
-from kthena_core.calibrate import CalibrationFile, factors_dict, find_calibration
+from kthena_core.calibrate import factors_dict
+from kthena_core.calibration_file import CalibrationFile, find_calibration
 from kthena_core.deploy.k8s import (
     API_KEY_SECRET_KEY,
     api_key_secret_name,

@@ -22,8 +22,9 @@ The containers run this SDK's real entry points (the image is deploy/Dockerfile'
   the ENTRY_ADDRESS / WORKER_INDEX / GROUP_SIZE Kthena injects to torchrun's master address,
   node rank and node count; rank 0 in the entry pod serves the API, so only entry pods have the
   port and the probes, and the ModelServer selects them by ``modelserving.volcano.sh/entry``.
-* PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode`` (``/health`` and the PD
-  worker's routes on one port), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
+* PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode --spec JSON`` (``/health`` and
+  the PD worker's routes on one port; ``--spec`` is kthena_serve's ``ServeSpec`` JSON:
+  ``worker_spec``), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
   the environment variable the PD auth reads, never on the command line; KV moves between pods
   over the Mooncake transport, advertised at the pod's IP. A decode worker takes KV only from
   hosts in deploy.yaml's ``pod_network`` (``--prefill-hosts``).
@@ -31,10 +32,11 @@ The containers run this SDK's real entry points (the image is deploy/Dockerfile'
 Every worker takes the API key from the Kubernetes Secret ``<name>-api-key`` (key ``api-key``)
 in ``KTHENA_API_KEY`` (kthena-router forwards its client's ``Authorization`` header). With
 deploy.yaml's ``kv_events``, every worker publishes its KV cache's router chunks to that Redis
-(``--kv-events``) as its own pod, ``--pod-name $(POD_NAME).$(POD_NAMESPACE)`` from the
-downward API: the name kthena-router's kvcache-aware plugin looks for.
+(``--kv-events``; a PD worker's spec ``kv_events``) as its own pod,
+``$(POD_NAME).$(POD_NAMESPACE)`` from the downward API: the name kthena-router's kvcache-aware
+plugin looks for.
 
-Every pod runs with ``--public-metrics``: kthena-router scrapes each pod's ``/metrics`` (vLLM's
+Every pod serves /metrics openly (``--public-metrics``; a PD worker's spec ``public_metrics``): kthena-router scrapes each pod's ``/metrics`` (vLLM's
 ``vllm:*`` names) without credentials, so that one path is open, as in vLLM; the OpenAI routes
 keep the API key (if any) and the PD routes the deployment secret.
 
@@ -201,9 +203,20 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
     allow = ["--prefill-hosts", ",".join(dep.spec.pod_network)] if role.name == "decode" else []
     return {"command": ["python3", "-m", "kthena_serve.pd.worker"], "args": [
         "--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
-        "--served-model-name", dep.spec.served_model_name, "--engine-config", json.dumps(engine_fields(dep), **compact),
-        "--pd-config", json.dumps({"transport": KV_CONNECTOR}, **compact),
-        "--mooncake-host", "$(POD_IP)", *allow, PUBLIC_METRICS_FLAG, *_kv_events_args(dep)]}
+        "--spec", json.dumps(worker_spec(dep), **compact), "--mooncake-host", "$(POD_IP)",
+        *allow]}
+
+
+def worker_spec(dep: Deployment) -> dict[str, Any]:
+    """What a PD worker pod serves, as the JSON of kthena_serve's ``ServeSpec`` (its field
+    names): the engine, the PD transport across pods, the served model name, /metrics open to
+    kthena-router, and KV events under the pod's own name (Kubernetes fills in $(POD_NAME))."""
+    kv_events = None if dep.spec.kv_events is None else {
+        "redis_url": dep.spec.kv_events, "pod": KV_EVENTS_OWNER,
+        "model": dep.spec.served_model_name}
+    return {"engine": engine_fields(dep), "mode": "pd", "pd": {"transport": KV_CONNECTOR},
+            "served_model_name": dep.spec.served_model_name, "public_metrics": True,
+            "kv_events": kv_events}
 
 
 def _group_command(dep: Deployment, serve_args: list[str]) -> dict[str, list[str]]:

@@ -157,7 +157,7 @@ def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
 
 def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
     lay = plan.chosen.layout
-    if lay.sp > 1 and (lay.pp > 1 or spec.mode == "pd"):
+    if lay.sp > 1 and (lay.sp_refusal() is not None or spec.mode == "pd"):
         raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp} with "
                                     f"SP{lay.sp} in mode {spec.mode}",
                               "nodes where the plan needs no sequence parallelism with "

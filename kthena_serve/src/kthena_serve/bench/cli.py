@@ -2,7 +2,7 @@
 kthena_core's CLI by an entry point (group ``kthena.commands``, ``bench-serve``).
 
 Reads argv and ``KTHENA_API_KEY`` (``soak --url``); ``OMP_WAIT_POLICY`` is decided by
-``kthena_serve.cli._prepare_process`` before torch is imported, as for ``kthena serve``.
+``kthena_serve.deployment.prepare_process`` before torch is imported, as for ``kthena serve``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 
 from kthena_serve.bench.optional import is_available, note_missing, plot_or_note
-from kthena_serve.cli import _prepare_process
+from kthena_serve.deployment import prepare_process
 from kthena_serve.serve_args import add_engine_args
 from kthena_serve.spec import engine_config
 
@@ -71,7 +71,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    _prepare_process()
+    prepare_process()
     from kthena_serve.bench.peer import PeerRunError, check_peer, parse_peer
     from kthena_serve.bench.serve import BenchOptions, run_bench
 

@@ -105,7 +105,7 @@ def measure(llm: LLM, mode: str, batch: int, steps: int) -> dict[str, object]:
     if timed.seconds:
         row["fill_bitmask"] = _quantiles(timed.seconds[3:])
         row["apply_bitmask"] = _quantiles(_time_apply(timed.last, batch, mode,
-                                                      engine.runner.model.config.vocab_size))
+                                                      engine.runner.model.config.shape.vocab_size))
     return row
 
 

@@ -247,7 +247,7 @@ def _conversation(instances: Sequence[_Local | _Worker], shape: BenchShape,
 def _block_bytes(model: LlamaForCausalLM, block_size: int, dtype: str) -> int:
     """Bytes of one block of a pool of the compute dtype (the int8 cases get the same memory)."""
     item = 4 if dtype == "float32" else 2
-    return 2 * model.config.num_hidden_layers * model.num_kv_heads_per_rank * model.head_dim \
+    return 2 * model.config.shape.num_layers * model.num_kv_heads_per_rank * model.head_dim \
         * block_size * item
 
 

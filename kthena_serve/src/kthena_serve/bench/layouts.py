@@ -152,8 +152,8 @@ def predict_layout(model: ModelSpec, spec: LayoutSpec, options: LayoutBenchOptio
         return out
     planner = Planner(params)
     # the server below runs --pp alone: equal stages, so they are what is predicted
-    equal = (equal_split_points(model.num_layers, pinned.pp)
-             if pinned.pp > 1 and model.num_layers % pinned.pp == 0 else None)
+    equal = (equal_split_points(model.shape.num_layers, pinned.pp)
+             if pinned.pp > 1 and model.shape.num_layers % pinned.pp == 0 else None)
     figures: dict[str, float] = {}
     for concurrency, prefix in ((1, "batch1_"), (options.concurrency, "")):
         wl = Workload(options.prompt_len, options.output_len, concurrency, "bf16", "bf16")
@@ -190,7 +190,7 @@ def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
               source: str, host: HostFigures | None = None) -> Calibration:
     """Fit the cost model to ``bench`` on the device it ran on: ``machine.torch_threads`` cores
     (default all), with the figures of the bench's own probe where it carries one
-    (``kthena_core.calibrate.bench_topology``), else those of ``auto:cores`` devices of this host
+    (``kthena_core.bench_record.bench_topology``), else those of ``auto:cores`` devices of this host
     (measured by ``host``: the host probe's figures). The factors then scale the per-core
     figures the predictions use, whatever the bench's threads. A bench of another CPU model is
     said so on stderr, naming both.
@@ -198,7 +198,8 @@ def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
     Raises:
         CalibrationError: the bench JSON does not fit this model, or the fit is unphysical.
     """
-    from kthena_core.calibrate import bench_cpu, cpu_text, fit_calibration, same_cpu
+    from kthena_core.bench_record import bench_cpu, cpu_text, same_cpu
+    from kthena_core.calibrate import fit_calibration
     from kthena_core.discovery import cpu_topology
     from kthena_core.discovery.host_probe import cpu_label
 
@@ -491,7 +492,7 @@ def _calibrations(options: LayoutBenchOptions, model: ModelSpec, facts: CpuFacts
     a core on a one-thread bench. ``--calibrate`` alone serves both; with neither flag both
     benches run now (one when the host has a single core).
     """
-    from kthena_core.calibrate import load_bench
+    from kthena_core.bench_record import load_bench
 
     host_bench = load_bench(options.calibrate) if options.calibrate else _bench_serve(options, None)
     if options.calibrate_cores:

@@ -31,7 +31,7 @@ def measure(model: str, dtype: torch.dtype, context: int, steps: int, pack: bool
     shape = (num_blocks, block_size, llm.num_kv_heads_per_rank, llm.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in llm.layers]
     table = range(num_blocks)  # one sequence over blocks 0..num_blocks-1
-    prompt = torch.randint(0, llm.config.vocab_size, (context,))
+    prompt = torch.randint(0, llm.config.shape.vocab_size, (context,))
     prefill = paged_batch([(table, 0, context)], block_size)
     times, cpu_times = [], []
     with torch.inference_mode():

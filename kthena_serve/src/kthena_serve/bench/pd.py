@@ -66,7 +66,7 @@ def bench_handoff(token_counts: list[int], repeats: int) -> list[dict]:
     model = ModelConfig.from_pretrained(resolve_checkpoint("default"))
     size = 16
     num_blocks = 2 * (max(token_counts) // size + 1)
-    layout = kv_layout_for(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+    layout = kv_layout_for(model.shape.num_layers, model.shape.num_kv_heads, model.shape.head_dim,
                            EngineConfig(num_kv_blocks=num_blocks, block_size=size))
     decode_pool = KVPool.create(layout, shared=True)
     prefill_pool = KVPool.create(layout)
@@ -262,7 +262,7 @@ def bench_batched_prefill(lengths: list[int], num_prompts: int, repeats: int) ->
     model, _ = load_model("default")
     size = 16
     num_blocks = num_prompts * (max(lengths) // size + 1)
-    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
+    layout = kv_layout_for(model.config.shape.num_layers, model.num_kv_heads_per_rank,
                            model.head_dim, EngineConfig(num_kv_blocks=num_blocks))
     pool = create_pool(layout, EngineConfig(), shared=True)
     ref = PoolRef(num_blocks, size, "bfloat16", pool.name)

@@ -316,7 +316,7 @@ def _collectives(checkpoint: Path) -> dict:
 
     if (os.cpu_count() or 1) < 2:
         return {"skipped": "one core: two ranks would share it"}
-    hidden = ModelConfig.from_pretrained(checkpoint).hidden_size
+    hidden = ModelConfig.from_pretrained(checkpoint).shape.hidden_size
     measured = measure_collectives(COLLECTIVE_ROWS, hidden, repeat=5)
     print("kthena bench serve: collectives (reduce-scatter + all-gather over all-reduce): "
           + ", ".join(f"{n} rows {v['sp_collective_factor']:.2f}"

@@ -28,13 +28,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kthena_core.discovery.host_probe import sample_times
 from kthena_core.layout import Layout
 from kthena_serve.bench.layouts import (
     LayoutBenchError,
@@ -109,13 +109,7 @@ def _collective_rank(rank: int, port: int, rows: Sequence[int], hidden: int, rep
                "all_gather": lambda f=full, h=half: gather(f, h)}
         times: dict[str, float] = {}
         for name, op in ops.items():
-            op()
-            samples = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                op()
-                samples.append(time.perf_counter() - start)
-            times[name] = statistics.median(samples)
+            times[name] = statistics.median(sample_times(op, repeat))
         result[n] = times
     dist.destroy_process_group()
     if rank == 0:
@@ -128,11 +122,11 @@ def measure_collectives(rows: Sequence[int], hidden: int, repeat: int = 10) -> d
     their ratio ``(reduce_scatter + all_gather) / all_reduce`` per size."""
     import multiprocessing as mp
 
-    from kthena_serve.engine.parallel_runner import _free_port
+    from kthena_core.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     saved = {k: os.environ.get(k) for k in env}
@@ -262,8 +256,8 @@ def run_sp_bench(options: SpBenchOptions) -> dict[str, Any]:
         LayoutBenchError: a server did not start or failed a request.
         CalibrationError: ``calibrate_cores`` does not fit the model.
     """
+    from kthena_core.bench_record import load_bench
     from kthena_core.cache_dir import default_cache_dir, host_probe_file
-    from kthena_core.calibrate import load_bench
     from kthena_core.cost_model import CostParams
     from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
     from kthena_core.known_models import load_model_spec
@@ -274,7 +268,7 @@ def run_sp_bench(options: SpBenchOptions) -> dict[str, Any]:
     host = measure_host(default_cache_dir(), probe_file=host_probe_file())
     cores = cpu_topology(facts, per_core=True, host=host)
     _log("measuring all-reduce, reduce-scatter and all-gather over 2 gloo ranks")
-    collectives = measure_collectives(options.prompt_lens, model.hidden_size)
+    collectives = measure_collectives(options.prompt_lens, model.shape.hidden_size)
     measured = measure_sp(options)
     base = CostParams()
     if options.calibrate_cores:
@@ -414,7 +408,7 @@ def add_sp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_sp_prompts(args: argparse.Namespace) -> int:
-    from kthena_core.calibrate import CalibrationError
+    from kthena_core.bench_record import CalibrationError
 
     try:
         options = SpBenchOptions(prompt_lens=parse_prompt_lens(args.sp_prompts), runs=args.runs,

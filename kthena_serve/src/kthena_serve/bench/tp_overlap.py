@@ -143,9 +143,9 @@ def add_parser(children: argparse._SubParsersAction) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from kthena_serve.cli import _prepare_process
+    from kthena_serve.deployment import prepare_process
 
-    _prepare_process()
+    prepare_process()
     try:
         options = TPOverlapOptions(model=args.model, dtype=args.dtype, tiles=args.tiles,
                                    prompt_len=args.prompt_len, batch=args.batch,

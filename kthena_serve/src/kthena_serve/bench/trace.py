@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import attrs
 
+from kthena_core.ports import free_port
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
 from kthena_serve.bench.optional import is_available
 from kthena_serve.bench.peer import (
@@ -151,12 +151,6 @@ class TraceOptions:
 
 
 # ---- processes ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Child:
     """A child in its own process group (a server's engine processes included); its output
     to a log file. Use as a context manager: leaving it ends the whole group, SIGTERM first
@@ -339,12 +333,12 @@ def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str) -> 
 
     sides = []
     if options.peer:
-        port = _free_port()
+        port = free_port()
         env = {**user_environ(), "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, kthena's default KV pool
                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, owned_cores()))}
         sides.append(_Side("vllm", _vllm_server(python, checkpoint, name, port), env,
                            f"http://127.0.0.1:{port}"))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in user_environ().items() if k != "KTHENA_API_KEY"}  # the client sends none
     sides.append(_Side("kthena", _kthena_server(checkpoint, name, port, options.kthena_args),
                        {**env, "PYTHONUNBUFFERED": "1"}, f"http://127.0.0.1:{port}"))

@@ -11,13 +11,20 @@ import enum
 
 import attrs
 
-__all__ = ["Role", "RouterWeights", "non_negative"]
+__all__ = ["Role", "RouterWeights", "non_negative", "worker_names"]
 
 
 class Role(str, enum.Enum):
     COLOCATED = "colocated"  # prefill and decode in one engine (the plain server, a DP replica)
     PREFILL = "prefill"  # computes prompt KV into blocks a decode worker owns
     DECODE = "decode"  # owns the KV pool, admits prefilled requests, streams tokens
+
+
+def worker_names(num_prefill: int, num_decode: int) -> list[str]:
+    """A PD deployment's workers' names, ``prefill-0``.. then ``decode-0``.. (also in their KV
+    events' owner names: ``KVEventsConfig.for_worker``)."""
+    return ([f"prefill-{i}" for i in range(num_prefill)]
+            + [f"decode-{i}" for i in range(num_decode)])
 
 
 def non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:

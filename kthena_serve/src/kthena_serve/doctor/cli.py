@@ -10,6 +10,7 @@ from kthena_serve.doctor.check import Check, checks_json, exit_status, format_ch
 from kthena_serve.doctor.host import calibration_check, host_checks, load_host_facts
 from kthena_serve.doctor.kernel_cache import kernel_cache_checks
 from kthena_serve.doctor.server import fetch_server, server_checks
+from kthena_serve.serve_args import add_api_key_args
 
 __all__ = ["register_doctor", "run_doctor"]
 
@@ -20,8 +21,7 @@ def register_doctor(subparsers: argparse._SubParsersAction) -> None:
         "doctor", help="check a live server and this host: a verdict and a fix per line")
     parser.add_argument("--url", help="a running server (kthena serve, or a PD / DP router), "
                                       "e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api-key", help="the server's API key (default $KTHENA_API_KEY)")
-    parser.add_argument("--api-key-file", help="read the API key from this file (first line)")
+    add_api_key_args(parser, "the server's API key")
     parser.add_argument("--config", metavar="FILE.yaml",
                         help="the kthena_config.yaml this host serves: plan it and check the "
                              "devices, collective variables and memory it needs")
@@ -58,9 +58,9 @@ def run_doctor(url: str | None, api_key: str | None, config: str | None,
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from kthena_serve.cli import _api_key
+    from kthena_serve.deployment import api_key
 
-    key = _api_key({"api_key": args.api_key, "api_key_file": args.api_key_file})
+    key = api_key({"api_key": args.api_key, "api_key_file": args.api_key_file})
     checks = run_doctor(args.url, key, args.config, args.calibration, timeout_s=args.timeout)
     if args.json:
         print(checks_json(checks, url=args.url, config=args.config))

@@ -165,11 +165,9 @@ def _kv_usage(m: Scrape) -> Check:
              f"{m.value('kthena_kv_blocks_cached') or 0:.0f} cached; "
              f"{m.value('kthena_num_requests_running') or 0:.0f} running, "
              f"{m.value('kthena_num_requests_waiting') or 0:.0f} waiting")
-    if usage > FULL_KV:
-        return Check("kv_usage", "warn", value, "the pool is nearly full: new requests wait "
-                     "and running ones get preempted; raise --kv-cache-memory "
-                     "(kv_cache.memory_pool_size) or lower --max-num-seqs")
-    return Check("kv_usage", "ok", value)
+    return _warn_if(usage > FULL_KV, "kv_usage", value, "the pool is nearly full: new requests "
+                    "wait and running ones get preempted; raise --kv-cache-memory "
+                    "(kv_cache.memory_pool_size) or lower --max-num-seqs")
 
 
 def _leaks(m: Scrape) -> Check:
@@ -192,11 +190,9 @@ def _preemptions(m: Scrape) -> Check:
         return Check("preemptions", "skip", "the server exports no kthena_preemptions_total")
     generated = m.value("kthena_generation_tokens_total") or 0.0
     value = f"{count:.0f} preemption(s) over {generated:.0f} generated tokens"
-    if count:
-        return Check("preemptions", "warn", value, "each preemption recomputes a request: "
-                     "raise --kv-cache-memory or lower --max-num-seqs so the pool holds the "
-                     "batch")
-    return Check("preemptions", "ok", value)
+    return _warn_if(bool(count), "preemptions", value, "each preemption recomputes a request: "
+                    "raise --kv-cache-memory or lower --max-num-seqs so the pool holds the "
+                    "batch")
 
 
 def _step_time(m: Scrape) -> Check:
@@ -209,11 +205,15 @@ def _step_time(m: Scrape) -> Check:
         return Check("step_time", "skip", "no step has run yet")
     shares = ", ".join(f"{p} {seconds[p] / busy:.0%}" for p in PHASES if p != "idle")
     value = f"{busy:.1f} s busy ({shares}); {seconds['idle']:.1f} s idle"
-    if (seconds["schedule"] + seconds["sampling"]) / busy > HOST_SHARE:
-        return Check("step_time", "warn", value, "scheduling and sampling outweigh the "
-                     "forwards: more sequences per step (--max-num-seqs) amortise them; "
-                     "logprobs and structured output add to sampling")
-    return Check("step_time", "ok", value)
+    host_share = (seconds["schedule"] + seconds["sampling"]) / busy
+    return _warn_if(host_share > HOST_SHARE, "step_time", value, "scheduling and sampling "
+                    "outweigh the forwards: more sequences per step (--max-num-seqs) amortise "
+                    "them; logprobs and structured output add to sampling")
+
+
+def _warn_if(warn: bool, name: str, value: str, fix: str) -> Check:
+    """``name``'s check: a warning with ``fix`` when ``warn``, else ok."""
+    return Check(name, "warn", value, fix) if warn else Check(name, "ok", value)
 
 
 def _kernels(m: Scrape) -> Check:

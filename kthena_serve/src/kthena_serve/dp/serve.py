@@ -32,7 +32,7 @@ def _routing_processor(config: EngineConfig) -> InputProcessor:
     folder = resolve_checkpoint(config.model)
     model = ModelConfig.from_pretrained(folder)
     limits = EngineLimits.for_engine(config, max_position_embeddings=model.max_position_embeddings,
-                                     vocab_size=model.vocab_size)
+                                     vocab_size=model.shape.vocab_size)
     return InputProcessor(Tokenizer.from_pretrained(folder), limits, config.chat_special_tokens)
 
 

@@ -1,7 +1,8 @@
 """EngineConfig: every knob of one engine, validated once, as a frozen value.
 
 Only the CLI (``kthena serve``) reads argv or the environment; it builds one of these and the
-engine, runner and server take it explicitly.
+engine, runner and server take it explicitly. The one field read from the environment is the
+default of ``kernels`` (``KTHENA_KERNELS``), taken only when no mode is given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kthena_core import dtypes
+from kthena_core.layout import Layout, sp_refusal
+from kthena_core.shape import has_split_points_form
 from kthena_serve.engine.kv_offload_config import KVOffloadConfig
 from kthena_serve.engine.sizes import parse_bytes
 
@@ -94,6 +97,24 @@ def _one_of(*allowed: str) -> Callable[[object, attrs.Attribute, object], None]:
             raise ConfigError(attribute.name, f"one of {', '.join(map(repr, allowed))}", value)
 
     return check
+
+
+KERNEL_MODES = ("auto", "native", "torch")
+KERNELS_ENV_VAR = "KTHENA_KERNELS"
+
+
+def _kernels_default() -> str:
+    """``KTHENA_KERNELS`` when set, else ``auto``: the environment fills in a kernel mode no one
+    gave, and never overrides one given by flag or argument.
+
+    Raises:
+        ValueError: ``KTHENA_KERNELS`` names no mode (the message names the variable).
+    """
+    mode = os.environ.get(KERNELS_ENV_VAR) or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{KERNELS_ENV_VAR}={mode!r}: the kernel choice is one of "
+                         f"{', '.join(KERNEL_MODES)}")
+    return mode
 
 
 def _size(value: int | str) -> int:
@@ -194,10 +215,7 @@ def _check_split_points(instance: EngineConfig, attribute: attrs.Attribute,
     if instance.pp == 1:
         raise ConfigError(attribute.name, "None with pp=1", value,
                           "split points cut the layers into pp > 1 pipeline stages")
-    ok = (isinstance(value, tuple) and len(value) == instance.pp - 1
-          and all(_is_int(p) and p >= 1 for p in value)
-          and all(b > a for a, b in zip(value, value[1:], strict=False)))
-    if not ok:
+    if not has_split_points_form(instance.pp, value):
         raise ConfigError(attribute.name, requirement, value)
 
 
@@ -235,11 +253,10 @@ def _check_sp(instance: EngineConfig, attribute: attrs.Attribute, value: object)
                 "sp = tp; a separate SP group with replicated weights (sp > 1 at tp = 1) is "
                 "not wired")
         raise ConfigError(attribute.name, f"1 or tp ({instance.tp})", value, hint)
-    if value > 1 and instance.pp > 1:
+    why = sp_refusal(instance.tp, instance.pp, value)
+    if why is not None:
         raise ConfigError(attribute.name, "1 with pp > 1", value,
-                          f"sequence parallelism with pipeline parallelism (pp={instance.pp}) "
-                          "is not wired: a stage would hand the next a sharded residual "
-                          "stream; use sp with pp=1, or pp without sp")
+                          f"{why}; use sp with pp=1, or pp without sp")
 
 
 def _check_sp_min_tokens(instance: EngineConfig, attribute: attrs.Attribute,
@@ -371,7 +388,12 @@ class EngineConfig:
         kernels: how the CPU matmul and attention kernels are chosen: ``"auto"`` (each
             candidate timed once on this machine at the model's shapes, the fastest taken,
             cached), ``"native"`` (by the CPU's features, no timing) or ``"torch"`` (F.linear
-            and SDPA); ``KTHENA_KERNELS`` overrides it (`mooncake_ops.selection`).
+            and SDPA); default ``KTHENA_KERNELS`` when set, else ``"auto"``: the environment
+            never overrides a mode given here (`mooncake_ops.selection`).
+
+    Raises:
+        ConfigError: a field's value is refused (the message names the field).
+        ValueError: ``kernels`` was not given and ``KTHENA_KERNELS`` names no mode.
     """
 
     model: str = attrs.field(default="default", converter=_model_path)
@@ -410,7 +432,7 @@ class EngineConfig:
     kv_offload: KVOffloadConfig | None = attrs.field(default=None, converter=_kv_offload,
                                                      validator=_check_kv_offload)
     quantization: str | None = attrs.field(default=None, validator=_check_quantization)
-    kernels: str = attrs.field(default="auto", validator=_one_of("auto", "native", "torch"))
+    kernels: str = attrs.field(factory=_kernels_default, validator=_one_of(*KERNEL_MODES))
 
     def to_json(self) -> dict:
         """Every field as JSON (what workers and replicas get); ``from_json`` reads it back."""
@@ -430,6 +452,11 @@ class EngineConfig:
     def world_size(self) -> int:
         """Processes one engine runs on: tp x pp."""
         return self.tp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        """One engine's parallel layout (dp 1): its TP, PP and SP sizes as one value."""
+        return Layout(self.tp, self.pp, 1, self.sp)
 
     @property
     def torch_dtype(self) -> torch.dtype:

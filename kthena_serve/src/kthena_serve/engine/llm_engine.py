@@ -8,25 +8,21 @@ or the caller of ``LLM.generate``). The KV manager checks it.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import attrs
 import torch
 
-from kthena_serve.engine.admission import KVOutlook, ServiceRate
+from kthena_serve.engine.admission import KVOutlook
+from kthena_serve.engine.assembly import build_runner, create_kv_manager
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.grammar import Grammars
 from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
+from kthena_serve.engine.kv_outlook import KVOutlookMeter
 from kthena_serve.engine.logprobs import TokenLogprobs, gather_logprobs, prompt_logprobs
-from kthena_serve.engine.model_runner import (
-    ModelRunner,
-    Runner,
-    create_pool,
-    kv_dtype_name,
-    kv_layout_for,
-)
+from kthena_serve.engine.model_runner import Runner, kv_dtype_name
 from kthena_serve.engine.output_stream import OutputStream
 from kthena_serve.engine.request import EngineRequest, FinishReason, Request, RequestOutput
 from kthena_serve.engine.sampler import Sampler
@@ -35,64 +31,17 @@ from kthena_serve.engine.scheduled import Reservation, ScheduledBatch
 from kthena_serve.engine.scheduler import Scheduler
 from kthena_serve.engine.stats import EngineStats
 from kthena_serve.engine.step_cost import DecodeProtectingBudget, StepCostModel, StepShape
-from kthena_serve.engine.step_times import StepTimes
-from kthena_serve.engine.threads import configure_threads
+from kthena_serve.engine.step_times import StepClock
 from kthena_serve.model import IncrementalDetokenizer, Tokenizer
 from mooncake_kv import KVCacheManager
 
-__all__ = ["LLMEngine", "build_runner", "create_kv_manager"]
+__all__ = ["LLMEngine"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FAILED_MESSAGE = ("the engine failed while generating this request (other requests were not "
                   "affected); retry it, and report it if it fails again")
-
-
-def create_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
-    """The KV cache manager ``config`` asks for, over ``num_blocks`` blocks."""
-    return KVCacheManager(num_blocks, config.block_size, index=config.prefix_index,
-                          hash_algo=config.hash_algorithm,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          check_invariants=config.check_invariants)
-
-
-def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
-                 tokenizer: Tokenizer | None = None, *,
-                 shared_pool: bool = False) -> tuple[Runner, Tokenizer]:
-    """(runner, tokenizer): parallel ranks for ``tp * pp > 1``, else the given or loaded model.
-
-    Args:
-        model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
-        shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool).
-
-    Raises:
-        ValueError: ``shared_pool`` with ``tp * pp > 1`` (each rank holds part of the model).
-    """
-    if config.world_size > 1 or config.ranks_from == "env":
-        if shared_pool:
-            raise ValueError(f"a shared KV pool with tp={config.tp} x pp={config.pp} is not "
-                             "supported: each rank holds its own heads' and layers' pool, and a "
-                             "PD prefill worker writes one whole pool; run PD workers with "
-                             "tp=1 and pp=1")
-        from kthena_serve.engine.parallel_runner import ParallelModelRunner
-
-        rank_env = None
-        if config.ranks_from == "env":
-            from kthena_comm.env import RankEnv
-
-            rank_env = RankEnv.from_env()  # ranks_from="env" asks for the launcher's variables
-        runner = ParallelModelRunner(config, rank_env)  # pins this process to one core
-        return runner, runner.tokenizer
-    configure_threads(config.num_threads)
-    if model is None:
-        from kthena_serve.model import load_model
-
-        model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      device=config.device, quantization=config.quantization,
-                                      kernels=config.kernels, kv_block_size=config.block_size)
-    layout = kv_layout_for(model.config.num_hidden_layers, model.num_kv_heads_per_rank,
-                           model.head_dim, config)
-    return ModelRunner(model, create_pool(layout, config, shared=shared_pool)), tokenizer
 
 
 class LLMEngine:
@@ -142,22 +91,18 @@ class LLMEngine:
         model_config = runner.model.config
         self.processor = InputProcessor(tokenizer, EngineLimits.for_engine(
             config, max_position_embeddings=model_config.max_position_embeddings,
-            vocab_size=model_config.vocab_size, num_kv_blocks=runner.num_blocks,
+            vocab_size=model_config.shape.vocab_size, num_kv_blocks=runner.num_blocks,
             kv_cache_dtype=kv_dtype_name(config), kernels=_kernel_labels(runner.model),
             prompt_logprobs=hasattr(runner, "execute_prompt_logits")),
             config.chat_special_tokens,
             # a batch's grammar rows are filled on the engine's threads (idle meanwhile)
-            Grammars(tokenizer, model_config.vocab_size, max_threads=torch.get_num_threads()))
+            Grammars(tokenizer, model_config.shape.vocab_size, max_threads=torch.get_num_threads()))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_prompt_computed = self._num_generated = 0
         self._num_preemptions = 0
-        # kv_outlook's meters: blocks released per second, and the mean output length
-        self._released = ServiceRate()
-        self._released_seen = 0
-        self._finished_seen = self._finished_tokens_seen = 0
-        self._mean_output: float | None = None
-        self._step_times = StepTimes()
+        self._outlook = KVOutlookMeter()  # kv_outlook's: blocks released per second, output length
+        self._clock = StepClock()
 
     def _prefill_budget(self) -> DecodeProtectingBudget | None:
         if self.step_cost is None or not self.config.target_step_ms:
@@ -289,23 +234,22 @@ class LLMEngine:
         A failure that belongs to one request (sampling it, detokenising it) ends that request
         alone, with ``RequestOutput.error`` set; a failed forward ends the step's requests.
         """
-        scheduling = time.perf_counter()
+        self._clock.start()
         batch = self.scheduler.schedule()
-        started = time.perf_counter()
-        has_prefill = any(self._requests[s.request_id].is_prefill for s in batch.seqs)
+        self._clock.scheduled(has_prefill=self._has_prefill(batch))
         try:
             logits = self._execute(batch) if batch.seqs else None
         except Exception:  # noqa: BLE001 - the batch's requests fail; the engine goes on
             log.exception("forward of %d sequences failed", len(batch.seqs))
             return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
-        forwarded = time.perf_counter()
+        self._clock.forwarded()
         outputs = self._postprocess(batch, logits)
-        ended = time.perf_counter()
-        self._observe_step(batch, ended - started)
-        self._step_times = self._step_times.after_step(
-            schedule_s=started - scheduling, forward_s=forwarded - started,
-            sampling_s=ended - forwarded, has_prefill=has_prefill)
+        self._observe_step(batch, self._clock.stop())
         return outputs
+
+    def _has_prefill(self, batch: ScheduledBatch) -> bool:
+        """Whether any of the batch's requests computes prompt tokens (a prefill forward)."""
+        return any(self._requests[s.request_id].is_prefill for s in batch.seqs)
 
     def _execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """The runner's forward; chunks of prompts that want prompt logprobs get logits at every
@@ -351,36 +295,16 @@ class LLMEngine:
         """One token per request, grammars' bitmasks applied; a request the sampler fails on
         gets None (the rest do not)."""
         grammars = self.processor.grammars
-        try:
-            return self.sampler(logits, requests,
-                                grammars.fill_bitmask([r.grammar for r in requests]))
-        except Exception:  # noqa: BLE001 - find the culprit row by row
-            tokens: list[int | None] = []
-            for row, request in enumerate(requests):
-                try:
-                    tokens += self.sampler(logits[row : row + 1], [request],
-                                           grammars.fill_bitmask([request.grammar]))
-                except Exception:  # noqa: BLE001
-                    log.exception("sampling request %s failed", request.request_id)
-                    tokens.append(None)
-            return tokens
+        return _by_rows(lambda rows: self.sampler(
+            logits[rows], requests[rows], grammars.fill_bitmask([r.grammar for r in requests[rows]])),
+            requests, "sampling request %s failed")
 
     def _logprobs(self, logits: torch.Tensor, requests: list[Request],
                   tokens: list[int | None]) -> list[TokenLogprobs | None]:
         """Logprobs for the requests that asked, from the logits the sampler read (a request
         they cannot be gathered for gets None, and fails alone)."""
-        try:
-            return gather_logprobs(logits, requests, tokens)
-        except Exception:  # noqa: BLE001 - find the culprit row by row
-            entries: list[TokenLogprobs | None] = []
-            for row, request in enumerate(requests):
-                try:
-                    entries += gather_logprobs(logits[row : row + 1], [request],
-                                              tokens[row : row + 1])
-                except Exception:  # noqa: BLE001
-                    log.exception("logprobs of request %s failed", request.request_id)
-                    entries.append(None)
-            return entries
+        return _by_rows(lambda rows: gather_logprobs(logits[rows], requests[rows], tokens[rows]),
+                        requests, "logprobs of request %s failed")
 
     def _append_token(self, request: Request, token_id: int, now: float,
                       logprobs: TokenLogprobs | None = None) -> RequestOutput:
@@ -486,32 +410,7 @@ class LLMEngine:
         finished requests give blocks back at. Outputs count at the mean length of the last
         finished ones (decayed), at most their ``max_tokens``; prefix hits are not subtracted,
         so the demand errs high. The engine's thread only."""
-        scheduler = self.scheduler
-        now = time.monotonic()
-        self._released.advance(now, True)
-        self._released.credit(scheduler.num_released_blocks - self._released_seen)
-        self._released_seen = scheduler.num_released_blocks
-        finished = scheduler.num_finished - self._finished_seen
-        if finished:
-            mean = (scheduler.num_finished_output_tokens - self._finished_tokens_seen) / finished
-            self._mean_output = mean if self._mean_output is None else (
-                0.9 * self._mean_output + 0.1 * mean)
-            self._finished_seen = scheduler.num_finished
-            self._finished_tokens_seen = scheduler.num_finished_output_tokens
-        size = scheduler.block_size
-
-        def blocks(request: Request) -> int:
-            out = request.stream.max_tokens if request.stream is not None else 0
-            if self._mean_output is not None:
-                out = min(out, math.ceil(self._mean_output))
-            return -(-(request.num_prompt_tokens + out) // size)
-
-        demand = sum(blocks(r) for r in scheduler.waiting) + sum(
-            max(0, blocks(r) - len(r.block_ids)) for r in scheduler.running
-            if r.request_id not in scheduler.external)
-        out_blocks = 0 if self._mean_output is None else math.ceil(self._mean_output / size)
-        return KVOutlook(self.kv.num_free_blocks, demand, self._released.rate(None), size,
-                         out_blocks)
+        return self._outlook.read(self.scheduler, self.kv.num_free_blocks)
 
     def stats(self) -> EngineStats:
         """Counters and a consistent KV snapshot (the KV part is safe from any thread; the
@@ -528,7 +427,7 @@ class LLMEngine:
             kv_tiers=self.kv_tier_stats(),
             num_leaked_requests=len(leaked),
             num_leaked_blocks=sum(leaked.values()),
-            step_times=self._step_times,
+            step_times=self._clock.times,
         )
 
     def kv_tier_stats(self) -> tuple:
@@ -538,6 +437,23 @@ class LLMEngine:
         from kthena_serve.engine.kv_offload import tier_stats
 
         return tier_stats(self.offloader.snapshot())
+
+
+def _by_rows(run: Callable[[slice], list[T]], requests: list[Request],
+             failed: str) -> list[T | None]:
+    """``run`` over all the requests' rows at once; if that raises, row by row to find the
+    culprits: a row that fails gets None (logged as ``failed % request_id``), the rest do not."""
+    try:
+        return run(slice(None))
+    except Exception:  # noqa: BLE001 - find the culprit row by row
+        results: list[T | None] = []
+        for row, request in enumerate(requests):
+            try:
+                results += run(slice(row, row + 1))
+            except Exception:  # noqa: BLE001
+                log.exception(failed, request.request_id)
+                results.append(None)
+        return results
 
 
 def _advance_grammar(request: Request, token_id: int) -> bool:

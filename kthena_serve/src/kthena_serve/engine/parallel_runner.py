@@ -41,13 +41,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import sys
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from kthena_core.ports import free_port
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.errors import RankDiedError
 from kthena_serve.engine.model_inputs import ModelInputs, build_inputs
@@ -74,12 +74,6 @@ __all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_
 MIN_MICROBATCH_TOKENS = 64
 _MASTER_ADDR = "127.0.0.1"  # spawn: every rank is on this host, nothing else needs the store
 _PLACEMENT = "placement"  # rank 0's broadcast asking every rank for its RankPlacement
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((_MASTER_ADDR, 0))
-        return s.getsockname()[1]
 
 
 def _rank_env(rank: int, world_size: int, port: int):  # noqa: ANN202
@@ -121,17 +115,16 @@ class _Stage:
     def __init__(self, config: EngineConfig, rank_env, group: GroupConfig,  # noqa: ANN001
                  check_peers=None) -> None:  # noqa: ANN001
         from kthena_comm.groups import init_parallel_groups
-        from kthena_core.layout import Layout
         from kthena_serve.model import PipelineStage, TensorParallel, load_model
         from kthena_serve.model.config import ModelConfig
         from kthena_serve.model.loader import resolve_checkpoint
 
         _pin(rank_env.local_rank)
         self.device = rank_device(config, rank_env.local_rank)
-        self.groups = init_parallel_groups(Layout(config.tp, config.pp), rank_env, group,
+        self.groups = init_parallel_groups(config.layout, rank_env, group,
                                            check_peers=check_peers)
         pp = self.groups.pp
-        layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).num_hidden_layers
+        layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).shape.num_layers
         stage = PipelineStage.of(layers, config.pp, pp.group_rank,
                                  _rank0_split_points(config.pipeline_split_points))
         tp = TensorParallel.from_comm_group(self.groups.tp,
@@ -163,7 +156,7 @@ class _Stage:
         from kthena_comm.collectives import recv, send
 
         pp, stage, device = self.groups.pp, self.stage, self.device
-        hidden_size, dtype = self.model.config.hidden_size, self.dtype
+        hidden_size, dtype = self.model.config.shape.hidden_size, self.dtype
         pending, logits = [], []
         micro = [inputs.to(device) for inputs in micro]
         for inputs in micro:
@@ -182,7 +175,7 @@ class _Stage:
             elif self.tp_rank == 0:  # the LM head's output was in the model dtype: exact
                 pending.append(send(out.to(dtype), pp, self.head, async_op=True))
         if stage.size > 1 and stage.is_first and self.tp_rank == 0:
-            vocab = self.model.config.vocab_size
+            vocab = self.model.config.shape.vocab_size
             for inputs in micro:
                 rows = torch.empty(len(inputs.attention.logits_indices), vocab, dtype=dtype,
                                    device=device)
@@ -371,7 +364,7 @@ class ParallelModelRunner:
             _check_world(config, rank_env)
             self._stage = _Stage(self._config, rank_env, group)
         else:
-            port = _free_port()
+            port = free_port(_MASTER_ADDR)
             with _loopback_gloo():
                 self._workers = self._start_workers(port, group)
                 try:
@@ -422,13 +415,13 @@ class ParallelModelRunner:
         from kthena_serve.model import ModelConfig, PipelineStage, resolve_checkpoint
 
         model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
-        layers = max(len(PipelineStage.of(model.num_hidden_layers, config.pp, stage,
+        layers = max(len(PipelineStage.of(model.shape.num_layers, config.pp, stage,
                                           config.pipeline_split_points).layers)
                      for stage in range(config.pp))
         if config.num_kv_blocks is not None:
             return config
-        heads = kv_heads_per_rank(model.num_key_value_heads, config.tp)
-        layout = kv_layout_for(layers, heads, model.head_dim, config)
+        heads = kv_heads_per_rank(model.shape.num_kv_heads, config.tp)
+        layout = kv_layout_for(layers, heads, model.shape.head_dim, config)
         return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
 
     @property

@@ -13,12 +13,8 @@ A decoding request can be paused (its client is not reading what it already got)
 its seat and blocks but takes no token until resumed.
 
 With tiered offload (an ``AsyncOffloader``), a waiting request whose next blocks after its
-pool hit may sit in a tier is admitted as *promoting*: it takes its seat and blocks for those
-blocks at once, the offloader's promoter thread copies them in while this scheduler runs the
-other requests, and a later ``schedule()`` commits the blocks that arrived (they are matchable
-again) and prefills the rest. A promotion not done after ``promote_timeout_s`` is cancelled:
-the blocks written so far count, the others are computed. A step with nothing to run but
-promotions in flight waits for the oldest one (at most that long) instead of spinning.
+pool hit may sit in a tier is admitted as *promoting* (promotion.py): it takes its seat and
+blocks at once, and runs once they were copied in (or ``promote_timeout_s`` passed).
 
 A PD prefill worker runs its prompts through the same scheduler, as a policy: a prompt whose
 blocks the decode worker's scheduler gave is added as *external* (``add_external``: its block
@@ -41,29 +37,29 @@ still be preempted for an older prompt's chunk; it then leaves the step. A step 
 a pure function of what it is given.
 
 The scheduler talks to the KV layer only through the manager's verbs: match_prefix,
-try_allocate, try_append, commit, free (and the offloader's start_promotion).
+try_allocate, try_append, commit, free (and, through ``Promotions``, the offloader's
+start_promotion).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+from kthena_serve.engine.promotion import Promotions
 from kthena_serve.engine.request import FinishReason, Request, RequestStatus
 from kthena_serve.engine.scheduled import Reservation, ScheduledBatch, ScheduledSeq
-from mooncake_kv import ExtraKeys, KVCacheBlocks, KVCacheManager
+from mooncake_kv import ExtraKeys, KVCacheManager
 
 if TYPE_CHECKING:
-    from mooncake_kv.tiers import AsyncOffloader, PromotionJob
+    from mooncake_kv.tiers import AsyncOffloader
 
 __all__ = ["Scheduler"]
 
 _Picked = list[tuple[Request, int]]  # (request, tokens it feeds this step)
 _PROMOTING = -1  # _try_admit: the request waits for its promotion, nothing scheduled
-_log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -75,7 +71,7 @@ class Scheduler:
         max_num_batched_tokens: tokens per step at most.
         enable_prefix_caching: whether the manager caches prefixes (admission waits a step
             for a prefix another request is computing only then).
-        offloader: tiers to promote evicted prefixes from (see module docs), or None.
+        offloader: tiers to promote evicted prefixes from (promotion.py), or None.
         promote_timeout_s: how long a request waits for its promotion at most.
         batch_key: requests whose keys differ never share a step (a PD prefill worker's
             prompts over different decode pools); None: any requests may.
@@ -98,12 +94,7 @@ class Scheduler:
         prefill_budget: Callable[[int, int], int] | None = None,
     ) -> None:
         self.kv = kv
-        self.offloader = offloader
-        self.promote_timeout_s = promote_timeout_s
-        # promoting: request id -> (request, job, pool-hit blocks); _ahead: request id -> slots
-        # reserved past its computed tokens (a promotion's blocks that were not filled)
-        self.promoting: dict[str, tuple[Request, PromotionJob, int]] = {}
-        self._ahead: dict[str, int] = {}
+        self.promoting = Promotions(kv, offloader, promote_timeout_s)
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -151,9 +142,7 @@ class Scheduler:
             self.kv.free(request_id)
             _mark_finished(request, FinishReason.ABORT)
             return request
-        if request_id in self.promoting:
-            request, job, _ = self.promoting.pop(request_id)
-            job.cancel()  # no write into its blocks after this
+        if (request := self.promoting.cancel(request_id)) is not None:
             self.kv.free(request_id)
             _mark_finished(request, FinishReason.ABORT)
             return request
@@ -184,7 +173,7 @@ class Scheduler:
     def _leave(self, request: Request) -> None:
         self.running.remove(request)
         self.paused.discard(request.request_id)
-        self._ahead.pop(request.request_id, None)
+        self.promoting.forget(request.request_id)
 
     # ---- PD prefill: prompts only, some over blocks another worker's scheduler gave ----------
     def add_external(self, request: Request, block_ids: tuple[int, ...]) -> None:
@@ -276,14 +265,12 @@ class Scheduler:
         picked: _Picked = []
         preempted: list[Request] = []
         rejected: list[Request] = []
-        if self.promoting:
-            self._collect_promotions()
+        self.running += self.promoting.collect()
         budget = self._schedule_running(picked, preempted, rejected)
         if not preempted:
             self._admit_waiting(picked, budget, rejected)
         if not picked and self.promoting:  # nothing to run but promotions: wait, do not spin
-            _, job, _ = next(iter(self.promoting.values()))
-            job.wait(max(0.0, job.started + self.promote_timeout_s - time.monotonic()))
+            self.promoting.wait_oldest()
         return ScheduledBatch(
             seqs=tuple(_scheduled(r, n) for r, n in picked),
             preempted=tuple(r.request_id for r in preempted),
@@ -353,7 +340,7 @@ class Scheduler:
             return True  # its block table covers the prompt already
         while True:
             if request.is_prefill:
-                blocks = self._allocate_prefill(rid, num_new)
+                blocks = self.promoting.allocate_prefill(rid, num_new)
             else:
                 blocks = self.kv.try_append(rid, num_new)
             if blocks is not None:
@@ -370,17 +357,9 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _allocate_prefill(self, rid: str, num_new: int) -> KVCacheBlocks | None:
-        """Reserve a prefill chunk's slots, less those a promotion reserved and left unfilled."""
-        ahead = self._ahead.get(rid, 0)
-        blocks = self.kv.try_allocate(rid, max(0, num_new - ahead))
-        if blocks is not None and ahead:
-            self._ahead[rid] = max(0, ahead - num_new)
-        return blocks
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._ahead.pop(request.request_id, None)
+        self.promoting.forget(request.request_id)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_committed_blocks = 0
@@ -418,8 +397,7 @@ class Scheduler:
         salt = ExtraKeys(cache_salt=request.cache_salt) if request.cache_salt else None
         lookup = request.params.prompt_logprobs is None  # cached blocks have no logits
         match = self.kv.match_prefix(rid, request.token_ids, salt, lookup=lookup)
-        if lookup and self.offloader is not None and self._try_promote(
-                request, match.num_cached_blocks, salt):
+        if lookup and self.promoting.try_start(request, match.num_cached_blocks, salt):
             return _PROMOTING
         num_new = min(request.num_tokens - match.num_cached_tokens, budget)
         blocks = self.kv.try_allocate(rid, num_new)
@@ -451,61 +429,6 @@ class Scheduler:
 
     def _num_seated(self) -> int:
         return len(self.running) + len(self.reserved) + len(self.promoting)
-
-    # ---- promotion from the tiers -------------------------------------------------------------
-    def _try_promote(self, request: Request, num_hit_blocks: int,
-                     salt: ExtraKeys | None) -> bool:
-        """Start promoting the prompt's blocks after the pool hit; False: admit as usual.
-
-        Needs the first such block to be possibly below (``may_hold``) and free blocks for
-        all of them; at least one prompt token is always left to compute.
-        """
-        size = self.block_size
-        limit = (request.num_tokens - 1) // size
-        if num_hit_blocks >= limit:
-            return False
-        hashes = self.kv.hasher.hash_tokens(request.token_ids[: limit * size], salt)
-        wanted = hashes[num_hit_blocks:]
-        if not self.offloader.may_hold(wanted[0]):
-            return False
-        blocks = self.kv.try_allocate(request.request_id, len(wanted) * size)
-        if blocks is None:
-            return False
-        job = self.offloader.start_promotion(wanted, blocks.block_ids[num_hit_blocks:limit])
-        request.block_ids = blocks.block_ids
-        self.promoting[request.request_id] = (request, job, num_hit_blocks)
-        return True
-
-    def _collect_promotions(self) -> None:
-        """Move promotions that ended (or timed out) to running, committing what arrived."""
-        now = time.monotonic()
-        for rid, (request, job, num_hit) in list(self.promoting.items()):
-            if job.done():
-                num_promoted = job.num_promoted
-            elif now - job.started >= self.promote_timeout_s:
-                num_promoted = job.cancel()
-                _log.warning("promotion of request %s timed out after %.1f s; %d of %d blocks "
-                             "arrived, the rest is computed", rid, self.promote_timeout_s,
-                             num_promoted, len(job.block_ids))
-            else:
-                continue
-            del self.promoting[rid]
-            self._start_after_promotion(request, num_hit, num_promoted, len(job.block_ids))
-
-    def _start_after_promotion(self, request: Request, num_hit: int, num_promoted: int,
-                               num_reserved: int) -> None:
-        size = self.block_size
-        computed = (num_hit + num_promoted) * size
-        if num_promoted:
-            self.kv.commit(request.request_id, request.token_ids[:computed])
-        request.num_computed_tokens = computed
-        request.num_committed_blocks = num_hit + num_promoted
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = computed
-        if num_promoted < num_reserved:
-            self._ahead[request.request_id] = (num_reserved - num_promoted) * size
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
 
     def _should_wait_for_prefix(self, request: Request, prefilling: list[Request]) -> bool:
         """Wait a step if most of the prompt is being prefilled right now by another request.

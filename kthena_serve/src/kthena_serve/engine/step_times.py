@@ -8,15 +8,17 @@ with nothing runnable::
 
 ``sampling`` is the whole postprocess: sampling, logprobs, stop checks and detokenising. These
 are the ``kthena_step_seconds_total{phase}`` counters ``kthena doctor`` splits step time by.
+``StepClock`` is the engine's stopwatch that marks a step's phases and adds them up.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["PHASES", "StepTimes"]
+__all__ = ["PHASES", "StepClock", "StepTimes"]
 
 PHASES = ("schedule", "prefill", "decode", "sampling", "idle")
 
@@ -57,3 +59,35 @@ class StepTimes:
     def total(cls, parts: Sequence[StepTimes]) -> StepTimes:
         """The per-phase sum over several engines (a PD or data-parallel deployment)."""
         return cls(**{f"{p}_s": sum(t.seconds(p) for t in parts) for p in PHASES})
+
+
+class StepClock:
+    """Marks the phases of each ``LLMEngine.step()`` with ``time.perf_counter`` and adds them
+    up in ``times``: ``start``, ``scheduled``, ``forwarded``, ``stop``, in that order."""
+
+    def __init__(self) -> None:
+        self.times = StepTimes()
+        self._started = self._scheduled = self._forwarded = 0.0
+        self._has_prefill = False
+
+    def start(self) -> None:
+        """A step begins: scheduling from now."""
+        self._started = time.perf_counter()
+
+    def scheduled(self, *, has_prefill: bool) -> None:
+        """Scheduling is done; the forward from now (a prefill one if any prompt token runs)."""
+        self._scheduled = time.perf_counter()
+        self._has_prefill = has_prefill
+
+    def forwarded(self) -> None:
+        """The forward is done; sampling (the whole postprocess) from now."""
+        self._forwarded = time.perf_counter()
+
+    def stop(self) -> float:
+        """The step is done: its phases go into ``times``. Returns its forward and sampling
+        seconds (what each decode in it waited for)."""
+        ended = time.perf_counter()
+        self.times = self.times.after_step(
+            schedule_s=self._scheduled - self._started, forward_s=self._forwarded - self._scheduled,
+            sampling_s=ended - self._forwarded, has_prefill=self._has_prefill)
+        return ended - self._scheduled

@@ -24,6 +24,7 @@ _EXPORTS = {
     "UnsupportedModelError": "errors",
     "LlamaForCausalLM": "llama", "PipelineStage": "pp",
     "load_model": "loader", "load_weights": "loader", "resolve_checkpoint": "source",
+    "DEFAULT_MODEL_NAME": "source", "served_name": "source",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "ShardPlan": "tp", "TensorParallel": "tp", "plan_shards": "tp",
     "SequenceParallel": "sp", "TokenShards": "sp",

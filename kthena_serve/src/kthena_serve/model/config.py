@@ -1,8 +1,9 @@
 """`ModelConfig`: the Hugging Face `config.json` fields a Llama-family decoder needs.
 
 The sizes (layers, heads, widths, vocabulary, RoPE base, dtype) are parsed once, by
-kthena_core's `ModelSpec.from_hf_config`; this module adds only what the engine alone needs
-(norm epsilon, RoPE scaling, special tokens) and the Llama-family architecture check.
+kthena_core's `ModelSpec.from_hf_config`, and held as its `ModelShape`; this module adds only
+what the engine alone needs (norm epsilon, RoPE scaling, special tokens) and the Llama-family
+architecture check.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from kthena_core.dtypes import ENGINE_DTYPES, dtype_key, torch_dtype, torch_name
+from kthena_core.dtypes import ENGINE_DTYPES, torch_dtype
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
@@ -43,17 +44,13 @@ def _eos_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ..
 class ModelConfig:
     """Architecture of a Llama-family decoder, as read from a checkpoint's ``config.json``.
 
-    ``eos_token_id`` keeps the form of the file (an int or a tuple of ints); use ``eos_token_ids``
-    for the set. ``rope_scaling`` is the HF dict (or None) and is passed to the RoPE cache builder.
+    ``shape`` is the tensor geometry and the checkpoint's declared dtype (kthena_core's
+    `ModelShape`, what the TP rule and sizing take). ``eos_token_id`` keeps the form of the file
+    (an int or a tuple of ints); use ``eos_token_ids`` for the set. ``rope_scaling`` is the HF
+    dict (or None) and is passed to the RoPE cache builder.
     """
 
-    vocab_size: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    intermediate_size: int = attrs.field(validator=_positive)
-    num_hidden_layers: int = attrs.field(validator=_positive)
-    num_attention_heads: int = attrs.field(validator=_positive)
-    num_key_value_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
+    shape: ModelShape
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
@@ -62,13 +59,6 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    torch_dtype: str = "bfloat16"
-
-    def __attrs_post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -77,18 +67,8 @@ class ModelConfig:
     @property
     def dtype(self) -> torch.dtype:
         """The checkpoint's declared dtype (bfloat16 unless the engine computes in it)."""
-        key = dtype_key(self.torch_dtype)
+        key = self.shape.dtype
         return torch_dtype(key) if key in ENGINE_DTYPES else torch.bfloat16
-
-    @property
-    def shape(self) -> ModelShape:
-        """The tensor geometry as kthena_core's `ModelShape` (what the TP rule and sizing take)."""
-        return ModelShape(
-            num_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size, dtype=self.torch_dtype,
-        )
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
@@ -157,20 +137,12 @@ def _parse_spec(config: Mapping[str, Any]) -> ModelSpec:
 
 
 def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
-    """The fields kthena_core has already read from config.json, under ModelConfig's names."""
+    """The fields kthena_core has already read from config.json."""
     return dict(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
-        attention_bias=spec.attention_bias, torch_dtype=_hf_dtype_name(spec.dtype),
+        shape=spec.shape, rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, attention_bias=spec.attention_bias,
     )
-
-
-def _hf_dtype_name(key: str) -> str:
-    """``torch_dtype`` as config.json writes it for the dtypes the engine runs ("bf16" ->
-    "bfloat16"); any other key as it is."""
-    return torch_name(key) if key in ENGINE_DTYPES else key
 
 
 def _engine_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kthena_core.layout import sp_with_pp_refusal
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import BatchError, TensorParallelError
 from kthena_serve.model.pp import PipelineStage
@@ -42,7 +43,8 @@ from mooncake_ops import (
     silu_and_mul,
     write_kv,
 )
-from mooncake_ops.selection import AttentionShape, KernelChoice, MatmulWeight, choose_kernels
+from mooncake_ops.kernel_timing import AttentionShape, MatmulWeight
+from mooncake_ops.selection import KernelChoice, choose_kernels
 
 # One layer's cache: (k_cache, v_cache) in the compute dtype, or for an int8 pool
 # (k_cache, v_cache, k_scale, v_scale): int8 K/V and a float32 scale per token per KV head.
@@ -63,12 +65,12 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
-        self.head_dim = config.head_dim
+        self.head_dim = config.shape.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, config.shape.hidden_size)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
-        self.o_weight = _empty(config.hidden_size, self.q_size)
+        self.o_weight = _empty(config.shape.hidden_size, self.q_size)
         self.tp = tp
         self.matmul = F.linear  # replaced by a packed kernel on CPU (see pack_linear_weights)
 
@@ -105,8 +107,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
         super().__init__()
         width = len(plan.intermediate)
-        self.gate_up_weight = _empty(2 * width, config.hidden_size)
-        self.down_weight = _empty(config.hidden_size, width)
+        self.gate_up_weight = _empty(2 * width, config.shape.hidden_size)
+        self.down_weight = _empty(config.shape.hidden_size, width)
         self.tp = tp
         self.matmul = F.linear
         # silu_and_mul(matmul(x, gate_up)) in one kernel, when the packing kernel has one
@@ -131,8 +133,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.input_norm = _empty(config.hidden_size)
-        self.post_attention_norm = _empty(config.hidden_size)
+        self.input_norm = _empty(config.shape.hidden_size)
+        self.post_attention_norm = _empty(config.shape.hidden_size)
         self.self_attn = Attention(config, plan, tp)
         self.mlp = MLP(config, plan, tp)
 
@@ -173,22 +175,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
-        self.stage = stage or PipelineStage.of(config.num_hidden_layers)
-        if sp is not None and self.stage.size > 1:
-            raise TensorParallelError(f"sequence parallelism with pipeline parallelism "
-                                      f"(pp={self.stage.size}) is not wired; use sp with pp=1")
+        self.stage = stage or PipelineStage.of(config.shape.num_layers)
+        why = sp_with_pp_refusal(self.stage.size)
+        if sp is not None and why is not None:
+            raise TensorParallelError(f"{why}; use sp with pp=1")
         self.sp = sp
         self.plan = plan_shards(config, self.tp)
         first, last = self.stage.is_first, self.stage.is_last
         embed = first or (last and config.tie_word_embeddings)
-        self.embed_weight = _empty(config.vocab_size, config.hidden_size) if embed else None
+        vocab, hidden = config.shape.vocab_size, config.shape.hidden_size
+        self.embed_weight = _empty(vocab, hidden) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(config, self.plan, self.tp)
                                     for _ in self.stage.layers)
-        self.norm = _empty(config.hidden_size) if last else None
+        self.norm = _empty(hidden) if last else None
         self.lm_head_weight = None
         if last:
             self.lm_head_weight = self.embed_weight if config.tie_word_embeddings else _empty(
-                config.vocab_size, config.hidden_size)
+                vocab, hidden)
         self.matmul = F.linear
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
         self.reset_rope_cache()
@@ -199,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def head_dim(self) -> int:
-        return self.config.head_dim
+        return self.config.shape.head_dim
 
     def reset_rope_cache(self) -> None:
         """(Re)build the float32 RoPE cos/sin table on the model's device (on the CPU first,
@@ -210,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         device = next(self.parameters()).device
         with torch.device("cpu"):
-            table = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
+            table = build_rope_cache(c.shape.head_dim, c.max_position_embeddings, c.rope_theta,
                                      rope_scaling=c.rope_scaling)
         self.rope_cache = table.to(device=device, dtype=torch.float32)
 

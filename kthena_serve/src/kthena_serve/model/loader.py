@@ -60,9 +60,9 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         pack_weights: on CPU with bf16, pack the matmul weights for the kernel ``kernels``
             chooses (the packed model has no dense matmul weights left to save or slice).
         kernels: ``auto`` (time every kernel that can run this model here, once per machine:
-            cached under `default_cache_dir`), ``native`` (by the CPU's features) or ``torch``;
-            the ``KTHENA_KERNELS`` environment variable overrides it
-            (`mooncake_ops.selection`). The choice is ``model.kernel_choice``.
+            cached under `default_cache_dir`), ``native`` (by the CPU's features) or ``torch``
+            (`mooncake_ops.selection`); no environment variable overrides it (``KTHENA_KERNELS``
+            is only `EngineConfig.kernels`' default). The choice is ``model.kernel_choice``.
         kv_block_size: the KV cache's tokens per block (the attention timings use it).
         quantization: ``"int8"``: weight-only int8 matmul weights, one scale per output channel
             (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
@@ -119,7 +119,7 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike[str]) -> Non
 
 def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = None) -> set[str]:
     """The HF tensor names a checkpoint of `config` must contain (for `stage` only, if given)."""
-    stage = stage or PipelineStage.of(config.num_hidden_layers)
+    stage = stage or PipelineStage.of(config.shape.num_layers)
     names = set()
     if stage.is_first or (stage.is_last and config.tie_word_embeddings):
         names.add("model.embed_tokens.weight")
@@ -172,24 +172,26 @@ def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
 
 
 def _qkv_target(model: LlamaForCausalLM, fused: torch.Tensor, kind: str) -> _Target:
-    plan, hd = model.plan, model.config.head_dim
+    plan, shape = model.plan, model.config.shape
+    hd = shape.head_dim
     q, kv = len(plan.q_heads) * hd, len(plan.kv_heads) * hd
-    config = model.config
     if kind == "self_attn.q_proj":
-        return fused[:q], 0, range(plan.q_heads.start * hd, plan.q_heads.stop * hd), config.num_attention_heads * hd
+        q_rows = range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+        return fused[:q], 0, q_rows, shape.num_attention_heads * hd
     rows = range(plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
     dest = fused[q:q + kv] if kind == "self_attn.k_proj" else fused[q + kv:]
-    return dest, 0, rows, config.num_key_value_heads * hd
+    return dest, 0, rows, shape.num_kv_heads * hd
 
 
 def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target:
-    plan, hd = model.plan, model.config.head_dim
+    plan, shape = model.plan, model.config.shape
+    hd = shape.head_dim
     width, gate_up = len(plan.intermediate), layer.mlp.gate_up_weight
-    inter, q_cols = model.config.intermediate_size, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+    inter, q_cols = shape.intermediate_size, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
     return {
         "input_layernorm": (layer.input_norm, None, None, None),
         "post_attention_layernorm": (layer.post_attention_norm, None, None, None),
-        "self_attn.o_proj": (layer.self_attn.o_weight, 1, q_cols, model.config.num_attention_heads * hd),
+        "self_attn.o_proj": (layer.self_attn.o_weight, 1, q_cols, shape.num_attention_heads * hd),
         "mlp.gate_proj": (gate_up[:width], 0, plan.intermediate, inter),
         "mlp.up_proj": (gate_up[width:], 0, plan.intermediate, inter),
         "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate, inter),

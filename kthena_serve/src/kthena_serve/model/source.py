@@ -20,7 +20,10 @@ from pathlib import Path
 
 from kthena_serve.model.errors import CheckpointError
 
-__all__ = ["ALLOWED", "HUB_FILES", "check_folder", "is_repo_id", "resolve_checkpoint", "served_name"]
+__all__ = ["ALLOWED", "DEFAULT_MODEL_NAME", "HUB_FILES", "check_folder", "is_repo_id",
+           "resolve_checkpoint", "served_name"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the default model
 
 ALLOWED = ("'default', a Hugging Face checkpoint folder (config.json, *.safetensors, "
            "tokenizer.json), a llama .gguf file, or a Hugging Face Hub repo id ORG/NAME")
@@ -38,8 +41,10 @@ def is_repo_id(model: str) -> bool:
 
 
 def served_name(model: str) -> str:
-    """The model id clients send for ``model``: a repo id as it is (as vLLM serves it), else
-    the folder's or file's name."""
+    """The model id clients send for ``model``: SmolLM2's for ``"default"``, a repo id as it
+    is (as vLLM serves it), else the folder's or file's name."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
     if is_repo_id(model) and not os.path.exists(model):
         return model
     name = os.path.basename(os.path.normpath(model)) or model

@@ -175,10 +175,10 @@ def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
             without being a multiple of them (the message lists the sizes that work).
     """
     rank, world = (tp.rank, tp.world_size) if tp else (0, 1)
-    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    nh, nkv = config.shape.num_attention_heads, config.shape.num_kv_heads
     try:
         q = attention_head_range(nh, nkv, world, rank)
         kv = kv_head_range(nkv, world, rank)
     except HeadSplitError as e:
         raise TensorParallelError(str(e)) from None
-    return ShardPlan(q, kv, _split(config.intermediate_size, world, rank))
+    return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank))

@@ -11,7 +11,8 @@ import attrs
 
 from kthena_serve.cluster.config import Role, RouterWeights, non_negative
 
-__all__ = ["FailurePolicy", "KVPush", "PDConfig", "Role", "RouterWeights", "Transport"]
+__all__ = ["NOT_WIRED", "SAME_HOST_DEVICES", "FailurePolicy", "KVPush", "PDConfig", "PoolShareError", "Role",
+           "RouterWeights", "Transport"]
 
 
 class FailurePolicy(str, enum.Enum):
@@ -27,6 +28,19 @@ class KVPush(str, enum.Enum):
 class Transport(str, enum.Enum):
     SHM = "shm"  # same host: prefill maps the decode pool and writes into it (zero copy)
     MOONCAKE = "mooncake"  # across hosts: prefill computes locally, then one-sided put
+
+
+class PoolShareError(ValueError):
+    """A pool that cannot be shared or opened here; the message says why and what to use."""
+
+
+SAME_HOST_DEVICES = ("cpu", "cuda")  # device types whose pool another process opens (pool_share)
+NOT_WIRED = {  # device type -> why its decode pool cannot be opened by another process
+    "npu": ("the same-host route is not wired on npu: torch has no released IPC for NPU "
+            "memory (an IPC route for PrivateUse1 devices such as torch_npu is an open PyTorch "
+            "RFC); use --pd-transport mooncake (Mooncake's ascend_direct transport, "
+            "unverified on hardware), or --device cpu / cuda"),
+}
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -61,6 +75,31 @@ class PDConfig:
     weights: RouterWeights = attrs.field(factory=RouterWeights)
     health_interval_s: float = attrs.field(default=0.5, validator=non_negative)
     kv_pin_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+
+    @staticmethod
+    def check_device(device: str, transport: Transport | str) -> None:
+        """Refuse a PD deployment whose pools the hand-off cannot reach on ``device``.
+
+        cpu: shm (same host) or mooncake; cuda: shm (CUDA IPC, same host) or mooncake (device
+        memory registered with a CUDA build of Mooncake); npu: mooncake only (ascend_direct).
+        Anything else is refused.
+
+        Raises:
+            PoolShareError: the device type is not wired for PD, with the reason.
+        """
+        try:
+            route = Transport(transport)
+        except ValueError:
+            return  # PDConfig refuses it with its own message
+        kind = device.partition(":")[0]
+        if kind == "npu" and route is Transport.MOONCAKE:
+            return
+        if kind in NOT_WIRED:
+            raise PoolShareError(f"--mode pd --device {device} --pd-transport {route.value}: "
+                                 f"{NOT_WIRED[kind]}")
+        if kind not in SAME_HOST_DEVICES:
+            raise PoolShareError(f"--mode pd --device {device}: no PD pool route for {kind!r}; "
+                                 "run PD with --device cpu or cuda")
 
     def to_json(self) -> dict:
         """Every field as JSON (what workers get); ``from_json`` reads it back."""

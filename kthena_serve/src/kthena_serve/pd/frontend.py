@@ -92,7 +92,7 @@ class RemoteEngine:
         folder = resolve_checkpoint(config.model)
         model = ModelConfig.from_pretrained(folder)
         return cls(router, tokenizer or Tokenizer.from_pretrained(folder), config,
-                   (model.max_position_embeddings, model.vocab_size), secret=secret)
+                   (model.max_position_embeddings, model.shape.vocab_size), secret=secret)
 
     @property
     def is_alive(self) -> bool:

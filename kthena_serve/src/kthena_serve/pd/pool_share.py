@@ -9,7 +9,7 @@ blocks, and only the first token goes back. What differs is how the peer's pool 
     cpu     ``shm_name``: its pool is a /dev/shm file      ``KVPool.attach``: maps that file
     cuda    ``device_ipc``: torch's CUDA IPC handle of     the same device memory, mapped into
             the pool's storage (``CudaIpcExport``)         this process by torch (no copy)
-    npu     refused (``check_pd_device``): torch has no released IPC for NPU memory
+    npu     refused (``PDConfig.check_device``): torch has no released IPC for NPU memory
 
 Across hosts nothing is opened: the decode pool, on any device, is registered with Mooncake
 (``kthena_comm`` records its memory kind: ``cuda:N``; ``npu:N`` over Mooncake's ascend_direct
@@ -35,50 +35,13 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kthena_serve.pd.config import Transport
+from kthena_serve.pd.config import NOT_WIRED, PoolShareError
 from kthena_serve.pd.protocol import PoolRef
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["CudaIpcExport", "PoolShare", "PoolShareError", "check_pd_device", "export_pool",
+__all__ = ["CudaIpcExport", "PoolShare", "PoolShareError", "export_pool",
            "open_pool", "pool_key", "share_for"]
-
-
-class PoolShareError(ValueError):
-    """A pool that cannot be shared or opened here; the message says why and what to use."""
-
-
-_NOT_WIRED = {  # device type -> why its decode pool cannot be opened by another process
-    "npu": ("the same-host route is not wired on npu: torch has no released IPC for NPU "
-            "memory (an IPC route for PrivateUse1 devices such as torch_npu is an open PyTorch "
-            "RFC); use --pd-transport mooncake (Mooncake's ascend_direct transport, "
-            "unverified on hardware), or --device cpu / cuda"),
-}
-
-
-def check_pd_device(device: str, transport: Transport | str) -> None:
-    """Refuse a PD deployment whose pools the hand-off cannot reach on ``device``.
-
-    cpu: shm (same host) or mooncake; cuda: shm (CUDA IPC, same host) or mooncake (device
-    memory registered with a CUDA build of Mooncake); npu: mooncake only (ascend_direct).
-    Anything else is refused.
-
-    Raises:
-        PoolShareError: the device type is not wired for PD, with the reason.
-    """
-    try:
-        route = Transport(transport)
-    except ValueError:
-        return  # PDConfig refuses it with its own message
-    kind = _device_type(device)
-    if kind == "npu" and route is Transport.MOONCAKE:
-        return
-    if kind in _NOT_WIRED:
-        raise PoolShareError(f"--mode pd --device {device} --pd-transport {route.value}: "
-                             f"{_NOT_WIRED[kind]}")
-    if kind not in _SHARES:
-        raise PoolShareError(f"--mode pd --device {device}: no PD pool route for {kind!r}; "
-                             "run PD with --device cpu or cuda")
 
 
 class PoolShare(Protocol):
@@ -226,7 +189,7 @@ class CudaIpcShare:
         return f"cuda:{export.device_index}:{digest[:16]}:{export.storage_offset_bytes}"
 
 
-_SHARES: dict[str, PoolShare] = {"cpu": ShmShare(), "cuda": CudaIpcShare()}
+_SHARES: dict[str, PoolShare] = {"cpu": ShmShare(), "cuda": CudaIpcShare()}  # config.SAME_HOST_DEVICES
 
 
 def share_for(device: str | torch.device) -> PoolShare:
@@ -236,8 +199,8 @@ def share_for(device: str | torch.device) -> PoolShare:
         PoolShareError: no same-host route for that device type (the reason says why).
     """
     kind = _device_type(device)
-    if kind in _NOT_WIRED:
-        raise PoolShareError(_NOT_WIRED[kind])
+    if kind in NOT_WIRED:
+        raise PoolShareError(NOT_WIRED[kind])
     try:
         return _SHARES[kind]
     except KeyError:

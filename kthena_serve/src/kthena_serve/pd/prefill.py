@@ -1,11 +1,12 @@
 """Prefill executor: chunked paged prefills of several requests batched into one forward.
 
 Same host (``shm``): the decode worker's pool is a POSIX shared-memory file (on cuda: its device
-memory, through CUDA IPC); this process maps it once (pool_share.py: ``open_pool``, the one
-device-specific piece) and the model's paged prefill writes each new token's K/V at
-``slot = block_ids[pos // block_size] * block_size + pos % block_size`` of *that* pool. The
-decode worker's cached prefix (``num_cached_tokens``) is read in place as attention context,
-so it is neither recomputed nor copied. Nothing but the first token goes back.
+memory, through CUDA IPC); this process maps it once (decode_pools.py, over pool_share.py's
+``open_pool``, the one device-specific piece) and the model's paged prefill writes each new
+token's K/V at ``slot = block_ids[pos // block_size] * block_size + pos % block_size`` of
+*that* pool. The decode worker's cached prefix (``num_cached_tokens``) is read in place as
+attention context, so it is neither recomputed nor copied. Nothing but the first token goes
+back.
 
 Across hosts (``mooncake``): the prefill worker computes into its own pool, with its own prefix
 cache (a prefill-side hit skips those tokens), then ``put_blocks`` moves the blocks the decode
@@ -48,17 +49,17 @@ from typing import Any
 import attrs
 import torch
 
-from kthena_serve.engine import create_kv_manager
+from kthena_serve.engine.assembly import create_kv_manager
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.grammar import Grammars
 from kthena_serve.engine.logprobs import TokenLogprobs, gather_logprobs
-from kthena_serve.engine.model_runner import ModelRunner, create_pool, kv_dtype_name, kv_layout_for
+from kthena_serve.engine.model_runner import ModelRunner, create_pool
 from kthena_serve.engine.request import Request
 from kthena_serve.engine.sampler import Sampler
 from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
 from kthena_serve.engine.scheduler import Scheduler
-from kthena_serve.pd.pool_share import open_pool, pool_key
+from kthena_serve.pd.decode_pools import DecodePools
 from kthena_serve.pd.prefill_job import PrefillJob
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_from_json
 from kthena_serve.pd.transfer import BlockPush
@@ -67,7 +68,6 @@ from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool
 
 __all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor"]
-
 
 
 class PrefillCancelled(Exception):
@@ -119,8 +119,8 @@ class PrefillExecutor:
         self.sampler = Sampler(config.device, eos_token_ids=eos_token_ids)
         self.grammars = grammars
         self.on_batch = on_batch
-        self._attached: dict[str, ModelRunner] = {}
-        self._lock = threading.RLock()  # the queue, the in-flight set, the attach table
+        self._pools = DecodePools(model, config)  # shm: the decode pools mapped here
+        self._lock = threading.RLock()  # the queue, the in-flight set, the decode pools
         self._queue: list[PrefillJob] = []
         self._in_flight: frozenset[str] = frozenset()
         self._step_pending = False
@@ -152,23 +152,13 @@ class PrefillExecutor:
 
     def layout_for(self, num_blocks: int, block_size: int | None = None,
                    dtype: str | None = None, kv_cache_dtype: str | None = None) -> KVLayout:
-        """The layout of a pool of ``num_blocks`` (a decode worker's: its block size, dtype
-        and KV dtype; this worker's own where not given).
+        """The layout of a pool of ``num_blocks`` (``DecodePools.layout_for``: a decode
+        worker's block size, dtype and KV dtype, this worker's own where not given).
 
         Raises:
-            ValueError: the pool's KV dtype is not the one this worker computes (int8 vs not):
-                its blocks would be read with the wrong element type.
+            ValueError: the pool's KV dtype is not the one this worker computes.
         """
-        cfg = EngineConfig(model=self.config.model, dtype=dtype or self.config.dtype,
-                           block_size=block_size or self.config.block_size,
-                           num_kv_blocks=num_blocks,
-                           kv_cache_dtype=kv_cache_dtype or self.config.kv_cache_dtype)
-        if kv_dtype_name(cfg) != kv_dtype_name(self.config):
-            raise ValueError(f"the decode pool holds {kv_dtype_name(cfg)} KV but this prefill "
-                             f"worker writes {kv_dtype_name(self.config)}: start both with the "
-                             "same --dtype and --kv-cache-dtype")
-        m = self.model
-        return kv_layout_for(m.config.num_hidden_layers, m.num_kv_heads_per_rank, m.head_dim, cfg)
+        return self._pools.layout_for(num_blocks, block_size, dtype, kv_cache_dtype)
 
     def num_queued_running(self) -> tuple[int, int]:
         """(jobs waiting for their first chunk, jobs with a chunk picked) (any thread)."""
@@ -223,11 +213,8 @@ class PrefillExecutor:
         room for the prompt. The prompt's blocks stay held by ``rid`` (committed, so later
         prompts can share them) until ``free(rid)``: a decode worker pulls them in between.
         """
-        return self._submit_owned(rid, token_ids, params, cache_salt, self._finish_owned)
-
-    def _submit_owned(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
-                      cache_salt: str | None, finish: Callable) -> concurrent.futures.Future:
-        return self._submit(self._owned_job(rid, token_ids, params, cache_salt, finish))
+        return self._submit(self._owned_job(rid, token_ids, params, cache_salt,
+                                            self._finish_owned))
 
     def _owned_job(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
                    cache_salt: str | None, finish: Callable) -> PrefillJob:
@@ -281,22 +268,10 @@ class PrefillExecutor:
             self._kick()  # a prompt may wait for these blocks
 
     def _attach(self, ref: PoolRef) -> ModelRunner:
-        """A runner over the decode worker's pool (mapped once per pool: pool_share.py)."""
-        key = pool_key(ref)  # PoolShareError (a ValueError) when it names no pool here
-        # checked on every task, not only on the first attach: a KV dtype mismatch is refused
-        layout = self.layout_for(ref.num_blocks, ref.block_size, ref.dtype, ref.kv_cache_dtype)
+        """A runner over the decode worker's pool (mapped once per pool: decode_pools.py)."""
+        key, layout = self._pools.check(ref)  # PoolShareError (a ValueError): no pool here
         with self._lock:
-            runner = self._attached.get(key)
-            if runner is None:
-                pool = open_pool(ref, layout)
-                runner = ModelRunner(self.model, pool)
-                in_use = {id(j.runner) for j in self._queue}
-                for name, old in list(self._attached.items()):  # a restarted decode worker
-                    if id(old) not in in_use:  # unmaps; the creator owns (and unlinks) the name
-                        old.close()
-                        del self._attached[name]
-                self._attached[key] = runner
-            return runner
+            return self._pools.runner(ref, key, layout, {id(j.runner) for j in self._queue})
 
     # ---- one step (compute thread) -------------------------------------------------------------
     def _kick(self) -> None:
@@ -500,9 +475,7 @@ class PrefillExecutor:
                 job.future.set_exception(ExecutorClosedError(self._closing))
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._handoff.shutdown(wait=True, cancel_futures=True)
-        for runner in self._attached.values():
-            runner.close()
-        self._attached.clear()
+        self._pools.close()
         self.runner.close()
 
 

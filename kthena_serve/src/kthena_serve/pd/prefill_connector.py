@@ -76,7 +76,7 @@ class PrefillEngine:
         model = executor.model.config
         self.processor = _OneTokenProcessor(tokenizer, EngineLimits.for_engine(
             config, max_position_embeddings=model.max_position_embeddings,
-            vocab_size=model.vocab_size, num_kv_blocks=executor.pool.layout.num_blocks),
+            vocab_size=model.shape.vocab_size, num_kv_blocks=executor.pool.layout.num_blocks),
             config.chat_special_tokens, executor.grammars)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._closing: str | None = None

@@ -107,7 +107,7 @@ class _PrefillRoutes:
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
         # one compiled-grammar cache: the OpenAI routes' checks and the executor's first tokens
-        self.grammars = Grammars(tokenizer, model.config.vocab_size)
+        self.grammars = Grammars(tokenizer, model.config.shape.vocab_size)
         self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(
             model, config, pd, mooncake_host, self.metrics.observe_batch,
             tokenizer.eos_token_ids, self.grammars)

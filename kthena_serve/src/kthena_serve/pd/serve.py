@@ -64,7 +64,8 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
           "decode workers ...", file=sys.stderr, flush=True)
     try:
         launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
-                              api_key=spec.api_key, kv_events=spec.kv_events).start()
+                              api_key=spec.api_key, kv_events=spec.kv_events,
+                              served_model_name=spec.served_model_name).start()
     except (RuntimeError, TimeoutError) as error:  # the worker printed why, in one line
         print(f"kthena serve --mode pd: {error}", file=sys.stderr)
         return 1

@@ -75,9 +75,9 @@ class OnePort:
 
 
 def served_name(config: EngineConfig, served_model_name: str | None) -> str:
-    from kthena_serve.spec import model_name
+    from kthena_serve.model.source import served_name as model_served_name
 
-    return served_model_name or model_name(config.model)
+    return served_model_name or model_served_name(config.model)
 
 
 def openai_app(engine: EngineClient, config: EngineConfig, connector: KVConnector,

@@ -1,4 +1,8 @@
-"""One PD worker process: ``python -m kthena_serve.pd.worker --role decode|prefill ...``.
+"""One PD worker process: ``python -m kthena_serve.pd.worker --role decode|prefill --name NAME
+--spec JSON ...``. ``--spec`` is the deployment as a ``ServeSpec``'s JSON (what ``kthena serve
+--mode pd`` resolved, or what ``kthena deploy k8s`` rendered): the worker takes its engine, PD
+settings, served model name, public metrics and KV events from it; the flags say only where it
+runs (address, cores, the hosts it trusts).
 
 It pins itself to its cores and sets ``OMP_NUM_THREADS`` / ``OMP_WAIT_POLICY=PASSIVE``
 *before* torch is imported (OpenMP reads them once), loads the model, and serves a small
@@ -12,7 +16,7 @@ control API on 127.0.0.1 (or ``--host``):
              the OpenAI API as the Kthena router's PD connectors call it (kv_transfer_params)
 
 Every control route (``/pd/*``, ``/metrics``) needs ``Authorization: Bearer <secret>``, but
-``/metrics`` is open with ``--public-metrics`` (what a pod the Kthena router scrapes runs
+``/metrics`` is open with the spec's ``public_metrics`` (what a pod the Kthena router scrapes runs
 with); the secret comes in the environment variable ``KTHENA_PD_SECRET`` (set by the launcher
 or the pod's Secret; never on the command line, which other local users can read), and the
 worker refuses to start without it. The OpenAI routes need ``Authorization: Bearer <api key>``
@@ -20,9 +24,9 @@ when ``KTHENA_API_KEY`` is set (the key the Kthena router is given), and are ope
 ``kthena serve`` is. A decode worker sends prefill tasks and KV leases only to hosts in
 ``--prefill-hosts`` (default loopback; hosts or networks such as a pod CIDR).
 
-With ``--kv-events redis://HOST:PORT --pod-name NAME.NAMESPACE`` it publishes its KV cache's
-router chunks to that Redis under that owner name (docs/kv_events.md): a decode worker its
-pool, a prefill worker its own pool. In a pod the name is ``$(POD_NAME).$(POD_NAMESPACE)``; the
+With the spec's ``kv_events`` it publishes its KV cache's router chunks to that Redis under
+that owner name (docs/kv_events.md): a decode worker its pool, a prefill worker its own pool.
+In a pod the owner is ``$(POD_NAME).$(POD_NAMESPACE)`` (Kubernetes fills it into the spec); the
 PD launcher gives each worker ``--pod-name``'s ``NAME-WORKER.NAMESPACE``.
 
 When ready it writes its port to ``--ready-file``. It asks the kernel to send it SIGTERM if
@@ -46,15 +50,13 @@ from kthena_serve.cluster.worker import (
 )
 
 if TYPE_CHECKING:
-    from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.server import OnePort
+    from kthena_serve.spec import ServeSpec
 
 __all__ = ["main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from kthena_serve.serve_args import add_kv_events_args, add_public_metrics_arg
-
     parser = argparse.ArgumentParser(prog="kthena_serve.pd.worker")
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--name", required=True)
@@ -62,8 +64,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--cores", default="", help="comma-separated CPU ids to pin to")
     parser.add_argument("--ready-file", default=None)
-    parser.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
-    parser.add_argument("--pd-config", default="{}", help="PDConfig fields as JSON")
+    parser.add_argument("--spec", default=None,
+                        help="the deployment as a ServeSpec's JSON (ServeSpec.to_json); a "
+                             "worker reads its engine, pd, served_model_name, public_metrics "
+                             "and kv_events (this worker's own owner name)")
     parser.add_argument("--mooncake-host", default=None, help="address Mooncake advertises")
     parser.add_argument("--prefill-hosts", default="127.0.0.1,localhost,::1",
                         help="comma-separated hosts (or networks, 10.0.0.0/8) a decode worker "
@@ -71,52 +75,39 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--advertise-host", default=None,
                         help="address decode workers reach this prefill worker at "
                              "(remote_host; default: --mooncake-host, else --host)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model id the OpenAI routes serve (default: from the model)")
-    add_public_metrics_arg(parser, "the deployment secret")
-    add_kv_events_args(parser)
     return parser.parse_args(argv)
 
 
-def _kv_events(args: argparse.Namespace) -> KVEventsConfig | None:
-    """``--kv-events`` as a ``KVEventsConfig``: owner ``--pod-name``, model the served name.
+def _spec(args: argparse.Namespace) -> ServeSpec:
+    """``--spec`` as a ``ServeSpec``; its KV events' Redis client is imported here, so that a
+    missing extra is one message before the model loads.
 
     Raises:
-        ValueError: a refused flag or combination; the message starts with the flag.
-        ImportError: redis-py is missing (the message names the extra).
+        ValueError: not a ServeSpec's JSON, or a value its types refuse (the message says
+            which). ImportError: redis-py is missing (the message names the extra).
     """
     import json
 
-    from kthena_serve.engine.config import EngineConfig
-    from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
-    from kthena_serve.kv_events.publisher import import_redis
-    from kthena_serve.pd.server import served_name
-    from kthena_serve.spec import flag_name
+    from kthena_serve.spec import ServeSpec
 
-    sizes = {"chunk_size": args.kv_events_chunk_size, "max_chunks": args.kv_events_max_chunks}
-    if args.kv_events is None:
-        given = [flag_name(k) for k, v in {"pod": args.pod_name, **sizes}.items()
-                 if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} take(s) effect only with --kv-events "
-                             "redis://HOST:PORT")
-        return None
-    if args.pod_name is None:
-        raise ValueError("--kv-events: needs --pod-name NAME.NAMESPACE, the owner name the "
-                         "router looks for (in a pod: $(POD_NAME).$(POD_NAMESPACE) from the "
-                         "downward API)")
-    engine = EngineConfig.from_json(json.loads(args.engine_config))
-    if not engine.enable_prefix_caching:
-        raise ValueError("--kv-events: nothing is cached with enable_prefix_caching false in "
-                         "--engine-config, so there is nothing to announce; drop one of them")
-    model = served_name(engine, args.served_model_name)
+    if args.spec is None:
+        raise ValueError("--spec is required: the deployment as a ServeSpec's JSON (the PD "
+                         "launcher and `kthena deploy k8s` give it)")
     try:
-        config = KVEventsConfig(args.kv_events, args.pod_name, model,
-                                **{k: v for k, v in sizes.items() if v is not None})
-    except KVEventsConfigError as error:
-        raise ValueError(f"{flag_name(error.field)}: {error}") from None
-    import_redis()
-    return config
+        fields = json.loads(args.spec)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--spec: not JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--spec: a ServeSpec's JSON object, got {type(fields).__name__}")
+    try:
+        spec = ServeSpec.from_json(fields)
+    except ValueError as error:
+        raise ValueError(f"--spec: {error}") from None
+    if spec.kv_events is not None:
+        from kthena_serve.kv_events.publisher import import_redis
+
+        import_redis()
+    return spec
 
 
 def _take_api_key() -> str | None:
@@ -147,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     num_threads = pin_to_cores(args.cores)  # first: the imports below load torch
     die_with_parent()
     try:
-        kv_events = _kv_events(args)
+        spec = _spec(args)
     except (ValueError, ImportError) as error:
         print(f"kthena_serve.pd.worker {args.name}: {error}", file=sys.stderr)
         return 2
     try:
-        app, close = _build_app(args, secret, api_key, num_threads, kv_events)
+        app, close = _build_app(args, spec, secret, api_key, num_threads)
     except ValueError as error:  # a setting the engine refuses (e.g. a pool that holds no block)
         print(f"kthena_serve.pd.worker {args.name}: error: {error}", file=sys.stderr)
         return 2
@@ -169,33 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _build_app(args: argparse.Namespace, secret: str, api_key: str | None,
-               num_threads: int, kv_events: KVEventsConfig | None,
-               ) -> tuple[OnePort, Callable[[], None]]:
+def _build_app(args: argparse.Namespace, spec: ServeSpec, secret: str, api_key: str | None,
+               num_threads: int) -> tuple[OnePort, Callable[[], None]]:
     """The decode or prefill worker's app (pd/decode_server.py, pd/prefill_server.py) and
     what closes it."""
-    import json
+    import attrs
 
-    from kthena_serve.engine.config import EngineConfig
-    from kthena_serve.pd.config import PDConfig
     from kthena_serve.pd.decode_server import build_decode_app
     from kthena_serve.pd.prefill_server import build_prefill_app
 
-    engine_config = EngineConfig.from_json({**json.loads(args.engine_config),
-                                            "num_threads": num_threads})
-    pd_config = PDConfig.from_json(json.loads(args.pd_config))
+    engine_config = attrs.evolve(spec.engine, num_threads=num_threads)
+    common = {"secret": secret, "mooncake_host": args.mooncake_host, "api_key": api_key,
+              "served_model_name": spec.served_model_name,
+              "public_metrics": spec.public_metrics, "kv_events": spec.kv_events}
     if args.role == "decode":
         hosts = [h.strip() for h in args.prefill_hosts.split(",") if h.strip()]
-        return build_decode_app(args.name, engine_config, pd_config, secret=secret,
-                                mooncake_host=args.mooncake_host, prefill_hosts=hosts,
-                                api_key=api_key, served_model_name=args.served_model_name,
-                                public_metrics=args.public_metrics, kv_events=kv_events)
-    return build_prefill_app(args.name, engine_config, pd_config, secret=secret,
-                             mooncake_host=args.mooncake_host,
-                             advertise_host=_advertised(args), api_key=api_key,
-                             served_model_name=args.served_model_name,
-                             public_metrics=args.public_metrics, kv_events=kv_events)
-
+        return build_decode_app(args.name, engine_config, spec.pd, prefill_hosts=hosts,
+                                **common)
+    return build_prefill_app(args.name, engine_config, spec.pd,
+                             advertise_host=_advertised(args), **common)
 
 if __name__ == "__main__":
     sys.exit(main())

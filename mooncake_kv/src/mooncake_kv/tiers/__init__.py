@@ -5,51 +5,19 @@ Importing this package does not import torch or the Mooncake wheel; the store ti
 `mooncake.store` only when one is opened.
 """
 
+from mooncake_kv.tiers import base
 from mooncake_kv.tiers.async_offload import (
-    AsyncOffloader,
-    OffloadSnapshot,
-    PromotionJob,
-    TierCounters,
+           AsyncOffloader,
+           OffloadSnapshot,
+           PromotionJob,
+           TierCounters,
 )
-from mooncake_kv.tiers.base import (
-    CorruptBlockError,
-    KVTier,
-    TierConfig,
-    TierError,
-    TierUnavailableError,
-    UnknownTierError,
-    available_tiers,
-    frame_block,
-    open_tier,
-    register_tier,
-    unframe_block,
-)
+from mooncake_kv.tiers.base import *  # noqa: F403 - the tier protocol, errors and registry
 from mooncake_kv.tiers.host import HostMemoryTier, HostTierConfig
 from mooncake_kv.tiers.offload import BlockStorage, OffloadStats, TieredKVCache, TierStats
 from mooncake_kv.tiers.store import MooncakeStoreTier, StoreTierConfig
 
-__all__ = [
-    "AsyncOffloader",
-    "BlockStorage",
-    "OffloadSnapshot",
-    "PromotionJob",
-    "TierCounters",
-    "OffloadStats",
-    "TierStats",
-    "TieredKVCache",
-    "CorruptBlockError",
-    "HostMemoryTier",
-    "HostTierConfig",
-    "KVTier",
-    "MooncakeStoreTier",
-    "StoreTierConfig",
-    "TierConfig",
-    "TierError",
-    "TierUnavailableError",
-    "UnknownTierError",
-    "available_tiers",
-    "frame_block",
-    "open_tier",
-    "register_tier",
-    "unframe_block",
-]
+__all__ = [*base.__all__,
+           "AsyncOffloader", "BlockStorage", "OffloadSnapshot", "PromotionJob",
+           "TierCounters", "OffloadStats", "TierStats", "TieredKVCache",
+           "HostMemoryTier", "HostTierConfig", "MooncakeStoreTier", "StoreTierConfig"]
