@@ -194,3 +194,51 @@ def test_a_truncated_gguf_is_a_clear_error(tmp_path):
     cut.write_bytes(open(default_gguf_path(), "rb").read(4096))  # the header stops mid-vocab
     with pytest.raises(GGUFError, match="is not a readable GGUF file"):
         read_gguf_config(str(cut))
+
+
+# Qwen/Qwen3-0.6B's config.json (transformers 4.51). Its model card: 0.6B parameters, 0.44B
+# non-embedding; head_dim 128 is not hidden_size / heads (1024 / 16 = 64).
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_takes_its_explicit_head_dim_for_kv_bytes_and_counts_its_qk_norms():
+    spec = ModelSpec.from_hf_config(QWEN3_0_6B)
+    assert spec.shape.head_dim == 128 and spec.qk_norm and not spec.attention_bias
+    # 2 (K and V) x 28 layers x 8 KV heads x 128 dims x 2 bytes; with 64 it would be half
+    assert spec.kv_bytes_per_token("bf16") == 2 * 28 * 8 * 128 * 2 == 114_688
+    assert spec.kv_bytes_per_token("bf16", tp=2) == 2 * 28 * 4 * 128 * 2
+    # transformers' own count of Qwen3ForCausalLM at this config: q_norm and k_norm are
+    # 2 x 128 weights a layer; the tied embedding is counted once
+    assert spec.num_params() == 596_049_920
+    embedding = 151936 * 1024
+    assert (spec.num_params() - embedding) / 1e9 == pytest.approx(0.44, abs=0.005)
+
+
+def test_tiny_qwen3_kv_bytes_use_head_dim_not_hidden_over_heads():
+    tiny = {**QWEN3_0_6B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 272,
+            "torch_dtype": "float32"}
+    spec = ModelSpec.from_hf_config(tiny)
+    assert (spec.shape.head_dim, spec.shape.dtype) == (32, "fp32")
+    assert spec.kv_bytes_per_token("fp32") == 2 * 2 * 2 * 32 * 4 == 1024
+    assert spec.kv_bytes_per_token("bf16", tp=2) == 2 * 2 * 1 * 32 * 2
+
+
+def test_qwen3_without_head_dim_takes_transformers_default_of_128():
+    """Qwen3Config.head_dim defaults to 128 (not hidden_size / heads), so a config.json that
+    leaves it out means 128; other families keep hidden_size / heads."""
+    bare = {k: v for k, v in QWEN3_0_6B.items() if k != "head_dim"}
+    assert ModelSpec.from_hf_config(bare).shape.head_dim == 128
+    by_arch = {k: v for k, v in bare.items() if k != "model_type"}
+    assert ModelSpec.from_hf_config(by_arch).shape.head_dim == 128
+    llama = {k: v for k, v in KNOWN_CONFIGS["llama-3-8b"].items() if k != "head_dim"}
+    assert ModelSpec.from_hf_config(llama).shape.head_dim == 4096 // 32
+    assert not ModelSpec.from_hf_config(llama).qk_norm

@@ -1,9 +1,10 @@
 """ModelSpec: the architecture facts the planner needs (sizes, FLOPs, weight and KV bytes).
 
-Built from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral, Mixtral-style MoE, DeepSeek
-MLA) or from GGUF metadata. KV bytes use ``num_key_value_heads`` (GQA), never the number of
-attention heads, and under tensor parallelism the largest per-rank share of them
-(`kthena_core.shape.kv_heads_per_rank`: 3 KV heads over tp=2 -> 2)::
+Built from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mistral, Mixtral-style MoE,
+DeepSeek MLA) or from GGUF metadata. KV bytes use ``num_key_value_heads`` (GQA), never the number
+of attention heads, and under tensor parallelism the largest per-rank share of them
+(`kthena_core.shape.kv_heads_per_rank`: 3 KV heads over tp=2 -> 2); ``head_dim`` is the config's
+own where it gives one (Qwen3-0.6B: 128, not hidden_size / heads = 64)::
 
     kv_bytes/token = 2 (K and V) x num_layers x kv_heads_per_rank x head_dim x bytes/element
     Llama-2-70B, bf16, tp=1: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB   (not 2.5 MB)
@@ -60,6 +61,9 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_theta: float = 10000.0
+    # An RMSNorm over head_dim on every query and key head before RoPE (Qwen3's q_norm / k_norm):
+    # 2 x head_dim weights per layer.
+    qk_norm: bool = False
     # Mixture of experts (0 = dense). Layers before `first_dense_layers` are dense.
     num_experts: int = attrs.field(default=0, validator=_non_negative)
     num_experts_per_tok: int = attrs.field(default=0, validator=_non_negative)
@@ -113,11 +117,11 @@ class ModelSpec:
         return (routed + self.num_shared_experts) * 3 * h * inter + h * self.num_experts
 
     def _layer_params(self, layer: int, active: bool) -> int:
-        norms = 2 * self.shape.hidden_size
+        norms = 2 * self.shape.hidden_size + (2 * self.shape.head_dim if self.qk_norm else 0)
         return self._attention_params() + self._mlp_params(layer, active) + norms
 
     def layer_params(self, layer: int, *, active: bool = False) -> int:
-        """Parameters of decoder layer `layer` (attention, MLP or its experts, two norms);
+        """Parameters of decoder layer `layer` (attention, MLP or its experts, the norms);
         `active=True` counts only the experts a token is routed to."""
         return self._layer_params(layer, active)
 
@@ -274,9 +278,9 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
     heads = int(_require(config, "num_attention_heads"))
     hidden = int(_require(config, "hidden_size"))
     kv_lora = int(config.get("kv_lora_rank") or 0)
-    head_dim = config.get("head_dim") or (config.get("v_head_dim") if kv_lora else None) or hidden // heads
     num_experts = int(config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0)
     arch = config.get("architectures") or [config.get("model_type", "unknown")]
+    head_dim = _head_dim(config, arch, hidden // heads)
     sizes = {
         "num_layers": int(_require(config, "num_hidden_layers")),
         "hidden_size": hidden,
@@ -294,6 +298,7 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", _is_qwen2(config, arch))),
         rope_theta=_rope_theta(config),
+        qk_norm=_is_qwen3(config, arch),
         num_experts=num_experts,
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
         num_shared_experts=int(config.get("n_shared_experts") or 0),
@@ -341,6 +346,23 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
 def _is_qwen2(config: Mapping[str, Any], architectures: list[str]) -> bool:
     """Qwen2 has q/k/v biases even when its config does not say `attention_bias`."""
     return config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in architectures
+
+
+def _is_qwen3(config: Mapping[str, Any], architectures: list[str]) -> bool:
+    """Qwen3 and Qwen3-MoE normalise each query and key head (q_norm / k_norm)."""
+    return (config.get("model_type") in ("qwen3", "qwen3_moe")
+            or bool({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}.intersection(architectures)))
+
+
+def _head_dim(config: Mapping[str, Any], architectures: list[str], even_split: int) -> int:
+    """The config's ``head_dim``; else MLA's ``v_head_dim``; else transformers' default for the
+    family: 128 for Qwen3 dense (``Qwen3Config.head_dim``), ``hidden_size / heads`` otherwise."""
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("kv_lora_rank") and config.get("v_head_dim"):
+        return int(config["v_head_dim"])
+    qwen3_dense = config.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in architectures
+    return 128 if qwen3_dense else even_split
 
 
 def human_bytes(num: float) -> str:

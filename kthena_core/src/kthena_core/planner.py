@@ -322,7 +322,7 @@ class Planner:
         links = ctx.links(layout.tp, layout.pp, layout.dp)
         split = self._split(model, workload, layout, dev, links, points)
         points = split.points if split is not None and split.is_uneven else None
-        seqs = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
+        seqs = math.ceil(workload.concurrency / decode_replicas(workload, layout))
         mem = memory(model, workload, layout, dev, self.params, seqs, points)
         if not mem.fits:
             reasons.append(
@@ -345,7 +345,7 @@ class Planner:
         """The stages' split (pp > 1), priced at the decode batch of one replica."""
         if layout.pp == 1:
             return None
-        batch = math.ceil(workload.concurrency / _decode_replicas(workload, layout))
+        batch = math.ceil(workload.concurrency / decode_replicas(workload, layout))
         pricer = StagePricer(model, workload, layout, dev, links, batch)
         if points is not None:
             return pinned_split(model.shape.num_layers, layout.pp, points, pricer.time)
@@ -371,8 +371,9 @@ class Planner:
                     tuple(ctx.order[: best.layout.num_devices]), tuple(evals), ctx.excluded)
 
 
-def _decode_replicas(workload: Workload, layout: Layout) -> int:
-    # In PD mode at least one replica prefills; the decode replicas hold the sequences.
+def decode_replicas(workload: Workload, layout: Layout) -> int:
+    """The replicas that hold running sequences: all of them, or in PD mode all but the
+    prefill ones (at least one replica prefills)."""
     return max(1, layout.dp - 1) if workload.mode == "pd" else layout.dp
 
 

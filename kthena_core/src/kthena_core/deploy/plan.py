@@ -35,7 +35,7 @@ import attrs
 
 from kthena_core.deploy.spec import DeployError, DeploySpec
 from kthena_core.dtypes import ENGINE_DTYPES, torch_name
-from kthena_core.planner import Plan, Planner, _decode_replicas
+from kthena_core.planner import Plan, Planner, decode_replicas
 
 __all__ = ["Deployment", "Role", "plan_deployment"]
 
@@ -141,7 +141,7 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
         roles=roles, cpu=spec.cpu or CPUS_PER_RANK * ranks,
         memory=spec.memory or f"{math.ceil(host_bytes / GiB)}Gi",
         kv_cache_bytes=int(mem.kv_cache),
-        max_num_seqs=math.ceil(spec.workload.concurrency / _decode_replicas(spec.workload,
+        max_num_seqs=math.ceil(spec.workload.concurrency / decode_replicas(spec.workload,
                                                                              plan.chosen.layout)),
         num_nodes_per_engine=nodes)
 

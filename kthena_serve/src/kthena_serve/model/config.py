@@ -3,7 +3,7 @@
 The sizes (layers, heads, widths, vocabulary, RoPE base, dtype) are parsed once, by
 kthena_core's `ModelSpec.from_hf_config`, and held as its `ModelShape`; this module adds only
 what the engine alone needs (norm epsilon, RoPE scaling, special tokens) and the Llama-family
-architecture check.
+architecture check, with the refusal of the options the model does not implement.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
 
 # Llama-family architectures whose checkpoints share the Llama tensor names and maths (Qwen2 adds
-# q/k/v biases, which `attention_bias` covers).
+# q/k/v biases, which `attention_bias` covers; Qwen3 an RMSNorm on each query and key head,
+# which `qk_norm` covers).
 SUPPORTED_ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 })
 
 
@@ -47,7 +48,9 @@ class ModelConfig:
     ``shape`` is the tensor geometry and the checkpoint's declared dtype (kthena_core's
     `ModelShape`, what the TP rule and sizing take). ``eos_token_id`` keeps the form of the file
     (an int or a tuple of ints); use ``eos_token_ids`` for the set. ``rope_scaling`` is the HF
-    dict (or None) and is passed to the RoPE cache builder.
+    dict (or None) and is passed to the RoPE cache builder. ``qk_norm``: each query and key head
+    goes through an RMSNorm over ``head_dim`` (weights ``q_norm`` / ``k_norm``, ``rms_norm_eps``)
+    after the projections and before RoPE (Qwen3).
     """
 
     shape: ModelShape
@@ -57,6 +60,7 @@ class ModelConfig:
     max_position_embeddings: int = attrs.field(default=2048, validator=_positive)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
 
@@ -75,12 +79,14 @@ class ModelConfig:
         """Build from a parsed ``config.json``.
 
         Raises:
-            UnsupportedModelError: the architecture is not Llama-family, or a size or the dtype
-                is invalid.
+            UnsupportedModelError: the architecture is not Llama-family, an option it sets is
+                not implemented, or a size or the dtype is invalid.
             CheckpointError: a required key is missing.
         """
         _check_architecture(config)
-        fields = _spec_fields(_parse_spec(config))
+        spec = _parse_spec(config)
+        _check_options(spec)
+        fields = _spec_fields(spec)
         window = _sliding_window(config)
         if window is not None and window < fields["max_position_embeddings"]:
             # attention here spans the whole context: within the window that is exactly what
@@ -113,9 +119,19 @@ def _check_architecture(config: Mapping[str, Any]) -> None:
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
 
 
+def _check_options(spec: ModelSpec) -> None:
+    """Refuse, by name, an option of a supported architecture that the model does not implement."""
+    if spec.qk_norm and spec.attention_bias:
+        # transformers' Qwen3 puts the bias on o_proj too, which the model has no place for
+        raise UnsupportedModelError(
+            f"{spec.architecture} with attention_bias=true (biases on q/k/v and o_proj) is not "
+            "supported; allowed: attention_bias=false")
+
+
 def _sliding_window(config: Mapping[str, Any]) -> int | None:
     """The sliding attention window config.json asks for (Mistral's ``sliding_window``;
-    Qwen2's only with ``use_sliding_window``), or None."""
+    Qwen2's and Qwen3's only with ``use_sliding_window``, whichever layers
+    ``max_window_layers`` makes slide), or None."""
     window = config.get("sliding_window")
     if "use_sliding_window" in config and not config["use_sliding_window"]:
         return None
@@ -142,6 +158,7 @@ def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
         shape=spec.shape, rope_theta=spec.rope_theta,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings, attention_bias=spec.attention_bias,
+        qk_norm=spec.qk_norm,
     )
 
 
@@ -150,13 +167,15 @@ def _engine_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     eos = config.get("eos_token_id")
     return dict(
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_scaling=_rope_scaling(config.get("rope_scaling")),
+        # transformers 5 writes the scaling into rope_parameters (with rope_theta), 4.x into
+        # rope_scaling
+        rope_scaling=_rope_scaling(config.get("rope_scaling") or config.get("rope_parameters")),
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=eos if eos is None or isinstance(eos, int) else tuple(eos),
     )
 
 
 def _rope_scaling(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    if not value or value.get("rope_type", value.get("type")) == "default":
+    if not value or value.get("rope_type", value.get("type", "default")) == "default":
         return None
     return dict(value)

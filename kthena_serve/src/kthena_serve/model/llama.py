@@ -1,11 +1,14 @@
-"""`LlamaForCausalLM`: a Llama-family decoder over a paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""`LlamaForCausalLM`: a Llama-family decoder over a paged KV cache (Llama 2/3, Mistral, Qwen2,
+Qwen3 dense, SmolLM2).
 
 One forward takes the packed new tokens of a step (see mooncake_kv's `PagedBatch`) and returns
 the logits of each sequence's last new token. Attention, norms, RoPE and the KV write go through
 mooncake_ops.
 Q/K/V and gate/up are fused into one weight each (one matmul instead of three / two), the
 residual add is fused into RMSNorm, and nothing in the forward reads a tensor's value back on the
-host, so a decode step is ~10 kernel launches per layer and no synchronisation.
+host, so a decode step is ~10 kernel launches per layer and no synchronisation. Qwen3 adds an
+RMSNorm over ``head_dim`` on each query and key head between the projection and RoPE
+(``qk_norm``); it acts per head, so every TP rank holds the same weights for its own heads.
 
 The model holds only its own rank's shard (`plan_shards`); the two row-parallel matmuls hand
 their partial sums to ``tp.all_reduce``, or, in a forward that sequence parallelism splits
@@ -60,12 +63,16 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    """Self-attention of one layer, for this rank's heads."""
+    """Self-attention of one layer, for this rank's heads (with Qwen3's per-head q/k norms,
+    ``q_norm`` / ``k_norm`` [head_dim], when ``config.qk_norm``; else they are None)."""
 
     def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         self.head_dim = config.shape.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_norm = _empty(self.head_dim) if config.qk_norm else None
+        self.k_norm = _empty(self.head_dim) if config.qk_norm else None
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, config.shape.hidden_size)
@@ -84,6 +91,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head: over the last dim of [tokens, heads, head_dim]
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = rotary_embedding(positions, q, k, rope, is_neox=True)
         k_cache, v_cache, *scales = kv_cache
         # int8 pool: the ops quantise on write and read the scales inside attention

@@ -6,6 +6,7 @@ into its place in a fused parameter::
     qkv_weight     [ q rows of my q heads | k rows of my kv heads | v rows of my kv heads ]
     gate_up_weight [ gate rows of my columns | up rows of my columns ]
     o_weight, down_weight: the matching input columns (row-parallel)
+    norms (Qwen3's per-head q_norm / k_norm too): whole, on every rank
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LAYER_KINDS = (*_QKV, "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                 "input_layernorm", "post_attention_layernorm")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3: [head_dim], one per layer each
 
 
 def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: torch.dtype = torch.bfloat16,
@@ -130,6 +132,8 @@ def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = Non
     per_layer = [f"{kind}.weight" for kind in _LAYER_KINDS]
     if config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if config.qk_norm:
+        per_layer += [f"{kind}.weight" for kind in _QK_NORMS]
     return names | {f"model.layers.{i}.{n}" for i in stage.layers for n in per_layer}
 
 
@@ -164,6 +168,9 @@ def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
     layer = model.layers[int(match.group(1)) - model.stage.layers.start]
     if suffix == "bias" and kind in _QKV and layer.self_attn.qkv_bias is not None:
         return _qkv_target(model, layer.self_attn.qkv_bias, kind)
+    if suffix == "weight" and kind in _QK_NORMS and model.config.qk_norm:
+        # per head, so each rank applies the whole (replicated) weight to its own heads
+        return getattr(layer.self_attn, kind.removeprefix("self_attn.")), None, None, None
     if suffix != "weight" or kind not in _LAYER_KINDS:
         return None
     if kind in _QKV:

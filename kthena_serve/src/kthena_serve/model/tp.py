@@ -11,6 +11,8 @@ overlap) each is one fused op that overlaps the two.
 
     q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
     o, down          row-parallel: each rank holds the matching input columns; outputs summed
+    norms            replicated: the layer norms act on the whole hidden vector, Qwen3's q/k
+                     norms on each head alone, so every rank holds all of their weights
 
 Which heads a rank holds is kthena_core's one rule (`kthena_core.shape`): ``tp <= kv_heads``
 splits the KV heads as evenly as whole heads allow (SmolLM2's 3 KV heads over 2 ranks: 2 + 1),
