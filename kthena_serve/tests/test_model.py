@@ -210,6 +210,9 @@ def test_config_from_dict_and_errors(tmp_path):
     with pytest.raises(UnsupportedModelError, match="unknown dtype 'float64'"):
         ModelConfig.from_dict({**TINY, "torch_dtype": "float64"})
     assert ModelConfig.from_dict({**TINY, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
+    # Llama's attention_bias puts a bias on o_proj too, which the model would silently drop
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM with attention_bias=true"):
+        ModelConfig.from_dict({**TINY, "architectures": ["LlamaForCausalLM"], "attention_bias": True})
     with pytest.raises(UnsupportedModelError, match="allowed: LlamaForCausalLM"):
         ModelConfig.from_dict({**TINY, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(CheckpointError, match="'hidden_size'"):

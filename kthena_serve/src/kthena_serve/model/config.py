@@ -121,8 +121,9 @@ def _check_architecture(config: Mapping[str, Any]) -> None:
 
 def _check_options(spec: ModelSpec) -> None:
     """Refuse, by name, an option of a supported architecture that the model does not implement."""
-    if spec.qk_norm and spec.attention_bias:
-        # transformers' Qwen3 puts the bias on o_proj too, which the model has no place for
+    if spec.attention_bias and spec.architecture != "Qwen2ForCausalLM":
+        # transformers' Llama, Mistral and Qwen3 put the bias on o_proj too, which the model
+        # has no place for (Qwen2's biases are on q/k/v only)
         raise UnsupportedModelError(
             f"{spec.architecture} with attention_bias=true (biases on q/k/v and o_proj) is not "
             "supported; allowed: attention_bias=false")
