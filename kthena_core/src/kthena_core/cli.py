@@ -181,10 +181,22 @@ def versions_line() -> str:
     return f"kthena {found['kthena-core']} ({rest})"
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error, printed with its
+    usage (``usage: kthena serve ...``), not the top-level ``kthena`` usage argparse would print.
+    Its subcommands' parsers are of this class too."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kthena", description="Kthena x Mooncake SDK command line")
     parser.add_argument("--version", action="version", version=versions_line())
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     plan = sub.add_parser("plan", help="choose TP x PP x SP x DP for a model on a topology")
     plan.add_argument("--config", default=None, metavar="FILE.yaml",

@@ -67,7 +67,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", choices=("colocated", "pd"),
                         help="colocated (default) or pd: separate prefill and decode worker "
                              "processes behind a router")
-    parser.add_argument("--dp", type=int,
+    parser.add_argument("--dp", "--data-parallel-size", type=int,
                         help="colocated: data-parallel replicas (whole engines, each of tp x pp "
                              "ranks) behind one prefix- and load-aware router on --port "
                              "(default 1)")

@@ -121,6 +121,10 @@ def _add_kv_args(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per KV block (default {_default('block_size')})")
     parser.add_argument("--kv-cache-memory",
                         help="KV pool size, e.g. 512MiB, 2GiB (default 1GiB)")
+    parser.add_argument("--gpu-memory-utilization", action=_RefusedFlag, metavar="FRACTION",
+                        instead="the KV pool is sized in bytes here, not as a fraction of the "
+                                "device's memory: use --kv-cache-memory SIZE (e.g. 2GiB)",
+                        help="vLLM's flag, refused: the KV pool is sized by --kv-cache-memory")
     parser.add_argument("--max-model-len", type=int,
                         help="context length cap (default: the model's, capped by the pool)")
     parser.add_argument("--kv-cache-dtype",
@@ -128,8 +132,13 @@ def _add_kv_args(parser: argparse.ArgumentParser) -> None:
                              "K/V with a float32 scale per token per KV head: ~1.9x the blocks "
                              "of bf16 in the same --kv-cache-memory; the model still computes "
                              "in --dtype)")
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", help="turn prefix reuse off (default on)")
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                        dest="enable_prefix_caching", action="store_false",
+                        help="turn prefix reuse off (default on)")
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_const", const=True,
+                        help="vLLM's flag: prefix reuse on, also over a config's "
+                             "service.kv_cache_reuse: false (default on)")
     parser.add_argument("--prefix-index", choices=("hash", "radix"),
                         help="prefix index of the KV manager: hash chain (default) or radix tree")
     parser.add_argument("--hash-algorithm", choices=("xxh3_128", "sha256"),
@@ -149,8 +158,9 @@ def _add_kv_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     """Tensor, pipeline and sequence parallelism, and TP overlap."""
-    parser.add_argument("--tp", type=int, help="tensor-parallel ranks (one core each; default 1)")
-    parser.add_argument("--pp", type=int,
+    parser.add_argument("--tp", "--tensor-parallel-size", type=int,
+                        help="tensor-parallel ranks (one core each; default 1)")
+    parser.add_argument("--pp", "--pipeline-parallel-size", type=int,
                         help="pipeline-parallel stages (layers split into PP stages, each of "
                              "--tp ranks; tp x pp processes; default 1)")
     parser.add_argument("--sp", type=int,
@@ -175,6 +185,21 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         help="where pipeline stages 1..PP-1 start: their first layer indices, "
                              "strictly increasing (--pp 2 --pipeline-split-points 10: layers "
                              "0..9 on stage 0, the rest on stage 1); default: equal stages")
+
+
+class _RefusedFlag(argparse.Action):
+    """A vLLM flag that has no meaning here: giving it is a usage error saying what to use
+    instead (``instead``), so a vLLM command line does not run with a setting silently
+    dropped."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, instead: str,
+                 **kwargs: object) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.instead}")
 
 
 def split_points_arg(text: str) -> tuple[int, ...]:

@@ -4,120 +4,43 @@ is built in responses.py (and logprobs.py).
 A body field is either honoured or refused: an unknown field is a 400 (as OpenAI answers), and
 fields this server does not implement (``functions`` / ``function_call``, ``suffix``,
 ``best_of`` > 1, ``priority`` other than 0, vLLM's removed ``guided_*``) are accepted only with
-their neutral value and refused by name otherwise (``refuse_unsupported``). ``response_format``
-and vLLM's ``structured_outputs`` become ``SamplingParams.structured_outputs``; chat ``tools``
-are tools.py's.
+their neutral value and refused by name otherwise (``refuse_unsupported``). The other fields
+vLLM's two requests declare, and OpenAI fields vLLM ignores with a warning, are in
+``UNSERVED`` (unserved.py): a neutral value is accepted; another is refused by name where it would change the
+answer, else ignored with a logged warning (``ignored_fields``). ``response_format`` and
+vLLM's ``structured_outputs`` become ``SamplingParams.structured_outputs``; chat ``tools`` are
+tools.py's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
 from kthena_serve.engine.structured_output import StructuredOutputsParams
+from kthena_serve.server.request_parts import (
+    ResponseFormat,
+    StreamOptions,
+    Strict,
+    StructuredOutputs,
+    refuse,
+)
 from kthena_serve.server.tools import NamedToolChoice, Tool, ToolCall, tool_constraint
+from kthena_serve.server.unserved import CHAT_UNSERVED, COMPLETION_UNSERVED, UNSERVED, Unserved
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestCommon", "TextPart"]
 
 _LOGPROB_RANGE = {"minimum": 0, "maximum": MAX_LOGPROBS}  # checked by check_num_logprobs
-
-
-class _Strict(BaseModel):
-    # NaN / Infinity (which Python's JSON parser reads) get "Input should be a finite number"
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-def _refuse(param: str, value: Any, why: str) -> None:
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    raise InvalidRequestError(f"{param}={shown} is not supported: {why}", param)
-
-
-class StreamOptions(_Strict):
-    """OpenAI's stream options (unknown keys are a 400, as everywhere)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
-
-
-class _Forbid(_Strict):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-
-class JsonSchemaFormat(_Forbid):
-    """OpenAI's ``response_format.json_schema``; ``strict`` is accepted either way (the
-    output always follows the schema)."""
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Forbid):
-    """``{"type": "text" | "json_object" | "json_schema" | "structural_tag", ...}`` (OpenAI's,
-    and vLLM's structural tag: xgrammar's ``format``, or the legacy ``structures`` /
-    ``triggers``)."""
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaFormat | None = None
-    format: dict[str, Any] | None = None
-    structures: list[dict[str, Any]] | None = None
-    triggers: list[str] | None = None
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        """Raises InvalidRequestError (``response_format``) for a type without its fields."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.json_schema is None:
-                raise InvalidRequestError("response_format of type json_schema needs "
-                                          "json_schema.schema", "response_format")
-            return StructuredOutputsParams(json=self.json_schema.json_schema)
-        tag = self.model_dump(exclude_none=True, exclude={"json_schema"})
-        return StructuredOutputsParams(structural_tag=tag)
-
-
-class StructuredOutputs(_Forbid):
-    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): one of ``json``,
-    ``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-    # vLLM's xgrammar backend ignores both: the first is accepted (xgrammar already allows no
-    # property a schema does not name, unless the schema sets additionalProperties), the
-    # second refused unless null
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-    def constraint(self) -> StructuredOutputsParams:
-        if self.whitespace_pattern is not None:
-            _refuse("structured_outputs.whitespace_pattern", self.whitespace_pattern,
-                    "xgrammar (vLLM's default backend too) has no whitespace pattern; use "
-                    "disable_any_whitespace")
-        return StructuredOutputsParams(
-            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-            json_object=self.json_object, structural_tag=self.structural_tag,
-            disable_any_whitespace=self.disable_any_whitespace)
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
            "guided_decoding_backend", "guided_whitespace_pattern")
 
 
-class _Common(_Strict):
+class RequestCommon(Strict):
     """Fields both endpoints share; ``prefix_hash`` / ``reuse_offset`` are hints, never trusted.
 
     ``user`` is OpenAI's end-user id for abuse monitoring: accepted, it changes no output.
@@ -171,6 +94,29 @@ class _Common(_Strict):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    # vLLM's: each choice's token ids (and its prompt's) in the answer
+    return_token_ids: bool | None = None
+    # Not served (UNSERVED: which values are neutral, refused or ignored), vLLM's types
+    use_beam_search: bool = False
+    watermarking: bool | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    logprob_token_ids: list[int] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    length_penalty: float = 1.0
+    session_id: str | None = None
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
+    ec_transfer_params: dict[str, Any] | None = None
+    stream_interval: int | None = Field(None, ge=1)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    unserved: ClassVar[dict[str, Unserved]] = UNSERVED
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must follow: ``response_format`` (not text), else
@@ -227,14 +173,24 @@ class _Common(_Strict):
                                       "chunk is part of the stream's usage); send both or "
                                       "leave it out", "stream_options.continuous_usage_stats")
         if self.priority != 0:
-            _refuse("priority", self.priority, "requests run first-come first-served (as "
+            refuse("priority", self.priority, "requests run first-come first-served (as "
                     "vLLM's default scheduling policy, which refuses priority too); leave it "
                     "out or send 0")
         for name in _GUIDED:
             if getattr(self, name) is not None:
-                _refuse(name, getattr(self, name), "vLLM removed the guided-decoding fields "
+                refuse(name, getattr(self, name), "vLLM removed the guided-decoding fields "
                         "(vLLM 0.32 ignores them and does not constrain the output); use "
                         "structured_outputs (or response_format) instead")
+        for name, field in self.unserved.items():
+            value = getattr(self, name)
+            if field.refused and not field.is_neutral(value, self):
+                refuse(name, value, field.why)
+
+    def ignored_fields(self) -> list[tuple[str, Any, str]]:
+        """``(name, value, why)`` of each field set to a value this server ignores (the caller
+        logs a warning, as vLLM does for the fields it ignores)."""
+        return [(name, getattr(self, name), field.why) for name, field in self.unserved.items()
+                if not field.refused and not field.is_neutral(getattr(self, name), self)]
 
     @property
     def include_usage(self) -> bool:
@@ -248,15 +204,29 @@ class _Common(_Strict):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(RequestCommon):
     # a text, texts, token ids, or several prompts of token ids (vLLM's and OpenAI's four forms)
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (is_echo_only)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt
     logprobs: int | None = Field(None, json_schema_extra=_LOGPROB_RANGE)
     echo: bool = False  # the prompt before the output (with logprobs: the prompt's too)
     suffix: str | None = None  # refused unless empty
     best_of: int | None = None  # refused if over 1
+    prompt_embeds: str | list[str] | None = None  # vLLM's (base64 tensors): refused
+
+    unserved: ClassVar[dict[str, Unserved]] = {**UNSERVED, **COMPLETION_UNSERVED}
+
+    @property
+    def is_echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) back, nothing
+        generated (vLLM's scoring path: it runs one token and drops it, as the routes do)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def max_tokens_to_run(self) -> int | None:
+        """The engine's ``max_tokens``: 1 for `is_echo_only` (its token is not answered)."""
+        return 1 if self.is_echo_only else self.max_tokens
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -270,19 +240,27 @@ class CompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens=0 generates nothing: it is allowed only with "
+                                      "echo: true (the prompt back, with logprobs its "
+                                      "logprobs, as vLLM answers); ask for at least 1 token "
+                                      "or send echo: true", "max_tokens")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise InvalidRequestError(f"min_tokens={self.min_tokens} exceeds max_tokens=0; "
+                                      "send 0 or leave it out", "min_tokens")
         if self.suffix:
-            _refuse("suffix", self.suffix, "there is no insertion mode; leave out suffix")
+            refuse("suffix", self.suffix, "there is no insertion mode; leave out suffix")
         if self.best_of is not None and self.best_of != 1:
-            _refuse("best_of", self.best_of, "choices are not ranked server-side; use n for "
+            refuse("best_of", self.best_of, "choices are not ranked server-side; use n for "
                     "several choices")
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """A message; an assistant's may carry ``tool_calls``, a ``tool`` message answers one
     (``tool_call_id``)."""
 
@@ -298,7 +276,7 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(RequestCommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -315,6 +293,59 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes them
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the last message before the answer when it has the answer's role
+    # template variables where the chat template reads them (template_variables)
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
+    # not served (CHAT_UNSERVED)
+    chat_template: str | None = None
+    return_prompt_text: bool | None = None
+    include_reasoning: bool = True
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    unserved: ClassVar[dict[str, Unserved]] = {**UNSERVED, **CHAT_UNSERVED}
+
+    def template_variables(self, template_reads: frozenset[str],
+                           ) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+        """vLLM's ``documents`` and ``reasoning_effort`` as chat-template variables, as vLLM
+        renders them: ``reasoning_effort`` also sets ``enable_thinking`` (false for none)
+        unless ``chat_template_kwargs`` does.
+
+        Args:
+            template_reads: the variables the model's chat template reads.
+
+        Returns:
+            (the variables it reads, ``(name, value, why)`` of each field it reads none of:
+            ignored, which the caller logs; vLLM's renderer drops them too).
+        """
+        offered: list[tuple[str, Any, dict[str, Any]]] = []
+        if self.documents is not None:
+            offered.append(("documents", self.documents, {"documents": self.documents}))
+        if self.reasoning_effort is not None:
+            names: dict[str, Any] = {"reasoning_effort": self.reasoning_effort}
+            if "enable_thinking" not in (self.chat_template_kwargs or {}):
+                names["enable_thinking"] = self.reasoning_effort != "none"
+            offered.append(("reasoning_effort", self.reasoning_effort, names))
+        variables: dict[str, Any] = {}
+        ignored: list[tuple[str, Any, str]] = []
+        for field, value, names in offered:
+            read = {k: v for k, v in names.items() if k in template_reads}
+            variables.update(read)
+            if not read:
+                ignored.append((field, value, "this model's chat template reads no "
+                                f"{' or '.join(names)} variable: it changes no output"))
+        return variables, ignored
+
+    def echo_text(self) -> str:
+        """What vLLM's chat ``echo`` puts before each answer: the last message's text if its
+        role is the answer's (the assistant's after a generation prompt, else the last
+        message's own role), else nothing."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.text()
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -353,9 +384,9 @@ class ChatCompletionRequest(_Common):
         super().refuse_unsupported()
         legacy = "OpenAI deprecated function calling; send tools and tool_choice instead"
         if self.functions is not None:
-            _refuse("functions", self.functions, legacy)
+            refuse("functions", self.functions, legacy)
         if self.function_call not in (None, "none"):
-            _refuse("function_call", self.function_call, legacy)
+            refuse("function_call", self.function_call, legacy)
         self._check_tools()
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt are "

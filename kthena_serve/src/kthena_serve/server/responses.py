@@ -1,8 +1,9 @@
 """OpenAI response bodies: a JSON answer (``completion_response``, ``chat_response``), a stream's
 chunks (``completion_chunk``, ``chat_chunk``, ``usage_chunk``), and usage (counted once per
-prompt, or per chunk so far with vLLM's ``continuous_usage_stats``). Each is a plain dict in
-OpenAI's envelope (``id``, ``object``, ``created``, ``model``, ``choices``); the logprobs they
-carry are shaped in logprobs.py.
+prompt, or per chunk so far with vLLM's ``continuous_usage_stats``), and vLLM's
+``return_token_ids`` fields (``with_token_ids``). Each is a plain dict in OpenAI's envelope
+(``id``, ``object``, ``created``, ``model``, ``choices``); the logprobs they carry are shaped in
+logprobs.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "usage",
     "usage_chunk",
     "with_running_usage",
+    "with_token_ids",
 ]
 
 
@@ -116,6 +118,17 @@ def with_running_usage(chunk: dict, prompt_tokens: int, completion_tokens: int) 
     chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}
     return chunk
+
+
+def with_token_ids(choice: dict, token_ids: Sequence[int],
+                   prompt_token_ids: Sequence[int] | None = None) -> dict:
+    """``choice`` with vLLM's ``return_token_ids`` fields: ``token_ids`` (what it generated, or
+    in a stream chunk what it adds) and, where given, ``prompt_token_ids`` (a completion
+    choice's prompt; a chat answer carries it at the top level)."""
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
+    choice["token_ids"] = list(token_ids)
+    return choice
 
 
 def completion_chunk(rid: str, model: str, index: int, out: RequestOutput,

@@ -1,7 +1,8 @@
 """The OpenAI routes' bodies over an ``EngineClient`` (``OpenAIRoutes``; ``build_app`` mounts
 them): /v1/completions and /v1/chat/completions, /v1/models, and vLLM's /tokenize and
 /detokenize. A generation request is checked (model, ``n``, refused fields), tokenised and
-length-checked into a ``Job``, its output constraint compiled, then admitted (or refused with
+length-checked into a ``Job`` (a field set to a value this server ignores is logged as a
+warning, as vLLM logs them), its output constraint compiled, then admitted (or refused with
 503 past the queue bound) before anything streams; its answer is one JSON body or an SSE stream
 (streaming.py) whose headers wait for the first output. A client that goes away cancels the
 job (499), which aborts its requests.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -22,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from kthena_serve.client import EngineClient, KVConnector
 from kthena_serve.engine.errors import OverloadedError
 from kthena_serve.engine.logprobs import TokenLogprobs
-from kthena_serve.engine.request import RequestOutput
+from kthena_serve.engine.request import FinishReason, RequestOutput
 from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError
@@ -43,9 +46,11 @@ from kthena_serve.server.responses import (
     usage,
     usage_chunk,
     with_running_usage,
+    with_token_ids,
 )
 from kthena_serve.server.streaming import (
     PendingLogprobs,
+    TokenIdDeltas,
     ToolDeltas,
     after_head,
     max_tool_calls,
@@ -63,6 +68,7 @@ __all__ = ["MAX_PROMPTS", "OpenAIRoutes"]
 
 MAX_PROMPTS = 64
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class OpenAIRoutes:
@@ -85,14 +91,15 @@ class OpenAIRoutes:
             raise ApiError(404, f"model {model!r} is not served here; use "
                            f"{self.model_name!r}", "model", "model_not_found")
 
-    def _check_common(self, body: p._Common) -> None:
+    def _check_common(self, body: p.RequestCommon) -> None:
         self._check_model(body.model)
         limit = self.engine.processor.limits.max_n
         if body.n > limit:
             raise ApiError(400, f"n={body.n} exceeds this server's limit of {limit}", "n")
         body.refuse_unsupported()
+        _warn_ignored(body.ignored_fields())
 
-    def _job(self, body: p._Common, prompts: list[list[int]], max_tokens: int | None) -> Job:
+    def _job(self, body: p.RequestCommon, prompts: list[list[int]], max_tokens: int | None) -> Job:
         try:
             params = body.sampling_params(max_tokens)
         except ValueError as error:
@@ -131,7 +138,7 @@ class OpenAIRoutes:
                 self.engine.abort(request.request_id)
             raise
 
-    async def _compile_grammar(self, body: p._Common, job: Job) -> None:
+    async def _compile_grammar(self, body: p.RequestCommon, job: Job) -> None:
         """Compile the output constraint off the event loop and the engine thread (a large
         schema takes a while), so a bad one is a 400 naming its field before anything runs;
         the engine's matchers come from the same cache."""
@@ -139,7 +146,7 @@ class OpenAIRoutes:
             await asyncio.to_thread(self.engine.processor.compile_grammar, job.params,
                                     body.constraint_param())
 
-    def _check_kv(self, body: p._Common, job: Job) -> None:
+    def _check_kv(self, body: p.RequestCommon, job: Job) -> None:
         """What ``kv_transfer_params`` asks that this server cannot do: a 400 before admission."""
         if body.kv_transfer_params is None:
             return
@@ -155,7 +162,7 @@ class OpenAIRoutes:
                            "the prompt computed here; with kv_transfer_params a prefill worker "
                            "computed it: leave them out", "prompt_logprobs")
 
-    async def _open_kv(self, body: p._Common, job: Job) -> Job:
+    async def _open_kv(self, body: p.RequestCommon, job: Job) -> Job:
         """Hand ``kv_transfer_params`` (PD workers behind the Kthena router) to the connector
         before anything streams, so a refusal is a 400 (`_check_kv` passed before admission)."""
         if body.kv_transfer_params is None or self.kv_connector is None:
@@ -164,7 +171,7 @@ class OpenAIRoutes:
                                                stream=body.stream)
         return job if session is None else attrs.evolve(job, kv=session)
 
-    async def _run(self, body: p._Common, request: Request, kind: str,
+    async def _run(self, body: p.RequestCommon, request: Request, kind: str,
                    prompts: Callable[[Any], list[list[int]]], max_tokens: int | None,
                    chunks: Callable[..., AsyncIterator[dict]],
                    ) -> Response | tuple[str, Job, list[RequestOutput]]:
@@ -200,22 +207,26 @@ class OpenAIRoutes:
                            "<tool_call> blocks); send tool_choice none or leave tools out",
                            "tools")
         messages, extra = chat_inputs(body.messages, body.tools, template)
+        variables, ignored = body.template_variables(_template_reads(template))
+        _warn_ignored(ignored)
         try:
             return [self.engine.processor.encode_chat(
                 messages, add_generation_prompt=body.add_generation_prompt,
                 add_special_tokens=body.add_special_tokens,
                 continue_final_message=body.continue_final_message,
-                template_kwargs={**(body.chat_template_kwargs or {}), **extra})]
+                template_kwargs={**variables, **(body.chat_template_kwargs or {}), **extra})]
         except ChatTemplateError as error:
             raise ApiError(400, str(error), "messages") from None
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
-        ran = await self._run(body, request, "cmpl", self._completion_prompts, body.max_tokens,
-                              self._completion_chunks)
+        ran = await self._run(body, request, "cmpl", self._completion_prompts,
+                              body.max_tokens_to_run, self._completion_chunks)
         if isinstance(ran, Response):
             return ran
         rid, job, finals = ran
+        if body.is_echo_only:
+            finals = [_prompt_only(o) for o in finals]
         usage_ = usage(finals, [job.prompt_index(c) for c in range(job.num_choices)])
         logprobs = [None if o.logprobs is None else self._completion_logprobs(
             body, job, c, o.logprobs, o.prompt_logprobs, TextOffsets())
@@ -226,8 +237,12 @@ class OpenAIRoutes:
                                                       self.engine.processor.token_bytes,
                                                       body.prompt_logprobs) for o in finals]
         echoed = self._echo_texts(body, job) if body.echo else None
-        return JSONResponse(_with_kv(completion_response(
-            rid, self.model_name, finals, usage_, logprobs, echoed, prompt_logprobs), job))
+        answer = completion_response(rid, self.model_name, finals, usage_, logprobs, echoed,
+                                     prompt_logprobs)
+        if body.return_token_ids:
+            for c, (choice, out) in enumerate(zip(answer["choices"], finals, strict=True)):
+                with_token_ids(choice, out.token_ids, job.prompts[job.prompt_index(c)])
+        return JSONResponse(_with_kv(answer, job))
 
     def _completion_logprobs(self, body: p.CompletionRequest, job: Job, choice: int,
                              entries: Sequence[TokenLogprobs],
@@ -267,8 +282,17 @@ class OpenAIRoutes:
         calls = None
         if body.parses_tool_calls:
             calls = [parse_tool_calls(o.text, max_tool_calls(body)) for o in finals]
-        return JSONResponse(_with_kv(chat_response(rid, self.model_name, finals, usage_,
-                                                   logprobs, prompt_logprobs, calls), job))
+        answer = chat_response(rid, self.model_name, finals, usage_, logprobs, prompt_logprobs,
+                               calls)
+        echo = body.echo_text()
+        for choice, out in zip(answer["choices"], finals, strict=True):
+            if echo:
+                choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+            if body.return_token_ids:
+                with_token_ids(choice, out.token_ids)
+        if body.return_token_ids:
+            answer["prompt_token_ids"] = list(job.prompts[0])
+        return JSONResponse(_with_kv(answer, job))
 
     async def _collect(self, job: Job, request: Request, hint: int | None) -> list[RequestOutput]:
         """Generate to the end, cancelling (and so aborting) if the client goes away."""
@@ -325,12 +349,16 @@ class OpenAIRoutes:
         pending = PendingLogprobs()
         offsets: dict[int, TextOffsets] = {}
         echoes = dict(enumerate(self._echo_texts(body, job))) if body.echo else {}
+        ids = TokenIdDeltas(job) if body.return_token_ids else None
         async with self._counting(job, finals):
             async for choice, out in outputs:
+                if out.finished:
+                    self.metrics.observe(out, body.reuse_offset)
+                if body.is_echo_only:
+                    out = _prompt_only(out)
                 pending.add(choice, out)
                 if out.finished:
                     finals[choice] = out
-                    self.metrics.observe(out, body.reuse_offset)
                 echo = echoes.pop(choice, None)  # the prompt goes before the first output
                 if out.new_text or out.finished or echo is not None:
                     logprobs = None
@@ -346,6 +374,8 @@ class OpenAIRoutes:
                             chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(
                                 out.prompt_logprobs or (), self.engine.processor.token_bytes,
                                 body.prompt_logprobs)
+                    if ids is not None:
+                        ids.add(chunk["choices"][0], choice, out, prompt_in_choice=True)
                     if body.continuous_usage:
                         with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
                     yield chunk
@@ -354,17 +384,24 @@ class OpenAIRoutes:
             usage_ = usage(outs, [job.prompt_index(c) for c in sorted(finals)])
             yield usage_chunk(rid, "text_completion", self.model_name, usage_)
 
-    async def _chat_chunks(self, rid: str, body: p._Common, job: Job,
+    async def _chat_chunks(self, rid: str, body: p.ChatCompletionRequest, job: Job,
                            outputs: AsyncIterator[tuple[int, RequestOutput]]):
+        echo = body.echo_text()
         for choice in range(job.num_choices):
-            chunk = chat_chunk(rid, self.model_name, choice,
-                                 {"role": "assistant", "content": ""}, None)
-            if body.continuous_usage:
-                with_running_usage(chunk, len(job.prompts[job.prompt_index(choice)]), 0)
-            yield chunk
+            chunks = [chat_chunk(rid, self.model_name, choice,
+                                 {"role": "assistant", "content": ""}, None)]
+            if body.return_token_ids and choice == 0:  # vLLM's: in the first chunk
+                chunks[0]["prompt_token_ids"] = list(job.prompts[0])
+            if echo:
+                chunks.append(chat_chunk(rid, self.model_name, choice, {"content": echo}, None))
+            for chunk in chunks:
+                if body.continuous_usage:
+                    with_running_usage(chunk, len(job.prompts[job.prompt_index(choice)]), 0)
+                yield chunk
         finals: dict[int, RequestOutput] = {}
         pending = PendingLogprobs()
         tools = ToolDeltas(body)
+        ids = TokenIdDeltas(job) if body.return_token_ids else None
         async with self._counting(job, finals):
             async for choice, out in outputs:
                 pending.add(choice, out)
@@ -382,6 +419,8 @@ class OpenAIRoutes:
                                                    self.engine.processor.token_bytes,
                                                    body.return_tokens_as_token_ids)
                     chunk = chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
+                    if ids is not None:
+                        ids.add(chunk["choices"][0], choice, out, prompt_in_choice=False)
                     if body.continuous_usage:
                         with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
                     yield chunk
@@ -403,6 +442,40 @@ class OpenAIRoutes:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kthena", "max_model_len": self.engine.processor.limits.max_model_len}
         return {"object": "list", "data": [card]}
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``out`` without what it generated (``echo`` with ``max_tokens: 0``: the one token run for
+    the prompt's logprobs is not answered); it ends for length, its budget of 0 spent."""
+    reason = out.finish_reason
+    if reason is not None and reason is not FinishReason.ABORT:
+        reason = FinishReason.LENGTH
+    return attrs.evolve(out, new_token_ids=(), new_text="", token_ids=(), text="",
+                        logprobs=None if out.logprobs is None else (), finish_reason=reason)
+
+
+@functools.lru_cache(maxsize=8)
+def _template_reads(template: str | None) -> frozenset[str]:
+    """The variables a chat template reads (none for a template jinja2 cannot parse: its
+    rendering answers that)."""
+    if not template:
+        return frozenset()
+    import jinja2
+    import jinja2.meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+
+
+def _warn_ignored(fields: Sequence[tuple[str, Any, str]]) -> None:
+    """A warning per field the request set to a value this server ignores (as vLLM logs)."""
+    for name, value, why in fields:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        log.warning("request field %s=%s is ignored: %s", name, shown, why)
 
 
 def _with_kv(response: dict, job: Job) -> dict:

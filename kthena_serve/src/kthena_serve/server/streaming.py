@@ -1,8 +1,9 @@
 """The streamed side of the OpenAI routes: server-sent events (``sse_response``: one ``data:``
 line per chunk, ``[DONE]`` last, an error after the headers as an in-band error event), the
 first output ahead of the rest (``after_head``: the headers wait for it), and what a chunk
-carries beyond its text: the logprobs of steps that sent no chunk (``PendingLogprobs``) and
-tool-call deltas parsed from a choice's text (``ToolDeltas``).
+carries beyond its text: the logprobs of steps that sent no chunk (``PendingLogprobs``), vLLM's
+``return_token_ids`` deltas (``TokenIdDeltas``) and tool-call deltas parsed from a choice's text
+(``ToolDeltas``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from kthena_serve.engine.errors import EngineDeadError, OverloadedError, Request
 from kthena_serve.engine.logprobs import TokenLogprobs
 from kthena_serve.engine.request import RequestOutput
 from kthena_serve.server.errors import OVERLOADED, ApiError, error_body
-from kthena_serve.server.protocol import ChatCompletionRequest, _Common
-from kthena_serve.server.responses import tool_reason
+from kthena_serve.server.generation import Job
+from kthena_serve.server.protocol import ChatCompletionRequest, RequestCommon
+from kthena_serve.server.responses import tool_reason, with_token_ids
 from kthena_serve.server.tools import ToolCallParser
 
-__all__ = ["PendingLogprobs", "ToolDeltas", "after_head", "max_tool_calls", "sse_response"]
+__all__ = ["PendingLogprobs", "TokenIdDeltas", "ToolDeltas", "after_head", "max_tool_calls",
+           "sse_response"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class ToolDeltas:
     content and OpenAI's ``tool_calls`` deltas (a call's first with ``index``, ``id``,
     ``type``, ``function.name``; then ``index`` and ``function.arguments`` fragments)."""
 
-    def __init__(self, body: _Common) -> None:
+    def __init__(self, body: RequestCommon) -> None:
         self.enabled = isinstance(body, ChatCompletionRequest) and body.parses_tool_calls
         self._max_calls = max_tool_calls(body) if self.enabled else None
         self._parsers: dict[int, ToolCallParser] = {}
@@ -71,6 +74,27 @@ class PendingLogprobs:
 
     def take(self, choice: int) -> list[TokenLogprobs]:
         return self._by_choice.pop(choice, [])
+
+
+class TokenIdDeltas:
+    """vLLM's ``return_token_ids`` in a stream: each chunk carries the token ids its choice
+    made since its last chunk (a step that sent no chunk rides on the next), and a completion
+    choice's first chunk its prompt's ids."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._num_sent: dict[int, int] = {}
+
+    def add(self, choice_body: dict, choice: int, out: RequestOutput, *,
+            prompt_in_choice: bool) -> None:
+        """Put the ids into ``choice_body`` (the chunk's choice); ``prompt_in_choice``: a
+        completion chunk, whose first per choice carries ``prompt_token_ids``."""
+        first = choice not in self._num_sent
+        sent = self._num_sent.get(choice, 0)
+        self._num_sent[choice] = len(out.token_ids)
+        prompt = (self._job.prompts[self._job.prompt_index(choice)]
+                  if first and prompt_in_choice else None)
+        with_token_ids(choice_body, out.token_ids[sent:], prompt)
 
 
 async def after_head(head: tuple[int, RequestOutput],

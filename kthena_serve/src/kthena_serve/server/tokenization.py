@@ -18,7 +18,8 @@ from pydantic import ConfigDict, Field
 from kthena_serve.client import EngineClient
 from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.model.errors import ChatTemplateError
-from kthena_serve.server.protocol import ChatMessage, _refuse, _Strict
+from kthena_serve.server.protocol import ChatMessage
+from kthena_serve.server.request_parts import Strict, refuse
 from kthena_serve.server.tools import Tool, chat_inputs
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenize", "tokenize"]
@@ -27,7 +28,7 @@ _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template"
               "chat_template_kwargs", "tools")
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """vLLM's two tokenize bodies in one: a ``prompt`` or ``messages``, not both."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -60,10 +61,10 @@ class TokenizeRequest(_Strict):
                                       "turn; set add_generation_prompt to false",
                                       "continue_final_message")
         if self.chat_template is not None:
-            _refuse("chat_template", self.chat_template, "the checkpoint's template is used")
+            refuse("chat_template", self.chat_template, "the checkpoint's template is used")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
