@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kthena_serve.model import ModelConfig, load_weights
 from kthena_serve.model.llama import LlamaForCausalLM
 from mooncake_kv.paged import paged_batch
 
@@ -88,3 +89,18 @@ class GreedyRunner:
                 if end == len(prompts[i]):
                     last[i] = logits[row]
         return torch.stack([last[i] for i in range(len(prompts))])
+
+
+def load_ours(folder, tp=None) -> LlamaForCausalLM:  # noqa: ANN001
+    """Our model from a checkpoint folder in its dtype, kernels as the process has them (not
+    ``load_model``, which applies a kernel choice process-wide); ``tp``: one rank's
+    ``TensorParallel``."""
+    config = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head_weight = model.embed_weight
+    load_weights(model, folder)
+    model.reset_rope_cache()
+    return model.eval()

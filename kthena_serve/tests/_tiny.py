@@ -6,18 +6,24 @@ checkpoint. The tokenizer is the default checkpoint's (converted once, then cach
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import httpx
 import torch
 
 from kthena_serve.engine import LLMEngine
+
+if TYPE_CHECKING:
+    from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from kthena_serve.engine.request import RequestOutput
 
-__all__ = ["PD_ENGINE", "default_tokenizer", "finish_all", "greedy_text", "tiny_checkpoint",
+__all__ = ["PD_ENGINE", "prompt_logprobs_of", "tiny_server", "default_tokenizer", "finish_all", "greedy_text", "tiny_checkpoint",
            "tiny_engine", "tiny_llama"]
 
 # The engine settings of the PD tests' workers and of the colocated engine their tokens are
@@ -145,3 +151,37 @@ def tiny_checkpoint(folder, *, seed: int = 0, **config):  # noqa: ANN001, ANN003
             tensors[name] = torch.randn(shape, generator=generator) * scale
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def prompt_logprobs_of(prompt: list[int], k: int, **engine_config: object) -> list:
+    """The prompt logprobs (top ``k``) of ``prompt`` from a fresh tiny engine built with
+    ``engine_config``: what a served answer's prompt logprobs are compared with."""
+    from kthena_serve.engine.sampling_params import SamplingParams
+
+    core = tiny_engine(**engine_config)
+    try:
+        core.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1,
+                                                     prompt_logprobs=k))
+        outputs = []
+        while core.has_unfinished_requests():
+            outputs += core.step()
+        return outputs[-1].prompt_logprobs
+    finally:
+        core.close()
+
+
+@contextlib.contextmanager
+def tiny_server(model_name: str, timeout_s: float = 60, **engine_config: object,
+                ) -> Iterator[tuple[AsyncLLM, httpx.Client]]:
+    """A tiny engine on its thread behind the OpenAI app on a free port: (engine, client);
+    everything is stopped on exit."""
+    from kthena_serve.async_engine import AsyncLLM
+    from kthena_serve.server import BackgroundServer, build_app
+
+    engine = AsyncLLM(tiny_engine(**engine_config)).start()
+    try:
+        with BackgroundServer(build_app(engine, model_name=model_name)) as server, \
+                httpx.Client(base_url=server.url, timeout=timeout_s) as client:
+            yield engine, client
+    finally:
+        engine.shutdown()

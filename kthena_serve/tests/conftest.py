@@ -37,3 +37,15 @@ def colocated():
     engine = LLMEngine.from_config(EngineConfig(**PD_ENGINE, num_threads=1))
     yield engine
     engine.close()
+
+
+# A file that serves a tiny engine defines ``served`` (``_tiny.tiny_server``: the engine and a
+# client of its app); these split it. A file with its own ``engine`` or ``client`` overrides them.
+@pytest.fixture(scope="module")
+def engine(served):  # noqa: ANN001, ANN201
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(served):  # noqa: ANN001, ANN201
+    return served[1]

@@ -11,17 +11,15 @@ import threading
 
 import pytest
 import torch
-from _model_testing import GreedyRunner
+from _model_testing import GreedyRunner, load_ours
 
 from kthena_serve.model import (
     BatchError,
     CheckpointError,
-    LlamaForCausalLM,
     ModelConfig,
     TensorParallel,
     TensorParallelError,
     UnsupportedModelError,
-    load_weights,
     plan_shards,
 )
 from mooncake_kv.paged import paged_batch
@@ -49,18 +47,6 @@ def _save_hf(folder, arch: str, **overrides):
     return model
 
 
-def _ours(folder, tp=None) -> LlamaForCausalLM:
-    config = ModelConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
-        model.lm_head_weight = model.embed_weight
-    load_weights(model, folder)
-    model.reset_rope_cache()
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=["llama-tied", "llama-untied", "qwen2-bias"])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -81,7 +67,7 @@ PROMPTS = [[5, 17, 33, 2, 9, 40, 41, 42, 11, 3, 60, 61, 62, 63, 1, 7, 8, 9, 22, 
 
 def test_prefill_logits_match_transformers(tiny):
     folder, hf = tiny
-    model = _ours(folder)
+    model = load_ours(folder)
     runner = GreedyRunner(model, block_size=4, num_blocks=64)
     ours = runner.step([(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)])
     with torch.no_grad():
@@ -91,7 +77,7 @@ def test_prefill_logits_match_transformers(tiny):
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny):
     folder, hf = tiny
-    model = _ours(folder)
+    model = load_ours(folder)
     expected = [_hf_greedy(hf, p, 12) for p in PROMPTS]
     assert [GreedyRunner(model, block_size=4).generate([p], 12)[0] for p in PROMPTS] == expected
     assert GreedyRunner(model, block_size=4).generate(PROMPTS, 12) == expected
@@ -106,7 +92,7 @@ def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny
 
 def test_packed_bf16_matmuls_give_the_dense_logits(tiny):
     folder, _ = tiny
-    dense, packed = (_ours(folder).to(torch.bfloat16) for _ in range(2))
+    dense, packed = (load_ours(folder).to(torch.bfloat16) for _ in range(2))
     for model in (dense, packed):
         model.reset_rope_cache()  # .to() cast the float32 RoPE table too
     if not packed.pack_linear_weights():
@@ -146,13 +132,13 @@ class _ThreadAllReduce:
 def test_tensor_parallel_shards_sum_to_the_full_model(tiny, world):
     """3 KV heads over 2 ranks (uneven), 3 (one each) and 6 (each KV head on two ranks)."""
     folder, _ = tiny
-    expected = GreedyRunner(_ours(folder), block_size=4).generate(PROMPTS, 8)
+    expected = GreedyRunner(load_ours(folder), block_size=4).generate(PROMPTS, 8)
     reduce = _ThreadAllReduce(world)
     results, errors = [None] * world, []
 
     def run(rank: int) -> None:
         try:
-            model = _ours(folder, TensorParallel(rank, world, reduce.for_rank(rank)))
+            model = load_ours(folder, TensorParallel(rank, world, reduce.for_rank(rank)))
             results[rank] = GreedyRunner(model, block_size=4).generate(PROMPTS, 8)
         except Exception as e:  # surfaced below
             errors.append(e)
@@ -252,7 +238,7 @@ def test_load_errors_name_the_problem(tmp_path, tiny):
     (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
     (bad / "model.safetensors").symlink_to(folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="does config.json match the weights"):
-        _ours(bad)
+        load_ours(bad)
 
 
 def test_forward_input_errors(tiny):
@@ -260,7 +246,7 @@ def test_forward_input_errors(tiny):
     refuses inputs that disagree with a well-formed one."""
     i64 = torch.int64
     batch = paged_batch([((0,), 0, 2), ((1,), 0, 1)], block_size=4)  # 3 tokens, 2 sequences
-    model = _ours(tiny[0])
+    model = load_ours(tiny[0])
     with pytest.raises(BatchError, match="one \\(k_cache, v_cache\\) pair per layer"):
         model(torch.zeros(3, dtype=i64), torch.zeros(3, dtype=i64), batch, [])
     with pytest.raises(BatchError, match="must all be \\[num_tokens\\]"):

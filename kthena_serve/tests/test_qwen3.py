@@ -22,7 +22,7 @@ import json
 
 import pytest
 import torch
-from _model_testing import GreedyRunner
+from _model_testing import GreedyRunner, load_ours
 
 from kthena_core.model_spec import ModelSpec
 from kthena_serve.model import (
@@ -31,7 +31,6 @@ from kthena_serve.model import (
     ModelConfig,
     TensorParallel,
     UnsupportedModelError,
-    load_weights,
 )
 from kthena_serve.model.loader import expected_weight_names
 
@@ -90,20 +89,6 @@ def _save_qwen3(folder, **overrides):
     return model
 
 
-def _ours(folder, tp=None) -> LlamaForCausalLM:
-    """Our model from the folder, float32, kernels as the process has them (no load_model:
-    that applies a kernel choice process-wide)."""
-    config = ModelConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
-        model.lm_head_weight = model.embed_weight
-    load_weights(model, folder)
-    model.reset_rope_cache()
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"qwen3-{request.param}")
@@ -143,7 +128,7 @@ def test_config_reads_qwen3_and_every_tp_rank_holds_the_whole_qk_norms(tiny):
     assert {f"model.layers.{i}.self_attn.{n}.weight" for i in (0, 1)
             for n in ("q_norm", "k_norm")} <= names
     for rank in (0, 1):  # loading needs no collective
-        model = _ours(folder, TensorParallel(rank, 2))
+        model = load_ours(folder, TensorParallel(rank, 2))
         attn, ref = model.layers[1].self_attn, hf.model.layers[1].self_attn
         assert attn.qkv_weight.shape == ((2 + 1 + 1) * 32, 64)  # 2 q heads, 1 k, 1 v of 32
         assert torch.equal(attn.q_norm, ref.q_norm.weight)
@@ -155,7 +140,7 @@ def test_prefill_logits_are_within_float32_rounding(tiny):
     exact = _hf_last_logits(hf, torch.float64)
     yardstick = float((_hf_last_logits(hf, torch.float32) - exact).abs().max())
     bound = ROUNDING_ROOM * yardstick
-    model = _ours(folder)
+    model = load_ours(folder)
     error = float((_prefill(model).double() - exact).abs().max())
     print(f"\nfloat32 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
     assert 0 < yardstick and error <= bound
@@ -170,7 +155,7 @@ def test_bf16_logits_are_within_transformers_bf16_rounding(tiny):
     folder, hf = tiny
     exact = _hf_last_logits(hf, torch.float64)
     yardstick = float((_hf_last_logits(hf, torch.bfloat16) - exact).abs().max())
-    model = _ours(folder).to(torch.bfloat16)
+    model = load_ours(folder).to(torch.bfloat16)
     model.reset_rope_cache()  # .to() cast the float32 RoPE table too
     error = float((_prefill(model).double() - exact).abs().max())
     print(f"\nbf16 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
@@ -179,7 +164,7 @@ def test_bf16_logits_are_within_transformers_bf16_rounding(tiny):
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny):
     folder, hf = tiny
-    model = _ours(folder)
+    model = load_ours(folder)
     expected = [_hf_greedy(hf, p) for p in PROMPTS]
     assert [GreedyRunner(model, block_size=4).generate([p], NEW_TOKENS)[0]
             for p in PROMPTS] == expected
@@ -205,7 +190,7 @@ def test_engine_over_two_ranks_matches_tp1_and_transformers(untied, layout):
 
     folder, hf = untied
     expected = [_hf_greedy(hf, p) for p in PROMPTS]
-    assert GreedyRunner(_ours(folder), block_size=4).generate(PROMPTS, NEW_TOKENS) == expected
+    assert GreedyRunner(load_ours(folder), block_size=4).generate(PROMPTS, NEW_TOKENS) == expected
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, kernels="native", **layout)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
@@ -254,4 +239,4 @@ def test_a_checkpoint_without_the_qk_norms_is_refused(untied, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(CheckpointError, match="lacks 2 weights the model needs, e.g. "
                                               r"model\.layers\.0\.self_attn\.k_norm\.weight"):
-        _ours(tmp_path)
+        load_ours(tmp_path)

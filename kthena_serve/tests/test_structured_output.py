@@ -19,11 +19,10 @@ import jsonschema
 import pytest
 import torch
 from _support import metric_value
-from _tiny import default_tokenizer, tiny_engine
+from _tiny import default_tokenizer, tiny_engine, tiny_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.engine.grammar import (
     Grammars,
@@ -34,7 +33,6 @@ from kthena_serve.engine.grammar import (
 from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.pd.protocol import params_from_json, params_to_json
-from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.protocol import ChatCompletionRequest
 from kthena_serve.server.tools import (
     Tool,
@@ -86,17 +84,10 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def engine():
-    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=1024, max_num_batched_tokens=256)).start()
-    yield async_engine
-    async_engine.shutdown()
+def served():
+    with tiny_server(MODEL, timeout_s=120, num_kv_blocks=1024, max_num_batched_tokens=256) as pair:
+        yield pair
 
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
-            httpx.Client(base_url=server.url, timeout=120) as http:
-        yield http
 
 
 def complete(client: httpx.Client, **fields) -> dict:

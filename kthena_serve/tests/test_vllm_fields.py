@@ -14,14 +14,12 @@ import sys
 import httpx
 import pytest
 import torch
-from _tiny import tiny_engine
+from _tiny import prompt_logprobs_of, tiny_engine, tiny_server
 
-from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.engine.sampler import Sampler
 from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.pd.protocol import params_from_json, params_to_json
-from kthena_serve.server import BackgroundServer, build_app
 
 MODEL = "tiny"
 PROMPT = "The capital of France is a city of light and"
@@ -29,17 +27,10 @@ BASE = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 8, "ig
 
 
 @pytest.fixture(scope="module")
-def engine():
-    async_engine = AsyncLLM(tiny_engine(num_kv_blocks=512, max_num_batched_tokens=128)).start()
-    yield async_engine
-    async_engine.shutdown()
+def served():
+    with tiny_server(MODEL, timeout_s=60, num_kv_blocks=512, max_num_batched_tokens=128) as pair:
+        yield pair
 
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
 
 
 def complete(client: httpx.Client, **fields) -> dict:
@@ -247,18 +238,6 @@ def test_a_lone_surrogate_in_stop_or_bad_words_is_a_400(client, field):
 
 
 # ---- prompt logprobs and echo (lm-eval's loglikelihood) -----------------------------------------
-def _prompt_entries(engine_config: dict, prompt: list[int], k: int):
-    """The prompt logprobs of ``prompt`` from a fresh tiny engine with ``engine_config``."""
-    core = tiny_engine(**engine_config)
-    try:
-        core.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1,
-                                                     prompt_logprobs=k))
-        outputs = []
-        while core.has_unfinished_requests():
-            outputs += core.step()
-        return outputs[-1].prompt_logprobs
-    finally:
-        core.close()
 
 
 def test_prompt_logprobs_are_each_tokens_logprob_given_the_tokens_before(engine):
@@ -269,8 +248,8 @@ def test_prompt_logprobs_are_each_tokens_logprob_given_the_tokens_before(engine)
     ulps of the value."""
     prompt = engine.processor.encode(PROMPT * 2)
     assert len(prompt) > 16
-    chunked = _prompt_entries({"max_num_batched_tokens": 8}, prompt, 3)
-    whole = _prompt_entries({"max_num_batched_tokens": 128}, prompt, 3)
+    chunked = prompt_logprobs_of(prompt, 3, max_num_batched_tokens=8)
+    whole = prompt_logprobs_of(prompt, 3, max_num_batched_tokens=128)
     assert chunked[0] is None and whole[0] is None and len(chunked) == len(prompt)
     assert [e.token_id for e in chunked[1:]] == prompt[1:]
     noise = max(abs(a.logprob - b.logprob) for a, b in zip(chunked[1:], whole[1:], strict=True))
@@ -314,7 +293,7 @@ def test_echo_with_logprobs_answers_as_lm_eval_reads_it(client, engine):
     assert all(isinstance(v, float) and v <= 0 for v in logprobs["token_logprobs"][1:])
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])  # k=1 plus the token
     assert logprobs["text_offset"][0] == 0
-    entries = _prompt_entries({"max_num_batched_tokens": 64}, ids, 1)
+    entries = prompt_logprobs_of(ids, 1, max_num_batched_tokens=64)
     for served, entry in zip(logprobs["token_logprobs"][1:len(ids)], entries[1:], strict=True):
         assert served == pytest.approx(entry.logprob, abs=1e-4)
     streamed = []

@@ -23,14 +23,13 @@ import secrets
 
 import httpx
 import pytest
-from _tiny import tiny_engine, tiny_llama
+from _tiny import prompt_logprobs_of, tiny_llama, tiny_server
 
 from kthena_core.cli import build_parser
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.cli import spec_from_args
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import EngineConfig
-from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model import Tokenizer, resolve_checkpoint
 from kthena_serve.server import BackgroundServer, build_app
 from kthena_serve.server.unserved import CHAT_UNSERVED, COMPLETION_UNSERVED, UNSERVED
@@ -80,17 +79,10 @@ def _text(rng: random.Random, num_words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    async_engine = AsyncLLM(tiny_engine(**ENGINE)).start()
-    yield async_engine
-    async_engine.shutdown()
+def served():
+    with tiny_server(MODEL, timeout_s=60, **ENGINE) as pair:
+        yield pair
 
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with BackgroundServer(build_app(engine, model_name=MODEL)) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
 
 
 def _completion(**fields) -> dict:
@@ -200,18 +192,6 @@ def test_a_bad_type_in_a_declared_field_is_a_400(client):
 
 
 # ---- echo with max_tokens 0: the prompt scored, nothing generated --------------------------------
-def _reference_prompt_logprobs(prompt: list[int], k: int):
-    """The prompt logprobs the engine computes, from a fresh core of the server's engine."""
-    core = tiny_engine(**ENGINE)
-    try:
-        core.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1,
-                                                     prompt_logprobs=k))
-        outputs = []
-        while core.has_unfinished_requests():
-            outputs += core.step()
-        return outputs[-1].prompt_logprobs
-    finally:
-        core.close()
 
 
 def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs(client, engine):
@@ -229,7 +209,7 @@ def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs(client, engi
     assert len(logprobs["tokens"]) == len(ids)  # the prompt's tokens, nothing after them
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     assert logprobs["tokens"] == [f"token_id:{i}" for i in ids]
-    reference = _reference_prompt_logprobs(ids, k)
+    reference = prompt_logprobs_of(ids, k, **ENGINE)
     for served, top, entry in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:],
                                   reference[1:], strict=True):
         assert served == entry.logprob, SEED
