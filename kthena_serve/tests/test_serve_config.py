@@ -185,8 +185,9 @@ def test_pp_and_colocated_dp_plans_drive_the_pp_and_dp_flags(parallelism, flags)
     topology = from_catalog("atlas-800t-a2", 1)
     plan = plan_config(cfg, topology)
     check_servable(plan, topology)
-    given = config_settings(cfg, plan)
-    assert {k: given[k] for k in flags} == flags
+    given = config_settings(cfg, plan)  # the plan's engine layout as one value, dp as replicas
+    layout = given["layout"]
+    assert {"tp": layout.tp, "pp": layout.pp, "dp": given["dp"]} == flags
 
 
 def test_the_example_plans_one_servable_layout_here():

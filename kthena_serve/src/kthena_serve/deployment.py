@@ -79,7 +79,7 @@ def resolve_spec(flags: dict, config: str | None, world_size: int = 1, *,
                          "or drop --calibration")
     planned = plan_config_path(config, world_size, calibration) if config else None
     spec = ServeSpec.resolve(flags, planned, world_size=world_size)
-    overridden = [flag_name(k) for k in planned.settings() if k in flags] if planned else []
+    overridden = [flag_name(k) for k in planned.overridden(flags)] if planned else []
     if overridden:
         print(f"kthena serve: command-line flags override the config: "
               f"{', '.join(overridden)}", file=sys.stderr, flush=True)

@@ -27,10 +27,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from kthena_core.config import KthenaConfig, load_config
-from kthena_serve.engine.config import ConfigError, EngineConfig
+from kthena_serve.engine.config import SETTINGS, ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from kthena_serve.engine.request import RequestOutput
@@ -211,7 +209,7 @@ def launch_distributed_inference(model_init_fn: Callable[..., Any],
 
 # ---- helpers ------------------------------------------------------------------------------------
 def _check_keywords(engine_kwargs: Mapping[str, Any]) -> None:
-    fields = [f.name for f in attrs.fields(EngineConfig) if f.name not in _ARGUMENTS]
+    fields = sorted(SETTINGS - set(_ARGUMENTS))
     for key in engine_kwargs:
         if key in _ARGUMENTS:
             raise DistributedArgumentError(key, f"pass it as {_ARGUMENTS[key]}=")

@@ -61,8 +61,15 @@ class PlannedConfig:
         return self.plan.layout
 
     def settings(self) -> dict[str, Any]:
-        """The settings the config and its plan give (see the module docstring)."""
+        """The settings the config and its plan give (see spec.py's docstring)."""
         return config_settings(self.config, self.plan)
+
+    def overridden(self, flags: Mapping[str, Any]) -> list[str]:
+        """The settings of the plan that ``flags`` override, in the plan's order (the layout's
+        by tp, pp and sp)."""
+        names = [part for name in self.settings()
+                 for part in (("tp", "pp", "sp") if name == "layout" else (name,))]
+        return [name for name in names if name in flags]
 
     def to_json(self) -> dict[str, Any]:
         """What GET /plan carries as ``plan`` (``kthena plan --config``'s JSON): the plan, the
@@ -119,7 +126,7 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
     service, kv = cfg.service, cfg.kv_cache
     out: dict[str, Any] = {
         "model": cfg.model.checkpoint_path, "dtype": torch_name(cfg.model.dtype),
-        "tp": plan.layout.tp, "pp": plan.layout.pp, "sp": plan.layout.sp,
+        "layout": attrs.evolve(plan.layout, dp=1),  # the engine's; dp becomes replicas
         "max_num_seqs": service.max_batch_size,
         "block_size": kv.reuse_bucket_size, "enable_prefix_caching": service.kv_cache_reuse,
         "host": service.host, "port": service.port, "mode": service.mode,

@@ -8,8 +8,6 @@ import argparse
 import json
 import shlex
 
-import attrs
-
 from kthena_core import dtypes
 
 __all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
@@ -45,7 +43,7 @@ def _default(field: str) -> object:
     """An ``EngineConfig`` field's default (the help shows it; the flag itself has none)."""
     from kthena_serve.engine.config import EngineConfig
 
-    return attrs.fields_dict(EngineConfig)[field].default
+    return EngineConfig.defaults()[field]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,8 @@ Three sources, one precedence, one place::
 typed value once. The CLI, ``launch_distributed_inference`` and the PD / DP launchers take the
 spec; nothing reads a flag again. How the config's keys become settings:
 
-    plan tp / pp / sp                    -> tp / pp / sp
+    plan layout (tp x pp, sp)            -> the engine's layout (flags --tp / --pp / --sp
+                                            change its parts)
     parallelism.fused_communication      -> tp_overlap (MC2: each matmul fused with its collective)
     plan's uneven pipeline split         -> pipeline_split_points (parallelism.pipeline_split_points,
                                             or the planner's balanced split; none: equal stages)
@@ -43,7 +44,7 @@ import attrs
 
 from kthena_core.layout import Layout
 from kthena_serve.cluster.config import RouterWeights, worker_names
-from kthena_serve.engine.config import ConfigError, EngineConfig
+from kthena_serve.engine.config import SETTINGS, ConfigError, EngineConfig
 from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
 from kthena_serve.model.source import DEFAULT_MODEL_NAME, served_name
 from kthena_serve.pd.config import PDConfig
@@ -52,7 +53,7 @@ from kthena_serve.serve_args import flag_name
 
 __all__ = ["ServeSpec", "engine_config"]
 
-_ENGINE_FIELDS = frozenset(f.name for f in attrs.fields(EngineConfig))
+_ENGINE_FIELDS = SETTINGS  # EngineConfig's settings by name (the flags' dests)
 # kthena serve's settings that are not EngineConfig fields (with their defaults).
 _SERVE_DEFAULTS: dict[str, Any] = {
     "mode": "colocated", "dp": 1, "prefill": 1, "decode": 1, "host": "127.0.0.1", "port": 8000,
@@ -73,7 +74,7 @@ def engine_config(flags: Mapping[str, Any]) -> EngineConfig:
             config field takes (``--dtype: EngineConfig.dtype must be ...``).
     """
     try:
-        return EngineConfig(**{k: v for k, v in flags.items() if k in _ENGINE_FIELDS})
+        return EngineConfig(**{k: v for k, v in flags.items() if k in _ENGINE_FIELDS or k == "layout"})
     except ConfigError as error:
         raise ValueError(f"{flag_name(error.field)}: {error}") from None
 
@@ -301,7 +302,7 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
                        ("tp", "a TP decode worker's pool is split across ranks"),
                        ("pp", "a pipelined decode worker's pool is split by layers across "
                               "stages")):
-        value = s.get(name, 1)
+        value = s.get(name, getattr(s.get("layout"), name, 1))  # a flag, else the plan's
         if value > 1:
             raise ValueError(f"--{name} {value} is not supported in PD mode: a prefill worker "
                              f"writes a decode worker's whole KV pool, and {what}. Use --{name} "

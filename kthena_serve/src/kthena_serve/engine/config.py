@@ -10,55 +10,30 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kthena_core import dtypes
-from kthena_core.layout import Layout, sp_refusal
-from kthena_core.shape import has_split_points_form
+from kthena_core.layout import Layout
+from kthena_serve.engine.config_errors import ConfigError
+from kthena_serve.engine.config_errors import is_bool as _is_bool
+from kthena_serve.engine.config_errors import is_int as _is_int
+from kthena_serve.engine.config_errors import optional_positive as _optional_positive
+from kthena_serve.engine.config_errors import positive as _positive
 from kthena_serve.engine.kv_offload_config import KVOffloadConfig
+from kthena_serve.engine.parallel_config import (
+    PARALLEL_SETTINGS,
+    ParallelConfig,
+    build_parallel,
+    check_parallel,
+)
 from kthena_serve.engine.sizes import parse_bytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ConfigError", "EngineConfig", "parse_bytes"]
-
-class ConfigError(ValueError):
-    """An ``EngineConfig`` field holds a value the engine cannot honour.
-
-    The message reads ``EngineConfig.<field> must be <what it takes> (got <value>)``, with a
-    hint after it where the reason is not obvious.
-
-    Attributes:
-        field: the field's name (the CLI turns it into its flag).
-    """
-
-    def __init__(self, field: str, requirement: str, value: object, hint: str = "") -> None:
-        message = f"EngineConfig.{field} must be {requirement} (got {value!r})"
-        super().__init__(f"{message}; {hint}" if hint else message)
-        self.field = field
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not _is_int(value) or value < 1:
-        raise ConfigError(attribute.name, "a positive int", value)
-
-
-def _optional_positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (not _is_int(value) or value < 1):
-        raise ConfigError(attribute.name, "a positive int or None", value)
-
-
-def _is_bool(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(attribute.name, "True or False", value)
-
+__all__ = ["SETTINGS", "ConfigError", "EngineConfig", "ParallelConfig", "parse_bytes"]
 
 def _check_target_step(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is None:
@@ -199,26 +174,6 @@ def _check_device_present(instance: EngineConfig, attribute: attrs.Attribute,
                           "use device 'cpu' here")
 
 
-def _split_points(value: object) -> object:
-    """A list (JSON, YAML) becomes a tuple; anything else is left for the validator."""
-    return tuple(value) if isinstance(value, list) else value
-
-
-def _check_split_points(instance: EngineConfig, attribute: attrs.Attribute,
-                        value: object) -> None:
-    """Count and order here; the layer range is checked against the model when it loads
-    (`kthena_core.shape.check_split_points`, through ``PipelineStage.of``)."""
-    if value is None:
-        return
-    requirement = (f"None (equal stages) or {instance.pp - 1} strictly increasing positive "
-                   f"int(s) for pp={instance.pp}: the first layer of stages 1..{instance.pp - 1}")
-    if instance.pp == 1:
-        raise ConfigError(attribute.name, "None with pp=1", value,
-                          "split points cut the layers into pp > 1 pipeline stages")
-    if not has_split_points_form(instance.pp, value):
-        raise ConfigError(attribute.name, requirement, value)
-
-
 def _kv_offload(value: object) -> KVOffloadConfig | None:
 
     if value is None or isinstance(value, KVOffloadConfig):
@@ -242,74 +197,15 @@ def _check_kv_offload(instance: EngineConfig, attribute: attrs.Attribute, value:
                           "only cached (committed) blocks are offloaded and promoted")
 
 
-# docs/kthena_serve.md, "Sequence parallelism": a forward of fewer tokens runs as plain TP
-DEFAULT_SP_MIN_TOKENS = 512
-
-
-def _check_sp(instance: EngineConfig, attribute: attrs.Attribute, value: object) -> None:
-    """SP runs over the TP group (Megatron style): 1 (off) or tp, with pp = 1."""
-    if not _is_int(value) or value not in (1, instance.tp):
-        hint = ("sequence parallelism splits a long prompt's tokens over the TP group, so "
-                "sp = tp; a separate SP group with replicated weights (sp > 1 at tp = 1) is "
-                "not wired")
-        raise ConfigError(attribute.name, f"1 or tp ({instance.tp})", value, hint)
-    why = sp_refusal(instance.tp, instance.pp, value)
-    if why is not None:
-        raise ConfigError(attribute.name, "1 with pp > 1", value,
-                          f"{why}; use sp with pp=1, or pp without sp")
-
-
-def _check_sp_min_tokens(instance: EngineConfig, attribute: attrs.Attribute,
-                         value: object) -> None:
-    _positive(instance, attribute, value)
-    if instance.sp > 1 and value > instance.max_num_batched_tokens:
-        raise ConfigError(attribute.name, "at most max_num_batched_tokens "
-                          f"({instance.max_num_batched_tokens}) when sp > 1", value,
-                          "a forward holds at most max_num_batched_tokens tokens (long prompts "
-                          "are prefilled in chunks of it), so SP would never run; lower it or "
-                          "raise max_num_batched_tokens")
-
-
-def _check_tp_overlap(instance: EngineConfig, attribute: attrs.Attribute,
-                      value: object) -> None:
-    """TP overlap fuses each matmul with its TP collective (`kthena_serve.model.overlap`)."""
-    _is_bool(instance, attribute, value)
-    if not value:
-        return
-    if instance.tp == 1:
-        raise ConfigError(attribute.name, "False with tp = 1", value,
-                          "TP overlap fuses each row-parallel matmul with its all-reduce over "
-                          "the TP group, and one rank has none; use it with tp > 1")
-    if instance.quantization is not None:
-        raise ConfigError(attribute.name, "False with quantization int8", value,
-                          "the fused matmul + collective ops take dense weights")
-    kind = instance.device.partition(":")[0]
-    if kind != "cpu":  # cpu always has the tiled op; torch_npu is imported for npu only
-        from mooncake_ops.dispatch import MC2_OPS
-        from mooncake_ops.errors import UnsupportedDeviceError
-        from mooncake_ops.mc2 import require_fused
-
-        try:
-            require_fused(kind, MC2_OPS if instance.sp > 1 else ("matmul_all_reduce",))
-        except UnsupportedDeviceError as error:
-            raise ConfigError(attribute.name, f"False on {kind} with this install", value,
-                              str(error)) from None
-
-
-def _check_tp_overlap_tiles(instance: EngineConfig, attribute: attrs.Attribute,
-                            value: object) -> None:
-    _optional_positive(instance, attribute, value)
-    if value is not None and not instance.tp_overlap:
-        raise ConfigError(attribute.name, "None without tp_overlap", value,
-                          "it sets the row tiles of TP overlap's tiled matmul + collective")
-
-
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, init=False)
 class EngineConfig:
     """How one engine is built.
 
     Every field is checked on construction; a bad value raises ``ConfigError`` (a
-    ``ValueError``) reading ``EngineConfig.<field> must be ... (got ...)``.
+    ``ValueError``) reading ``EngineConfig.<field> must be ... (got ...)``. The parallel
+    settings (tp, pp, sp, sp_min_tokens, tp_overlap, tp_overlap_tiles, pp_microbatches,
+    pipeline_split_points, or a ``layout``) are given by name, as the other settings are, and
+    held as one value, ``parallel`` (a ``ParallelConfig``); each is also read by its name.
 
     Attributes:
         model: ``"default"`` (SmolLM2-135M-Instruct), a Hugging Face checkpoint folder, a
@@ -414,16 +310,8 @@ class EngineConfig:
     prefix_index: str = attrs.field(default="hash", validator=_check_index)
     hash_algorithm: str = attrs.field(default="xxh3_128", validator=_check_hash)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_check_kv_dtype)
-    tp: int = attrs.field(default=1, validator=_positive)
-    pp: int = attrs.field(default=1, validator=_positive)
-    sp: int = attrs.field(default=1, validator=_check_sp)
-    sp_min_tokens: int = attrs.field(default=DEFAULT_SP_MIN_TOKENS,
-                                     validator=_check_sp_min_tokens)
-    tp_overlap: bool = attrs.field(default=False, validator=_check_tp_overlap)
-    tp_overlap_tiles: int | None = attrs.field(default=None, validator=_check_tp_overlap_tiles)
-    pp_microbatches: int | None = attrs.field(default=None, validator=_optional_positive)
-    pipeline_split_points: tuple[int, ...] | None = attrs.field(
-        default=None, converter=_split_points, validator=_check_split_points)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig,
+                                           validator=lambda config, _a, _v: check_parallel(config))
     ranks_from: str = attrs.field(default="spawn", validator=_one_of("spawn", "env"))
     num_threads: int | None = attrs.field(default=None, validator=_optional_positive)
     max_n: int = attrs.field(default=8, validator=_positive)
@@ -434,9 +322,37 @@ class EngineConfig:
     quantization: str | None = attrs.field(default=None, validator=_check_quantization)
     kernels: str = attrs.field(factory=_kernels_default, validator=_one_of(*KERNEL_MODES))
 
+    def __init__(self, **settings: Any) -> None:
+        """``EngineConfig(model=..., tp=2, ...)``: every setting by name (``SETTINGS``);
+        ``parallel`` (a ``ParallelConfig``) and ``layout`` (a ``Layout``) are taken too, the
+        parallel settings given by name put over them."""
+        given = {k: settings.pop(k) for k in (*PARALLEL_SETTINGS, "layout") if k in settings}
+        parallel = build_parallel(settings.pop("parallel", None), given)
+        self.__attrs_init__(parallel=parallel, **settings)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every setting's default by name (``kernels``' as this environment gives it)."""
+        out = {f.name: f.default.factory() if isinstance(f.default, attrs.Factory) else f.default
+               for f in attrs.fields(cls) if f.name != "parallel"}
+        return {**out, **ParallelConfig().settings()}
+
     def to_json(self) -> dict:
-        """Every field as JSON (what workers and replicas get); ``from_json`` reads it back."""
-        return attrs.asdict(self)
+        """Every setting as JSON by name, the parallel ones flat (what workers and replicas
+        get); ``from_json`` reads it back."""
+        out = attrs.asdict(self)
+        del out["parallel"]
+        return {**out, **self.parallel.settings()}
+
+    # the parallel settings, read by name
+    tp = property(lambda self: self.parallel.layout.tp)
+    pp = property(lambda self: self.parallel.layout.pp)
+    sp = property(lambda self: self.parallel.layout.sp)
+    sp_min_tokens = property(lambda self: self.parallel.sp_min_tokens)
+    tp_overlap = property(lambda self: self.parallel.tp_overlap)
+    tp_overlap_tiles = property(lambda self: self.parallel.tp_overlap_tiles)
+    pp_microbatches = property(lambda self: self.parallel.pp_microbatches)
+    pipeline_split_points = property(lambda self: self.parallel.pipeline_split_points)
 
     @classmethod
     def from_json(cls, fields: dict) -> EngineConfig:
@@ -456,9 +372,13 @@ class EngineConfig:
     @property
     def layout(self) -> Layout:
         """One engine's parallel layout (dp 1): its TP, PP and SP sizes as one value."""
-        return Layout(self.tp, self.pp, 1, self.sp)
+        return self.parallel.layout
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as a ``torch.dtype`` (torch is imported on first use)."""
         return dtypes.torch_dtype(self.dtype)
+
+
+# Every setting EngineConfig takes by name (the flags' dests and to_json's keys).
+SETTINGS = frozenset(EngineConfig.defaults())
