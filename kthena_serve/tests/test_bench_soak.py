@@ -15,9 +15,9 @@ import sys
 import attrs
 import pytest
 
-from kthena_serve.bench.soak import SoakOptions, _judge, _Outcome, _Plan, _plan, _Target
+from kthena_serve.bench.soak import SoakOptions, Target, _judge, _Outcome, _Plan, _plan
 
-_TARGET = _Target("http://127.0.0.1:1", "m", 2048, ("shared opening",))
+_TARGET = Target("http://127.0.0.1:1", "m", 2048, ("shared opening",))
 
 
 @pytest.mark.slow

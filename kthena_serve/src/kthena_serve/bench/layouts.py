@@ -205,7 +205,7 @@ def calibrate(bench: Mapping[str, Any], model: ModelSpec, facts: CpuFacts,
 
     ran, here = bench_cpu(bench), dict(host.cpu) if host is not None and host.cpu else cpu_label()
     if not same_cpu(ran, here):
-        _log(f"{source} ran on {cpu_text(ran)}, this machine is {cpu_text(here)}: the factors "
+        log(f"{source} ran on {cpu_text(ran)}, this machine is {cpu_text(here)}: the factors "
              "are fitted to that CPU's own probe and applied here to this machine's figures")
     threads = int((bench.get("machine") or {}).get("torch_threads") or facts.num_cores)
     core = cpu_topology(facts, per_core=True, host=host).devices[0].spec
@@ -293,7 +293,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class _Server:
+class LayoutServer:
     """``kthena serve`` of one layout as a child process; its output is drained by a thread."""
 
     def __init__(self, layout: Layout, options: LayoutBenchOptions,
@@ -354,14 +354,14 @@ class _Server:
 
 
 # ---- the workload over HTTP ---------------------------------------------------------------------
-def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
     return [[rng.randrange(*_PROMPT_IDS) for _ in range(length)] for _ in range(count)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+async def run_one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                max_tokens: int) -> dict:
     """Stream one completion: TTFT, TPOT (first to last token over tokens - 1), replica."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -398,7 +398,7 @@ async def _concurrent(client: httpx.AsyncClient, url: str, model: str, prompts: 
 
     async def go(prompt: list[int]) -> dict:
         async with gate:
-            return await _one(client, url, model, prompt, max_tokens)
+            return await run_one(client, url, model, prompt, max_tokens)
 
     start = time.perf_counter()
     samples = await asyncio.gather(*(go(p) for p in prompts))
@@ -414,23 +414,23 @@ async def _measure(url: str, options: LayoutBenchOptions) -> dict[str, Any]:
     o = options
     async with httpx.AsyncClient(timeout=600.0) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        await _one(client, url, model, _prompts(1, o.prompt_len, o.seed - 1)[0], o.output_len)
-        await _concurrent(client, url, model, _prompts(o.concurrency, o.prompt_len, o.seed - 2),
+        await run_one(client, url, model, random_prompts(1, o.prompt_len, o.seed - 1)[0], o.output_len)
+        await _concurrent(client, url, model, random_prompts(o.concurrency, o.prompt_len, o.seed - 2),
                           4, o.concurrency)  # warm-up: batch 1, then the batched shapes
         runs, replicas = [], {}
         for run in range(o.runs):
             seed = o.seed + 1000 * (run + 1)
-            batch1 = [await _one(client, url, model, p, o.output_len)
-                      for p in _prompts(o.batch1_requests, o.prompt_len, seed)]
+            batch1 = [await run_one(client, url, model, p, o.output_len)
+                      for p in random_prompts(o.batch1_requests, o.prompt_len, seed)]
             figures, samples = await _concurrent(client, url, model,
-                                                 _prompts(o.requests, o.prompt_len, seed + 1),
+                                                 random_prompts(o.requests, o.prompt_len, seed + 1),
                                                  o.output_len, o.concurrency)
             for s in batch1 + samples:
                 if s["replica"]:
                     replicas[s["replica"]] = replicas.get(s["replica"], 0) + 1
             runs.append({"batch1_ttft_s": _median([s["ttft_s"] for s in batch1]),
                          "batch1_tpot_s": _median([s["tpot_s"] for s in batch1]), **figures})
-            _log(f"  run {run + 1}/{o.runs}: " + ", ".join(f"{k} {v:.4g}" for k, v in runs[-1].items()
+            log(f"  run {run + 1}/{o.runs}: " + ", ".join(f"{k} {v:.4g}" for k, v in runs[-1].items()
                                                          if v is not None))
     out = summarize(runs)
     if replicas:
@@ -444,10 +444,10 @@ def measure_layout(layout: LayoutSpec, options: LayoutBenchOptions) -> dict[str,
 
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    server = _Server(layout.layout, options)
+    server = LayoutServer(layout.layout, options)
     try:
         url = server.wait_url(options.ready_timeout_s)
-        _log(f"{layout.name}: serving on {url} after {time.perf_counter() - started:.0f} s")
+        log(f"{layout.name}: serving on {url} after {time.perf_counter() - started:.0f} s")
         measured = asyncio.run(_measure(url, options))
     finally:
         stopped = server.stop()
@@ -456,11 +456,11 @@ def measure_layout(layout: LayoutSpec, options: LayoutBenchOptions) -> dict[str,
 
 
 # ---- the run ------------------------------------------------------------------------------------
-def _log(text: str) -> None:
+def log(text: str) -> None:
     print(f"kthena bench layouts: {text}", file=sys.stderr, flush=True)
 
 
-def _machine() -> dict[str, Any]:
+def machine_record() -> dict[str, Any]:
     cpu = cpu_model()
     try:
         torch = version("torch")
@@ -475,7 +475,7 @@ def _bench_serve(options: LayoutBenchOptions, threads: int | None) -> dict[str, 
     argv = [sys.executable, "-m", "kthena_core.cli", "bench", "serve", "--cases", "a,b",
             "--no-hf", "--plot", "", "--runs", str(options.runs), "--model", options.model,
             "--dtype", "bfloat16", *(["--threads", str(threads)] if threads else [])]
-    _log("calibrating: " + " ".join(["kthena", *argv[3:]]))
+    log("calibrating: " + " ".join(["kthena", *argv[3:]]))
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
@@ -521,7 +521,7 @@ def run_layout_bench(options: LayoutBenchOptions) -> dict[str, Any]:
     from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
     from kthena_core.known_models import load_model_spec
 
-    machine = _machine()
+    machine = machine_record()
     model = load_model_spec(options.model)
     facts = read_cpu_facts()
     # the peaks the factors are fractions of (KTHENA_HOST_PROBE: a recorded probe instead)
@@ -533,7 +533,7 @@ def run_layout_bench(options: LayoutBenchOptions) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for layout in options.layouts:
         lay = layout.layout
-        _log(f"{layout.name}: starting kthena serve --tp {lay.tp} --pp {lay.pp} --dp {lay.dp}")
+        log(f"{layout.name}: starting kthena serve --tp {lay.tp} --pp {lay.pp} --dp {lay.dp}")
         rows[layout.name] = {"layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
                              "measured": measure_layout(layout, options),
                              **predictions(model, layout, options, cals, host, cores)}

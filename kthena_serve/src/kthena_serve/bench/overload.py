@@ -31,12 +31,12 @@ import httpx
 
 from kthena_serve.bench.soak import (
     SoakOptions,
-    _error_code,
-    _good_body,
-    _has_text,
-    _path,
-    _pcts_ms,
-    _Target,
+    Target,
+    api_path,
+    error_code,
+    good_body,
+    has_text,
+    pcts_ms,
 )
 
 __all__ = ["OverloadOptions", "run_overload", "soak_phase"]
@@ -92,10 +92,10 @@ def _refused(answer: _Answer) -> bool:
     return answer.status == 503 and answer.code in _REFUSAL_CODES
 
 
-def _draw(rng: random.Random, target: _Target) -> tuple[str, str]:
+def _draw(rng: random.Random, target: Target) -> tuple[str, str]:
     chat = rng.random() < 0.5
-    body = _good_body(rng, target, chat, rng.randint(8, 128))
-    return _path(chat), json.dumps(body)
+    body = good_body(rng, target, chat, rng.randint(8, 128))
+    return api_path(chat), json.dumps(body)
 
 
 async def _send(client: httpx.AsyncClient, path: str, body: str) -> _Answer:
@@ -106,7 +106,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: str) -> _Answer:
         answer.retry_after = reply.headers.get("retry-after")
         if reply.status_code != 200:
             text = (await reply.aread()).decode(errors="replace")
-            answer.problem, answer.code = text[:200], _error_code(text)
+            answer.problem, answer.code = text[:200], error_code(text)
             return answer
         async for line in reply.aiter_lines():
             if line == "data: [DONE]":
@@ -118,7 +118,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: str) -> _Answer:
             if "error" in event:
                 answer.problem = f"error event: {json.dumps(event['error'])[:200]}"
                 return answer
-            if answer.ttft_s is None and _has_text(event):
+            if answer.ttft_s is None and has_text(event):
                 answer.ttft_s = time.perf_counter() - start
     return answer
 
@@ -132,13 +132,13 @@ async def _timed(client: httpx.AsyncClient, path: str, body: str, timeout: float
         return _Answer(problem=f"{type(error).__name__}: {error}"[:200])
 
 
-def _client(target: _Target, headers: dict, timeout: float) -> httpx.AsyncClient:
+def _client(target: Target, headers: dict, timeout: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=target.url, trust_env=False, headers=headers,
                              timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                   max_keepalive_connections=256))
 
 
-async def _calibrate(target: _Target, options: OverloadOptions, headers: dict) -> dict:
+async def _calibrate(target: Target, options: OverloadOptions, headers: dict) -> dict:
     """Closed-loop clients for ``calibration_s``: streams completed per second."""
     deadline = time.monotonic() + options.calibration_s
     counts = {"completed": 0, "rejected": 0, "errors": 0}
@@ -163,7 +163,7 @@ async def _calibrate(target: _Target, options: OverloadOptions, headers: dict) -
             "sustainable_rps": round(counts["completed"] / elapsed, 3)}
 
 
-async def _offer(target: _Target, rate_rps: float, options: OverloadOptions,
+async def _offer(target: Target, rate_rps: float, options: OverloadOptions,
                  headers: dict) -> tuple[list[_Answer], float]:
     """Poisson arrivals at ``rate_rps`` for ``minutes``; every answer, and the seconds taken."""
     rng = random.Random(options.seed + 20_000)
@@ -199,7 +199,7 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
     ttft = [a.ttft_s for a in accepted if a.ttft_s is not None]
     retry = sorted(int(a.retry_after) for a in rejected
                    if a.retry_after and a.retry_after.isdigit())
-    ttft_ms = _pcts_ms(ttft)
+    ttft_ms = pcts_ms(ttft)
     within = None
     if options.bound_s is not None and ttft_ms["p99"] is not None:
         within = ttft_ms["p99"] <= 1000 * options.bound_s
@@ -213,9 +213,9 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
         "accepted_rps": round(len(accepted) / seconds, 3) if seconds else None,
         "accepted_ttft_ms": ttft_ms, "ttft_p99_within_bound": within,
         "num_rejected_late": len(late),
-        "rejected_latency_ms": _pcts_ms([a.headers_s for a in rejected
+        "rejected_latency_ms": pcts_ms([a.headers_s for a in rejected
                                          if a.headers_s is not None and a.code != "queue_timeout"]),
-        "rejected_late_latency_ms": _pcts_ms([a.headers_s for a in late
+        "rejected_late_latency_ms": pcts_ms([a.headers_s for a in late
                                               if a.headers_s is not None]),
         "retry_after_s": {"min": retry[0] if retry else None,
                           "p50": retry[len(retry) // 2] if retry else None,
@@ -223,7 +223,7 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
     }
 
 
-async def run_overload(target: _Target, options: OverloadOptions, headers: dict) -> dict:
+async def run_overload(target: Target, options: OverloadOptions, headers: dict) -> dict:
     """Calibrate, then offer ``factor`` x the sustainable rate; the phase's report."""
     calibration = await _calibrate(target, options, headers)
     sustainable = calibration["sustainable_rps"]
@@ -235,7 +235,7 @@ async def run_overload(target: _Target, options: OverloadOptions, headers: dict)
     return _report(options, calibration, rate, answers, seconds)
 
 
-async def soak_phase(target: _Target, options: SoakOptions, headers: dict) -> dict:
+async def soak_phase(target: Target, options: SoakOptions, headers: dict) -> dict:
     """``kthena bench soak --overload``: `run_overload` with the soak's options."""
     return await run_overload(target, OverloadOptions(
         factor=options.overload, minutes=options.overload_minutes,

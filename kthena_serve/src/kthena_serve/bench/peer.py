@@ -68,7 +68,7 @@ def parse_peer(text: str) -> PeerSpec:
     return PeerSpec(name, Path(path).expanduser() if path else python, script)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -179,7 +179,7 @@ class PeerSession:
         except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
-            _kill_group(proc)
+            kill_group(proc)
             if self._reader is not None:
                 self._reader.join(timeout=10)
             for pipe in (proc.stdin, proc.stdout):

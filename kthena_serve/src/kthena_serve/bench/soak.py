@@ -131,7 +131,7 @@ class SoakOptions:
 
 # ---- what each client sends ---------------------------------------------------------------------
 @attrs.frozen
-class _Target:
+class Target:
     """What requests need to know about the server."""
 
     url: str
@@ -156,7 +156,7 @@ def _text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
-def _good_body(rng: random.Random, target: _Target, chat: bool, max_tokens: int) -> dict:
+def good_body(rng: random.Random, target: Target, chat: bool, max_tokens: int) -> dict:
     text = _text(rng, rng.randint(16, 512))
     if rng.random() < 0.5:
         text = rng.choice(target.preambles) + " " + text
@@ -170,11 +170,11 @@ def _good_body(rng: random.Random, target: _Target, chat: bool, max_tokens: int)
     return body
 
 
-def _path(chat: bool) -> str:
+def api_path(chat: bool) -> str:
     return "/v1/chat/completions" if chat else "/v1/completions"
 
 
-def _bad_plan(rng: random.Random, target: _Target) -> _Plan:
+def _bad_plan(rng: random.Random, target: Target) -> _Plan:
     """A request the server must refuse with a 4xx before anything streams."""
     body = {"model": target.model, "prompt": _text(rng, 8), "max_tokens": 8, "stream": True}
     what = rng.choice(("seed", "top_k", "temperature", "model", "empty_prompt", "max_tokens"))
@@ -193,18 +193,18 @@ def _bad_plan(rng: random.Random, target: _Target) -> _Plan:
     return _Plan(f"bad_{what}", "/v1/completions", json.dumps(body))
 
 
-def _plan(rng: random.Random, target: _Target) -> _Plan:
+def _plan(rng: random.Random, target: Target) -> _Plan:
     """The next request of a client: 70 % good streams, 15 % disconnects, 15 % bad."""
     draw = rng.random()
     if draw >= 0.85:
         return _bad_plan(rng, target)
     chat = rng.random() < 0.5
     if draw >= 0.70:
-        body = _good_body(rng, target, chat, rng.randint(32, 128))
+        body = good_body(rng, target, chat, rng.randint(32, 128))
         body["ignore_eos"] = True  # long enough to be cut
-        return _Plan("disconnect", _path(chat), json.dumps(body), rng.randint(1, 8))
-    body = _good_body(rng, target, chat, rng.randint(8, 128))
-    return _Plan("chat" if chat else "completion", _path(chat), json.dumps(body))
+        return _Plan("disconnect", api_path(chat), json.dumps(body), rng.randint(1, 8))
+    body = good_body(rng, target, chat, rng.randint(8, 128))
+    return _Plan("chat" if chat else "completion", api_path(chat), json.dumps(body))
 
 
 # ---- sending one request and judging it ---------------------------------------------------------
@@ -218,7 +218,7 @@ class _Outcome:
     code: str | None = None  # the error body's code of a non-200 answer
 
 
-def _has_text(event: dict) -> bool:
+def has_text(event: dict) -> bool:
     choices = event.get("choices") or [{}]
     return bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
 
@@ -229,7 +229,7 @@ async def _send(client: httpx.AsyncClient, plan: _Plan) -> _Outcome:
         out.status = reply.status_code
         if reply.status_code != 200:
             text = (await reply.aread()).decode(errors="replace")
-            out.problem, out.code = text[:200], _error_code(text)
+            out.problem, out.code = text[:200], error_code(text)
             return out
         async for line in reply.aiter_lines():
             if not line.startswith("data: "):
@@ -241,14 +241,14 @@ async def _send(client: httpx.AsyncClient, plan: _Plan) -> _Outcome:
             if "error" in event:
                 out.problem = f"error event: {json.dumps(event['error'])[:200]}"
                 return out
-            if _has_text(event):
+            if has_text(event):
                 out.stamps.append(time.perf_counter())
             if plan.close_after is not None and len(out.stamps) >= plan.close_after:
                 return out  # leaving the block closes the connection mid-stream
     return out
 
 
-def _error_code(text: str) -> str | None:
+def error_code(text: str) -> str | None:
     try:
         return json.loads(text)["error"]["code"]
     except (ValueError, KeyError, TypeError):
@@ -311,7 +311,7 @@ class _Tally:
 class _Run:
     """What every client of one run shares."""
 
-    target: _Target
+    target: Target
     options: SoakOptions
     deadline: float
     tally: _Tally
@@ -483,20 +483,20 @@ async def _wait_idle(client: httpx.AsyncClient) -> tuple[dict, dict, bool | None
 
 
 # ---- the run ------------------------------------------------------------------------------------
-async def _target(client: httpx.AsyncClient, options: SoakOptions) -> _Target:
+async def _target(client: httpx.AsyncClient, options: SoakOptions) -> Target:
     card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
     rng = random.Random(options.seed)
     preambles = tuple(_text(rng, 128) for _ in range(4))
-    return _Target(str(client.base_url), card["id"], int(card["max_model_len"]), preambles)
+    return Target(str(client.base_url), card["id"], int(card["max_model_len"]), preambles)
 
 
-async def _warm_up(client: httpx.AsyncClient, target: _Target) -> None:
+async def _warm_up(client: httpx.AsyncClient, target: Target) -> None:
     body = {"model": target.model, "max_tokens": 4, "messages": [{"role": "user",
                                                                   "content": "Hello"}]}
     (await client.post("/v1/chat/completions", json=body)).raise_for_status()
 
 
-def _pcts_ms(values: list[float]) -> dict:
+def pcts_ms(values: list[float]) -> dict:
     ordered = sorted(values)
 
     def pct(q: float) -> float | None:
@@ -546,7 +546,7 @@ async def _soak(url: str, pid: int | None, exited: Callable[[], int | None],
 
 # The overload phase (``bench.overload.soak_phase``), passed in by the caller: that module
 # builds on this one's request plans, so this one cannot import it.
-OverloadPhase = Callable[["_Target", "SoakOptions", dict], Awaitable[dict]]
+OverloadPhase = Callable[["Target", "SoakOptions", dict], Awaitable[dict]]
 
 
 def _report(options: SoakOptions, served_model: str, tally: _Tally, elapsed: float,
@@ -566,7 +566,7 @@ def _report(options: SoakOptions, served_model: str, tally: _Tally, elapsed: flo
             "num_requests": sum(tally.sent.values()), "num_bad_4xx": tally.num_bad_4xx,
             "num_overloaded_503": tally.num_overloaded,
             "num_errors": tally.num_errors, "errors": tally.errors,
-            "ttft_ms": _pcts_ms(tally.ttft_s), "itl_ms": _pcts_ms(tally.itl_s), "rss_mib": rss,
+            "ttft_ms": pcts_ms(tally.ttft_s), "itl_ms": pcts_ms(tally.itl_s), "rss_mib": rss,
             "kv_after": gauges, "idle_after": is_idle, "finish_reasons": reasons}
 
 

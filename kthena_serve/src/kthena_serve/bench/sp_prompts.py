@@ -39,12 +39,12 @@ from kthena_core.layout import Layout
 from kthena_serve.bench.layouts import (
     LayoutBenchError,
     LayoutBenchOptions,
-    _log,
-    _machine,
-    _one,
-    _prompts,
-    _Server,
+    LayoutServer,
     calibrate,
+    log,
+    machine_record,
+    random_prompts,
+    run_one,
 )
 
 if TYPE_CHECKING:
@@ -210,11 +210,11 @@ def measure_sp(options: SpBenchOptions) -> dict[int, dict[str, Any]]:
     import httpx
 
     serve = LayoutBenchOptions(model=options.model, kv_cache_memory=options.kv_cache_memory)
-    servers: dict[int, _Server] = {}
+    servers: dict[int, LayoutServer] = {}
     rows: dict[int, dict[str, Any]] = {1: {}, 2: {}}
     try:
         for sp in (1, 2):  # one at a time: two servers loading at once would double the wait
-            servers[sp] = _Server(Layout(2), serve, _serve_args(sp, options))
+            servers[sp] = LayoutServer(Layout(2), serve, _serve_args(sp, options))
             servers[sp].wait_url(options.ready_timeout_s)
         urls = {sp: server.wait_url(0) for sp, server in servers.items()}
         ranks = {sp: _rank_pids(server.proc.pid) for sp, server in servers.items()}
@@ -224,14 +224,14 @@ def measure_sp(options: SpBenchOptions) -> dict[int, dict[str, Any]]:
                 models = {sp: (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
                           for sp, url in urls.items()}
                 for sp, url in urls.items():  # kernels, allocator
-                    for warm in _prompts(2, min(options.prompt_lens), options.seed - 1):
-                        await _one(client, url, models[sp], warm, 1)
+                    for warm in random_prompts(2, min(options.prompt_lens), options.seed - 1):
+                        await run_one(client, url, models[sp], warm, 1)
                 for n in options.prompt_lens:
                     ttfts: dict[int, list[float]] = {1: [], 2: []}
                     for run_index in range(options.runs):
-                        prompt = _prompts(1, n, options.seed + 1000 * run_index + n)[0]
+                        prompt = random_prompts(1, n, options.seed + 1000 * run_index + n)[0]
                         for sp in ((1, 2) if run_index % 2 == 0 else (2, 1)):
-                            sample = await _one(client, urls[sp], models[sp], prompt, 1)
+                            sample = await run_one(client, urls[sp], models[sp], prompt, 1)
                             ttfts[sp].append(sample["ttft_s"])
                     for sp in (1, 2):
                         ttft = statistics.median(ttfts[sp])
@@ -240,7 +240,7 @@ def measure_sp(options: SpBenchOptions) -> dict[int, dict[str, Any]]:
                             "ttft_s_per_run": ttfts[sp], "prefill_tok_s": n / ttft,
                             "peak_rss_mib_per_rank": [_peak_rss_mib(p) for p in ranks[sp]],
                             "loadavg_1m": round(os.getloadavg()[0], 2)}
-                        _log(f"sp={sp} prompt {n}: TTFT {ttft:.3f} s "
+                        log(f"sp={sp} prompt {n}: TTFT {ttft:.3f} s "
                              f"(runs {', '.join(f'{t:.3f}' for t in ttfts[sp])})")
 
         asyncio.run(run())
@@ -262,12 +262,12 @@ def run_sp_bench(options: SpBenchOptions) -> dict[str, Any]:
     from kthena_core.discovery import cpu_topology, measure_host, read_cpu_facts
     from kthena_core.known_models import load_model_spec
 
-    machine = _machine()
+    machine = machine_record()
     model = load_model_spec(options.model)
     facts = read_cpu_facts()
     host = measure_host(default_cache_dir(), probe_file=host_probe_file())
     cores = cpu_topology(facts, per_core=True, host=host)
-    _log("measuring all-reduce, reduce-scatter and all-gather over 2 gloo ranks")
+    log("measuring all-reduce, reduce-scatter and all-gather over 2 gloo ranks")
     collectives = measure_collectives(options.prompt_lens, model.shape.hidden_size)
     measured = measure_sp(options)
     base = CostParams()

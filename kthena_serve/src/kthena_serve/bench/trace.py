@@ -44,7 +44,7 @@ from kthena_serve.bench.peer import (
     PEER_DIR,
     REPO_ROOT,
     PeerMissingError,
-    _kill_group,
+    kill_group,
 )
 from kthena_serve.bench.trace_report import (
     error_counts,
@@ -175,7 +175,7 @@ class _Child:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         finally:
-            _kill_group(self.proc)  # what SIGTERM left, engine processes included
+            kill_group(self.proc)  # what SIGTERM left, engine processes included
             self._log.close()
 
     def tail(self, lines: int = 30) -> str:
@@ -252,7 +252,7 @@ def _run_client(argv: list[str], folder: Path, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"vLLM's client ran past {timeout_s:.0f} s") from None
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM's client exited with {proc.returncode}; its last output:\n"
