@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 
 import attrs
@@ -390,3 +391,53 @@ def test_a_missing_probe_file_is_one_line(tmp_path, monkeypatch, capsys) -> None
     assert kthena_main(["doctor"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"KTHENA_HOST_PROBE={tmp_path / 'none.json'}" in err
+
+
+# ---- structured_output: xgrammar imports, or the import's own error ------------------------------
+def _xgrammar_fails_with(monkeypatch, missing: str) -> None:  # noqa: ANN001
+    """A test double for an install that cannot be staged in this venv: importing xgrammar
+    raises ModuleNotFoundError naming ``missing`` (xgrammar itself, or a module it imports)."""
+
+    class Broken:
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+            if name == "xgrammar":
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return None
+
+    monkeypatch.delitem(sys.modules, "xgrammar", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+
+
+def test_structured_output_check_says_whether_xgrammar_imports():
+    import importlib.util
+
+    from kthena_serve.doctor.host import structured_output_check
+
+    check = structured_output_check()
+    expected = "ok" if importlib.util.find_spec("xgrammar") is not None else "fail"
+    assert check.verdict == expected, check
+
+
+@pytest.mark.parametrize(("missing", "said"), [
+    ("xgrammar", "xgrammar is not installed; install it with pip install --no-deps"),
+    ("transformers", "xgrammar is installed but its import failed (ModuleNotFoundError: No "
+                     "module named 'transformers')"),
+])
+def test_a_broken_xgrammar_is_one_fail_line_and_the_400_names_the_real_error(
+        monkeypatch, missing, said):  # noqa: ANN001
+    from kthena_serve.doctor.host import structured_output_check
+    from kthena_serve.engine.errors import InvalidRequestError
+    from kthena_serve.engine.grammar import choice_grammar, xgrammar_problem
+    from kthena_serve.engine.structured_output import StructuredOutputsParams
+
+    _xgrammar_fails_with(monkeypatch, missing)
+    assert said in xgrammar_problem()
+    check = structured_output_check()
+    assert check.verdict == "fail" and said in check.fix
+    engine = tiny_engine()
+    try:
+        spec = StructuredOutputsParams(grammar=choice_grammar(["yes", "no"]))
+        with pytest.raises(InvalidRequestError, match=re.escape(said)):
+            engine.processor.grammars.compile(spec)
+    finally:
+        engine.close()

@@ -10,6 +10,8 @@ Pure logic over what it is given, so a test stages each fault: the loaded config
                      from (measured, cached, KTHENA_HOST_PROBE), their age and the load they were
                      taken under (warn: provisional, taken under load)
     native_kernels   mooncake_ops' native CPU build loaded (CPU plans)
+    structured_output  xgrammar imports (JSON mode, json_schema, structured_outputs and
+                     required or named tool calls need it); the import's own error if not
     kv_fit           the planned KV (and the pool the config sets) vs device or host memory
     calibration      the age and machine of the bench JSON the plan is calibrated from
 """
@@ -108,7 +110,7 @@ def _config_and_topology(path: str) -> tuple[KthenaConfig, Topology]:
 def host_checks(facts: HostFacts) -> list[Check]:
     """Every host check, in checklist order (see the module docs)."""
     return [devices_check(facts), collectives_check(facts), host_probe_check(facts),
-            native_kernels_check(facts), kv_fit_check(facts)]
+            native_kernels_check(facts), structured_output_check(), kv_fit_check(facts)]
 
 
 def _kind(facts: HostFacts) -> str | None:
@@ -206,6 +208,20 @@ def host_probe_check(facts: HostFacts) -> Check:
                      "the next plan measures again; plan or serve once the machine is idle "
                      "(or name a recorded probe with KTHENA_HOST_PROBE)")
     return Check("host_probe", "ok", facts.probe.describe())
+
+
+def structured_output_check() -> Check:
+    """xgrammar, which structured output and required or named tool calls need, imports."""
+    from kthena_serve.engine.grammar import xgrammar_problem
+
+    problem = xgrammar_problem()
+    if problem is None:
+        import xgrammar
+
+        shown = getattr(xgrammar, "__version__", "")
+        return Check("structured_output", "ok", f"xgrammar {shown} imports".replace("  ", " "))
+    return Check("structured_output", "fail", "structured output and required or named tool "
+                 "calls answer 400", problem)
 
 
 def native_kernels_check(facts: HostFacts) -> Check:

@@ -37,21 +37,34 @@ if TYPE_CHECKING:
     from kthena_serve.model import Tokenizer
 
 __all__ = ["INSTALL", "Grammars", "apply_token_bitmask", "apply_token_bitmask_reference",
-           "choice_grammar"]
+           "choice_grammar", "xgrammar_problem"]
 
 INSTALL = 'pip install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"'
 _CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema is tens of KiB)
 _LOCATION = re.compile(r"^\s*(\[[\d:]+\]\s*)?\S+\.(cc|h|cpp):\d+:\s*")  # xgrammar's C++ prefix
 
 
-def _xgrammar() -> Any:
+def xgrammar_problem() -> str | None:
+    """Why xgrammar cannot be imported here, with the import's own error and the fix; None
+    when it imports (``kthena doctor``'s structured_output check, and every 400 it causes)."""
     try:
-        import xgrammar
-    except ImportError:
-        raise InvalidRequestError(
-            f"structured output needs xgrammar, which this server lacks; install it with "
-            f"{INSTALL} (no deps: its declared triton and transformers are not needed)",
-            "structured_outputs") from None
+        import xgrammar  # noqa: F401
+    except ImportError as error:
+        if error.name == "xgrammar":
+            return (f"xgrammar is not installed; install it with {INSTALL} (no deps: its "
+                    "declared triton and transformers are not needed)")
+        return (f"xgrammar is installed but its import failed ({type(error).__name__}: "
+                f"{error}); install what it names, or reinstall it with {INSTALL}")
+    return None
+
+
+def _xgrammar() -> Any:
+    problem = xgrammar_problem()
+    if problem is not None:
+        raise InvalidRequestError(f"structured output needs xgrammar: {problem}",
+                                  "structured_outputs")
+    import xgrammar
+
     return xgrammar
 
 
