@@ -4,6 +4,10 @@ the start-up line, the ``kthena_kernels_info`` gauge and the model's packed matm
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -95,3 +99,16 @@ def test_the_engine_reports_its_kernels_in_limits_and_metrics():
     assert ('kthena_kernels_info{decode_attention="default",matmul_decode="F.linear",'
             'matmul_prefill="F.linear",mode="native",prefill_attention="default",'
             'source="fixed"} 1.0') in text, text
+
+
+def test_a_bad_kernels_variable_is_the_config_s_error_not_the_import_s():
+    """Reading the config module (flag parsing does) works whatever KTHENA_KERNELS holds; only
+    an EngineConfig built without a mode refuses the value."""
+    code = ("import kthena_serve.engine.config as c\n"
+            "try:\n    c.EngineConfig()\nexcept ValueError as e:\n    print(e)\n"
+            "print(c.EngineConfig(kernels='torch').kernels)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "KTHENA_KERNELS": "bogus"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "KTHENA_KERNELS='bogus': the kernel choice is one of auto, native, torch", "torch"]

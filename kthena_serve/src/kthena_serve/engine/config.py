@@ -380,5 +380,8 @@ class EngineConfig:
         return dtypes.torch_dtype(self.dtype)
 
 
-# Every setting EngineConfig takes by name (the flags' dests and to_json's keys).
-SETTINGS = frozenset(EngineConfig.defaults())
+# Every setting EngineConfig takes by name (the flags' dests and to_json's keys). Read from the
+# fields, not ``defaults()``: that runs the kernels default, which reads KTHENA_KERNELS, and a
+# bad value there is EngineConfig's error to raise, not this module's import's.
+SETTINGS = frozenset(f.name for f in attrs.fields(EngineConfig) if f.name != "parallel") | \
+    frozenset(PARALLEL_SETTINGS)

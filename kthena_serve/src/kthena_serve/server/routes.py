@@ -374,11 +374,8 @@ class OpenAIRoutes:
                             chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(
                                 out.prompt_logprobs or (), self.engine.processor.token_bytes,
                                 body.prompt_logprobs)
-                    if ids is not None:
-                        ids.add(chunk["choices"][0], choice, out, prompt_in_choice=True)
-                    if body.continuous_usage:
-                        with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
-                    yield chunk
+                    yield _with_extras(chunk, choice, out, ids, body.continuous_usage,
+                                       prompt_in_choice=True)
         if body.include_usage:
             outs = [finals[c] for c in sorted(finals)]
             usage_ = usage(outs, [job.prompt_index(c) for c in sorted(finals)])
@@ -419,11 +416,8 @@ class OpenAIRoutes:
                                                    self.engine.processor.token_bytes,
                                                    body.return_tokens_as_token_ids)
                     chunk = chat_chunk(rid, self.model_name, choice, delta, reason, logprobs)
-                    if ids is not None:
-                        ids.add(chunk["choices"][0], choice, out, prompt_in_choice=False)
-                    if body.continuous_usage:
-                        with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
-                    yield chunk
+                    yield _with_extras(chunk, choice, out, ids, body.continuous_usage,
+                                       prompt_in_choice=False)
         if body.include_usage:
             usage_ = usage([finals[c] for c in sorted(finals)], [0] * len(finals))
             yield usage_chunk(rid, "chat.completion.chunk", self.model_name, usage_)
@@ -483,3 +477,14 @@ def _with_kv(response: dict, job: Job) -> dict:
     if job.kv is not None:
         response["kv_transfer_params"] = job.kv.response_params()
     return response
+
+
+def _with_extras(chunk: dict, choice: int, out: RequestOutput, ids: TokenIdDeltas | None,
+                 continuous_usage: bool, *, prompt_in_choice: bool) -> dict:
+    """A stream chunk with vLLM's optional parts: token ids (``return_token_ids``; the
+    prompt's in the choice for completions) and the running usage (``continuous_usage_stats``)."""
+    if ids is not None:
+        ids.add(chunk["choices"][0], choice, out, prompt_in_choice=prompt_in_choice)
+    if continuous_usage:
+        with_running_usage(chunk, out.num_prompt_tokens, len(out.token_ids))
+    return chunk
