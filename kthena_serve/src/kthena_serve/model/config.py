@@ -17,17 +17,17 @@ from typing import Any
 import attrs
 import torch
 
+from kthena_core.architectures import SERVED_ARCHITECTURES, unserved_architecture
 from kthena_core.dtypes import ENGINE_DTYPES, torch_dtype
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
 
-# Llama-family architectures whose checkpoints share the Llama tensor names and maths (Qwen2 adds
+# The architectures the loader implements (kthena_core's one list, which the planner and
+# deploy read too). Llama-family checkpoints share the Llama tensor names and maths (Qwen2 adds
 # q/k/v biases, which `attention_bias` covers; Qwen3 an RMSNorm on each query and key head,
 # which `qk_norm` covers).
-SUPPORTED_ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-})
+SUPPORTED_ARCHITECTURES = SERVED_ARCHITECTURES
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -111,10 +111,9 @@ class ModelConfig:
 
 
 def _check_architecture(config: Mapping[str, Any]) -> None:
-    archs = config.get("architectures") or ["LlamaForCausalLM"]
-    if not SUPPORTED_ARCHITECTURES.intersection(archs):
-        raise UnsupportedModelError(
-            f"architecture {archs} is not supported; allowed: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    why = unserved_architecture(config.get("architectures") or ["LlamaForCausalLM"])
+    if why is not None:
+        raise UnsupportedModelError(why)
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
 
