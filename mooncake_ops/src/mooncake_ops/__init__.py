@@ -8,6 +8,7 @@ Functional ops over tensors and int block tables, dispatched per device type (`d
 * `matmul_all_reduce`, `all_gather_matmul`, `matmul_reduce_scatter`              (mc2)
 * `select_linear_kernel`: the CPU matmul kernel for a weight (pre-packed oneDNN bf16)  (linear)
 * `int8_linear`, `pack_int8_weight`, `INT8_WEIGHT_ONLY`: weight-only int8 matmul (linear_int8)
+* `route_experts`, `RoutingRule`, `fused_experts`: MoE routing and the grouped expert matmul (moe)
 * `capabilities()`: what runs where, and what is verified (npu: unverified on hardware)
 """
 
@@ -39,6 +40,7 @@ from mooncake_ops.linear_int8 import (
     pack_int8_weight,
 )
 from mooncake_ops.mc2 import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from mooncake_ops.moe import RoutingRule, fused_experts, fused_experts_reference, route_experts
 from mooncake_ops.quant import dequantize_int8, quantize_int8
 from mooncake_ops.rope import build_rope_cache
 
@@ -53,6 +55,7 @@ __all__ = [
     "OpsShapeError",
     "OpsTypeError",
     "RopeScalingError",
+    "RoutingRule",
     "UnsupportedDeviceError",
     "all_gather_matmul",
     "block_nbytes",
@@ -60,6 +63,8 @@ __all__ = [
     "capabilities",
     "dequantize_int8",
     "dequantize_int8_weight",
+    "fused_experts",
+    "fused_experts_reference",
     "gather_blocks",
     "implementation_name",
     "int8_linear",
@@ -72,6 +77,7 @@ __all__ = [
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",
+    "route_experts",
     "scatter_blocks",
     "select_linear_kernel",
     "silu_and_mul",
