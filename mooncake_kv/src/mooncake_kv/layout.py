@@ -2,7 +2,8 @@
 
 A pool is a single byte buffer. Its data region holds `num_blocks x num_layers x 2` *units*,
 one unit being one block's K (or V) for one layer: block_size x num_kv_heads x head_dim
-elements. Two orders of the same units are supported:
+elements. A latent layout (``num_parts`` 1: MLA caches one compressed vector per token and
+layer) has K units only, `num_blocks x num_layers` of them, in the same orders. Two orders of the same units are supported:
 
     BLOCK_MAJOR  [block][layer][k|v][token][head][dim]      (default, chosen by measurement)
 
@@ -164,7 +165,7 @@ class KVLayout:
 
     @property
     def num_units(self) -> int:
-        return self.num_blocks * self.shape.num_layers * 2
+        return self.num_blocks * self.shape.num_layers * self.shape.num_parts
 
     @property
     def data_bytes(self) -> int:
@@ -185,18 +186,25 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         return self.shape.bytes_per_block
 
+    @property
+    def parts(self) -> tuple[KVPart, ...]:
+        """The parts each (block, layer) holds: K and V, or K alone (a latent layout)."""
+        return tuple(KVPart)[:self.shape.num_parts]
+
     # ---- unit arithmetic -------------------------------------------------------------------
     def unit_strides(self) -> tuple[int, int, int]:
         """(block, layer, part) strides counted in units."""
-        num_layers, num_blocks = self.shape.num_layers, self.num_blocks
+        num_layers, num_blocks, parts = self.shape.num_layers, self.num_blocks, self.shape.num_parts
         if self.kind is LayoutKind.BLOCK_MAJOR:
-            return 2 * num_layers, 2, 1
-        return 1, 2 * num_blocks, num_blocks
+            return parts * num_layers, parts, 1
+        return 1, parts * num_blocks, num_blocks
 
     def unit_index(self, block_id: BlockId, layer: int, part: KVPart) -> int:
         """Position of (block, layer, part) among the units of the data region."""
         self.check_block_id(block_id)
         self.check_layer(layer)
+        if int(part) >= self.shape.num_parts:
+            raise LayoutError(f"a latent layout (num_parts=1) holds K only; got part {part!r}")
         block_stride, layer_stride, part_stride = self.unit_strides()
         return block_id * block_stride + layer * layer_stride + int(part) * part_stride
 
@@ -220,12 +228,12 @@ class KVLayout:
     def pieces(self) -> tuple[tuple[int, int], ...]:
         """(base, stride) pairs: block b covers [base + b*stride, base + (b+1)*stride) in each."""
         unit, scale_unit = self.unit_bytes, self.scale_unit_elements * SCALE_BYTES
-        layers = self.shape.num_layers
+        rows_per_block = self.shape.num_parts * self.shape.num_layers
         if self.kind is LayoutKind.BLOCK_MAJOR:
-            data = [(0, 2 * layers * unit)]
-            scales = [(self.scale_offset, 2 * layers * scale_unit)]
+            data = [(0, rows_per_block * unit)]
+            scales = [(self.scale_offset, rows_per_block * scale_unit)]
         else:
-            rows = [row * self.num_blocks for row in range(2 * layers)]
+            rows = [row * self.num_blocks for row in range(rows_per_block)]
             data = [(row * unit, unit) for row in rows]
             scales = [(self.scale_offset + row * scale_unit, scale_unit) for row in rows]
         return tuple(data + (scales if scale_unit else []))
@@ -295,10 +303,11 @@ class KVLayout:
             if not size:
                 continue
             if self.kind is LayoutKind.BLOCK_MAJOR:  # K and V of a layer are adjacent in a block
-                out.append((origin + layer * layer_stride * size, block_stride * size, 2 * size))
+                out.append((origin + layer * layer_stride * size, block_stride * size,
+                            self.shape.num_parts * size))
             else:
                 out.extend((origin + (layer * layer_stride + part * part_stride) * size, size,
-                            size) for part in (0, 1))
+                            size) for part in range(self.shape.num_parts))
         return out
 
     def layer_ranges(self, block_ids: Iterable[BlockId], layer: int) -> tuple[ByteRange, ...]:
@@ -309,7 +318,7 @@ class KVLayout:
         self.check_layer(layer)
         spans = []
         for block_id in sorted(set(self._checked(block_ids))):
-            for part in KVPart:
+            for part in self.parts:
                 segments = [self.segment(block_id, layer, part)]
                 if self.shape.dtype.is_quantized:
                     segments.append(self.scale_segment(block_id, layer, part))

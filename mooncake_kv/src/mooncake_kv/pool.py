@@ -6,6 +6,8 @@ kernels the usual per-layer caches whatever the physical order:
     k_cache(layer), v_cache(layer)   [num_blocks, block_size, num_kv_heads, head_dim]
     k_scale(layer), v_scale(layer)   [num_blocks, block_size, num_kv_heads]  float32, int8 only
 
+A latent pool (``KVShape.num_parts`` 1, MLA) has ``k_cache`` only: one vector per token and layer.
+
 A shared pool is a file in /dev/shm (mode 0600) mapped MAP_SHARED. Another process on the host
 attaches with the pool's `KVPoolHandle` (name + layout, picklable) and sees the same bytes: a
 prefill worker writes KV straight into blocks the decode worker reads, with no copy.
@@ -215,7 +217,7 @@ class KVPool:
         inner_strides = tuple(_contiguous_strides(inner))
         views = {}
         for layer in range(layout.shape.num_layers):
-            for part in KVPart:
+            for part in layout.parts:
                 start = typed.storage_offset() + layout.unit_index(0, layer, part) * unit
                 views[(kind, layer, part)] = typed.as_strided(
                     (layout.num_blocks, *inner), (block_stride, *inner_strides), start
@@ -269,7 +271,13 @@ class KVPool:
         return self._view("kv", layer, KVPart.K)
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """V of `layer`: [num_blocks, block_size, num_kv_heads, head_dim] (strided view)."""
+        """V of `layer`: [num_blocks, block_size, num_kv_heads, head_dim] (strided view).
+
+        Raises:
+            TypeError: a latent pool (num_parts 1) has no V; its vectors are `k_cache`."""
+        if self._layout.shape.num_parts == 1:
+            raise TypeError("a latent pool (num_parts=1, MLA) has no V cache; its one vector "
+                            "per token and layer is k_cache(layer)")
         return self._view("kv", layer, KVPart.V)
 
     def k_scale(self, layer: int) -> torch.Tensor:

@@ -88,6 +88,12 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise SizingError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+def _parts(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value not in (1, 2) or isinstance(value, bool):
+        raise SizingError(f"{attribute.name} must be 2 (K and V) or 1 (one latent vector, "
+                          f"MLA), got {value!r}")
+
+
 @attrs.frozen
 class KVShape:
     """The K/V geometry one rank's cache holds (heads already split by TP).
@@ -99,6 +105,9 @@ class KVShape:
         head_dim: elements per head.
         block_size: tokens per block.
         dtype: element type; INT8 adds float32 scales.
+        num_parts: 2 (a K and a V per token and layer), or 1: one vector per token and layer,
+            held where K is (MLA's compressed latent: ``num_kv_heads`` 1, ``head_dim``
+            kv_lora_rank + qk_rope_head_dim).
     """
 
     num_layers: int = attrs.field(validator=_positive)
@@ -106,18 +115,20 @@ class KVShape:
     head_dim: int = attrs.field(validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
     dtype: KVDtype = attrs.field(default=KVDtype.BF16, converter=KVDtype.parse)
+    num_parts: int = attrs.field(default=2, validator=_parts)
 
     @property
     def element_bytes_per_token(self) -> int:
-        """K and V elements of one token over all layers, in bytes (scales excluded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.element_bytes
+        """K and V (or the latent) of one token over all layers, in bytes (scales excluded)."""
+        return (self.num_parts * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.dtype.element_bytes)
 
     @property
     def scale_bytes_per_token(self) -> int:
         """Per-token-per-head float32 scales for K and V (0 unless int8)."""
         if not self.dtype.is_quantized:
             return 0
-        return 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES
+        return self.num_parts * self.num_layers * self.num_kv_heads * SCALE_BYTES
 
     @property
     def bytes_per_token(self) -> int:
@@ -132,9 +143,10 @@ class KVShape:
 
         Blocks stored under one fingerprint are only ever loaded into a cache with the same one.
         """
+        latent = "-latent" if self.num_parts == 1 else ""
         return (
             f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
-            f"-B{self.block_size}-{self.dtype.value}"
+            f"-B{self.block_size}-{self.dtype.value}{latent}"
         )
 
 

@@ -22,6 +22,7 @@ from kthena_core.dtypes import ENGINE_DTYPES, torch_dtype
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
+from kthena_serve.model.moe_config import MoEConfig, moe_config
 
 # The architectures the loader implements (kthena_core's one list, which the planner and
 # deploy read too). Llama-family checkpoints share the Llama tensor names and maths (Qwen2 adds
@@ -50,7 +51,8 @@ class ModelConfig:
     (an int or a tuple of ints); use ``eos_token_ids`` for the set. ``rope_scaling`` is the HF
     dict (or None) and is passed to the RoPE cache builder. ``qk_norm``: each query and key head
     goes through an RMSNorm over ``head_dim`` (weights ``q_norm`` / ``k_norm``, ``rms_norm_eps``)
-    after the projections and before RoPE (Qwen3).
+    after the projections and before RoPE (Qwen3). ``moe``: the experts of an MoE family
+    (`MoEConfig`: Mixtral, Qwen3-MoE), None for a dense model.
     """
 
     shape: ModelShape
@@ -61,6 +63,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
 
@@ -92,7 +95,8 @@ class ModelConfig:
             # attention here spans the whole context: within the window that is exactly what
             # sliding-window attention computes, past it not, so the context stops there
             fields["max_position_embeddings"] = window
-        return cls(**fields, **_engine_fields(config))
+        moe = moe_config(config, spec.shape.num_layers)
+        return cls(**fields, **_engine_fields(config), moe=moe)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> ModelConfig:

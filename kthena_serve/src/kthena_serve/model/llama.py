@@ -1,5 +1,6 @@
 """`LlamaForCausalLM`: a Llama-family decoder over a paged KV cache (Llama 2/3, Mistral, Qwen2,
-Qwen3 dense, SmolLM2).
+Qwen3 dense, SmolLM2), and the MoE families built on the same attention (Mixtral, Qwen3-MoE),
+whose sparse layers run `SparseMoE` in place of the MLP.
 
 One forward takes the packed new tokens of a step (see mooncake_kv's `PagedBatch`) and returns
 the logits of each sequence's last new token. Attention, norms, RoPE and the KV write go through
@@ -30,7 +31,8 @@ from torch import nn
 
 from kthena_core.layout import sp_with_pp_refusal
 from kthena_serve.model.config import ModelConfig
-from kthena_serve.model.errors import BatchError, TensorParallelError
+from kthena_serve.model.errors import BatchError, TensorParallelError, UnsupportedModelError
+from kthena_serve.model.moe import SparseMoE
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.sp import SequenceParallel, TokenShards
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
@@ -139,13 +141,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
 
-    def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, plan: ShardPlan, tp: TensorParallel,
+                 index: int = 0) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_norm = _empty(config.shape.hidden_size)
         self.post_attention_norm = _empty(config.shape.hidden_size)
         self.self_attn = Attention(config, plan, tp)
-        self.mlp = MLP(config, plan, tp)
+        moe = config.moe
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(moe, config.shape.hidden_size, plan, tp)
+            if moe is not None and moe.is_sparse(index) else MLP(config, plan, tp))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: PagedBatch, kv_cache: KVCache, rope: torch.Tensor,
@@ -194,8 +200,8 @@ class LlamaForCausalLM(nn.Module):
         embed = first or (last and config.tie_word_embeddings)
         vocab, hidden = config.shape.vocab_size, config.shape.hidden_size
         self.embed_weight = _empty(vocab, hidden) if embed else None
-        self.layers = nn.ModuleList(DecoderLayer(config, self.plan, self.tp)
-                                    for _ in self.stage.layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.plan, self.tp, index)
+                                    for index in self.stage.layers)
         self.norm = _empty(hidden) if last else None
         self.lm_head_weight = None
         if last:
@@ -243,6 +249,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.fused is not None:
             raise TensorParallelError("int8 weights with TP overlap are not wired: the fused "
                                       "matmul + collective ops take dense weights; drop one")
+        if self.config.moe is not None:
+            raise UnsupportedModelError("int8 weights for an MoE model are not wired: the "
+                                        "grouped expert matmul takes dense weights; allowed: "
+                                        "quantization none (the model's dtype)")
         return self.pack_linear_weights(kernels, block_size=block_size, cache_dir=cache_dir,
                                         quantization="int8")
 
@@ -264,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
             packed kernel runs this dtype and device: F.linear stays).
         """
         layers = [[MatmulWeight(getattr(module, name), name == "gate_up_weight")
-                   for module in (layer.self_attn, layer.mlp) for name in _MATMUL_WEIGHTS
+                   for module in (layer.self_attn, layer.mlp, getattr(layer.mlp, "shared", None))
+                   for name in _MATMUL_WEIGHTS
                    if isinstance(getattr(module, name, None), torch.Tensor)]
                   for layer in self.layers]
         head = None if self.lm_head_weight is None else MatmulWeight(self.lm_head_weight)

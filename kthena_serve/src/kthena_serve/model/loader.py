@@ -7,6 +7,8 @@ into its place in a fused parameter::
     gate_up_weight [ gate rows of my columns | up rows of my columns ]
     o_weight, down_weight: the matching input columns (row-parallel)
     norms (Qwen3's per-head q_norm / k_norm too): whole, on every rank
+    MoE layers: each expert's gate/up/down shard into its slot of the stacked expert tensors,
+    the router whole (`kthena_serve.model.moe_weights`)
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.convert import default_cache_dir
 from kthena_serve.model.errors import CheckpointError
 from kthena_serve.model.llama import LlamaForCausalLM
+from kthena_serve.model.moe import SparseMoE
+from kthena_serve.model.moe_weights import moe_target, moe_weight_names
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.source import resolve_checkpoint
 from kthena_serve.model.sp import SequenceParallel
@@ -34,8 +38,9 @@ from mooncake_ops.selection import resolve_mode
 _Target = tuple[torch.Tensor, int | None, range | None, int | None]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_LAYER_KINDS = (*_QKV, "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                "input_layernorm", "post_attention_layernorm")
+_MLP_KINDS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LAYER_KINDS = (*_QKV, "self_attn.o_proj", *_MLP_KINDS, "input_layernorm",
+                "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3: [head_dim], one per layer each
 
 
@@ -134,7 +139,11 @@ def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = Non
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if config.qk_norm:
         per_layer += [f"{kind}.weight" for kind in _QK_NORMS]
-    return names | {f"model.layers.{i}.{n}" for i in stage.layers for n in per_layer}
+    moe, dense = config.moe, set(_MLP_KINDS)
+    sparse = [n for n in per_layer if n.removesuffix(".weight") not in dense]
+    sparse += [] if moe is None else moe_weight_names(moe)
+    return names | {f"model.layers.{i}.{n}" for i in stage.layers
+                    for n in (sparse if moe is not None and moe.is_sparse(i) else per_layer)}
 
 
 def _copy(dest: torch.Tensor, dim: int | None, src: range | None, full: int | None,
@@ -171,6 +180,8 @@ def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
     if suffix == "weight" and kind in _QK_NORMS and model.config.qk_norm:
         # per head, so each rank applies the whole (replicated) weight to its own heads
         return getattr(layer.self_attn, kind.removeprefix("self_attn.")), None, None, None
+    if isinstance(layer.mlp, SparseMoE) and (kind.startswith(f"{model.config.moe.prefix}.")):
+        return moe_target(layer.mlp, model.plan, model.config.moe, match.group(2))
     if suffix != "weight" or kind not in _LAYER_KINDS:
         return None
     if kind in _QKV:
@@ -190,15 +201,21 @@ def _qkv_target(model: LlamaForCausalLM, fused: torch.Tensor, kind: str) -> _Tar
     return dest, 0, rows, shape.num_kv_heads * hd
 
 
-def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target:
+def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target | None:
     plan, shape = model.plan, model.config.shape
     hd = shape.head_dim
+    q_cols = range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+    if kind == "input_layernorm":
+        return layer.input_norm, None, None, None
+    if kind == "post_attention_layernorm":
+        return layer.post_attention_norm, None, None, None
+    if kind == "self_attn.o_proj":
+        return layer.self_attn.o_weight, 1, q_cols, shape.num_attention_heads * hd
+    if isinstance(layer.mlp, SparseMoE):
+        return None  # a dense MLP's name in a sparse layer: not this model's tensor
     width, gate_up = len(plan.intermediate), layer.mlp.gate_up_weight
-    inter, q_cols = shape.intermediate_size, range(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+    inter = shape.intermediate_size
     return {
-        "input_layernorm": (layer.input_norm, None, None, None),
-        "post_attention_layernorm": (layer.post_attention_norm, None, None, None),
-        "self_attn.o_proj": (layer.self_attn.o_weight, 1, q_cols, shape.num_attention_heads * hd),
         "mlp.gate_proj": (gate_up[:width], 0, plan.intermediate, inter),
         "mlp.up_proj": (gate_up[width:], 0, plan.intermediate, inter),
         "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate, inter),

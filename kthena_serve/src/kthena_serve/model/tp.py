@@ -11,6 +11,8 @@ overlap) each is one fused op that overlaps the two.
 
     q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
     o, down          row-parallel: each rank holds the matching input columns; outputs summed
+    MoE experts      each expert split like the MLP (its gate/up rows, its down columns); the
+                     router and the routing are replicated, and one all-reduce sums the layer
     norms            replicated: the layer norms act on the whole hidden vector, Qwen3's q/k
                      norms on each head alone, so every rank holds all of their weights
 
@@ -155,11 +157,17 @@ class TensorParallel:
 
 @attrs.frozen
 class ShardPlan:
-    """What one rank holds: ranges of query heads, KV heads and MLP intermediate columns."""
+    """What one rank holds: ranges of query heads, KV heads and MLP intermediate columns; in
+    an MoE model also the routed experts' and the shared experts' intermediate columns (each
+    expert is split like a dense MLP) and the experts themselves (all of them: no expert
+    parallelism here)."""
 
     q_heads: range
     kv_heads: range
     intermediate: range
+    expert_intermediate: range = range(0)
+    shared_intermediate: range = range(0)
+    experts: range = range(0)
 
 
 def _split(total: int, parts: int, index: int) -> range:
@@ -183,4 +191,9 @@ def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
         kv = kv_head_range(nkv, world, rank)
     except HeadSplitError as e:
         raise TensorParallelError(str(e)) from None
-    return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank))
+    moe = config.moe
+    if moe is None:
+        return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank))
+    return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank),
+                     _split(moe.intermediate_size, world, rank),
+                     _split(moe.shared_intermediate_size, world, rank), range(moe.num_experts))
