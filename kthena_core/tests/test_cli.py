@@ -110,3 +110,41 @@ def test_plan_config_plans_the_config_with_a_topology_beside_it(tmp_path, capsys
     assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["world_size"]) == (3, 2, 6)
     assert main(["plan", "--config", str(cfg), "--model", "llama-2-70b"]) == 2
     assert "--config gives the model, topology and workload; drop --model" in capsys.readouterr().err
+
+
+def _made_up_checkpoint(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["MadeUpForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100}))
+    return folder
+
+
+def test_plan_refuses_an_architecture_the_engine_does_not_serve(tmp_path, capsys):
+    from kthena_core.architectures import SERVED_ARCHITECTURES
+
+    folder = _made_up_checkpoint(tmp_path / "made-up")
+    args = ["plan", "--model", str(folder), "--topology", "atlas-800t-a2"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"kthena plan: made-up: architecture ['MadeUpForCausalLM'] is not supported by the "
+        f"engine; allowed: {', '.join(sorted(SERVED_ARCHITECTURES))}. `kthena serve` would "
+        "refuse it; plan it anyway to size hardware with --any-architecture\n")
+    config = tmp_path / "kthena.yaml"
+    config.write_text(f"cluster: {{topology: atlas-800t-a2}}\nmodel: {{checkpoint_path: {folder}}}\n")
+    assert main(["plan", "--config", str(config)]) == 2
+    assert "architecture ['MadeUpForCausalLM'] is not supported" in capsys.readouterr().err
+    assert main([*args, "--any-architecture", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["architecture"] == "MadeUpForCausalLM"
+
+
+def test_plan_wide_ep_weighs_expert_parallelism_over_instances_and_prints_it(capsys):
+    args = ["plan", "--model", "mixtral-8x7b", "--topology", "atlas-800t-a2", "--any-architecture"]
+    assert main([*args, "--wide-ep", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["ep"] > 1 and plan["experts"].startswith(f"EP{plan['layout']['ep']}: ")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "plan      TP8 x PP1 x DP1 on 8 device(s)" in out
+    assert "experts   no EP: every instance holds all 8 routed experts" in out
+    assert "46.70 B params (12.88 B active per token; 8 routed experts, top-2" in out

@@ -330,8 +330,10 @@ BAD = [
     ({"workload": {"mode": "pd"}}, "workload.mode: got 'pd'; allowed: nothing: set mode at the top level"),
     ({"workload": {"concurency": 8}}, "workload.concurency: unknown key (did you mean 'concurrency'?)"),
     ({"workload": {"concurrency": 0}}, "workload.concurrency must be > 0, got 0"),
-    ({"workload": {"dtype": "int8"}}, "workload.dtype: got 'int8'; allowed: bf16, fp16, fp32"),
-    ({"workload": {"kv_dtype": "fp8"}}, "workload.kv_dtype: got 'fp8'; allowed: 'bf16'"),
+    ({"workload": {"dtype": "fp8"}}, "workload.dtype: got 'fp8'; allowed: bf16, fp16, fp32, int8"),
+    ({"workload": {"kv_dtype": "fp8"}}, "workload.kv_dtype: got 'fp8'; allowed: 'bf16' (the "
+                                        "compute dtype) or 'int8'"),
+    ({"workload": {"dtype": "fp16"}}, "workload.kv_dtype: got 'bf16'; allowed: 'fp16'"),
     ({"resources": {"memory": "lots"}}, "resources.memory: got 'lots'; allowed: a Kubernetes quantity"),
     ({"resources": {"gpu": 1}}, "resources.gpu: unknown key"),
     ({"device_resource": "Ascend910"}, "device_resource: got 'Ascend910'; allowed: an extended resource name"),
@@ -391,12 +393,17 @@ def group_pods(serving: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def test_an_engine_larger_than_a_node_renders_one_serving_group_per_replica():
-    """TP4 over nodes of 2 NPUs: each replica is an entry pod and a worker pod, scheduled
-    together, both running kthena-run --serving-group with their share of the ranks."""
+    """Llama-2-70B (128.5 GiB in bf16) on nodes of 2 x 57.6 GiB usable: an engine needs two
+    nodes, and since TP2 x PP2 fits, no TP group spans them (TP4 would): each replica is an
+    entry pod and a worker pod, scheduled together, both running kthena-run --serving-group
+    with their share of the ranks."""
     dep, (serving, server, _) = render(LLAMA_2_PER_NODE)
     for manifest in render_manifests(dep):
         check_against_crd(manifest)
-    assert (dep.tp, dep.pp, dep.num_nodes_per_engine, dep.num_ranks_per_pod) == (4, 1, 2, 2)
+    assert (dep.tp, dep.pp, dep.num_nodes_per_engine, dep.num_ranks_per_pod) == (2, 2, 2, 2)
+    tp4 = next(e for e in dep.plan.evaluations if e.layout.device_mapping == (4, 1, 4))
+    assert tp4.reasons == ("its TP4 groups span 2 nodes, and a layout whose TP groups each "
+                           "stay on one node fits (TP2 x PP2 x DP4)",)
     spec = serving["spec"]
     (role,) = spec["template"]["roles"]
     assert (spec["replicas"], role["replicas"], role["workerReplicas"]) == (dep.num_groups, 1, 1)
@@ -406,10 +413,10 @@ def test_an_engine_larger_than_a_node_renders_one_serving_group_per_replica():
     assert entry["args"] == worker["args"] and entry["command"] == ["kthena-run"]
     args = entry["args"]
     assert args[:args.index("serve")] == [
-        "--serving-group", "--nnodes", "2", "--nproc_per_node", "2", "--tp", "4", "--pp", "1",
+        "--serving-group", "--nnodes", "2", "--nproc_per_node", "2", "--tp", "2", "--pp", "2",
         "--master_port", "29500", "--backend", "hccl", "--cpus", str(dep.cpu)]
     serve = args[args.index("serve") + 1:]  # kthena serve's flags, the same on every rank
-    assert serve[serve.index("--tp") + 1] == "4"
+    assert (serve[serve.index("--tp") + 1], serve[serve.index("--pp") + 1]) == ("2", "2")
     for container in (entry, worker):
         assert container["resources"]["limits"]["huawei.com/Ascend910"] == "2"
         env = env_of(container)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from kthena_core.layout import Layout, LayoutError
+from kthena_core.layout import ExpertLayout, Layout, LayoutError, with_ep
 
 
 def test_layout_defaults_and_figures():
@@ -23,3 +24,15 @@ def test_layout_validates():
     with pytest.raises(LayoutError, match="sp=4 must be 1 or equal tp=2"):
         Layout(2, sp=4)
     assert issubclass(LayoutError, ValueError)
+
+
+def test_an_expert_layout_overlays_ep_on_the_instances():
+    layout = with_ep(Layout(8, 1, 4), 4)
+    assert isinstance(layout, ExpertLayout) and (layout.ep, layout.num_devices) == (4, 32)
+    assert layout.label == "TP8 x PP1 x DP4 (EP4)" and str(layout).endswith(" ep=4")
+    assert with_ep(Layout(8, 1, 4, 8), 2).label == "TP8 x PP1 x DP4 (EP2, SP8)"
+    plain = with_ep(Layout(8, 1, 4), 1)
+    assert type(plain) is Layout and plain.ep == 1 and plain.label == "TP8 x PP1 x DP4"
+    assert attrs.asdict(plain) == {"tp": 8, "pp": 1, "dp": 4, "sp": 1}  # the engine's form
+    with pytest.raises(LayoutError, match="ep=3 must divide dp=4"):
+        ExpertLayout(8, 1, 4, ep=3)

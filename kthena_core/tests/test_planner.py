@@ -53,9 +53,14 @@ workloads = st.builds(
 )
 
 
-def brute_force_layouts(num_devices: int, mode: str):
+def brute_force_layouts(num_devices: int, mode: str, model: ModelSpec):
+    """Every layout on at most `num_devices` whose tp gives every rank as many heads (a
+    divisor of the KV heads, or a multiple of them dividing the query heads): what the
+    planner proposes."""
+    heads, kv = model.shape.num_attention_heads, model.shape.num_kv_heads
     for tp, pp, dp in itertools.product(range(1, num_devices + 1), repeat=3):
-        if tp * pp * dp <= num_devices and (mode != "pd" or dp >= 2):
+        proposed = heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+        if proposed and tp * pp * dp <= num_devices and (mode != "pd" or dp >= 2):
             for sp in sorted({1, tp}):
                 yield Layout(tp, pp, dp, sp)
 
@@ -65,7 +70,7 @@ def brute_force_layouts(num_devices: int, mode: str):
 def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
     topo = small_topology(n, device)
     planner = Planner(sequence_parallel=True)  # the brute force has every sp too
-    evals = [planner.evaluate(model, topo, wl, lay) for lay in brute_force_layouts(n, wl.mode)]
+    evals = [planner.evaluate(model, topo, wl, lay) for lay in brute_force_layouts(n, wl.mode, model)]
     assert {e.layout for e in evals} == set(planner.layouts(model, topo, wl))
     feasible = [e for e in evals if e.feasible]
     if not feasible:
@@ -76,13 +81,18 @@ def test_pick_is_argmin_of_own_cost_over_brute_force(model, n, wl, device):
     best = min(feasible, key=lambda e: e.sort_key())
     assert plan.chosen.layout == best.layout
     assert plan.chosen.cost == min(e.cost for e in feasible)
-    # every plan fits memory, uses tp*pp*dp devices, and gives every rank whole heads
+    # every plan fits memory, uses tp*pp*dp devices, gives every rank as many whole heads, and
+    # cuts the layers into pp non-empty stages (at split points where pp does not divide them)
     lay = plan.chosen.layout
     assert plan.chosen.memory.total <= plan.chosen.memory.capacity
     assert len(plan.device_ids) == len(set(plan.device_ids)) == lay.tp * lay.pp * lay.dp == plan.world_size
-    assert lay.tp <= model.shape.num_attention_heads
-    assert lay.tp <= model.shape.num_kv_heads or lay.tp % model.shape.num_kv_heads == 0
-    assert model.shape.num_layers % lay.pp == 0
+    assert model.shape.num_attention_heads % lay.tp == 0
+    assert model.shape.num_kv_heads % lay.tp == 0 or lay.tp % model.shape.num_kv_heads == 0
+    assert lay.pp <= model.shape.num_layers
+    if model.shape.num_layers % lay.pp:
+        points = plan.pipeline_split_points
+        assert points is not None and len(points) == lay.pp - 1
+        assert list(points) == sorted(set(points)) and 0 < points[0] and points[-1] < model.shape.num_layers
     # independent memory check: at least the weight shard must fit
     assert model.weight_bytes(wl.dtype) / (lay.tp * lay.pp) <= get_device(device).memory_bytes
     # groups partition the ranks
@@ -167,7 +177,9 @@ def test_plan_explains_itself():
     assert d["memory_per_device"]["total"] <= d["memory_per_device"]["capacity"]
     assert d["estimate"]["tpot_s"] > 0 and d["candidates"]
     infeasible = [e for e in plan.evaluations if not e.feasible]
-    assert any("does not divide" in r for e in infeasible for r in e.reasons)
+    assert any(r.startswith("needs ") for e in infeasible for r in e.reasons)
+    # 64 heads: only tp that divide them are candidates (no TP3, TP5, TP6, TP7 on 8 devices)
+    assert {e.layout.tp for e in plan.evaluations} == {1, 2, 4, 8}
 
 
 def test_runner_ups_never_repeat_the_chosen_plan_with_sp():

@@ -11,8 +11,10 @@ from kthena_core.shape import (
     allowed_tp_sizes,
     attention_head_range,
     check_tp,
+    check_tp_divides_heads,
     kv_head_range,
     kv_heads_per_rank,
+    tp_sizes_dividing_heads,
 )
 
 
@@ -80,3 +82,27 @@ def test_model_shape_validates():
     with pytest.raises(ModelShapeError, match="unknown dtype 'float64'"):
         ModelShape(num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1, intermediate_size=1,
                    vocab_size=1, dtype="float64")
+
+
+@given(heads_per_kv=st.integers(1, 8), kv=st.integers(1, 16))
+def test_the_planners_tp_are_the_engines_that_give_every_rank_as_many_heads(heads_per_kv, kv):
+    heads = heads_per_kv * kv
+    proposed = tp_sizes_dividing_heads(heads, kv)
+    for tp in allowed_tp_sizes(heads, kv):
+        counts = {len(attention_head_range(heads, kv, tp, r)) for r in range(tp)}
+        assert (tp in proposed) == (len(counts) == 1)
+        if tp not in proposed:
+            with pytest.raises(HeadSplitError, match=f"tp={tp} does not divide"):
+                check_tp_divides_heads(heads, kv, tp)
+
+
+def test_tp_that_does_not_divide_the_heads_says_how_they_would_fall():
+    with pytest.raises(HeadSplitError) as error:
+        check_tp_divides_heads(128, 128, 25)  # DeepSeek-V3: MLA splits its 128 query heads
+    assert str(error.value) == (
+        "tp=25 does not divide num_attention_heads=128: its ranks would hold 6 or 5 query "
+        "heads, and the rank with the most sets every step's pace; tp that divide the heads: "
+        "1, 2, 4, 8, 16, 32, 64, 128")
+    assert tp_sizes_dividing_heads(9, 3) == (1, 3, 9)  # SmolLM2: tp=2 runs (6 + 3), unproposed
+    with pytest.raises(HeadSplitError, match="tp=4 exceeds|tp=4 > num_kv_heads"):
+        check_tp_divides_heads(9, 3, 4)  # the engine's rule first

@@ -29,10 +29,11 @@ def test_without_the_key_no_layout_has_sp():
 
 
 def test_with_the_key_auto_weighs_sp_only_where_pp_is_1():
+    # 8 devices: SmolLM2's 9 heads give the planner tp 1 and 3 (tp must divide the heads)
     config = load_config({"parallelism": {"strategy": "auto", "sequence_parallel_enabled": True}})
-    plan = plan_config(config, resolve_topology("auto:cores", measure=False))
+    plan = plan_config(config, resolve_topology("atlas-800t-a2"))
     with_sp = [c.layout for c in plan.evaluations if c.layout.sp > 1]
-    assert with_sp and all(lay.pp == 1 and lay.sp == lay.tp for lay in with_sp)
+    assert with_sp and all(lay.pp == 1 and lay.sp == lay.tp == 3 for lay in with_sp)
 
 
 def _tp2_on_cores(factor: float, prompt_len: int = 8192):

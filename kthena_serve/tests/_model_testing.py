@@ -25,7 +25,7 @@ class GreedyRunner:
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         dtype = dtype or model.embed_weight.dtype
         shape = (num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype) for _ in range(model.kv_parts))
                           for _ in range(model.config.shape.num_layers)]
         self._next_block = 0
         self._prefix_blocks: dict[tuple[int, ...], int] = {}  # full-block token prefix -> block id
@@ -91,13 +91,13 @@ class GreedyRunner:
         return torch.stack([last[i] for i in range(len(prompts))])
 
 
-def load_ours(folder, tp=None) -> LlamaForCausalLM:  # noqa: ANN001
+def load_ours(folder, tp=None, *, expert_parallel: bool = False) -> LlamaForCausalLM:  # noqa: ANN001
     """Our model from a checkpoint folder in its dtype, kernels as the process has them (not
     ``load_model``, which applies a kernel choice process-wide); ``tp``: one rank's
-    ``TensorParallel``."""
+    ``TensorParallel``; ``expert_parallel``: its experts split whole over the ranks."""
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = LlamaForCausalLM(config, tp, expert_parallel=expert_parallel)
     model = model.to_empty(device="cpu")
     if config.tie_word_embeddings:
         model.lm_head_weight = model.embed_weight

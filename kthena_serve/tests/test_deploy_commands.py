@@ -164,3 +164,34 @@ def test_the_probed_path_is_served_by_both_kinds_of_worker():
     assert HEALTH_PATH in {route.path for route in pd_app.routes}
     app = build_app(mock.MagicMock(), model_name="m")
     assert HEALTH_PATH in {route.path for route in app.routes}
+
+
+def test_the_features_a_deploy_file_asks_for_reach_the_engine_config():
+    """int8 weights and KV, and a KV offload with a Mooncake Store below it (listening on the
+    pod's IP), as `kthena serve` reads the rendered flags."""
+    store = "mooncake@mooncake-master.kthena-system:50051"
+    data = {**COLOCATED_CPU, "workload": {"dtype": "int8", "kv_dtype": "int8"},
+            "kv_offload": f"host=1GiB,store={store}"}
+    (container,) = containers(data).values()
+    config = spec_from_args(build_parser().parse_args(expand(container["args"]))).engine
+    assert (config.dtype, config.quantization, config.kv_cache_dtype) == (
+        "bfloat16", "int8", "int8")
+    offload = config.kv_offload
+    assert (offload.host_bytes, offload.store_address, offload.store_listen) == (
+        1 << 30, "mooncake-master.kthena-system:50051", POD["POD_IP"])
+
+
+def test_expert_parallel_reaches_the_engine_config(pod_npus):
+    """deploy.yaml's expert_parallel is the engine's --enable-expert-parallel (the model is set
+    on the checked spec: the test holds whichever MoE architectures the engine serves)."""
+    import attrs
+
+    from kthena_core.known_models import load_model_spec
+
+    spec = attrs.evolve(load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "expert_parallel": True}),
+                        model=load_model_spec("mixtral-8x7b"))
+    serving = render_model_serving(plan_deployment(spec))
+    (role,) = serving["spec"]["template"]["roles"]
+    args = role["entryTemplate"]["spec"]["containers"][0]["args"]
+    config = spec_from_args(build_parser().parse_args(args)).engine
+    assert (config.tp, config.expert_parallel) == (8, True)

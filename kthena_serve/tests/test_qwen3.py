@@ -214,7 +214,7 @@ def test_qwen3_options_not_implemented_are_refused_by_name(untied):
                                                     r"\(biases on q/k/v and o_proj\)"):
         ModelConfig.from_dict({**hf, "attention_bias": True})
     with pytest.raises(UnsupportedModelError, match="allowed: .*Qwen3ForCausalLM"):
-        ModelConfig.from_dict({**hf, "architectures": ["Qwen3MoeForCausalLM"]})
+        ModelConfig.from_dict({**hf, "architectures": ["Qwen2MoeForCausalLM"]})
     # the planner reads the same config the same way: its explicit head_dim
     assert ModelSpec.from_hf_config(hf).shape.head_dim == 32
 

@@ -15,7 +15,7 @@ from kthena_core.hardware import (
     list_nodes,
 )
 from kthena_core.known_models import DefaultModelMissingError, default_gguf_path, load_model_spec
-from kthena_core.layout import Layout, LayoutError
+from kthena_core.layout import ExpertLayout, Layout, LayoutError
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
 from kthena_core.shape import (
@@ -25,8 +25,10 @@ from kthena_core.shape import (
     allowed_tp_sizes,
     attention_head_range,
     check_tp,
+    check_tp_divides_heads,
     kv_head_range,
     kv_heads_per_rank,
+    tp_sizes_dividing_heads,
 )
 from kthena_core.topology import Device, Link, Topology, TopologyError, from_catalog
 from kthena_core.workload import Workload, WorkloadError
@@ -39,6 +41,7 @@ __all__ = [
     "DeviceSpec",
     "Estimate",
     "Evaluation",
+    "ExpertLayout",
     "HeadSplitError",
     "KthenaConfig",
     "Layout",
@@ -61,6 +64,7 @@ __all__ = [
     "allowed_tp_sizes",
     "attention_head_range",
     "check_tp",
+    "check_tp_divides_heads",
     "default_gguf_path",
     "from_catalog",
     "get_device",
@@ -71,4 +75,5 @@ __all__ = [
     "list_nodes",
     "load_config",
     "load_model_spec",
+    "tp_sizes_dividing_heads",
 ]

@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_ARCHITECTURE", "SERVED_ARCHITECTURES", "config_architectures
 
 SERVED_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 })
 
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"

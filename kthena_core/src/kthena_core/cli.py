@@ -32,6 +32,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _cmd_plan_config(args)
     cache = default_cache_dir()
     model = load_model_spec(args.model)
+    if (refusal := _unserved(args, model)) is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     topology = resolve_topology(args.topology, cache_dir=cache, probe_file=host_probe_file())
     workload = Workload.parse(args.workload) if args.workload else Workload()
     overrides = {k: v for k, v in (("mode", args.mode), ("objective", args.objective)) if v}
@@ -48,9 +51,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         factors = attrs.evolve(factors, params=attrs.evolve(
             factors.params, sp_collective_factor=args.sp_collective_factor))
-    plan = Planner(factors.params, sequence_parallel=args.sp).plan(model, topology, workload)
+    plan = Planner(factors.params, sequence_parallel=args.sp,
+                   wide_ep=args.wide_ep).plan(model, topology, workload)
     _print_plan(args, plan, fitted, used, topology, factors)
     return 0
+
+
+def _unserved(args: argparse.Namespace, model: Any) -> str | None:
+    """Why ``kthena plan`` refuses `model` (an architecture the engine does not serve), or
+    None; ``--any-architecture`` plans it anyway, for sizing hardware only."""
+    from kthena_core.architectures import unserved_architecture
+
+    why = unserved_architecture([model.architecture])
+    if why is None or args.any_architecture:
+        return None
+    return (f"kthena plan: {model.name}: {why}. `kthena serve` would refuse it; plan it anyway "
+            "to size hardware with --any-architecture")
 
 
 def _factors(fitted: Any, used: Any, topology: Any, topology_spec: str) -> Any:
@@ -133,13 +149,17 @@ def _cmd_plan_config(args: argparse.Namespace) -> int:
         print(f"kthena plan: --config gives the model, topology and workload; drop "
               f"{', '.join(given)}", file=sys.stderr)
         return 2
-    if args.sp or args.sp_collective_factor is not None:
+    if args.sp or args.sp_collective_factor is not None or args.wide_ep:
         print("kthena plan: --config's parallelism.sequence_parallel_enabled decides whether SP "
-              "is weighed; drop --sp and --sp-collective-factor", file=sys.stderr)
+              "is weighed, and a config weighs no wide EP (the engine runs none); drop --sp, "
+              "--sp-collective-factor and --wide-ep", file=sys.stderr)
         return 2
     cache = default_cache_dir()
     cfg, topology = load_config_file(args.config, cache_dir=cache, probe_file=host_probe_file())
     model = load_model_spec(cfg.model.checkpoint_path)
+    if (refusal := _unserved(args, model)) is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     fitted, used = _calibration(args, model, topology, cache, cfg.cluster.topology)
     factors = _factors(fitted, used, topology, cfg.cluster.topology)
     _print_plan(args, plan_config(cfg, topology, model, factors.params), fitted, used,
@@ -197,8 +217,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kthena", description="Kthena x Mooncake SDK command line")
     parser.add_argument("--version", action="version", version=versions_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    _add_plan_parser(sub)
 
-    plan = sub.add_parser("plan", help="choose TP x PP x SP x DP for a model on a topology")
+    topo = sub.add_parser("topo", help="print what topology discovery sees")
+    topo.add_argument("--topology", default="auto",
+                      help="'auto', 'auto:cores', a YAML file or a catalog node name[:nodes]")
+    topo.add_argument("--json", action="store_true")
+    topo.set_defaults(func=_cmd_topo)
+
+    from kthena_core.deploy.cli import add_deploy_parser
+
+    add_deploy_parser(sub)
+
+    for ep in entry_points(group="kthena.commands"):
+        ep.load()(sub)
+    return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """``kthena plan`` and its flags."""
+    plan = sub.add_parser("plan", help="choose TP x PP x SP x DP (x EP) for a model on a topology")
     plan.add_argument("--config", default=None, metavar="FILE.yaml",
                       help="plan a kthena_config.yaml exactly as `kthena serve --config` does "
                            "(its model, cluster.topology and service sizes)")
@@ -231,22 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SP's reduce-scatter + all-gather over the ring all-reduce's price "
                            "(default 1: a ring; `kthena bench layouts --sp-prompts` measures it "
                            "for gloo)")
+    plan.add_argument("--wide-ep", action="store_true",
+                      help="also weigh wide expert parallelism for a MoE model: ep of the dp "
+                           "instances share one copy of the routed experts (colocated only). "
+                           "The engine does not run it (its --enable-expert-parallel splits "
+                           "the experts over one instance's TP ranks): kthena deploy k8s "
+                           "refuses such a plan")
+    plan.add_argument("--any-architecture", action="store_true",
+                      help="plan a model whose architecture the engine does not serve (to size "
+                           "hardware for it); default: refused, listing the served ones")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_cmd_plan)
-
-    topo = sub.add_parser("topo", help="print what topology discovery sees")
-    topo.add_argument("--topology", default="auto",
-                      help="'auto', 'auto:cores', a YAML file or a catalog node name[:nodes]")
-    topo.add_argument("--json", action="store_true")
-    topo.set_defaults(func=_cmd_topo)
-
-    from kthena_core.deploy.cli import add_deploy_parser
-
-    add_deploy_parser(sub)
-
-    for ep in entry_points(group="kthena.commands"):
-        ep.load()(sub)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -129,10 +129,14 @@ class KthenaConfig:
         tp follows the engine's head split (`kthena_core.shape.check_tp`): uneven splits such as
         SmolLM2's 3 KV heads over tp=2 are allowed.
 
+        pp need not divide the layers: without split points the planner cuts them where the
+        slowest stage is fastest (`kthena_core.pipeline_split`), and the plan carries the points
+        to the engine.
+
         Raises:
             ConfigError: tp cannot split the heads (the message lists the tp values that can),
-                pp does not divide the layers (no split points), or the split points do not cut
-                them into pp non-empty stages.
+                pp exceeds the layers, or the split points do not cut them into pp non-empty
+                stages.
         """
         tp = self.parallelism.tensor_parallel_size
         pp = self.parallelism.pipeline_parallel_size
@@ -148,9 +152,9 @@ class KthenaConfig:
             except LayerSplitError as e:
                 raise ConfigError(f"parallelism.pipeline_split_points: {e} ({model.name})") from None
             return
-        _check(model.shape.num_layers % pp == 0, "parallelism.pipeline_parallel_size", pp,
-               f"a divisor of {model.name}'s {model.shape.num_layers} layers, or any pp up to "
-               "them with parallelism.pipeline_split_points")
+        _check(pp <= model.shape.num_layers, "parallelism.pipeline_parallel_size", pp,
+               f"at most {model.name}'s {model.shape.num_layers} layers (one per stage at "
+               "least)")
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

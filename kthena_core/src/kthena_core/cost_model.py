@@ -21,6 +21,15 @@ as memory traffic) runs on 1/sp of the tokens. The matmuls and attention keep TP
 over every token, so attention's quadratic term is not divided by sp: SP's saving is linear in
 the prompt while attention grows with its square, and on a ring SP's collectives cost what the
 all-reduce did.
+
+A mixture-of-experts layer holds every routed expert (weights count them all) but a token runs
+only its top-k (FLOPs count those), and a decode step reads the distinct experts its batch is
+routed to: ``experts.expected_experts_read`` (k at batch 1, nearly all at a large batch). With
+expert parallelism (``layout.ep`` instances share one copy of the experts, `kthena_core.experts`)
+a device holds ``routed / (tp x ep)`` of them, reads its share of the experts the group's
+``ep x batch`` tokens touch, and every MoE layer adds a dispatch and a combine: each instance
+sends ``(ep-1)/ep`` of its tokens' top-k copies of the hidden state to the others and gets them
+back, spread over its tp ranks (``all_to_all_time``, over the EP group's bottleneck link).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from kthena_core.experts import expected_experts_read
 from kthena_core.layout import Layout
 from kthena_core.model_spec import ModelSpec
 from kthena_core.shape import stage_layer_ranges
@@ -67,6 +77,8 @@ class Links:
     pp_bw: float
     pp_latency: float
     pd_bw: float
+    ep_bw: float = math.inf  # between the instances of an expert-parallel group
+    ep_latency: float = 0.0
 
 
 @attrs.frozen
@@ -129,6 +141,38 @@ def all_gather_time(num_bytes: float, n: int, bw: float, latency: float) -> floa
     return reduce_scatter_time(num_bytes, n, bw, latency)
 
 
+def all_to_all_time(num_bytes: float, n: int, lanes: int, bw: float, latency: float) -> float:
+    """An all-to-all over `n` instances, each holding `num_bytes` spread evenly over the others
+    and itself: ``(n-1)/n`` of it leaves, over `lanes` links at `bw` each (an instance's tp
+    ranks), in ``n - 1`` exchanges."""
+    return 0.0 if n <= 1 else (n - 1) / n * num_bytes / (lanes * bw) + (n - 1) * latency
+
+
+def ep_layer_comm(model: ModelSpec, tokens: float, layout: Layout, links: Links) -> float:
+    """One MoE layer's dispatch and combine under expert parallelism, for `tokens` tokens per
+    instance: each token's hidden state (bf16) goes to its top-k experts and comes back. Zero
+    without EP."""
+    if layout.ep <= 1 or not model.is_moe:
+        return 0.0
+    num_bytes = tokens * model.num_experts_per_tok * model.shape.hidden_size * 2.0
+    return 2 * all_to_all_time(num_bytes, layout.ep, layout.tp, links.ep_bw, links.ep_latency)
+
+
+def activation_element_bytes(wl: Workload) -> float:
+    """Bytes of one activation element: int8 / int4 / fp8 weights are computed in bf16."""
+    return 4.0 if wl.dtype == "fp32" else 2.0
+
+
+def expert_params_read(model: ModelSpec, ep: int, tokens: float) -> float:
+    """Routed-expert parameters one instance reads in a MoE layer when each of the ``ep``
+    instances of its group runs `tokens` tokens: its share of the distinct experts the
+    group's ``ep x tokens`` tokens are routed to."""
+    if not model.is_moe:
+        return 0.0
+    touched = expected_experts_read(model.num_experts, model.num_experts_per_tok, ep * tokens)
+    return touched / ep * model.expert_params()
+
+
 # RMSNorm with its fused residual add reads x and the residual and writes both: four passes over
 # [tokens, hidden] per norm, two norms per layer
 TOKENWISE_PASSES_PER_LAYER = 8
@@ -156,20 +200,26 @@ def sp_tokenwise_saving(model: ModelSpec, tokens: int, layout: Layout, dev: Devi
     return (1 - 1 / layout.sp) * full * model.shape.num_layers / layout.pp
 
 
-def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int) -> float:
-    """Weights on the most loaded device: its share of layers plus embedding and/or LM head."""
+def _unshared_routed(model: ModelSpec, ep: int, layer: int | None = None) -> float:
+    """Routed-expert parameters (of `layer`, or all) an instance does not hold under EP."""
+    return model.routed_params(layer) * (1 - 1 / ep)
+
+
+def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int, ep: int = 1) -> float:
+    """Weights on the most loaded device: its share of layers (of the routed experts, 1/ep of
+    them) plus embedding and/or LM head."""
     total = model.weight_bytes(dtype)
     per_param = total / model.num_params()
     embed = model.shape.vocab_size * model.shape.hidden_size * per_param
     head = 0.0 if model.tie_word_embeddings else embed
-    layers = total - embed - head
+    layers = total - embed - head - _unshared_routed(model, ep) * per_param
     ends = embed + head if pp == 1 else max(embed, head) if head else embed
     return (layers / pp + ends) / tp
 
 
 def activation_bytes(model: ModelSpec, wl: Workload, layout: Layout) -> float:
     """Peak live activations of one prefill step of a whole prompt, one layer at a time."""
-    per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
+    per_elem = activation_element_bytes(wl)
     hidden_parts = 4 * model.shape.hidden_size / max(layout.sp, 1)
     if layout.sp > 1:  # SP's all-gather materialises the whole [tokens, hidden] matmul input
         hidden_parts += model.shape.hidden_size
@@ -185,11 +235,11 @@ def memory(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, p
     `split_points`, of the stage holding the most weights (and the one with the most layers'
     KV: every stage's pool has as many blocks)."""
     kv = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * seqs_per_replica * wl.context_len
-    weights = stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp)
+    weights = stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp, layout.ep)
     if split_points is not None:
         ranges = stage_layer_ranges(model.shape.num_layers, layout.pp, split_points)
         kv *= layout.pp * max(map(len, ranges)) / model.shape.num_layers
-        weights = max(_held_weight_bytes(model, wl.dtype, layout.tp, r, s == 0, s == layout.pp - 1)
+        weights = max(_held_weight_bytes(model, wl.dtype, layout, r, s == 0, s == layout.pp - 1)
                       for s, r in enumerate(ranges))
     return Memory(
         weights=weights,
@@ -205,19 +255,22 @@ def prefill_work(model: ModelSpec, wl: Workload, layout: Layout) -> tuple[float,
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
     cached = wl.prompt_len - new
     flops = model.prefill_flops(new, cached) / (layout.tp * layout.pp)
-    return flops, model.weight_bytes(wl.dtype) / (layout.tp * layout.pp)
+    held = model.weight_bytes(wl.dtype) * (1 - _unshared_routed(model, layout.ep)
+                                           / model.num_params())
+    return flops, held / (layout.tp * layout.pp)
 
 
-def _held_weight_bytes(model: ModelSpec, dtype: str, tp: int, layers: range, first: bool,
+def _held_weight_bytes(model: ModelSpec, dtype: str, layout: Layout, layers: range, first: bool,
                        last: bool) -> float:
-    """Weights one device of a stage holds: its layers, the embedding on the first stage, the
-    final norm and LM head on the last (a tied head is a second copy of the embedding there)."""
+    """Weights one device of a stage holds: its layers (1/ep of their routed experts), the
+    embedding on the first stage, the final norm and LM head on the last (a tied head is a
+    second copy of the embedding there)."""
     per = model.weight_bytes(dtype) / model.num_params()
     embed = model.shape.vocab_size * model.shape.hidden_size
     head = 0 if model.tie_word_embeddings and first else embed if last else 0
-    params = sum(model.layer_params(i) for i in layers) + (embed if first else 0)
-    params += head + (model.shape.hidden_size if last else 0)
-    return params * per / tp
+    params = sum(model.layer_params(i) - _unshared_routed(model, layout.ep, i) for i in layers)
+    params += (embed if first else 0) + head + (model.shape.hidden_size if last else 0)
+    return params * per / layout.tp
 
 
 class StagePricer:
@@ -225,8 +278,9 @@ class StagePricer:
 
     A stage's work is its layers' (weights, attention over the context, KV read), plus the final
     norm and LM head on the last stage; the first stage's embedding lookup reads a few rows and
-    is not counted. Per-layer sums are prefix sums, so pricing a run is O(1): the split balancer
-    prices many of them.
+    is not counted. A MoE layer reads its dense part and the experts its micro-batch is routed
+    to (`expert_params_read`), and under EP adds a dispatch and a combine. Per-layer sums are
+    prefix sums, so pricing a run is O(1): the split balancer prices many of them.
     """
 
     def __init__(self, model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures | None,
@@ -237,10 +291,14 @@ class StagePricer:
         tp, per = layout.tp, model.weight_bytes(wl.dtype) / model.num_params()
         attn = model.attention_flops(1, int(ctx) + 1) / model.shape.num_layers
         kv = model.kv_bytes_per_token(wl.kv_dtype, tp) / model.shape.num_layers * b * ctx
-        self._flops, self._bytes = [0.0], [0.0]
+        experts = expert_params_read(model, layout.ep, b)
+        self._flops, self._bytes, self._moe = [0.0], [0.0], [0]
         for i in range(model.shape.num_layers):
+            moe = model.is_moe_layer(i)
+            read = model.layer_params(i) - model.routed_params(i) + (experts if moe else 0.0)
             self._flops.append(self._flops[-1] + b * (2.0 * model.layer_params(i, active=True) + attn) / tp)
-            self._bytes.append(self._bytes[-1] + model.layer_params(i) * per / tp + kv)
+            self._bytes.append(self._bytes[-1] + read * per / tp + kv)
+            self._moe.append(self._moe[-1] + moe)
         hidden = model.shape.hidden_size
         end = model.shape.vocab_size * hidden + hidden  # LM head + final norm
         self._last = (b * 2.0 * end / tp, end * per / tp)
@@ -248,6 +306,7 @@ class StagePricer:
         act = b * model.shape.hidden_size * 2.0
         links = links or Links(math.inf, 0.0, math.inf, 0.0, math.inf)  # work() needs none
         self._layer_comm = 2 * allreduce_time(act, tp, links.tp_bw, links.tp_latency)
+        self._moe_comm = ep_layer_comm(model, b, layout, links)
         self.hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
 
     def work(self, layers: range, last: bool) -> tuple[float, float]:
@@ -257,8 +316,10 @@ class StagePricer:
         return (flops + self._last[0], nbytes + self._last[1]) if last else (flops, nbytes)
 
     def comm(self, layers: range) -> float:
-        """The stage's TP all-reduces (two per layer) and its hop to the next stage."""
-        return len(layers) * self._layer_comm + self.hop
+        """The stage's TP all-reduces (two per layer), its MoE layers' EP dispatch and combine,
+        and its hop to the next stage."""
+        moe = self._moe[layers.stop] - self._moe[layers.start]
+        return len(layers) * self._layer_comm + moe * self._moe_comm + self.hop
 
     def time(self, layers: range, last: bool) -> float:
         """Seconds of one micro-batch through the stage: roofline, overhead, collectives."""
@@ -278,8 +339,9 @@ def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigu
     act = new * model.shape.hidden_size * 2.0
     comm = model.shape.num_layers / layout.pp * prefill_layer_comm(model, new, layout, links,
                                                              params or CostParams())
+    comm += model.num_moe_layers / layout.pp * ep_layer_comm(model, new, layout, links)
     hop = act / links.pp_bw + links.pp_latency if layout.pp > 1 else 0.0
-    per_elem = 2.0 if wl.dtype in ("bf16", "fp16") else 4.0
+    per_elem = activation_element_bytes(wl)
     stage = (max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead
              - sp_tokenwise_saving(model, new, layout, dev, per_elem))
     return layout.pp * (stage + comm) + (layout.pp - 1) * hop

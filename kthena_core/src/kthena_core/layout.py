@@ -8,14 +8,21 @@ group arithmetic) puts TP innermost, then PP, then DP::
                                                                                   DP [0 2] [1 3]
 
 Sequence parallelism (Megatron style) runs over the TP group, so ``sp`` is 1 or ``tp`` and needs
-no devices of its own.
+no devices of its own. Expert parallelism (MoE models, an `ExpertLayout`) groups ``ep`` of the
+``dp`` instances, which then share one copy of the routed experts (`kthena_core.experts`); it
+needs no devices of its own either, so ``ep`` divides ``dp`` and the device count stays
+tp x pp x dp. ``label`` writes the overlays in parentheses, after the sizes that multiply to the
+devices::
+
+    TP8 x PP1 x DP4 (EP4)     32 devices: 4 instances of TP8, all 4 sharing one copy of the experts
+    TP8 x PP1 x DP1 (SP8)      8 devices: one TP8 instance, its prompts' tokens split over the 8
 """
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["Layout", "LayoutError", "sp_refusal", "sp_with_pp_refusal"]
+__all__ = ["ExpertLayout", "Layout", "LayoutError", "sp_refusal", "sp_with_pp_refusal", "with_ep"]
 
 
 class LayoutError(ValueError):
@@ -56,6 +63,7 @@ class Layout:
         pp: pipeline stages (each holds a contiguous run of layers).
         dp: replicas.
         sp: sequence-parallel ranks: 1, or ``tp`` (SP runs over the TP group).
+        ep: (a property) 1: every instance holds every expert; see `ExpertLayout`.
 
     Raises:
         LayoutError: a size is not a positive int, or ``sp`` is neither 1 nor ``tp``.
@@ -70,12 +78,27 @@ class Layout:
         if self.sp not in (1, self.tp):  # SP with PP is a layout the planner prices, then drops
             raise LayoutError(sp_refusal(self.tp, self.pp, self.sp))
 
+    @property
+    def ep(self) -> int:
+        """Instances per expert-parallel group: 1 (an `ExpertLayout` has more)."""
+        return 1
+
     def sp_refusal(self) -> str | None:
         """Why this layout's SP cannot run (``sp_refusal``), or None."""
         return sp_refusal(self.tp, self.pp, self.sp)
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp}"
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sp}"
+                + (f" ep={self.ep}" if self.ep > 1 else ""))
+
+    @property
+    def label(self) -> str:
+        """``TP8 x PP1 x DP4`` with the overlays in parentheses (``(EP4, SP8)``): what plans,
+        reports and deploy messages print."""
+        overlays = [f"{name}{size}" for name, size in (("EP", self.ep), ("SP", self.sp))
+                    if size > 1]
+        text = f"TP{self.tp} x PP{self.pp} x DP{self.dp}"
+        return text + (f" ({', '.join(overlays)})" if overlays else "")
 
     @property
     def num_devices(self) -> int:
@@ -86,3 +109,33 @@ class Layout:
     def device_mapping(self) -> tuple[int, int, int]:
         """(tp, pp, dp): which devices each rank and group gets. SP does not change it."""
         return (self.tp, self.pp, self.dp)
+
+
+@attrs.frozen
+class ExpertLayout(Layout):
+    """A layout with wide expert parallelism: ``ep`` of its ``dp`` instances share one copy of
+    a MoE model's routed experts (`kthena_core.experts`). Only the planner makes these, for MoE
+    models; a plain `Layout` is ``ep = 1``, and its dict form (what the engine, kthena_comm and
+    ``GET /plan`` carry) has no ``ep`` key.
+
+    Raises:
+        LayoutError: as `Layout`, or ``ep`` is < 2 (a plain `Layout` is ep 1) or does not
+            divide ``dp``.
+    """
+
+    ep: int = attrs.field(kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 2:
+            raise LayoutError(f"ep must be an int >= 2 (a plain Layout is ep 1), got {self.ep!r}")
+        if self.dp % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide dp={self.dp}: an expert-parallel "
+                              "group is ep whole instances")
+
+
+def with_ep(layout: Layout, ep: int) -> Layout:
+    """`layout` with ``ep`` instances per expert-parallel group: an `ExpertLayout`, or the plain
+    `Layout` of its sizes when ``ep`` is 1."""
+    sizes = (layout.tp, layout.pp, layout.dp, layout.sp)
+    return Layout(*sizes) if ep == 1 else ExpertLayout(*sizes, ep=ep)

@@ -11,6 +11,10 @@ own where it gives one (Qwen3-0.6B: 128, not hidden_size / heads = 64)::
 
 MLA (DeepSeek-V2/V3) caches one compressed latent per token and layer instead:
 ``num_layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, the same on every TP rank.
+
+A mixture-of-experts layer holds ``num_experts`` routed experts (``routed_params``), of which a
+token uses ``num_experts_per_tok``, beside its attention, router and shared experts: weights
+count every expert (``num_params()``), compute only the routed ones (``num_params(active=True)``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,18 @@ from typing import Any
 import attrs
 
 from kthena_core._yaml import read_file
+from kthena_core.architectures import config_architectures
 from kthena_core.dtypes import canonical_dtype, dtype_bytes
-from kthena_core.shape import ModelShape, allowed_tp_sizes, check_tp, kv_heads_per_rank
+from kthena_core.shape import (
+    ModelShape,
+    allowed_tp_sizes,
+    check_tp,
+    kv_heads_per_rank,
+    tp_sizes_dividing_heads,
+)
+
+# The float32 scale the engine's int8 KV pool keeps per token per KV head, for K and for V.
+INT8_KV_SCALE_BYTES = 4
 
 
 class ModelSpecError(ValueError):
@@ -110,11 +124,36 @@ class ModelSpec:
 
     def _mlp_params(self, layer: int, active: bool) -> int:
         h = self.shape.hidden_size
-        if not self.is_moe or layer < self.first_dense_layers:
+        if not self.is_moe_layer(layer):
             return 3 * h * self.shape.intermediate_size
-        inter = self.moe_intermediate_size or self.shape.intermediate_size
         routed = self.num_experts_per_tok if active else self.num_experts
-        return (routed + self.num_shared_experts) * 3 * h * inter + h * self.num_experts
+        return (routed + self.num_shared_experts) * self.expert_params() + h * self.num_experts
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (MoE models' layers from
+        ``first_dense_layers`` on; DeepSeek-V3's first 3 are dense)."""
+        return self.is_moe and layer >= self.first_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers with routed experts (0 for a dense model)."""
+        return max(0, self.shape.num_layers - self.first_dense_layers) if self.is_moe else 0
+
+    def expert_params(self) -> int:
+        """Parameters of one expert's gate, up and down projections (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return 3 * self.shape.hidden_size * (self.moe_intermediate_size
+                                             or self.shape.intermediate_size)
+
+    def routed_params(self, layer: int | None = None) -> int:
+        """The routed experts' parameters of decoder layer `layer` (every layer's when None):
+        ``num_experts x expert_params()`` on a MoE layer, else 0. Expert parallelism splits
+        these over instances; the rest of a layer (attention, norms, the router, shared
+        experts, a dense MLP) is split by TP alone."""
+        if layer is None:
+            return self.num_moe_layers * self.num_experts * self.expert_params()
+        return self.num_experts * self.expert_params() if self.is_moe_layer(layer) else 0
 
     def _layer_params(self, layer: int, active: bool) -> int:
         norms = 2 * self.shape.hidden_size + (2 * self.shape.head_dim if self.qk_norm else 0)
@@ -191,14 +230,21 @@ class ModelSpec:
         Raises:
             HeadSplitError: the message names the allowed tp values.
         """
-        check_tp(self.shape.num_attention_heads, self._split_kv_heads, tp)
+        check_tp(self.shape.num_attention_heads, self.split_kv_heads, tp)
 
     def allowed_tp_sizes(self) -> tuple[int, ...]:
         """Every tp `check_tp` accepts, smallest first (SmolLM2-135M: 1, 2, 3, 6, 9)."""
-        return allowed_tp_sizes(self.shape.num_attention_heads, self._split_kv_heads)
+        return allowed_tp_sizes(self.shape.num_attention_heads, self.split_kv_heads)
+
+    def tp_sizes_dividing_heads(self) -> tuple[int, ...]:
+        """The tp the planner proposes: accepted by `check_tp` and giving every rank as many
+        heads (`kthena_core.shape.tp_sizes_dividing_heads`; DeepSeek-V3's 128: 1, 2, 4 ...)."""
+        return tp_sizes_dividing_heads(self.shape.num_attention_heads, self.split_kv_heads)
 
     @property
-    def _split_kv_heads(self) -> int:
+    def split_kv_heads(self) -> int:
+        """The heads TP splits as KV heads: the KV heads, or for MLA (one latent replicated on
+        every rank) the query heads."""
         return self.shape.num_attention_heads if self.is_mla else self.shape.num_kv_heads
 
     def kv_heads_per_rank(self, tp: int = 1, rank: int | None = None) -> int:
@@ -215,11 +261,17 @@ class ModelSpec:
         return kv_heads_per_rank(self.shape.num_kv_heads, tp, rank)
 
     def kv_bytes_per_token(self, dtype: str = "bf16", tp: int = 1) -> float:
-        """KV-cache bytes one token occupies on the most loaded TP rank (all layers, K and V)."""
+        """KV-cache bytes one token occupies on the most loaded TP rank (all layers, K and V).
+
+        int8 adds the float32 scale the engine's int8 pool keeps per token per KV head, beside
+        K and V (``head_dim + 4`` bytes per head each); MLA's latent is counted without one.
+        """
         per = dtype_bytes(dtype)
         if self.is_mla:
             return self.shape.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per
-        return 2 * self.shape.num_layers * self.kv_heads_per_rank(tp) * self.shape.head_dim * per
+        head = self.shape.head_dim * per + (INT8_KV_SCALE_BYTES
+                                            if canonical_dtype(dtype) == "int8" else 0)
+        return 2 * self.shape.num_layers * self.kv_heads_per_rank(tp) * head
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -279,7 +331,7 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> ModelSpec:
     hidden = int(_require(config, "hidden_size"))
     kv_lora = int(config.get("kv_lora_rank") or 0)
     num_experts = int(config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0)
-    arch = config.get("architectures") or [config.get("model_type", "unknown")]
+    arch = config_architectures(config)  # as the engine's loader reads it
     head_dim = _head_dim(config, arch, hidden // heads)
     sizes = {
         "num_layers": int(_require(config, "num_hidden_layers")),

@@ -14,6 +14,13 @@ would be under the best split, it proposes that split, and the plan says so::
 The best split minimises the slowest stage: bisection on that stage's time, each probe packing
 layers greedily from stage 0 on, the last stage (with the LM head) taking the rest (a stage's time
 grows with every layer it takes, so the greedy packing fits whenever any split does).
+
+A pp that does not divide the layers has no equal split: the planner takes the best split at
+once (source ``"balanced"``, no equal stage times), and the plan carries its points to the
+engine (``--pipeline-split-points``)::
+
+    DeepSeek-V3, TP8 x PP4 on 4 Atlas nodes: 61 layers (3 dense, then 58 MoE) + LM head
+    balanced (17, 32, 47)   17 + 15 + 15 + 14 layers: the LM head's stage gets the fewest
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ class PipelineSplit:
     source: str = "equal"
 
     @property
+    def has_equal_split(self) -> bool:
+        """Whether pp divides the layers (there is an equal split to compare with)."""
+        return bool(self.equal_stage_seconds)
+
+    @property
     def is_uneven(self) -> bool:
         """Whether the engine must be told the points (they are not the equal split's)."""
         return self.source != "equal"
@@ -69,6 +81,10 @@ class PipelineSplit:
             return f"split at {list(self.points)} ({counts} layers; parallelism.pipeline_split_points), stage times {ms} ms"
         if self.source == "equal":
             return f"equal stages ({counts} layers), stage times {ms} ms"
+        if not self.has_equal_split:
+            return (f"split at {list(self.points)} ({counts} layers): pp={len(self.points) + 1} "
+                    f"does not divide the {num_layers} layers, so the stages are cut where the "
+                    f"slowest is fastest; stage times {ms} ms")
         equal = "/".join(f"{t * 1e3:.2f}" for t in self.equal_stage_seconds)
         gain = max(self.equal_stage_seconds) / max(self.stage_seconds) - 1
         return (f"split moved to {list(self.points)} ({counts} layers): equal stages were "
@@ -139,7 +155,11 @@ def _any_points(num_layers: int, pp: int) -> tuple[int, ...]:
 def propose_split(num_layers: int, pp: int, time: StageTime,
                   threshold: float = UNEVEN_THRESHOLD) -> PipelineSplit:
     """The equal split, or the balanced one when the equal split's slowest stage is more than
-    `threshold` slower than the balanced split's (pp must divide the layers: see `check_pp`)."""
+    `threshold` slower than the balanced split's; the balanced one when pp does not divide the
+    layers (there is no equal split; pp must not exceed them: `check_num_stages`)."""
+    if num_layers % pp:
+        points = balanced_split_points(num_layers, pp, time)
+        return PipelineSplit(points, _stage_times(num_layers, pp, points, time), (), "balanced")
     equal = equal_split_points(num_layers, pp)
     equal_times = _stage_times(num_layers, pp, equal, time)
     kept = PipelineSplit(equal, equal_times, equal_times, "equal")

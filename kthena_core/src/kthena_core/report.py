@@ -10,19 +10,13 @@ from kthena_core.planner import Evaluation, Plan
 from kthena_core.topology import Topology
 
 
-def _layout_text(e: Evaluation) -> str:
-    lay = e.layout
-    text = f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}"
-    return text + (f" (SP{lay.sp})" if lay.sp > 1 else "")
-
-
 def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     """Multi-line explanation of `plan` for a terminal."""
     wl, best = plan.workload, plan.chosen
     mem, est = best.memory, best.estimate
     assert mem is not None and est is not None
     lines = [
-        f"model     {plan.model.name}: {plan.model.num_params() / 1e9:.2f} B params, "
+        f"model     {plan.model.name}: {_params_text(plan)}, "
         f"{plan.model.shape.num_layers} layers, {plan.model.shape.num_attention_heads} heads / "
         f"{plan.model.shape.num_kv_heads} KV heads, "
         f"KV {human_bytes(plan.model.kv_bytes_per_token(wl.kv_dtype))}/token ({wl.kv_dtype})",
@@ -30,8 +24,11 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         f"workload  prompt {wl.prompt_len}, output {wl.output_len}, concurrency {wl.concurrency}, "
         f"{wl.dtype}, mode {wl.mode}, objective {wl.objective}",
         "",
-        f"plan      {_layout_text(best)} on {plan.world_size} device(s): {list(plan.device_ids)}",
+        f"plan      {best.layout.label} on {plan.world_size} device(s): {list(plan.device_ids)}",
     ]
+    lines += [f"tp        {note}" for note in plan.tp_notes]
+    if (experts := plan.expert_note()) is not None:
+        lines.append(f"experts   {experts}")
     if best.split is not None:
         lines.append(f"pipeline  {best.split.reason(plan.model.shape.num_layers)}")
     if (sp := plan.sp_note()) is not None:
@@ -58,13 +55,24 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     return "\n".join(lines)
 
 
+def _params_text(plan: Plan) -> str:
+    """``70.0 B params``; a MoE model adds its active parameters and its experts' share."""
+    model = plan.model
+    text = f"{model.num_params() / 1e9:.2f} B params"
+    if not model.is_moe:
+        return text
+    return (f"{text} ({model.num_params(active=True) / 1e9:.2f} B active per token; "
+            f"{model.num_experts} routed experts, top-{model.num_experts_per_tok}, in "
+            f"{model.num_moe_layers} layers: {model.routed_params() / 1e9:.2f} B)")
+
+
 def _row(e: Evaluation, why: str) -> str:
     est = e.estimate
     if est is None:
         nums = f"{'-':>9} {'-':>9} {'-':>10}"
     else:
         nums = f"{est.ttft_s * 1e3:>9.1f} {est.tpot_s * 1e3:>9.2f} {est.throughput_tok_s:>10.1f}"
-    return f"  {_layout_text(e):<22} {e.layout.num_devices:>4} {nums}  {why}"
+    return f"  {e.layout.label:<22} {e.layout.num_devices:>4} {nums}  {why}"
 
 
 def format_calibration(cal: Calibration) -> str:

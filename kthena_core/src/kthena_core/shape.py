@@ -16,6 +16,11 @@ and every KV pool's sizing call these functions.
 
 Ranks share block ids, so every rank's KV pool has the same number of blocks and is sized for
 the largest share: ``kv_heads_per_rank(kv_heads, tp)`` with no rank.
+
+The engine runs any tp `check_tp` accepts, uneven splits included (SmolLM2's 9 heads over tp=2:
+6 + 3). The planner proposes only tp that divide the heads, every rank holding as many
+(`tp_sizes_dividing_heads`, `check_tp_divides_heads`): with an uneven split the rank holding
+the most heads sets every step's pace (128 heads over tp=25: 6 on some ranks, 5.12 on average).
 """
 
 from __future__ import annotations
@@ -192,6 +197,48 @@ def check_tp(num_attention_heads: int, num_kv_heads: int, tp: int) -> None:
             f"replicated on tp / num_kv_heads ranks); allowed tp: {allowed}")
 
 
+def _divides_heads(num_attention_heads: int, num_kv_heads: int, tp: int) -> bool:
+    """Whether every rank holds as many heads: tp divides the KV heads (each rank a run of
+    them), or is a multiple of them dividing the query heads (each KV head's replicas split its
+    query heads). Both imply tp divides the query heads."""
+    return num_attention_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)
+
+
+def tp_sizes_dividing_heads(num_attention_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The tp the planner proposes: those `check_tp` accepts that split the heads evenly, every
+    rank holding as many query heads and KV heads (128 heads: 1, 2, 4, ..., 128; SmolLM2's 9
+    heads / 3 KV heads: 1, 3, 9)."""
+    return tuple(tp for tp in allowed_tp_sizes(num_attention_heads, num_kv_heads)
+                 if _divides_heads(num_attention_heads, num_kv_heads, tp))
+
+
+def check_tp_divides_heads(num_attention_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise unless `tp` divides the heads, so that every rank holds as many.
+
+    The engine runs an uneven split (`check_tp`), but its ranks then hold different numbers of
+    heads and the rank with the most sets every step's pace; the planner proposes only tp that
+    divide the heads (`tp_sizes_dividing_heads`) and says so of an uneven tp it is given. A tp
+    up to the KV heads must divide them (the query heads follow their KV heads: 6 heads / 3 KV
+    heads over tp=2 fall 4 + 2), a larger one the query heads.
+
+    Raises:
+        HeadSplitError: as `check_tp`, or tp does not divide the heads; the message says how
+            many query heads the ranks would hold and lists the tp the planner proposes.
+    """
+    check_tp(num_attention_heads, num_kv_heads, tp)
+    if _divides_heads(num_attention_heads, num_kv_heads, tp):
+        return
+    what = (f"num_kv_heads={num_kv_heads}" if tp <= num_kv_heads < num_attention_heads
+            else f"num_attention_heads={num_attention_heads}")
+    counts = sorted({len(attention_head_range(num_attention_heads, num_kv_heads, tp, r))
+                     for r in range(tp)}, reverse=True)
+    dividing = tp_sizes_dividing_heads(num_attention_heads, num_kv_heads)
+    raise HeadSplitError(
+        f"tp={tp} does not divide {what}: its ranks would hold "
+        f"{' or '.join(map(str, counts))} query heads, and the rank with the most sets every "
+        f"step's pace; tp that divide the heads: {', '.join(map(str, dividing))}")
+
+
 class LayerSplitError(ValueError):
     """A pipeline-parallel degree the layers cannot be split over."""
 
@@ -210,6 +257,20 @@ def check_pp(num_layers: int, pp: int) -> None:
         allowed = ", ".join(str(d) for d in range(1, num_layers + 1) if num_layers % d == 0)
         raise LayerSplitError(f"pp={pp} does not divide num_layers={num_layers} into equal "
                               f"stages; allowed pp: {allowed}")
+
+
+def check_num_stages(num_layers: int, pp: int) -> None:
+    """Raise unless `pp` stages can each hold at least one of `num_layers` layers: the rule of
+    a split at chosen points (`check_split_points`), which any pp up to the layers meets.
+
+    Raises:
+        LayerSplitError: a count is not positive, or pp exceeds the layers.
+    """
+    if num_layers < 1 or pp < 1:
+        raise LayerSplitError(f"num_layers={num_layers} and pp={pp} must both be >= 1")
+    if pp > num_layers:
+        raise LayerSplitError(f"pp={pp} exceeds num_layers={num_layers}: a stage would hold "
+                              "no layer")
 
 
 def equal_split_points(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -241,8 +302,7 @@ def check_split_points(num_layers: int, pp: int, split_points: Sequence[int]) ->
         LayerSplitError: a count is not positive, the points are not pp - 1 ints, not strictly
             increasing, or outside 1 .. num_layers - 1 (which would leave a stage no layer).
     """
-    if num_layers < 1 or pp < 1:
-        raise LayerSplitError(f"num_layers={num_layers} and pp={pp} must both be >= 1")
+    check_num_stages(num_layers, pp)
     points = tuple(split_points)
     shown = list(points)
     if not all(isinstance(p, int) and not isinstance(p, bool) for p in points):
@@ -252,9 +312,6 @@ def check_split_points(num_layers: int, pp: int, split_points: Sequence[int]) ->
         raise LayerSplitError(f"pipeline_split_points={shown} has {len(points)} point(s), but "
                               f"pp={pp} stages need {pp - 1}: the first layer of each stage "
                               "after stage 0")
-    if pp > num_layers:
-        raise LayerSplitError(f"pp={pp} exceeds num_layers={num_layers}: a stage would hold "
-                              "no layer")
     if any(p < 1 or p >= num_layers for p in points):
         raise LayerSplitError(f"pipeline_split_points={shown}: each point must be in "
                               f"1..{num_layers - 1} ({num_layers} layers; stage 0 starts at "

@@ -47,7 +47,8 @@ class Workload:
         prompt_len: tokens per prompt.
         output_len: generated tokens per request.
         concurrency: sequences decoding at once across the whole deployment.
-        dtype: weight and activation dtype; kv_dtype: KV-cache dtype.
+        dtype: weight and activation dtype (int8 / int4 / fp8: the weights' storage, computed
+            in bf16); kv_dtype: KV-cache dtype.
         mode: "colocated" (prefill and decode share instances) or "pd" (disaggregated).
         objective: "throughput" (max output tokens/s) or "latency" (min TTFT + output x TPOT).
         prefix_hit_rate: fraction of prompt tokens expected from the prefix cache.

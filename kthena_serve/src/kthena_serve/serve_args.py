@@ -23,11 +23,13 @@ ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target
                       "quantization", "device", "tp", "pp", "pipeline_split_points",
                       "enable_prefix_caching",
                       "prefix_index", "hash_algorithm", "kv_offload", "chat_special_tokens",
-                      "kernels", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles")
+                      "kernels", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles",
+                      "expert_parallel")
 
 
 # Settings whose flag is not --<name with dashes>.
 _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
+               "expert_parallel": "--enable-expert-parallel",
                "max_queue_delay_s": "--max-queue-delay",
                "pod": "--pod-name", "chunk_size": "--kv-events-chunk-size",
                "max_chunks": "--kv-events-max-chunks"}
@@ -179,6 +181,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-overlap-tiles", type=int, metavar="N",
                         help="with --tp-overlap, row tiles of the tiled op (default: the "
                              "device's, 1 on cpu)")
+    parser.add_argument("--enable-expert-parallel", "--ep", dest="expert_parallel",
+                        action="store_true",
+                        help="with --tp > 1 and an MoE model, split the experts whole over "
+                             "the TP ranks (EP = tp; tp must divide the experts) instead of "
+                             "each expert over every rank (default off)")
     parser.add_argument("--pipeline-split-points", type=split_points_arg, metavar="L1[,L2...]",
                         help="where pipeline stages 1..PP-1 start: their first layer indices, "
                              "strictly increasing (--pp 2 --pipeline-split-points 10: layers "

@@ -18,11 +18,17 @@ from typing import Any
 
 import attrs
 
-from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, DeviceBackend, OpImpl
+from mooncake_ops.backends.base import (
+    MC2_OPS,
+    MOE_DISTRIBUTE_OPS,
+    OP_NAMES,
+    DeviceBackend,
+    OpImpl,
+)
 from mooncake_ops.errors import NativeUnavailableError, UnsupportedDeviceError
 
 __all__ = [
-    "MC2_OPS", "OP_NAMES", "TESTED", "UNVERIFIED", "BackendEntry", "Capability", "DeviceBackend",
+    "MC2_OPS", "MOE_DISTRIBUTE_OPS", "OP_NAMES", "TESTED", "UNVERIFIED", "BackendEntry", "Capability", "DeviceBackend",
     "OpImpl", "capabilities", "choose_impl", "dispatch_state", "impl", "implementation_name",
     "lazy", "native_enabled", "op_candidates", "register_backend", "restore_dispatch",
     "use_native",

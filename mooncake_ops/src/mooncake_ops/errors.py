@@ -32,6 +32,11 @@ class BlockTableError(ValueError):
     """
 
 
+class ExpertParallelError(ValueError):
+    """Experts cannot be split over an expert-parallel group as asked (the group size does not
+    divide the experts), or routed ids name experts that do not exist."""
+
+
 class UnsupportedDeviceError(LookupError):
     """No backend is registered for a device type."""
 

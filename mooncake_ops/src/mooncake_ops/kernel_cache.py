@@ -1,8 +1,11 @@
 """The kernel cache: where a measured kernel choice is kept, under what key, and whether a kept
 choice is final.
 
-    <cache_dir>/kernels/<key>.json    one record per key (`selection.KernelChoice.as_dict`)
+    <cache_dir>/kernels/<key>.json    one record per key (`selection.KernelChoice.as_dict`,
+                                      or `moe_selection.MoEKernelChoice.as_dict`: kind "moe")
     <cache_dir>/kernels/<key>.lock    held while a process reads, times and writes that key
+
+`cached_or_measured` is that read, time, write round, for either kind of choice.
 
 The key (`cache_key`) names what would make another measurement differ: the CPU (model name
 and a hash of its flags), torch's version and thread count, OpenMP's wait settings, the native
@@ -22,10 +25,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import torch
@@ -33,8 +38,10 @@ import torch
 from kthena_core.discovery.host_probe import cpu_identity, is_busy
 from mooncake_ops.dispatch import native_enabled
 
-__all__ = ["MachineLoad", "cache_key", "locked", "machine_load", "read_record", "read_records",
-           "record_path", "write_record"]
+__all__ = ["MachineLoad", "Measured", "cache_key", "cached_or_measured", "locked", "machine_load",
+           "read_record", "read_records", "record_path", "write_record"]
+
+_log = logging.getLogger("mooncake_ops")
 
 
 @attrs.frozen
@@ -145,3 +152,57 @@ def read_records(cache_dir: str | os.PathLike[str]) -> list[dict]:
     folder = Path(cache_dir) / "kernels"
     found = (read_record(path) for path in sorted(folder.glob("*.json")))
     return [record for record in found if record is not None]
+
+
+class Measured(Protocol):
+    """What the cache needs of a measured choice (`KernelChoice`, `MoEKernelChoice`)."""
+
+    provisional: bool
+    measured_at_s: float | None
+
+    def as_dict(self) -> dict: ...
+
+    def timed_under(self) -> str: ...
+
+
+M = TypeVar("M", bound=Measured)
+
+
+def cached_or_measured(cache_dir: str | os.PathLike[str], key: str, measure: Callable[[], M],
+                       from_record: Callable[[Mapping], M]) -> M:
+    """The final record of ``key``, else a new measurement written in its place; a cache
+    folder that cannot be written is warned about and the measurement used uncached.
+
+    Args:
+        cache_dir: the cache folder (records under ``<cache_dir>/kernels/``).
+        key: the measurement's key (`cache_key`).
+        measure: times the candidates, returning the choice.
+        from_record: a record (``as_dict``) back to a choice of source ``cached``.
+    """
+    path = record_path(cache_dir, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".lock").touch()
+    except OSError as e:
+        _log.warning("kernel selection: cannot cache in %s (%s); timing now, uncached",
+                     path.parent, e.strerror or e)
+        return measure()
+    return _locked_choice(path, key, measure, from_record)
+
+
+def _locked_choice(path: Path, key: str, measure: Callable[[], M],
+                   from_record: Callable[[Mapping], M]) -> M:
+    started = time.time()
+    with locked(path):
+        record = read_record(path)
+        if record is not None and record.get("key") == key:
+            cached = from_record(record)
+            # a provisional record timed while this call waited for the lock is a sibling's
+            # (replicas and ranks start together): timing again in turn would only add up
+            if not cached.provisional or (cached.measured_at_s or 0) >= started:
+                return cached
+            _log.info("kernel selection: the cached choice was timed at %s (a busy "
+                      "machine); timing again", cached.timed_under())
+        choice = measure()
+        write_record(path, choice.as_dict())
+    return choice

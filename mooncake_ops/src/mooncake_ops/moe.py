@@ -16,6 +16,15 @@ by one of the rules the served families use (`RoutingRule`):
 token-expert pairs are sorted by expert, so each expert runs one matmul pair over all of its
 tokens (a grouped matmul), and the results are scattered back with one weighted ``index_add``.
 `fused_experts_reference` is the per-token loop it must equal (up to summation order).
+`run_experts` is the same computation over experts packed once at load for the grouped kernels
+a measurement chose (`mooncake_ops.moe_kernels`, `mooncake_ops.moe_selection`):
+
+    choice = choose_moe_kernels("auto", gate_up, down, top_k, cache_dir=...)  # once, at load
+    experts = pack_experts(gate_up, down, **choice.pack_args())               # per layer
+    y = run_experts(x, weights, ids, experts)                                 # per step
+
+The pipeline every path shares: `sort_pairs` (pairs on this rank's experts, sorted by expert),
+the grouped matmul over the gathered rows, and `weighted_sum` (one float32 ``index_add``).
 
 Under expert parallelism a rank holds experts ``expert_start .. expert_start + E_local - 1``;
 pairs routed elsewhere contribute nothing here, and summing over the ranks gives the whole.
@@ -27,10 +36,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from mooncake_ops._moe_traffic import weighted_sum
 from mooncake_ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_rank
-from mooncake_ops.errors import OpsShapeError
+from mooncake_ops.errors import OpsDTypeError, OpsShapeError
+from mooncake_ops.moe_kernels import LOOP, ExpertWeights
 
-__all__ = ["RoutingRule", "fused_experts", "fused_experts_reference", "route_experts"]
+__all__ = ["RoutingRule", "SortedPairs", "check_routing", "experts_float32", "fused_experts",
+           "fused_experts_reference", "route_experts", "run_experts", "sort_pairs",
+           "weighted_sum"]
 
 SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -132,26 +145,75 @@ def _keep_best_groups(choice: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
+def check_routing(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    """x [T, H] floating, ids [T, top_k] int32/int64 and weights [T, top_k] floating.
+
+    Raises:
+        OpsTypeError, OpsShapeError, OpsDTypeError: naming the argument and what it must be.
+    """
+    check_rank("x", x, 2, "[num_tokens, hidden]", FLOAT_DTYPES)
+    check_rank("ids", ids, 2, "[num_tokens, top_k]", INDEX_DTYPES)
+    check_rank("weights", weights, 2, "[num_tokens, top_k]", FLOAT_DTYPES)
+    want = (x.shape[0], ids.shape[1])
+    for name, tensor in (("ids", ids), ("weights", weights)):
+        if tuple(tensor.shape) != want:
+            raise OpsShapeError(f"{name} must be [num_tokens, top_k] = {list(want)} for x "
+                                f"{list(x.shape)} and ids {list(ids.shape)}; got "
+                                f"{list(tensor.shape)}")
+
+
 def _check_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    check_rank("x", x, 2, "[num_tokens, hidden]")
-    check_dtype("x", x, FLOAT_DTYPES)
+    check_routing(x, weights, ids)
     check_rank("gate_up", gate_up, 3, "[experts, 2 * intermediate, hidden]")
     check_rank("down", down, 3, "[experts, hidden, intermediate]")
-    check_dtype("ids", ids, INDEX_DTYPES)
-    tokens, hidden = x.shape
-    experts, two_inter, _ = gate_up.shape
-    want = {"weights": (tokens, ids.shape[-1]), "ids": (tokens, ids.shape[-1]),
-            "gate_up": (experts, two_inter, hidden),
-            "down": (experts, hidden, two_inter // 2)}
-    for name, tensor in (("weights", weights), ("ids", ids), ("gate_up", gate_up),
-                         ("down", down)):
-        if ids.dim() != 2 or tuple(tensor.shape) != want[name]:
-            raise OpsShapeError(f"{name} must be {list(want[name])} for x {list(x.shape)}, ids "
-                                f"[num_tokens, top_k] and gate_up {list(gate_up.shape)}; got "
-                                f"{list(tensor.shape)}")
+    experts, two_inter, hidden = gate_up.shape
     if two_inter % 2:
         raise OpsShapeError(f"gate_up's rows ({two_inter}) must be gate and up stacked: even")
+    want = {"gate_up": (experts, two_inter, x.shape[1]),
+            "down": (experts, x.shape[1], two_inter // 2)}
+    for name, tensor in (("gate_up", gate_up), ("down", down)):
+        if tuple(tensor.shape) != want[name]:
+            raise OpsShapeError(f"{name} must be {list(want[name])} for x {list(x.shape)} and "
+                                f"gate_up {list(gate_up.shape)}; got {list(tensor.shape)}")
+    for name, tensor in (("gate_up", gate_up), ("down", down)):
+        if tensor.dtype != x.dtype:
+            raise OpsDTypeError(f"{name} is {tensor.dtype} but x is {x.dtype}; the experts "
+                                "run in x's dtype")
+
+
+@attrs.frozen(eq=False)  # holds tensors: identity, not elementwise, equality
+class SortedPairs:
+    """A batch's token-expert pairs on this rank's experts, sorted by expert (stable).
+
+    Attributes:
+        pair_of: [P] sorted position -> flat pair index ``token * top_k + slot``.
+        counts: pairs per local expert (E_local entries, summing to P).
+        top_k: experts per token.
+    """
+
+    pair_of: torch.Tensor
+    counts: tuple[int, ...]
+    top_k: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[P] the token of each sorted pair."""
+        return self.pair_of // self.top_k
+
+
+def sort_pairs(ids: torch.Tensor, num_local: int, expert_start: int = 0) -> SortedPairs:
+    """The pairs of ``ids`` [T, top_k] whose expert is one of ``expert_start ..
+    expert_start + num_local - 1``, sorted by expert (ties keep token order)."""
+    top_k = ids.shape[1]
+    local = ids.reshape(-1) - expert_start
+    mine = (local >= 0) & (local < num_local)
+    pairs = None if bool(mine.all()) else mine.nonzero().squeeze(1)
+    if pairs is not None:
+        local = local[pairs]
+    order = torch.argsort(local, stable=True)
+    counts = tuple(torch.bincount(local, minlength=num_local).tolist())
+    return SortedPairs(order if pairs is None else pairs[order], counts, top_k)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -162,37 +224,44 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
     Each expert is a SwiGLU MLP: ``down_e @ (silu(gate_e @ x) * (up_e @ x))``, with
     ``gate_up[e]`` = [gate rows | up rows] ([2I, H]) and ``down[e]`` = [H, I]. Pairs whose
-    expert is outside ``expert_start .. expert_start + experts - 1`` are skipped.
+    expert is outside ``expert_start .. expert_start + experts - 1`` are skipped. The grouped
+    matmul is the torch loop (`moe_kernels.LOOP`); `run_experts` runs a measured choice.
 
     Raises:
         OpsShapeError, OpsDTypeError: the tensors disagree (see the shapes above).
     """
     _check_experts(x, weights, ids, gate_up, down)
-    num_local, inter = gate_up.shape[0], down.shape[2]
-    top_k = ids.shape[1]
-    local = ids.reshape(-1) - expert_start
-    mine = (local >= 0) & (local < num_local)
-    pairs = mine.nonzero().squeeze(1) if not bool(mine.all()) else None
-    if pairs is not None:
-        local = local[pairs]
-    order = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=num_local).tolist()
-    pair_of = order if pairs is None else pairs[order]  # sorted position -> flat (token, slot)
-    tokens = pair_of // top_k
-    rows = x.index_select(0, tokens)
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            seg = rows[start:start + count]
-            h = F.linear(seg, gate_up[expert])
-            h = F.silu(h[:, :inter]) * h[:, inter:]
-            out_rows[start:start + count] = F.linear(h, down[expert])
-            start += count
-    scale = weights.reshape(-1).index_select(0, pair_of).unsqueeze(1)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tokens, out_rows.float() * scale.float())
-    return out.to(x.dtype)
+    pairs = sort_pairs(ids, gate_up.shape[0], expert_start)
+    rows = x.index_select(0, pairs.tokens)
+    out_rows = LOOP.run(rows, pairs.counts, (gate_up, down))
+    return weighted_sum(out_rows, weights, pairs.pair_of, x.shape[0]).to(x.dtype)
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                experts: ExpertWeights) -> torch.Tensor:
+    """`fused_experts` over experts packed once for their chosen kernels (`pack_experts`):
+    [T, hidden] in x's dtype, over the experts ``experts`` holds.
+
+    Raises:
+        OpsShapeError, OpsDTypeError: x, weights and ids disagree with each other or with
+            the experts' hidden size and dtype.
+    """
+    return experts_float32(x, weights, ids, experts).to(x.dtype)
+
+
+def experts_float32(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: ExpertWeights) -> torch.Tensor:
+    """`run_experts` before its final rounding: the weighted sums in float32."""
+    check_routing(x, weights, ids)
+    if x.shape[1] != experts.hidden:
+        raise OpsShapeError(f"x is {list(x.shape)}; the experts take hidden size "
+                            f"{experts.hidden}")
+    if x.dtype != experts.dtype:
+        raise OpsDTypeError(f"x is {x.dtype}; the experts are {experts.dtype} (cast x, or "
+                            "pack the experts in x's dtype)")
+    pairs = sort_pairs(ids, experts.num_experts, experts.expert_start)
+    out_rows = experts.run_sorted(x.index_select(0, pairs.tokens), pairs.counts)
+    return weighted_sum(out_rows, weights, pairs.pair_of, x.shape[0])
 
 
 def fused_experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

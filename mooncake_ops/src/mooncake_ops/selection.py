@@ -43,7 +43,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import attrs
 import torch
@@ -52,12 +51,9 @@ from mooncake_ops.dispatch import choose_impl
 from mooncake_ops.kernel_cache import (
     MachineLoad,
     cache_key,
-    locked,
+    cached_or_measured,
     machine_load,
-    read_record,
     read_records,
-    record_path,
-    write_record,
 )
 from mooncake_ops.kernel_timing import (
     ATTENTION_OPS,
@@ -401,39 +397,7 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
 
     if cache_dir is None:
         return measure()
-    return _cached_or_measured(cache_dir, key, measure)
-
-
-def _cached_or_measured(cache_dir: str | os.PathLike[str], key: str,
-                        measure: Callable[[], KernelChoice]) -> KernelChoice:
-    """The final record of ``key``, else a new measurement written in its place; a cache
-    folder that cannot be written is warned about and the measurement used uncached."""
-    path = record_path(cache_dir, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".lock").touch()
-    except OSError as e:
-        _log.warning("kernel selection: cannot cache in %s (%s); timing now, uncached",
-                     path.parent, e.strerror or e)
-        return measure()
-    return _locked_choice(path, key, measure)
-
-
-def _locked_choice(path: Path, key: str, measure: Callable[[], KernelChoice]) -> KernelChoice:
-    started = time.time()
-    with locked(path):
-        record = read_record(path)
-        if record is not None and record.get("key") == key:
-            cached = KernelChoice.from_record(record)
-            # a provisional record timed while this call waited for the lock is a sibling's
-            # (replicas and ranks start together): timing again in turn would only add up
-            if not cached.provisional or (cached.measured_at_s or 0) >= started:
-                return cached
-            _log.info("kernel selection: the cached choice was timed at %s (a busy "
-                      "machine); timing again", cached.timed_under())
-        choice = measure()
-        write_record(path, choice.as_dict())
-    return choice
+    return cached_or_measured(cache_dir, key, measure, KernelChoice.from_record)
 
 
 def cached_choices(cache_dir: str | os.PathLike[str]) -> list[KernelChoice]:

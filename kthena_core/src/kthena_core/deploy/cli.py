@@ -20,9 +20,8 @@ from kthena_core.deploy.k8s import (
     render_manifests,
     to_yaml,
 )
-from kthena_core.deploy.plan import Deployment, plan_deployment
+from kthena_core.deploy.plan import Deployment, deploy_planner, plan_deployment
 from kthena_core.deploy.spec import load_deploy_spec
-from kthena_core.planner import Planner
 
 __all__ = ["add_deploy_parser"]
 
@@ -62,7 +61,7 @@ def _cmd_deploy_k8s(args: argparse.Namespace) -> int:
     spec = load_deploy_spec(args.config, image=args.image)
     # a deploy file's topology is a catalog node or a YAML file: never this machine's cache
     calibration = find_calibration(args.calibration, default_cache_dir(), this_machine=False)
-    dep = plan_deployment(spec, Planner(calibration.params if calibration else None))
+    dep = plan_deployment(spec, deploy_planner(spec, calibration.params if calibration else None))
     manifests = render_manifests(dep)
     top = header(dep, calibration)
     if args.out is None:

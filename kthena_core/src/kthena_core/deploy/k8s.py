@@ -166,10 +166,53 @@ def _pod_spec(dep: Deployment, role: Role, is_entry: bool = True) -> dict[str, A
 
 
 def engine_fields(dep: Deployment) -> dict[str, Any]:
-    """The engine settings every worker gets (``EngineConfig`` field names)."""
-    return {"model": dep.spec.checkpoint, "device": dep.engine_device, "dtype": dep.engine_dtype,
-            "tp": dep.tp, "kv_cache_memory": _mib(dep.kv_cache_bytes),
-            "max_num_seqs": dep.max_num_seqs}
+    """The engine settings every worker gets (``EngineConfig`` field names); int8 weights, the
+    int8 KV pool and expert parallelism only when deploy.yaml asks for them."""
+    fields = {"model": dep.spec.checkpoint, "device": dep.engine_device,
+              "dtype": dep.engine_dtype, "tp": dep.tp,
+              "kv_cache_memory": _mib(dep.kv_cache_bytes), "max_num_seqs": dep.max_num_seqs}
+    if dep.quantization is not None:
+        fields["quantization"] = dep.quantization
+    if dep.kv_cache_dtype is not None:
+        fields["kv_cache_dtype"] = dep.kv_cache_dtype
+    if dep.spec.expert_parallel:
+        fields["expert_parallel"] = True
+    return fields
+
+
+def _feature_args(dep: Deployment) -> list[str]:
+    """The ``kthena serve`` flags of the features deploy.yaml asks for (the plan's SP too)."""
+    args = []
+    if dep.quantization is not None:
+        args += ["--quantization", dep.quantization]
+    if dep.kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", dep.kv_cache_dtype]
+    if dep.plan.layout.sp > 1:
+        args += ["--sp", str(dep.plan.layout.sp)]
+    if dep.spec.tp_overlap:
+        args.append("--tp-overlap")
+    if dep.spec.expert_parallel:
+        args.append("--enable-expert-parallel")
+    if dep.spec.kv_offload is not None:
+        args += ["--kv-offload", kv_offload_arg(dep.spec.kv_offload)]
+    return args
+
+
+def _offload_keys(value: str) -> set[str]:
+    return {part.partition("=")[0] for part in value.split(",")}
+
+
+def kv_offload_arg(value: str) -> str:
+    """deploy.yaml's ``kv_offload``, with ``listen=$(POD_IP)`` where it names a Mooncake Store
+    and no listen address: the store's other clients read this pod's segment at that address
+    (kthena serve listens on 127.0.0.1 otherwise, which no other pod reaches)."""
+    keys = _offload_keys(value)
+    return value + ",listen=$(POD_IP)" if "store" in keys and "listen" not in keys else value
+
+
+def _uses_store(dep: Deployment) -> bool:
+    """Whether the workers lend memory to a Mooncake Store, whose peers read it from the pod."""
+    return dep.spec.kv_offload is not None and "store" in _offload_keys(dep.spec.kv_offload)
 
 
 def _split_args(dep: Deployment) -> list[str]:
@@ -192,8 +235,7 @@ def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
             *(["--pp", str(dep.pp)] if dep.pp > 1 else []),
-            *(["--sp", str(dep.plan.layout.sp)] if dep.plan.layout.sp > 1 else []),
-            *_split_args(dep),
+            *_split_args(dep), *_feature_args(dep),
             "--kv-cache-memory", engine["kv_cache_memory"],
             "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG,
             *_kv_events_args(dep)]}
@@ -257,7 +299,7 @@ def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
     if has_events:
         env.append(_field_env("POD_NAMESPACE", "metadata.namespace"))
     group = dep.num_nodes_per_engine > 1
-    if is_pd or (group and dep.device_kind == "npu"):
+    if is_pd or (group and dep.device_kind == "npu") or _uses_store(dep):
         env.append(_field_env("POD_IP", "status.podIP"))
     if is_pd:
         env.append(_secret_env(PD_SECRET_ENV, pd_secret_name(dep), "secret"))
@@ -305,17 +347,18 @@ def _probes(dep: Deployment) -> dict[str, Any]:
 # ---- NetworkPolicy -------------------------------------------------------------------------------
 def render_network_policy(dep: Deployment) -> dict[str, Any]:
     """Ingress to the worker pods: kthena-router's pods (in ``router_namespace``) on the worker
-    port; in PD mode and in a serving group also the deployment's own pods, on every port (the
-    PD routes and Mooncake's transfer ports; torchrun's rendezvous and the collectives' ports,
-    picked at run time). Egress (Redis, the registry) is
-    not restricted."""
+    port; in PD mode, in a serving group and with a Mooncake Store below the KV offload also
+    the deployment's own pods, on every port (the PD routes and Mooncake's transfer ports;
+    torchrun's rendezvous and the collectives' ports, picked at run time; the store segments
+    the other workers read). Egress (Redis, the registry, the store's master) is not
+    restricted."""
     workers = {"matchLabels": {NAME_LABEL: dep.spec.name}}
     router = {"namespaceSelector": {"matchLabels": {
                   NAMESPACE_NAME_LABEL: dep.spec.router_namespace}},
               "podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}
     rules: list[dict[str, Any]] = [
         {"from": [router], "ports": [{"protocol": "TCP", "port": dep.spec.port}]}]
-    if dep.spec.mode == "pd" or dep.num_nodes_per_engine > 1:
+    if dep.spec.mode == "pd" or dep.num_nodes_per_engine > 1 or _uses_store(dep):
         rules.append({"from": [{"podSelector": workers}]})
     return {"apiVersion": NETWORK_POLICY_API, "kind": "NetworkPolicy",
             "metadata": _metadata(dep),

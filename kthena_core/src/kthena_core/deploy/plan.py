@@ -6,22 +6,31 @@ its layout as is: one worker pod per replica (``dp`` of them), each running one 
 plan moved the pipeline's split points off equal stages, ``--pipeline-split-points`` too). In PD mode the replicas are split into prefill and decode workers as the plan
 splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
 
-A plan with sequence parallelism (sp = tp, pp = 1, colocated) runs with ``kthena serve --sp``.
+A plan with sequence parallelism (sp = tp, pp = 1, colocated; weighed when deploy.yaml says
+``sequence_parallel: true``) runs with ``kthena serve --sp``. The engine features deploy.yaml
+asks for become their flags: int8 weights (``workload.dtype: int8``: ``--dtype bfloat16
+--quantization int8``), an int8 KV pool (``workload.kv_dtype: int8``: ``--kv-cache-dtype
+int8``), ``--tp-overlap``, ``--kv-offload`` and ``--enable-expert-parallel`` (the engine's EP:
+a MoE model's experts whole over each worker's TP ranks).
 An engine larger than a node runs as one serving group of ``n`` pods, the fewest nodes that
 hold its ``tp x pp`` ranks in equal shares: an entry pod and ``n - 1`` workers, each running
 ``kthena-run --serving-group`` (k8s.py).
 
 It refuses a plan the serving engine cannot run, saying which key to change: sequence
-parallelism with pipeline stages or in PD mode (not wired), tp x pp ranks that do not split
-evenly over the nodes an engine needs (torchrun starts as many on each), and in PD mode ``tp`` or ``pp > 1`` (a PD decode worker holds one whole
-KV pool, which a prefill worker writes; ``kthena serve --mode pd`` refuses them for the same
-reason).
+parallelism with pipeline stages or in PD mode (not wired), wide expert parallelism (EP groups
+of instances, which the engine does not run), tp x pp ranks that do not split evenly over the
+nodes an engine needs (torchrun starts as many on each), in PD mode ``tp`` or ``pp > 1`` (a PD
+decode worker holds one whole KV pool, which a prefill worker writes; ``kthena serve --mode
+pd`` refuses them for the same reason), and the features the engine refuses with the plan's layout: ``tp_overlap`` at tp = 1
+or with int8 weights, ``kv_offload`` with tp or pp > 1 (each rank would hold its own pool),
+``expert_parallel`` for a dense model or a tp that is 1 or does not divide the experts.
 
 Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
 
 * memory = the plan's per-device total (weights + KV + activations + reserve) x the pod's
-  ranks (tp x pp, or its share of them in a serving group) on a CPU; on an accelerator, the worker's share of the weights (they pass through host memory
-  while loading) plus the plan's runtime reserve; rounded up to whole GiB.
+  ranks (tp x pp, or its share of them in a serving group) on a CPU; on an accelerator, the
+  worker's share of the weights (they pass through host memory while loading) plus the plan's
+  runtime reserve; plus the KV offload tiers' host memory; rounded up to whole GiB.
 * cpu = 4 cores per rank of the pod (the engine's host threads; on a CPU, its compute threads).
 * the KV pool (``--kv-cache-memory``) and the running-sequence cap (``--max-num-seqs``) the
   plan sized the memory for.
@@ -33,15 +42,19 @@ import math
 
 import attrs
 
+from kthena_core.config_plan import _PinnedPlanner
+from kthena_core.cost_model import CostParams
 from kthena_core.deploy.spec import DeployError, DeploySpec
 from kthena_core.dtypes import ENGINE_DTYPES, torch_name
 from kthena_core.planner import Plan, Planner, decode_replicas
 
-__all__ = ["Deployment", "Role", "plan_deployment"]
+__all__ = ["Deployment", "Role", "deploy_planner", "plan_deployment"]
 
 GiB = 1024**3
 CPUS_PER_RANK = 4
 ENGINE_DEVICE = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}
+INT8 = "int8"  # weight-only int8 (--quantization), or the int8 KV pool (--kv-cache-dtype)
+INT8_COMPUTE_DTYPE = "bf16"  # what a worker with int8 weights computes in (--dtype)
 
 
 @attrs.frozen
@@ -92,7 +105,18 @@ class Deployment:
 
     @property
     def engine_dtype(self) -> str:
-        return torch_name(self.spec.workload.dtype)
+        return torch_name(compute_dtype(self.spec.workload.dtype))
+
+    @property
+    def quantization(self) -> str | None:
+        """``"int8"`` for int8 weights (``--quantization int8``), else None."""
+        return INT8 if self.spec.workload.dtype == INT8 else None
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """``"int8"`` for the engine's int8 KV pool (``--kv-cache-dtype int8``), else None
+        (KV in the compute dtype)."""
+        return INT8 if self.spec.workload.kv_dtype == INT8 else None
 
     @property
     def num_ranks_per_pod(self) -> int:
@@ -112,21 +136,35 @@ class Deployment:
                       f"{self.num_ranks_per_pod} rank(s) each")
         groups = f"{self.num_groups} x ({roles})" if self.num_groups > 1 else roles
         return (f"{self.spec.model.name} on {self.plan.topology_name}, mode {self.spec.mode}: "
-                f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp} on {self.plan.world_size} "
+                f"{lay.label} on {self.plan.world_size} "
                 f"{self.device_name} device(s); pods: {groups}")
 
 
+def compute_dtype(dtype: str) -> str:
+    """The dtype a worker computes in for the workload's weight dtype: the same, or bf16 under
+    weight-only int8."""
+    return INT8_COMPUTE_DTYPE if dtype == INT8 else dtype
+
+
+def deploy_planner(spec: DeploySpec, params: CostParams | None = None) -> Planner:
+    """The planner a deploy file plans with: the cost factors ``params``, sequence parallelism
+    weighed where the engine runs it (pp = 1) when ``sequence_parallel`` asks, no EP."""
+    return _PinnedPlanner(None, params, allow_sp=spec.sequence_parallel)
+
+
 def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deployment:
-    """Plan ``spec`` and cut the chosen layout into worker pods.
+    """Plan ``spec`` (with `deploy_planner` unless given a planner) and cut the chosen layout
+    into worker pods.
 
     Raises:
         DeployError: the plan needs something the serving engine cannot run; the message
             names the deploy.yaml key to change.
         NoFeasiblePlanError: nothing fits the topology (its message says why).
     """
-    plan = (planner or Planner()).plan(spec.model, spec.topology, spec.workload)
+    plan = (planner or deploy_planner(spec)).plan(spec.model, spec.topology, spec.workload)
     kind, name = _device(spec, plan)
     _check_engine_can_run(spec, plan)
+    _check_features(spec, plan)
     nodes = _nodes_per_engine(spec, plan)
     if spec.mode == "pd":
         num_groups, roles = 1, _pd_roles(spec, plan)
@@ -136,6 +174,7 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
     assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
     ranks = plan.layout.tp * plan.layout.pp // nodes  # per pod
     host_bytes = mem.total * ranks if kind == "cpu" else mem.weights * ranks + mem.reserve
+    host_bytes += spec.kv_offload_bytes
     return Deployment(
         spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
         roles=roles, cpu=spec.cpu or CPUS_PER_RANK * ranks,
@@ -157,6 +196,12 @@ def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
 
 def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
     lay = plan.chosen.layout
+    if lay.ep > 1:
+        raise DeployError(f"expert_parallel: the plan {lay.label} groups {lay.ep} instances "
+                          "for wide expert parallelism, which the serving engine does not run "
+                          "(its --enable-expert-parallel, deploy.yaml's expert_parallel, splits "
+                          "the experts over one instance's TP ranks); allowed: a plan without "
+                          "wide EP")
     if lay.sp > 1 and (lay.sp_refusal() is not None or spec.mode == "pd"):
         raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp} with "
                                     f"SP{lay.sp} in mode {spec.mode}",
@@ -171,12 +216,51 @@ def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
             "runs each worker at tp=1 and pp=1 (a PD decode worker holds one whole KV pool, "
             "which its prefill worker writes; `kthena serve --mode pd` refuses --tp and --pp > "
             "1 too). Use mode: colocated for this model and topology.")
-    if spec.workload.dtype not in ENGINE_DTYPES:
-        raise DeployError(f"workload.dtype: got {spec.workload.dtype!r}; allowed: "
-                          f"{', '.join(ENGINE_DTYPES)} (the dtypes the serving engine runs)")
-    if spec.workload.kv_dtype != spec.workload.dtype:
-        raise DeployError(f"workload.kv_dtype: got {spec.workload.kv_dtype!r}; allowed: "
-                          f"{spec.workload.dtype!r} (the serving engine keeps KV in the compute dtype)")
+
+
+def _check_features(spec: DeploySpec, plan: Plan) -> None:
+    """The dtypes and engine features deploy.yaml asks for, against what the engine runs with
+    the plan's layout (its own refusals, said here by deploy.yaml key)."""
+    wl, lay = spec.workload, plan.chosen.layout
+    if wl.dtype not in (*ENGINE_DTYPES, INT8):
+        raise DeployError(f"workload.dtype: got {wl.dtype!r}; allowed: "
+                          f"{', '.join(ENGINE_DTYPES)}, {INT8} (the dtypes the serving engine "
+                          f"runs; {INT8}: weight-only int8, computed in {INT8_COMPUTE_DTYPE})")
+    compute = compute_dtype(wl.dtype)
+    if wl.kv_dtype not in (compute, INT8):
+        raise DeployError(f"workload.kv_dtype: got {wl.kv_dtype!r}; allowed: {compute!r} (the "
+                          f"compute dtype) or {INT8!r} (the engine's int8 KV pool, "
+                          "--kv-cache-dtype int8)")
+    if spec.tp_overlap and (lay.tp == 1 or wl.dtype == INT8):
+        why = (f"the plan gives each worker TP{lay.tp}, and TP overlap fuses each row-parallel "
+               "matmul with its all-reduce over the TP group" if lay.tp == 1 else
+               "workload.dtype is int8, and the fused matmul + collective ops take dense weights")
+        raise DeployError(f"tp_overlap: got true, but {why}; allowed: false here")
+    _check_expert_parallel(spec, plan)
+    if spec.kv_offload is not None and lay.tp * lay.pp > 1:
+        raise DeployError(f"kv_offload: got {spec.kv_offload!r}, but the plan gives each worker "
+                          f"TP{lay.tp} x PP{lay.pp}; allowed: only where the plan runs each "
+                          "worker at tp=1 and pp=1 (each rank would have its own pool; kthena "
+                          "serve refuses --kv-offload with --tp or --pp > 1)")
+
+
+def _check_expert_parallel(spec: DeploySpec, plan: Plan) -> None:
+    """``expert_parallel`` runs the engine's EP: each TP rank holds experts / tp whole experts,
+    so the model must have routed experts and the plan a tp > 1 that divides them."""
+    if not spec.expert_parallel:
+        return
+    model, tp = spec.model, plan.chosen.layout.tp
+    if not model.is_moe:
+        why = f"{model.name} has no routed experts"
+    elif tp == 1:
+        why = ("the plan gives each worker TP1, and the engine splits the experts over the TP "
+               "ranks")
+    elif model.num_experts % tp:
+        why = (f"the plan's TP{tp} does not divide {model.name}'s {model.num_experts} experts "
+               "(each TP rank holds as many whole experts)")
+    else:
+        return
+    raise DeployError(f"expert_parallel: got true, but {why}; allowed: false here")
 
 
 def _nodes_per_engine(spec: DeploySpec, plan: Plan) -> int:

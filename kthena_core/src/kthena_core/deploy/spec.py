@@ -23,6 +23,14 @@ every worker publishes its KV cache's router chunks there, as its pod) and
 ``router_namespace`` (``kthena-system``: where kthena-router runs, which the NetworkPolicy
 admits).
 
+Engine features a worker runs with (each becomes its ``kthena serve`` flag, or is refused by name
+where the engine cannot run it with the plan): ``workload.dtype: int8`` (weight-only int8,
+``--quantization int8``, computed in bf16), ``workload.kv_dtype: int8`` (``--kv-cache-dtype
+int8``), ``tp_overlap: true`` (``--tp-overlap``), ``kv_offload: host=SIZE[,...]``
+(``--kv-offload``, colocated only), ``sequence_parallel: true`` (the planner weighs SP, which
+``--sp`` runs; colocated only) and ``expert_parallel: true`` (``--enable-expert-parallel``: a
+MoE model's experts split whole over each worker's TP ranks).
+
 A bad file raises `DeployError` naming the key, the value and what is allowed; unknown keys
 are errors, with the nearest known key suggested.
 """
@@ -42,10 +50,12 @@ import attrs
 import yaml
 
 from kthena_core._yaml import read_yaml
+from kthena_core.architectures import unserved_architecture
 from kthena_core.config import ConfigError
 from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
 from kthena_core.model_spec import ModelSpec
 from kthena_core.redis_url import redacted_url, redis_url_problem
+from kthena_core.sizes import parse_bytes
 from kthena_core.topology import Topology, from_catalog
 from kthena_core.workload import MODES, Workload
 
@@ -53,7 +63,8 @@ __all__ = ["DeployError", "DeploySpec", "load_deploy_spec"]
 
 KEYS = ("name", "namespace", "image", "model", "checkpoint", "served_model_name", "topology",
         "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "pod_network",
-        "workload", "port", "resources", "device_resource", "kv_events", "router_namespace")
+        "workload", "port", "resources", "device_resource", "kv_events", "router_namespace",
+        "tp_overlap", "kv_offload", "sequence_parallel", "expert_parallel")
 _RESOURCE_KEYS = ("cpu", "memory")
 _WORKLOAD_KEYS = tuple(f.name for f in attrs.fields(Workload) if f.name != "mode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -77,6 +88,13 @@ class DeploySpec:
         kv_events: the Redis every worker publishes its KV events to (``redis://HOST:PORT``),
             or None: none does.
         router_namespace: where kthena-router runs (the NetworkPolicy admits it).
+        tp_overlap: workers run ``--tp-overlap`` (the plan must give them TP > 1).
+        kv_offload: deploy.yaml's ``--kv-offload`` value, or None.
+        kv_offload_bytes: host memory its tiers take in each pod (host tier, and the store
+            segment when a store is named).
+        sequence_parallel: the planner weighs SP (colocated only).
+        expert_parallel: workers run ``--enable-expert-parallel`` (the plan must give them a
+            TP that divides the experts).
     """
 
     name: str
@@ -96,6 +114,11 @@ class DeploySpec:
     pod_network: tuple[str, ...] = ()
     kv_events: str | None = None
     router_namespace: str = "kthena-system"
+    tp_overlap: bool = False
+    kv_offload: str | None = None
+    kv_offload_bytes: int = 0
+    sequence_parallel: bool = False
+    expert_parallel: bool = False
 
     @property
     def mode(self) -> str:
@@ -210,6 +233,50 @@ def _kv_events(data: Mapping[str, Any]) -> str | None:
     return value
 
 
+def _flag(data: Mapping[str, Any], key: str) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def _colocated_flag(data: Mapping[str, Any], key: str, mode: str, why: str) -> bool:
+    value = _flag(data, key)
+    if value and mode != "colocated":
+        raise _fail(key, value, f"false with mode: {mode} ({why})")
+    return value
+
+
+_KV_OFFLOAD_ALLOWED = ("kthena serve's --kv-offload value, host=SIZE[,store=mooncake@HOST:PORT]"
+                       "[,write=spill|through][,segment=SIZE][,listen=ADDRESS][,queue=N]"
+                       "[,timeout=SECONDS], e.g. host=4GiB")
+
+
+def _kv_offload(data: Mapping[str, Any], mode: str) -> tuple[str | None, int]:
+    """(the ``--kv-offload`` value, host bytes its tiers take) or (None, 0). The sizes are
+    read here (they size the pod); the rest of the value is checked by ``kthena serve`` when
+    the pod starts."""
+    if "kv_offload" not in data:
+        return None, 0
+    value = data["kv_offload"]
+    if mode != "colocated":
+        raise _fail("kv_offload", value, "only with mode: colocated (kthena serve --mode pd "
+                                         "refuses --kv-offload)")
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise _fail("kv_offload", value, _KV_OFFLOAD_ALLOWED)
+    items = [part.partition("=") for part in value.split(",")]
+    keys = {key: size for key, sep, size in items if sep}
+    if len(keys) != len(items) or "host" not in keys:
+        raise _fail("kv_offload", value, _KV_OFFLOAD_ALLOWED)
+    try:
+        num_bytes = parse_bytes(keys["host"])
+        if "store" in keys:  # the RAM lent to the store (kthena serve's default: 64 MiB)
+            num_bytes += parse_bytes(keys.get("segment", "64MiB"))
+    except ValueError as error:
+        raise _fail("kv_offload", value, f"{_KV_OFFLOAD_ALLOWED} ({error})") from None
+    return value, num_bytes
+
+
 def _workload(data: Mapping[str, Any], mode: str) -> Workload:
     raw = data.get("workload") or {}
     if not isinstance(raw, Mapping):
@@ -274,9 +341,13 @@ def _model(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec, str]:
     local = os.path.join(base_dir, os.path.expanduser(key))
     named = key.lower() in ("default", *KNOWN_CONFIGS)  # names win over paths, as in kthena plan
     try:
-        return load_model_spec(local if not named and os.path.exists(local) else key), key
+        model = load_model_spec(local if not named and os.path.exists(local) else key)
     except (ValueError, FileNotFoundError) as error:
         raise DeployError(f"model: {error}") from None
+    why = unserved_architecture([model.architecture])
+    if why is not None:
+        raise DeployError(f"model: {key!r}: {why} (kthena serve would refuse it)")
+    return model, key
 
 
 def _topology(data: Mapping[str, Any], base_dir: str) -> Topology:
@@ -366,6 +437,7 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise _fail("port", port, "a TCP port in 1..65535")
     cpu, memory = _resources(data)
+    kv_offload, kv_offload_bytes = _kv_offload(data, mode)
     return DeploySpec(
         name=_dns_label(data, "name"), image=_image(data, image), model=model,
         topology=_topology(data, base_dir),
@@ -375,4 +447,8 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
         num_decode=_role_count(data, "num_decode", mode), port=port, cpu=cpu, memory=memory,
         device_resource=_device_resource(data), pod_network=_pod_network(data, mode),
         kv_events=_kv_events(data),
-        router_namespace=_dns_label(data, "router_namespace", "kthena-system"))
+        router_namespace=_dns_label(data, "router_namespace", "kthena-system"),
+        tp_overlap=_flag(data, "tp_overlap"), kv_offload=kv_offload,
+        kv_offload_bytes=kv_offload_bytes, expert_parallel=_flag(data, "expert_parallel"),
+        sequence_parallel=_colocated_flag(data, "sequence_parallel", mode, "the engine runs "
+                                          "sequence parallelism in a colocated engine only"))

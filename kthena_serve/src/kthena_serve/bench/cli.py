@@ -68,6 +68,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kthena_serve.bench.tp_overlap import add_parser as add_tp_overlap_parser
 
     add_tp_overlap_parser(children)  # kthena bench tp-overlap
+    from kthena_serve.bench.moe import add_parser as add_moe_parser
+
+    add_moe_parser(children)  # kthena bench moe
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -60,5 +60,5 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
                                       device=config.device, quantization=config.quantization,
                                       kernels=config.kernels, kv_block_size=config.block_size)
     layout = kv_layout_for(model.config.shape.num_layers, model.num_kv_heads_per_rank,
-                           model.head_dim, config)
+                           model.head_dim, config, num_parts=model.kv_parts)
     return ModelRunner(model, create_pool(layout, config, shared=shared_pool)), tokenizer

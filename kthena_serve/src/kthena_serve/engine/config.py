@@ -204,7 +204,7 @@ class EngineConfig:
     Every field is checked on construction; a bad value raises ``ConfigError`` (a
     ``ValueError``) reading ``EngineConfig.<field> must be ... (got ...)``. The parallel
     settings (tp, pp, sp, sp_min_tokens, tp_overlap, tp_overlap_tiles, pp_microbatches,
-    pipeline_split_points, or a ``layout``) are given by name, as the other settings are, and
+    pipeline_split_points, expert_parallel, or a ``layout``) are given by name, as the other settings are, and
     held as one value, ``parallel`` (a ``ParallelConfig``); each is also read by its name.
 
     Attributes:
@@ -266,6 +266,11 @@ class EngineConfig:
             stage 1 the rest); None: equal stages (pp must divide the layers). Each stage's KV
             pool holds its own layers; the block count every rank shares is sized for the
             stage with the most layers, so every rank fits ``kv_cache_memory``.
+        expert_parallel: with ``tp > 1`` and an MoE model, each TP rank holds
+            ``experts / tp`` whole experts (tp must divide them) instead of a ``1 / tp`` slice of
+            every expert; every rank routes the same tokens, runs its own experts' pairs and
+            the layer's one all-reduce sums the ranks' shares (no all-to-all: the tokens are
+            already on every rank). vLLM's ``--enable-expert-parallel``.
         ranks_from: where ranks 1.. of a ``tp * pp > 1`` engine come from: ``"spawn"`` (this
             process starts them on this host) or ``"env"`` (a launcher such as ``kthena-run``
             started them, on one host or several, and set RANK / WORLD_SIZE / MASTER_ADDR /
@@ -353,6 +358,7 @@ class EngineConfig:
     tp_overlap_tiles = property(lambda self: self.parallel.tp_overlap_tiles)
     pp_microbatches = property(lambda self: self.parallel.pp_microbatches)
     pipeline_split_points = property(lambda self: self.parallel.pipeline_split_points)
+    expert_parallel = property(lambda self: self.parallel.expert_parallel)
 
     @classmethod
     def from_json(cls, fields: dict) -> EngineConfig:

@@ -32,9 +32,12 @@ def kv_dtype_name(config: EngineConfig) -> str:
 
 
 def layer_caches(pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer, the views the model's attention reads: ``(k_cache, v_cache)``, and for an
-    int8 pool ``(k_cache, v_cache, k_scale, v_scale)`` (float32 scales, one per token per head)."""
+    """Per layer, the views the model's attention reads: ``(k_cache, v_cache)``, for an int8
+    pool ``(k_cache, v_cache, k_scale, v_scale)`` (float32 scales, one per token per head), and
+    for a latent pool (MLA) ``(latent_cache,)``."""
     layers = range(pool.layout.shape.num_layers)
+    if pool.layout.shape.num_parts == 1:  # MLA: one latent per token and layer, K's place
+        return [(pool.k_cache(i),) for i in layers]
     if pool.layout.shape.dtype.is_quantized:
         return [(pool.k_cache(i), pool.v_cache(i), pool.k_scale(i), pool.v_scale(i))
                 for i in layers]
@@ -42,12 +45,13 @@ def layer_caches(pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
 
 
 def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
-                  config: EngineConfig) -> KVLayout:
+                  config: EngineConfig, *, num_parts: int = 2) -> KVLayout:
     """The pool layout: ``num_kv_blocks`` exactly, or as many blocks as ``kv_cache_memory`` holds.
 
     PER_LAYER order keeps each layer's cache one contiguous [blocks, block_size, heads, dim]
     tensor, the shape attention kernels index. An int8 pool's float32 scales count in the
     budget (``KVShape.bytes_per_block``), so it holds a little under twice bf16's blocks.
+    ``num_parts`` 1 is a latent pool (MLA: one vector of ``head_dim`` per token and layer).
 
     Raises:
         ValueError: the memory budget holds no block at all.
@@ -58,6 +62,7 @@ def kv_layout_for(num_layers: int, num_kv_heads: int, head_dim: int,
         head_dim=head_dim,
         block_size=config.block_size,
         dtype=kv_dtype_name(config),
+        num_parts=num_parts,
     )
     if config.num_kv_blocks is not None:
         return KVLayout(shape, config.num_kv_blocks, LayoutKind.PER_LAYER)

@@ -1,6 +1,6 @@
 """ParallelConfig: one engine's parallelism as one value, the ``parallel`` of an
 ``EngineConfig``: its ``Layout`` (tp x pp, sp; dp is 1), the pipeline split points, the SP
-threshold, TP overlap and the pipeline micro-batches.
+threshold, TP overlap, the pipeline micro-batches and expert parallelism.
 
 ``EngineConfig(tp=2, sp=2, ...)`` still takes these by their setting names (the flags' and the
 YAML's), and ``EngineConfig.to_json`` writes them flat; ``build_parallel`` turns the names into
@@ -97,6 +97,17 @@ def _check_tp_overlap(instance: EngineSettings, attribute: attrs.Attribute,
                               str(error)) from None
 
 
+def _check_expert_parallel(instance: EngineSettings, attribute: attrs.Attribute,
+                           value: object) -> None:
+    """EP splits an MoE model's experts over the TP ranks (whether the model is MoE, and
+    whether tp divides its experts, is checked when it loads)."""
+    is_bool(instance, attribute, value)
+    if value and instance.tp == 1:
+        raise ConfigError(attribute.name, "False with tp = 1", value,
+                          "expert parallelism splits the experts over the TP ranks, and one "
+                          "rank holds them all; use it with tp > 1")
+
+
 def _check_tp_overlap_tiles(instance: EngineSettings, attribute: attrs.Attribute,
                             value: object) -> None:
     optional_positive(instance, attribute, value)
@@ -131,7 +142,7 @@ def _check_split_points(instance: EngineSettings, attribute: attrs.Attribute,
 
 # The settings a ParallelConfig holds, by the names flags, the YAML and to_json use.
 PARALLEL_SETTINGS = ("tp", "pp", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles",
-                     "pp_microbatches", "pipeline_split_points")
+                     "pp_microbatches", "pipeline_split_points", "expert_parallel")
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +157,8 @@ class ParallelConfig:
         tp_overlap: each row-parallel matmul fused with its collective (MC2).
         tp_overlap_tiles: row tiles of the tiled op (None: the device's default).
         pp_microbatches: micro-batches a pipelined step is cut into (None: chosen per step).
+        expert_parallel: an MoE model's experts split whole over the TP ranks (EP = tp)
+            instead of each expert split over them.
     """
 
     layout: Layout = attrs.field(factory=lambda: Layout(1))
@@ -154,6 +167,7 @@ class ParallelConfig:
     tp_overlap: bool = False
     tp_overlap_tiles: int | None = None
     pp_microbatches: int | None = None
+    expert_parallel: bool = False
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its name (``PARALLEL_SETTINGS``), as ``EngineConfig.to_json``
@@ -214,3 +228,4 @@ def check_parallel(config: EngineSettings) -> None:
     _check_tp_overlap_tiles(config, _Named("tp_overlap_tiles"), parallel.tp_overlap_tiles)
     optional_positive(config, _Named("pp_microbatches"), parallel.pp_microbatches)
     _check_split_points(config, _Named("pipeline_split_points"), parallel.pipeline_split_points)
+    _check_expert_parallel(config, _Named("expert_parallel"), parallel.expert_parallel)

@@ -115,17 +115,31 @@ class _Stage:
     def __init__(self, config: EngineConfig, rank_env, group: GroupConfig,  # noqa: ANN001
                  check_peers=None) -> None:  # noqa: ANN001
         from kthena_comm.groups import init_parallel_groups
-        from kthena_serve.model import PipelineStage, TensorParallel, load_model
-        from kthena_serve.model.config import ModelConfig
-        from kthena_serve.model.loader import resolve_checkpoint
 
         _pin(rank_env.local_rank)
         self.device = rank_device(config, rank_env.local_rank)
         self.groups = init_parallel_groups(config.layout, rank_env, group,
                                            check_peers=check_peers)
-        pp = self.groups.pp
+        try:  # a model this rank cannot load leaves no process group behind
+            stage = self._load(config)
+        except BaseException:
+            self.groups.destroy()
+            raise
+        self.kv_caches = layer_caches(self.pool)
+        self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
+        ranks = self.groups.pp.ranks
+        self.prev = ranks[stage.rank - 1] if not stage.is_first else None
+        self.next = ranks[stage.rank + 1] if not stage.is_last else None
+        self.head = ranks[0]  # stage 0 of my TP column: global rank 0 for tp rank 0
+
+    def _load(self, config: EngineConfig):  # noqa: ANN202 - a PipelineStage
+        """This rank's stage of the model, its weights and its pool; returns the stage."""
+        from kthena_serve.model import PipelineStage, TensorParallel, load_model
+        from kthena_serve.model.config import ModelConfig
+        from kthena_serve.model.loader import resolve_checkpoint
+
         layers = ModelConfig.from_pretrained(resolve_checkpoint(config.model)).shape.num_layers
-        stage = PipelineStage.of(layers, config.pp, pp.group_rank,
+        stage = PipelineStage.of(layers, config.pp, self.groups.pp.group_rank,
                                  _rank0_split_points(config.pipeline_split_points))
         tp = TensorParallel.from_comm_group(self.groups.tp,
                                             _tp_overlap(config, self.groups.tp, self.device))
@@ -134,14 +148,10 @@ class _Stage:
                                                 quantization=config.quantization,
                                                 kernels=config.kernels,
                                                 kv_block_size=config.block_size,
-                                                sp=_sequence_parallel(config))
+                                                sp=_sequence_parallel(config),
+                                                expert_parallel=config.expert_parallel)
         self.pool = create_pool(_layout(config, self.model), config, device=self.device)
-        self.kv_caches = layer_caches(self.pool)
-        self.stage, self.tp_rank, self.dtype = stage, self.groups.tp.group_rank, config.torch_dtype
-        ranks = pp.ranks
-        self.prev = ranks[stage.rank - 1] if not stage.is_first else None
-        self.next = ranks[stage.rank + 1] if not stage.is_last else None
-        self.head = ranks[0]  # stage 0 of my TP column: global rank 0 for tp rank 0
+        return stage
 
     def placement(self) -> RankPlacement:
         """Where this rank's parameters, buffers and pool tensors are."""
@@ -220,7 +230,8 @@ def _rank0_split_points(points: tuple[int, ...] | None) -> tuple[int, ...] | Non
 
 def _layout(config: EngineConfig, model):  # noqa: ANN001, ANN202
     """This rank's pool layout: its own layers and KV heads, the block count every rank shares."""
-    return kv_layout_for(len(model.layers), model.num_kv_heads_per_rank, model.head_dim, config)
+    return kv_layout_for(len(model.layers), model.num_kv_heads_per_rank, model.head_dim, config,
+                         num_parts=model.kv_parts)
 
 
 def _serve_steps(stage: _Stage) -> None:
@@ -411,7 +422,6 @@ class ParallelModelRunner:
             TensorParallelError: the split points do not cut the model's layers into pp
                 non-empty stages (checked here, before any rank starts).
         """
-        from kthena_core import kv_heads_per_rank
         from kthena_serve.model import ModelConfig, PipelineStage, resolve_checkpoint
 
         model = ModelConfig.from_pretrained(resolve_checkpoint(config.model))
@@ -420,8 +430,8 @@ class ParallelModelRunner:
                      for stage in range(config.pp))
         if config.num_kv_blocks is not None:
             return config
-        heads = kv_heads_per_rank(model.shape.num_kv_heads, config.tp)
-        layout = kv_layout_for(layers, heads, model.shape.head_dim, config)
+        layout = kv_layout_for(layers, model.kv_heads_per_rank(config.tp), model.kv_head_dim,
+                               config, num_parts=model.kv_parts)
         return attrs.evolve(config, num_kv_blocks=layout.num_blocks)
 
     @property

@@ -17,11 +17,13 @@ from typing import Any
 import attrs
 import torch
 
+from kthena_core import kv_heads_per_rank
 from kthena_core.architectures import SERVED_ARCHITECTURES, unserved_architecture
 from kthena_core.dtypes import ENGINE_DTYPES, torch_dtype
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.shape import ModelShape
 from kthena_serve.model.errors import CheckpointError, UnsupportedModelError
+from kthena_serve.model.mla_config import MLAConfig, mla_config
 from kthena_serve.model.moe_config import MoEConfig, moe_config
 
 # The architectures the loader implements (kthena_core's one list, which the planner and
@@ -52,7 +54,8 @@ class ModelConfig:
     dict (or None) and is passed to the RoPE cache builder. ``qk_norm``: each query and key head
     goes through an RMSNorm over ``head_dim`` (weights ``q_norm`` / ``k_norm``, ``rms_norm_eps``)
     after the projections and before RoPE (Qwen3). ``moe``: the experts of an MoE family
-    (`MoEConfig`: Mixtral, Qwen3-MoE), None for a dense model.
+    (`MoEConfig`: Mixtral, Qwen3-MoE, DeepSeek), None for a dense model. ``mla``: DeepSeek's
+    latent attention (`MLAConfig`), None for ordinary grouped-query attention.
     """
 
     shape: ModelShape
@@ -64,12 +67,28 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(_eos_tuple(self.eos_token_id))
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Values per cached head: head_dim, or MLA's latent width."""
+        return self.shape.head_dim if self.mla is None else self.mla.latent_dim
+
+    @property
+    def kv_parts(self) -> int:
+        """Cached tensors per layer: 2 (K and V), or 1 (MLA's latent)."""
+        return 2 if self.mla is None else 1
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads a rank of ``tp`` caches at most (kthena_core's rule; MLA: its one latent,
+        whole on every rank)."""
+        return 1 if self.mla is not None else kv_heads_per_rank(self.shape.num_kv_heads, tp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -95,8 +114,10 @@ class ModelConfig:
             # attention here spans the whole context: within the window that is exactly what
             # sliding-window attention computes, past it not, so the context stops there
             fields["max_position_embeddings"] = window
+        engine = _engine_fields(config)
         moe = moe_config(config, spec.shape.num_layers)
-        return cls(**fields, **_engine_fields(config), moe=moe)
+        mla = mla_config(config, spec, engine["rope_scaling"])
+        return cls(**fields, **engine, moe=moe, mla=mla)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> ModelConfig:

@@ -32,6 +32,7 @@ from torch import nn
 from kthena_core.layout import sp_with_pp_refusal
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.errors import BatchError, TensorParallelError, UnsupportedModelError
+from kthena_serve.model.mla import MLAttention
 from kthena_serve.model.moe import SparseMoE
 from kthena_serve.model.pp import PipelineStage
 from kthena_serve.model.sp import SequenceParallel, TokenShards
@@ -49,6 +50,7 @@ from mooncake_ops import (
     write_kv,
 )
 from mooncake_ops.kernel_timing import AttentionShape, MatmulWeight
+from mooncake_ops.moe_selection import choose_moe_kernels
 from mooncake_ops.selection import KernelChoice, choose_kernels
 
 # One layer's cache: (k_cache, v_cache) in the compute dtype, or for an int8 pool
@@ -57,7 +59,8 @@ KVCache = tuple[torch.Tensor, ...]
 Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, residual), both [num_tokens, hidden]
 LayerHook = Callable[[int], None]  # called with a layer's model-wide index once it has run
 # Every matmul weight a module may own (biases stay dense: the packed kernel takes them as they are).
-_MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
+_MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight",
+                   "q_weight", "q_a_weight", "q_b_weight", "kv_a_weight")  # the last four: MLA
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -147,7 +150,9 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.input_norm = _empty(config.shape.hidden_size)
         self.post_attention_norm = _empty(config.shape.hidden_size)
-        self.self_attn = Attention(config, plan, tp)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(config, plan, tp) if config.mla is not None else
+            Attention(config, plan, tp))
         moe = config.moe
         self.mlp: MLP | SparseMoE = (
             SparseMoE(moe, config.shape.hidden_size, plan, tp)
@@ -177,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
             and ``lm_head_weight`` (others hold None there).
         sp: sequence parallelism over ``tp``'s group for long forwards (`SequenceParallel`);
             None: plain TP always.
+        expert_parallel: an MoE model's experts split whole over ``tp``'s ranks
+            (`plan_shards`).
 
     Raises:
         TensorParallelError: ``sp`` with pipeline stages (not wired: a stage would hand the
@@ -186,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
-                 stage: PipelineStage | None = None, sp: SequenceParallel | None = None) -> None:
+                 stage: PipelineStage | None = None, sp: SequenceParallel | None = None, *,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
@@ -194,8 +202,12 @@ class LlamaForCausalLM(nn.Module):
         why = sp_with_pp_refusal(self.stage.size)
         if sp is not None and why is not None:
             raise TensorParallelError(f"{why}; use sp with pp=1")
+        if sp is not None and config.mla is not None:
+            raise TensorParallelError("sequence parallelism with latent attention (MLA) is not "
+                                      "wired: its latent projections are replicated, not "
+                                      "column-parallel; use sp=1")
         self.sp = sp
-        self.plan = plan_shards(config, self.tp)
+        self.plan = plan_shards(config, self.tp, expert_parallel=expert_parallel)
         first, last = self.stage.is_first, self.stage.is_last
         embed = first or (last and config.tie_word_embeddings)
         vocab, hidden = config.shape.vocab_size, config.shape.hidden_size
@@ -213,11 +225,18 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads_per_rank(self) -> int:
-        return len(self.plan.kv_heads)
+        """KV heads this rank caches (MLA: 1, its latent)."""
+        return 1 if self.config.mla is not None else len(self.plan.kv_heads)
 
     @property
     def head_dim(self) -> int:
-        return self.config.shape.head_dim
+        """Values per cached head (MLA: the latent's kv_lora_rank + qk_rope_head_dim)."""
+        return self.config.kv_head_dim
+
+    @property
+    def kv_parts(self) -> int:
+        """Cached tensors per layer: 2 (K and V) or 1 (MLA's latent)."""
+        return self.config.kv_parts
 
     def reset_rope_cache(self) -> None:
         """(Re)build the float32 RoPE cos/sin table on the model's device (on the CPU first,
@@ -227,8 +246,9 @@ class LlamaForCausalLM(nn.Module):
         rebuilds)."""
         c = self.config
         device = next(self.parameters()).device
+        rotary = c.shape.head_dim if c.mla is None else c.mla.qk_rope_head_dim
         with torch.device("cpu"):
-            table = build_rope_cache(c.shape.head_dim, c.max_position_embeddings, c.rope_theta,
+            table = build_rope_cache(rotary, c.max_position_embeddings, c.rope_theta,
                                      rope_scaling=c.rope_scaling)
         self.rope_cache = table.to(device=device, dtype=torch.float32)
 
@@ -281,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         head = None if self.lm_head_weight is None else MatmulWeight(self.lm_head_weight)
         sample = next(self.parameters())
         attention = None
-        if sample.device.type == "cpu":
+        if sample.device.type == "cpu" and self.config.mla is None:  # MLA: its own op
             attention = AttentionShape(len(self.plan.q_heads), self.num_kv_heads_per_rank,
                                        self.head_dim, block_size, sample.dtype)
         choice = choose_kernels(kernels, layers, head, attention, cache_dir=cache_dir,
@@ -294,7 +314,23 @@ class LlamaForCausalLM(nn.Module):
         if attention is not None:
             choice.apply()
         self.kernel_choice = choice
+        self._pack_experts(kernels, cache_dir)
         return choice
+
+    def _pack_experts(self, kernels: str, cache_dir: str | os.PathLike[str] | None) -> None:
+        """An MoE model's experts packed for the grouped kernels chosen here for their shape
+        (`mooncake_ops.moe_selection.choose_moe_kernels`: timed once per machine under
+        ``auto``); the choice is ``self.moe_kernel_choice`` (None for a dense model)."""
+        layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        self.moe_kernel_choice = None
+        if not layers:
+            return
+        first = layers[0]
+        self.moe_kernel_choice = choose_moe_kernels(
+            kernels, first.experts_gate_up, first.experts_down, first.rule.top_k,
+            cache_dir=cache_dir)
+        for layer in layers:
+            layer.pack(self.moe_kernel_choice)
 
     def _fused_weights(self) -> frozenset[str]:
         """The matmul weights that TP overlap's fused ops take (``tp.fused``), which stay dense:

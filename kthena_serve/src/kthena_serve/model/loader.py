@@ -7,6 +7,8 @@ into its place in a fused parameter::
     gate_up_weight [ gate rows of my columns | up rows of my columns ]
     o_weight, down_weight: the matching input columns (row-parallel)
     norms (Qwen3's per-head q_norm / k_norm too): whole, on every rank
+    MLA (DeepSeek): this rank's heads' rows of q_b / q_proj and kv_b, its o_proj columns, the
+    latent projections whole (`kthena_serve.model.mla_weights`)
     MoE layers: each expert's gate/up/down shard into its slot of the stacked expert tensors,
     the router whole (`kthena_serve.model.moe_weights`)
 """
@@ -24,6 +26,7 @@ from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.convert import default_cache_dir
 from kthena_serve.model.errors import CheckpointError
 from kthena_serve.model.llama import LlamaForCausalLM
+from kthena_serve.model.mla_weights import mla_target, mla_weight_names
 from kthena_serve.model.moe import SparseMoE
 from kthena_serve.model.moe_weights import moe_target, moe_weight_names
 from kthena_serve.model.pp import PipelineStage
@@ -52,7 +55,8 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
                quantization: str | None = None,
                kernels: str = "auto",
                kv_block_size: int = 16,
-               sp: SequenceParallel | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
+               sp: SequenceParallel | None = None,
+               expert_parallel: bool = False) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Build the model (this rank's shard) and its tokenizer from a checkpoint folder.
 
     Args:
@@ -75,6 +79,7 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
             (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
         sp: sequence parallelism over ``tp``'s group for long forwards
             (`kthena_serve.model.sp`); None: plain TP.
+        expert_parallel: an MoE model's experts split whole over ``tp``'s ranks.
 
     Raises:
         ValueError: an unknown ``quantization`` or ``kernels``.
@@ -87,7 +92,7 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
     folder = resolve_checkpoint(path_or_default)
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp, stage, sp)
+        model = LlamaForCausalLM(config, tp, stage, sp, expert_parallel=expert_parallel)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head_weight is not None:
         model.lm_head_weight = model.embed_weight
@@ -118,14 +123,16 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike[str]) -> Non
                 if target is not None:
                     _copy(*target, f.get_slice(name), name)
                     seen.add(name)
-    missing = sorted(expected_weight_names(model.config, model.stage) - seen)
+    missing = sorted(expected_weight_names(model.config, model.stage, model.plan.experts) - seen)
     if missing:
         raise CheckpointError(f"the checkpoint in {folder} lacks {len(missing)} weights the model "
                               f"needs, e.g. {', '.join(missing[:3])}")
 
 
-def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = None) -> set[str]:
-    """The HF tensor names a checkpoint of `config` must contain (for `stage` only, if given)."""
+def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = None,
+                          experts: range | None = None) -> set[str]:
+    """The HF tensor names a checkpoint of `config` must contain (for `stage` only, and of an
+    MoE model's routed experts those in `experts` only, if given)."""
     stage = stage or PipelineStage.of(config.shape.num_layers)
     names = set()
     if stage.is_first or (stage.is_last and config.tie_word_embeddings):
@@ -135,13 +142,16 @@ def expected_weight_names(config: ModelConfig, stage: PipelineStage | None = Non
         if not config.tie_word_embeddings:
             names.add("lm_head.weight")
     per_layer = [f"{kind}.weight" for kind in _LAYER_KINDS]
+    if config.mla is not None:
+        attention = {f"{kind}.weight" for kind in (*_QKV, "self_attn.o_proj")}
+        per_layer = [n for n in per_layer if n not in attention] + mla_weight_names(config.mla)
     if config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if config.qk_norm:
         per_layer += [f"{kind}.weight" for kind in _QK_NORMS]
     moe, dense = config.moe, set(_MLP_KINDS)
     sparse = [n for n in per_layer if n.removesuffix(".weight") not in dense]
-    sparse += [] if moe is None else moe_weight_names(moe)
+    sparse += [] if moe is None else moe_weight_names(moe, experts)
     return names | {f"model.layers.{i}.{n}" for i in stage.layers
                     for n in (sparse if moe is not None and moe.is_sparse(i) else per_layer)}
 
@@ -175,6 +185,10 @@ def _target(model: LlamaForCausalLM, name: str) -> _Target | None:
         return None  # not a layer, or another pipeline stage's
     kind, _, suffix = match.group(2).rpartition(".")
     layer = model.layers[int(match.group(1)) - model.stage.layers.start]
+    mla = model.config.mla
+    if mla is not None and kind.startswith("self_attn."):
+        return None if suffix != "weight" else mla_target(
+            layer.self_attn, model.plan, mla, model.config.shape.num_attention_heads, kind)
     if suffix == "bias" and kind in _QKV and layer.self_attn.qkv_bias is not None:
         return _qkv_target(model, layer.self_attn.qkv_bias, kind)
     if suffix == "weight" and kind in _QK_NORMS and model.config.qk_norm:

@@ -4,7 +4,8 @@ The router (``router_weight`` [E, hidden], DeepSeek-V3's ``correction_bias`` [E]
 and scored in float32 (`mooncake_ops.route_experts`); every rank routes the same tokens the
 same way. Each routed expert's SwiGLU is split over the TP ranks like the dense MLP (gate/up
 rows, down columns), stacked as ``experts_gate_up`` [E, 2w, hidden] and ``experts_down``
-[E, hidden, w]; `mooncake_ops.fused_experts` runs them as a grouped matmul, weighted, and the
+[E, hidden, w]; `mooncake_ops.fused_experts` runs them as a grouped matmul, weighted (once
+packed, `mooncake_ops.run_experts` with the grouped kernels measured fastest here), and the
 shared experts (DeepSeek) add their own partial output. One all-reduce then sums the ranks'
 partial outputs, as the dense MLP's row-parallel down projection does; under sequence
 parallelism the tokens are all-gathered first and the sum reduce-scattered.
@@ -19,7 +20,9 @@ from torch import nn
 from kthena_serve.model.moe_config import MoEConfig
 from kthena_serve.model.sp import TokenShards
 from kthena_serve.model.tp import ShardPlan, TensorParallel
-from mooncake_ops import fused_experts, route_experts, silu_and_mul
+from mooncake_ops import fused_experts, pack_experts, route_experts, run_experts, silu_and_mul
+from mooncake_ops.moe_kernels import ExpertWeights
+from mooncake_ops.moe_selection import MoEKernelChoice
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -61,6 +64,16 @@ class SparseMoE(nn.Module):
         self.shared = (SharedExperts(hidden, len(plan.shared_intermediate))
                        if moe.shared_intermediate_size else None)
         self.tp = tp
+        self.packed: ExpertWeights | None = None  # the experts laid out for their kernels
+
+    def pack(self, choice: MoEKernelChoice) -> None:
+        """Lay the experts out for the grouped kernels ``choice`` names (the last step of
+        loading, as for the dense weights); the dense copies are dropped."""
+        self.packed = pack_experts(self.experts_gate_up, self.experts_down,
+                                   **choice.pack_args(), expert_start=self.expert_start)
+        for name in ("experts_gate_up", "experts_down"):
+            self._parameters.pop(name)
+            setattr(self, name, None)
 
     def forward(self, x: torch.Tensor, shards: TokenShards | None = None) -> torch.Tensor:
         if shards is not None:
@@ -68,8 +81,11 @@ class SparseMoE(nn.Module):
         logits = F.linear(x.float(), self.router_weight.float())
         bias = None if self.correction_bias is None else self.correction_bias.float()
         weights, ids = route_experts(logits, self.rule, bias)
-        out = fused_experts(x, weights, ids, self.experts_gate_up, self.experts_down,
-                            expert_start=self.expert_start)
+        if self.packed is not None:
+            out = run_experts(x, weights, ids, self.packed)
+        else:
+            out = fused_experts(x, weights, ids, self.experts_gate_up, self.experts_down,
+                                expert_start=self.expert_start)
         if self.shared is not None:
             out = out + self.shared(x)
         if shards is not None:

@@ -27,13 +27,14 @@ _EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
-def moe_weight_names(moe: MoEConfig) -> list[str]:
-    """The tensor names (below ``model.layers.N.``) an MoE layer's checkpoint must hold."""
+def moe_weight_names(moe: MoEConfig, experts: range | None = None) -> list[str]:
+    """The tensor names (below ``model.layers.N.``) an MoE layer's checkpoint must hold for
+    ``experts`` (None: all of them; under expert parallelism a rank reads its own)."""
     p = moe.prefix
     names = [f"{p}.gate.weight"]
     if moe.correction_bias:
         names.append(f"{p}.gate.e_score_correction_bias")
-    names += [f"{p}.experts.{e}.{n}.weight" for e in range(moe.num_experts)
+    names += [f"{p}.experts.{e}.{n}.weight" for e in experts or range(moe.num_experts)
               for n in moe.expert_names]
     if moe.shared_intermediate_size:
         names += [f"{p}.shared_experts.{n}.weight" for n in _SHARED]

@@ -12,7 +12,8 @@ overlap) each is one fused op that overlaps the two.
     q/k/v, gate/up   column-parallel: each rank holds its heads' rows / its MLP columns
     o, down          row-parallel: each rank holds the matching input columns; outputs summed
     MoE experts      each expert split like the MLP (its gate/up rows, its down columns); the
-                     router and the routing are replicated, and one all-reduce sums the layer
+                     router and the routing are replicated, and one all-reduce sums the layer;
+                     with expert parallelism each rank holds experts / tp whole experts instead
     norms            replicated: the layer norms act on the whole hidden vector, Qwen3's q/k
                      norms on each head alone, so every rank holds all of their weights
 
@@ -177,12 +178,17 @@ def _split(total: int, parts: int, index: int) -> range:
     return range(start, start + base + (index < extra))
 
 
-def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
-    """The slice of `config`'s model that rank ``tp.rank`` of ``tp.world_size`` holds.
+def plan_shards(config: ModelConfig, tp: TensorParallel | None, *,
+                expert_parallel: bool = False) -> ShardPlan:
+    """The slice of `config`'s model that rank ``tp.rank`` of ``tp.world_size`` holds; with
+    ``expert_parallel``, an MoE model's routed experts go whole to the ranks (``experts /
+    world_size`` each) instead of each being split over all of them.
 
     Raises:
         TensorParallelError: ``world_size`` exceeds the query heads, or exceeds the KV heads
-            without being a multiple of them (the message lists the sizes that work).
+            without being a multiple of them (the message lists the sizes that work); expert
+            parallelism for a dense model, or over a world size that does not divide the
+            experts.
     """
     rank, world = (tp.rank, tp.world_size) if tp else (0, 1)
     nh, nkv = config.shape.num_attention_heads, config.shape.num_kv_heads
@@ -191,9 +197,20 @@ def plan_shards(config: ModelConfig, tp: TensorParallel | None) -> ShardPlan:
         kv = kv_head_range(nkv, world, rank)
     except HeadSplitError as e:
         raise TensorParallelError(str(e)) from None
-    moe = config.moe
+    moe, dense = config.moe, _split(config.shape.intermediate_size, world, rank)
     if moe is None:
-        return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank))
-    return ShardPlan(q, kv, _split(config.shape.intermediate_size, world, rank),
-                     _split(moe.intermediate_size, world, rank),
-                     _split(moe.shared_intermediate_size, world, rank), range(moe.num_experts))
+        if expert_parallel:
+            raise TensorParallelError("expert parallelism needs an MoE model; this one is "
+                                      "dense: drop --enable-expert-parallel")
+        return ShardPlan(q, kv, dense)
+    shared = _split(moe.shared_intermediate_size, world, rank)
+    if not expert_parallel:
+        return ShardPlan(q, kv, dense, _split(moe.intermediate_size, world, rank), shared,
+                         range(moe.num_experts))
+    if moe.num_experts % world:
+        sizes = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
+        raise TensorParallelError(f"expert parallelism over tp={world} ranks: {moe.num_experts} "
+                                  f"experts do not split evenly; allowed tp: {sizes}")
+    per_rank = moe.num_experts // world
+    return ShardPlan(q, kv, dense, range(moe.intermediate_size), shared,
+                     range(rank * per_rank, (rank + 1) * per_rank))

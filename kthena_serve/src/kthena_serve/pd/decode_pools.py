@@ -52,7 +52,8 @@ class DecodePools:
                              f"worker writes {kv_dtype_name(self.config)}: start both with the "
                              "same --dtype and --kv-cache-dtype")
         m = self.model
-        return kv_layout_for(m.config.shape.num_layers, m.num_kv_heads_per_rank, m.head_dim, cfg)
+        return kv_layout_for(m.config.shape.num_layers, m.num_kv_heads_per_rank, m.head_dim, cfg,
+                             num_parts=m.kv_parts)
 
     def check(self, ref: PoolRef) -> tuple[str, KVLayout]:
         """The key of the pool ``ref`` names here, and its layout (checked on every task, not

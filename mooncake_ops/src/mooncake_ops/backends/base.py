@@ -11,12 +11,13 @@ from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["MC2_OPS", "OP_NAMES", "DeviceBackend", "OpImpl"]
+__all__ = ["MC2_OPS", "MOE_DISTRIBUTE_OPS", "OP_NAMES", "DeviceBackend", "OpImpl"]
 
+MC2_OPS = ("matmul_all_reduce", "all_gather_matmul", "matmul_reduce_scatter")
+MOE_DISTRIBUTE_OPS = ("moe_distribute_dispatch", "moe_distribute_combine")
 OP_NAMES = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
             "rotary_embedding", "silu_and_mul", "int8_linear", "gather_blocks", "scatter_blocks",
-            "matmul_all_reduce", "all_gather_matmul", "matmul_reduce_scatter")
-MC2_OPS = OP_NAMES[-3:]
+            *MC2_OPS, *MOE_DISTRIBUTE_OPS)
 
 
 @attrs.frozen

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mooncake_ops.backends import mc2_symm_mem, mc2_tiled, sdpa
+from mooncake_ops.backends import mc2_symm_mem, mc2_tiled, moe_a2a, sdpa
 from mooncake_ops.backends import reference as ref
-from mooncake_ops.backends.base import MC2_OPS, OP_NAMES, OpImpl
+from mooncake_ops.backends.base import MC2_OPS, MOE_DISTRIBUTE_OPS, OP_NAMES, OpImpl
 
 REFERENCE = "torch-reference"
 SDPA = "torch-sdpa"
@@ -22,6 +22,7 @@ NATIVE_CPU_PREFILL = ("native-cpp (fp32 arithmetic, AVX2); else torch-sdpa (flas
 SDPA_CPU_NATIVE_INT8 = "torch-sdpa (flash cpu, cached/new split; int8 prefix: native-cpp)"
 TILED = "torch-tiled (kthena_comm async collectives)"
 SYMM_MEM = "torch symm_mem.{op} (async-TP)"
+A2A = "torch-a2a (kthena_comm async all-to-all, sort by expert fused)"
 NATIVE = "native-cpp"
 
 NPU_OPS: Mapping[str, str] = {
@@ -37,12 +38,16 @@ NPU_OPS: Mapping[str, str] = {
     "matmul_all_reduce": "torch_npu.npu_mm_all_reduce_base",
     "all_gather_matmul": "torch_npu.npu_all_gather_base_mm",
     "matmul_reduce_scatter": "torch_npu.npu_mm_reduce_scatter_base",
+    "moe_distribute_dispatch": "torch_npu.npu_moe_distribute_dispatch",
+    "moe_distribute_combine": "torch_npu.npu_moe_distribute_combine",
 }
 
 
 def reference_table() -> dict[str, OpImpl]:
-    table = {op: OpImpl(getattr(ref, op), REFERENCE) for op in OP_NAMES if op not in MC2_OPS}
-    return table | {op: OpImpl(getattr(mc2_tiled, op), TILED) for op in MC2_OPS}
+    portable = (*MC2_OPS, *MOE_DISTRIBUTE_OPS)
+    table = {op: OpImpl(getattr(ref, op), REFERENCE) for op in OP_NAMES if op not in portable}
+    table |= {op: OpImpl(getattr(mc2_tiled, op), TILED) for op in MC2_OPS}
+    return table | {op: OpImpl(getattr(moe_a2a, op), A2A) for op in MOE_DISTRIBUTE_OPS}
 
 
 class CpuBackend:

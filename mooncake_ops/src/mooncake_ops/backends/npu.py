@@ -15,6 +15,10 @@ documented constraints, or ops missing from the installed torch_npu, run the por
     matmul_all_reduce         npu_mm_all_reduce_base(x, w, hcom)      float32
     all_gather_matmul         npu_all_gather_base_mm(x, w, hcom, W)   float32, bias, K outside
     matmul_reduce_scatter     npu_mm_reduce_scatter_base(x, w, hcom, W)  [256, 65535), W not 2/4/8
+    moe_distribute_dispatch   npu_moe_distribute_dispatch(x, ids, hcom,  float32, one rank,
+                              W, rank, E)                             T outside 1..256, H not a
+    moe_distribute_combine    npu_moe_distribute_combine(...,            multiple of 32 up to
+                              tp_send_counts=)                        7168, top_k > 8
 
 ``hcom`` is the group's HCCL communicator name: ``CommGroup.hccl_comm_name``, which
 ``init_parallel_groups`` fills in on hccl (else looked up from the group's process group).
@@ -24,10 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import attrs
 import torch
+import torch.nn.functional as F
 
 from kthena_comm.hccl import hccl_comm_name
-from mooncake_ops.backends import mc2_tiled, sdpa
+from mooncake_ops.backends import mc2_tiled, moe_a2a, sdpa
 from mooncake_ops.backends import reference as ref
 from mooncake_ops.backends.base import OpImpl
 from mooncake_ops.backends.devices import NPU_OPS, reference_table
@@ -115,6 +121,57 @@ def matmul_reduce_scatter(x, w, comm, num_tiles, bias=None, timeout_s=None):
     return load().mm_reduce_scatter_base(x, w, _hcom(comm), comm.size)
 
 
+# npu_moe_distribute_dispatch's documented shapes, on the narrower product line (Atlas A2):
+# 0 < tokens <= 256, hidden a multiple of 32 up to 7168, 0 < top_k <= 8; x bf16 or fp16.
+_MOE_MAX_TOKENS, _MOE_MAX_HIDDEN, _MOE_MAX_TOP_K = 256, 7168, 8
+
+
+@attrs.frozen(eq=False)
+class NpuMoEHandle:
+    """torch_npu's dispatch outputs that its combine takes back (``ep_send_counts`` is the
+    dispatch's ``ep_recv_counts``: combine returns along the path dispatch came)."""
+
+    num_rows: int  # expand_x's rows (A, the buffer), not the rows filled
+    expand_idx: torch.Tensor
+    ep_recv_counts: torch.Tensor
+    tp_recv_counts: torch.Tensor
+    expert_ids: torch.Tensor  # int32 [T, top_k]
+    expert_scales: torch.Tensor  # float32 [T, top_k]
+    hcom: str
+    num_experts: int
+
+
+def _moe_fits(x, ids, comm) -> bool:
+    api = load()
+    tokens, hidden = x.shape
+    return (api.has("npu_moe_distribute_dispatch") and api.has("npu_moe_distribute_combine")
+            and comm.size > 1 and x.dtype in HALF_TYPES and 0 < tokens <= _MOE_MAX_TOKENS
+            and hidden % 32 == 0 and hidden <= _MOE_MAX_HIDDEN
+            and ids.shape[1] <= _MOE_MAX_TOP_K)
+
+
+def moe_distribute_dispatch(x, weights, ids, comm, experts, num_experts):
+    if not _moe_fits(x, ids, comm):
+        return moe_a2a.moe_distribute_dispatch(x, weights, ids, comm, experts, num_experts)
+    hcom, expert_ids = _hcom(comm), ids.to(torch.int32)
+    expand_x, _, expand_idx, token_nums, ep_recv, tp_recv, _ = load().moe_distribute_dispatch(
+        x, expert_ids, hcom, comm.size, comm.group_rank, num_experts)
+    handle = NpuMoEHandle(expand_x.shape[0], expand_idx, ep_recv, tp_recv, expert_ids,
+                          weights.float(), hcom, num_experts)
+    return moe_a2a.MoEDispatch(expand_x, tuple(int(c) for c in token_nums.tolist()), experts,
+                               x.shape[0], x.dtype, None, handle)
+
+
+def moe_distribute_combine(out_rows, dispatch, comm):
+    h = dispatch.handle
+    if not isinstance(h, NpuMoEHandle):
+        return moe_a2a.moe_distribute_combine(out_rows, dispatch, comm)
+    expand = F.pad(out_rows, (0, 0, 0, h.num_rows - out_rows.shape[0]))  # back to A rows
+    return load().moe_distribute_combine(expand, h.expert_ids, h.expand_idx, h.ep_recv_counts,
+                                         h.expert_scales, h.hcom, comm.size, comm.group_rank,
+                                         h.num_experts, tp_send_counts=h.tp_recv_counts)
+
+
 class NpuBackend:
     """torch_npu fused ops where documented, the portable paths elsewhere (see module doc)."""
 
@@ -124,6 +181,7 @@ class NpuBackend:
         table = reference_table()
         table["paged_prefill_attention"] = OpImpl(sdpa.paged_prefill_attention, "torch-sdpa")
         for fn in (write_kv, paged_decode_attention, rms_norm, silu_and_mul, matmul_all_reduce,
-                   all_gather_matmul, matmul_reduce_scatter):
+                   all_gather_matmul, matmul_reduce_scatter, moe_distribute_dispatch,
+                   moe_distribute_combine):
             table[fn.__name__] = OpImpl(fn, NPU_OPS[fn.__name__])
         return table

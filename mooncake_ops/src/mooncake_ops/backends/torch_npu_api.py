@@ -13,7 +13,7 @@ README (branch ``v{torch}-{release}``); the release decides the keyword spelling
 
 The other ops keep one signature across those releases (positional tensors, then
 ``epsilon=`` / ``dim=`` / ``reduce_op=`` / ``bias=`` / ``gather_output=`` keywords), checked
-against the same API references; an op missing from the installed torch_npu is reported by
+against the same API references (the MoE dispatch / combine pair: the 7.0.0 reference); an op missing from the installed torch_npu is reported by
 ``has`` so the backend runs its portable path instead. The MC2 ops take the group's HCCL
 communicator name (``hcom``), which the caller resolves (kthena_comm ``CommGroup``).
 UNVERIFIED ON HARDWARE: see docs/accelerators.md for what was checked against what.
@@ -33,7 +33,8 @@ __all__ = ["OPS", "NpuVersionError", "TorchNpuOps", "TorchNpuRelease", "load", "
 
 OPS = ("npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache", "npu_rms_norm",
        "npu_add_rms_norm", "npu_swiglu", "npu_mm_all_reduce_base", "npu_all_gather_base_mm",
-       "npu_mm_reduce_scatter_base")
+       "npu_mm_reduce_scatter_base", "npu_moe_distribute_dispatch",
+       "npu_moe_distribute_combine")
 
 # First torch_npu build of each torch line that belongs to Ascend Extension 7.0.0 (README table).
 _FIRST_7_0 = {(2, 1, 0): 12, (2, 3, 1): 6, (2, 4, 0): 4, (2, 5, 1): 0}
@@ -129,6 +130,25 @@ class TorchNpuOps:
 
     def mm_reduce_scatter_base(self, x1: Any, x2: Any, hcom: str, world_size: int) -> Any:
         return self._npu.npu_mm_reduce_scatter_base(x1, x2, hcom, world_size, reduce_op="sum")
+
+    def moe_distribute_dispatch(self, x: Any, expert_ids: Any, group_ep: str,
+                                ep_world_size: int, ep_rank_id: int,
+                                moe_expert_num: int) -> tuple:
+        """(expand_x, dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts,
+        tp_recv_counts, expand_scales); no quantisation, no TP domain, no shared-expert
+        ranks, expert_token_nums as counts (``expert_token_nums_type=1``)."""
+        return self._npu.npu_moe_distribute_dispatch(
+            x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+            quant_mode=0, shared_expert_rank_num=0, expert_token_nums_type=1)
+
+    def moe_distribute_combine(self, expand_x: Any, expert_ids: Any, expand_idx: Any,
+                               ep_send_counts: Any, expert_scales: Any, group_ep: str,
+                               ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
+                               tp_send_counts: Any) -> Any:
+        return self._npu.npu_moe_distribute_combine(
+            expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, group_ep,
+            ep_world_size, ep_rank_id, moe_expert_num, tp_send_counts=tp_send_counts,
+            shared_expert_rank_num=0)
 
 
 @functools.cache
