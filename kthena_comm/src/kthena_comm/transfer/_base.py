@@ -28,6 +28,7 @@ from kthena_comm.transfer.engine import (
 )
 from kthena_comm.transfer.handle import MemoryHandle
 from kthena_comm.transfer.memory import MemoryLocation
+from kthena_comm.transfer.tcp_queues import SocketBacklog
 
 #: how often ``poll_notifies`` re-checks a transport that cannot wake it
 _NOTIFY_POLL_S = 0.002
@@ -156,6 +157,13 @@ class BaseEngine:
 
     def wait(self, futures: Iterable[TransferFuture], timeout_s: float | None = None) -> None:
         wait_all(futures, timeout_s)
+
+    def wire_backlog(self, peer: MemoryHandle) -> SocketBacklog | None:
+        """What a finished (or failed) transfer to or from ``peer`` may still deliver outside
+        this engine's futures: none here (a done future of an in-process engine is the end of
+        its bytes); engines over TCP sockets report their kernel queues (`tcp_queues`)."""
+        del peer
+        return SocketBacklog(0, 0, 0)
 
     def close(self) -> None:
         with self._lock:

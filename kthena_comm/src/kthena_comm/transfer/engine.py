@@ -25,6 +25,7 @@ from kthena_comm.errors import TransferError, TransferTimeoutError, UnknownBacke
 from kthena_comm.transfer.batch import TransferBatch
 from kthena_comm.transfer.handle import MemoryHandle, TransferOp
 from kthena_comm.transfer.memory import MemoryLocation
+from kthena_comm.transfer.tcp_queues import SocketBacklog
 
 Batch = Sequence[TransferOp] | TransferBatch
 """What the batch verbs accept: ``TransferOp`` values, or one columnar ``TransferBatch``."""
@@ -100,6 +101,10 @@ class TransferEngine(Protocol):
 
     def wait(self, futures: Iterable[TransferFuture], timeout_s: float | None = None) -> None:
         """Wait for every future; raises the first error."""
+
+    def wire_backlog(self, peer: MemoryHandle) -> SocketBacklog | None:
+        """Bytes to or from ``peer`` that this process's kernel still holds beyond every
+        future (TCP transports; zero for in-process ones; None: cannot say)."""
 
     def close(self) -> None:
         """Release memory, connections and threads; a second call does nothing."""

@@ -56,6 +56,7 @@ from kthena_comm.transfer.batch import Column, Ranges
 from kthena_comm.transfer.engine import BackendEntry, TransferFuture, register_backend
 from kthena_comm.transfer.handle import MemoryHandle
 from kthena_comm.transfer.memory import MemoryLocation
+from kthena_comm.transfer.tcp_queues import SocketBacklog, host_addresses, socket_backlog
 
 
 @attrs.frozen
@@ -183,6 +184,12 @@ class MooncakeEngine(BaseEngine):
         inner = self._executor.submit(self._await_batches, op, batch_ids, began)
         return TransferFuture(inner, self.backend, ",".join(p for p, _ in batch_ids), op,
                               self.timeout_s)
+
+    def wire_backlog(self, peer: MemoryHandle) -> SocketBacklog | None:
+        """This process's kernel queues on its TCP sockets to ``peer``'s host: a put or get
+        that Mooncake reported failed (a timeout on a partitioned link) may still deliver
+        what its sockets hold once the link heals (`tcp_queues`). None off Linux (unknown)."""
+        return socket_backlog(host_addresses(peer.peer))
 
     def _send_notify(self, peer: str, message: bytes) -> None:
         handle = self._notify_target.pop(peer, None) or self._known_remote.get(peer)

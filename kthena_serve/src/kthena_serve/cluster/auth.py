@@ -34,7 +34,7 @@ __all__ = ["DECODE_TO_PREFILL_PATHS", "LOOPBACK_HOSTS", "SECRET_ENV", "auth_head
            "check_prefill_url", "new_secret", "signed_json"]
 
 DECODE_TO_PREFILL_PATHS = frozenset({"/pd/prefill", "/pd/cancel", "/pd/kv/lease",
-                                     "/pd/kv/release"})
+                                     "/pd/kv/release", "/pd/kv/backlog"})
 
 SECRET_ENV = "KTHENA_PD_SECRET"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

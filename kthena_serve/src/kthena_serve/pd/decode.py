@@ -13,7 +13,8 @@
 
 Blocks a prefill worker may still be writing are never handed to anyone else: after a
 timeout or a dropped connection the reservation is *quarantined* until the prefill worker
-says the request is not running (it drops queued ones) or is unreachable (dead).
+says nothing of the request runs or is left in its sockets (it drops queued ones), or is
+unreachable (dead), and this process's kernel holds nothing more from it (`late_writes`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kthena_serve.cluster.auth import signed_json
 from kthena_serve.engine.errors import EngineDeadError
 from kthena_serve.engine.request import EngineRequest, RequestOutput
 from kthena_serve.pd.config import FailurePolicy, PDConfig
+from kthena_serve.pd.late_writes import LateWrites
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
 
@@ -163,25 +165,34 @@ class DecodeService:
         await self.engine.release(rid)
 
     async def _settle_and_release(self, url: str, rid: str) -> None:
-        """Wait until the prefill worker is not writing ``rid`` (or is dead), then free it."""
+        """Free ``rid``'s blocks once nothing of its failed hand-off can land any more: the
+        prefill worker says nothing of it is left on its side (or is gone), and then this
+        process's kernel holds nothing unread from it (`late_writes`)."""
         self.num_quarantined += 1
+        late = LateWrites(httpx.URL(url).host)
         try:
-            while True:
-                try:
-                    body, headers = signed_json(self._secret, "/pd/cancel",
-                                                {"request_id": rid})
-                    reply = await self.client.post(f"{url}/pd/cancel", content=body,
-                                                   headers=headers, timeout=1.0)
-                    if not reply.json().get("busy", False):
-                        break
-                except httpx.ConnectError:
-                    break  # refused: the process is gone, nothing writes any more
-                except httpx.TransportError:
-                    pass  # slow or stopped (SIGSTOP): it may still write; ask again
-                await asyncio.sleep(0.1)
+            peer_settled = await self._ask_until_settled(url, rid)
+            while not late.drained(peer_settled):
+                await asyncio.sleep(0.05)
             await self._release(rid)
         finally:
             self.num_quarantined -= 1
+
+    async def _ask_until_settled(self, url: str, rid: str) -> bool:
+        """Ask the prefill worker until it is not writing ``rid``: True; False if it is gone
+        (its port refuses; its kernel may still send what its sockets held)."""
+        while True:
+            try:
+                body, headers = signed_json(self._secret, "/pd/cancel", {"request_id": rid})
+                reply = await self.client.post(f"{url}/pd/cancel", content=body,
+                                               headers=headers, timeout=1.0)
+                if not reply.json().get("busy", False):
+                    return True
+            except httpx.ConnectError:
+                return False
+            except httpx.TransportError:
+                pass  # slow or stopped (SIGSTOP): it may still write; ask again
+            await asyncio.sleep(0.1)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -49,8 +49,9 @@ from kthena_serve.engine.scheduled import Reservation
 from kthena_serve.pd.config import FailurePolicy, PDConfig
 from kthena_serve.pd.decode import HandoffError, prefill_client
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
+from kthena_serve.pd.late_writes import LateWrites
 from kthena_serve.pd.metrics import PDMetrics
-from kthena_serve.pd.transfer import BlockGetter
+from kthena_serve.pd.transfer import QUIET_S, BlockGetter
 from mooncake_kv.layout import KVLayout
 
 __all__ = ["DecodeConnector", "Lease"]
@@ -182,7 +183,7 @@ class DecodeConnector:
             self._spawn(self._release_after(get, lease, rid))
             raise
         except TransferTimeoutError as error:  # the engine may still write: keep the blocks
-            self._spawn(self._quarantine(rid))
+            self._spawn(self._quarantine(rid, lease.remote))
             self._spawn(self.release_remote(lease))
             return f"timeout: {error}"
         except Exception as error:  # noqa: BLE001 - any failed get: the policy decides
@@ -220,13 +221,38 @@ class DecodeConnector:
         await self.release_remote(lease)
         await self.engine.release(rid)
 
-    async def _quarantine(self, rid: str) -> None:
+    async def _quarantine(self, rid: str, remote: RemotePrefill) -> None:
+        """Free ``rid``'s blocks once nothing of its timed-out get can land any more: the
+        prefill worker's sockets to this host hold no unacknowledged byte on two looks
+        `QUIET_S` apart (or it is gone), and then this process's hold nothing unread from it
+        (`late_writes`)."""
         self.num_quarantined += 1
+        late = LateWrites(httpx.URL(remote.url).host)
         try:
-            await asyncio.sleep(self.config.transfer_timeout_s)
+            peer_settled = await self._peer_quiet(remote)
+            while not late.drained(peer_settled):
+                await asyncio.sleep(0.05)
             await self.engine.release(rid)
         finally:
             self.num_quarantined -= 1
+
+    async def _peer_quiet(self, remote: RemotePrefill) -> bool:
+        """Poll /pd/kv/backlog until the prefill worker has sent this host nothing it has not
+        acknowledged, twice `QUIET_S` apart: True; False once it is gone (refused)."""
+        quiet = 0
+        while quiet < 2:
+            try:
+                content, headers = signed_json(self._secret, "/pd/kv/backlog", {})
+                reply = await self.client.post(f"{remote.url}/pd/kv/backlog", content=content,
+                                               headers=headers, timeout=1.0)
+                unacked = reply.json().get("unacked") if reply.status_code == 200 else None
+                quiet = quiet + 1 if unacked == 0 else 0
+            except httpx.ConnectError:
+                return False  # refused: gone
+            except (httpx.TransportError, ValueError):
+                quiet = 0  # slow or stopped: it may still send; ask again
+            await asyncio.sleep(QUIET_S)
+        return True
 
     def count_failure(self, reason: str, detail: str) -> None:
         """Count a failed pull; raise HandoffError when the policy is ``fail``."""

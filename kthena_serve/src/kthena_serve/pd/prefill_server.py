@@ -247,7 +247,9 @@ class _Sweeper:
 
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
                handle: MemoryHandle | None, layout: KVLayout) -> None:
-    """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them."""
+    """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them;
+    /pd/kv/backlog: what a get it gave up on may still deliver (`late_writes`)."""
+    from kthena_comm.transfer.tcp_queues import host_addresses, socket_backlog
     from kthena_serve.pd.pins import PinError
 
     @app.post("/pd/kv/lease")
@@ -285,6 +287,18 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                              "fingerprint": layout.shape.fingerprint(),
                              "kind": layout.kind.value, "first_token_id": pin.first_token_id,
                              "first_token_logprobs": pin.first_token_logprobs})
+
+    @app.post("/pd/kv/backlog")
+    async def kv_backlog(request: Request) -> Response:
+        """What this process's kernel still holds for the caller's host: bytes sent to it and
+        not acknowledged (a get it served that the caller gave up on may still deliver them);
+        null where the kernel cannot be read."""
+        caller = request.client.host if request.client else ""
+        try:
+            backlog = socket_backlog(host_addresses(caller))
+        except ValueError:
+            backlog = None
+        return JSONResponse({"unacked": None if backlog is None else backlog.unacked})
 
     @app.post("/pd/kv/release")
     async def kv_release(request: Request) -> Response:

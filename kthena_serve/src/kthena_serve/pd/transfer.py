@@ -18,9 +18,12 @@ fills only partly goes with a later chunk). The session works over any kthena_co
 as the benchmark does). A failed put is kept, not raised into the model's forward (the batch's
 other requests go on); ``finish`` raises it once every put of the request has settled or its
 deadline has passed. A put past its deadline may still be running (a partitioned link holds
-it in the kernel; after healing its bytes land): ``settled`` says when none is, and until then
-the prefill worker answers that the request is still writing (``PrefillExecutor.cancel``), so
-the decode worker keeps the destination blocks quarantined instead of handing them out.
+it in the kernel; after healing its bytes land): ``settled`` says when none is (every future
+done, and the kernel holds no unacknowledged byte to the decode host: ``wire_backlog``), and
+until then the prefill worker answers that the request is still writing
+(``PrefillExecutor.cancel``), so the decode worker keeps the destination blocks quarantined
+instead of handing them out; it frees them only once its own kernel holds no unread byte from
+the prefill host either (`kthena_serve.pd.late_writes`).
 
 Get (behind the Kthena router, ``BlockGetter``): the prefill worker serves its own pool — in a
 ``shm`` segment other processes on the host can map (``shm_segment_pool``), or registered with
@@ -104,6 +107,12 @@ class BlockPush(Protocol):
         """Whether no put of this push is running (none may land any more); any thread."""
 
 
+# How long the kernel must show no unacknowledged byte to the decode host before a session's
+# blocks count as settled: bytes the transport still held in user space at the first look would
+# be in the kernel by the second (Mooncake hands a slice to its socket as soon as room frees).
+QUIET_S = 0.05
+
+
 class PushSession:
     """One request's KV push from a local pool into a remote one (see the module docs).
 
@@ -127,6 +136,7 @@ class PushSession:
         self._num_checked = 0  # futures _failed has seen finish
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._quiet_since: float | None = None  # when `settled` first saw no backlog
 
     def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Put ``layer``'s K/V of ``src_ids[i]`` -> remote ``dst_ids[i]`` asynchronously.
@@ -167,10 +177,30 @@ class PushSession:
         return self.num_bytes
 
     def settled(self) -> bool:
-        """Whether every put submitted so far has completed or failed (a put that ``finish``
-        stopped waiting for may still be running: it may still write the remote blocks)."""
+        """Whether nothing of this session can still write the remote blocks: every put
+        submitted has completed or failed, and the kernel holds no byte this process sent to
+        the decode host that the peer has not acknowledged (`TransferEngine.wire_backlog`: a
+        put that Mooncake reported failed on a partitioned link leaves its bytes in the
+        socket, and TCP delivers them when the link heals). The zero backlog must be seen on
+        two calls at least `QUIET_S` apart, so bytes the transport had not yet handed to the
+        kernel at the first look are seen at the second. Only a session with a failed put
+        needs that (a put that completed wrote its bytes); with an unknown backlog (not
+        Linux) such a session never settles."""
         with self._lock:
-            return all(future.done() for future in self._futures[self._num_checked:])
+            done = all(future.done() for future in self._futures[self._num_checked:])
+        if not done:
+            self._quiet_since = None
+            return False
+        if not self._failed():
+            return True  # every put completed: Mooncake confirmed its bytes written
+        backlog = self.engine.wire_backlog(self.remote)
+        if backlog is None or backlog.unacked:
+            self._quiet_since = None
+            return False
+        now = time.monotonic()
+        if self._quiet_since is None:
+            self._quiet_since = now
+        return now - self._quiet_since >= QUIET_S
 
     def _failed(self) -> bool:
         """Whether a put failed already (the ones that finished are looked at once)."""
