@@ -4,6 +4,7 @@ A tiny DeepSeek-V3 checkpoint (transformers' own, random weights) in float32:
 
 * the engine's pool is a latent layout: layers x (kv_lora_rank + qk_rope_head_dim) x 4 bytes
   per token, one tensor per layer, equal to kthena_core's ``ModelSpec.kv_bytes_per_token``;
+* the host KV tier stores and promotes latent blocks as they are;
 * a PD hand-off over Mooncake (127.0.0.1), layer by layer and in one batch, moves exactly the
   prompt's latent blocks (``handoff_bytes`` = blocks x the latent block size, half of what a
   K/V pool of that width would move), and the decode engine then gives transformers' greedy
@@ -116,3 +117,36 @@ def test_the_zero_copy_handoff_gives_transformers_tokens(deepseek, decode, execu
     assert [tokens[t.request_id] for t in tasks] == [hf_greedy(hf, p) for p in PROMPTS]
     assert torch.all(decode.runner.pool.k_cache(0)[tasks[0].block_ids[0]] != 0)
     assert_no_blocks_held(decode, executor)
+
+
+def test_the_host_tier_keeps_and_promotes_latent_blocks(deepseek):  # noqa: ANN001
+    """An evicted prompt's latent blocks come back from the host tier (``--kv-offload``) and
+    give transformers' tokens: the tier moves the latent layout's blocks as they are."""
+    folder, hf, net = deepseek
+    first, second = PROMPTS[0], [(7 * i + 3) % 250 for i in range(32)]
+    config = EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=10, block_size=4,
+                          max_num_seqs=1, kv_offload="host=16MiB", check_invariants=True)
+    engine = LLMEngine.from_config(config, model=net, tokenizer=Tokenizer.from_pretrained(folder))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def serve(rid: str, prompt: list[int]):  # noqa: ANN202
+        engine.add_request(rid, prompt, params)
+        out = finish_all(engine)[rid]
+        assert engine.offloader.drain(30.0)
+        return out
+
+    try:
+        assert engine.runner.pool.layout.shape.num_parts == 1
+        serve("a", first)
+        serve("b", second)  # 9 of the 10 blocks: a's are evicted from the pool
+        again = serve("a2", first)
+        assert again.num_cached_tokens == 16  # 4 latent blocks: the pool's, and the tier's
+        assert list(again.token_ids) == hf_greedy(hf, first)[:4]
+        (host,) = engine.stats().kv_tiers
+        assert host.num_promoted_blocks >= 1  # b's blocks evicted some of them
+        block = engine.runner.pool.layout.bytes_per_block
+        assert block == 4 * 3 * (32 + 8) * 4  # latent only
+        assert host.num_bytes_out >= host.num_promoted_blocks * block
+    finally:
+        engine.close()
+    assert engine.kv.stats().num_used_blocks == 0
