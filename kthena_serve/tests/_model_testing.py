@@ -104,3 +104,22 @@ def load_ours(folder, tp=None, *, expert_parallel: bool = False) -> LlamaForCaus
     load_weights(model, folder)
     model.reset_rope_cache()
     return model.eval()
+
+
+def assert_greedy_on_every_path(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]],
+                                expected: list[list[int]], new_tokens: int,
+                                computed_after_first: int) -> None:
+    """``model``'s greedy tokens equal ``expected`` one prompt at a time, batched, with chunked
+    prefill (chunks of 3) and with prefix hits: with the first prompt served before, the
+    batch computes ``computed_after_first`` prompt tokens (the full blocks of 4 it shares with
+    the first are read, not recomputed)."""
+    assert [GreedyRunner(model, block_size=4).generate([p], new_tokens)[0]
+            for p in prompts] == expected
+    assert GreedyRunner(model, block_size=4).generate(prompts, new_tokens) == expected
+    assert GreedyRunner(model, block_size=4).generate(prompts, new_tokens,
+                                                      prefill_chunk=3) == expected
+    runner = GreedyRunner(model, block_size=4)
+    runner.generate(prompts[:1], new_tokens)
+    before = runner.num_computed_prompt_tokens
+    assert runner.generate(prompts, new_tokens, reuse_prefix=True) == expected
+    assert runner.num_computed_prompt_tokens - before == computed_after_first

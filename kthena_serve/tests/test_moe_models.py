@@ -24,7 +24,7 @@ import json
 import attrs
 import pytest
 import torch
-from _model_testing import GreedyRunner, load_ours
+from _model_testing import GreedyRunner, assert_greedy_on_every_path, load_ours
 from _moe_families import FAMILIES, NEW_TOKENS, PROMPTS, SPARSE_LAYERS, hf_greedy, save_family
 
 from kthena_serve.model import (
@@ -124,18 +124,9 @@ def test_bf16_logits_are_within_transformers_bf16_rounding(family):
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(family):
     _, folder, hf = family
-    model = load_ours(folder)
     expected = [hf_greedy(hf, p) for p in PROMPTS]
-    assert [GreedyRunner(model, block_size=4).generate([p], NEW_TOKENS)[0]
-            for p in PROMPTS] == expected
-    assert GreedyRunner(model, block_size=4).generate(PROMPTS, NEW_TOKENS) == expected
-    assert GreedyRunner(model, block_size=4).generate(PROMPTS, NEW_TOKENS,
-                                                      prefill_chunk=3) == expected
-    runner = GreedyRunner(model, block_size=4)
-    runner.generate(PROMPTS[:1], NEW_TOKENS)
-    before = runner.num_computed_prompt_tokens
-    assert runner.generate(PROMPTS, NEW_TOKENS, reuse_prefix=True) == expected
-    assert runner.num_computed_prompt_tokens - before == 4 + 3 + (22 - 16)
+    assert_greedy_on_every_path(load_ours(folder), PROMPTS, expected, NEW_TOKENS,
+                                computed_after_first=4 + 3 + (22 - 16))
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ import json
 
 import pytest
 import torch
-from _model_testing import GreedyRunner, load_ours
+from _model_testing import GreedyRunner, assert_greedy_on_every_path, load_ours
+from _moe_families import write_tokenizer
 
 from kthena_core.model_spec import ModelSpec
 from kthena_serve.model import (
@@ -60,21 +61,6 @@ NEW_TOKENS = 12
 ROUNDING_ROOM = 4.0
 
 
-def _write_tokenizer(folder) -> None:
-    """A byte-level tokenizer with no merges (256 byte tokens, 3 specials): enough for the
-    engine to load the folder; the tests feed token ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-
-
 def _save_qwen3(folder, **overrides):
     """transformers' Qwen3ForCausalLM with random weights (norms drawn from [0.5, 1.5], so a
     norm weight applied wrong shows), saved as safetensors with a tokenizer; returns it."""
@@ -85,7 +71,7 @@ def _save_qwen3(folder, **overrides):
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     model.eval().save_pretrained(folder)
-    _write_tokenizer(folder)
+    write_tokenizer(folder)
     return model
 
 
@@ -164,18 +150,9 @@ def test_bf16_logits_are_within_transformers_bf16_rounding(tiny):
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny):
     folder, hf = tiny
-    model = load_ours(folder)
     expected = [_hf_greedy(hf, p) for p in PROMPTS]
-    assert [GreedyRunner(model, block_size=4).generate([p], NEW_TOKENS)[0]
-            for p in PROMPTS] == expected
-    assert GreedyRunner(model, block_size=4).generate(PROMPTS, NEW_TOKENS) == expected
-    assert GreedyRunner(model, block_size=4).generate(PROMPTS, NEW_TOKENS,
-                                                      prefill_chunk=3) == expected
-    runner = GreedyRunner(model, block_size=4)
-    runner.generate(PROMPTS[:1], NEW_TOKENS)
-    before = runner.num_computed_prompt_tokens
-    assert runner.generate(PROMPTS, NEW_TOKENS, reuse_prefix=True) == expected
-    assert runner.num_computed_prompt_tokens - before == 4 + 3 + (22 - 16)
+    assert_greedy_on_every_path(load_ours(folder), PROMPTS, expected, NEW_TOKENS,
+                                computed_after_first=4 + 3 + (22 - 16))
 
 
 @pytest.mark.slow
