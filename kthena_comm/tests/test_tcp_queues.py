@@ -22,15 +22,16 @@ LOOPBACK = host_addresses("127.0.0.1")
 
 @contextlib.contextmanager
 def connected_pair():
-    """A connected (client, server-side) pair of TCP sockets on 127.0.0.1; both closed after."""
+    """A connected (client, server-side) pair of TCP sockets on 127.0.0.1, the listener still
+    listening; all closed after."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())
         server, _ = listener.accept()
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
+        try:
+            yield client, server
+        finally:
+            client.close()
+            server.close()
 
 
 def settle(check, timeout_s: float = 5.0) -> None:  # noqa: ANN001
@@ -61,6 +62,13 @@ def test_a_closed_peer_leaves_the_sending_states_and_other_hosts_are_not_counted
         settle(lambda: any(not s.peer_may_send for s in tcp_sockets(LOOPBACK)
                            if s.inode in ours))
         assert socket_backlog(host_addresses("192.0.2.1")).sockets == 0  # TEST-NET-1: none
+
+
+def test_outgoing_counts_the_connections_this_process_opened():
+    before = socket_backlog(LOOPBACK)
+    with connected_pair():
+        now = socket_backlog(LOOPBACK)  # the client's socket is outgoing, the accepted one not
+        assert (now.sockets - before.sockets, now.outgoing - before.outgoing) == (2, 1)
 
 
 def test_host_addresses_reads_names_addresses_and_ports():

@@ -28,12 +28,12 @@ def eventually(check, timeout_s: float = 5.0) -> None:  # noqa: ANN001
 
 @pytest.fixture
 def pair():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # listening throughout
         sender = socket.create_connection(listener.getsockname())
         receiver, _ = listener.accept()
-    yield sender, receiver
-    sender.close()
-    receiver.close()
+        yield sender, receiver
+        sender.close()
+        receiver.close()
 
 
 def _read(sock: socket.socket, num_bytes: int) -> None:
@@ -70,3 +70,14 @@ def test_a_socket_opened_after_the_failure_does_not_hold_a_gone_peers_blocks():
         accepted, _ = listener.accept()
         with accepted:
             assert fresh.fileno() >= 0 and late.drained(peer_settled=False)
+
+
+def test_a_get_waits_for_its_own_connections_to_the_prefill_host(pair):
+    """For a get this process's transfer engine ran, a connection it opened to the prefill
+    host (not to its HTTP port) is a slice still reading: the blocks wait for it to close."""
+    sender, _ = pair  # sender: opened by this process, to the listener's port
+    port = sender.getpeername()[1]
+    assert not LateWrites("127.0.0.1", own_reads_except_port=port + 1).drained(True)
+    assert LateWrites("127.0.0.1", own_reads_except_port=port).drained(True)  # HTTP's own
+    sender.close()
+    eventually(lambda: LateWrites("127.0.0.1", own_reads_except_port=port + 1).drained(True))

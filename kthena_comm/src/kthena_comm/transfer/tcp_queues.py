@@ -26,11 +26,13 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["SocketBacklog", "TcpSocket", "host_addresses", "socket_backlog", "tcp_sockets"]
+__all__ = ["SocketBacklog", "TcpSocket", "host_addresses", "listening_ports", "socket_backlog",
+           "tcp_sockets"]
 
 _PROC = Path("/proc/self")
 _CLOSED = 0x07  # TCP_CLOSE
 _LISTEN = 0x0A
+_FIN_RECEIVED = (0x06, 0x08, 0x09, 0x0B)  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
 
 
 @attrs.frozen
@@ -38,14 +40,20 @@ class SocketBacklog:
     """Bytes this process's TCP sockets to some hosts hold in the kernel.
 
     Attributes:
-        unacked: sent (or queued to send) and not acknowledged by the peer.
+        unacked: sent (or queued to send) and not acknowledged by the peer, on this
+            process's sockets and on closed ones the kernel still sends for (orphans, which no
+            process holds: every orphan to those hosts in this network namespace counts).
         unread: received from the peer and not yet read by this process.
-        sockets: how many sockets were counted.
+        sockets: how many of this process's sockets were counted.
+        outgoing: of those, the ones this process opened (its local port is not one it
+            listens on): a transfer engine that opens a connection per transfer and closes it
+            when the transfer ends holds one open per transfer still running.
     """
 
     unacked: int
     unread: int
     sockets: int
+    outgoing: int = 0
 
     @property
     def empty(self) -> bool:
@@ -115,6 +123,8 @@ class TcpSocket:
     state: int
     unacked: int
     unread: int
+    local_port: int = 0
+    remote_port: int = 0
 
     @property
     def peer_may_send(self) -> bool:
@@ -127,19 +137,36 @@ def tcp_sockets(peers: Iterable[ipaddress.IPv4Address | ipaddress.IPv6Address]
                 ) -> list[TcpSocket] | None:
     """This process's TCP sockets whose remote address is one of ``peers`` (listening and
     closed ones left out); None where /proc does not say (not Linux)."""
-    if not (_PROC / "net" / "tcp").exists():
+    rows = _table()
+    if rows is None:
         return None
     wanted, inodes = set(peers), _own_socket_inodes()
+    return [s for s, remote in rows if s.inode in inodes and s.state not in (_CLOSED, _LISTEN)
+            and remote in wanted]
+
+
+def listening_ports() -> set[int]:
+    """The TCP ports this process listens on (empty off Linux)."""
+    inodes = _own_socket_inodes() if (_PROC / "fd").exists() else set()
+    return {s.local_port for s, _ in _table() or () if s.inode in inodes and s.state == _LISTEN}
+
+
+def _table() -> list[tuple[TcpSocket, ipaddress.IPv4Address | ipaddress.IPv6Address]] | None:
+    """Every TCP socket of this network namespace, with its remote address; None off Linux."""
+    if not (_PROC / "net" / "tcp").exists():
+        return None
     found = []
     for name in ("tcp", "tcp6"):
         for row in _rows(_PROC / "net" / name):
-            if len(row) < 10 or int(row[9]) not in inodes:
-                continue
-            state = int(row[3], 16)
-            if state in (_CLOSED, _LISTEN) or _address(row[2]) not in wanted:
+            if len(row) < 10:
                 continue
             tx, rx = row[4].split(":")
-            found.append(TcpSocket(int(row[9]), state, int(tx, 16), int(rx, 16)))
+            state = int(row[3], 16)
+            # rx_queue counts the peer's FIN as one byte once it has come
+            unread = max(0, int(rx, 16) - (state in _FIN_RECEIVED))
+            found.append((TcpSocket(int(row[9]), state, int(tx, 16), unread,
+                                    int(row[1].split(":")[1], 16), int(row[2].split(":")[1], 16)),
+                          _address(row[2])))
     return found
 
 
@@ -147,8 +174,13 @@ def socket_backlog(peers: Iterable[ipaddress.IPv4Address | ipaddress.IPv6Address
                    ) -> SocketBacklog | None:
     """The kernel backlog of this process's TCP sockets whose remote address is one of
     ``peers``; None where /proc does not say (not Linux)."""
-    sockets = tcp_sockets(peers)
-    if sockets is None:
+    rows = _table()
+    if rows is None:
         return None
-    return SocketBacklog(sum(s.unacked for s in sockets), sum(s.unread for s in sockets),
-                         len(sockets))
+    wanted, inodes = set(peers), _own_socket_inodes()
+    listening = {s.local_port for s, _ in rows if s.inode in inodes and s.state == _LISTEN}
+    mine = [s for s, remote in rows if s.inode in inodes and remote in wanted
+            and s.state not in (_CLOSED, _LISTEN)]
+    orphans = [s for s, remote in rows if s.inode == 0 and remote in wanted]
+    return SocketBacklog(sum(s.unacked for s in mine + orphans), sum(s.unread for s in mine),
+                         len(mine), sum(s.local_port not in listening for s in mine))

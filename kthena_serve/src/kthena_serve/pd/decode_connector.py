@@ -227,7 +227,8 @@ class DecodeConnector:
         `QUIET_S` apart (or it is gone), and then this process's hold nothing unread from it
         (`late_writes`)."""
         self.num_quarantined += 1
-        late = LateWrites(httpx.URL(remote.url).host)
+        url = httpx.URL(remote.url)
+        late = LateWrites(url.host, own_reads_except_port=url.port or 80)
         try:
             peer_settled = await self._peer_quiet(remote)
             while not late.drained(peer_settled):

@@ -21,7 +21,7 @@ kernels cannot be read, and the prefill worker's word alone decides.
 
 from __future__ import annotations
 
-from kthena_comm.transfer.tcp_queues import host_addresses, tcp_sockets
+from kthena_comm.transfer.tcp_queues import host_addresses, listening_ports, tcp_sockets
 
 __all__ = ["LateWrites"]
 
@@ -32,20 +32,29 @@ class LateWrites:
     Made when the hand-off fails: it notes which sockets from that host were open then.
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, *, own_reads_except_port: int | None = None) -> None:
         try:
             self._peers = host_addresses(host)
         except ValueError:
             self._peers = frozenset()  # unresolvable: no socket of ours can match it
         sockets = tcp_sockets(self._peers)
         self._open = {s.inode for s in sockets or () if s.peer_may_send}
+        self._reads_except = own_reads_except_port
 
     def drained(self, peer_settled: bool) -> bool:
         """Whether nothing more can land: ``peer_settled`` says the prefill worker answered
-        that nothing of the hand-off is left on its side (False: it is gone)."""
+        that nothing of the hand-off is left on its side (False: it is gone). For a get this
+        process's transfer engine ran (``own_reads_except_port``: the prefill worker's HTTP
+        port), its own connections to the prefill host other than to that port must be
+        closed too: Mooncake holds one open per slice still reading."""
         sockets = tcp_sockets(self._peers)
         if sockets is None:
             return peer_settled
         if any(s.unread for s in sockets):
             return False
+        if self._reads_except is not None:
+            listening = listening_ports()
+            if any(s.local_port not in listening and s.remote_port != self._reads_except
+                   and s.peer_may_send for s in sockets):
+                return False
         return peer_settled or not any(s.peer_may_send for s in sockets if s.inode in self._open)

@@ -178,14 +178,15 @@ class PushSession:
 
     def settled(self) -> bool:
         """Whether nothing of this session can still write the remote blocks: every put
-        submitted has completed or failed, and the kernel holds no byte this process sent to
-        the decode host that the peer has not acknowledged (`TransferEngine.wire_backlog`: a
-        put that Mooncake reported failed on a partitioned link leaves its bytes in the
-        socket, and TCP delivers them when the link heals). The zero backlog must be seen on
-        two calls at least `QUIET_S` apart, so bytes the transport had not yet handed to the
-        kernel at the first look are seen at the second. Only a session with a failed put
-        needs that (a put that completed wrote its bytes); with an unknown backlog (not
-        Linux) such a session never settles."""
+        submitted has completed or failed, no connection this process opened to the decode
+        host is still open, and the kernel holds no byte sent to it that it has not
+        acknowledged (`TransferEngine.wire_backlog`). Mooncake reports a put failed at its
+        deadline while the put itself goes on: its TCP transport opens a connection per slice
+        and closes it when the slice ends, so an open connection is a slice still sending
+        (after a partition heals, it delivers), and an orphan's queue is what a closed one
+        left to the kernel. The all-clear must be seen on two calls at least `QUIET_S` apart.
+        Only a session with a failed put needs that (a put that completed wrote its bytes);
+        with an unknown backlog (not Linux) such a session never settles."""
         with self._lock:
             done = all(future.done() for future in self._futures[self._num_checked:])
         if not done:
@@ -194,7 +195,7 @@ class PushSession:
         if not self._failed():
             return True  # every put completed: Mooncake confirmed its bytes written
         backlog = self.engine.wire_backlog(self.remote)
-        if backlog is None or backlog.unacked:
+        if backlog is None or backlog.unacked or backlog.outgoing:
             self._quiet_since = None
             return False
         now = time.monotonic()
