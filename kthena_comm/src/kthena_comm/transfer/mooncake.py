@@ -31,6 +31,7 @@ import binascii
 import ctypes
 import importlib
 import importlib.util
+import os
 import time
 from collections.abc import Sequence
 from itertools import groupby
@@ -108,6 +109,9 @@ def _engine_module() -> ModuleType:
                           "and the libibverbs1 system package") from exc
 
 
+_CONNECTION_POOL = "MC_TCP_ENABLE_CONNECTION_POOL"
+
+
 class MooncakeEngine(BaseEngine):
     """Transfer engine over ``mooncake.engine.TransferEngine``."""
 
@@ -126,6 +130,11 @@ class MooncakeEngine(BaseEngine):
                                                 self.build.missing_ascend())
             apply_environment(ascend_environment(c.ascend))
             device_backend("npu").prepare(c.ascend.device_id)  # Mooncake: set_device first
+        # One TCP connection per slice, closed when the slice ends (Mooncake's TCP transport
+        # reads this when the engine is made): an open connection then means a slice still
+        # moving bytes, which is what `wire_backlog` needs to say that a failed transfer is over
+        # (pooled connections stay open idle and hide it). A value the user set is kept.
+        os.environ.setdefault(_CONNECTION_POOL, "0")
         super().__init__(c.timeout_s, num_workers=4)
         self._engine: Any = module.TransferEngine()
         rc = self._engine.initialize(c.host, c.metadata_server, c.protocol, c.device_name)
@@ -189,7 +198,12 @@ class MooncakeEngine(BaseEngine):
         """This process's kernel queues on its TCP sockets to ``peer``'s host: a put or get
         that Mooncake reported failed (a timeout on a partitioned link) may still deliver
         what its sockets hold once the link heals (`tcp_queues`). None off Linux (unknown)."""
-        return socket_backlog(host_addresses(peer.peer))
+        backlog = socket_backlog(host_addresses(peer.peer))
+        if backlog is not None and os.environ.get(_CONNECTION_POOL, "0").lower() not in (
+                "0", "false", "no"):
+            # pooled connections stay open idle: an open one says nothing; count them as busy
+            return attrs.evolve(backlog, outgoing=max(backlog.outgoing, 1))
+        return backlog
 
     def _send_notify(self, peer: str, message: bytes) -> None:
         handle = self._notify_target.pop(peer, None) or self._known_remote.get(peer)
