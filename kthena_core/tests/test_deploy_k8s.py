@@ -318,7 +318,9 @@ BAD = [
     ({"num_nodes": 0}, "num_nodes: got 0; allowed: an integer >= 1"),
     ({"mode": "colocated", "num_prefill": 1}, "num_prefill: got 1; allowed: only with mode: pd"),
     ({"num_prefill": 1, "num_decode": 2},
-     "num_prefill, num_decode: got 1 + 2; allowed: counts >= 1 that add up to the plan's 2"),
+     "num_prefill, num_decode: got prefill count 1; decode count 2, but no PD layout with these "
+     "sizes fits 2 device(s) of 2xcpu-host (3 instances need at least 3 devices); allowed: "
+     "sizes whose instances fit, or unset (the planner's choice)"),
     ({"num_decode": "two"}, "num_decode: got 'two'; allowed: an integer >= 1"),
     ({"device": "cpu-generic"}, "topology, device: give exactly one"),
     ({"topology": "auto"}, "topology: got 'auto'; allowed: a catalog node name or a topology file"),
@@ -374,11 +376,6 @@ def test_a_bad_key_is_named_with_its_value_and_what_is_allowed(change, message):
     with pytest.raises(DeployError) as error:
         plan_deployment(load_deploy_spec(data))
     assert message in str(error.value)
-
-
-def test_pd_refuses_a_plan_with_tp_per_worker():
-    with pytest.raises(DeployError, match=r"mode: got 'pd', but the plan gives each worker TP8"):
-        render({**LLAMA_ATLAS, "mode": "pd", "pod_network": POD_NETWORK})
 
 
 LLAMA_2_PER_NODE = {**{k: v for k, v in LLAMA_ATLAS.items() if k != "topology"},
@@ -473,10 +470,14 @@ def test_a_pipeline_inside_one_pod_is_served_with_pp_and_sized_for_its_ranks():
     args = pods(serving)["serve"]["args"]
     assert args[args.index("--tp") + 1] == "4" and args[args.index("--pp") + 1] == "2"
     assert dep.num_devices_per_pod == 8 and dep.cpu == 8 * 4
-    with pytest.raises(DeployError, match=r"gives each worker TP2 x PP2"):
-        plan_deployment(load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
-                                          "pod_network": POD_NETWORK}),
-                        _PinnedPlanner(Layout(2, 2, 2)))
+    # in PD mode the pinned layout is split into roles of its size, each pod one engine of it
+    pd = plan_deployment(load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
+                                           "pod_network": POD_NETWORK}),
+                         _PinnedPlanner(Layout(2, 2, 2)))
+    for container in pods(render_manifests(pd)[1]).values():
+        engine = json.loads(container["args"][container["args"].index("--spec") + 1])["engine"]
+        assert (engine["tp"], engine["pp"]) == (2, 2)
+        assert container["resources"]["limits"]["huawei.com/Ascend910"] == "4"
 
 
 def test_a_plan_with_sp_renders_kthena_serve_sp():
@@ -495,14 +496,15 @@ def test_a_plan_with_sp_renders_kthena_serve_sp():
 
 def test_sp_with_pipeline_stages_or_pd_is_refused_by_name():
     from kthena_core.config_plan import _PinnedPlanner as _Pinned
-    from kthena_core.layout import Layout
+    from kthena_core.layout import Layout, LayoutError
 
     spec = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1})
     with pytest.raises(DeployError, match=r"with SP4 in mode colocated"):
         plan_deployment(spec, _Pinned(Layout(4, 2, 1, 4)))
     pd = load_deploy_spec({**LLAMA_ATLAS, "num_nodes": 1, "mode": "pd",
                            "pod_network": POD_NETWORK})
-    with pytest.raises(DeployError, match=r"SP4 in mode pd"):
+    with pytest.raises(LayoutError, match=r"TP4 x PP1 x DP2 \(SP4\) in mode pd: sp=4; allowed: "
+                                          r"1 \(sequence parallelism is not wired in PD"):
         plan_deployment(pd, _Pinned(Layout(4, 1, 2, 4)))
 
 

@@ -46,10 +46,11 @@ def models(draw):
     )
 
 
+# colocated: a PD plan weighs a layout per role (test_planner_pd.py has its brute force)
 workloads = st.builds(
     Workload,
     prompt_len=st.integers(1, 8192), output_len=st.integers(1, 2048), concurrency=st.integers(1, 512),
-    mode=st.sampled_from(["colocated", "pd"]), objective=st.sampled_from(["throughput", "latency"]),
+    objective=st.sampled_from(["throughput", "latency"]),
 )
 
 
@@ -60,7 +61,7 @@ def brute_force_layouts(num_devices: int, mode: str, model: ModelSpec):
     heads, kv = model.shape.num_attention_heads, model.shape.num_kv_heads
     for tp, pp, dp in itertools.product(range(1, num_devices + 1), repeat=3):
         proposed = heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-        if proposed and tp * pp * dp <= num_devices and (mode != "pd" or dp >= 2):
+        if proposed and tp * pp * dp <= num_devices:
             for sp in sorted({1, tp}):
                 yield Layout(tp, pp, dp, sp)
 

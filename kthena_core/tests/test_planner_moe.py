@@ -164,8 +164,7 @@ def brute_force_layouts(model: ModelSpec, num_devices: int, mode: str):
     for tp, pp, dp, ep in itertools.product(range(1, num_devices + 1), repeat=4):
         proposed = heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
         expert_parallel = ep == 1 or (mode == "colocated" and model.num_experts % ep == 0)
-        if (proposed and tp * pp * dp <= num_devices and dp % ep == 0 and expert_parallel
-                and (mode != "pd" or dp >= 2)):
+        if proposed and tp * pp * dp <= num_devices and dp % ep == 0 and expert_parallel:
             yield with_ep(Layout(tp, pp, dp), ep)
 
 
@@ -179,7 +178,7 @@ def spans_nodes(layout: Layout, topology: Topology) -> bool:
 
 @given(model=moe_models(), n=st.integers(1, 8), num_nodes=st.integers(1, 2),
        wl=st.builds(Workload, prompt_len=st.integers(1, 4096), output_len=st.integers(1, 512),
-                    concurrency=st.integers(1, 64), mode=st.sampled_from(["colocated", "pd"])))
+                    concurrency=st.integers(1, 64)))
 def test_pick_is_the_brute_force_argmin_keeping_tp_groups_inside_nodes(model, n, num_nodes, wl):
     topo = split_topology(n, min(num_nodes, n))
     planner = Planner(wide_ep=True)

@@ -111,6 +111,22 @@ def test_pd_with_pipeline_parallel_is_refused_clearly(capsys) -> None:  # noqa: 
     assert "--pp 2 is not supported in PD mode" in capsys.readouterr().err
 
 
+def test_a_pd_worker_spec_with_tp_or_pp_is_refused_by_name() -> None:
+    """What `kthena deploy k8s` renders for a TP role: the worker refuses it at start (PD
+    workers are one rank each today), naming the settings."""
+    import argparse
+    import json
+
+    import pytest
+
+    from kthena_serve.pd.worker import _spec
+
+    for tp, pp in ((4, 1), (1, 2)):
+        spec = {"engine": {"tp": tp, "pp": pp}, "mode": "pd", "pd": {}}
+        with pytest.raises(ValueError, match=f"a PD worker of tp={tp} x pp={pp} is not run yet"):
+            _spec(argparse.Namespace(spec=json.dumps(spec)))
+
+
 def test_shared_pool_with_tensor_parallel_is_refused() -> None:
     import pytest
 

@@ -15,7 +15,7 @@ from kthena_core.hardware import (
     list_nodes,
 )
 from kthena_core.known_models import DefaultModelMissingError, default_gguf_path, load_model_spec
-from kthena_core.layout import ExpertLayout, Layout, LayoutError
+from kthena_core.layout import ExpertLayout, Layout, LayoutError, PDLayout
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
 from kthena_core.shape import (
@@ -55,6 +55,7 @@ __all__ = [
     "ModelSpecError",
     "NoFeasiblePlanError",
     "NodeSpec",
+    "PDLayout",
     "Plan",
     "Planner",
     "Topology",

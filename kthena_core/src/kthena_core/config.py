@@ -8,7 +8,13 @@ parallelism:  {strategy: tp_pp, tensor_parallel_size: 4, pipeline_parallel_size:
 model:        {checkpoint_path: default, dtype: float16}
 service:      {api_type: http, host: 0.0.0.0, port: 8000, max_batch_size: 32, kv_cache_reuse: true}
 kv_cache:     {max_tokens: 65536, reuse_bucket_size: 16, compression: {method: none}}
+pd:           {prefill: {tp: 4, count: 1}, decode: {tp: 4}}   # service.mode pd: per role
 ```
+
+``pd`` pins what a user wants of each PD role (``tp``, ``pp``, ``count``: instances), with
+``service.mode: pd`` and ``parallelism.strategy: auto``; what it leaves out the planner chooses
+(`kthena_core.pd_roles`). A role has no dtype of its own: ``pd.prefill.dtype`` is refused by
+name (the decode worker reads the KV the prefill worker wrote, in ``model.dtype``).
 
 Every section loads into a frozen attrs class. Every key is honoured by ``kthena serve --config``
 or ``kthena-run``, or refused by name (``_reject_unsupported``: gRPC, fused all-reduce,
@@ -31,6 +37,7 @@ from kthena_core._yaml import read_yaml
 from kthena_core.dtypes import ENGINE_DTYPES, canonical_dtype
 from kthena_core.layout import sp_with_pp_refusal
 from kthena_core.model_spec import ModelSpec
+from kthena_core.pd_roles import PD_ROLES, ROLE_KEYS, PDRoles, role_refusals
 from kthena_core.shape import LayerSplitError, check_split_points, has_split_points_form
 
 
@@ -122,6 +129,8 @@ class KthenaConfig:
     model: ModelConfig = ModelConfig()
     service: ServiceConfig = ServiceConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
+    pd: PDRoles = PDRoles()
+    """service.mode pd: each role's pinned tp, pp and count (unset: the planner's choice)."""
 
     def validate_against(self, model: ModelSpec) -> None:
         """Check the parallel sizes against a model's heads and layers.
@@ -156,6 +165,17 @@ class KthenaConfig:
                f"at most {model.name}'s {model.shape.num_layers} layers (one per stage at "
                "least)")
 
+    def validate_roles_against(self, model: ModelSpec) -> None:
+        """Check the ``pd`` section's pinned sizes against a model's heads and layers.
+
+        Raises:
+            ConfigError: a pinned tp the heads cannot be split over, or a pp above the layers
+                (the first such key, named).
+        """
+        refusals = role_refusals(model, self.pd)
+        if refusals:
+            raise ConfigError(refusals[0])
+
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
@@ -166,6 +186,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "service": ServiceConfig,
     "kv_cache": KVCacheConfig,
+    "pd": PDRoles,
 }
 _CHOICES = {
     "parallelism.strategy": ("tp", "pp", "tp_pp", "tp_pp_dp", "dp", "auto"),
@@ -180,6 +201,7 @@ _POSITIVE = {
     "parallelism.pipeline_parallel_size", "parallelism.data_parallel_size",
     "parallelism.sequence_parallel_group_size", "parallelism.bucket_size_mb", "service.max_batch_size",
     "kv_cache.max_tokens", "kv_cache.reuse_bucket_size", "kv_cache.compression.group_size",
+    *(f"pd.{role}.{key}" for role in PD_ROLES for key in ROLE_KEYS),
 }
 _NON_NEGATIVE = {"cluster.local_rank", "cluster.node_rank", "service.target_step_ms",
                  "service.max_queue_delay"}
@@ -247,6 +269,7 @@ def _cross_checks(cfg: KthenaConfig, base_dir: str | None) -> None:
     _check(cl.local_rank < cl.world_size, "cluster.local_rank", cl.local_rank, f"0..{cl.world_size - 1}")
     _check(cl.node_rank < cl.nnodes, "cluster.node_rank", cl.node_rank, f"0..{cl.nnodes - 1}")
     _check_sequence_parallel(cfg)
+    _check_pd_roles(cfg)
     _check_strategy(par)
     _check_split_points(par)
     _reject_unsupported(cfg)
@@ -278,6 +301,46 @@ def _check_strategy(par: ParallelismConfig) -> None:
                    f"that includes it (tp, pp, tp_pp, tp_pp_dp, dp) or set it to 1")
             raise ConfigError(f"parallelism.{key}: got {value} with parallelism.strategy "
                               f"{par.strategy!r}; {how}")
+
+
+def _check_pd_roles(cfg: KthenaConfig) -> None:
+    """A ``pd`` section pins PD roles: only with service.mode pd, and with strategy auto (a
+    pinned strategy's sizes would say one layout for both roles)."""
+    if not cfg.pd.is_set:
+        return
+    pinned = cfg.pd.to_dict()
+    _check(cfg.service.mode == "pd", "pd", pinned, "unset with service.mode "
+           f"{cfg.service.mode} (it pins the prefill and decode roles of service.mode pd)")
+    _check(cfg.parallelism.strategy == "auto", "parallelism.strategy",
+           cfg.parallelism.strategy, "auto with a pd section (each role's tp, pp and count "
+           "are pd.prefill's and pd.decode's; parallelism's sizes would pin one layout for "
+           "both roles)")
+
+
+def load_pd_roles(pd: Any) -> PDRoles:
+    """A ``pd`` section (``{prefill: {tp, pp, count}, decode: {...}}``), checked key by key as
+    a config's is: deploy.yaml's ``pd`` reads the same way.
+
+    Raises:
+        ConfigError: an unknown key (a role's dtype named), a size that is not an int >= 1.
+    """
+    _refuse_role_dtype({"pd": pd})
+    return _build(PDRoles, pd, "pd")
+
+
+def _refuse_role_dtype(data: Mapping[str, Any]) -> None:
+    """A role has no dtype of its own: name the key before the generic unknown-key error."""
+    pd = data.get("pd")
+    if not isinstance(pd, Mapping):
+        return
+    for role in PD_ROLES:
+        section = pd.get(role)
+        for key in ("dtype", "kv_dtype", "compute_dtype"):
+            if isinstance(section, Mapping) and key in section:
+                raise ConfigError(
+                    f"pd.{role}.{key}: got {section[key]!r}; allowed: nothing: both roles "
+                    "compute in model.dtype (the decode worker reads the KV the prefill "
+                    f"worker wrote as it is); a role takes only {', '.join(ROLE_KEYS)}")
 
 
 def _check_split_points(par: ParallelismConfig) -> None:
@@ -363,6 +426,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> KthenaCon
     """
     data, base_dir = read_yaml(source, ConfigError, "config file")
     _check(isinstance(data, Mapping), "<top level>", data, f"a mapping with sections {', '.join(_SECTIONS)}")
+    _refuse_role_dtype(data)
     cfg = _build(KthenaConfig, data, "")
     _cross_checks(cfg, base_dir)
     return cfg

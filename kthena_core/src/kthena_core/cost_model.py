@@ -11,7 +11,8 @@ with a large vocabulary equal stages are unbalanced and the slowest one sets the
     step = max(m, pp) x t_micro         bubble = 1 - m / max(m, pp)
 
 Co-located serving pays for prefills inside decode (each prompt stalls the batch), PD serving
-pays a KV transfer from the prefill to the decode instance instead.
+pays a KV transfer from the prefill to the decode instance instead (`kv_handoff_time`; PD's
+roles are priced one by one in `kthena_core.pd_plan`).
 
 Sequence parallelism (sp = tp, the engine's Megatron-style SP over the TP group) changes a
 prefill only: each of the two all-reduces per layer becomes a reduce-scatter plus an all-gather
@@ -34,6 +35,7 @@ back, spread over its tp ranks (``all_to_all_time``, over the EP group's bottlen
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -200,6 +202,13 @@ def sp_tokenwise_saving(model: ModelSpec, tokens: int, layout: Layout, dev: Devi
     return (1 - 1 / layout.sp) * full * model.shape.num_layers / layout.pp
 
 
+@functools.lru_cache(maxsize=64)
+def _weight_figures(model: ModelSpec, dtype: str) -> tuple[float, int]:
+    """(bytes per parameter in `dtype`, parameters): what the planner asks of every layout,
+    counted once per model (a PD plan prices thousands of role layouts)."""
+    return model.weight_bytes(dtype) / model.num_params(), model.num_params()
+
+
 def _unshared_routed(model: ModelSpec, ep: int, layer: int | None = None) -> float:
     """Routed-expert parameters (of `layer`, or all) an instance does not hold under EP."""
     return model.routed_params(layer) * (1 - 1 / ep)
@@ -208,8 +217,8 @@ def _unshared_routed(model: ModelSpec, ep: int, layer: int | None = None) -> flo
 def stage_weight_bytes(model: ModelSpec, dtype: str, tp: int, pp: int, ep: int = 1) -> float:
     """Weights on the most loaded device: its share of layers (of the routed experts, 1/ep of
     them) plus embedding and/or LM head."""
-    total = model.weight_bytes(dtype)
-    per_param = total / model.num_params()
+    per_param, num_params = _weight_figures(model, dtype)
+    total = per_param * num_params
     embed = model.shape.vocab_size * model.shape.hidden_size * per_param
     head = 0.0 if model.tie_word_embeddings else embed
     layers = total - embed - head - _unshared_routed(model, ep) * per_param
@@ -230,11 +239,13 @@ def activation_bytes(model: ModelSpec, wl: Workload, layout: Layout) -> float:
 
 
 def memory(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, params: CostParams,
-           seqs_per_replica: int, split_points: Sequence[int] | None = None) -> Memory:
-    """Per-device memory of `layout` holding `seqs_per_replica` full-context sequences; with
-    `split_points`, of the stage holding the most weights (and the one with the most layers'
-    KV: every stage's pool has as many blocks)."""
-    kv = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * seqs_per_replica * wl.context_len
+           seqs_per_replica: int, split_points: Sequence[int] | None = None,
+           tokens_per_seq: int | None = None) -> Memory:
+    """Per-device memory of `layout` holding `seqs_per_replica` sequences of `tokens_per_seq`
+    tokens (default: full context); with `split_points`, of the stage holding the most weights
+    (and the one with the most layers' KV: every stage's pool has as many blocks)."""
+    tokens = wl.context_len if tokens_per_seq is None else tokens_per_seq
+    kv = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * seqs_per_replica * tokens
     weights = stage_weight_bytes(model, wl.dtype, layout.tp, layout.pp, layout.ep)
     if split_points is not None:
         ranges = stage_layer_ranges(model.shape.num_layers, layout.pp, split_points)
@@ -255,8 +266,8 @@ def prefill_work(model: ModelSpec, wl: Workload, layout: Layout) -> tuple[float,
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
     cached = wl.prompt_len - new
     flops = model.prefill_flops(new, cached) / (layout.tp * layout.pp)
-    held = model.weight_bytes(wl.dtype) * (1 - _unshared_routed(model, layout.ep)
-                                           / model.num_params())
+    per_param, num_params = _weight_figures(model, wl.dtype)
+    held = per_param * (num_params - _unshared_routed(model, layout.ep))
     return flops, held / (layout.tp * layout.pp)
 
 
@@ -265,7 +276,7 @@ def _held_weight_bytes(model: ModelSpec, dtype: str, layout: Layout, layers: ran
     """Weights one device of a stage holds: its layers (1/ep of their routed experts), the
     embedding on the first stage, the final norm and LM head on the last (a tied head is a
     second copy of the embedding there)."""
-    per = model.weight_bytes(dtype) / model.num_params()
+    per = _weight_figures(model, dtype)[0]
     embed = model.shape.vocab_size * model.shape.hidden_size
     head = 0 if model.tie_word_embeddings and first else embed if last else 0
     params = sum(model.layer_params(i) - _unshared_routed(model, layout.ep, i) for i in layers)
@@ -288,7 +299,7 @@ class StagePricer:
         micro = max(1, min(batch, layout.pp))
         self.b = b = batch / micro
         ctx = wl.prompt_len + wl.output_len / 2
-        tp, per = layout.tp, model.weight_bytes(wl.dtype) / model.num_params()
+        tp, per = layout.tp, _weight_figures(model, wl.dtype)[0]
         attn = model.attention_flops(1, int(ctx) + 1) / model.shape.num_layers
         kv = model.kv_bytes_per_token(wl.kv_dtype, tp) / model.shape.num_layers * b * ctx
         experts = expert_params_read(model, layout.ep, b)
@@ -329,11 +340,10 @@ class StagePricer:
                 + self.comm(layers))
 
 
-def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
-                 params: CostParams | None = None) -> float:
-    """Time to first token of one request alone on a replica (its uncached part only); with
-    sp > 1, SP's collectives (scaled by ``params.sp_collective_factor``) and its token-wise
-    saving (see the module docs)."""
+def prefill_parts(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures,
+                  links: Links, params: CostParams | None = None) -> tuple[float, float]:
+    """(seconds of one stage of ``layers / pp`` layers of a prompt, its collectives included;
+    the hop of its activations to the next stage): the parts `prefill_time` sums."""
     new = max(1, round(wl.prompt_len * (1 - wl.prefix_hit_rate)))
     flops, nbytes = prefill_work(model, wl, layout)
     act = new * model.shape.hidden_size * 2.0
@@ -344,7 +354,16 @@ def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigu
     per_elem = activation_element_bytes(wl)
     stage = (max(flops / dev.flops, nbytes / dev.memory_bw) + dev.step_overhead
              - sp_tokenwise_saving(model, new, layout, dev, per_elem))
-    return layout.pp * (stage + comm) + (layout.pp - 1) * hop
+    return stage + comm, hop
+
+
+def prefill_time(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
+                 params: CostParams | None = None) -> float:
+    """Time to first token of one request alone on a replica (its uncached part only); with
+    sp > 1, SP's collectives (scaled by ``params.sp_collective_factor``) and its token-wise
+    saving (see the module docs)."""
+    stage, hop = prefill_parts(model, wl, layout, dev, links, params)
+    return layout.pp * stage + (layout.pp - 1) * hop
 
 
 def decode_work(model: ModelSpec, wl: Workload, layout: Layout, batch: int,
@@ -386,21 +405,32 @@ def estimate_colocated(model: ModelSpec, wl: Workload, layout: Layout, dev: Devi
     return Estimate(ttft, tpot, throughput, comm, bubble)
 
 
-def estimate_pd(model: ModelSpec, wl: Workload, layout: Layout, dev: DeviceFigures, links: Links,
-                split_points: Sequence[int] | None = None,
-                params: CostParams | None = None) -> Estimate:
-    """Best split of the dp replicas into prefill and decode instances (needs dp >= 2)."""
-    ttft = prefill_time(model, wl, layout, dev, links, params)
-    kv_bytes = model.kv_bytes_per_token(wl.kv_dtype, layout.tp) / layout.pp * wl.prompt_len
-    transfer = kv_bytes / links.pd_bw
-    best: Estimate | None = None
-    for n_p in range(1, layout.dp):
-        n_d = layout.dp - n_p
-        batch = math.ceil(wl.concurrency / n_d)
-        step, comm, bubble = decode_step(model, wl, layout, dev, links, batch, split_points)
-        rate = min(n_p / ttft, n_d * batch / (step * wl.output_len))  # requests/s
-        est = Estimate(ttft + transfer, step, rate * wl.output_len, comm, bubble, transfer, n_p, n_d)
-        if best is None or est.throughput_tok_s > best.throughput_tok_s:
-            best = est
-    assert best is not None
-    return best
+def kv_handoff_time(model: ModelSpec, wl: Workload, prefill: Layout, decode: Layout,
+                    bw: float) -> float:
+    """A prompt's KV from a prefill instance to a decode instance. Every rank moves its own
+    share (its KV heads of its stage's layers) over its own link at `bw`, all at once: a
+    prefill rank sends ``kv_bytes_per_token(tp_p) / pp_p`` per token, a decode rank receives
+    ``kv_bytes_per_token(tp_d) / pp_d``, and the busier side sets the time. With the same TP
+    the heads go rank to rank; with another they are re-sharded on the way, each byte still
+    sent once and received once."""
+    send = model.kv_bytes_per_token(wl.kv_dtype, prefill.tp) / prefill.pp
+    receive = model.kv_bytes_per_token(wl.kv_dtype, decode.tp) / decode.pp
+    return max(send, receive) * wl.prompt_len / bw
+
+
+def objective_cost(wl: Workload, est: Estimate) -> float:
+    """What the planner minimises: −tokens/s (objective throughput) or TTFT + output × TPOT
+    (latency)."""
+    if wl.objective == "throughput":
+        return -est.throughput_tok_s
+    return est.ttft_s + wl.output_len * est.tpot_s
+
+
+def slo_reasons(wl: Workload, est: Estimate) -> list[str]:
+    """The workload's SLOs that `est` misses, one line each."""
+    reasons = []
+    if wl.ttft_slo_s is not None and est.ttft_s > wl.ttft_slo_s:
+        reasons.append(f"TTFT {est.ttft_s * 1e3:.1f} ms misses the {wl.ttft_slo_s * 1e3:.0f} ms SLO")
+    if wl.tpot_slo_s is not None and est.tpot_s > wl.tpot_slo_s:
+        reasons.append(f"TPOT {est.tpot_s * 1e3:.2f} ms misses the {wl.tpot_slo_s * 1e3:.0f} ms SLO")
+    return reasons

@@ -25,7 +25,9 @@ an engine larger than a node) the master address, node rank and node count come 
 variables Kthena injects, ENTRY_ADDRESS, WORKER_INDEX and GROUP_SIZE (``serving_group.py``).
 
 The script ``serve`` is ``kthena serve`` on every rank (``python -m kthena_core.cli serve``):
-rank 0 serves the API, the other ranks run its steps.
+rank 0 serves the API, the other ranks run its steps. The script ``pd-worker`` is a PD worker
+on every rank (``python -m kthena_serve.pd.worker``): a prefill or decode instance larger than
+a node.
 
 Example::
 
@@ -53,6 +55,11 @@ from kthena_core.hccl_env import HcclSettings, check_hccl, hccl_environment
 from kthena_core.serving_group import ServingGroup
 
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
+# Named programs every rank may run: ``serve`` is ``kthena serve``; ``pd-worker`` is one PD
+# worker (``python -m kthena_serve.pd.worker``: a prefill or decode instance larger than a node,
+# which kthena deploy k8s renders as a serving group).
+SCRIPTS = {"serve": ["--module", "kthena_core.cli", "serve"],
+           "pd-worker": ["--module", "kthena_serve.pd.worker"]}
 
 
 def detect_backend() -> str:
@@ -137,7 +144,7 @@ def torchrun_argv(cfg: KthenaConfig, args: argparse.Namespace) -> list[str]:
         f"--nproc_per_node={nproc}",
         f"--master_addr={args.master_addr or cl.master_addr}",
         f"--master_port={args.master_port or cl.master_port}",
-        *(["--module", "kthena_core.cli", "serve"] if args.script == "serve" else [args.script]),
+        *SCRIPTS.get(args.script, [args.script]),
         *args.script_args,
     ]
 
@@ -179,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HCCL_CONNECT_TIMEOUT seconds, 120..7200 (default 600)")
     hccl.add_argument("--rank-table-file", help="RANK_TABLE_FILE for rank-table launches")
     p.add_argument("--dry-run", action="store_true", help="print the environment and torchrun argv, run nothing")
-    p.add_argument("script", help="the program every rank runs: a Python script, or 'serve' "
-                                  "for kthena serve (rank 0 serves, the others run its steps)")
+    p.add_argument("script", help="the program every rank runs: a Python script, 'serve' for "
+                                  "kthena serve (rank 0 serves, the others run its steps), or "
+                                  "'pd-worker' for a PD worker (python -m kthena_serve.pd.worker)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
 

@@ -16,13 +16,21 @@ devices::
 
     TP8 x PP1 x DP4 (EP4)     32 devices: 4 instances of TP8, all 4 sharing one copy of the experts
     TP8 x PP1 x DP1 (SP8)      8 devices: one TP8 instance, its prompts' tokens split over the 8
+
+A disaggregated (PD) deployment runs two kinds of instance, each with its own size: a `PDLayout`
+holds a `Layout` per role, ``dp`` being that role's instance count. Ranks are laid prefill
+instances first, then decode instances, each instance TP-innermost as above::
+
+    prefill 1 x TP4 + decode 1 x TP4     ranks 0-3: the prefill instance, 4-7: the decode one
+    prefill 2 x TP2 + decode 1 x TP4     ranks 0-1, 2-3: prefill instances, 4-7: decode
 """
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["ExpertLayout", "Layout", "LayoutError", "sp_refusal", "sp_with_pp_refusal", "with_ep"]
+__all__ = ["ExpertLayout", "Layout", "LayoutError", "PDLayout", "RoleInstance", "sp_refusal",
+           "sp_with_pp_refusal", "with_ep"]
 
 
 class LayoutError(ValueError):
@@ -110,6 +118,16 @@ class Layout:
         """(tp, pp, dp): which devices each rank and group gets. SP does not change it."""
         return (self.tp, self.pp, self.dp)
 
+    @property
+    def order_key(self) -> tuple[int, ...]:
+        """The planner's tie-break after cost and devices: smaller tp, pp, no sp, no ep."""
+        return (self.tp, self.pp, self.sp, self.ep)
+
+    def instances(self) -> tuple[RoleInstance, ...]:
+        """Each of the ``dp`` instances, where its ranks start (all role ``"serve"``)."""
+        size = self.tp * self.pp
+        return tuple(RoleInstance("serve", i * size, self.tp, self.pp) for i in range(self.dp))
+
 
 @attrs.frozen
 class ExpertLayout(Layout):
@@ -139,3 +157,111 @@ def with_ep(layout: Layout, ep: int) -> Layout:
     `Layout` of its sizes when ``ep`` is 1."""
     sizes = (layout.tp, layout.pp, layout.dp, layout.sp)
     return Layout(*sizes) if ep == 1 else ExpertLayout(*sizes, ep=ep)
+
+
+@attrs.frozen
+class RoleInstance:
+    """One engine of a layout: its role, its first rank, and its tp x pp ranks from there."""
+
+    role: str
+    first_rank: int
+    tp: int
+    pp: int
+
+
+def _role_layout(_inst: object, attribute: attrs.Attribute, value: Layout) -> None:
+    if type(value) is not Layout:
+        raise LayoutError(f"PDLayout.{attribute.name} must be a plain Layout (no expert "
+                          f"parallelism), got {value!r}")
+    if value.sp != 1:
+        raise LayoutError(f"PDLayout.{attribute.name}: sp={value.sp}; allowed: 1 (sequence "
+                          "parallelism is not wired in PD workers)")
+
+
+@attrs.frozen
+class PDLayout:
+    """A disaggregated layout: the prefill role's and the decode role's, each a `Layout` whose
+    ``dp`` is that role's instance count (so ``prefill.tp`` x ``prefill.pp`` devices per prefill
+    instance). Prefill is compute-bound (its instances set TTFT), decode bandwidth-bound (its
+    set TPOT), so each role has its own size.
+
+    The sizes a reader of one `Layout` asks for are answered for the whole deployment:
+    ``num_devices`` (both roles'), ``dp`` (every instance), ``tp`` / ``pp`` (the larger role's:
+    what "does any worker run TP" reads), ``sp`` and ``ep`` 1. `as_layout` is that as a plain
+    `Layout`, for a reader that knows only one.
+
+    Raises:
+        LayoutError: a role is not a plain Layout, or has sp > 1.
+    """
+
+    prefill: Layout = attrs.field(validator=_role_layout)
+    decode: Layout = attrs.field(validator=_role_layout)
+
+    @property
+    def roles(self) -> tuple[tuple[str, Layout], tuple[str, Layout]]:
+        """``(("prefill", layout), ("decode", layout))``, in rank order."""
+        return (("prefill", self.prefill), ("decode", self.decode))
+
+    @property
+    def tp(self) -> int:
+        return max(self.prefill.tp, self.decode.tp)
+
+    @property
+    def pp(self) -> int:
+        return max(self.prefill.pp, self.decode.pp)
+
+    @property
+    def dp(self) -> int:
+        """Every instance, prefill and decode."""
+        return self.prefill.dp + self.decode.dp
+
+    sp = property(lambda self: 1)
+    ep = property(lambda self: 1)
+
+    def sp_refusal(self) -> str | None:
+        return None
+
+    @property
+    def num_devices(self) -> int:
+        return self.prefill.num_devices + self.decode.num_devices
+
+    @property
+    def device_mapping(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Each role's (tp, pp, instances): which devices each rank and group gets."""
+        return (self.prefill.device_mapping, self.decode.device_mapping)
+
+    @property
+    def order_key(self) -> tuple[int, ...]:
+        """The planner's tie-break after cost, TTFT and devices: smaller tp and pp, then the
+        roles' sizes (so no two layouts tie)."""
+        p, d = self.prefill, self.decode
+        return (self.tp, self.pp, p.tp, p.pp, p.dp, d.tp, d.pp, d.dp)
+
+    def as_layout(self) -> Layout:
+        """One `Layout` standing for the deployment: the larger role's tp and pp, every
+        instance as dp. Exact when both roles have one size (``TP4 x PP1 x DP2`` for 1 + 1
+        TP4 instances)."""
+        return Layout(self.tp, self.pp, self.dp)
+
+    def instances(self) -> tuple[RoleInstance, ...]:
+        """The prefill instances, then the decode ones, with the rank each starts at."""
+        out, rank = [], 0
+        for role, lay in self.roles:
+            for _ in range(lay.dp):
+                out.append(RoleInstance(role, rank, lay.tp, lay.pp))
+                rank += lay.tp * lay.pp
+        return tuple(out)
+
+    @staticmethod
+    def role_label(layout: Layout) -> str:
+        """``TP4`` or ``TP2 x PP2``: one instance's size."""
+        return f"TP{layout.tp}" + (f" x PP{layout.pp}" if layout.pp > 1 else "")
+
+    @property
+    def label(self) -> str:
+        """``prefill 1 x TP4 + decode 1 x TP4``: instances x each one's size, per role."""
+        return " + ".join(f"{role} {lay.dp} x {self.role_label(lay)}" for role, lay in self.roles)
+
+    def __str__(self) -> str:
+        return " ".join(f"{role}:tp={lay.tp},pp={lay.pp},count={lay.dp}"
+                        for role, lay in self.roles)

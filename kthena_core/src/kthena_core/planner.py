@@ -1,4 +1,5 @@
-"""Planner: choose TP x PP x SP x DP, EP for MoE models (and the PD split) for a model on a topology.
+"""Planner: choose TP x PP x SP x DP, EP for MoE models (in PD mode each role's layout and count)
+for a model on a topology.
 
 ``Planner().plan(model, topology, workload) -> Plan`` is a pure function. It enumerates every
 layout that uses at most the topology's devices with a tp that divides the attention heads
@@ -11,6 +12,10 @@ model finds them unbalanced (the LM head on the last stage) or pp does not divid
 then the plan cuts them where the slowest stage is fastest and says why
 (`kthena_core.pipeline_split`). KV memory is sized for the rank holding the most KV heads
 (3 KV heads over tp=2: 2).
+
+In PD mode a candidate is a `PDLayout`: a layout and an instance count per role
+(`kthena_core.pd_roles.pd_layouts`), each role priced on its own devices
+(`kthena_core.pd_plan`).
 
 A TP group never spans nodes unless nothing else fits: when some layout whose TP groups each
 stay on one node fits, every layout whose TP groups span nodes is refused, saying so; when none
@@ -46,17 +51,16 @@ from kthena_core._plan_topology import (
 from kthena_core.cost_model import (
     CostParams,
     DeviceFigures,
-    Estimate,
-    Links,
-    StagePricer,
     estimate_colocated,
-    estimate_pd,
     memory,
+    objective_cost,
+    slo_reasons,
 )
 from kthena_core.experts import ExpertSplitError, allowed_ep_sizes, check_ep
-from kthena_core.layout import Layout, with_ep
+from kthena_core.layout import Layout, LayoutError, PDLayout, with_ep
 from kthena_core.model_spec import ModelSpec, human_bytes
-from kthena_core.pipeline_split import PipelineSplit, pinned_split, propose_split
+from kthena_core.pd_plan import PDJudge, decode_split
+from kthena_core.pd_roles import pd_layouts
 from kthena_core.plan import Evaluation, ExcludedDevice, Plan, why_lost
 from kthena_core.shape import (
     HeadSplitError,
@@ -69,7 +73,7 @@ from kthena_core.topology import Topology
 from kthena_core.workload import Workload
 
 __all__ = ["EXCLUDED_HEALTH", "Evaluation", "ExcludedDevice", "NoFeasiblePlanError", "Plan",
-           "Planner", "decode_replicas", "excluded_devices", "usable_device_ids", "why_lost"]
+           "Planner", "excluded_devices", "usable_device_ids", "why_lost"]
 
 
 class Planner:
@@ -92,18 +96,26 @@ class Planner:
 
     # ---- enumeration ---------------------------------------------------------------------
 
-    def layouts(self, model: ModelSpec, topology: Topology, workload: Workload) -> Iterator[Layout]:
+    def layouts(self, model: ModelSpec, topology: Topology,
+                workload: Workload) -> Iterator[Layout | PDLayout]:
         """Every (tp, pp, dp, sp, ep) with tp*pp*dp <= usable devices and tp dividing the
-        attention heads (sp > 1, ep > 1 only when weighed); the rest is judged later."""
+        attention heads (sp > 1, ep > 1 only when weighed); in PD mode every `PDLayout` (a
+        layout and a count per role, `pd_roles.pd_layouts`). The rest is judged later."""
         n = len(usable_device_ids(topology))
+        if workload.mode == "pd":
+            yield from pd_layouts(model, n, self.role_tp_sizes(model))
+            return
         for tp in (t for t in model.tp_sizes_dividing_heads() if t <= n):
             for pp, dp in ((p, d) for p in range(1, n // tp + 1)
                            for d in range(1, n // (tp * p) + 1)):
-                if workload.mode == "pd" and dp < 2:
-                    continue
                 sps = (1, tp) if tp > 1 and self.sequence_parallel else (1,)
                 for sp, ep in itertools.product(sps, self._ep_sizes(model, workload, dp)):
                     yield with_ep(Layout(tp, pp, dp, sp), ep)
+
+    def role_tp_sizes(self, model: ModelSpec) -> tuple[int, ...]:
+        """The tp a PD role may have: those dividing the heads (a pinned planner adds the
+        pinned ones)."""
+        return model.tp_sizes_dividing_heads()
 
     def _ep_sizes(self, model: ModelSpec, workload: Workload, dp: int) -> tuple[int, ...]:
         if not (self.wide_ep and model.is_moe and workload.mode == "colocated"):
@@ -139,26 +151,35 @@ class Planner:
 
     # ---- scoring -------------------------------------------------------------------------
 
-    def evaluate(self, model: ModelSpec, topology: Topology, workload: Workload, layout: Layout,
-                 ctx: _TopologyView | None = None,
+    def evaluate(self, model: ModelSpec, topology: Topology, workload: Workload,
+                 layout: Layout | PDLayout, ctx: _TopologyView | None = None,
                  split_points: Sequence[int] | None = None) -> Evaluation:
         """Judge one layout: structure, pipeline split, memory, SLOs, then cost.
 
         With pp > 1 the stages are cut at `split_points` when given; otherwise equal stages,
         or the balanced split when the cost model finds equal stages unbalanced by more than
         `UNEVEN_THRESHOLD` or pp does not divide the layers
-        (`kthena_core.pipeline_split.propose_split`).
+        (`kthena_core.pipeline_split.propose_split`). A `PDLayout` is judged role by role
+        (`kthena_core.pd_plan.PDJudge`).
+
+        Raises:
+            LayoutError: a plain Layout in PD mode, or a PDLayout in colocated mode.
         """
+        ctx = ctx or _TopologyView(topology, self.params)
+        if isinstance(layout, PDLayout) != (workload.mode == "pd"):
+            wanted = "a PDLayout (a layout per role)" if workload.mode == "pd" else "a Layout"
+            raise LayoutError(f"mode {workload.mode} judges {wanted}, got {layout!r}")
+        if isinstance(layout, PDLayout):
+            return PDJudge(model, workload, ctx, self.params).evaluate(layout)
         points = None if split_points is None else tuple(split_points)
         reasons = self.structural_reasons(model, layout, points)
         if reasons:
             return Evaluation(layout, tuple(reasons))
-        ctx = ctx or _TopologyView(topology, self.params)
         dev = ctx.figures
         links = ctx.links(layout.tp, layout.pp, layout.dp, layout.ep)
-        split = self._split(model, workload, layout, dev, links, points)
+        seqs = math.ceil(workload.concurrency / layout.dp)
+        split = decode_split(model, workload, layout, dev, links, seqs, points)
         points = split.points if split is not None and split.is_uneven else None
-        seqs = math.ceil(workload.concurrency / decode_replicas(workload, layout))
         mem = memory(model, workload, layout, dev, self.params, seqs, points)
         if not mem.fits:
             reasons.append(
@@ -166,26 +187,10 @@ class Planner:
                 f"(weights {human_bytes(mem.weights)}, KV {human_bytes(mem.kv_cache)})"
             )
             return Evaluation(layout, tuple(reasons), mem, split=split)
-        estimate = estimate_pd if workload.mode == "pd" else estimate_colocated
-        est = estimate(model, workload, layout, dev, links, points, self.params)
-        reasons += _slo_reasons(workload, est)
-        if workload.objective == "throughput":
-            cost = -est.throughput_tok_s
-        else:
-            cost = est.ttft_s + workload.output_len * est.tpot_s
-        return Evaluation(layout, tuple(reasons), mem, est, math.inf if reasons else cost, split)
-
-    @staticmethod
-    def _split(model: ModelSpec, workload: Workload, layout: Layout, dev: DeviceFigures,
-               links: Links, points: tuple[int, ...] | None) -> PipelineSplit | None:
-        """The stages' split (pp > 1), priced at the decode batch of one replica."""
-        if layout.pp == 1:
-            return None
-        batch = math.ceil(workload.concurrency / decode_replicas(workload, layout))
-        pricer = StagePricer(model, workload, layout, dev, links, batch)
-        if points is not None:
-            return pinned_split(model.shape.num_layers, layout.pp, points, pricer.time)
-        return propose_split(model.shape.num_layers, layout.pp, pricer.time)
+        est = estimate_colocated(model, workload, layout, dev, links, points, self.params)
+        reasons += slo_reasons(workload, est)
+        cost = math.inf if reasons else objective_cost(workload, est)
+        return Evaluation(layout, tuple(reasons), mem, est, cost, split)
 
     def plan(self, model: ModelSpec, topology: Topology, workload: Workload | None = None) -> Plan:
         """Choose the best layout.
@@ -195,45 +200,65 @@ class Planner:
         """
         workload = workload or Workload()
         ctx = _TopologyView(topology, self.params)
-        evals = [self.evaluate(model, topology, workload, lay, ctx, self.pipeline_split_points(lay))
+        judge = PDJudge(model, workload, ctx, self.params)  # PD: remembers what roles share
+        evals = [judge.evaluate(lay) if isinstance(lay, PDLayout) else
+                 self.evaluate(model, topology, workload, lay, ctx, self.pipeline_split_points(lay))
                  for lay in self.layouts(model, topology, workload)]
-        spans = {e.layout: ctx.nodes_per_tp_group(e.layout.tp, e.layout.num_devices)
-                 for e in evals}
+        spans = {e.layout: _tp_spans(ctx, e.layout) for e in evals}
         evals = sorted(_keep_tp_in_nodes(evals, spans), key=Evaluation.sort_key)
         if not evals or not evals[0].feasible:
             raise NoFeasiblePlanError(_no_plan_message(model, topology, workload, evals))
         best = evals[0]
-        notes = (_span_note(best, evals, spans), _head_note(model, best.layout))
+        notes = (_span_note(best, evals, spans), *_head_notes(model, best.layout))
         return Plan(model, topology.name or topology.source, workload, best,
                     tuple(ctx.order[: best.layout.num_devices]), tuple(evals), ctx.excluded,
                     tuple(n for n in notes if n))
 
 
-def decode_replicas(workload: Workload, layout: Layout) -> int:
-    """The replicas that hold running sequences: all of them, or in PD mode all but the
-    prefill ones (at least one replica prefills)."""
-    return max(1, layout.dp - 1) if workload.mode == "pd" else layout.dp
+Span = tuple[str, int, int]  # (the role whose TP groups span the most nodes, its tp, nodes)
 
 
-def _keep_tp_in_nodes(evals: list[Evaluation], spans: dict[Layout, int]) -> list[Evaluation]:
+def _tp_spans(ctx: _TopologyView, layout: Layout | PDLayout) -> Span:
+    """The role whose TP groups span the most nodes, its tp and those nodes (``""`` for a
+    colocated layout)."""
+    if not isinstance(layout, PDLayout):
+        return "", layout.tp, ctx.nodes_per_tp_group(layout.tp, layout.num_devices)
+    first = layout.prefill.num_devices
+    return max((("prefill", layout.prefill.tp, ctx.nodes_per_tp_group(layout.prefill.tp, first)),
+                ("decode", layout.decode.tp,
+                 ctx.nodes_per_tp_group(layout.decode.tp, layout.decode.num_devices, first))),
+               key=lambda span: span[2])
+
+
+def _spans_text(span: Span, its: str = "") -> str:
+    """``TP16 groups span 2 nodes`` (PD: ``the decode role's TP16 groups ...``)."""
+    role, tp, nodes = span
+    whose = f"{its or 'the'} {role} role's " if role else its + " " * bool(its)
+    return f"{whose}TP{tp} groups span {nodes} nodes"
+
+
+def _keep_tp_in_nodes(evals: list[Evaluation],
+                      spans: dict[Layout | PDLayout, Span]) -> list[Evaluation]:
     """`evals`, with every feasible layout whose TP groups span nodes refused when one whose
     TP groups each stay on one node is feasible."""
-    inside = [e for e in evals if e.feasible and spans[e.layout] == 1]
+    inside = [e for e in evals if e.feasible and spans[e.layout][2] == 1]
     if not inside:
         return evals
     best = min(inside, key=Evaluation.sort_key).layout
     return [attrs.evolve(e, reasons=(
-                f"its TP{e.layout.tp} groups span {spans[e.layout]} nodes, and a layout whose "
-                f"TP groups each stay on one node fits ({best.label})",), cost=math.inf)
-            if e.feasible and spans[e.layout] > 1 else e for e in evals]
+                f"{_spans_text(spans[e.layout], 'its')}, and a layout whose TP groups each "
+                f"stay on one node fits ({best.label})",), cost=math.inf)
+            if e.feasible and spans[e.layout][2] > 1 else e for e in evals]
 
 
-def _span_note(best: Evaluation, evals: list[Evaluation], spans: dict[Layout, int]) -> str | None:
+def _span_note(best: Evaluation, evals: list[Evaluation],
+               spans: dict[Layout | PDLayout, Span]) -> str | None:
     """Why the chosen layout's TP groups span nodes (None when they do not)."""
-    if spans[best.layout] == 1:
+    if spans[best.layout][2] == 1:
         return None
-    inside = [e for e in evals if spans[e.layout] == 1]
-    head = f"TP{best.layout.tp} groups span {spans[best.layout]} nodes"
+    inside = [e for e in evals if spans[e.layout][2] == 1]
+    head = _spans_text(spans[best.layout])
+    head = head[0].upper() + head[1:] if head.startswith("the ") else head
     if not inside:
         return f"{head}: no layout whose TP groups each stay on one node was judged"
     sized = [e for e in inside if e.memory is not None]
@@ -243,22 +268,20 @@ def _span_note(best: Evaluation, evals: list[Evaluation], spans: dict[Layout, in
             f"fits; the closest, {closest.layout.label}: {closest.reasons[0]}")
 
 
-def _head_note(model: ModelSpec, layout: Layout) -> str | None:
-    """Why a tp the planner would not propose (it does not divide the heads) runs unevenly."""
+def _head_notes(model: ModelSpec, layout: Layout | PDLayout) -> list[str | None]:
+    """Why a tp the planner would not propose (it does not divide the heads) runs unevenly;
+    in PD mode per role."""
+    if isinstance(layout, PDLayout):
+        return [_head_note(model, lay.tp, f"{role}: ") for role, lay in layout.roles]
+    return [_head_note(model, layout.tp)]
+
+
+def _head_note(model: ModelSpec, tp: int, prefix: str = "") -> str | None:
     try:
-        check_tp_divides_heads(model.shape.num_attention_heads, model.split_kv_heads, layout.tp)
+        check_tp_divides_heads(model.shape.num_attention_heads, model.split_kv_heads, tp)
     except HeadSplitError as e:
-        return f"{e} (this tp was pinned, not proposed)"
+        return f"{prefix}{e} (this tp was pinned, not proposed)"
     return None
-
-
-def _slo_reasons(workload: Workload, est: Estimate) -> list[str]:
-    reasons = []
-    if workload.ttft_slo_s is not None and est.ttft_s > workload.ttft_slo_s:
-        reasons.append(f"TTFT {est.ttft_s * 1e3:.1f} ms misses the {workload.ttft_slo_s * 1e3:.0f} ms SLO")
-    if workload.tpot_slo_s is not None and est.tpot_s > workload.tpot_slo_s:
-        reasons.append(f"TPOT {est.tpot_s * 1e3:.2f} ms misses the {workload.tpot_slo_s * 1e3:.0f} ms SLO")
-    return reasons
 
 
 def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: list[Evaluation]) -> str:
@@ -279,7 +302,7 @@ def _no_plan_message(model: ModelSpec, topology: Topology, wl: Workload, evals: 
     excluded = excluded_devices(topology)
     health = (f" ({n} of {topology.num_devices} devices healthy; excluded: {excluded_text(excluded)})"
               if excluded else "")
-    if not evals and wl.mode == "pd":
+    if not evals and wl.mode == "pd" and n < 2:
         # layouts() yields no PD candidate below two replicas: say so rather than "no candidates".
         return (f"no PD layout of {model.name} on {where}: a PD plan needs at least 2 devices "
                 f"(1 prefill + 1 decode instance); this topology has {n}{' usable' * bool(excluded)} "

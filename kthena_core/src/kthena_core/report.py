@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from kthena_core.calibrate import Calibration
+from kthena_core.cost_model import Memory
 from kthena_core.model_spec import human_bytes
 from kthena_core.planner import Evaluation, Plan
 from kthena_core.topology import Topology
@@ -13,8 +14,8 @@ from kthena_core.topology import Topology
 def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     """Multi-line explanation of `plan` for a terminal."""
     wl, best = plan.workload, plan.chosen
-    mem, est = best.memory, best.estimate
-    assert mem is not None and est is not None
+    est = best.estimate
+    assert best.memory is not None and est is not None
     lines = [
         f"model     {plan.model.name}: {_params_text(plan)}, "
         f"{plan.model.shape.num_layers} layers, {plan.model.shape.num_attention_heads} heads / "
@@ -26,11 +27,15 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         "",
         f"plan      {best.layout.label} on {plan.world_size} device(s): {list(plan.device_ids)}",
     ]
+    lines += [f"{role.name:<9} {note}" for role, note in zip(plan.roles, plan.role_notes(),
+                                                              strict=True)]
     lines += [f"tp        {note}" for note in plan.tp_notes]
     if (experts := plan.expert_note()) is not None:
         lines.append(f"experts   {experts}")
-    if best.split is not None:
+    if best.split is not None and not plan.roles:
         lines.append(f"pipeline  {best.split.reason(plan.model.shape.num_layers)}")
+    lines += [f"pipeline  {role.name}: {role.split.reason(plan.model.shape.num_layers)}"
+              for role in plan.roles if role.split is not None]
     if (sp := plan.sp_note()) is not None:
         lines.append(f"sp        {sp}")
     if plan.excluded:
@@ -39,20 +44,40 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
     if wl.mode == "pd":
         lines.append(f"          PD split: {est.prefill_replicas} prefill + {est.decode_replicas} decode instance(s), "
                      f"KV handoff {est.kv_transfer_s * 1e3:.2f} ms")
+    lines += _memory_lines(plan)
     lines += [
-        f"memory    per device: weights {human_bytes(mem.weights)} + KV {human_bytes(mem.kv_cache)} + "
-        f"activations {human_bytes(mem.activations)} + reserve {human_bytes(mem.reserve)} = "
-        f"{human_bytes(mem.total)} of {human_bytes(mem.capacity)} usable"
-        if math.isfinite(mem.capacity) else f"{human_bytes(mem.total)} (host memory: no device limit)",
         f"predicted TTFT {est.ttft_s * 1e3:.1f} ms, TPOT {est.tpot_s * 1e3:.2f} ms, "
         f"throughput {est.throughput_tok_s:.1f} tok/s, comm {est.comm_fraction:.0%} of a decode step, "
         f"pipeline bubble {est.bubble_fraction:.0%}",
         "",
-        f"runner-up candidates ({len(plan.evaluations)} considered):",
-        f"  {'layout':<22} {'dev':>4} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>10}  why it lost",
     ]
-    lines += [_row(e, why) for e, why in plan.runner_ups(num_candidates)]
-    return "\n".join(lines)
+    return "\n".join(lines + _rivals_table(plan, num_candidates))
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """``memory    per device: ...``; PD: a line per role."""
+    assert plan.chosen.memory is not None
+    if not plan.roles:
+        return [f"memory    per device: {_memory_text(plan.chosen.memory)}"]
+    return [f"{'memory' if i == 0 else '':<9} {role.name} per device: {_memory_text(role.memory)}"
+            for i, role in enumerate(plan.roles)]
+
+
+def _memory_text(mem: Memory) -> str:
+    if not math.isfinite(mem.capacity):
+        return f"{human_bytes(mem.total)} (host memory: no device limit)"
+    return (f"weights {human_bytes(mem.weights)} + KV {human_bytes(mem.kv_cache)} + activations "
+            f"{human_bytes(mem.activations)} + reserve {human_bytes(mem.reserve)} = "
+            f"{human_bytes(mem.total)} of {human_bytes(mem.capacity)} usable")
+
+
+def _rivals_table(plan: Plan, num_candidates: int) -> list[str]:
+    """The runner-ups, one row each, the layout column as wide as the longest label."""
+    ups = plan.runner_ups(num_candidates)
+    width = max([22, *(len(e.layout.label) for e, _ in ups)])
+    return [f"runner-up candidates ({len(plan.evaluations)} considered):",
+            f"  {'layout':<{width}} {'dev':>4} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>10}  why it lost",
+            *(_row(e, why, width) for e, why in ups)]
 
 
 def _params_text(plan: Plan) -> str:
@@ -66,13 +91,13 @@ def _params_text(plan: Plan) -> str:
             f"{model.num_moe_layers} layers: {model.routed_params() / 1e9:.2f} B)")
 
 
-def _row(e: Evaluation, why: str) -> str:
+def _row(e: Evaluation, why: str, width: int = 22) -> str:
     est = e.estimate
     if est is None:
         nums = f"{'-':>9} {'-':>9} {'-':>10}"
     else:
         nums = f"{est.ttft_s * 1e3:>9.1f} {est.tpot_s * 1e3:>9.2f} {est.throughput_tok_s:>10.1f}"
-    return f"  {e.layout.label:<22} {e.layout.num_devices:>4} {nums}  {why}"
+    return f"  {e.layout.label:<{width}} {e.layout.num_devices:>4} {nums}  {why}"
 
 
 def format_calibration(cal: Calibration) -> str:

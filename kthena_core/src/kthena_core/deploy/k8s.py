@@ -16,18 +16,20 @@ Three objects, named after deploy.yaml's ``name``::
 The containers run this SDK's real entry points (the image is deploy/Dockerfile's):
 
 * colocated: ``kthena serve`` (the OpenAI API, ``/health``, ``/metrics``).
-* an engine larger than a node (``Deployment.num_nodes_per_engine`` > 1): one serving group per
-  replica, an entry pod plus ``workerReplicas`` worker pods (``gangPolicy``: scheduled together),
-  each running ``kthena-run --serving-group ... serve <the kthena serve flags>``. kthena-run maps
-  the ENTRY_ADDRESS / WORKER_INDEX / GROUP_SIZE Kthena injects to torchrun's master address,
-  node rank and node count; rank 0 in the entry pod serves the API, so only entry pods have the
-  port and the probes, and the ModelServer selects them by ``modelserving.volcano.sh/entry``.
+* an engine larger than a node (a role with ``Role.num_nodes`` > 1): one serving group per
+  instance, an entry pod plus ``workerReplicas`` worker pods (``gangPolicy``: scheduled
+  together), each running ``kthena-run --serving-group ... serve <the kthena serve flags>`` (a PD
+  role: ``... pd-worker <the PD worker's flags>``). kthena-run maps the ENTRY_ADDRESS /
+  WORKER_INDEX / GROUP_SIZE Kthena injects to torchrun's master address, node rank and node
+  count; rank 0 in the entry pod serves the API, so only entry pods have the port and the
+  probes, and the ModelServer selects them by ``modelserving.volcano.sh/entry``.
 * PD: ``python3 -m kthena_serve.pd.worker --role prefill|decode --spec JSON`` (``/health`` and
   the PD worker's routes on one port; ``--spec`` is kthena_serve's ``ServeSpec`` JSON:
-  ``worker_spec``), its secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in
-  the environment variable the PD auth reads, never on the command line; KV moves between pods
-  over the Mooncake transport, advertised at the pod's IP. A decode worker takes KV only from
-  hosts in deploy.yaml's ``pod_network`` (``--prefill-hosts``).
+  ``worker_spec``, whose engine carries the role's own ``tp``, ``pp`` and split points), its
+  secret from the Kubernetes Secret ``<name>-pd-secret`` (key ``secret``) in the environment
+  variable the PD auth reads, never on the command line; KV moves between pods over the
+  Mooncake transport, advertised at the pod's IP. A decode worker takes KV only from hosts in
+  deploy.yaml's ``pod_network`` (``--prefill-hosts``).
 
 Every worker takes the API key from the Kubernetes Secret ``<name>-api-key`` (key ``api-key``)
 in ``KTHENA_API_KEY`` (kthena-router forwards its client's ``Authorization`` header). With
@@ -83,6 +85,7 @@ NETWORK_POLICY_API = "networking.k8s.io/v1"
 HEALTH_PATH = "/health"
 PUBLIC_METRICS_FLAG = "--public-metrics"  # kthena-router scrapes /metrics without credentials
 KV_CONNECTOR = "mooncake"  # the PD transport the workers are told to use across pods
+PD_WORKER_SCRIPT = "pd-worker"  # kthena-run's name for python -m kthena_serve.pd.worker
 DEVICE_RESOURCE = {"npu": "huawei.com/Ascend910", "gpu": "nvidia.com/gpu"}
 _BACKEND = {"cpu": "gloo", "gpu": "nccl", "npu": "hccl"}
 STARTUP_BUDGET_S = 1800  # model loading; a 70B checkpoint from local disk takes minutes
@@ -113,7 +116,7 @@ def render_model_serving(dep: Deployment) -> dict[str, Any]:
     """The workers: one role per worker kind, ``workerReplicas: 0`` (one pod per instance),
     or for an engine larger than a node an entry pod and ``workerReplicas`` worker pods that
     are scheduled together (``gangPolicy``)."""
-    pd, group = dep.spec.mode == "pd", dep.num_nodes_per_engine > 1
+    pd, group = dep.spec.mode == "pd", dep.has_groups
     template: dict[str, Any] = {}
     if group:  # all of an engine's pods or none: a partial group would wait for its ranks
         template["gangPolicy"] = {"minRoleReplicas": {r.name: r.num_replicas for r in dep.roles}}
@@ -132,7 +135,7 @@ def render_model_serving(dep: Deployment) -> dict[str, Any]:
 
 
 def _role(dep: Deployment, role: Role) -> dict[str, Any]:
-    workers = dep.num_nodes_per_engine - 1
+    workers = role.num_nodes - 1
     out = {"name": role.name, "replicas": role.num_replicas, "workerReplicas": workers,
            "entryTemplate": {"spec": _pod_spec(dep, role)}}
     if workers:
@@ -144,9 +147,10 @@ def _pod_spec(dep: Deployment, role: Role, is_entry: bool = True) -> dict[str, A
     """A worker pod; in a serving group, ``is_entry`` False is a pod that runs ranks only (no
     API, so no port and no probes: the entry pod's /health reports a dead rank)."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    # The KV pool of a PD decode worker lives in POSIX shared memory; the container default
-    # /dev/shm (64 MiB) would not hold it.
-    shm_bytes = (dep.kv_cache_bytes if role.name == "decode" else 0) + GiB
+    # The KV pool of a PD decode worker lives in POSIX shared memory (on a CPU one per rank of
+    # the pod); the container default /dev/shm (64 MiB) would not hold it.
+    pools = 0 if role.name != "decode" else role.num_ranks_per_pod if dep.device_kind == "cpu" else 1
+    shm_bytes = pools * role.kv_cache_bytes + GiB
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {
         "medium": "Memory", "sizeLimit": f"{math.ceil(shm_bytes / GiB)}Gi"}}]
     if dep.spec.checkpoint != "default":
@@ -158,19 +162,26 @@ def _pod_spec(dep: Deployment, role: Role, is_entry: bool = True) -> dict[str, A
     container = {
         "name": "worker", "image": dep.spec.image, **_command(dep, role),
         "env": _env(dep, role), **(api if is_entry else {}),
-        "resources": {"requests": _resources(dep), "limits": _resources(dep)},
+        "resources": {"requests": _resources(dep, role), "limits": _resources(dep, role)},
         **(_probes(dep) if is_entry else {}), "volumeMounts": mounts,
     }
     return {"containers": [container], "volumes": volumes,
             "terminationGracePeriodSeconds": GRACE_PERIOD_S}
 
 
-def engine_fields(dep: Deployment) -> dict[str, Any]:
-    """The engine settings every worker gets (``EngineConfig`` field names); int8 weights, the
-    int8 KV pool and expert parallelism only when deploy.yaml asks for them."""
-    fields = {"model": dep.spec.checkpoint, "device": dep.engine_device,
-              "dtype": dep.engine_dtype, "tp": dep.tp,
-              "kv_cache_memory": _mib(dep.kv_cache_bytes), "max_num_seqs": dep.max_num_seqs}
+def engine_fields(dep: Deployment, role: Role) -> dict[str, Any]:
+    """The engine settings a worker of `role` gets (``EngineConfig`` field names): its role's
+    ``tp`` (and ``pp`` and ``pipeline_split_points`` when it pipelines), KV pool and sequence
+    cap; int8 weights, the int8 KV pool and expert parallelism only when deploy.yaml asks for
+    them."""
+    fields: dict[str, Any] = {
+        "model": dep.spec.checkpoint, "device": dep.engine_device, "dtype": dep.engine_dtype,
+        "tp": role.tp, "kv_cache_memory": _mib(role.kv_cache_bytes),
+        "max_num_seqs": role.max_num_seqs}
+    if role.pp > 1:
+        fields["pp"] = role.pp
+    if role.split_points is not None:
+        fields["pipeline_split_points"] = list(role.split_points)
     if dep.quantization is not None:
         fields["quantization"] = dep.quantization
     if dep.kv_cache_dtype is not None:
@@ -215,10 +226,10 @@ def _uses_store(dep: Deployment) -> bool:
     return dep.spec.kv_offload is not None and "store" in _offload_keys(dep.spec.kv_offload)
 
 
-def _split_args(dep: Deployment) -> list[str]:
+def _split_args(role: Role) -> list[str]:
     """``--pipeline-split-points`` where the plan's stages are not equal (its cost model moved
     them: the LM head weighs on the last stage)."""
-    points = dep.plan.pipeline_split_points
+    points = role.split_points
     return [] if points is None else ["--pipeline-split-points", ",".join(map(str, points))]
 
 
@@ -229,49 +240,59 @@ def _mib(num_bytes: int) -> str:
 def _command(dep: Deployment, role: Role) -> dict[str, list[str]]:
     port = str(dep.spec.port)
     if role.name == "serve":
-        engine = engine_fields(dep)
+        engine = engine_fields(dep, role)
         serve = {"command": ["kthena"], "args": [
             "serve", "--model", engine["model"], "--served-model-name", dep.spec.served_model_name,
             "--host", "0.0.0.0", "--port", port, "--device", engine["device"],
             "--dtype", engine["dtype"], "--tp", str(engine["tp"]),
-            *(["--pp", str(dep.pp)] if dep.pp > 1 else []),
-            *_split_args(dep), *_feature_args(dep),
+            *(["--pp", str(role.pp)] if role.pp > 1 else []),
+            *_split_args(role), *_feature_args(dep),
             "--kv-cache-memory", engine["kv_cache_memory"],
             "--max-num-seqs", str(engine["max_num_seqs"]), PUBLIC_METRICS_FLAG,
             *_kv_events_args(dep)]}
-        return serve if dep.num_nodes_per_engine == 1 else _group_command(dep, serve["args"])
+        return serve if not role.is_group else _group_command(dep, role, serve["args"][1:])
     compact = {"separators": (",", ":"), "sort_keys": True}
     # Prefill pod IPs are unknown until the pods run: a decode worker allows the pod network.
     allow = ["--prefill-hosts", ",".join(dep.spec.pod_network)] if role.name == "decode" else []
-    return {"command": ["python3", "-m", "kthena_serve.pd.worker"], "args": [
-        "--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
-        "--spec", json.dumps(worker_spec(dep), **compact), "--mooncake-host", "$(POD_IP)",
-        *allow]}
+    args = ["--role", role.name, "--name", "$(POD_NAME)", "--host", "0.0.0.0", "--port", port,
+            "--spec", json.dumps(worker_spec(dep, role), **compact), "--mooncake-host",
+            "$(POD_IP)", *allow]
+    if role.is_group:
+        return _group_command(dep, role, args, script=PD_WORKER_SCRIPT)
+    return {"command": ["python3", "-m", "kthena_serve.pd.worker"], "args": args}
 
 
-def worker_spec(dep: Deployment) -> dict[str, Any]:
-    """What a PD worker pod serves, as the JSON of kthena_serve's ``ServeSpec`` (its field
-    names): the engine, the PD transport across pods, the served model name, /metrics open to
-    kthena-router, and KV events under the pod's own name (Kubernetes fills in $(POD_NAME))."""
+def worker_spec(dep: Deployment, role: Role) -> dict[str, Any]:
+    """What a PD worker pod of `role` serves, as the JSON of kthena_serve's ``ServeSpec`` (its
+    field names): the engine (the role's own tp and pp; ``ranks_from: env`` when an instance
+    spans pods, whose ranks kthena-run starts), the PD transport across pods, the served
+    model name, /metrics open to kthena-router, and KV events under the pod's own name
+    (Kubernetes fills in $(POD_NAME))."""
     kv_events = None if dep.spec.kv_events is None else {
         "redis_url": dep.spec.kv_events, "pod": KV_EVENTS_OWNER,
         "model": dep.spec.served_model_name}
-    return {"engine": engine_fields(dep), "mode": "pd", "pd": {"transport": KV_CONNECTOR},
+    engine = engine_fields(dep, role)
+    if dep.spec.tp_overlap:
+        engine["tp_overlap"] = True
+    if role.is_group:
+        engine["ranks_from"] = "env"
+    return {"engine": engine, "mode": "pd", "pd": {"transport": KV_CONNECTOR},
             "served_model_name": dep.spec.served_model_name, "public_metrics": True,
             "kv_events": kv_events}
 
 
-def _group_command(dep: Deployment, serve_args: list[str]) -> dict[str, list[str]]:
+def _group_command(dep: Deployment, role: Role, script_args: list[str],
+                   script: str = "serve") -> dict[str, list[str]]:
     """Every pod of a serving group: ``kthena-run --serving-group`` starting its share of the
-    engine's ranks, each ``kthena serve`` with the same flags (rank 0, in the entry pod, serves
-    the API). kthena-run takes the master address, node rank and node count from Kthena's
-    ENTRY_ADDRESS, WORKER_INDEX and GROUP_SIZE, and refuses a GROUP_SIZE other than
-    ``--nnodes``."""
+    instance's ranks, each running `script` (``serve``: ``kthena serve``; ``pd-worker``: the PD
+    worker) with the same flags (rank 0, in the entry pod, serves the API). kthena-run takes
+    the master address, node rank and node count from Kthena's ENTRY_ADDRESS, WORKER_INDEX and
+    GROUP_SIZE, and refuses a GROUP_SIZE other than ``--nnodes``."""
     return {"command": ["kthena-run"], "args": [
-        "--serving-group", "--nnodes", str(dep.num_nodes_per_engine),
-        "--nproc_per_node", str(dep.num_ranks_per_pod), "--tp", str(dep.tp), "--pp", str(dep.pp),
-        "--master_port", str(MASTER_PORT), "--backend", _BACKEND[dep.device_kind],
-        "--cpus", str(dep.cpu), "serve", *serve_args[1:]]}
+        "--serving-group", "--nnodes", str(role.num_nodes),
+        "--nproc_per_node", str(role.num_ranks_per_pod), "--tp", str(role.tp),
+        "--pp", str(role.pp), "--master_port", str(MASTER_PORT),
+        "--backend", _BACKEND[dep.device_kind], "--cpus", str(role.cpu), script, *script_args]}
 
 
 def _kv_events_args(dep: Deployment) -> list[str]:
@@ -298,13 +319,13 @@ def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
         env.append(_field_env("POD_NAME", "metadata.name"))
     if has_events:
         env.append(_field_env("POD_NAMESPACE", "metadata.namespace"))
-    group = dep.num_nodes_per_engine > 1
+    group = role.is_group
     if is_pd or (group and dep.device_kind == "npu") or _uses_store(dep):
         env.append(_field_env("POD_IP", "status.podIP"))
     if is_pd:
         env.append(_secret_env(PD_SECRET_ENV, pd_secret_name(dep), "secret"))
     env.append(_secret_env(API_KEY_ENV, api_key_secret_name(dep), API_KEY_SECRET_KEY))
-    rank = _rank_environment(dep)
+    rank = _rank_environment(dep, role)
     if group:  # kthena-run sizes the OpenMP pools from --cpus
         rank = {k: v for k, v in rank.items() if not k.startswith("OMP_")}
         if dep.device_kind == "npu":  # HCCL over nodes: this pod's address (kthena-run checks it)
@@ -312,26 +333,26 @@ def _env(dep: Deployment, role: Role) -> list[dict[str, Any]]:
     return env + [{"name": k, "value": v} for k, v in sorted(rank.items())]
 
 
-def _rank_environment(dep: Deployment) -> dict[str, str]:
+def _rank_environment(dep: Deployment, role: Role) -> dict[str, str]:
     """What kthena-run would export for one worker's ranks: OpenMP threads and wait policy
     (CPU), HCCL's connect timeout (Ascend). KTHENA_DIST_BACKEND is left out: the worker
     takes its layout and backend from its flags."""
-    tp = dep.tp
-    cfg = load_config({"cluster": {"world_size": tp},
-                       "parallelism": {"tensor_parallel_size": tp}})
-    env = rank_environment(cfg, _BACKEND[dep.device_kind], tp, num_cpus=dep.cpu)
+    ranks = role.num_ranks_per_pod
+    cfg = load_config({"cluster": {"world_size": ranks},
+                       "parallelism": {"tensor_parallel_size": ranks}})
+    env = rank_environment(cfg, _BACKEND[dep.device_kind], ranks, num_cpus=role.cpu)
     env = {k: v for k, v in env.items() if not k.startswith("KTHENA_")}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads
     return env
 
 
-def _resources(dep: Deployment) -> dict[str, str]:
+def _resources(dep: Deployment, role: Role) -> dict[str, str]:
     """Requests = limits: Guaranteed QoS, so the kubelet's static CPU manager policy (where
     the nodes use it) gives the pod whole cores, which the worker sizes its threads to."""
-    res = {"cpu": str(dep.cpu), "memory": dep.memory}
-    if dep.num_devices_per_pod:
+    res = {"cpu": str(role.cpu), "memory": role.memory}
+    if dep.devices_per_pod(role):
         name = dep.spec.device_resource or DEVICE_RESOURCE[dep.device_kind]
-        res[name] = str(dep.num_devices_per_pod)
+        res[name] = str(dep.devices_per_pod(role))
     return res
 
 
@@ -358,7 +379,7 @@ def render_network_policy(dep: Deployment) -> dict[str, Any]:
               "podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}
     rules: list[dict[str, Any]] = [
         {"from": [router], "ports": [{"protocol": "TCP", "port": dep.spec.port}]}]
-    if dep.spec.mode == "pd" or dep.num_nodes_per_engine > 1 or _uses_store(dep):
+    if dep.spec.mode == "pd" or dep.has_groups or _uses_store(dep):
         rules.append({"from": [{"podSelector": workers}]})
     return {"apiVersion": NETWORK_POLICY_API, "kind": "NetworkPolicy",
             "metadata": _metadata(dep),
@@ -369,7 +390,7 @@ def render_network_policy(dep: Deployment) -> dict[str, Any]:
 def render_model_server(dep: Deployment) -> dict[str, Any]:
     """What kthena-router routes to: the ModelServing's pods on the worker port."""
     selector: dict[str, Any] = {"matchLabels": {NAME_LABEL: dep.spec.name}}
-    if dep.num_nodes_per_engine > 1:  # only entry pods serve the API
+    if dep.has_groups:  # only entry pods serve the API
         selector["matchLabels"][ENTRY_LABEL] = "true"
     spec: dict[str, Any] = {
         "model": dep.spec.served_model_name,

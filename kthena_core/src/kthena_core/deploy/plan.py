@@ -1,10 +1,13 @@
 """From a `DeploySpec` to a `Deployment`: the planner's chosen layout, cut into worker pods.
 
 ``plan_deployment`` runs `Planner.plan` on the spec's model, topology and workload and keeps
-its layout as is: one worker pod per replica (``dp`` of them), each running one engine over
-``tp x pp`` devices (``kthena serve --tp --pp``: its ranks are processes of the pod; where the
-plan moved the pipeline's split points off equal stages, ``--pipeline-split-points`` too). In PD mode the replicas are split into prefill and decode workers as the plan
-splits them (or as ``num_prefill`` / ``num_decode`` ask, as long as they add up to ``dp``).
+its layout as is. Colocated: one worker pod (or serving group) per replica (``dp`` of them),
+each running one engine over ``tp x pp`` devices (``kthena serve --tp --pp``: its ranks are
+processes of the pod; where the plan moved the pipeline's split points off equal stages,
+``--pipeline-split-points`` too). PD: a ``prefill`` and a ``decode`` role, each with the plan's
+own layout and count for it (deploy.yaml's ``pd`` section and ``num_prefill`` / ``num_decode``
+pin what they name; the planner chooses the rest), each worker one engine of its role's
+``tp x pp`` ranks.
 
 A plan with sequence parallelism (sp = tp, pp = 1, colocated; weighed when deploy.yaml says
 ``sequence_parallel: true``) runs with ``kthena serve --sp``. The engine features deploy.yaml
@@ -12,20 +15,19 @@ asks for become their flags: int8 weights (``workload.dtype: int8``: ``--dtype b
 --quantization int8``), an int8 KV pool (``workload.kv_dtype: int8``: ``--kv-cache-dtype
 int8``), ``--tp-overlap``, ``--kv-offload`` and ``--enable-expert-parallel`` (the engine's EP:
 a MoE model's experts whole over each worker's TP ranks).
-An engine larger than a node runs as one serving group of ``n`` pods, the fewest nodes that
-hold its ``tp x pp`` ranks in equal shares: an entry pod and ``n - 1`` workers, each running
-``kthena-run --serving-group`` (k8s.py).
+An engine larger than a node (a colocated replica, or one instance of a PD role) runs as one
+serving group of ``n`` pods, the fewest nodes that hold its ``tp x pp`` ranks in equal shares:
+an entry pod and ``n - 1`` workers, each running ``kthena-run --serving-group`` (k8s.py).
 
 It refuses a plan the serving engine cannot run, saying which key to change: sequence
-parallelism with pipeline stages or in PD mode (not wired), wide expert parallelism (EP groups
-of instances, which the engine does not run), tp x pp ranks that do not split evenly over the
-nodes an engine needs (torchrun starts as many on each), in PD mode ``tp`` or ``pp > 1`` (a PD
-decode worker holds one whole KV pool, which a prefill worker writes; ``kthena serve --mode
-pd`` refuses them for the same reason), and the features the engine refuses with the plan's layout: ``tp_overlap`` at tp = 1
-or with int8 weights, ``kv_offload`` with tp or pp > 1 (each rank would hold its own pool),
-``expert_parallel`` for a dense model or a tp that is 1 or does not divide the experts.
+parallelism with pipeline stages (not wired), wide expert parallelism (EP groups of instances,
+which the engine does not run), tp x pp ranks that do not split evenly over the nodes an
+engine needs (torchrun starts as many on each), and the features the engine refuses with the
+plan's layout: ``tp_overlap`` at tp = 1 (in PD: a role at tp = 1) or with int8 weights,
+``kv_offload`` with tp or pp > 1 (each rank would hold its own pool), ``expert_parallel`` for a
+dense model or a tp that is 1 or does not divide the experts (in PD: any role's).
 
-Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
+Per pod of a role it sizes (unless deploy.yaml's ``resources`` says otherwise):
 
 * memory = the plan's per-device total (weights + KV + activations + reserve) x the pod's
   ranks (tp x pp, or its share of them in a serving group) on a CPU; on an accelerator, the
@@ -33,7 +35,7 @@ Per pod it sizes (unless deploy.yaml's ``resources`` says otherwise):
   runtime reserve; plus the KV offload tiers' host memory; rounded up to whole GiB.
 * cpu = 4 cores per rank of the pod (the engine's host threads; on a CPU, its compute threads).
 * the KV pool (``--kv-cache-memory``) and the running-sequence cap (``--max-num-seqs``) the
-  plan sized the memory for.
+  plan sized the memory for (PD: the role's own).
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ import math
 
 import attrs
 
+from kthena_core.config import ConfigError
 from kthena_core.config_plan import _PinnedPlanner
-from kthena_core.cost_model import CostParams
+from kthena_core.cost_model import CostParams, Memory
 from kthena_core.deploy.spec import DeployError, DeploySpec
 from kthena_core.dtypes import ENGINE_DTYPES, torch_name
-from kthena_core.planner import Plan, Planner, decode_replicas
+from kthena_core.layout import Layout
+from kthena_core.planner import NoFeasiblePlanError, Plan, Planner
 
 __all__ = ["Deployment", "Role", "deploy_planner", "plan_deployment"]
 
@@ -59,10 +63,41 @@ INT8_COMPUTE_DTYPE = "bf16"  # what a worker with int8 weights computes in (--dt
 
 @attrs.frozen
 class Role:
-    """One ModelServing role: ``prefill``, ``decode`` or ``serve`` (colocated), and its pods."""
+    """One ModelServing role (``serve`` colocated, ``prefill`` / ``decode`` in PD) and the
+    engine each of its instances runs.
+
+    Attributes:
+        num_replicas: instances of the role in one ServingGroup (1 colocated: the group is the
+            replica).
+        tp, pp: one instance's engine.
+        split_points: where its stages 1.. start when they are not equal stages, else None.
+        num_nodes: pods (nodes) one instance spans: 1, or a serving group of an entry pod and
+            ``num_nodes - 1`` worker pods.
+        cpu, memory: per pod.
+        kv_cache_bytes: KV pool per rank (the plan's per-device KV for the role).
+        max_num_seqs: sequences one instance runs at once (what the plan sized KV for).
+    """
 
     name: str
     num_replicas: int
+    tp: int = 1
+    pp: int = 1
+    split_points: tuple[int, ...] | None = None
+    num_nodes: int = 1
+    cpu: int = CPUS_PER_RANK
+    memory: str = "1Gi"
+    kv_cache_bytes: int = 0
+    max_num_seqs: int = 1
+
+    @property
+    def num_ranks_per_pod(self) -> int:
+        """Ranks of an instance in each of its pods (all of them in a one-pod instance)."""
+        return self.tp * self.pp // self.num_nodes
+
+    @property
+    def is_group(self) -> bool:
+        """Whether an instance spans pods (a serving group)."""
+        return self.num_nodes > 1
 
 
 @attrs.frozen
@@ -71,12 +106,10 @@ class Deployment:
 
     Attributes:
         num_groups: ModelServing replicas (ServingGroups): ``dp`` colocated, 1 in PD mode.
-        roles: the roles of one group.
-        num_devices_per_pod: accelerators per worker pod (the plan's tp x pp); 0 on a CPU.
-        kv_cache_bytes: KV pool per rank (the plan's per-device KV).
-        max_num_seqs: sequences one worker runs at once (what the plan sized KV for).
-        num_nodes_per_engine: pods (nodes) one engine's tp x pp ranks span: 1, or a serving
-            group of an entry pod and ``num_nodes_per_engine - 1`` worker pods.
+        roles: the roles of one group, each with its engine and pod size.
+
+    The engine and pod figures read by name (``tp``, ``cpu``, ``num_nodes_per_engine`` ...)
+    are the ``serve`` role's, in PD mode the decode role's: each role's are in ``roles``.
     """
 
     spec: DeploySpec
@@ -85,19 +118,25 @@ class Deployment:
     device_name: str
     num_groups: int
     roles: tuple[Role, ...]
-    cpu: int
-    memory: str
-    kv_cache_bytes: int
-    max_num_seqs: int
-    num_nodes_per_engine: int = 1
 
     @property
-    def tp(self) -> int:
-        return self.plan.layout.tp
+    def main_role(self) -> Role:
+        """The ``serve`` role, or in PD mode the decode role."""
+        return self.roles[-1]
+
+    tp = property(lambda self: self.main_role.tp)
+    pp = property(lambda self: self.main_role.pp)
+    cpu = property(lambda self: self.main_role.cpu)
+    memory = property(lambda self: self.main_role.memory)
+    kv_cache_bytes = property(lambda self: self.main_role.kv_cache_bytes)
+    max_num_seqs = property(lambda self: self.main_role.max_num_seqs)
+    num_nodes_per_engine = property(lambda self: self.main_role.num_nodes)
+    num_ranks_per_pod = property(lambda self: self.main_role.num_ranks_per_pod)
 
     @property
-    def pp(self) -> int:
-        return self.plan.layout.pp
+    def has_groups(self) -> bool:
+        """Whether any role's instances span pods (serving groups)."""
+        return any(r.is_group for r in self.roles)
 
     @property
     def engine_device(self) -> str:
@@ -118,26 +157,31 @@ class Deployment:
         (KV in the compute dtype)."""
         return INT8 if self.spec.workload.kv_dtype == INT8 else None
 
-    @property
-    def num_ranks_per_pod(self) -> int:
-        """Ranks of the engine in each of its pods (all of them in a one-pod engine)."""
-        return self.tp * self.pp // self.num_nodes_per_engine
+    def devices_per_pod(self, role: Role) -> int:
+        """Accelerators a pod of `role` requests (its ranks); 0 on a CPU."""
+        return 0 if self.device_kind == "cpu" else role.num_ranks_per_pod
 
     @property
     def num_devices_per_pod(self) -> int:
-        return 0 if self.device_kind == "cpu" else self.num_ranks_per_pod
+        return self.devices_per_pod(self.main_role)
 
     def summary(self) -> str:
         """One line: model, nodes, mode, layout and roles."""
         lay = self.plan.chosen.layout
-        roles = " + ".join(f"{r.num_replicas} {r.name}" for r in self.roles)
-        if self.num_nodes_per_engine > 1:
-            roles += (f": entry + {self.num_nodes_per_engine - 1} worker pod(s), "
-                      f"{self.num_ranks_per_pod} rank(s) each")
+        roles = " + ".join(_role_text(r) for r in self.roles)
         groups = f"{self.num_groups} x ({roles})" if self.num_groups > 1 else roles
         return (f"{self.spec.model.name} on {self.plan.topology_name}, mode {self.spec.mode}: "
                 f"{lay.label} on {self.plan.world_size} "
                 f"{self.device_name} device(s); pods: {groups}")
+
+
+def _role_text(role: Role) -> str:
+    """``1 prefill`` or ``1 serve: entry + 1 worker pod(s), 2 rank(s) each``."""
+    text = f"{role.num_replicas} {role.name}"
+    if role.is_group:
+        text += (f": entry + {role.num_nodes - 1} worker pod(s), {role.num_ranks_per_pod} "
+                 "rank(s) each")
+    return text
 
 
 def compute_dtype(dtype: str) -> str:
@@ -148,8 +192,9 @@ def compute_dtype(dtype: str) -> str:
 
 def deploy_planner(spec: DeploySpec, params: CostParams | None = None) -> Planner:
     """The planner a deploy file plans with: the cost factors ``params``, sequence parallelism
-    weighed where the engine runs it (pp = 1) when ``sequence_parallel`` asks, no EP."""
-    return _PinnedPlanner(None, params, allow_sp=spec.sequence_parallel)
+    weighed where the engine runs it (pp = 1) when ``sequence_parallel`` asks, no EP, in PD
+    mode the roles' pinned sizes."""
+    return _PinnedPlanner(None, params, allow_sp=spec.sequence_parallel, pd_roles=spec.pd_roles)
 
 
 def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deployment:
@@ -157,32 +202,77 @@ def plan_deployment(spec: DeploySpec, planner: Planner | None = None) -> Deploym
     into worker pods.
 
     Raises:
-        DeployError: the plan needs something the serving engine cannot run; the message
-            names the deploy.yaml key to change.
+        DeployError: the plan needs something the serving engine cannot run, or the PD roles
+            deploy.yaml pins fit nowhere; the message names the deploy.yaml key to change.
         NoFeasiblePlanError: nothing fits the topology (its message says why).
     """
-    plan = (planner or deploy_planner(spec)).plan(spec.model, spec.topology, spec.workload)
+    plan = _plan(spec, planner or deploy_planner(spec))
     kind, name = _device(spec, plan)
     _check_engine_can_run(spec, plan)
     _check_features(spec, plan)
-    nodes = _nodes_per_engine(spec, plan)
-    if spec.mode == "pd":
-        num_groups, roles = 1, _pd_roles(spec, plan)
+    if plan.pd_layout is not None:
+        roles = tuple(_role(spec, plan, kind, r.name, r.layout, r.memory, r.split_points,
+                            r.max_num_seqs) for r in plan.roles)
+        num_groups = 1
     else:
-        num_groups, roles = plan.layout.dp, (Role("serve", 1),)
-    mem = plan.chosen.memory
-    assert mem is not None  # a chosen plan is feasible, so it has a memory estimate
-    ranks = plan.layout.tp * plan.layout.pp // nodes  # per pod
+        lay = plan.layout
+        seqs = math.ceil(spec.workload.concurrency / lay.dp)
+        assert plan.chosen.memory is not None  # a chosen plan is feasible: it has a memory
+        roles = (_role(spec, plan, kind, "serve", lay, plan.chosen.memory,
+                       plan.pipeline_split_points, seqs),)
+        num_groups = lay.dp
+    return Deployment(spec=spec, plan=plan, device_kind=kind, device_name=name,
+                      num_groups=num_groups, roles=roles)
+
+
+def _plan(spec: DeploySpec, planner: Planner) -> Plan:
+    """The plan; pinned PD roles that fit nowhere are refused by their keys."""
+    try:
+        return planner.plan(spec.model, spec.topology, spec.workload)
+    except DeployError:
+        raise
+    except ConfigError as error:  # a pinned role the planner refuses (pd.decode.tp ...)
+        raise DeployError(str(error)) from None
+    except NoFeasiblePlanError as error:
+        if not spec.pd_roles.is_set:
+            raise
+        keys = ", ".join(_pinned_keys(spec))
+        got = "; ".join(f"{role} " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                        for role, sizes in spec.pd_roles.to_dict().items())
+        least = sum(pin.count or 1 for pin in (spec.pd_roles.prefill, spec.pd_roles.decode))
+        why = (f"{least} instances need at least {least} devices" if "no candidate" in str(error)
+               else str(error))
+        raise DeployError(f"{keys}: got {got}, but no PD layout with these sizes fits "
+                          f"{spec.topology.num_devices} device(s) of "
+                          f"{spec.topology.name or spec.topology.source} ({why}); allowed: "
+                          "sizes whose instances fit, or unset (the planner's choice)") from None
+
+
+def _pinned_keys(spec: DeploySpec) -> list[str]:
+    """The deploy.yaml keys that pinned the PD roles (``num_prefill`` or ``pd.prefill.count``
+    ...), for an error to name."""
+    keys = []
+    for role in ("prefill", "decode"):
+        for key, value in attrs.asdict(spec.pd_roles.pin(role)).items():
+            counted = getattr(spec, f"num_{role}")
+            if value is not None:
+                keys.append(f"num_{role}" if key == "count" and counted == value
+                            else f"pd.{role}.{key}")
+    return keys
+
+
+def _role(spec: DeploySpec, plan: Plan, kind: str, name: str, layout: Layout, mem: Memory,
+          split_points: tuple[int, ...] | None, max_num_seqs: int) -> Role:
+    """A role's engine and pod size from the plan's layout and memory for it."""
+    nodes = _nodes_per_engine(spec, name, layout)
+    ranks = layout.tp * layout.pp // nodes  # per pod
     host_bytes = mem.total * ranks if kind == "cpu" else mem.weights * ranks + mem.reserve
     host_bytes += spec.kv_offload_bytes
-    return Deployment(
-        spec=spec, plan=plan, device_kind=kind, device_name=name, num_groups=num_groups,
-        roles=roles, cpu=spec.cpu or CPUS_PER_RANK * ranks,
-        memory=spec.memory or f"{math.ceil(host_bytes / GiB)}Gi",
-        kv_cache_bytes=int(mem.kv_cache),
-        max_num_seqs=math.ceil(spec.workload.concurrency / decode_replicas(spec.workload,
-                                                                             plan.chosen.layout)),
-        num_nodes_per_engine=nodes)
+    replicas = layout.dp if plan.pd_layout is not None else 1
+    return Role(name, replicas, layout.tp, layout.pp, split_points, nodes,
+                spec.cpu or CPUS_PER_RANK * ranks,
+                spec.memory or f"{math.ceil(host_bytes / GiB)}Gi", int(mem.kv_cache),
+                max_num_seqs)
 
 
 def _device(spec: DeploySpec, plan: Plan) -> tuple[str, str]:
@@ -202,20 +292,19 @@ def _check_engine_can_run(spec: DeploySpec, plan: Plan) -> None:
                           "(its --enable-expert-parallel, deploy.yaml's expert_parallel, splits "
                           "the experts over one instance's TP ranks); allowed: a plan without "
                           "wide EP")
-    if lay.sp > 1 and (lay.sp_refusal() is not None or spec.mode == "pd"):
+    if lay.sp > 1 and lay.sp_refusal() is not None:
         raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp} x DP{lay.dp} with "
                                     f"SP{lay.sp} in mode {spec.mode}",
                               "nodes where the plan needs no sequence parallelism with "
-                              "pipeline stages or PD workers (the engine runs SP over the TP "
-                              "group of a colocated pp=1 engine only): larger devices or more "
-                              "of them per node")
-    if spec.mode == "pd" and (lay.tp > 1 or lay.pp > 1):
-        raise DeployError(
-            f"mode: got 'pd', but the plan gives each worker TP{lay.tp} x PP{lay.pp} "
-            f"({spec.model.name} on {plan.topology_name}); allowed: 'pd' only where the plan "
-            "runs each worker at tp=1 and pp=1 (a PD decode worker holds one whole KV pool, "
-            "which its prefill worker writes; `kthena serve --mode pd` refuses --tp and --pp > "
-            "1 too). Use mode: colocated for this model and topology.")
+                              "pipeline stages (the engine runs SP over the TP group of a "
+                              "pp=1 engine only): larger devices or more of them per node")
+
+
+def _engine_tps(plan: Plan) -> dict[str, int]:
+    """Each role's tp (``serve`` colocated)."""
+    if plan.pd_layout is None:
+        return {"serve": plan.layout.tp}
+    return {name: lay.tp for name, lay in plan.pd_layout.roles}
 
 
 def _check_features(spec: DeploySpec, plan: Plan) -> None:
@@ -231,11 +320,7 @@ def _check_features(spec: DeploySpec, plan: Plan) -> None:
         raise DeployError(f"workload.kv_dtype: got {wl.kv_dtype!r}; allowed: {compute!r} (the "
                           f"compute dtype) or {INT8!r} (the engine's int8 KV pool, "
                           "--kv-cache-dtype int8)")
-    if spec.tp_overlap and (lay.tp == 1 or wl.dtype == INT8):
-        why = (f"the plan gives each worker TP{lay.tp}, and TP overlap fuses each row-parallel "
-               "matmul with its all-reduce over the TP group" if lay.tp == 1 else
-               "workload.dtype is int8, and the fused matmul + collective ops take dense weights")
-        raise DeployError(f"tp_overlap: got true, but {why}; allowed: false here")
+    _check_tp_overlap(spec, plan)
     _check_expert_parallel(spec, plan)
     if spec.kv_offload is not None and lay.tp * lay.pp > 1:
         raise DeployError(f"kv_offload: got {spec.kv_offload!r}, but the plan gives each worker "
@@ -244,43 +329,65 @@ def _check_features(spec: DeploySpec, plan: Plan) -> None:
                           "serve refuses --kv-offload with --tp or --pp > 1)")
 
 
-def _check_expert_parallel(spec: DeploySpec, plan: Plan) -> None:
-    """``expert_parallel`` runs the engine's EP: each TP rank holds experts / tp whole experts,
-    so the model must have routed experts and the plan a tp > 1 that divides them."""
-    if not spec.expert_parallel:
+def _check_tp_overlap(spec: DeploySpec, plan: Plan) -> None:
+    """``tp_overlap`` fuses each row-parallel matmul with its TP all-reduce: every worker
+    needs a TP group (in PD, both roles) and dense weights."""
+    if not spec.tp_overlap:
         return
-    model, tp = spec.model, plan.chosen.layout.tp
-    if not model.is_moe:
-        why = f"{model.name} has no routed experts"
-    elif tp == 1:
-        why = ("the plan gives each worker TP1, and the engine splits the experts over the TP "
-               "ranks")
-    elif model.num_experts % tp:
-        why = (f"the plan's TP{tp} does not divide {model.name}'s {model.num_experts} experts "
-               "(each TP rank holds as many whole experts)")
+    tps = _engine_tps(plan)
+    single = [name for name, tp in tps.items() if tp == 1]
+    if single:
+        whom = ("each worker" if len(single) == len(tps) else
+                " and ".join(f"the {name} workers" for name in single))
+        why = (f"the plan gives {whom} TP1, and TP overlap fuses each row-parallel matmul "
+               "with its all-reduce over the TP group")
+    elif spec.workload.dtype == INT8:
+        why = "workload.dtype is int8, and the fused matmul + collective ops take dense weights"
     else:
         return
-    raise DeployError(f"expert_parallel: got true, but {why}; allowed: false here")
+    raise DeployError(f"tp_overlap: got true, but {why}; allowed: false here")
 
 
-def _nodes_per_engine(spec: DeploySpec, plan: Plan) -> int:
-    """Pods one engine spans: 1 where its tp x pp ranks fit a node, else the fewest nodes
-    that hold an equal share of them each (torchrun starts as many ranks on every node).
+def _check_expert_parallel(spec: DeploySpec, plan: Plan) -> None:
+    """``expert_parallel`` runs the engine's EP: each TP rank holds experts / tp whole experts,
+    so the model must have routed experts and every worker a tp > 1 that divides them."""
+    if not spec.expert_parallel:
+        return
+    model = spec.model
+    for name, tp in _engine_tps(plan).items():
+        whose = "each worker" if name == "serve" else f"the {name} workers"
+        if not model.is_moe:
+            why = f"{model.name} has no routed experts"
+        elif tp == 1:
+            why = (f"the plan gives {whose} TP1, and the engine splits the experts over the TP "
+                   "ranks")
+        elif model.num_experts % tp:
+            why = (f"the plan's TP{tp}{'' if name == 'serve' else f' for the {name} workers'} "
+                   f"does not divide {model.name}'s {model.num_experts} experts (each TP rank "
+                   "holds as many whole experts)")
+        else:
+            continue
+        raise DeployError(f"expert_parallel: got true, but {why}; allowed: false here")
+
+
+def _nodes_per_engine(spec: DeploySpec, role: str, layout: Layout) -> int:
+    """Pods one instance of `role` spans: 1 where its tp x pp ranks fit a node, else the
+    fewest nodes that hold an equal share of them each (torchrun starts as many ranks on
+    every node).
 
     Raises:
-        DeployError: the ranks do not split evenly over that many nodes, or a multi-node
-            engine in PD mode.
+        DeployError: the ranks do not split evenly over that many nodes.
     """
-    lay = plan.chosen.layout
-    ranks = lay.tp * lay.pp
+    ranks = layout.tp * layout.pp
     per_node = min(len(spec.topology.devices_on_node(n)) for n in range(spec.topology.num_nodes))
     nodes = math.ceil(ranks / per_node)
     if nodes == 1:
         return 1
     if ranks % nodes:
-        raise _topology_error(spec, f"gets the plan TP{lay.tp} x PP{lay.pp}: {ranks} ranks do "
-                                    f"not split evenly over the {nodes} nodes of "
-                                    f"{per_node} device(s) it needs",
+        whose = "" if role == "serve" else f"'s {role} role"
+        raise _topology_error(spec, f"gets the plan{whose} TP{layout.tp} x PP{layout.pp}: "
+                                    f"{ranks} ranks do not split evenly over the {nodes} nodes "
+                                    f"of {per_node} device(s) it needs",
                               "nodes whose device count lets an engine's tp x pp ranks split "
                               "into equal shares (kthena-run starts as many ranks on each)")
     return nodes
@@ -289,23 +396,3 @@ def _nodes_per_engine(spec: DeploySpec, plan: Plan) -> int:
 def _topology_error(spec: DeploySpec, problem: str, allowed: str) -> DeployError:
     return DeployError(f"topology: {spec.topology.name or spec.topology.source} {problem}; "
                        f"allowed: {allowed}")
-
-
-def _pd_roles(spec: DeploySpec, plan: Plan) -> tuple[Role, ...]:
-    est = plan.chosen.estimate
-    assert est is not None
-    dp = plan.layout.dp
-    prefill, decode = spec.num_prefill, spec.num_decode
-    if prefill is None and decode is None:
-        prefill, decode = est.prefill_replicas, est.decode_replicas
-    elif prefill is None:
-        prefill = dp - decode  # type: ignore[operator]
-    elif decode is None:
-        decode = dp - prefill
-    if prefill < 1 or decode < 1 or prefill + decode != dp:
-        raise DeployError(
-            f"num_prefill, num_decode: got {spec.num_prefill or 'plan'} + "
-            f"{spec.num_decode or 'plan'}; allowed: counts >= 1 that add up to the plan's "
-            f"{dp} instances (TP{plan.layout.tp} x DP{dp}; the plan splits them "
-            f"{est.prefill_replicas} + {est.decode_replicas})")
-    return (Role("prefill", prefill), Role("decode", decode))

@@ -13,8 +13,10 @@ Optional keys: ``image``, ``namespace`` (default), ``model`` (default: SmolLM2-1
 anything ``kthena plan --model`` takes), ``checkpoint`` (the model folder on the nodes,
 mounted read-only into each pod; ``default`` = the default model baked into the image),
 ``served_model_name`` (default: the model's name), ``device`` + ``devices`` (a catalog device
-and how many per node, instead of ``topology``), ``num_prefill`` / ``num_decode`` (``plan`` or
-a count; PD only), ``pod_network`` (PD only and required there: the network, or list of
+and how many per node, instead of ``topology``), ``pd`` (PD only: what is pinned of each
+role, ``{prefill: {tp: 4, pp: 1, count: 1}, decode: {tp: 4}}``; the rest is the planner's
+choice), ``num_prefill`` / ``num_decode`` (``plan`` or a count; PD only: the same as
+``pd.prefill.count`` / ``pd.decode.count``), ``pod_network`` (PD only and required there: the network, or list of
 networks, in CIDR notation that the pods' IPs come from; a decode worker accepts a prefill
 worker's KV only from there), ``workload`` (`Workload` fields but ``mode``), ``port`` (8000),
 ``resources: {cpu, memory}`` (per worker pod), ``device_resource`` (the extended resource
@@ -51,9 +53,10 @@ import yaml
 
 from kthena_core._yaml import read_yaml
 from kthena_core.architectures import unserved_architecture
-from kthena_core.config import ConfigError
+from kthena_core.config import ConfigError, load_pd_roles
 from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
 from kthena_core.model_spec import ModelSpec
+from kthena_core.pd_roles import PDRoles, role_refusals
 from kthena_core.redis_url import redacted_url, redis_url_problem
 from kthena_core.sizes import parse_bytes
 from kthena_core.topology import Topology, from_catalog
@@ -64,7 +67,7 @@ __all__ = ["DeployError", "DeploySpec", "load_deploy_spec"]
 KEYS = ("name", "namespace", "image", "model", "checkpoint", "served_model_name", "topology",
         "device", "devices", "num_nodes", "mode", "num_prefill", "num_decode", "pod_network",
         "workload", "port", "resources", "device_resource", "kv_events", "router_namespace",
-        "tp_overlap", "kv_offload", "sequence_parallel", "expert_parallel")
+        "tp_overlap", "kv_offload", "sequence_parallel", "expert_parallel", "pd")
 _RESOURCE_KEYS = ("cpu", "memory")
 _WORKLOAD_KEYS = tuple(f.name for f in attrs.fields(Workload) if f.name != "mode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -81,7 +84,10 @@ class DeploySpec:
     """A validated deploy.yaml, with its model and topology resolved.
 
     Attributes:
-        num_prefill, num_decode: the PD split asked for; None means "as the plan splits".
+        num_prefill, num_decode: the PD instance counts asked for; None means "as the plan
+            splits" (they are ``pd_roles``' counts too).
+        pd_roles: PD only: what is pinned of each role (tp, pp, count); the planner chooses
+            the rest.
         cpu, memory: per worker pod; None means "from the plan" (see `plan_deployment`).
         device_resource: None means the usual name for the device kind.
         pod_network: PD only: the networks (CIDR) prefill pods' IPs come from, normalised.
@@ -119,6 +125,7 @@ class DeploySpec:
     kv_offload_bytes: int = 0
     sequence_parallel: bool = False
     expert_parallel: bool = False
+    pd_roles: PDRoles = PDRoles()
 
     @property
     def mode(self) -> str:
@@ -173,6 +180,30 @@ def _role_count(data: Mapping[str, Any], key: str, mode: str) -> int | None:
 _POD_NETWORK_ALLOWED = ("a network in CIDR notation, or a list of them (dual stack): the "
                         "cluster's pod CIDR, e.g. 10.244.0.0/16 (kubectl cluster-info dump | "
                         "grep -m1 cluster-cidr)")
+
+
+def _pd_roles(data: Mapping[str, Any], mode: str, model: ModelSpec) -> PDRoles:
+    """deploy.yaml's ``pd`` section with ``num_prefill`` / ``num_decode`` as its counts,
+    checked against the model's heads and layers."""
+    if "pd" in data and mode != "pd":
+        raise _fail("pd", data["pd"], "only with mode: pd (it pins the prefill and decode "
+                                      "roles)")
+    try:
+        roles = load_pd_roles(data.get("pd"))
+    except ConfigError as error:
+        raise DeployError(str(error)) from None
+    for role, key in (("prefill", "num_prefill"), ("decode", "num_decode")):
+        count = _role_count(data, key, mode)
+        if count is None:
+            continue
+        pinned = roles.pin(role).count
+        if pinned is not None and pinned != count:
+            raise _fail(key, count, f"pd.{role}.count's {pinned}, or one of the two keys")
+        roles = attrs.evolve(roles, **{role: attrs.evolve(roles.pin(role), count=count)})
+    refusals = role_refusals(model, roles)
+    if refusals:
+        raise DeployError(refusals[0])
+    return roles
 
 
 def _pod_network(data: Mapping[str, Any], mode: str) -> tuple[str, ...]:
@@ -450,5 +481,6 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
         router_namespace=_dns_label(data, "router_namespace", "kthena-system"),
         tp_overlap=_flag(data, "tp_overlap"), kv_offload=kv_offload,
         kv_offload_bytes=kv_offload_bytes, expert_parallel=_flag(data, "expert_parallel"),
+        pd_roles=_pd_roles(data, mode, model),
         sequence_parallel=_colocated_flag(data, "sequence_parallel", mode, "the engine runs "
                                           "sequence parallelism in a colocated engine only"))

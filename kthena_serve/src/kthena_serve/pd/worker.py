@@ -103,6 +103,11 @@ def _spec(args: argparse.Namespace) -> ServeSpec:
         spec = ServeSpec.from_json(fields)
     except ValueError as error:
         raise ValueError(f"--spec: {error}") from None
+    engine = spec.engine
+    if engine.tp * engine.pp > 1:
+        raise ValueError(f"--spec: a PD worker of tp={engine.tp} x pp={engine.pp} is not run "
+                         "yet: each worker is one rank (its KV pool is one process's); give "
+                         "the role tp=1 and pp=1 (deploy.yaml's pd.<role>.tp / pp)")
     if spec.kv_events is not None:
         from kthena_serve.kv_events.publisher import import_redis
 
