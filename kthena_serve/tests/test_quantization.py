@@ -156,7 +156,7 @@ def test_quantization_is_checked_and_in_help():
     out = subprocess.run([sys.executable, "-m", "kthena_core.cli", "serve", "--quantization",
                           "int4"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "--quantization: invalid choice: 'int4' (choose from 'int8')" in out.stderr
+    assert "--quantization: invalid choice: 'int4' (choose from 'int8', 'gguf')" in out.stderr
     helped = subprocess.run([sys.executable, "-m", "kthena_core.cli", "serve", "--help"],
                             capture_output=True, text=True, timeout=120)
-    assert "--quantization {int8}" in helped.stdout
+    assert "--quantization {int8,gguf}" in helped.stdout

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bind_decode.h"
+#include "bind_gguf.h"
 #include "bind_layer.h"
 #include "bind_prefill.h"
 
@@ -30,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mops::def_paged_decode_attention(m);
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
+  mops::def_gguf(m);
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_pack_weight", &mops::bf16_pack_weight, py::call_guard<py::gil_scoped_release>());

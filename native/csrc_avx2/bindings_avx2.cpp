@@ -1,6 +1,6 @@
 // Python module mooncake_ops_native_avx2: the kernels mooncake_ops loads on a CPU with AVX2 but
 // no AVX-512 (where mooncake_ops_native cannot load): paged decode attention, the KV write, the
-// per-token layer ops, int8 and dense matmuls of few rows, and prefill attention with fp32
+// per-token layer ops, int8, GGUF and dense matmuls of few rows, and prefill attention with fp32
 // arithmetic (the packed bf16 matmul needs AVX512_BF16). Each returns None when a call does not
 // fit and bad values raise ValueError, as in the AVX-512 module.
 #include <torch/extension.h>
@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "../csrc/bind_decode.h"
+#include "../csrc/bind_gguf.h"
 #include "../csrc/bind_layer.h"
 #include "../csrc/bind_prefill.h"
 
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
+  mops::def_gguf(m);
 }

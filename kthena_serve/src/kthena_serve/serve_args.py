@@ -69,9 +69,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "HF_HUB_OFFLINE=1: the cache only) (default: default)")
     parser.add_argument("--dtype", choices=[dtypes.torch_name(k) for k in dtypes.ENGINE_DTYPES],
                         help=f"weight and compute dtype (default {_default('dtype')})")
-    parser.add_argument("--quantization", choices=("int8",),
+    parser.add_argument("--quantization", choices=("int8", "gguf"),
                         help="int8: weight-only int8 matmul weights (one scale per output "
-                             "channel; decode reads half bf16's bytes); default: --dtype")
+                             "channel; decode reads half bf16's bytes); gguf: a GGUF model's "
+                             "quantized matmul weights kept as the file has them, dequantised "
+                             "inside the matmul (the default model or a .gguf file only); "
+                             "default: --dtype")
     parser.add_argument("--kernels", choices=("auto", "native", "torch"),
                         help="how CPU matmul and attention kernels are chosen: auto (each "
                              "candidate timed once on this machine at the model's shapes, the "

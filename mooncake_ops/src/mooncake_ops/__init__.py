@@ -9,6 +9,8 @@ Functional ops over tensors and int block tables, dispatched per device type (`d
 * `matmul_all_reduce`, `all_gather_matmul`, `matmul_reduce_scatter`              (mc2)
 * `select_linear_kernel`: the CPU matmul kernel for a weight (pre-packed oneDNN bf16)  (linear)
 * `int8_linear`, `pack_int8_weight`, `INT8_WEIGHT_ONLY`: weight-only int8 matmul (linear_int8)
+* `gguf_linear`, `pack_gguf_weight`, `dequantize_gguf`, `GGUF_WEIGHT_ONLY`: GGUF Q8_0 / Q4_0 /
+  Q4_1 / Q4_K / Q5_K / Q6_K weights as stored, dequantised in registers (gguf_linear, gguf_quants)
 * `route_experts`, `RoutingRule`, `fused_experts`: MoE routing and the grouped expert matmul (moe)
 * `pack_experts`, `run_experts`: experts packed for measured grouped kernels (moe_kernels;
   the choice: `mooncake_ops.moe_selection.choose_moe_kernels`)
@@ -45,6 +47,20 @@ from mooncake_ops.errors import (
     RopeScalingError,
     UnsupportedDeviceError,
 )
+from mooncake_ops.gguf_linear import (
+    GGUF_DEQUANT_DENSE,
+    GGUF_WEIGHT_ONLY,
+    gguf_linear,
+    gguf_linear_reference,
+)
+from mooncake_ops.gguf_quants import (
+    GGUF_TYPES,
+    GGUFType,
+    dequantize_gguf,
+    gguf_type,
+    gguf_type_of,
+    pack_gguf_weight,
+)
 from mooncake_ops.kv_cache import block_nbytes, gather_blocks, scatter_blocks, write_kv
 from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
 from mooncake_ops.linear import LinearKernel, select_linear_kernel
@@ -75,10 +91,14 @@ from mooncake_ops.quant import dequantize_int8, quantize_int8
 from mooncake_ops.rope import build_rope_cache
 
 __all__ = [
+    "GGUF_DEQUANT_DENSE",
+    "GGUF_TYPES",
+    "GGUF_WEIGHT_ONLY",
     "INT8_WEIGHT_ONLY",
     "BlockTableError",
     "Capability",
     "Dispatched",
+    "GGUFType",
     "ExpertParallelError",
     "ExpertWeights",
     "GroupedKernel",
@@ -97,6 +117,7 @@ __all__ = [
     "block_nbytes",
     "build_rope_cache",
     "capabilities",
+    "dequantize_gguf",
     "dequantize_int8",
     "dequantize_int8_weight",
     "ep_combine",
@@ -106,6 +127,10 @@ __all__ = [
     "fused_experts",
     "fused_experts_reference",
     "gather_blocks",
+    "gguf_linear",
+    "gguf_linear_reference",
+    "gguf_type",
+    "gguf_type_of",
     "implementation_name",
     "int8_linear",
     "matmul_all_reduce",
@@ -114,6 +139,7 @@ __all__ = [
     "moe_distribute_dispatch",
     "native_enabled",
     "pack_experts",
+    "pack_gguf_weight",
     "pack_int8_weight",
     "paged_decode_attention",
     "paged_mla_attention",

@@ -48,6 +48,7 @@ import attrs
 import torch
 
 from mooncake_ops.dispatch import choose_impl
+from mooncake_ops.gguf_linear import GGUF_DEQUANT_DENSE, GGUF_WEIGHT_ONLY
 from mooncake_ops.kernel_cache import (
     MachineLoad,
     cache_key,
@@ -218,7 +219,8 @@ def summary_line(labels: Mapping[str, str]) -> str:
 
 _KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     NATIVE_PACKED_BF16, ONEDNN_PACKED_BF16, FP32_COMPUTE_BF16, TORCH_DENSE,
-    INT8_WEIGHT_ONLY, INT8_OP, INT8_NATIVE_PANEL, INT8_DEQUANT_DENSE)}
+    INT8_WEIGHT_ONLY, INT8_OP, INT8_NATIVE_PANEL, INT8_DEQUANT_DENSE,
+    GGUF_WEIGHT_ONLY, GGUF_DEQUANT_DENSE)}
 QUANTIZATIONS = (None, "int8")
 
 

@@ -3,7 +3,8 @@
 Every module here may import the serving modules; no serving module imports this package (an
 import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may). Modules:
 
-* ``cli``       ``kthena bench serve``, ``soak``, ``layouts``, ``kv`` and ``trace`` (entry point ``bench-serve``)
+* ``cli``       ``kthena bench serve``, ``soak``, ``layouts``, ``kv``, ``trace``, ``tp-overlap`` and
+  ``moe`` (entry point ``bench-serve``)
 * ``serve``     ``kthena bench serve``: the engine on three workloads vs transformers / vLLM
 * ``peer``      the ``--peer vllm`` system, run from its own venv as a child process
 * ``limits``    the machine's bandwidth and matmul peak, and each workload's roofline
@@ -17,6 +18,8 @@ import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may
 * ``kv``        ``kthena bench kv``: multi-turn chat over a small KV pool, tiered offload
 * ``model``     ``python -m kthena_serve.bench.model``: the model's batch-1 decode step alone
 * ``grammar``   ``python -m kthena_serve.bench.grammar``: decode step time with and without grammars
+* ``gguf_decode``  ``python -m kthena_serve.bench.gguf_decode``: batch-1 decode, bf16 / GGUF / int8
+* ``moe``       ``kthena bench moe``: a tiny MoE model vs the dense model of equal active parameters
 * ``pd``        ``python -m kthena_serve.bench.pd``: PD vs colocated, handoff cost vs KV bytes
 * ``pd_plot``   the PD benchmark's figure
 * ``kv_move``   ``python -m kthena_serve.bench.kv_move``: article B's KV-move table

@@ -133,10 +133,15 @@ def _check_kv_dtype(instance: EngineConfig, attribute: attrs.Attribute, value: s
                           "with a float32 scale per token per KV head")
 
 
-def _check_quantization(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and value != "int8":
-        raise ConfigError(attribute.name, "None (weights in dtype) or 'int8' (weight-only int8)",
-                          value)
+def _check_quantization(instance: EngineConfig, attribute: attrs.Attribute,
+                        value: object) -> None:
+    if value not in (None, "int8", "gguf"):
+        raise ConfigError(attribute.name, "None (weights in dtype) or 'int8' (weight-only int8), "
+                          "or 'gguf' (a GGUF file's own quantized weights)", value)
+    if value == "gguf" and instance.model != "default" and not instance.model.endswith(".gguf"):
+        raise ConfigError(attribute.name, "'gguf' only with model 'default' or a .gguf file",
+                          value, f"model {instance.model!r} is not a GGUF file; use None or "
+                          "'int8' for a checkpoint folder or Hub repo")
 
 
 def _check_device(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -282,7 +287,10 @@ class EngineConfig:
         chat_special_tokens: ``"text"``: special tokens typed in chat content are encoded as
             text, so a user cannot forge a turn; ``"control"``: they act as control tokens.
         quantization: ``"int8"``: weight-only int8 matmul weights (one float32 scale per output
-            channel; activations and the KV cache keep ``dtype``); None: weights in ``dtype``.
+            channel; activations and the KV cache keep ``dtype``); ``"gguf"`` (vLLM's name):
+            the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matmul weights, kept
+            quantized and dequantised inside the matmul (only with ``model`` ``"default"`` or
+            a ``.gguf`` file; `kthena_serve.model.load_model`); None: weights in ``dtype``.
         kv_offload: tiers below the pool, as text (``"host=2GiB"``,
             ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.engine.kv_offload``)
             or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.

@@ -8,13 +8,15 @@ halves of each head (NeoX style, which HF checkpoints use). Per head of ``head_d
     GGUF rows    [x0 y0 x1 y1 ... x31 y31]           (pairs interleaved)
 
 ``unpermute_rows`` undoes it, exactly as transformers' GGUF loader does, so the converted
-checkpoint is the HF layout and the model uses NeoX RoPE.
+checkpoint is the HF layout and the model uses NeoX RoPE. Quantized rows are whole blocks, so
+the same row order applies to a tensor's raw bytes: `iter_quantized_matmuls` hands
+``--quantization gguf`` each matmul tensor's blocks in HF row order.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,9 @@ _CONFIG_KEYS = {
 }
 _FLOAT32_KEYS = {"rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 _SKIPPED = ("rope_freqs.", "rope_factors")  # llama.cpp's precomputed RoPE tables: rebuilt at load
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The embedding too: a tied LM head reads it (the embedding itself stays dense).
+_MATMUL_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def hf_name(gguf_name: str) -> str:
@@ -119,3 +124,20 @@ def iter_hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, 
         if proj in heads:
             weight = unpermute_rows(weight, heads[proj])
         yield name, weight
+
+
+def iter_quantized_matmuls(reader: Any, config: dict[str, Any], types: Iterable[str]
+                           ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield ``(hf_name, GGUF type name, uint8 [rows, row_bytes])`` for every matmul weight (the
+    projections, the LM head, and the embedding a tied LM head reads) whose GGUF type is in
+    ``types``, its bytes as stored with Q/K rows un-permuted (a copy: the file stays mapped
+    read-only). Tensors of other types (F16, F32, ...) are not yielded: they stay dense."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    allowed = set(types)
+    for tensor in reader.tensors:
+        name, kind = hf_name(tensor.name), tensor.tensor_type.name
+        proj = name.split(".")[-2] if name.count(".") else ""
+        if kind not in allowed or (proj not in _PROJECTIONS and name not in _MATMUL_NAMES):
+            continue
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        yield name, kind, unpermute_rows(rows, heads[proj]) if proj in heads else rows

@@ -23,8 +23,9 @@ knows about process groups.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +40,8 @@ from kthena_serve.model.sp import SequenceParallel, TokenShards
 from kthena_serve.model.tp import ShardPlan, TensorParallel, plan_shards
 from mooncake_kv.paged import PagedBatch
 from mooncake_ops import (
+    GGUF_DEQUANT_DENSE,
+    GGUF_WEIGHT_ONLY,
     INT8_WEIGHT_ONLY,
     LinearKernel,
     build_rope_cache,
@@ -276,6 +279,45 @@ class LlamaForCausalLM(nn.Module):
         return self.pack_linear_weights(kernels, block_size=block_size, cache_dir=cache_dir,
                                         quantization="int8")
 
+    def use_gguf_weights(self, blocks: Mapping[str, torch.Tensor], kernels: str = "native", *,
+                         block_size: int = 16, cache_dir: str | os.PathLike[str] | None = None
+                         ) -> KernelChoice:
+        """GGUF weights as the file quantized them (``--quantization gguf``): each matmul weight
+        named in ``blocks`` (``layers.3.self_attn.qkv_weight``, ``lm_head_weight``: packed GGUF
+        blocks of this rank's shard, `mooncake_ops.pack_gguf_weight`) replaces the dense one,
+        and every module owning a matmul weight runs `GGUF_WEIGHT_ONLY` (``torch``:
+        `GGUF_DEQUANT_DENSE`); weights absent from ``blocks`` (a GGUF F16 / F32 tensor) stay
+        dense and run F.linear. The embedding keeps its dense table. Attention is chosen as
+        ``pack_linear_weights`` chooses it; the matmul kernel is fixed (it has no dense
+        candidates to time against on the same weights).
+
+        Raises:
+            TensorParallelError: TP overlap is on (its fused ops take dense weights).
+            UnsupportedModelError: an MoE or MLA model (their weights are not wired)."""
+        if self.tp.fused is not None:
+            raise TensorParallelError("GGUF weights with TP overlap are not wired: the fused "
+                                      "matmul + collective ops take dense weights; drop one")
+        if self.config.moe is not None or self.config.mla is not None:
+            raise UnsupportedModelError("GGUF weights are wired for dense Llama-family models; "
+                                        "allowed for MoE / MLA: quantization none or int8")
+        attention = self._attention_shape(block_size)
+        choice = choose_kernels(kernels, [], None, attention, cache_dir=cache_dir)
+        kernel = GGUF_DEQUANT_DENSE if choice.mode == "torch" else GGUF_WEIGHT_ONLY
+        self._swap_matmul_weights(kernel, blocks)
+        if attention is not None:
+            choice.apply()
+        self.kernel_choice = attrs.evolve(choice, linear_decode=kernel.name,
+                                          linear_prefill=kernel.name)
+        return self.kernel_choice
+
+    def _attention_shape(self, block_size: int) -> AttentionShape | None:
+        """The attention shape the kernel choice times (None off the CPU, and for MLA)."""
+        sample = next(self.parameters())
+        if sample.device.type != "cpu" or self.config.mla is not None:  # MLA: its own op
+            return None
+        return AttentionShape(len(self.plan.q_heads), self.num_kv_heads_per_rank,
+                              self.head_dim, block_size, sample.dtype)
+
     def pack_linear_weights(self, kernels: str = "native", *, block_size: int = 16,
                             cache_dir: str | os.PathLike[str] | None = None,
                             quantization: str | None = None) -> KernelChoice:
@@ -299,11 +341,7 @@ class LlamaForCausalLM(nn.Module):
                    if isinstance(getattr(module, name, None), torch.Tensor)]
                   for layer in self.layers]
         head = None if self.lm_head_weight is None else MatmulWeight(self.lm_head_weight)
-        sample = next(self.parameters())
-        attention = None
-        if sample.device.type == "cpu" and self.config.mla is None:  # MLA: its own op
-            attention = AttentionShape(len(self.plan.q_heads), self.num_kv_heads_per_rank,
-                                       self.head_dim, block_size, sample.dtype)
+        attention = self._attention_shape(block_size)
         choice = choose_kernels(kernels, layers, head, attention, cache_dir=cache_dir,
                                 quantization=quantization)
         kernel = choice.linear_kernel()
@@ -340,24 +378,28 @@ class LlamaForCausalLM(nn.Module):
         gathered = ("qkv_weight", "gate_up_weight") if self.sp is not None else ()
         return frozenset(("o_weight", "down_weight", *gathered))
 
-    def _swap_matmul_weights(self, kernel: LinearKernel) -> None:
+    def _swap_matmul_weights(self, kernel: LinearKernel,
+                             sources: Mapping[str, torch.Tensor] | None = None) -> None:
         """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
         owning module's ``matmul`` -> ``kernel.linear``; an MLP's gate/up weight goes to the
-        kernel's fused SwiGLU input instead where it has one (``pack_gate_up``). The weights
-        TP overlap's fused ops take stay dense (`_fused_weights`): those ops take plain
-        ``[out, in]`` tensors."""
-        dense = self._fused_weights()
-        for module in self.modules():
+        kernel's fused SwiGLU input instead where it has one (``pack_gate_up``). ``sources``
+        (by qualified name) replaces a weight with what ``kernel.pack`` takes instead (GGUF
+        blocks). The weights TP overlap's fused ops take stay dense (`_fused_weights`): those
+        ops take plain ``[out, in]`` tensors."""
+        dense, sources = self._fused_weights(), sources or {}
+        for prefix, module in self.named_modules():
             owned = [name for name in _MATMUL_WEIGHTS if name not in dense
                      and isinstance(getattr(module, name, None), torch.Tensor)]
             for name in owned:
+                weight = sources.get(f"{prefix}.{name}" if prefix else name)
+                weight = getattr(module, name) if weight is None else weight
                 packed = None
                 if name == "gate_up_weight" and kernel.pack_gate_up is not None:
-                    packed = kernel.pack_gate_up(getattr(module, name))  # fused SwiGLU input
+                    packed = kernel.pack_gate_up(weight)  # fused SwiGLU input
                     if packed is not None:
                         module.gate_up_silu = kernel.gate_up_silu
                 if packed is None:
-                    packed = kernel.pack(getattr(module, name))
+                    packed = kernel.pack(weight)
                 module._parameters.pop(name, None)
                 module.__dict__.pop(name, None)
                 module.register_buffer(name, packed, persistent=False)

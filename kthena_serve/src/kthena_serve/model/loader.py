@@ -11,6 +11,12 @@ into its place in a fused parameter::
     latent projections whole (`kthena_serve.model.mla_weights`)
     MoE layers: each expert's gate/up/down shard into its slot of the stacked expert tensors,
     the router whole (`kthena_serve.model.moe_weights`)
+
+``quantization="gguf"`` loads the dense model the same way, then replaces each matmul weight by
+the GGUF file's own blocks for the same rows (`gguf_matmul_blocks`): the same targets place each
+tensor's block rows (Q/K un-permuted, a column shard cut at block boundaries) in its fused
+weight, and the fused weight is packed (`mooncake_ops.pack_gguf_weight`) when its parts cover it
+in one GGUF type; otherwise it stays dense.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kthena_serve.model._gguf_weights import iter_quantized_matmuls
 from kthena_serve.model.config import ModelConfig
 from kthena_serve.model.convert import default_cache_dir
 from kthena_serve.model.errors import CheckpointError
@@ -34,6 +41,7 @@ from kthena_serve.model.source import resolve_checkpoint
 from kthena_serve.model.sp import SequenceParallel
 from kthena_serve.model.tokenizer import Tokenizer
 from kthena_serve.model.tp import TensorParallel
+from mooncake_ops import GGUF_TYPES, GGUFType, gguf_type, pack_gguf_weight
 from mooncake_ops.selection import resolve_mode
 
 # (destination tensor, dim the source is sliced on (None: whole), source range on that dim,
@@ -45,6 +53,7 @@ _MLP_KINDS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _LAYER_KINDS = (*_QKV, "self_attn.o_proj", *_MLP_KINDS, "input_layernorm",
                 "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3: [head_dim], one per layer each
+QUANTIZATIONS = (None, "int8", "gguf")
 
 
 def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: torch.dtype = torch.bfloat16,
@@ -76,18 +85,25 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
             is only `EngineConfig.kernels`' default). The choice is ``model.kernel_choice``.
         kv_block_size: the KV cache's tokens per block (the attention timings use it).
         quantization: ``"int8"``: weight-only int8 matmul weights, one scale per output channel
-            (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); None: ``dtype``.
+            (`LlamaForCausalLM.quantize_linear_weights`; replaces packing); ``"gguf"``: a GGUF
+            file's (``"default"`` or a ``.gguf`` path) Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K
+            matmul weights as stored, the LM head too (`gguf_matmul_blocks`,
+            `LlamaForCausalLM.use_gguf_weights`; replaces packing; the embedding and other
+            types stay dense in ``dtype``); None: ``dtype``.
         sp: sequence parallelism over ``tp``'s group for long forwards
             (`kthena_serve.model.sp`); None: plain TP.
         expert_parallel: an MoE model's experts split whole over ``tp``'s ranks.
 
     Raises:
-        ValueError: an unknown ``quantization`` or ``kernels``.
+        ValueError: an unknown ``quantization`` or ``kernels``; ``"gguf"`` for a model that is
+            not a GGUF file.
         CheckpointError: the folder is incomplete, or a weight is missing or mis-shaped.
         UnsupportedModelError: the architecture is not Llama-family.
     """
-    if quantization not in (None, "int8"):
-        raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8)")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: None or 'int8' (weight-only int8), "
+                         "or 'gguf' (a GGUF file's own quantized weights)")
+    gguf_file = gguf_source(path_or_default) if quantization == "gguf" else None
     mode = resolve_mode(kernels)
     folder = resolve_checkpoint(path_or_default)
     config = ModelConfig.from_pretrained(folder)
@@ -98,7 +114,10 @@ def load_model(path_or_default: str | os.PathLike[str] = "default", *, dtype: to
         model.lm_head_weight = model.embed_weight
     load_weights(model, folder)
     model.reset_rope_cache()
-    if quantization == "int8":
+    if gguf_file is not None:
+        model.use_gguf_weights(gguf_matmul_blocks(model, gguf_file), mode,
+                               block_size=kv_block_size, cache_dir=default_cache_dir())
+    elif quantization == "int8":
         model.quantize_linear_weights(mode, block_size=kv_block_size,
                                       cache_dir=default_cache_dir())
     elif pack_weights:
@@ -234,3 +253,99 @@ def _other_target(model: LlamaForCausalLM, layer: Any, kind: str) -> _Target | N
         "mlp.up_proj": (gate_up[width:], 0, plan.intermediate, inter),
         "mlp.down_proj": (layer.mlp.down_weight, 1, plan.intermediate, inter),
     }[kind]
+
+
+def gguf_source(path_or_default: str | os.PathLike[str]) -> Path:
+    """The GGUF file ``quantization="gguf"`` reads: the default model's, or a ``.gguf`` file.
+
+    Raises:
+        ValueError: ``path_or_default`` is neither (a checkpoint folder has no GGUF blocks).
+    """
+    text = os.fspath(path_or_default)
+    if text == "default":
+        from kthena_core.known_models import default_gguf_path
+
+        return Path(default_gguf_path())
+    if text.endswith(".gguf") and Path(text).is_file():
+        return Path(text)
+    raise ValueError(f"quantization='gguf' serves a GGUF file's own quantized weights: the "
+                     f"model must be 'default' or a .gguf file; got {text!r} (for a checkpoint "
+                     "folder use quantization None or 'int8')")
+
+
+# (row offset in the fused weight, type, block rows [rows, blocks, block_bytes])
+_Part = tuple[int, GGUFType, torch.Tensor]
+
+
+def gguf_matmul_blocks(model: LlamaForCausalLM, gguf_path: str | os.PathLike[str]
+                       ) -> dict[str, torch.Tensor]:
+    """This rank's matmul weights as packed GGUF blocks, by qualified name (the model's
+    ``layers.3.self_attn.qkv_weight``, ``lm_head_weight``): what `use_gguf_weights` takes.
+
+    A fused weight is packed when its parts cover it in one GGUF type; a part of another type
+    (e.g. Q4_K_M's Q6_K ``attn_v`` beside Q4_K q / k) or a dense part leaves it dense.
+
+    Raises:
+        CheckpointError: a tensor's shape does not match the model, or a column shard (TP)
+            would split a GGUF block.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    hf = {"num_attention_heads": model.config.shape.num_attention_heads,
+          "num_key_value_heads": model.config.shape.num_kv_heads}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    parts: dict[str, list[_Part]] = {}
+    for name, kind, rows in iter_quantized_matmuls(reader, hf, GGUF_TYPES):
+        placed = _gguf_part(model, names, name, gguf_type(kind), rows)
+        if placed is not None:
+            parts.setdefault(placed[0], []).append(placed[1])
+    packed = {}
+    for qualified, found in parts.items():
+        found.sort(key=lambda part: part[0])
+        kinds = {part[1] for part in found}
+        rows = torch.cat([part[2] for part in found])
+        size = _param(model, qualified).shape
+        if len(kinds) == 1 and rows.shape[0] == size[0]:
+            packed[qualified] = pack_gguf_weight(rows, kinds.pop(), size[1])
+    return packed
+
+
+def _param(model: LlamaForCausalLM, qualified: str) -> torch.Tensor:
+    module, _, name = qualified.rpartition(".")
+    return getattr(model.get_submodule(module) if module else model, name)
+
+
+def _gguf_part(model: LlamaForCausalLM, names: dict[int, str], name: str, kind: GGUFType,
+               rows: torch.Tensor) -> tuple[str, _Part] | None:
+    """Where a GGUF matmul tensor's blocks go: (qualified weight, part); None for a tensor this
+    rank does not hold (another stage's, or the embedding of an untied LM head)."""
+    tied = model.config.tie_word_embeddings and name == "model.embed_tokens.weight"
+    if name == "lm_head.weight" or tied:
+        head = model.lm_head_weight
+        target = None if head is None else (head, None, None, None)
+    else:
+        target = None if name == "model.embed_tokens.weight" else _target(model, name)
+    if target is None:
+        return None
+    dest, dim, src, full = target
+    blocks = rows.reshape(rows.shape[0], -1, kind.block_bytes)
+    if dim is not None and (blocks.shape[0] if dim == 0 else blocks.shape[1] * kind.block_size) != full:
+        raise CheckpointError(f"GGUF tensor {name} has {tuple(blocks.shape)} {kind.name} blocks but "
+                              f"the model expects {full} along dim {dim}")
+    if dim == 0:
+        blocks = blocks[src.start:src.stop]
+    elif dim == 1:
+        if src.start % kind.block_size or src.stop % kind.block_size:
+            raise CheckpointError(f"{name}: this rank's columns {src.start}..{src.stop} split "
+                                  f"{kind.name} blocks of {kind.block_size}; use a tp whose "
+                                  "shards are whole blocks, or quantization None / int8")
+        blocks = blocks[:, src.start // kind.block_size:src.stop // kind.block_size]
+    if (blocks.shape[0], blocks.shape[1] * kind.block_size) != tuple(dest.shape):
+        raise CheckpointError(f"GGUF tensor {name} gives {blocks.shape[0]} x "
+                              f"{blocks.shape[1] * kind.block_size} but the model expects "
+                              f"{tuple(dest.shape)}; does the file match config.json?")
+    fused = dest if dest._base is None else dest._base
+    offset = (dest.data_ptr() - fused.data_ptr()) // (fused.stride(0) * fused.element_size())
+    qualified = "lm_head_weight" if target[0] is model.lm_head_weight else names[id(fused)]
+    return qualified, (offset, kind, blocks)
