@@ -248,9 +248,10 @@ class _Sweeper:
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
                handle: MemoryHandle | None, layout: KVLayout) -> None:
     """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them;
-    /pd/kv/backlog: what a get it gave up on may still deliver (`late_writes`)."""
-    from kthena_comm.transfer.tcp_queues import host_addresses, socket_backlog
+    /pd/kv/backlog (`_backlog_route`)."""
     from kthena_serve.pd.pins import PinError
+
+    _backlog_route(app)
 
     @app.post("/pd/kv/lease")
     async def kv_lease(request: Request) -> Response:
@@ -288,6 +289,21 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                              "kind": layout.kind.value, "first_token_id": pin.first_token_id,
                              "first_token_logprobs": pin.first_token_logprobs})
 
+    @app.post("/pd/kv/release")
+    async def kv_release(request: Request) -> Response:
+        try:
+            transfer_id = (await request.json())["transfer_id"]
+            if not isinstance(transfer_id, str):
+                raise TypeError("transfer_id must be a string")
+        except (TypeError, ValueError, KeyError) as error:
+            return JSONResponse(error_body(400, f"bad release: {error}"), status_code=400)
+        return JSONResponse({"released": pins.release(transfer_id)})
+
+
+def _backlog_route(app: FastAPI) -> None:
+    """/pd/kv/backlog: what a get the caller gave up on may still deliver (`late_writes`)."""
+    from kthena_comm.transfer.tcp_queues import host_addresses, socket_backlog
+
     @app.post("/pd/kv/backlog")
     async def kv_backlog(request: Request) -> Response:
         """What this process's kernel still holds for the caller's host: bytes sent to it and
@@ -299,13 +315,3 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
         except ValueError:
             backlog = None
         return JSONResponse({"unacked": None if backlog is None else backlog.unacked})
-
-    @app.post("/pd/kv/release")
-    async def kv_release(request: Request) -> Response:
-        try:
-            transfer_id = (await request.json())["transfer_id"]
-            if not isinstance(transfer_id, str):
-                raise TypeError("transfer_id must be a string")
-        except (TypeError, ValueError, KeyError) as error:
-            return JSONResponse(error_body(400, f"bad release: {error}"), status_code=400)
-        return JSONResponse({"released": pins.release(transfer_id)})
