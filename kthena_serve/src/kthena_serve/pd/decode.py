@@ -32,7 +32,7 @@ from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.cluster.auth import signed_json
 from kthena_serve.engine.errors import EngineDeadError
 from kthena_serve.engine.request import EngineRequest, RequestOutput
-from kthena_serve.pd.config import FailurePolicy, PDConfig
+from kthena_serve.pd.config import FailurePolicy, PDConfig, Transport
 from kthena_serve.pd.late_writes import LateWrites
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef, PrefillResult, PrefillTask, params_to_json
@@ -169,10 +169,13 @@ class DecodeService:
         prefill worker says nothing of it is left on its side (or is gone), and then this
         process's kernel holds nothing unread from it (`late_writes`)."""
         self.num_quarantined += 1
-        late = LateWrites(httpx.URL(url).host)
+        # shm: the prefill worker writes the pool with its own stores, which end with it; only
+        # a transfer over TCP (mooncake) leaves bytes in the kernels
+        late = LateWrites(httpx.URL(url).host) \
+            if self.config.transport is Transport.MOONCAKE else None
         try:
             peer_settled = await self._ask_until_settled(url, rid)
-            while not late.drained(peer_settled):
+            while late is not None and not late.drained(peer_settled):
                 await asyncio.sleep(0.05)
             await self._release(rid)
         finally:

@@ -222,16 +222,16 @@ class DecodeConnector:
         await self.engine.release(rid)
 
     async def _quarantine(self, rid: str, remote: RemotePrefill) -> None:
-        """Free ``rid``'s blocks once nothing of its timed-out get can land any more: the
-        prefill worker's sockets to this host hold no unacknowledged byte on two looks
-        `QUIET_S` apart (or it is gone), and then this process's hold nothing unread from it
-        (`late_writes`)."""
+        """Free ``rid``'s blocks once nothing of its timed-out get can land any more: the get
+        has ended in this process's engine (`BlockGetter.busy`), the prefill worker's sockets
+        to this host hold no unacknowledged byte on two looks `QUIET_S` apart (or it is gone),
+        and this process's hold nothing unread from it (`late_writes`)."""
         self.num_quarantined += 1
         url = httpx.URL(remote.url)
         late = LateWrites(url.host, own_reads_except_port=url.port or 80)
         try:
             peer_settled = await self._peer_quiet(remote)
-            while not late.drained(peer_settled):
+            while self.getter.busy() or not late.drained(peer_settled):
                 await asyncio.sleep(0.05)
             await self.engine.release(rid)
         finally:

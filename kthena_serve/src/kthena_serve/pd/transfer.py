@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from kthena_comm.errors import TransportUnavailableError
+from kthena_comm.errors import TransferTimeoutError, TransportUnavailableError
 from kthena_comm.transfer import (
     AscendDirectConfig,
     MemoryHandle,
@@ -290,6 +290,15 @@ class BlockGetter:
     def __init__(self, engine: TransferEngine, local: MemoryHandle | None, layout: KVLayout,
                  timeout_s: float) -> None:
         self.engine, self.local, self.layout, self.timeout_s = engine, local, layout, timeout_s
+        self._outlived: list[TransferFuture] = []  # gets `get` stopped waiting for
+        self._lock = threading.Lock()
+
+    def busy(self) -> bool:
+        """Whether a get that timed out is still running in the engine (an shm copy on its
+        thread, a Mooncake batch not yet ended): it may still write this pool."""
+        with self._lock:
+            self._outlived = [f for f in self._outlived if not f.done()]
+            return bool(self._outlived)
 
     def get(self, remote: MemoryHandle, remote_layout: KVLayout, src_ids: Sequence[int],
             dst_ids: Sequence[int]) -> int:
@@ -313,5 +322,10 @@ class BlockGetter:
         batch = TransferBatch(self.local, remote, [p.dst_offset for p in pairs],
                               [p.src_offset for p in pairs], [p.length for p in pairs])
         future = self.engine.batch_get_async(batch)
-        self.engine.wait([future], timeout_s=self.timeout_s)
+        try:
+            self.engine.wait([future], timeout_s=self.timeout_s)
+        except TransferTimeoutError:
+            with self._lock:
+                self._outlived.append(future)
+            raise
         return batch.nbytes
