@@ -8,6 +8,7 @@ unchanged. The serving engine (kthena_serve's scheduler) is the real thing.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -123,3 +124,31 @@ def assert_greedy_on_every_path(model: LlamaForCausalLM, prompts: Sequence[Seque
     before = runner.num_computed_prompt_tokens
     assert runner.generate(prompts, new_tokens, reuse_prefix=True) == expected
     assert runner.num_computed_prompt_tokens - before == computed_after_first
+
+
+def hf_last_logits(hf, prompts: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:  # noqa: ANN001
+    """A transformers model's logits at each prompt's last position, computed in ``dtype``
+    (float64 out)."""
+    model = copy.deepcopy(hf).to(dtype)
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1].double() for p in prompts])
+
+
+def prefill_logits(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Our logits at each prompt's last position, the prompts prefilled together in one step
+    (8 blocks of 4 each)."""
+    runner = GreedyRunner(model, block_size=4, num_blocks=8 * len(prompts))
+    return runner.step([(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(prompts)])
+
+
+def assert_bf16_within_transformers_rounding(hf, folder, prompts: Sequence[Sequence[int]],  # noqa: ANN001
+                                             room: float) -> None:
+    """Our bf16 logits are within ``room`` x transformers' own bf16 distance from its float64
+    logits (the yardstick, measured here on the same weights and prompts)."""
+    exact = hf_last_logits(hf, prompts, torch.float64)
+    yardstick = float((hf_last_logits(hf, prompts, torch.bfloat16) - exact).abs().max())
+    model = load_ours(folder).to(torch.bfloat16)
+    model.reset_rope_cache()  # .to() cast the float32 RoPE table too
+    error = float((prefill_logits(model, prompts).double() - exact).abs().max())
+    print(f"\nbf16 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
+    assert error <= room * yardstick

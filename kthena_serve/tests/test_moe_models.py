@@ -18,13 +18,18 @@ and saves them as safetensors in its own tensor names. Against it:
 
 from __future__ import annotations
 
-import copy
 import json
 
 import attrs
 import pytest
 import torch
-from _model_testing import GreedyRunner, assert_greedy_on_every_path, load_ours
+from _model_testing import (
+    assert_bf16_within_transformers_rounding,
+    assert_greedy_on_every_path,
+    hf_last_logits,
+    load_ours,
+    prefill_logits,
+)
 from _moe_families import FAMILIES, NEW_TOKENS, PROMPTS, SPARSE_LAYERS, hf_greedy, save_family
 
 from kthena_serve.model import (
@@ -51,17 +56,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 def family(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, save_family(folder, request.param)
-
-
-def _hf_last_logits(hf, dtype: torch.dtype) -> torch.Tensor:
-    model = copy.deepcopy(hf).to(dtype)
-    with torch.no_grad():
-        return torch.stack([model(torch.tensor([p])).logits[0, -1].double() for p in PROMPTS])
-
-
-def _prefill(model) -> torch.Tensor:
-    runner = GreedyRunner(model, block_size=4, num_blocks=64)
-    return runner.step([(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)])
 
 
 def test_config_and_each_tp_rank_holds_its_share_of_every_expert(family):
@@ -98,28 +92,22 @@ def test_config_and_each_tp_rank_holds_its_share_of_every_expert(family):
 
 def test_prefill_logits_are_within_float32_rounding(family):
     _, folder, hf = family
-    exact = _hf_last_logits(hf, torch.float64)
-    yardstick = float((_hf_last_logits(hf, torch.float32) - exact).abs().max())
+    exact = hf_last_logits(hf, PROMPTS, torch.float64)
+    yardstick = float((hf_last_logits(hf, PROMPTS, torch.float32) - exact).abs().max())
     bound = ROUNDING_ROOM * yardstick
     model = load_ours(folder)
-    error = float((_prefill(model).double() - exact).abs().max())
+    error = float((prefill_logits(model, PROMPTS).double() - exact).abs().max())
     print(f"\nfloat32 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
     assert 0 < yardstick and error <= bound
     for layer in model.layers:  # the negative control: top-1 routing, not the family's top-k
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp.rule = attrs.evolve(layer.mlp.rule, top_k=1)
-    assert float((_prefill(model).double() - exact).abs().max()) > 100 * bound
+    assert float((prefill_logits(model, PROMPTS).double() - exact).abs().max()) > 100 * bound
 
 
 def test_bf16_logits_are_within_transformers_bf16_rounding(family):
     _, folder, hf = family
-    exact = _hf_last_logits(hf, torch.float64)
-    yardstick = float((_hf_last_logits(hf, torch.bfloat16) - exact).abs().max())
-    model = load_ours(folder).to(torch.bfloat16)
-    model.reset_rope_cache()  # .to() cast the float32 RoPE table too
-    error = float((_prefill(model).double() - exact).abs().max())
-    print(f"\nbf16 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
-    assert error <= ROUNDING_ROOM * yardstick
+    assert_bf16_within_transformers_rounding(hf, folder, PROMPTS, ROUNDING_ROOM)
 
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(family):

@@ -17,18 +17,23 @@ run (norm weights too, so a norm applied wrong shows):
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-from _model_testing import GreedyRunner, assert_greedy_on_every_path, load_ours
+from _model_testing import (
+    GreedyRunner,
+    assert_bf16_within_transformers_rounding,
+    assert_greedy_on_every_path,
+    hf_last_logits,
+    load_ours,
+    prefill_logits,
+)
 from _moe_families import write_tokenizer
 
 from kthena_core.model_spec import ModelSpec
 from kthena_serve.model import (
     CheckpointError,
-    LlamaForCausalLM,
     ModelConfig,
     TensorParallel,
     UnsupportedModelError,
@@ -87,22 +92,10 @@ def untied(tmp_path_factory):
     return folder, _save_qwen3(folder)
 
 
-def _hf_last_logits(hf, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' logits at each prompt's last position, computed in ``dtype`` (float64 out)."""
-    model = copy.deepcopy(hf).to(dtype)
-    with torch.no_grad():
-        return torch.stack([model(torch.tensor([p])).logits[0, -1].double() for p in PROMPTS])
-
-
 def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                       min_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
-
-
-def _prefill(model: LlamaForCausalLM) -> torch.Tensor:
-    runner = GreedyRunner(model, block_size=4, num_blocks=64)
-    return runner.step([(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(PROMPTS)])
 
 
 def test_config_reads_qwen3_and_every_tp_rank_holds_the_whole_qk_norms(tiny):
@@ -123,29 +116,23 @@ def test_config_reads_qwen3_and_every_tp_rank_holds_the_whole_qk_norms(tiny):
 
 def test_prefill_logits_are_within_float32_rounding(tiny):
     folder, hf = tiny
-    exact = _hf_last_logits(hf, torch.float64)
-    yardstick = float((_hf_last_logits(hf, torch.float32) - exact).abs().max())
+    exact = hf_last_logits(hf, PROMPTS, torch.float64)
+    yardstick = float((hf_last_logits(hf, PROMPTS, torch.float32) - exact).abs().max())
     bound = ROUNDING_ROOM * yardstick
     model = load_ours(folder)
-    error = float((_prefill(model).double() - exact).abs().max())
+    error = float((prefill_logits(model, PROMPTS).double() - exact).abs().max())
     print(f"\nfloat32 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
     assert 0 < yardstick and error <= bound
     with torch.no_grad():  # the negative control: q/k norm weights not applied
         for layer in model.layers:
             layer.self_attn.q_norm.fill_(1.0)
             layer.self_attn.k_norm.fill_(1.0)
-    assert float((_prefill(model).double() - exact).abs().max()) > 1e4 * bound
+    assert float((prefill_logits(model, PROMPTS).double() - exact).abs().max()) > 1e4 * bound
 
 
 def test_bf16_logits_are_within_transformers_bf16_rounding(tiny):
     folder, hf = tiny
-    exact = _hf_last_logits(hf, torch.float64)
-    yardstick = float((_hf_last_logits(hf, torch.bfloat16) - exact).abs().max())
-    model = load_ours(folder).to(torch.bfloat16)
-    model.reset_rope_cache()  # .to() cast the float32 RoPE table too
-    error = float((_prefill(model).double() - exact).abs().max())
-    print(f"\nbf16 logits vs float64: ours {error:.3g}, transformers {yardstick:.3g}")
-    assert error <= ROUNDING_ROOM * yardstick
+    assert_bf16_within_transformers_rounding(hf, folder, PROMPTS, ROUNDING_ROOM)
 
 
 def test_greedy_tokens_match_transformers_batched_chunked_and_prefix_cached(tiny):
@@ -175,8 +162,8 @@ def test_engine_over_two_ranks_matches_tp1_and_transformers(untied, layout):
     finally:
         llm.close()
     assert [list(o.token_ids) for o in outs] == expected
-    exact = torch.log_softmax(_hf_last_logits(hf, torch.float64), -1)
-    hf32 = torch.log_softmax(_hf_last_logits(hf, torch.float32).float(), -1).double()
+    exact = torch.log_softmax(hf_last_logits(hf, PROMPTS, torch.float64), -1)
+    hf32 = torch.log_softmax(hf_last_logits(hf, PROMPTS, torch.float32).float(), -1).double()
     bound = ROUNDING_ROOM * float((hf32 - exact).abs().max())
     for row, out in zip(exact, outs, strict=True):
         first = out.logprobs[0]
