@@ -231,3 +231,24 @@ def test_launch_serves_the_plan_with_the_models_choices_until_sigterm(tmp_path, 
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+@pytest.mark.parametrize(("reuse", "flag", "not_flag"), [
+    (True, "--enable-prefix-caching", "--no-prefix-caching"),
+    (False, "--no-prefix-caching", "--enable-prefix-caching")])
+def test_the_override_line_names_the_flag_that_was_really_given(tmp_path, capsys, reuse, flag,
+                                                                not_flag):
+    """enable_kv_cache_reuse=True was logged as --no-prefix-caching (issue 53): the line names
+    the flag that sets the value given, and the spec has that value."""
+    from kthena_serve.deployment import resolve_spec
+    from kthena_serve.distributed import _flags
+
+    path = tmp_path / "kthena_config.yaml"
+    path.write_text(json.dumps({**CONFIG, "service": {**CONFIG["service"],
+                                                      "kv_cache_reuse": not reuse}}))
+    choices = DistributedModel("default", enable_kv_cache_reuse=reuse).explicit_choices
+    spec = resolve_spec(dict(choices), str(path))
+    err = capsys.readouterr().err
+    assert f"override the config: --model, {flag}\n" in err and not_flag not in err, err
+    assert spec.engine.enable_prefix_caching is reuse
+    assert _flags(choices) == f"--model default {flag}"

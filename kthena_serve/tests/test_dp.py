@@ -88,6 +88,52 @@ def test_routing_prompt_is_what_the_replica_hashes() -> None:
         assert routing_prompt("/v1/completions", bad, processor) == ([], None)
 
 
+def test_routing_prompt_follows_the_encode_rule_with_a_bos_tokenizer() -> None:
+    from test_bos_tokens import BOS, bos_tokenizer
+
+    from kthena_serve.engine.input_processor import EngineLimits, InputProcessor
+
+    tokenizer = bos_tokenizer("add_bos_token")
+    processor = InputProcessor(tokenizer, EngineLimits(max_model_len=2048, vocab_size=49152,
+                                                       max_n=4, num_kv_blocks=0, block_size=16))
+    bos = tokenizer.token_to_id(BOS)
+
+    def route(path: str, **body) -> list[int]:
+        return routing_prompt(path, json.dumps({"model": "m", **body}).encode(), processor)[0]
+
+    text = route("/v1/completions", prompt="Hello there")
+    assert text == tokenizer.encode("Hello there", add_special_tokens=True) and text[0] == bos
+    assert route("/v1/completions", prompt="Hello there", add_special_tokens=False) == text[1:]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = route("/v1/chat/completions", messages=messages)
+    assert chat == tokenizer.encode_chat(messages) and chat[0] != bos  # the template's own
+    assert route("/v1/chat/completions", messages=messages, add_special_tokens=True) == [
+        bos, *chat]
+    assert route("/v1/chat/completions", messages=messages, add_generation_prompt=False) == (
+        tokenizer.encode_chat(messages, add_generation_prompt=False))
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    with_tools = route("/v1/chat/completions", messages=messages, tools=[tool])
+    assert len(with_tools) > len(chat)  # the tools are rendered, as the replica renders them
+
+
+def test_remembered_prompts_keep_the_index_bounded() -> None:
+    workers = [(f"replica-{i}", ROLE, f"http://r{i}") for i in range(2)]
+    router = Router(workers, PDConfig(), block_size=4, index_max_entries=40)
+    for worker in router.workers.values():
+        worker.is_up = True
+    for i in range(300):  # distinct prompts whose blocks no replica ever confirms
+        pick = router.pick(ROLE, list(range(1000 * i, 1000 * i + 16)), remember=True)
+        router.done(pick.worker.name)
+        assert router.index.num_entries <= 40
+    assert router.index.num_entries == 40 and router.index.num_dropped == 300 * 4 - 40
+    recent = list(range(299_000, 299_016))
+    assert max(router.index.match(recent).values()) == 4  # the newest prompt is kept
+    pick = router.pick(ROLE, list(range(5000_000, 5000_016)), remember=True)
+    router.forget_remembered(pick)  # its replica answered with an error
+    assert router.index.match(list(range(5000_000, 5000_016))) == {
+        "replica-0": 0, "replica-1": 0}
+
+
 def test_replica_metrics_merge_with_a_replica_label() -> None:
     one = ('# HELP kthena_requests_total Finished\n# TYPE kthena_requests_total counter\n'
            'kthena_requests_total{finish_reason="stop"} 3.0\n')

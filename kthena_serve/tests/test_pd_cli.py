@@ -95,13 +95,19 @@ def test_kthena_serve_mode_pd() -> None:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
-def test_pd_with_tensor_parallel_is_refused_clearly(capsys) -> None:  # noqa: ANN001
-    """PD + TP=2: a prefill worker writes one whole pool, a TP decode pool is split by heads."""
+def test_pd_with_tensor_parallel_across_hosts_is_refused_clearly(capsys) -> None:  # noqa: ANN001
+    """TP PD workers hand KV off between their ranks' /dev/shm pools: one host only."""
     from kthena_core.cli import main
 
-    assert main(["serve", "--mode", "pd", "--tp", "2", "--port", "0"]) == 2
+    assert main(["serve", "--mode", "pd", "--tp", "2", "--pd-transport", "mooncake",
+                 "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--tp 2 is not supported in PD mode" in err and "Use --tp 1 with --mode pd" in err
+    assert "--tp 2 with --pd-transport mooncake: TP PD workers hand KV off on one host" in err
+    assert main(["serve", "--mode", "pd", "--decode-tp", "2", "--pd-transport", "mooncake",
+                 "--port", "0"]) == 2
+    assert "--decode-tp 2 with --pd-transport mooncake" in capsys.readouterr().err
+    assert main(["serve", "--prefill-tp", "2", "--port", "0"]) == 2
+    assert "--prefill-tp 2: PD worker settings, for --mode pd only" in capsys.readouterr().err
 
 
 def test_pd_with_pipeline_parallel_is_refused_clearly(capsys) -> None:  # noqa: ANN001
@@ -111,9 +117,9 @@ def test_pd_with_pipeline_parallel_is_refused_clearly(capsys) -> None:  # noqa: 
     assert "--pp 2 is not supported in PD mode" in capsys.readouterr().err
 
 
-def test_a_pd_worker_spec_with_tp_or_pp_is_refused_by_name() -> None:
-    """What `kthena deploy k8s` renders for a TP role: the worker refuses it at start (PD
-    workers are one rank each today), naming the settings."""
+def test_a_pd_worker_spec_it_cannot_run_is_refused_by_name() -> None:
+    """What `kthena deploy k8s` renders for a role: a PP role, or a TP role across hosts, is
+    refused at start, naming the setting; a TP role over shm takes its role's size."""
     import argparse
     import json
 
@@ -121,20 +127,26 @@ def test_a_pd_worker_spec_with_tp_or_pp_is_refused_by_name() -> None:
 
     from kthena_serve.pd.worker import _spec
 
-    for tp, pp in ((4, 1), (1, 2)):
-        spec = {"engine": {"tp": tp, "pp": pp}, "mode": "pd", "pd": {}}
-        with pytest.raises(ValueError, match=f"a PD worker of tp={tp} x pp={pp} is not run yet"):
-            _spec(argparse.Namespace(spec=json.dumps(spec)))
+    def spec(role: str, engine: dict, pd: dict):  # noqa: ANN202
+        data = {"engine": engine, "mode": "pd", "pd": pd}
+        return _spec(argparse.Namespace(spec=json.dumps(data), role=role))
+
+    with pytest.raises(ValueError, match="a PD worker of pp=2 is not run"):
+        spec("decode", {"pp": 2}, {})
+    with pytest.raises(ValueError, match="a PD worker of tp=4 hands KV off on its own host"):
+        spec("prefill", {}, {"transport": "mooncake", "prefill_tp": 4})
+    assert spec("prefill", {"tp": 2}, {"decode_tp": 4}).engine.tp == 2
+    assert spec("decode", {"tp": 2}, {"decode_tp": 4}).engine.tp == 4
 
 
-def test_shared_pool_with_tensor_parallel_is_refused() -> None:
+def test_shared_pool_with_pipeline_parallel_is_refused() -> None:
     import pytest
 
     from kthena_serve.engine import build_runner
     from kthena_serve.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="shared KV pool with tp=2 x pp=1 is not supported"):
-        build_runner(EngineConfig(tp=2, num_kv_blocks=8), shared_pool=True)
+    with pytest.raises(ValueError, match="shared KV pool with pp=2 is not supported"):
+        build_runner(EngineConfig(pp=2, num_kv_blocks=8), shared_pool=True)
 
 
 def _ready_folder(pid: int) -> Path:
@@ -194,8 +206,8 @@ def test_bad_start_up_settings_are_one_line_in_every_mode(capsys) -> None:  # no
         (["--dp", "2", "--port", "-1"], "--port: -1 is not a TCP port"),
         (["--mode", "pd", "--pd-timeout", "0", "--port", "0"],
          "--pd-timeout: must be more than 0 seconds"),
-        (["--prefill", "2", "--port", "0"], "--prefill 2: PD worker counts, for --mode pd only"),
-        (["--dp", "2", "--decode", "3", "--port", "0"], "--decode 3: PD worker counts"),
+        (["--prefill", "2", "--port", "0"], "--prefill 2: PD worker settings, for --mode pd only"),
+        (["--dp", "2", "--decode", "3", "--port", "0"], "--decode 3: PD worker settings"),
     ]
     for argv, message in cases:
         assert main(["serve", *argv]) == 2, argv

@@ -154,14 +154,18 @@ def test_pd_mode_serves_the_plans_prefill_and_decode_split():
     assert (flags["mode"], flags["prefill"], flags["decode"]) == ("pd", est.prefill_replicas,
                                                                  est.decode_replicas)
     assert flags["prefill"] + flags["decode"] == plan.layout.dp
+    # each role's TP size is the plan's (the workers run it: pd/reshard.py)
+    assert (flags["prefill_tp"], flags["decode_tp"]) == (plan.prefill_layout.tp,
+                                                        plan.decode_layout.tp)
 
 
 @pytest.mark.parametrize(
     ("data", "nodes", "message"),
     [
         ({"cluster": {"world_size": 4}, "service": {"mode": "pd"},
-          "parallelism": {"strategy": "tp_pp_dp", "tensor_parallel_size": 2, "data_parallel_size": 2}},
-         1, "PD with tp=2 x pp=1 per worker is not supported"),
+          "parallelism": {"strategy": "tp_pp_dp", "pipeline_parallel_size": 2,
+                          "data_parallel_size": 2}},
+         1, "PD with pp=2 per worker is not supported"),
         ({"cluster": {"world_size": 16}, "parallelism": {"strategy": "dp", "data_parallel_size": 16}},
          2, "the layout spans 2 hosts"),
     ],
@@ -240,7 +244,9 @@ def test_a_yaml_pipeline_split_reaches_the_engine_through_the_spec(tmp_path):
 def test_pd_reports_its_worker_counts_not_a_dp_of_their_sum():
     spec = ServeSpec.resolve({"mode": "pd", "prefill": 1, "decode": 2})
     assert spec.served() == {"tp": 1, "pp": 1, "dp": 1, "sp": 1, "mode": "pd", "prefill": 1,
-                             "decode": 2}
+                             "decode": 2, "prefill_tp": 1, "decode_tp": 1}
+    roles = ServeSpec.resolve({"mode": "pd", "tp": 2, "decode_tp": 4}).served()
+    assert (roles["prefill_tp"], roles["decode_tp"]) == (2, 4)
     assert (str(spec.layout), spec.mode) == ("tp=1 pp=1 dp=1 sp=1", "pd")
 
 

@@ -176,9 +176,8 @@ def test_engine_with_sp_matches_plain_tp(uneven_checkpoint):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    ({"tp": 2, "sp": 2, "mode": "pd"}, "--sp 2 is not supported in PD mode: a prefill worker "
-                                       "writes a decode worker's whole KV pool, and sequence "
-                                       "parallelism splits a prompt over a worker's TP ranks"),
+    ({"tp": 2, "sp": 2, "mode": "pd"}, "--sp 2 is not supported in PD mode: sequence "
+                                       "parallelism is not run in PD workers"),
     ({"tp": 2, "pp": 2, "sp": 2}, "--sp: EngineConfig.sp must be 1 with pp > 1 (got 2); "
                                   "sequence parallelism with pipeline parallelism (pp=2) is "
                                   "not wired"),

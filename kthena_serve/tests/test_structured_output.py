@@ -342,7 +342,12 @@ def test_every_output_validates_against_generated_schemas(client, schema):
 # ---- bad specs -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "parenthesis"),
-    ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs", "does not compile"),
+    ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json",
+     "type must be one of"),
+    ({"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
+     "structured_outputs.json", "only local references"),
+    ({"structured_outputs": {"json": {"allOf": [{"type": "object"}, {"type": "string"}]}}},
+     "structured_outputs.json", "no value satisfies every member"),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs",
      "not defined"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
@@ -353,6 +358,9 @@ def test_every_output_validates_against_generated_schemas(client, schema):
      "structured_outputs.whitespace_pattern", "no whitespace pattern"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                   "schema": {"type": "nope"}}}},
+     "response_format", "type must be one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}}},
      "response_format", "does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "json_schema.schema"),
@@ -526,7 +534,12 @@ def test_tool_messages_render_through_the_template(client, engine):
 
 
 def test_bad_tool_requests_are_400(client):
-    cases = [({"tools": []}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    no_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "obj"}}}
+    cases = [({"tools": [WEATHER, no_schema]}, "tools[1].function.parameters"),
+             ({"messages": [{"role": "user", "content": [
+                 {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+              "messages.0.content.0.type"),
+             ({"tools": []}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
              ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
              ({"tools": [WEATHER], "tool_choice": {"type": "function",
                                                    "function": {"name": "nope"}}},

@@ -464,3 +464,44 @@ def test_an_unwritable_cache_folder_warns_and_times_uncached(tmp_path, caplog):
                                     timer=timer, load=idle)
     assert choice.source == "measured" and timer.calls
     assert "cannot cache in" in caplog.text and blocker.is_file()
+
+
+def test_the_one_time_measurement_says_what_it_times_before_and_the_choice_after(tmp_path,
+                                                                                 caplog):
+    """Issue 53: a start-up was silent for ~15 s while kernels were timed. A line before
+    (what, and about how long) and one after (the time taken, the choice); none on a cache
+    hit, where nothing is timed."""
+    timer = Timings({})
+    with caplog.at_level(logging.INFO, logger="mooncake_ops"):
+        choice = sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path,
+                                    timer=timer, load=idle)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        "kernel selection:")]
+    assert len(lines) == 2, lines
+    candidates = len(sel.linear_candidates(_layers()[0][0].weight))
+    assert lines[0].startswith(f"kernel selection: timing {candidates} matmul kernels at "
+                               "this model's shapes, once on this machine (seconds, up to a "
+                               "minute")
+    assert f"cached in {tmp_path}" in lines[0]
+    assert lines[1].startswith("kernel selection: timed in ") and choice.summary() in lines[1]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mooncake_ops"):
+        sel.choose_kernels("auto", _layers(), None, None, cache_dir=tmp_path, timer=timer,
+                           load=idle)
+    assert not [r for r in caplog.records if "kernel selection: timing" in r.getMessage()]
+
+
+def test_native_unavailable_is_said_on_its_own_logger(monkeypatch, caplog):
+    """The native-kernels warning goes to ``mooncake_ops.native``, which a deployment quiets
+    in all but one of its processes (the warning printed once per PD worker, issue 53)."""
+    from mooncake_ops.backends import native
+
+    monkeypatch.setattr(native, "_state", {"module": None, "reason": None, "loaded": False})
+    monkeypatch.setattr(native, "_BUILDS", {"AVX512": "no_such_build_kthena_test",
+                                            "AVX2": "no_such_build_kthena_test"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level(logging.WARNING, logger="mooncake_ops"):
+        assert not native.is_available()
+    records = [r for r in caplog.records if "native CPU kernels unavailable" in r.getMessage()]
+    assert [r.name for r in records] == ["mooncake_ops.native"]
+    assert "no_such_build_kthena_test" in records[0].getMessage()

@@ -19,6 +19,7 @@ from kthena_core.layout import ExpertLayout, Layout, LayoutError, PDLayout
 from kthena_core.model_spec import MissingKeyError, ModelSpec, ModelSpecError
 from kthena_core.planner import Evaluation, NoFeasiblePlanError, Plan, Planner
 from kthena_core.shape import (
+    HeadMove,
     HeadSplitError,
     ModelShape,
     ModelShapeError,
@@ -26,6 +27,7 @@ from kthena_core.shape import (
     attention_head_range,
     check_tp,
     check_tp_divides_heads,
+    kv_head_moves,
     kv_head_range,
     kv_heads_per_rank,
     tp_sizes_dividing_heads,
@@ -42,6 +44,7 @@ __all__ = [
     "Estimate",
     "Evaluation",
     "ExpertLayout",
+    "HeadMove",
     "HeadSplitError",
     "KthenaConfig",
     "Layout",
@@ -70,6 +73,7 @@ __all__ = [
     "from_catalog",
     "get_device",
     "get_node",
+    "kv_head_moves",
     "kv_head_range",
     "kv_heads_per_rank",
     "list_devices",

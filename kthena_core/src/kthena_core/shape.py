@@ -150,6 +150,52 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int, rank: int | None = None) -> in
     return len(kv_head_range(num_kv_heads, tp, rank))
 
 
+@attrs.frozen
+class HeadMove:
+    """One run of KV heads copied between two TP layouts of the same model: ``count`` heads
+    starting at local head ``src_start`` of source rank ``src_rank`` go to local head
+    ``dst_start`` of destination rank ``dst_rank`` (local: the index in that rank's own pool)."""
+
+    src_rank: int
+    src_start: int
+    dst_rank: int
+    dst_start: int
+    count: int
+
+
+def kv_head_moves(num_kv_heads: int, src_tp: int, dst_tp: int) -> tuple[HeadMove, ...]:
+    """How KV written by ``src_tp`` ranks reaches the pools of ``dst_tp`` ranks: every head
+    each destination rank holds (`kv_head_range`) comes from one source rank that holds it, in
+    runs of consecutive heads. A head replicated on several source ranks is read from the
+    first of them; one replicated on several destination ranks is written to each.
+
+    Same tp: rank r to rank r, whole pools (one move per rank). Different tp: a source rank's
+    heads are split over, or merged from, the destination ranks that own them (PD re-sharding
+    between a prefill and a decode instance of different TP sizes).
+
+    Raises:
+        HeadSplitError: ``num_kv_heads`` cannot be split over ``src_tp`` or ``dst_tp``.
+    """
+    _check_kv(num_kv_heads, src_tp, None)
+    _check_kv(num_kv_heads, dst_tp, None)
+    holder = {}  # global head -> (source rank, local index); the first holder wins
+    for rank in range(src_tp):
+        for local, head in enumerate(kv_head_range(num_kv_heads, src_tp, rank)):
+            holder.setdefault(head, (rank, local))
+    moves: list[HeadMove] = []
+    for dst in range(dst_tp):
+        for local, head in enumerate(kv_head_range(num_kv_heads, dst_tp, dst)):
+            src, src_local = holder[head]
+            last = moves[-1] if moves else None
+            if (last is not None and last.dst_rank == dst and last.src_rank == src
+                    and last.src_start + last.count == src_local
+                    and last.dst_start + last.count == local):
+                moves[-1] = attrs.evolve(last, count=last.count + 1)
+            else:
+                moves.append(HeadMove(src, src_local, dst, local, 1))
+    return tuple(moves)
+
+
 def attention_head_range(num_attention_heads: int, num_kv_heads: int, tp: int, rank: int) -> range:
     """The query heads rank `rank` of `tp` holds: those reading its KV heads, split further
     between the ranks that replicate one KV head.

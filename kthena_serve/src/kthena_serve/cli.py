@@ -19,6 +19,7 @@ from kthena_serve.serve_args import (
     add_engine_args,
     add_kv_events_args,
     add_public_metrics_arg,
+    add_tool_args,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="print a line per request received (id, prompt tokens, sampling "
                              "parameters) and finished (reason, tokens, latency) (default: off)")
+    add_tool_args(parser)
     add_kv_events_args(parser)
     add_pd_args(parser)
     parser.set_defaults(func=_cmd_serve)

@@ -39,8 +39,12 @@ def prepare_process() -> None:
     gets ``OMP_WAIT_POLICY=PASSIVE``. A process that owns its cores alone keeps OpenMP's
     default (spin for a few milliseconds, then sleep); the processes it starts (PD workers, DP
     replicas, TP ranks) set PASSIVE for themselves. A value the user set is left as it is.
+    The kernel library's progress lines (its one-time kernel timing) are shown on stderr.
     """
     entry_point_wait_policy(shares_cores=os.environ.get("WORLD_SIZE", "").strip() not in ("", "1"))
+    from kthena_serve.cluster.worker import show_library_notices
+
+    show_library_notices()  # the one-time kernel timing says what it does while it runs
 
 
 def api_key(flags: dict) -> str | None:
@@ -79,7 +83,7 @@ def resolve_spec(flags: dict, config: str | None, world_size: int = 1, *,
                          "or drop --calibration")
     planned = plan_config_path(config, world_size, calibration) if config else None
     spec = ServeSpec.resolve(flags, planned, world_size=world_size)
-    overridden = [flag_name(k) for k in planned.overridden(flags)] if planned else []
+    overridden = [flag_name(k, flags[k]) for k in planned.overridden(flags)] if planned else []
     if overridden:
         print(f"kthena serve: command-line flags override the config: "
               f"{', '.join(overridden)}", file=sys.stderr, flush=True)
@@ -156,7 +160,7 @@ def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
                                   or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
                     public_metrics=spec.public_metrics, deployment=spec.report(),
-                    log_requests=spec.log_requests)
+                    log_requests=spec.log_requests, tool_call_parser=spec.tool_call_parser)
     publisher = _start_kv_events(spec.kv_events, engine, app)
     stats_log = StatsLogger(engine.stats, interval).start() if interval else None
 

@@ -197,8 +197,8 @@ def launch_distributed_inference(model_init_fn: Callable[..., Any],
                 raise DistributedArgumentError(
                     field, "kthena serve has no flag for it, so the server cannot take it; "
                     + _NO_FLAG_HINTS.get(field, "leave it out of the DistributedModel you serve"))
-        print(f"launch_distributed_inference: {model!r}: its arguments act as explicit "
-              "kthena serve flags", file=sys.stderr, flush=True)
+        print(f"launch_distributed_inference: {model!r} serves as kthena serve --config "
+              f"FILE {_flags(model.explicit_choices)}".rstrip(), file=sys.stderr, flush=True)
         try:
             spec = resolve_spec(dict(model.explicit_choices), path, launcher_world())
         except ValueError as error:
@@ -208,6 +208,20 @@ def launch_distributed_inference(model_init_fn: Callable[..., Any],
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def _flags(choices: Mapping[str, Any]) -> str:
+    """The ``kthena serve`` flags that set ``choices`` (what the server is really given)."""
+    from kthena_serve.serve_args import flag_name
+
+    words = []
+    for field, value in choices.items():
+        flag = flag_name(field, value)
+        if field == "enable_prefix_caching" or value is True:
+            words.append(flag)  # the flag is the value
+        else:  # a switch set off has no flag: the setting is named instead
+            words.append(f"{field}=False" if value is False else f"{flag} {value}")
+    return " ".join(words)
+
+
 def _check_keywords(engine_kwargs: Mapping[str, Any]) -> None:
     fields = sorted(SETTINGS - set(_ARGUMENTS))
     for key in engine_kwargs:

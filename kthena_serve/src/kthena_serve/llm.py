@@ -77,7 +77,10 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order.
 
         Args:
-            prompts: a text, a list of texts, or lists of token ids.
+            prompts: a text, a list of texts, or lists of token ids. A text gets the
+                tokenizer's special tokens (its BOS, where it adds one), as a completions
+                prompt does on the server (``InputProcessor``'s encode rule); token ids are run
+                as given.
             params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -107,5 +110,6 @@ class LLM:
         self.close()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        """One chat turn: render the model's chat template and generate."""
+        """One chat turn: render the model's chat template (its special tokens only, as the
+        chat route) and generate."""
         return self.generate(self.engine.processor.encode_chat(messages), params)[0]

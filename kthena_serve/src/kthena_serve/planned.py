@@ -135,6 +135,8 @@ def config_settings(cfg: KthenaConfig, plan: Plan) -> dict[str, Any]:
     if service.mode == "pd":
         est = plan.chosen.estimate
         out.update(prefill=est.prefill_replicas, decode=est.decode_replicas)
+        if plan.prefill_layout is not None and plan.decode_layout is not None:
+            out.update(prefill_tp=plan.prefill_layout.tp, decode_tp=plan.decode_layout.tp)
     else:
         out["dp"] = plan.layout.dp
     if plan.pipeline_split_points is not None:  # pinned by the config, or moved by the plan
@@ -189,10 +191,10 @@ def check_servable(plan: Plan, topology: Topology, nnodes: int = 1,
                 "on every host with `kthena-run --nnodes N --node_rank R --master_addr ...` "
                 "(one tp x pp engine over the hosts), name a one-node cluster.topology with "
                 "cluster.nnodes: 1, or render a multi-node deployment with `kthena deploy`")
-    if mode == "pd" and (lay.tp > 1 or lay.pp > 1):
-        _refuse(f"PD with tp={lay.tp} x pp={lay.pp} per worker is not supported yet (a prefill "
-                "worker writes a decode worker's whole KV pool). Set "
-                "parallelism.tensor_parallel_size and pipeline_parallel_size to 1")
+    if mode == "pd" and lay.pp > 1:
+        _refuse(f"PD with pp={lay.pp} per worker is not supported (the KV hand-off moves "
+                "heads between TP ranks, not layers between stages). Set "
+                "parallelism.pipeline_parallel_size to 1")
 
 
 def _refuse(message: str) -> None:

@@ -10,8 +10,9 @@ import shlex
 
 from kthena_core import dtypes
 
-__all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "add_engine_args", "add_kv_events_args",
-           "add_api_key_args", "add_public_metrics_arg", "curl_line", "flag_name"]
+__all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "TOOL_CALL_PARSERS", "add_engine_args",
+           "add_kv_events_args", "add_api_key_args", "add_public_metrics_arg", "add_tool_args",
+           "check_tool_call_parser", "curl_line", "flag_name"]
 
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
                     "replica")
@@ -26,6 +27,9 @@ ENGINE_FLAG_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "target
                       "kernels", "sp", "sp_min_tokens", "tp_overlap", "tp_overlap_tiles",
                       "expert_parallel")
 
+# --tool-call-parser's names (vLLM's); server/tool_parsers/ has a parser for each.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
 
 # Settings whose flag is not --<name with dashes>.
 _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--kv-events",
@@ -35,9 +39,12 @@ _FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching", "redis_url": "--k
                "max_chunks": "--kv-events-max-chunks"}
 
 
-def flag_name(setting: str) -> str:
+def flag_name(setting: str, value: object = None) -> str:
     """The command-line flag of a setting (``tp`` -> ``--tp``; ``enable_prefix_caching`` ->
-    ``--no-prefix-caching``): messages name what the user typed."""
+    ``--no-prefix-caching``): messages name what the user typed. With ``value``, the flag that
+    sets that value (``enable_prefix_caching`` True -> ``--enable-prefix-caching``)."""
+    if setting == "enable_prefix_caching" and value is True:
+        return "--enable-prefix-caching"
     return _FLAG_NAMES.get(setting, "--" + setting.replace("_", "-"))
 
 
@@ -249,6 +256,41 @@ def curl_line(host: str, port: int, model_name: str, with_key: bool) -> str:
     auth = ' -H "Authorization: Bearer $KTHENA_API_KEY"' if with_key else ""
     return (f"curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
             f"{auth} -d {shlex.quote(json.dumps(body))}")
+
+
+def check_tool_call_parser(name: str) -> str:
+    """``name`` if it names a tool-call parser.
+
+    Raises:
+        ValueError: one line naming the allowed parsers.
+    """
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser: {name!r} is not a tool-call parser; allowed: "
+                         f"{', '.join(TOOL_CALL_PARSERS)}")
+    return name
+
+
+class _AcceptedFlag(argparse.Action):
+    """A vLLM flag that asks for what this server always does: accepted, nothing stored."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        pass
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags: the wire format chat output is parsed in, and the switch vLLM
+    needs for ``tool_choice: auto`` (always on here)."""
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="how chat output is parsed into tool calls, as the model writes "
+                             f"them: {', '.join(TOOL_CALL_PARSERS)} (vLLM's names; default "
+                             "hermes: <tool_call> blocks); colocated serving only")
+    parser.add_argument("--enable-auto-tool-choice", action=_AcceptedFlag,
+                        help="vLLM's flag, accepted: tool_choice auto is always served here "
+                             "(parsed by --tool-call-parser)")
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ from kthena_serve.kv_events.config import KVEventsConfig, KVEventsConfigError
 from kthena_serve.model.source import DEFAULT_MODEL_NAME, served_name
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.planned import PlannedConfig
-from kthena_serve.serve_args import flag_name
+from kthena_serve.serve_args import check_tool_call_parser, flag_name
 
 __all__ = ["ServeSpec", "engine_config"]
 
@@ -59,10 +59,11 @@ _SERVE_DEFAULTS: dict[str, Any] = {
     "mode": "colocated", "dp": 1, "prefill": 1, "decode": 1, "host": "127.0.0.1", "port": 8000,
     "api_key": None, "public_metrics": False, "served_model_name": None,
     "shutdown_timeout": 30.0, "stream_stall_timeout": None, "config": None,
+    "prefill_tp": None, "decode_tp": None,
     "pd_policy": "recompute", "pd_timeout": 30.0, "pd_transport": "shm",
     "pd_kv_push": "layerwise", "pd_threshold": 32, "router_weights": "1.0,0.5,0.25",
     "kv_events": None, "pod_name": None, "kv_events_chunk_size": 16, "kv_events_max_chunks": 128,
-    "disable_log_stats": False, "enable_log_requests": False,
+    "disable_log_stats": False, "enable_log_requests": False, "tool_call_parser": "hermes",
 }
 
 
@@ -100,6 +101,8 @@ class ServeSpec:
         log_stats: print vLLM's periodic stats line (``--disable-log-stats`` turns it off).
         log_requests: print a line per request received and finished
             (``--enable-log-requests``, off by default as in vLLM).
+        tool_call_parser: the format chat output is parsed for tool calls in
+            (``--tool-call-parser``; hermes, the default, in every mode; another: colocated).
         config_path: the ``--config`` file, if one was planned.
         plan: the plan's JSON (GET /plan), if a config was planned.
     """
@@ -121,6 +124,7 @@ class ServeSpec:
     kv_events: KVEventsConfig | None = None
     log_stats: bool = True
     log_requests: bool = False
+    tool_call_parser: str = attrs.field(default="hermes", converter=check_tool_call_parser)
     config_path: str | None = None
     plan: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -177,6 +181,7 @@ class ServeSpec:
                    stream_stall_timeout_s=s["stream_stall_timeout"],
                    kv_events=_kv_events(s, served),
                    log_stats=not s["disable_log_stats"], log_requests=s["enable_log_requests"],
+                   tool_call_parser=s["tool_call_parser"],
                    config_path=planned.path if planned else s["config"],
                    plan=planned.to_json() if planned else None)
 
@@ -189,12 +194,14 @@ class ServeSpec:
 
     def served(self) -> dict[str, Any]:
         """GET /plan's ``served`` (and ``kthena_deployment_info``'s labels); PD adds its
-        worker counts."""
+        worker counts and each role's TP size (``prefill_tp``, ``decode_tp``)."""
         out: dict[str, Any] = {**attrs.asdict(self.layout), "mode": self.mode}
         if self.engine.pipeline_split_points is not None:
             out["pipeline_split_points"] = list(self.engine.pipeline_split_points)
         if self.mode == "pd":
-            out.update(prefill=self.num_prefill, decode=self.num_decode)
+            out.update(prefill=self.num_prefill, decode=self.num_decode,
+                       prefill_tp=self.pd.role_tp("prefill", self.engine.tp),
+                       decode_tp=self.pd.role_tp("decode", self.engine.tp))
         return out
 
     def report(self) -> dict[str, Any]:
@@ -270,10 +277,11 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
         raise ValueError(f"--port: {port!r} is not a TCP port; allowed 0 to 65535 (0: any "
                          "free port)")
     if mode != "pd":
-        given = [f"--{name} {s[name]}" for name in ("prefill", "decode")
+        given = [f"{flag_name(name)} {s[name]}"
+                 for name in ("prefill", "decode", "prefill_tp", "decode_tp")
                  if s[name] != _SERVE_DEFAULTS[name]]
         if given:
-            raise ValueError(f"{' '.join(given)}: PD worker counts, for --mode pd only; add "
+            raise ValueError(f"{' '.join(given)}: PD worker settings, for --mode pd only; add "
                              "--mode pd, or drop them (colocated replicas: --dp N)")
     if dp < 1:
         raise ValueError(f"--dp: must be at least 1 (1: one engine; N > 1: N replicas behind "
@@ -281,6 +289,11 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
     if dp > 1 and mode == "pd":
         raise ValueError(f"--dp {dp}: not supported with --mode pd, which sets its own worker "
                          "counts (--prefill N --decode M); drop --dp or --mode pd")
+    parser = check_tool_call_parser(s["tool_call_parser"])
+    if parser != _SERVE_DEFAULTS["tool_call_parser"] and (dp > 1 or mode == "pd"):
+        raise ValueError(f"--tool-call-parser {parser}: colocated serving only for now (DP "
+                         "replicas and the PD router parse the default, hermes); drop --dp / "
+                         "--mode pd, or the flag")
     if dp > 1 and s["kv_events"] is not None:
         raise ValueError(f"--dp {dp}: not supported with --kv-events: the replicas would "
                          "publish under one --pod-name and overwrite each other's blocks; "
@@ -297,19 +310,38 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
     if s["stream_stall_timeout"] is not None:
         raise ValueError("--stream-stall-timeout applies to colocated serving; PD decode "
                          "workers use 120 s: leave it out with --mode pd")
-    for name, what in (("sp", "sequence parallelism splits a prompt over a worker's TP "
-                              "ranks, which PD workers do not have"),
-                       ("tp", "a TP decode worker's pool is split across ranks"),
-                       ("pp", "a pipelined decode worker's pool is split by layers across "
-                              "stages")):
-        value = s.get(name, getattr(s.get("layout"), name, 1))  # a flag, else the plan's
-        if value > 1:
-            raise ValueError(f"--{name} {value} is not supported in PD mode: a prefill worker "
-                             f"writes a decode worker's whole KV pool, and {what}. Use --{name} "
-                             f"1 with --mode pd, or --{name} N without it.")
+    _check_pd_layouts(s)
     device = s.get("device", "cpu")
     if isinstance(device, str) and device.partition(":")[0] in ("cpu", "cuda", "npu"):
         PDConfig.check_device(device, s["pd_transport"])  # a bad device: EngineConfig's message
+
+
+def _check_pd_layouts(s: Mapping[str, Any]) -> None:
+    """Each PD role's layout: TP workers on one host (shm: the hand-off copies between their
+    ranks' /dev/shm pools); no PP and no SP in PD."""
+    for name, what in (("sp", "sequence parallelism is not run in PD workers"),
+                       ("pp", "a pipelined worker's pool is split by layers across stages, "
+                              "and the hand-off moves heads between TP ranks only")):
+        value = s.get(name, getattr(s.get("layout"), name, 1))  # a flag, else the plan's
+        if value > 1:
+            raise ValueError(f"--{name} {value} is not supported in PD mode: {what}. Use "
+                             f"--{name} 1 with --mode pd, or --{name} N without it.")
+    tp = s.get("tp", getattr(s.get("layout"), "tp", 1))
+    sizes = {"--tp": tp, "--prefill-tp": s["prefill_tp"], "--decode-tp": s["decode_tp"]}
+    for flag, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{flag}: a TP size is a whole number of at least 1, got {value!r}")
+    big = {flag: value for flag, value in sizes.items() if value is not None and value > 1}
+    if big and s["pd_transport"] != "shm":
+        raise ValueError(f"{' '.join(f'{k} {v}' for k, v in big.items())} with --pd-transport "
+                         f"{s['pd_transport']}: TP PD workers hand KV off on one host only "
+                         "(their ranks' pools are /dev/shm files); use --pd-transport shm, or "
+                         "tp 1 across hosts")
+    if big and str(s.get("device", "cpu")).partition(":")[0] != "cpu":
+        raise ValueError(f"{' '.join(f'{k} {v}' for k, v in big.items())} with --device "
+                         f"{s.get('device')}: TP PD workers run on cpu only (their ranks' "
+                         "pools are /dev/shm files); use --device cpu, or tp 1")
 
 
 def _pd_config(s: Mapping[str, Any]) -> PDConfig:
@@ -324,7 +356,8 @@ def _pd_config(s: Mapping[str, Any]) -> PDConfig:
     try:
         return PDConfig(policy=s["pd_policy"], transfer_timeout_s=s["pd_timeout"],
                         transport=s["pd_transport"], kv_push=s["pd_kv_push"],
-                        pd_threshold_tokens=s["pd_threshold"], weights=weights)
+                        pd_threshold_tokens=s["pd_threshold"], weights=weights,
+                        prefill_tp=s["prefill_tp"] or 0, decode_tp=s["decode_tp"] or 0)
     except ValueError as error:
         raise ValueError(f"PD settings: {error}") from None
 

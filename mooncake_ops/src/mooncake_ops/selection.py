@@ -395,7 +395,8 @@ def choose_kernels(mode: str, layers: Sequence[Sequence[MatmulWeight]],
     key = cache_key(mode, shapes, attention)
 
     def measure() -> KernelChoice:
-        return _measure(key, candidates, layers, lm_head, attention, timer, load)
+        return _announced(lambda: _measure(key, candidates, layers, lm_head, attention, timer,
+                                           load), len(candidates), attention, cache_dir)
 
     if cache_dir is None:
         return measure()
@@ -419,6 +420,23 @@ def cached_choices(cache_dir: str | os.PathLike[str]) -> list[KernelChoice]:
         except (KeyError, TypeError):  # another tool's JSON, or a hand-edited record
             continue
     return found
+
+
+def _announced(measure: Callable[[], KernelChoice], num_matmul: int,
+               attention: AttentionShape | None,
+               cache_dir: str | os.PathLike[str] | None) -> KernelChoice:
+    """``measure()`` between two INFO lines: what is timed and about how long it takes before
+    (a start-up otherwise silent for seconds), the time taken and the choice after."""
+    what = f"{num_matmul} matmul kernels" + (" and the attention kernels" if attention else "")
+    cached = (f"cached in {os.fspath(cache_dir)}/kernels for later starts" if cache_dir
+              else "not cached")
+    _log.info("kernel selection: timing %s at this model's shapes, once on this machine "
+              "(seconds, up to a minute on a busy one; %s)", what, cached)
+    started = time.monotonic()
+    choice = measure()
+    _log.info("kernel selection: timed in %.1f s; %s", time.monotonic() - started,
+              choice.summary())
+    return choice
 
 
 def _measure(key: str, candidates: Sequence[LinearKernel],

@@ -37,6 +37,7 @@ from pathlib import Path
 import attrs
 
 from kthena_serve.cluster.auth import SECRET_ENV, new_secret
+from kthena_serve.cluster.worker import QUIET_NOTICES_ENV
 from mooncake_kv import shared_pool_paths
 
 __all__ = ["ProcessLauncher", "WorkerProcess", "WorkerSpec", "cleanup_shm", "share_cores"]
@@ -145,6 +146,10 @@ class ProcessLauncher:
                    OMP_NUM_THREADS=str(len(worker.spec.cores)), GLOG_minloglevel="2")
         env[SECRET_ENV] = self.secret  # the environment, not argv: see cluster/auth.py
         env.pop("KTHENA_API_KEY", None)
+        if worker.spec.name != self.specs[0].name:  # host-wide notices: the first worker's
+            env[QUIET_NOTICES_ENV] = "1"
+        else:
+            env.pop(QUIET_NOTICES_ENV, None)
         return env
 
     # ---- lifetime -----------------------------------------------------------------------------

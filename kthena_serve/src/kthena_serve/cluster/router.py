@@ -22,7 +22,9 @@ events. Every poll sends the deployment secret (cluster/auth.py).
 ``kthena serve --dp``): prefix overlap, then load, then KV usage, ties to the worker picked
 least. There the router also counts what it sent and has not seen end (``done``), so load is
 current between polls, and with ``remember`` it records a prompt's blocks on the worker it
-picked at once, before that worker's events confirm them (or remove them, on eviction).
+picked at once, before that worker's events confirm them (or remove them, on eviction); a
+worker that answers with an error drops them (``forget_remembered``), and the index's LRU
+bound (``index_max_entries``) drops the rest if they are never confirmed.
 
 The router reads three settings (``RouterSettings``: score weights, the decider's threshold,
 the poll interval) of whatever config it is given; ``PDConfig`` has them.
@@ -43,6 +45,7 @@ from kthena_serve.cluster.config import RouterWeights
 from kthena_serve.cluster.events import event_from_json
 from kthena_serve.cluster.metrics import RouterMetrics
 from mooncake_kv import BlockRemoved, BlockStored, ClusterPrefixIndex, ExtraKeys
+from mooncake_kv.cluster import DEFAULT_MAX_ENTRIES
 from mooncake_kv.hashing import DEFAULT_HASH_ALGO
 
 __all__ = ["Decision", "Pick", "Router", "RouterSettings", "WorkerState"]
@@ -117,17 +120,20 @@ class Router:
         secret: the deployment secret sent on every poll (``ProcessLauncher.secret``).
         state_path: the workers' state route (``/pd/state``; DP replicas: ``/dp/state``).
         hash_algo: the workers' block-hash algorithm (``EngineConfig.hash_algorithm``).
+        index_max_entries: (worker, block) entries the prefix index keeps at most (its LRU
+            bound; evictions the workers announce remove entries before that).
     """
 
     def __init__(self, workers: list[tuple[str, str, str]], config: RouterSettings,
                  block_size: int, metrics: RouterMetrics | None = None, *,
                  secret: str | None = None, state_path: str = "/pd/state",
-                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+                 hash_algo: str = DEFAULT_HASH_ALGO,
+                 index_max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.config = config
         self.block_size = block_size
         self.metrics = metrics or RouterMetrics("router")
         self.state_path = state_path
-        self.index = ClusterPrefixIndex(block_size, hash_algo)
+        self.index = ClusterPrefixIndex(block_size, hash_algo, max_entries=index_max_entries)
         self.workers = {name: WorkerState(name, role, url) for name, role, url in workers}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -290,6 +296,11 @@ class Router:
         """``pick``'s worker refused the request before doing any of it (its queue is past its
         bound): it is not in flight there, and the blocks ``pick`` recorded on it are dropped."""
         self.done(pick.worker.name)
+        self.forget_remembered(pick)
+
+    def forget_remembered(self, pick: Pick) -> None:
+        """Drop the blocks ``pick`` recorded on its worker: the worker answered without
+        computing the prompt (a 4xx or 5xx), so it will never store (nor evict) them."""
         if pick.remembered:
             self.index.apply(pick.worker.name, BlockRemoved(pick.remembered, ()))
 

@@ -5,7 +5,10 @@ A worker, started by a ``ProcessLauncher`` (cluster/launcher.py) or a pod, goes 
     take_secret()             the deployment secret, from KTHENA_PD_SECRET, then removed from
                               the environment so no child inherits it
     pin_to_cores(cores, n)    affinity, OMP_NUM_THREADS (its cores / its n ranks) and
-                              OMP_WAIT_POLICY=PASSIVE: before torch loads (OpenMP reads them once)
+                              OMP_WAIT_POLICY=PASSIVE: before torch loads (OpenMP reads them once);
+                              and ``show_library_notices``: the kernel libraries' progress lines
+                              shown, the host-wide ones (native kernels not built) only by the
+                              deployment's first worker (the others get QUIET_NOTICES_ENV)
     die_with_parent()         PR_SET_PDEATHSIG: SIGTERM when the launcher dies
     ... load the model, build the app, whose state route answers ``state_reply`` ...
     serve_worker(app, ...)    SIGTERM -> SystemExit; once it listens, its port in the ready file
@@ -21,8 +24,10 @@ Nothing heavy is imported at the top of this module: a worker imports it before 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -40,9 +45,13 @@ if TYPE_CHECKING:
     from kthena_serve.engine.input_processor import EngineLimits
     from kthena_serve.engine.stats import EngineStats
 
-__all__ = ["die_with_parent", "exit_on_sigterm", "new_incarnation", "pin_to_cores",
-           "remove_ready_file", "serve", "serve_worker", "state_reply", "take_secret",
-           "write_ready_file"]
+__all__ = ["QUIET_NOTICES_ENV", "die_with_parent", "exit_on_sigterm", "new_incarnation",
+           "pin_to_cores", "remove_ready_file", "serve", "serve_worker", "show_library_notices",
+           "state_reply", "take_secret", "write_ready_file"]
+
+# Set ("1") by a launcher for every worker but its first: what is true of the whole host (the
+# native kernels are not built) is said once per deployment, not once per worker.
+QUIET_NOTICES_ENV = "KTHENA_QUIET_HOST_NOTICES"
 
 
 # ---- before torch loads -------------------------------------------------------------------------
@@ -68,7 +77,41 @@ def pin_to_cores(cores: str, num_ranks: int = 1) -> int:
     num_threads = max(1, len(owned_cores()) // max(1, num_ranks))
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # workers share the host's cores
+    show_library_notices(quiet_host_notices=os.environ.get(QUIET_NOTICES_ENV) == "1")
     return num_threads
+
+
+class _StderrLines(logging.StreamHandler):
+    """Each record's message as a line on the ``sys.stderr`` of the moment (as logging's own
+    last-resort handler writes: a redirected stderr is followed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass  # always the current sys.stderr
+
+
+def show_library_notices(*, quiet_host_notices: bool = False) -> None:
+    """An entry point's choice of what the kernel library (``mooncake_ops``) says on stderr:
+    its INFO lines too (the one-time kernel timing, which otherwise leaves a start-up silent
+    for seconds), as plain lines; with ``quiet_host_notices`` not the native-kernels warning,
+    which another process of the deployment prints.
+
+    Idempotent: a logger that already has a handler (an embedding application's) is left as
+    it is."""
+    library = logging.getLogger("mooncake_ops")
+    if not library.handlers:
+        library.addHandler(_StderrLines())
+        library.setLevel(logging.INFO)
+    if quiet_host_notices:
+        logging.getLogger("mooncake_ops.native").setLevel(logging.ERROR)
 
 
 def die_with_parent() -> None:

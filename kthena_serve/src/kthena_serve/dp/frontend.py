@@ -14,8 +14,9 @@
 Every response a replica gives carries ``x-kthena-replica: <name>``.
 
 **Tokenise here, not at a replica's /tokenize.** The router needs the prompt's tokens to look
-its blocks up. Its own tokenizer (the model's, through the same ``InputProcessor`` and chat
-template as the replicas, so the ids are the ones the replica will hash) costs tens of
+its blocks up. Its own tokenizer (the model's, through the same ``InputProcessor``, encode rule
+and chat rendering as the replicas: a completion's text gets the tokenizer's BOS, a chat what
+its template writes, so the ids are the ones the replica will hash) costs tens of
 microseconds in Rust per prompt; a /tokenize call costs a loopback round trip and time on the
 event loop of a replica whose core is busy decoding, before the request can even be sent.
 
@@ -66,6 +67,8 @@ from kthena_serve.server.errors import (
     error_response,
     install_handlers,
 )
+from kthena_serve.server.routes import _template_reads
+from kthena_serve.server.tokenization import chat_ids
 
 __all__ = ["REPLICA_HEADER", "DPFrontend", "build_dp_app", "routing_prompt"]
 
@@ -77,20 +80,34 @@ _CHAT_PATH = "/v1/chat/completions"
 
 def routing_prompt(path: str, body: bytes, processor: InputProcessor,
                    ) -> tuple[list[int], str | None]:
-    """The token ids and ``cache_salt`` a request is routed by: the chat template applied to
-    its messages, or its (first) completions prompt. ``([], None)`` for a body that is not a
-    valid request: it is routed by load, and the replica answers it with the 4xx."""
+    """The token ids and ``cache_salt`` a request is routed by: the ids the replica will run,
+    by the ``InputProcessor``'s encode rule and the body's own switches. A chat is rendered as
+    the chat route renders it (``tokenization.chat_ids``: tools, ``add_generation_prompt``,
+    ``continue_final_message``, ``add_special_tokens``, template variables); a completion's
+    (first) prompt gets the tokenizer's BOS unless ``add_special_tokens`` is false.
+    ``([], None)`` for a body that is not a valid request: it is routed by load, and the
+    replica answers it with the 4xx."""
     try:
         if path == _CHAT_PATH:
             chat = p.ChatCompletionRequest.model_validate_json(body)
-            return processor.encode_chat(chat.plain_messages()), chat.cache_salt
+            return _chat_ids(chat, processor), chat.cache_salt
         completion = p.CompletionRequest.model_validate_json(body)
         prompt = completion.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]  # one request, one replica: the first prompt routes it
-        return processor.encode(prompt), completion.cache_salt
+        ids = processor.encode(prompt, add_special_tokens=completion.add_special_tokens)
+        return ids, completion.cache_salt
     except (ValueError, TypeError, InvalidRequestError):  # pydantic's errors are ValueErrors
         return [], None
+
+
+def _chat_ids(chat: p.ChatCompletionRequest, processor: InputProcessor) -> list[int]:
+    variables, _ = chat.template_variables(_template_reads(processor.tokenizer.chat_template))
+    return chat_ids(processor, chat.messages, chat.tools,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    add_special_tokens=chat.add_special_tokens,
+                    continue_final_message=chat.continue_final_message,
+                    template_kwargs={**variables, **(chat.chat_template_kwargs or {})})
 
 
 class DPFrontend:
@@ -204,6 +221,8 @@ class DPFrontend:
                 continue
             if counted:
                 self.metrics.routed.labels(name, pick.reason).inc()
+            if upstream.status_code >= 400:  # nothing was computed: nothing will be cached
+                self.router.forget_remembered(pick)
             return await self._relay(pick, upstream)
         raise ApiError(503, self._none_up())
 

@@ -32,17 +32,17 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
 
     Args:
         model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
-        shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool).
+        shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool); with
+            tp > 1 every rank's pool (``ParallelModelRunner.rank_pools`` names them).
 
     Raises:
-        ValueError: ``shared_pool`` with ``tp * pp > 1`` (each rank holds part of the model).
+        ValueError: ``shared_pool`` with ``pp > 1`` (a stage's pool holds some layers only).
     """
     if config.world_size > 1 or config.ranks_from == "env":
-        if shared_pool:
-            raise ValueError(f"a shared KV pool with tp={config.tp} x pp={config.pp} is not "
-                             "supported: each rank holds its own heads' and layers' pool, and a "
-                             "PD prefill worker writes one whole pool; run PD workers with "
-                             "tp=1 and pp=1")
+        if shared_pool and config.pp > 1:
+            raise ValueError(f"a shared KV pool with pp={config.pp} is not supported: a PD "
+                             "worker's ranks split its heads (tp), not its layers; run PD "
+                             "workers with pp=1")
         from kthena_serve.engine.parallel_runner import ParallelModelRunner
 
         rank_env = None
@@ -50,7 +50,8 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
             from kthena_comm.env import RankEnv
 
             rank_env = RankEnv.from_env()  # ranks_from="env" asks for the launcher's variables
-        runner = ParallelModelRunner(config, rank_env)  # pins this process to one core
+        # pins this process to one core
+        runner = ParallelModelRunner(config, rank_env, shared_pool=shared_pool)
         return runner, runner.tokenizer
     configure_threads(config.num_threads)
     if model is None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kthena_core import dtypes
+from kthena_core.known_models import names_default_model
 from kthena_core.layout import Layout
 from kthena_serve.engine.config_errors import ConfigError
 from kthena_serve.engine.config_errors import is_bool as _is_bool
@@ -63,7 +64,9 @@ def _model_path(value: object) -> str:
         value = os.fspath(value)
     if not isinstance(value, str):
         raise ConfigError("model", "'default' or a checkpoint folder (str or os.PathLike)", value)
-    return value
+    # The default model's other names (smollm2-135m-instruct, SmolLM2-135M-Instruct) are
+    # "default" from here on; an existing folder of that name stays a folder.
+    return "default" if names_default_model(value) and not os.path.exists(value) else value
 
 
 def _one_of(*allowed: str) -> Callable[[object, attrs.Attribute, object], None]:

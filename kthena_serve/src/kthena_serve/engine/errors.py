@@ -48,7 +48,8 @@ class RequestFailedError(RuntimeError):
 
 
 class RankDiedError(RuntimeError):
-    """A tensor-parallel rank's process exited before it joined the others.
+    """A tensor-parallel rank's process exited (before it joined the others, or while it
+    served: ``ParallelModelRunner.dead_rank``).
 
     Attributes:
         rank: the TP rank whose process died.

@@ -3,6 +3,19 @@
 Everything behind it (``LLMEngine.add``, the engine thread, a PD decode worker's engine) takes
 the ``EngineRequest`` it makes as is. The in-process engine and the PD router build one each
 over the same tokenizer and limits, so both answer a bad request the same way.
+
+The encode rule (vLLM's), the same on every path that turns text into ids: the HTTP app,
+``/tokenize``, the DP router (``dp.frontend.routing_prompt``), ``LLM.generate`` and the PD
+router::
+
+    a text prompt      the tokenizer's special tokens (its BOS) added, unless the request
+                       says add_special_tokens=false          (TEXT_ADDS_SPECIAL_TOKENS)
+    a chat             only what the chat template writes, unless add_special_tokens=true
+                                                              (CHAT_ADDS_SPECIAL_TOKENS)
+    token ids          taken as given (checked against the vocabulary)
+
+So with a tokenizer that adds a BOS, the ids a router hashes are the ids the engine runs, caches
+and announces in its KV events.
 """
 
 from __future__ import annotations
@@ -21,7 +34,10 @@ if TYPE_CHECKING:
     from kthena_serve.engine.config import EngineConfig
     from kthena_serve.model import Tokenizer
 
-__all__ = ["EngineLimits", "InputProcessor"]
+__all__ = ["CHAT_ADDS_SPECIAL_TOKENS", "TEXT_ADDS_SPECIAL_TOKENS", "EngineLimits", "InputProcessor"]
+
+TEXT_ADDS_SPECIAL_TOKENS = True  # a text prompt gets the tokenizer's BOS (vLLM, /tokenize)
+CHAT_ADDS_SPECIAL_TOKENS = False  # a chat's template writes its special tokens itself
 
 
 @attrs.frozen
@@ -120,12 +136,13 @@ class InputProcessor:
         """Each token's vocabulary entry (``'Ġworld'``), as vLLM's /tokenize returns them."""
         return self.tokenizer.token_strs(token_ids)
 
-    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = False,
-               ) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], *,
+               add_special_tokens: bool = TEXT_ADDS_SPECIAL_TOKENS) -> list[int]:
         """Token ids of a text prompt (token-id prompts are checked and passed through).
 
         Args:
-            add_special_tokens: add the tokenizer's special tokens (e.g. BOS) to a text prompt.
+            add_special_tokens: add the tokenizer's special tokens (e.g. BOS) to a text prompt
+                (default: yes, the module's encode rule).
 
         Raises:
             InvalidRequestError: text that is not valid Unicode, or ids outside the vocabulary.
@@ -136,7 +153,8 @@ class InputProcessor:
         return _check_ids(prompt, self.limits.vocab_size, "prompt")
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    add_generation_prompt: bool = True,
+                    add_special_tokens: bool = CHAT_ADDS_SPECIAL_TOKENS,
                     continue_final_message: bool = False,
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the chat template applied to ``messages``, by default ending with the
@@ -250,7 +268,8 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> EngineRequest:
-        """Encode and check one request (the only validation it gets), its grammar compiled.
+        """Encode (a text prompt by the module's rule: BOS added) and check one request (the
+        only validation it gets), its grammar compiled.
 
         Raises:
             InvalidRequestError: see ``encode``, ``check`` and ``compile_grammar``.

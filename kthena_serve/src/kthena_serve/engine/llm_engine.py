@@ -233,13 +233,20 @@ class LLMEngine:
 
         A failure that belongs to one request (sampling it, detokenising it) ends that request
         alone, with ``RequestOutput.error`` set; a failed forward ends the step's requests.
+
+        Raises:
+            RankDiedError: the forward failed because a parallel rank's process has died.
         """
         self._clock.start()
         batch = self.scheduler.schedule()
         self._clock.scheduled(has_prefill=self._has_prefill(batch))
         try:
             logits = self._execute(batch) if batch.seqs else None
-        except Exception:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+        except Exception as error:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+            dead_rank = getattr(self.runner, "dead_rank", None)
+            died = dead_rank() if dead_rank is not None else None
+            if died is not None:  # no forward runs without every rank: nothing can go on
+                raise died from error
             log.exception("forward of %d sequences failed", len(batch.seqs))
             return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
         self._clock.forwarded()

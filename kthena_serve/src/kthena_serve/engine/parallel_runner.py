@@ -60,7 +60,8 @@ from kthena_serve.engine.model_runner import (
 from kthena_serve.engine.placement import RankPlacement, group_config, rank_device
 from kthena_serve.engine.scheduled import ScheduledBatch
 from kthena_serve.engine.threads import configure_threads, owned_cores, prepare_worker_env
-from mooncake_kv.pool import KVPool
+from mooncake_kv.layout import KVLayout
+from mooncake_kv.pool import SHM_DIR, KVPool
 
 if TYPE_CHECKING:
     from kthena_comm.groups import GroupConfig
@@ -74,6 +75,7 @@ __all__ = ["MIN_MICROBATCH_TOKENS", "ParallelModelRunner", "serve_rank", "split_
 MIN_MICROBATCH_TOKENS = 64
 _MASTER_ADDR = "127.0.0.1"  # spawn: every rank is on this host, nothing else needs the store
 _PLACEMENT = "placement"  # rank 0's broadcast asking every rank for its RankPlacement
+_POOLS = "pools"  # rank 0's broadcast asking every rank for its shared pool's name and layout
 
 
 def _rank_env(rank: int, world_size: int, port: int):  # noqa: ANN202
@@ -113,8 +115,10 @@ class _Stage:
     """This rank's share of a step: its layers over its pool, and the sends between stages."""
 
     def __init__(self, config: EngineConfig, rank_env, group: GroupConfig,  # noqa: ANN001
-                 check_peers=None) -> None:  # noqa: ANN001
+                 check_peers=None, shared_pool: bool = False) -> None:  # noqa: ANN001
         from kthena_comm.groups import init_parallel_groups
+
+        self.shared_pool = shared_pool
 
         _pin(rank_env.local_rank)
         self.device = rank_device(config, rank_env.local_rank)
@@ -150,7 +154,8 @@ class _Stage:
                                                 kv_block_size=config.block_size,
                                                 sp=_sequence_parallel(config),
                                                 expert_parallel=config.expert_parallel)
-        self.pool = create_pool(_layout(config, self.model), config, device=self.device)
+        self.pool = create_pool(_layout(config, self.model), config, device=self.device,
+                                shared=self.shared_pool)
         return stage
 
     def placement(self) -> RankPlacement:
@@ -246,13 +251,18 @@ def _serve_steps(stage: _Stage) -> None:
             if box[0] == _PLACEMENT:
                 dist.gather_object(stage.placement(), None, dst=0)
                 continue
+            if box[0] == _POOLS:
+                dist.gather_object((stage.pool.name, stage.pool.layout), None, dst=0)
+                continue
             stage.run(box[0])
     finally:
         stage.close()
 
 
-def _worker_main(config: EngineConfig, rank: int, port: int, group: GroupConfig) -> None:
-    _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port), group))
+def _worker_main(config: EngineConfig, rank: int, port: int, group: GroupConfig,
+                 shared_pool: bool = False) -> None:
+    _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port), group,
+                        shared_pool=shared_pool))
 
 
 def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena_comm RankEnv
@@ -346,12 +356,15 @@ class ParallelModelRunner:
         config: the engine config (``tp``, ``pp``, ``pp_microbatches``, ``ranks_from``).
         rank_env: with ``ranks_from="env"``, this process's launcher environment
             (``RankEnv.from_env()``; its rank must be 0).
+        shared_pool: every rank makes its pool a /dev/shm file (``rank_pools`` names them):
+            what a PD worker's ranks hold, which the hand-off maps and copies between.
 
     Attributes:
         model, tokenizer: rank 0's shard (stage 0's layers, its heads) and the tokenizer.
     """
 
-    def __init__(self, config: EngineConfig, rank_env=None) -> None:  # noqa: ANN001
+    def __init__(self, config: EngineConfig, rank_env=None, *,  # noqa: ANN001
+                 shared_pool: bool = False) -> None:
         """Start ranks 1.. (spawn) or join the launcher's ranks (env), as rank 0.
 
         Raises:
@@ -362,6 +375,11 @@ class ParallelModelRunner:
                 by each launcher-started rank) does not name the device's backend.
         """
         group = group_config(config)  # before any rank starts: a bad variable is one error
+        if shared_pool and (config.ranks_from == "env" or str(config.device) != "cpu"):
+            raise ValueError("shared rank pools are /dev/shm files of one host's spawned ranks: "
+                             "they need ranks_from='spawn' and device 'cpu'")
+        self._shared_pool = shared_pool
+        self._rank_pool_names: list[str] = []  # rank_pools(): what close() unlinks if left
         self._config = self._fixed_pool_size(config)
         # Rank 0 pins this process to one core and one thread; close() gives both back, so a
         # later engine of this process spawns its ranks onto every core again.
@@ -380,7 +398,8 @@ class ParallelModelRunner:
                 self._workers = self._start_workers(port, group)
                 try:
                     self._stage = _Stage(self._config, _rank_env(0, config.world_size, port),
-                                         group, check_peers=lambda: _check_workers(self._workers))
+                                         group, check_peers=lambda: _check_workers(self._workers),
+                                         shared_pool=shared_pool)
                 except BaseException:
                     self._stop_workers(grace_s=0)
                     os.sched_setaffinity(0, self._saved[0])
@@ -396,7 +415,8 @@ class ParallelModelRunner:
         with _worker_environment():
             for rank in range(1, self._config.world_size):
                 worker = context.Process(target=_worker_main,
-                                         args=(self._config, rank, port, group),
+                                         args=(self._config, rank, port, group,
+                                               self._shared_pool),
                                          name=f"kthena-rank{rank}", daemon=True)
                 worker.start()
                 workers.append(worker)
@@ -456,16 +476,54 @@ class ParallelModelRunner:
         dist.gather_object(self._stage.placement(), gathered, dst=0)
         return [p for p in gathered if p is not None]
 
+    def rank_pools(self) -> list[tuple[str, KVLayout]]:
+        """Every rank's shared pool as (/dev/shm name, layout), in rank order (asked of each
+        rank between steps).
+
+        Raises:
+            ValueError: the runner was not made with ``shared_pool``.
+        """
+        import torch.distributed as dist
+
+        assert self._stage is not None
+        if not self._shared_pool:
+            raise ValueError("rank_pools: this runner's pools are private (shared_pool=False)")
+        dist.broadcast_object_list([_POOLS], src=0)
+        gathered: list[tuple[str, KVLayout] | None] = [None] * self._config.world_size
+        dist.gather_object((self._stage.pool.name, self._stage.pool.layout), gathered, dst=0)
+        pools = [p for p in gathered if p is not None]
+        self._rank_pool_names = [name for name, _ in pools[1:]]
+        return pools
+
+    def dead_rank(self) -> RankDiedError | None:
+        """The first spawned rank whose process has exited, as an error naming it and how it
+        ended; None while every rank runs (a non-blocking look: any thread)."""
+        for rank, worker in enumerate(list(self._workers), start=1):
+            code = worker.exitcode
+            if code is not None:
+                how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+                return RankDiedError(f"parallel rank {rank} (pid {worker.pid}) {how}", rank, code)
+        return None
+
     @property
     def pool(self) -> KVPool:
         """Rank 0's KV pool (its heads of its stage's layers)."""
         assert self._stage is not None
         return self._stage.pool
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, on_layer: None = None) -> torch.Tensor:
+        """Forward ``batch`` on every rank; rank 0's fp32 logits of the sampled rows.
+
+        Raises:
+            ValueError: an ``on_layer`` hook (ModelRunner's): the layers run in every rank's
+                process, so no hook of this one sees them.
+        """
         import torch.distributed as dist
 
         assert self._stage is not None
+        if on_layer is not None:
+            raise ValueError("a parallel runner runs no per-layer hook: its layers run in "
+                             "every rank's process (push KV after the forward instead)")
         parts = self._parts or max(1, min(self._config.pp,
                                           batch.num_tokens // MIN_MICROBATCH_TOKENS))
         micro = [build_inputs(part, self.block_size)  # host tensors: each rank moves its own
@@ -484,5 +542,9 @@ class ParallelModelRunner:
         self._stop_workers()
         self._stage.close()
         self._stage = None
+        for name in self._rank_pool_names:  # a rank that died could not unlink its own pool
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                (SHM_DIR / name).unlink()
+        self._rank_pool_names = []
         os.sched_setaffinity(0, self._saved[0])
         torch.set_num_threads(self._saved[1])

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from kthena_serve.engine.errors import InvalidRequestError
+from kthena_serve.engine.schema_check import check_json_schema
 
 __all__ = ["CONSTRAINTS", "StructuredOutputsParams", "structured_outputs"]
 
@@ -22,11 +23,8 @@ CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_
 PARAM = "structured_outputs"
 
 
-def _json_text(value: Any, name: str) -> str | None:
-    """A schema (or a structural tag) as compact JSON text, keys in the order given (it is the
-    order the output's properties follow); a string must hold JSON."""
-    if value is None:
-        return None
+def _decoded(value: Any, name: str) -> Any:
+    """A schema (or a structural tag) decoded: a string must hold JSON, of an object."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -36,11 +34,25 @@ def _json_text(value: Any, name: str) -> str | None:
     if not isinstance(value, (dict, bool)):
         raise InvalidRequestError(f"{name} must be a JSON object (or its text), got "
                                   f"{type(value).__name__}", f"{PARAM}.{name}")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return value
+
+
+def _json_text(value: Any, name: str) -> str | None:
+    """A schema (or a structural tag) as compact JSON text, keys in the order given (it is the
+    order the output's properties follow)."""
+    if value is None:
+        return None
+    return json.dumps(_decoded(value, name), ensure_ascii=False, separators=(",", ":"))
 
 
 def _schema(value: Any) -> str | None:
-    return _json_text(value, "json")
+    """A JSON schema's text, refused (``check_json_schema``) where it is not one this server
+    serves: a remote ``$ref``, a contradictory ``allOf``, a keyword of the wrong type."""
+    if value is None:
+        return None
+    schema = _decoded(value, "json")
+    check_json_schema(schema, f"{PARAM}.json")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
 def _tag(value: Any) -> str | None:
@@ -79,7 +91,10 @@ class StructuredOutputsParams:
         grammar: an EBNF grammar (xgrammar's GBNF dialect, rule ``root`` first).
         structural_tag: an xgrammar structural tag (JSON text or a dict; vLLM's field): text
             whose tagged parts follow their schemas.
-        disable_any_whitespace: JSON without optional whitespace (``json`` / ``json_object``).
+        disable_any_whitespace: ``json`` / ``json_object`` output without optional
+            whitespace (vLLM's name). Default True here, compact JSON (vLLM's default is
+            False): a grammar that allows whitespace anywhere lets a model emit it for ever,
+            up to ``max_tokens``. False allows any whitespace between JSON's tokens.
 
     Raises:
         InvalidRequestError: not exactly one constraint, or one of the wrong type.
@@ -91,7 +106,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choice)
     grammar: str | None = attrs.field(default=None, converter=_text("grammar"))
     structural_tag: str | None = attrs.field(default=None, converter=_tag)
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
 
     def __attrs_post_init__(self) -> None:
         named = [name for name in CONSTRAINTS if getattr(self, name) is not None]

@@ -65,6 +65,9 @@ class PDConfig:
         health_interval_s: how often the router polls each worker's state.
         kv_pin_timeout_s: behind the Kthena router, how long a prefill worker keeps a
             prompt's blocks for the decode worker that is to pull them (then frees them).
+        prefill_tp, decode_tp: each role's TP size (0: the engine's ``tp``); a TP worker's
+            ranks each hold their own KV heads' pool, and the hand-off re-shards the heads
+            between the two sizes (pd/reshard.py; ``shm`` only).
     """
 
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)
@@ -75,6 +78,14 @@ class PDConfig:
     weights: RouterWeights = attrs.field(factory=RouterWeights)
     health_interval_s: float = attrs.field(default=0.5, validator=non_negative)
     kv_pin_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    prefill_tp: int = attrs.field(default=0, validator=non_negative)
+    decode_tp: int = attrs.field(default=0, validator=non_negative)
+
+    def role_tp(self, role: str, engine_tp: int) -> int:
+        """The TP size of ``role``'s workers (``prefill`` or ``decode``): its own, else the
+        engine's."""
+        own = self.prefill_tp if role == "prefill" else self.decode_tp
+        return own or engine_tp
 
     @staticmethod
     def check_device(device: str, transport: Transport | str) -> None:

@@ -64,6 +64,7 @@ def build_decode_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: s
                            served_model_name=shared.served_name(config, served_model_name),
                            kv_events=kv_events)
     app = shared.control_app(secret, public_metrics)
+    app.state.dead_rank = routes.dead_rank  # TP: pd/worker.py stops the worker when one dies
     shared.common_routes(app, routes.render_metrics, lambda: routes.engine.is_alive)
     app.get("/pd/state")(routes.state)
     app.post("/pd/generate")(routes.generate)
@@ -86,10 +87,20 @@ class _DecodeRoutes:
         from kthena_serve.pd.transfer import BlockGetter
 
         runner, tokenizer = build_runner(config, shared_pool=True)
+        self.dead_rank = getattr(runner, "dead_rank", None)
         engine = LLMEngine(config, runner, tokenizer)
         self.name, self.prefill_hosts = name, prefill_hosts
         self.pull_engine, pull_handle, self.ref = _decode_pool(runner.pool, config, pd,
                                                                mooncake_host)
+        pull_refusal = None
+        if config.tp > 1:  # every rank's pool, which prefill workers copy their heads into
+            names = [name for name, _layout in runner.rank_pools()]
+            self.ref = attrs.evolve(self.ref, tp=config.tp, rank_shm_names=names)
+            pull_handle = None  # a pull would fill rank 0's heads only
+            pull_refusal = (f"this decode worker is a TP{config.tp} engine, whose KV is split "
+                            "over its ranks' pools; pulling a prefill worker's pinned blocks "
+                            "fills one pool only: serve the Kthena connector path with tp=1 "
+                            "decode workers, or route through kthena serve's PD router")
         self.events = EventLog(engine.kv)
         self.engine = AsyncLLM(engine).start()
         self.metrics = PDMetrics("decode")
@@ -99,7 +110,7 @@ class _DecodeRoutes:
         self.service = DecodeService(self.engine, self.ref, pd, self.metrics, secret=secret,
                                      client=client)
         getter = BlockGetter(self.pull_engine, pull_handle, runner.pool.layout,
-                             pd.transfer_timeout_s)
+                             pd.transfer_timeout_s, refusal=pull_refusal)
         self.connector = DecodeConnector(self.engine, getter, pd, self.metrics, secret=secret,
                                          prefill_hosts=prefill_hosts, client=client)
         self.incarnation = new_incarnation()

@@ -53,7 +53,7 @@ from kthena_serve.engine.assembly import create_kv_manager
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.grammar import Grammars
 from kthena_serve.engine.logprobs import TokenLogprobs, gather_logprobs
-from kthena_serve.engine.model_runner import ModelRunner, create_pool
+from kthena_serve.engine.model_runner import ModelRunner, Runner, create_pool
 from kthena_serve.engine.request import Request
 from kthena_serve.engine.sampler import Sampler
 from kthena_serve.engine.sampling_params import SamplingParams
@@ -105,6 +105,9 @@ class PrefillExecutor:
         grammars: the model's compiled-grammar cache (``grammar.Grammars``): a request with
             ``structured_outputs`` samples its first token under its grammar (the decode
             worker's matcher then starts from that token); None: such requests fail.
+        runner: the own pool's runner, built by the caller (a TP worker's
+            ``ParallelModelRunner``, whose ranks hold the own pool); ``own_pool`` is then not
+            used. Its jobs are own-pool jobs (``submit_local``, ``submit_owned``) only.
 
     Raises:
         ValueError: no own pool.
@@ -113,7 +116,8 @@ class PrefillExecutor:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *,
                  own_pool: bool | Callable[[KVLayout], KVPool] = True,
                  on_batch: Callable[[int, int], None] | None = None,
-                 eos_token_ids: Sequence[int] = (), grammars: Grammars | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), grammars: Grammars | None = None,
+                 runner: Runner | None = None) -> None:
         self.model = model
         self.config = config
         self.sampler = Sampler(config.device, eos_token_ids=eos_token_ids)
@@ -134,9 +138,13 @@ class PrefillExecutor:
         if not own_pool:
             raise ValueError("a prefill executor needs its own pool (own_pool=True or a "
                              "layout -> KVPool function): its scheduler's KV manager")
-        layout = self.layout_for(config.num_kv_blocks or 1024)
-        make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
-        self.runner = ModelRunner(model, make(layout))
+        if runner is not None:
+            self.runner: Runner = runner
+            layout = runner.pool.layout
+        else:
+            layout = self.layout_for(config.num_kv_blocks or 1024)
+            make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
+            self.runner = ModelRunner(model, make(layout))
         self.kv: KVCacheManager = create_kv_manager(config, layout.num_blocks)
         self._jobs: dict[str, PrefillJob] = {}  # the scheduler's requests (compute thread)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,

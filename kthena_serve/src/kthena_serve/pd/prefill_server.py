@@ -32,10 +32,12 @@ if TYPE_CHECKING:
     import torch
 
     from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.engine.model_runner import Runner
     from kthena_serve.kv_events.config import KVEventsConfig
     from kthena_serve.pd.pins import Pin, PinTable
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.prefill_connector import PrefillConnector
+    from kthena_serve.pd.reshard import DecodeRankPools, RankPools
     from kthena_serve.pd.transfer import BlockPutter
     from mooncake_kv.layout import KVLayout
     from mooncake_kv.pool import KVPool
@@ -76,12 +78,13 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
                             kv_events=kv_events)
     app = shared.control_app(secret, public_metrics, signed_paths=DECODE_TO_PREFILL_PATHS)
     app.state.on_port = routes.connector.set_port
+    app.state.dead_rank = getattr(routes.executor.runner, "dead_rank", None)  # TP: pd/worker.py
     shared.common_routes(app, routes.render_metrics, lambda: True)
     app.post("/pd/prefill")(routes.prefill)
     app.post("/pd/cancel")(routes.cancel)
     app.get("/pd/state")(routes.state)
     _kv_routes(app, routes.connector, routes.pins, routes.kv_engine.backend, routes.kv_handle,
-               routes.executor.pool.layout)
+               routes.executor.pool.layout, tp=config.tp)
     openai = shared.openai_app(routes.engine, config, routes.connector, api_key,
                          routes.server_metrics)
     return shared.OnePort(app, openai), routes.close
@@ -100,17 +103,25 @@ class _PrefillRoutes:
         from kthena_serve.pd.pins import PinTable
         from kthena_serve.pd.prefill_connector import PrefillConnector, PrefillEngine
 
-        configure_threads(config.num_threads)
-        model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
-                                      device=config.device, quantization=config.quantization,
-                                      kernels=config.kernels, kv_block_size=config.block_size)
+        runner = None
+        if config.tp > 1:  # its ranks' pools in /dev/shm: the hand-off maps and copies them
+            from kthena_serve.engine.parallel_runner import ParallelModelRunner
+
+            runner = ParallelModelRunner(config, shared_pool=True)  # pins this process
+            model, tokenizer = runner.model, runner.tokenizer
+        else:
+            configure_threads(config.num_threads)
+            model, tokenizer = load_model(config.model, dtype=config.torch_dtype,
+                                          device=config.device, quantization=config.quantization,
+                                          kernels=config.kernels, kv_block_size=config.block_size)
         self.name, self.pd = name, pd
         self.metrics = PDMetrics("prefill")
         # one compiled-grammar cache: the OpenAI routes' checks and the executor's first tokens
         self.grammars = Grammars(tokenizer, model.config.shape.vocab_size)
         self.executor, self.putter, self.kv_engine, self.kv_handle = _own_pool(
             model, config, pd, mooncake_host, self.metrics.observe_batch,
-            tokenizer.eos_token_ids, self.grammars)
+            tokenizer.eos_token_ids, self.grammars, runner)
+        self.own_ranks, self.targets = _rank_pools(self.executor, runner, model, config)
         # shm: the own pool is not what /pd/prefill fills, so its events are not announced
         self.events = EventLog(self.executor.kv) if self.putter is not None else None
         self.pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, self._free)
@@ -134,9 +145,20 @@ class _PrefillRoutes:
         return self.server_metrics.render() + self.metrics.render()
 
     def _submit(self, task: PrefillTask) -> concurrent.futures.Future:
-        """A future of the task's ``PrefillResult``, batched with the others' prefills."""
+        """A future of the task's ``PrefillResult``, batched with the others' prefills: zero
+        copy into a tp=1 decode pool from a tp=1 worker; else computed into the own rank pools
+        and copied into the decode ranks' (``ReshardCopy``); across hosts, put (mooncake)."""
+        from kthena_serve.pd.reshard import ReshardCopy
+
         if self.putter is None:
+            if self.own_ranks.tp > 1 or task.pool.tp > 1:
+                task.pool.rank_names()  # a ValueError (400) for a pool not on this host
+                return self.executor.submit_local(
+                    task, ReshardCopy(self.own_ranks, self.targets, task.pool))
             return self.executor.submit_shared(task)
+        if task.pool.tp > 1:
+            raise ValueError(f"the decode pool is a TP{task.pool.tp} instance's; a TP decode "
+                             "worker is reached over --pd-transport shm only")
         layout = self.executor.layout_for(task.pool.num_blocks, task.pool.block_size,
                                           task.pool.dtype, task.pool.kv_cache_dtype)
         session = self.putter.session(task.pool.mooncake_handle, layout,
@@ -186,6 +208,8 @@ class _PrefillRoutes:
         self.sweeper.stop()
         self.pins.clear()
         self.executor.close()  # its compute thread, then the own pool (a segment: with its engine)
+        self.own_ranks.close()
+        self.targets.close()
         self.kv_engine.close()
 
 
@@ -196,15 +220,20 @@ def _prefill_failed(error: Exception) -> Response:
 
 def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
               mooncake_host: str | None, on_batch: Callable[[int, int], None],
-              eos_token_ids: Sequence[int], grammars: Grammars,
+              eos_token_ids: Sequence[int], grammars: Grammars, runner: Runner | None = None,
               ) -> tuple[PrefillExecutor, BlockPutter | None, TransferEngine, MemoryHandle | None]:
     """(executor, putter or None, transfer engine, handle) for the prefill worker's own pool:
     private and registered with Mooncake (mooncake: host or device memory), or in a served shm
     segment (shm, cpu). On a device over shm the own pool is private device memory with no
-    handle (the shm engine moves host memory only): /pd/kv/lease refuses, naming mooncake."""
+    handle (the shm engine moves host memory only): /pd/kv/lease refuses, naming mooncake. A
+    TP worker's own pool is its ranks' (``runner``), with no handle: a lease is refused."""
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
 
+    if runner is not None:  # shm only (the worker refuses mooncake with tp > 1)
+        executor = PrefillExecutor(model, config, runner=runner, on_batch=on_batch,
+                                   eos_token_ids=eos_token_ids, grammars=grammars)
+        return executor, None, shm_engine(pd.transfer_timeout_s), None
     if pd.transport is Transport.MOONCAKE:
         executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch,
                                    eos_token_ids=eos_token_ids, grammars=grammars)
@@ -227,6 +256,22 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
     return executor, None, engine, handles[0]
 
 
+def _rank_pools(executor: PrefillExecutor, runner: Runner | None, model: torch.nn.Module,
+                config: EngineConfig) -> tuple[RankPools, DecodeRankPools]:
+    """(this worker's own pools per rank, the decode instances' rank pools as mapped here):
+    a TP worker maps its ranks' /dev/shm pools (rank 0's is its own process's)."""
+    from kthena_serve.engine.parallel_runner import ParallelModelRunner
+    from kthena_serve.pd.reshard import DecodeRankPools, RankPools
+
+    own = RankPools([executor.pool])
+    if isinstance(runner, ParallelModelRunner):
+        ranks = runner.rank_pools()
+        mapped = RankPools.attach([name for name, _ in ranks[1:]],
+                                  [layout for _, layout in ranks[1:]])
+        own = RankPools([executor.pool, *mapped.pools], owned=mapped.pools)
+    return own, DecodeRankPools(model.config, config)
+
+
 class _Sweeper:
     """Frees expired pins every ``interval_s`` (a daemon thread)."""
 
@@ -246,7 +291,7 @@ class _Sweeper:
 
 
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
-               handle: MemoryHandle | None, layout: KVLayout) -> None:
+               handle: MemoryHandle | None, layout: KVLayout, *, tp: int = 1) -> None:
     """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them;
     /pd/kv/backlog (`_backlog_route`)."""
     from kthena_serve.pd.pins import PinError
@@ -275,6 +320,11 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                                            f", the decode worker pulls over "
                                            f"{body.get('backend')}: use one --pd-transport"),
                                 status_code=409)
+        if handle is None and tp > 1:
+            return JSONResponse(error_body(409, f"this prefill worker is a TP{tp} engine, whose "
+                                           "KV is split over its ranks' pools; a decode worker "
+                                           "pulls pinned blocks from tp=1 prefill workers "
+                                           "only"), status_code=409)
         if handle is None:
             return JSONResponse(error_body(409, "this prefill worker's own KV pool is in device "
                                            f"memory and {backend} moves host memory only: "

@@ -40,6 +40,22 @@ class PoolRef:
     mooncake_handle: str | None = None  # kthena_comm MemoryHandle.to_json()
     kv_cache_dtype: str = "auto"
     device_ipc: dict[str, Any] | None = None  # pool_share.CudaIpcExport.to_json() (cuda pool)
+    tp: int = 1  # the decode instance's TP size: its ranks each hold their own heads' pool
+    rank_shm_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # tp > 1: each
+    # rank's /dev/shm pool, rank 0's first (pd/reshard.py)
+
+    def rank_names(self) -> tuple[str, ...]:
+        """Every rank's /dev/shm pool name, rank 0's first (tp 1: ``shm_name``).
+
+        Raises:
+            ValueError: no names for ``tp`` ranks (a pool only another host can reach).
+        """
+        names = self.rank_shm_names or ((self.shm_name,) if self.shm_name else ())
+        if len(names) != self.tp:
+            raise ValueError(f"the decode pool names {len(names)} /dev/shm rank pools for "
+                             f"tp={self.tp}: a TP decode instance is reached on its own host "
+                             "only (--pd-transport shm)")
+        return names
 
 
 @attrs.frozen

@@ -20,13 +20,17 @@ if TYPE_CHECKING:
 
     from kthena_serve.spec import ServeSpec
 
-__all__ = ["add_pd_args", "main", "run_pd"]
+__all__ = ["add_pd_args", "main", "role_layouts", "run_pd"]
 
 
 def add_pd_args(parser: argparse.ArgumentParser) -> None:
     """The PD flags of ``kthena serve`` (no defaults of their own: see ``add_engine_args``)."""
     parser.add_argument("--prefill", type=int, help="prefill workers (PD mode; default 1)")
     parser.add_argument("--decode", type=int, help="decode workers (PD mode; default 1)")
+    parser.add_argument("--prefill-tp", type=int,
+                        help="TP size of each prefill worker (PD mode; default --tp)")
+    parser.add_argument("--decode-tp", type=int,
+                        help="TP size of each decode worker (PD mode; default --tp)")
     parser.add_argument("--pd-policy", choices=("recompute", "fail"),
                         help="what a failed KV handoff does (default recompute)")
     parser.add_argument("--pd-timeout", type=float,
@@ -41,6 +45,31 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                              "(default 32)")
     parser.add_argument("--router-weights",
                         help="overlap,load,kv_usage score weights (default 1.0,0.5,0.25)")
+
+
+def role_layouts(spec: ServeSpec) -> dict[str, int]:
+    """Each role's TP size, checked against the model's heads before any worker starts.
+
+    Raises:
+        ValueError: a role's TP size cannot split the model's heads (names the role, the flag
+            and the sizes that can).
+    """
+    from kthena_core.shape import HeadSplitError, check_tp
+    from kthena_serve.model import ModelConfig, resolve_checkpoint
+
+    sizes = {role: spec.pd.role_tp(role, spec.engine.tp) for role in ("prefill", "decode")}
+    if max(sizes.values()) == 1:
+        return sizes
+    model = ModelConfig.from_pretrained(resolve_checkpoint(spec.engine.model))
+    heads = model.shape.num_attention_heads
+    kv_heads = 1 if model.mla is not None else model.shape.num_kv_heads
+    for role, tp in sizes.items():
+        try:
+            check_tp(heads, kv_heads, tp)
+        except HeadSplitError as error:
+            raise ValueError(f"--{role}-tp {tp}: the {role} workers cannot split "
+                             f"{spec.engine.model}'s heads ({error})") from None
+    return sizes
 
 
 def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
@@ -60,8 +89,14 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     from kthena_serve.pd.metrics import PDMetrics
 
     config, name = spec.engine, spec.served_model_name
-    print(f"kthena serve --mode pd: starting {spec.num_prefill} prefill + {spec.num_decode} "
-          "decode workers ...", file=sys.stderr, flush=True)
+    try:
+        roles = role_layouts(spec)
+    except ValueError as error:
+        print(f"kthena serve --mode pd: {error}", file=sys.stderr)
+        return 2
+    print(f"kthena serve --mode pd: starting {spec.num_prefill} prefill (TP{roles['prefill']}) "
+          f"+ {spec.num_decode} decode (TP{roles['decode']}) workers ...", file=sys.stderr,
+          flush=True)
     try:
         launcher = PDLauncher(config, spec.pd, spec.num_prefill, spec.num_decode,
                               api_key=spec.api_key, kv_events=spec.kv_events,

@@ -285,11 +285,13 @@ class BlockGetter:
             host memory only): every ``get`` is then refused, naming the mooncake transport.
         layout: this worker's pool layout.
         timeout_s: the most one get may take.
+        refusal: with ``local`` None, why a get is refused (default: the device pool's reason).
     """
 
     def __init__(self, engine: TransferEngine, local: MemoryHandle | None, layout: KVLayout,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, refusal: str | None = None) -> None:
         self.engine, self.local, self.layout, self.timeout_s = engine, local, layout, timeout_s
+        self.refusal = refusal
         self._outlived: list[TransferFuture] = []  # gets `get` stopped waiting for
         self._lock = threading.Lock()
 
@@ -310,6 +312,9 @@ class BlockGetter:
             TransportUnavailableError: this worker's pool is in device memory and the engine
                 is ``shm`` (host memory only).
         """
+        if self.local is None and self.refusal is not None:
+            raise TransportUnavailableError(self.engine.backend, "this decode pool",
+                                            self.refusal)
         if self.local is None:
             raise TransportUnavailableError(
                 self.engine.backend, "a decode KV pool in device memory",

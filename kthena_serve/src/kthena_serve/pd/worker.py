@@ -88,6 +88,8 @@ def _spec(args: argparse.Namespace) -> ServeSpec:
     """
     import json
 
+    import attrs
+
     from kthena_serve.spec import ServeSpec
 
     if args.spec is None:
@@ -103,11 +105,22 @@ def _spec(args: argparse.Namespace) -> ServeSpec:
         spec = ServeSpec.from_json(fields)
     except ValueError as error:
         raise ValueError(f"--spec: {error}") from None
-    engine = spec.engine
-    if engine.tp * engine.pp > 1:
-        raise ValueError(f"--spec: a PD worker of tp={engine.tp} x pp={engine.pp} is not run "
-                         "yet: each worker is one rank (its KV pool is one process's); give "
-                         "the role tp=1 and pp=1 (deploy.yaml's pd.<role>.tp / pp)")
+    engine = attrs.evolve(spec.engine, tp=spec.pd.role_tp(args.role, spec.engine.tp))
+    if engine.pp > 1:
+        raise ValueError(f"--spec: a PD worker of pp={engine.pp} is not run: the hand-off "
+                         "moves KV heads between TP ranks, not layers between stages; give "
+                         "the role pp=1 (deploy.yaml's pd.<role>.pp)")
+    if engine.tp > 1 and spec.pd.transport.value != "shm":
+        raise ValueError(f"--spec: a PD worker of tp={engine.tp} hands KV off on its own host "
+                         "only (its ranks' pools are /dev/shm files), not over "
+                         f"{spec.pd.transport.value}; give the role tp=1 or use the shm "
+                         "transport")
+    if engine.tp > 1 and (engine.device != "cpu" or engine.ranks_from != "spawn"):
+        raise ValueError(f"--spec: a PD worker of tp={engine.tp} runs its ranks as spawned "
+                         "processes on cpu (their pools are /dev/shm files), not "
+                         f"device={engine.device!r} with ranks_from={engine.ranks_from!r}; "
+                         "give the role tp=1")
+    spec = attrs.evolve(spec, engine=engine)
     if spec.kv_events is not None:
         from kthena_serve.kv_events.publisher import import_redis
 
@@ -153,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kthena_serve.pd.worker {args.name}: error: {error}", file=sys.stderr)
         return 2
 
+    dead_rank = getattr(app.state, "dead_rank", None)
+    if dead_rank is not None:
+        _watch_ranks(args.name, dead_rank)
+
     def ready(port: int) -> None:
         on_port = getattr(app.state, "on_port", None)
         if on_port is not None:  # a prefill worker names its port in kv_transfer_params
@@ -163,6 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     serve_worker(app, host=args.host, port=args.port, ready_file=args.ready_file,
                  on_ready=ready, close=close)
     return 0
+
+
+def _watch_ranks(name: str, dead_rank: Callable[[], Exception | None]) -> None:
+    """A TP worker stops itself (SIGTERM) as soon as one of its ranks has died: a forward
+    needs every rank, and the launcher (or the pod) starts the worker again, ranks and all."""
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while (error := dead_rank()) is None:
+            time.sleep(0.2)
+        print(f"kthena_serve.pd.worker {name}: {error}; stopping this worker so that it is "
+              "started again", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kthena-rank-watch", daemon=True).start()
 
 
 def _build_app(args: argparse.Namespace, spec: ServeSpec, secret: str, api_key: str | None,

@@ -62,7 +62,7 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
               kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
               public_metrics: bool = False, deployment: Mapping[str, Any] | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, tool_call_parser: str = "hermes") -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -80,6 +80,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
             planner's JSON or None, "config": the config file or None}`` (see
             ``ServeSpec.report``); ``served`` also labels
             ``kthena_deployment_info``. None: not known here (``served`` is null).
+        tool_call_parser: the format chat output is parsed for tool calls in
+            (``--tool-call-parser``; server/tool_parsers/).
 
     Raises:
         ValueError: ``metrics`` was made for another served model name.
@@ -88,7 +90,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
         raise ValueError(f"metrics label their series model_name={metrics.model_name!r}, but "
                          f"this app serves {model_name!r}: make ServerMetrics(engine, "
                          f"{model_name!r})")
-    api = OpenAIRoutes(engine, model_name, aliases or set(), kv_connector, metrics)
+    api = OpenAIRoutes(engine, model_name, aliases or set(), kv_connector, metrics,
+                       tool_call_parser=tool_call_parser)
     if log_requests:  # --enable-log-requests: a line per request received and finished
         api.log = api.metrics.request_log = _print_line
     from kthena_serve import __version__

@@ -6,6 +6,11 @@ thousands of tokens a reader never takes. Here a connection buffers at most abou
 ``2 * SEND_BUFFER_BYTES`` in the kernel (Linux doubles the value) plus ``WRITE_BUFFER_BYTES``
 in asyncio before the response's ``send`` waits; the engine then pauses that stream (see
 ``AsyncLLM``). At LLM stream rates (kilobytes per second) this costs nothing.
+
+Connections that hold a socket without a request are closed: one whose request header is not
+complete ``HEADER_TIMEOUT_S`` after it opened (or after the request's first byte), and one idle
+between requests for ``KEEP_ALIVE_S`` (uvicorn's keep-alive timeout). Every server here (the
+colocated server, the PD and DP routers and workers) runs through ``run_server``.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ if TYPE_CHECKING:
 
     from kthena_serve.server.shutdown import Drain
 
-__all__ = ["SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES", "BackgroundServer", "ListenError",
-           "bind_listener", "run_server"]
+__all__ = ["HEADER_TIMEOUT_S", "KEEP_ALIVE_S", "SEND_BUFFER_BYTES", "WRITE_BUFFER_BYTES",
+           "BackgroundServer", "ListenError", "bind_listener", "run_server"]
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +40,56 @@ SEND_BUFFER_BYTES = 16 * 1024  # SO_SNDBUF of accepted connections (inherited fr
 WRITE_BUFFER_BYTES = 16 * 1024  # asyncio's high-water mark per connection (default 64 KiB)
 
 
-def _http_protocol() -> type:
-    """uvicorn's "auto" HTTP protocol, with a smaller asyncio write buffer per connection."""
+def _http_protocol(header_timeout_s: float) -> type:
+    """uvicorn's "auto" HTTP protocol, with a smaller asyncio write buffer per connection and
+    a bound on the time a request's header may take (uvicorn has none).
+
+    The header clock starts when a connection opens and when the first byte of a request after
+    a finished one arrives; the request's header complete (uvicorn starts its cycle) stops it.
+    Between requests uvicorn's own keep-alive timeout closes an idle connection."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
-    class BoundedWriteBuffer(base):  # type: ignore[misc, valid-type]
+    class BoundedConnection(base):  # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+        _cycle_before: object = None  # the cycle before the request being read
+
         def connection_made(self, transport: asyncio.Transport) -> None:
             transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
             super().connection_made(transport)
+            self._start_header_clock()
 
-    return BoundedWriteBuffer
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or
+                                               self.cycle.response_complete):
+                self._start_header_clock()  # a next request on a kept-alive connection
+            super().data_received(data)
+            if self._header_timer is not None and self.cycle is not self._cycle_before:
+                self._stop_header_clock()  # its header is complete: the request runs
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_header_clock()
+            super().connection_lost(exc)
+
+        def _start_header_clock(self) -> None:
+            self._cycle_before = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _stop_header_clock(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                log.debug("closing a connection that sent no complete request header in %g s",
+                          header_timeout_s)
+                self.transport.close()
+
+    return BoundedConnection
 
 _FLUSH_S = 5.0  # after on_deadline: time for the final error events to reach the clients
 
@@ -152,20 +194,30 @@ def _wait_idle(drain: Drain, deadline: float) -> None:
 # that pool connections keep them (aiohttp's, in vLLM's bench client, up to 60 s), so the
 # client closes first. The other way round, a request sent on a connection the server is just
 # closing is reset (uvicorn's default is 5 s; seen as one ConnectionResetError in a trace run).
-KEEP_ALIVE_S = 75
+KEEP_ALIVE_S = 75.0
+# A connection that has not sent a complete request header this many seconds after it opened
+# (or after its request's first byte) is closed: a slow-header (slowloris) or never-used
+# connection holds a socket, not a request. Node's headersTimeout is 60 s; a client sends a
+# header in one write.
+HEADER_TIMEOUT_S = 30.0
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+def _config(app: FastAPI, host: str, port: int, log_level: str, keep_alive_s: float,
+            header_timeout_s: float) -> uvicorn.Config:
+    for name, value in (("keep_alive_s", keep_alive_s), ("header_timeout_s", header_timeout_s)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="off", http=_http_protocol(),
-                          timeout_keep_alive=KEEP_ALIVE_S)
+                          timeout_graceful_shutdown=5, lifespan="off",
+                          http=_http_protocol(header_timeout_s), timeout_keep_alive=keep_alive_s)
 
 
 def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
                on_ready: Callable[[int], None] | None = None, log_level: str = "info",
                shutdown_timeout: float = 30.0,
                on_deadline: Callable[[], None] | None = None,
-               sock: socket.socket | None = None) -> None:
+               sock: socket.socket | None = None, keep_alive_s: float = KEEP_ALIVE_S,
+               header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
     """Serve until SIGTERM / SIGINT; ``on_ready(port)`` runs once the socket accepts connections.
 
     On the first signal the app drains (``shutdown_timeout`` seconds at most), then
@@ -175,14 +227,17 @@ def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
     Args:
         sock: a socket from ``bind_listener(host, port)`` (the server takes it over and closes
             it); None: bound here.
+        keep_alive_s: an idle connection between requests is closed after this long.
+        header_timeout_s: a connection that sends no complete request header this long after
+            it opened (or after its next request's first byte) is closed.
 
     Raises:
         ListenError: the address cannot be bound or listened on (never uvicorn's exit).
     """
     sock = bind_listener(host, port) if sock is None else sock
     with sock:
-        _Server(_config(app, host, port, log_level), on_ready, shutdown_timeout,
-                on_deadline).run(sockets=[sock])
+        config = _config(app, host, port, log_level, keep_alive_s, header_timeout_s)
+        _Server(config, on_ready, shutdown_timeout, on_deadline).run(sockets=[sock])
 
 
 class BackgroundServer:
@@ -196,9 +251,11 @@ class BackgroundServer:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                  shutdown_timeout: float = 30.0,
-                 on_deadline: Callable[[], None] | None = None) -> None:
-        self._server = _Server(_config(app, host, port, "warning"), None, shutdown_timeout,
-                               on_deadline)
+                 on_deadline: Callable[[], None] | None = None,
+                 keep_alive_s: float = KEEP_ALIVE_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        config = _config(app, host, port, "warning", keep_alive_s, header_timeout_s)
+        self._server = _Server(config, None, shutdown_timeout, on_deadline)
         self._host = host
         self._thread = threading.Thread(target=self._server.run, name="kthena-http", daemon=True)
 

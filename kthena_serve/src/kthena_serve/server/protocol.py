@@ -14,12 +14,13 @@ tools.py's.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from kthena_serve.engine.errors import InvalidRequestError
 from kthena_serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_num_logprobs
+from kthena_serve.engine.schema_check import check_json_schema
 from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.server.request_parts import (
     ResponseFormat,
@@ -260,20 +261,48 @@ class TextPart(Strict):
     text: str
 
 
+class UnservedPart(Strict):
+    """A content part of another type (``image_url``, ``input_audio``, ``file`` ...): parsed
+    so that the request is refused naming it (``refuse_parts``), not with a schema error."""
+
+    type: str
+
+
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "text" if kind == "text" else "other"
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[UnservedPart, Tag("other")],
+                        Discriminator(_part_kind)]
+
+
 class ChatMessage(Strict):
     """A message; an assistant's may carry ``tool_calls``, a ``tool`` message answers one
     (``tool_call_id``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def refuse_parts(self, index: int) -> None:
+        """Raise InvalidRequestError naming the first content part that is not text (this
+        server serves text-only models: no image, audio or file input)."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(part, UnservedPart):
+                raise InvalidRequestError(
+                    f"messages[{index}].content[{j}] has type {part.type!r}, which this "
+                    "server does not serve: it serves text-only models (no image, audio or "
+                    "file input); a content part must have type 'text' ({\"type\": \"text\", "
+                    "\"text\": ...}), or send content as a string",
+                    f"messages.{index}.content.{j}.type")
 
 
 class ChatCompletionRequest(RequestCommon):
@@ -382,6 +411,8 @@ class ChatCompletionRequest(RequestCommon):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        for i, message in enumerate(self.messages):
+            message.refuse_parts(i)
         legacy = "OpenAI deprecated function calling; send tools and tool_choice instead"
         if self.functions is not None:
             refuse("functions", self.functions, legacy)
@@ -403,6 +434,12 @@ class ChatCompletionRequest(RequestCommon):
         if self.tools == []:
             raise InvalidRequestError("`tools` must not be an empty array. Either provide at "
                                       "least one tool or omit the field entirely.", "tools")
+        if self.effective_tool_choice != "none":
+            for i, tool in enumerate(self.tools or ()):  # auto compiles none: checked here
+                if tool.function.parameters is not None:
+                    check_json_schema(tool.function.parameters,
+                                      f"tools[{i}].function.parameters",
+                                      f"tool {tool.function.name!r}: its parameters schema")
         choice = self.tool_choice
         if choice is None or choice == "none":
             return

@@ -75,7 +75,10 @@ class ResponseFormat(Forbid):
             if self.json_schema is None or self.json_schema.json_schema is None:
                 raise InvalidRequestError("response_format of type json_schema needs "
                                           "json_schema.schema", "response_format")
-            return StructuredOutputsParams(json=self.json_schema.json_schema)
+            try:
+                return StructuredOutputsParams(json=self.json_schema.json_schema)
+            except InvalidRequestError as error:  # named as the body sent it
+                raise InvalidRequestError(str(error), "response_format") from None
         tag = self.model_dump(exclude_none=True, exclude={"json_schema"})
         return StructuredOutputsParams(structural_tag=tag)
 
@@ -90,7 +93,9 @@ class StructuredOutputs(Forbid):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    disable_any_whitespace: bool = False
+    # vLLM's name; its default is false, here true: compact JSON unless a request asks for
+    # whitespace (a grammar with free whitespace lets a model emit it up to max_tokens)
+    disable_any_whitespace: bool = True
     # vLLM's xgrammar backend ignores both: the first is accepted (xgrammar already allows no
     # property a schema does not name, unless the schema sets additionalProperties), the
     # second refused unless null

@@ -62,7 +62,8 @@ from kthena_serve.server.tokenization import (
     detokenize,
     tokenize,
 )
-from kthena_serve.server.tools import chat_inputs, parse_tool_calls, uses_hermes
+from kthena_serve.server.tool_parsers import DEFAULT_PARSER, check_parser_name
+from kthena_serve.server.tools import chat_inputs, check_tool_format, parse_tool_calls, tool_params
 
 __all__ = ["MAX_PROMPTS", "OpenAIRoutes"]
 
@@ -72,11 +73,18 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIRoutes:
-    """The route bodies of one app (``build_app``), over its engine and metrics."""
+    """The route bodies of one app (``build_app``), over its engine and metrics; chat output
+    is parsed for tool calls by the ``tool_call_parser`` named (``--tool-call-parser``).
+
+    Raises:
+        ValueError: ``tool_call_parser`` names no parser (the message lists them).
+    """
 
     def __init__(self, engine: EngineClient, model_name: str, aliases: set[str],
                  kv_connector: KVConnector | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, *,
+                 tool_call_parser: str = DEFAULT_PARSER) -> None:
+        self.tool_call_parser = check_parser_name(tool_call_parser)
         self.engine = engine
         self.kv_connector = kv_connector
         self.model_name = model_name
@@ -102,6 +110,10 @@ class OpenAIRoutes:
     def _job(self, body: p.RequestCommon, prompts: list[list[int]], max_tokens: int | None) -> Job:
         try:
             params = body.sampling_params(max_tokens)
+            if isinstance(body, p.ChatCompletionRequest):  # the constraint in the parser's form
+                params = tool_params(params, body.tools, body.effective_tool_choice,
+                                     body.parallel_tool_calls is not False,
+                                     self.tool_call_parser)
         except ValueError as error:
             raise ApiError(400, str(error), getattr(error, "param", None)) from None
         prepared = [self.engine.processor.prepare(ids, params) for ids in prompts]  # -> 400
@@ -201,11 +213,8 @@ class OpenAIRoutes:
 
     def _chat_prompt(self, body: p.ChatCompletionRequest) -> list[list[int]]:
         template = self.engine.processor.tokenizer.chat_template
-        if body.parses_tool_calls and not uses_hermes(template):
-            raise ApiError(400, "tools: this checkpoint's chat template writes tool calls in a "
-                           "format this server has no parser for (it parses Hermes "
-                           "<tool_call> blocks); send tool_choice none or leave tools out",
-                           "tools")
+        if body.parses_tool_calls:
+            check_tool_format(template, self.tool_call_parser)  # else a 400 naming tools
         messages, extra = chat_inputs(body.messages, body.tools, template)
         variables, ignored = body.template_variables(_template_reads(template))
         _warn_ignored(ignored)
@@ -281,7 +290,8 @@ class OpenAIRoutes:
                                                      body.prompt_logprobs)
         calls = None
         if body.parses_tool_calls:
-            calls = [parse_tool_calls(o.text, max_tool_calls(body)) for o in finals]
+            calls = [parse_tool_calls(o.text, max_tool_calls(body), self.tool_call_parser)
+                     for o in finals]
         answer = chat_response(rid, self.model_name, finals, usage_, logprobs, prompt_logprobs,
                                calls)
         echo = body.echo_text()
@@ -397,7 +407,7 @@ class OpenAIRoutes:
                 yield chunk
         finals: dict[int, RequestOutput] = {}
         pending = PendingLogprobs()
-        tools = ToolDeltas(body)
+        tools = ToolDeltas(body, self.tool_call_parser)
         ids = TokenIdDeltas(job) if body.return_token_ids else None
         async with self._counting(job, finals):
             async for choice, out in outputs:

@@ -22,7 +22,7 @@ from kthena_serve.server.errors import OVERLOADED, ApiError, error_body
 from kthena_serve.server.generation import Job
 from kthena_serve.server.protocol import ChatCompletionRequest, RequestCommon
 from kthena_serve.server.responses import tool_reason, with_token_ids
-from kthena_serve.server.tools import ToolCallParser
+from kthena_serve.server.tool_parsers import DEFAULT_PARSER, FORMATS, ToolParser
 
 __all__ = ["PendingLogprobs", "TokenIdDeltas", "ToolDeltas", "after_head", "max_tool_calls",
            "sse_response"]
@@ -36,18 +36,22 @@ def max_tool_calls(body: ChatCompletionRequest) -> int | None:
 
 
 class ToolDeltas:
-    """The stream's tool-call side: each choice's text through a ``ToolCallParser`` into
-    content and OpenAI's ``tool_calls`` deltas (a call's first with ``index``, ``id``,
-    ``type``, ``function.name``; then ``index`` and ``function.arguments`` fragments)."""
+    """The stream's tool-call side: each choice's text through a parser of ``parser``'s
+    format (tool_parsers/) into content and OpenAI's ``tool_calls`` deltas (a call's first with
+    ``index``, ``id``, ``type``, ``function.name``; then ``index`` and ``function.arguments``
+    fragments)."""
 
-    def __init__(self, body: RequestCommon) -> None:
+    def __init__(self, body: RequestCommon, parser: str = DEFAULT_PARSER) -> None:
         self.enabled = isinstance(body, ChatCompletionRequest) and body.parses_tool_calls
         self._max_calls = max_tool_calls(body) if self.enabled else None
-        self._parsers: dict[int, ToolCallParser] = {}
+        self._format = FORMATS[parser]
+        self._parsers: dict[int, ToolParser] = {}
 
     def delta(self, choice: int, out: RequestOutput) -> tuple[dict, str | None]:
         """(delta, finish reason) of one output of ``choice``."""
-        parser = self._parsers.setdefault(choice, ToolCallParser(self._max_calls))
+        parser = self._parsers.get(choice)
+        if parser is None:
+            parser = self._parsers[choice] = self._format.parser(self._max_calls)
         content, calls = parser.feed(out.new_text)
         if out.finished:
             rest, more = parser.finish()

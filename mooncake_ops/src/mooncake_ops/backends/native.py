@@ -2,8 +2,9 @@
 
 Two builds: ``mooncake_ops_native`` (every kernel, AVX-512) where torch runs at AVX512, else
 ``mooncake_ops_native_avx2`` (all but the packed bf16 matmul, which needs AVX512_BF16) where it
-runs at AVX2. When neither loads, one log line says why and the reference
-runs for everything. Each adapter falls back to the reference for calls the kernels do not
+runs at AVX2. When neither loads, one log line says why (on the ``mooncake_ops.native``
+logger: a deployment of several processes on one host sets it to ERROR in all but one, so the
+line is printed once) and the reference runs for everything. Each adapter falls back to the reference for calls the kernels do not
 cover (e.g. a head_dim that is not 64, 128 or 256).
 
 Prefill over a cache of q's dtype or int8: the native kernel, with bf16 q/k/v on a CPU with
@@ -30,7 +31,7 @@ from mooncake_ops.backends import reference as ref
 from mooncake_ops.backends import sdpa
 from mooncake_ops.errors import BlockTableError, OpsShapeError
 
-_log = logging.getLogger("mooncake_ops")
+_log = logging.getLogger("mooncake_ops.native")
 _state: dict[str, Any] = {"module": None, "reason": None, "loaded": False}
 
 BUILD_HINT = "pip install --no-build-isolation ./native"

@@ -1,0 +1,170 @@
+"""PD where the prefill and decode instances are TP engines (same host, shm): each prefill
+rank's KV heads reach the decode ranks that own them, re-sharded between TP sizes.
+
+A tiny fp32 checkpoint with SmolLM2's uneven head split (3 KV heads: 2 + 1 over two ranks)
+serves each pair of role sizes; a colocated one-rank engine of the same checkpoint gives the
+reference tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from _support import metric_value
+from _tiny import PD_ENGINE, default_tokenizer, tiny_checkpoint
+
+from kthena_serve.engine import LLMEngine
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.pd.config import PDConfig
+from kthena_serve.pd.embedded import PDCluster, shm_pools
+
+HEADS = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 96}
+ENGINE = {**PD_ENGINE, "dtype": "float32"}
+TEXTS = ("Paged attention stores the key and value cache in fixed-size blocks, so that ",
+         "A scheduler can share prefixes between requests and evict whole blocks when ",
+         "Prefill is bound by compute and decode by memory bandwidth, which is why the two ")
+# fp32 logprobs of one model summed in another order (TP all-reduce, another head split)
+# differ by rounding only: ~1e-6 at this depth (2 layers, hidden 96). A head copied into the
+# wrong slot changes them by 1e-1 or more (the copy's unit test: pd_reshard).
+LOGPROB_TOLERANCE = 1e-3
+# The greedy token's own logprob is ~0 (this model's logits are well separated), whatever the
+# context: the runners-up's logprobs are what a wrong K/V shows in.
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:  # noqa: ANN001
+    return tiny_checkpoint(tmp_path_factory.mktemp("tp-pd") / "model", **HEADS)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict[str, tuple[list[int], list[tuple[float, ...]]]]:
+    """Each prompt's greedy tokens and the logprobs of the top ``TOP`` tokens at each
+    position, from a colocated one-rank engine."""
+    engine = LLMEngine.from_config(EngineConfig(model=str(checkpoint), **ENGINE, num_threads=1))
+    try:
+        out = {}
+        for i, text in enumerate(TEXTS):
+            engine.add_request(f"r{i}", _ids(text), SamplingParams(temperature=0, max_tokens=8,
+                                                                  logprobs=TOP))
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        out[TEXTS[int(o.request_id[1:])]] = (
+                            list(o.token_ids), [e.top_logprobs for e in o.logprobs])
+        return out
+    finally:
+        engine.close()
+
+
+def _ids(text: str) -> list[int]:
+    return default_tokenizer().encode(text * 2)
+
+
+def _descendants(pid: int) -> set[int]:
+    """``pid`` and every process under it (a TP worker's spawned ranks)."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1)])
+def test_tp_instances_hand_off_and_match_colocated(checkpoint: Path, reference,  # noqa: ANN001
+                                                   prefill_tp: int, decode_tp: int) -> None:
+    pd = PDConfig(pd_threshold_tokens=8, transfer_timeout_s=60, health_interval_s=0.2,
+                  prefill_tp=prefill_tp, decode_tp=decode_tp)
+    cluster = PDCluster(EngineConfig(model=str(checkpoint), **ENGINE), pd).start()
+    pids: set[int] = set()
+    try:
+        for name in cluster.launcher.workers:
+            pids |= _descendants(cluster.launcher.pid(name))
+        state = cluster.worker_state("decode-0")
+        assert state["pool"]["tp"] == decode_tp
+        assert len(state["pool"]["rank_shm_names"]) == (decode_tp if decode_tp > 1 else 0)
+        for text in TEXTS:
+            reply = cluster.complete(_ids(text), max_tokens=8, logprobs=TOP)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            tokens, tops = reference[text]
+            assert choice["text"] == default_tokenizer().decode(tokens)
+            got = choice["logprobs"]["top_logprobs"]  # {token text: logprob} per position
+            assert len(got) == len(tops)
+            for served, want in zip(got, tops, strict=True):
+                for value in served.values():  # texts may collide: each is one of the top
+                    assert min(abs(value - w) for w in want) < LOGPROB_TOLERANCE, (served, want)
+        metrics = cluster.worker_metrics("decode-0")
+        assert metric_value(metrics, "kthena_pd_requests_total", path="disaggregated") == 3
+        assert metric_value(metrics, "kthena_pd_requests_total", path="recomputed") in (0, None)
+    finally:
+        cluster.stop()
+    left = [p for p in shm_pools() for pid in pids if f".{pid}." in os.path.basename(p)]
+    assert not left  # every rank's pool unlinked
+
+
+def test_a_role_size_the_heads_cannot_take_is_refused_before_any_worker(checkpoint: Path,
+                                                                      capsys) -> None:  # noqa: ANN001
+    from kthena_serve.pd.serve import role_layouts, run_pd
+    from kthena_serve.spec import ServeSpec
+
+    ok = ServeSpec.resolve({"mode": "pd", "model": str(checkpoint), "prefill_tp": 3,
+                            "decode_tp": 2})
+    assert role_layouts(ok) == {"prefill": 3, "decode": 2}
+    bad = ServeSpec.resolve({"mode": "pd", "model": str(checkpoint), "decode_tp": 4})
+    with pytest.raises(ValueError, match="--decode-tp 4: the decode workers cannot split"):
+        role_layouts(bad)
+    assert run_pd(bad) == 2  # one line, and no worker started
+    err = capsys.readouterr().err
+    assert "--decode-tp 4: the decode workers cannot split" in err
+    assert "starting" not in err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_rank_that_dies_stops_its_worker_which_is_started_again(
+        checkpoint: Path, reference, role: str) -> None:  # noqa: ANN001
+    """SIGKILL one spawned rank of a TP worker: a request then either fails naming the hand-off
+    (policy fail) or is served another way, never hangs; the worker stops itself, the launcher
+    starts it again, requests are disaggregated again, and the dead rank's pool is unlinked."""
+    import signal
+
+    from _support import eventually
+
+    pd = PDConfig(pd_threshold_tokens=8, transfer_timeout_s=30, health_interval_s=0.2,
+                  prefill_tp=2, decode_tp=2, policy="fail")
+    cluster = PDCluster(EngineConfig(model=str(checkpoint), **ENGINE), pd).start()
+    try:
+        worker = cluster.launcher.pid(f"{role}-0")
+        ranks = [p for p in _descendants(worker) - {worker}
+                 if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ranks) == 1  # rank 1 (rank 0 is the worker's own process)
+        os.kill(ranks[0], signal.SIGKILL)
+        reply = cluster.complete(_ids(TEXTS[0]), max_tokens=8)
+        assert reply.status_code in (200, 503), reply.text
+        if reply.status_code == 503:
+            assert "handoff failed" in reply.text or "engine" in reply.text
+        eventually(lambda: cluster.launcher.workers[f"{role}-0"].num_restarts == 1
+                   and cluster.launcher.workers[f"{role}-0"].proc is not None, 120,
+                   interval_s=0.2)
+        assert eventually(lambda: cluster.router.up("prefill") and cluster.router.up("decode"),
+                          30, interval_s=0.1)  # the router has polled the restarted worker
+        before = metric_value(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                              path="disaggregated") or 0
+        text = TEXTS[1]
+        reply = cluster.complete(_ids(text), max_tokens=8)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == default_tokenizer().decode(reference[text][0])
+        after = metric_value(cluster.worker_metrics("decode-0"), "kthena_pd_requests_total",
+                             path="disaggregated")
+        assert after == before + 1
+    finally:
+        cluster.stop()
+    assert not [p for p in shm_pools() if f".{ranks[0]}." in os.path.basename(p)]
