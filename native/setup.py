@@ -6,11 +6,16 @@
 
     pip install --no-build-isolation ./native     (uses the torch already installed)
 
-``MOONCAKE_OPS_NATIVE_ISAS=avx512`` or ``=avx2`` builds only that one (``make install`` builds
-the one this CPU loads); the default builds both.
+By default only the library this CPU loads is built (as torch's CPU capability reports it:
+AVX-512 or AVX2), like ``make install``. ``MOONCAKE_OPS_NATIVE_ISAS=avx512``, ``=avx2`` or
+``=avx512,avx2`` builds those instead (for another machine's CPU). A CPU with neither is
+refused: mooncake_ops runs its PyTorch reference there. The build says what it builds and how
+long it took (shown by ``pip install -v``, and in the log of a failed build).
 """
 
 import os
+import sys
+import time
 from pathlib import Path
 
 from setuptools import setup
@@ -24,10 +29,33 @@ MODULES = {  # isa -> (module, source folder, ISA flags)
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
     "avx2": ("mooncake_ops_native_avx2", "csrc_avx2", ["-mavx2", "-mfma", "-mf16c"]),
 }
-ISAS = os.environ.get("MOONCAKE_OPS_NATIVE_ISAS", "avx512,avx2").split(",")
-unknown = sorted(set(ISAS) - set(MODULES))
-if unknown:
-    raise SystemExit(f"MOONCAKE_OPS_NATIVE_ISAS: unknown {unknown}; allowed: {sorted(MODULES)}")
+ENV = "MOONCAKE_OPS_NATIVE_ISAS"
+
+
+def this_cpu_isa() -> str | None:
+    """The library this CPU loads, from torch's CPU capability (``AVX512`` / ``AVX2``)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx512" if "AVX512" in capability else "avx2" if capability == "AVX2" else None
+
+
+def chosen_isas() -> list[str]:
+    """``$MOONCAKE_OPS_NATIVE_ISAS`` (checked), else this CPU's one library."""
+    given = os.environ.get(ENV, "").strip()
+    if given:
+        isas = [isa.strip() for isa in given.split(",") if isa.strip()]
+        unknown = sorted(set(isas) - set(MODULES))
+        if unknown or not isas:
+            raise SystemExit(f"{ENV}={given!r}: unknown {unknown}; allowed: a comma-separated "
+                             f"list of {sorted(MODULES)}")
+        return isas
+    isa = this_cpu_isa()
+    if isa is None:
+        raise SystemExit("mooncake-ops-native: torch reports neither AVX-512 nor AVX2 on this "
+                         "CPU, so no native library could load here (mooncake_ops runs its "
+                         f"PyTorch reference); to build for another CPU set {ENV}=avx512 or avx2")
+    return [isa]
 
 
 def extension(isa: str) -> CppExtension:
@@ -37,8 +65,22 @@ def extension(isa: str) -> CppExtension:
                         extra_link_args=["-fopenmp"])
 
 
+class TimedBuild(BuildExtension.with_options(use_ninja=True)):
+    """torch's build, with a line before (what is built) and after (how long it took)."""
+
+    def run(self) -> None:
+        names = ", ".join(f"{e.name} ({len(e.sources)} files)" for e in self.extensions)
+        jobs = os.environ.get("MAX_JOBS", f"{os.cpu_count()} (all cores)")
+        print(f"mooncake-ops-native: building {names} with MAX_JOBS={jobs}", file=sys.stderr,
+              flush=True)
+        start = time.monotonic()
+        super().run()
+        print(f"mooncake-ops-native: built {names} in {time.monotonic() - start:.0f} s",
+              file=sys.stderr, flush=True)
+
+
 setup(
     packages=[],  # only the extension modules (csrc folders are not Python packages)
-    ext_modules=[extension(isa) for isa in ISAS],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    ext_modules=[extension(isa) for isa in chosen_isas()],
+    cmdclass={"build_ext": TimedBuild},
 )

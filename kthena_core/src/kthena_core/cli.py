@@ -129,10 +129,11 @@ def _print_plan(args: argparse.Namespace, plan: Any, fitted: Any, used: Any,
                               if fitted else used.to_json() if used else None)
         out["cost_factors"] = factors_dict(factors.params)
         out["factors"] = factors.to_json()
+        out["calibrated"] = bool(fitted) or factors.is_calibrated
         out["figures"] = figures_dict(topology)
         print(json.dumps(out))
         return
-    print(format_plan(plan, args.candidates))
+    print(format_plan(plan, args.candidates, None if fitted else factors.prediction_note()))
     print(format_figures(topology))
     print(f"factors   {factors.describe()}")
     if fitted:
@@ -241,7 +242,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                       help="plan a kthena_config.yaml exactly as `kthena serve --config` does "
                            "(its model, cluster.topology and service sizes)")
     plan.add_argument("--model", default="default",
-                      help="'default' (SmolLM2-135M-Instruct), a known name, a config.json, folder or .gguf")
+                      help="'default' (SmolLM2-135M-Instruct), any name of a catalog model (its "
+                           "catalog name, served name or Hub id: smollm2-135m-instruct, "
+                           "SmolLM2-135M-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct, "
+                           "llama-3-8b ...), another Hub repo id ORG/NAME (its config.json), a "
+                           "config.json, folder or .gguf")
     plan.add_argument("--topology", default="auto",
                       help="'auto' (discover this machine), 'auto:cores' (this host, one device "
                            "per core, as kthena serve pins ranks), a YAML file, or a catalog "

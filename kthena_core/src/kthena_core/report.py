@@ -11,8 +11,9 @@ from kthena_core.planner import Evaluation, Plan
 from kthena_core.topology import Topology
 
 
-def format_plan(plan: Plan, num_candidates: int = 8) -> str:
-    """Multi-line explanation of `plan` for a terminal."""
+def format_plan(plan: Plan, num_candidates: int = 8, prediction_note: str | None = None) -> str:
+    """Multi-line explanation of `plan` for a terminal; ``prediction_note`` (e.g. that the
+    factors are uncalibrated, `PlanFactors.prediction_note`) goes under the predictions."""
     wl, best = plan.workload, plan.chosen
     est = best.estimate
     assert best.memory is not None and est is not None
@@ -49,6 +50,7 @@ def format_plan(plan: Plan, num_candidates: int = 8) -> str:
         f"predicted TTFT {est.ttft_s * 1e3:.1f} ms, TPOT {est.tpot_s * 1e3:.2f} ms, "
         f"throughput {est.throughput_tok_s:.1f} tok/s, comm {est.comm_fraction:.0%} of a decode step, "
         f"pipeline bubble {est.bubble_fraction:.0%}",
+        *([f"          {prediction_note}"] if prediction_note else []),
         "",
     ]
     return "\n".join(lines + _rivals_table(plan, num_candidates))
@@ -74,8 +76,13 @@ def _memory_text(mem: Memory) -> str:
 def _rivals_table(plan: Plan, num_candidates: int) -> list[str]:
     """The runner-ups, one row each, the layout column as wide as the longest label."""
     ups = plan.runner_ups(num_candidates)
+    considered = len(plan.evaluations)
+    if not ups:  # no empty table: say why there is no row
+        why = ("the chosen layout is the only one" if not plan.rivals() else
+               f"{len(plan.rivals())} hidden, --candidates {num_candidates}")
+        return [f"runner-ups none ({considered} layout(s) considered: {why})"]
     width = max([22, *(len(e.layout.label) for e, _ in ups)])
-    return [f"runner-up candidates ({len(plan.evaluations)} considered):",
+    return [f"runner-up candidates ({considered} considered):",
             f"  {'layout':<{width}} {'dev':>4} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>10}  why it lost",
             *(_row(e, why, width) for e, why in ups)]
 

@@ -12,8 +12,9 @@ The smallest file names the objects, the nodes and the mode; the image can come 
 Optional keys: ``image``, ``namespace`` (default), ``model`` (default: SmolLM2-135M-Instruct;
 anything ``kthena plan --model`` takes), ``checkpoint`` (the model folder on the nodes,
 mounted read-only into each pod; ``default`` = the default model baked into the image),
-``served_model_name`` (default: the model's name), ``device`` + ``devices`` (a catalog device
-and how many per node, instead of ``topology``), ``pd`` (PD only: what is pinned of each
+``served_model_name`` (default: the name ``kthena serve --model MODEL`` serves,
+``SmolLM2-135M-Instruct`` for the default model; a model file's own name), ``device`` +
+``devices`` (a catalog device and how many per node, instead of ``topology``), ``pd`` (PD only: what is pinned of each
 role, ``{prefill: {tp: 4, pp: 1, count: 1}, decode: {tp: 4}}``; the rest is the planner's
 choice), ``num_prefill`` / ``num_decode`` (``plan`` or a count; PD only: the same as
 ``pd.prefill.count`` / ``pd.decode.count``), ``pod_network`` (PD only and required there: the network, or list of
@@ -54,7 +55,13 @@ import yaml
 from kthena_core._yaml import read_yaml
 from kthena_core.architectures import unserved_architecture
 from kthena_core.config import ConfigError, load_pd_roles
-from kthena_core.known_models import DEFAULT_MODEL, KNOWN_CONFIGS, load_model_spec
+from kthena_core.known_models import (
+    catalog_name,
+    is_repo_id,
+    load_model_spec,
+    names_default_model,
+    served_name,
+)
 from kthena_core.model_spec import ModelSpec
 from kthena_core.pd_roles import PDRoles, role_refusals
 from kthena_core.redis_url import redacted_url, redis_url_problem
@@ -344,7 +351,7 @@ def _device_resource(data: Mapping[str, Any]) -> str | None:
 
 def _checkpoint(data: Mapping[str, Any], model: ModelSpec, model_key: str) -> str:
     if "checkpoint" not in data:
-        if model_key.lower() in ("default", DEFAULT_MODEL):
+        if names_default_model(model_key):
             return "default"
         raise DeployError(f"checkpoint: missing; model {model_key!r} has no weights in the "
                           "image: give the absolute path of its checkpoint folder on the nodes "
@@ -370,7 +377,7 @@ def _image(data: Mapping[str, Any], override: str | None) -> str:
 def _model(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec, str]:
     key = _string(data, "model", "default")
     local = os.path.join(base_dir, os.path.expanduser(key))
-    named = key.lower() in ("default", *KNOWN_CONFIGS)  # names win over paths, as in kthena plan
+    named = catalog_name(key) is not None  # names win over paths, as in kthena plan
     try:
         model = load_model_spec(local if not named and os.path.exists(local) else key)
     except (ValueError, FileNotFoundError) as error:
@@ -379,6 +386,14 @@ def _model(data: Mapping[str, Any], base_dir: str) -> tuple[ModelSpec, str]:
     if why is not None:
         raise DeployError(f"model: {key!r}: {why} (kthena serve would refuse it)")
     return model, key
+
+
+def _served_name(model: ModelSpec, model_key: str) -> str:
+    """The name ``kthena serve --model MODEL`` serves for a model named by one of its names
+    (``SmolLM2-135M-Instruct`` for the default model); a model file's own name otherwise."""
+    if catalog_name(model_key) is not None or is_repo_id(model_key):
+        return served_name(model_key)
+    return model.name
 
 
 def _topology(data: Mapping[str, Any], base_dir: str) -> Topology:
@@ -461,7 +476,7 @@ def load_deploy_spec(source: str | os.PathLike[str] | Mapping[str, Any], *,
     if mode not in MODES:
         raise _fail("mode", mode, " or ".join(MODES))
     model, model_key = _model(data, base_dir)
-    served = _string(data, "served_model_name", model.name)
+    served = _string(data, "served_model_name", _served_name(model, model_key))
     if len(served) > 256:
         raise _fail("served_model_name", served, "at most 256 characters (ModelServer.spec.model)")
     port = data.get("port", 8000)

