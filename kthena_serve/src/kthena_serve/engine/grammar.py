@@ -12,11 +12,12 @@ token bitmask the sampler applies.
     engine     matcher.accept_token(token)   with each sampled token; terminated: "stop"
 
 The vocabulary xgrammar matches against is this server's tokenizer's own (``TokenizerInfo``
-from each token's exact bytes; special tokens are never text, the EOS ids end a grammar), so
-transformers is not needed. Ids past the tokenizer's (a model's padded vocabulary) are masked.
+from each token's exact bytes; special tokens are never text, the EOS ids end a grammar). Ids
+past the tokenizer's (a model's padded vocabulary) are masked.
 
-xgrammar is imported on first use: its wheel declares triton and transformers, which CPU
-serving does not need, so it is installed with ``--no-deps`` (``INSTALL``).
+xgrammar is imported on first use. Its wheel declares triton, which CPU serving does not need,
+so it is installed with ``--no-deps`` (``INSTALL``); it imports transformers when it is
+imported, which kthena_serve declares as a dependency of its own.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def xgrammar_problem() -> str | None:
     except ImportError as error:
         if error.name == "xgrammar":
             return (f"xgrammar is not installed; install it with {INSTALL} (no deps: its "
-                    "declared triton and transformers are not needed)")
+                    "declared triton is not needed; transformers, which it imports, comes "
+                    "with kthena_serve)")
         return (f"xgrammar is installed but its import failed ({type(error).__name__}: "
                 f"{error}); install what it names, or reinstall it with {INSTALL}")
     return None

@@ -243,16 +243,21 @@ class LLMEngine:
         try:
             logits = self._execute(batch) if batch.seqs else None
         except Exception as error:  # noqa: BLE001 - the batch's requests fail; the engine goes on
-            dead_rank = getattr(self.runner, "dead_rank", None)
-            died = dead_rank() if dead_rank is not None else None
-            if died is not None:  # no forward runs without every rank: nothing can go on
-                raise died from error
+            self._raise_if_a_rank_died(error)
             log.exception("forward of %d sequences failed", len(batch.seqs))
             return [self._fail(self._requests[s.request_id]) for s in batch.seqs]
         self._clock.forwarded()
         outputs = self._postprocess(batch, logits)
         self._observe_step(batch, self._clock.stop())
         return outputs
+
+    def _raise_if_a_rank_died(self, error: Exception) -> None:
+        """Raise ``RankDiedError`` (from ``error``) when a parallel rank's process has died: no
+        forward runs without every rank, so every request fails, not just the step's."""
+        dead_rank = getattr(self.runner, "dead_rank", None)
+        died = dead_rank() if dead_rank is not None else None
+        if died is not None:
+            raise died from error
 
     def _has_prefill(self, batch: ScheduledBatch) -> bool:
         """Whether any of the batch's requests computes prompt tokens (a prefill forward)."""
