@@ -9,12 +9,14 @@ import sys
 import time
 
 
-def start_serve(*args: str, timeout: float = 240) -> tuple[subprocess.Popen, str, str]:
+def start_serve(*args: str, timeout: float = 240,
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
     """Run ``kthena serve ARGS`` (unbuffered, without the environment's API key) and wait for
     the curl line it prints once it serves. Returns (the process, its base URL without
     ``/v1/...``, what it printed so far); the caller stops the process. One that exits or
-    prints no curl line within ``timeout`` is killed and the test fails with its output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    prints no curl line within ``timeout`` is killed and the test fails with its output.
+    ``env``: the child's environment (default: this process's)."""
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     env.pop("KTHENA_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "kthena_core.cli", "serve", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -105,9 +105,11 @@ def test_flag_reaches_the_config_and_shows_in_help():
     assert config.kv_offload == KVOffloadConfig(64 << 20)
     with pytest.raises(ValueError, match="^--kv-offload: EngineConfig.kv_offload"):
         engine_config(_args("--kv-offload", "host=64MiB,queue=-1"))
-    pd = {**_args("--kv-offload", "host=64MiB"), "mode": "pd"}
-    with pytest.raises(ValueError, match="--kv-offload: not supported with --mode pd"):
-        ServeSpec.resolve(pd)
+    pd = {**_args("--kv-offload", "host=64MiB"), "mode": "pd"}  # every PD worker opens it
+    assert ServeSpec.resolve(pd).engine.kv_offload == KVOffloadConfig(64 << 20)
+    spill = {**_args("--kv-offload", "host=64MiB,store=mooncake"), "mode": "pd"}
+    with pytest.raises(ValueError, match="write=through only"):  # test_pd_store.py: the rest
+        ServeSpec.resolve(spill)
 
 
 def test_tier_stats_survive_json_and_add_up():

@@ -310,9 +310,8 @@ def test_the_flag_sets_the_spec_and_refuses_unknown_names():
     assert ServeSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="allowed: hermes, llama3_json, mistral, pythonic"):
         ServeSpec.resolve({"tool_call_parser": "llama3"})
-    with pytest.raises(ValueError, match="colocated serving only"):
-        ServeSpec.resolve({"tool_call_parser": "mistral", "dp": 2})
-    assert ServeSpec.resolve({"tool_call_parser": "hermes", "dp": 2}).dp == 2
+    # every mode (test_modes_tools_and_names.py serves DP and PD with llama3_json)
+    assert ServeSpec.resolve({"tool_call_parser": "mistral", "dp": 2}).tool_call_parser == "mistral"
 
 
 def test_kthena_serve_names_the_parsers_in_one_line():

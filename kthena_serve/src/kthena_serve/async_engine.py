@@ -16,7 +16,7 @@ is aborted and its blocks freed (its stream ends with ``RequestFailedError``).
 
 Only the engine thread touches the engine (and so the KV manager); other threads talk to it
 through the inbox of typed commands (``Add``, ``Abort``, and for PD decode ``Reserve``,
-``AdmitPrefilled``, ``Release``). Validation (tokenising, length checks) runs in the caller,
+``SettleReserved``, ``AdmitPrefilled``, ``Release``). Validation (tokenising, length checks) runs in the caller,
 once, through the engine's ``InputProcessor``, so a bad request fails before any streaming.
 ``AsyncLLM`` is the in-process ``EngineClient``.
 
@@ -115,6 +115,15 @@ class Reserve:
 
     def run(self, llm: AsyncLLM) -> None:
         _settle(self.future, lambda: llm.engine.reserve(self.request))
+
+
+@attrs.frozen
+class SettleReserved:
+    request_id: str
+    future: concurrent.futures.Future
+
+    def run(self, llm: AsyncLLM) -> None:
+        _settle(self.future, lambda: llm.engine.settle_reserved(self.request_id))
 
 
 @attrs.frozen
@@ -245,9 +254,20 @@ class AsyncLLM:
         It is queued (admission) until its first output or ``release``."""
         self.admission.claim(request.request_id, len(request.prompt_ids))
         try:
-            return await self._call(lambda future: Reserve(request, future))
+            reservation = await self._call(lambda future: Reserve(request, future))
         except BaseException:
             self.admission.forget(request.request_id)
+            raise
+        if reservation is None or not reservation.num_promoting_blocks:
+            return reservation
+        rid = request.request_id
+        try:  # blocks coming up from the offload tiers: wait off the engine thread
+            await asyncio.to_thread(self.engine.wait_reserved, rid)
+            return await self._call(lambda future: SettleReserved(rid, future))
+        except BaseException:  # the caller left: give the blocks back (promotion ended first)
+            self.admission.forget(rid)
+            if self.is_alive:
+                self._submit(Release(rid, concurrent.futures.Future()))
             raise
 
     async def release(self, request_id: str) -> bool:

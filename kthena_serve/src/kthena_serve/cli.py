@@ -16,9 +16,11 @@ from kthena_serve.deployment import api_key, launcher_world, prepare_process, re
 from kthena_serve.pd.serve import add_pd_args
 from kthena_serve.serve_args import (
     add_api_key_args,
+    add_connection_args,
     add_engine_args,
     add_kv_events_args,
     add_public_metrics_arg,
+    add_structured_output_args,
     add_tool_args,
 )
 
@@ -81,6 +83,8 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="print a line per request received (id, prompt tokens, sampling "
                              "parameters) and finished (reason, tokens, latency) (default: off)")
     add_tool_args(parser)
+    add_structured_output_args(parser)
+    add_connection_args(parser)
     add_kv_events_args(parser)
     add_pd_args(parser)
     parser.set_defaults(func=_cmd_serve)

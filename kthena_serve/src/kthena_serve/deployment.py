@@ -160,7 +160,8 @@ def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
                                   or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
                     public_metrics=spec.public_metrics, deployment=spec.report(),
-                    log_requests=spec.log_requests, tool_call_parser=spec.tool_call_parser)
+                    log_requests=spec.log_requests, tool_call_parser=spec.tool_call_parser,
+                    disable_any_whitespace=spec.disable_any_whitespace)
     publisher = _start_kv_events(spec.kv_events, engine, app)
     stats_log = StatsLogger(engine.stats, interval).start() if interval else None
 
@@ -177,7 +178,8 @@ def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
     try:
         run_server(app, host=spec.host, port=spec.port, on_ready=ready,
                    shutdown_timeout=spec.shutdown_timeout_s,
-                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE), sock=sock)
+                   on_deadline=lambda: engine.abort_all(SHUTDOWN_MESSAGE), sock=sock,
+                   **spec.server_timeouts())
     finally:
         if stats_log is not None:
             stats_log.stop()

@@ -83,6 +83,8 @@ class PlannedConfig:
         params = self.factors.params if self.factors else cal.params if cal else CostParams()
         out["cost_factors"] = factors_dict(params)
         out["factors"] = self.factors.to_json() if self.factors else None
+        # as `kthena plan --json` says it: measured factors or a calibration file
+        out["calibrated"] = bool(cal) or bool(self.factors and self.factors.is_calibrated)
         out["figures"] = dict(self.figures) if self.figures else None
         return out
 

@@ -11,7 +11,8 @@ import shlex
 from kthena_core import dtypes
 
 __all__ = ["ENGINE_FLAG_FIELDS", "SHUTDOWN_MESSAGE", "TOOL_CALL_PARSERS", "add_engine_args",
-           "add_kv_events_args", "add_api_key_args", "add_public_metrics_arg", "add_tool_args",
+           "add_kv_events_args", "add_api_key_args", "add_connection_args",
+           "add_public_metrics_arg", "add_structured_output_args", "add_tool_args",
            "check_tool_call_parser", "curl_line", "flag_name"]
 
 SHUTDOWN_MESSAGE = ("the server shut down before this request finished; retry it on another "
@@ -73,7 +74,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "folder, a llama .gguf file (converted once into "
                              "$KTHENA_CACHE_DIR) or a Hugging Face Hub repo id ORG/NAME (its "
                              "cached snapshot, else downloaded into $HF_HUB_CACHE; "
-                             "HF_HUB_OFFLINE=1: the cache only) (default: default)")
+                             "HF_HUB_OFFLINE=1: the cache only) (default: default). A "
+                             "request's 'model' may be the served name (--served-model-name), "
+                             "'default', this value as given, and for a catalog model its "
+                             "catalog name, served name and Hub id (smollm2-135m-instruct, "
+                             "SmolLM2-135M-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=[dtypes.torch_name(k) for k in dtypes.ENGINE_DTYPES],
                         help=f"weight and compute dtype (default {_default('dtype')})")
     parser.add_argument("--quantization", choices=("int8", "gguf"),
@@ -287,10 +292,34 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", metavar="NAME",
                         help="how chat output is parsed into tool calls, as the model writes "
                              f"them: {', '.join(TOOL_CALL_PARSERS)} (vLLM's names; default "
-                             "hermes: <tool_call> blocks); colocated serving only")
+                             "hermes: <tool_call> blocks); in every mode (colocated, --dp, "
+                             "--mode pd)")
     parser.add_argument("--enable-auto-tool-choice", action=_AcceptedFlag,
                         help="vLLM's flag, accepted: tool_choice auto is always served here "
                              "(parsed by --tool-call-parser)")
+
+
+def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide structured-output setting."""
+    parser.add_argument("--structured-outputs-config", metavar="JSON",
+                        help="server-wide structured outputs, as a JSON object; its one key "
+                             "disable_any_whitespace (default true: JSON constraints produce "
+                             "compact JSON; false: any whitespace between JSON's tokens) is "
+                             "what a request's structured_outputs.disable_any_whitespace "
+                             "defaults to (a request that sets it wins), in every mode")
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """The public server's connection timeouts (run_server's ``keep_alive_s`` /
+    ``header_timeout_s``); ``ServeSpec.resolve`` refuses a value that is not positive."""
+    parser.add_argument("--timeout-keep-alive", type=float, metavar="SECONDS",
+                        help="close a connection idle between requests after SECONDS "
+                             "(uvicorn's flag; default 75)")
+    parser.add_argument("--timeout-header-read", type=float, metavar="SECONDS",
+                        help="close a connection that has not sent a complete request header "
+                             "SECONDS after it opened (or after its next request's first "
+                             "byte); a request whose header came in time runs as long as it "
+                             "needs (default 30)")
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:

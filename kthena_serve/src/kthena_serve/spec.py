@@ -36,12 +36,16 @@ pp > 1 per PD worker) raises ``UnservablePlanError``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kthena_core.known_models import HUB_IDS, catalog_name
+from kthena_core.known_models import served_name as known_served_name
 from kthena_core.layout import Layout
 from kthena_serve.cluster.config import RouterWeights, worker_names
 from kthena_serve.engine.config import SETTINGS, ConfigError, EngineConfig
@@ -51,7 +55,7 @@ from kthena_serve.pd.config import PDConfig
 from kthena_serve.planned import PlannedConfig
 from kthena_serve.serve_args import check_tool_call_parser, flag_name
 
-__all__ = ["ServeSpec", "engine_config"]
+__all__ = ["ServeSpec", "engine_config", "model_aliases"]
 
 _ENGINE_FIELDS = SETTINGS  # EngineConfig's settings by name (the flags' dests)
 # kthena serve's settings that are not EngineConfig fields (with their defaults).
@@ -64,7 +68,10 @@ _SERVE_DEFAULTS: dict[str, Any] = {
     "pd_kv_push": "layerwise", "pd_threshold": 32, "router_weights": "1.0,0.5,0.25",
     "kv_events": None, "pod_name": None, "kv_events_chunk_size": 16, "kv_events_max_chunks": 128,
     "disable_log_stats": False, "enable_log_requests": False, "tool_call_parser": "hermes",
+    "structured_outputs_config": None, "timeout_keep_alive": None, "timeout_header_read": None,
 }
+# --structured-outputs-config's keys (vLLM's StructuredOutputsConfig names) served here.
+STRUCTURED_OUTPUTS_KEYS = ("disable_any_whitespace",)
 
 
 def engine_config(flags: Mapping[str, Any]) -> EngineConfig:
@@ -102,7 +109,16 @@ class ServeSpec:
         log_requests: print a line per request received and finished
             (``--enable-log-requests``, off by default as in vLLM).
         tool_call_parser: the format chat output is parsed for tool calls in
-            (``--tool-call-parser``; hermes, the default, in every mode; another: colocated).
+            (``--tool-call-parser``; default hermes), in every mode: by the server, each DP
+            replica, or the PD router.
+        disable_any_whitespace: what a JSON constraint that does not say gets
+            (``--structured-outputs-config '{"disable_any_whitespace": false}'``; True, the
+            default: compact JSON), applied where requests are read (the server, each DP
+            replica, the PD router).
+        keep_alive_s: the public server closes a connection idle between requests after this
+            long (``--timeout-keep-alive``; None: run_server's 75 s).
+        header_timeout_s: ... and one that sends no complete request header this long after
+            it opened (``--timeout-header-read``; None: run_server's 30 s).
         config_path: the ``--config`` file, if one was planned.
         plan: the plan's JSON (GET /plan), if a config was planned.
     """
@@ -125,6 +141,9 @@ class ServeSpec:
     log_stats: bool = True
     log_requests: bool = False
     tool_call_parser: str = attrs.field(default="hermes", converter=check_tool_call_parser)
+    disable_any_whitespace: bool = True
+    keep_alive_s: float | None = None
+    header_timeout_s: float | None = None
     config_path: str | None = None
     plan: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -182,6 +201,9 @@ class ServeSpec:
                    kv_events=_kv_events(s, served),
                    log_stats=not s["disable_log_stats"], log_requests=s["enable_log_requests"],
                    tool_call_parser=s["tool_call_parser"],
+                   disable_any_whitespace=_structured_outputs(s["structured_outputs_config"]),
+                   keep_alive_s=_seconds("timeout_keep_alive", s["timeout_keep_alive"]),
+                   header_timeout_s=_seconds("timeout_header_read", s["timeout_header_read"]),
                    config_path=planned.path if planned else s["config"],
                    plan=planned.to_json() if planned else None)
 
@@ -219,10 +241,15 @@ class ServeSpec:
         _check_launcher(self.mode, self.dp, world_size)
         _check_ranks(self.engine, world_size)
 
+    def server_timeouts(self) -> dict[str, float]:
+        """``run_server``'s connection timeouts the flags set (the others keep its defaults)."""
+        out = {"keep_alive_s": self.keep_alive_s, "header_timeout_s": self.header_timeout_s}
+        return {k: v for k, v in out.items() if v is not None}
+
     @property
     def aliases(self) -> set[str]:
-        """Other model ids the API accepts: the ``--model`` value and ``default``."""
-        return {self.engine.model, "default"} - {self.served_model_name}
+        """Other model ids the API accepts (``model_aliases``)."""
+        return model_aliases(self.engine.model, self.served_model_name)
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -249,6 +276,21 @@ class ServeSpec:
             return cls(**data)
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a ServeSpec's JSON: {error}") from None
+
+
+def model_aliases(model: str, served: str) -> set[str]:
+    """The model ids other than ``served`` that a request's ``model`` may name, in every mode:
+    ``default``, the ``--model`` value as given and, for a catalog model (not a path on this
+    host), each of its names (kthena_core.known_models): its catalog name, served name and Hub
+    id (``--model smollm2-135m-instruct`` also answers to ``SmolLM2-135M-Instruct`` and
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``). Exact spellings: the names are not matched
+    case-insensitively."""
+    names = {model, "default"}
+    if model == "default" or not os.path.exists(model):
+        catalog = catalog_name(model)
+        if catalog is not None:
+            names |= {catalog, HUB_IDS[catalog], known_served_name(catalog)}
+    return names - {served}
 
 
 # ---- resolve's parts ----------------------------------------------------------------------------
@@ -289,11 +331,7 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
     if dp > 1 and mode == "pd":
         raise ValueError(f"--dp {dp}: not supported with --mode pd, which sets its own worker "
                          "counts (--prefill N --decode M); drop --dp or --mode pd")
-    parser = check_tool_call_parser(s["tool_call_parser"])
-    if parser != _SERVE_DEFAULTS["tool_call_parser"] and (dp > 1 or mode == "pd"):
-        raise ValueError(f"--tool-call-parser {parser}: colocated serving only for now (DP "
-                         "replicas and the PD router parse the default, hermes); drop --dp / "
-                         "--mode pd, or the flag")
+    check_tool_call_parser(s["tool_call_parser"])
     if dp > 1 and s["kv_events"] is not None:
         raise ValueError(f"--dp {dp}: not supported with --kv-events: the replicas would "
                          "publish under one --pod-name and overwrite each other's blocks; "
@@ -304,16 +342,37 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
         raise ValueError(f"--prefill {s['prefill']} --decode {s['decode']}: PD needs at least "
                          "one decode worker and no negative count (--prefill 0: the decode "
                          "workers prefill every prompt themselves)")
-    if s.get("kv_offload") is not None:
-        raise ValueError("--kv-offload: not supported with --mode pd yet (prefill workers "
-                         "write into the decode workers' pools); run it colocated or with --dp")
     if s["stream_stall_timeout"] is not None:
         raise ValueError("--stream-stall-timeout applies to colocated serving; PD decode "
                          "workers use 120 s: leave it out with --mode pd")
     _check_pd_layouts(s)
+    _check_pd_offload(s)
     device = s.get("device", "cpu")
     if isinstance(device, str) and device.partition(":")[0] in ("cpu", "cuda", "npu"):
         PDConfig.check_device(device, s["pd_transport"])  # a bad device: EngineConfig's message
+
+
+def _check_pd_offload(s: Mapping[str, Any]) -> None:
+    """``--kv-offload`` in PD: TP1 workers, and a store written through (docs/pd.md)."""
+    from kthena_serve.engine.kv_offload_config import KVOffloadConfig
+
+    value = s.get("kv_offload")
+    try:
+        offload = value if isinstance(value, KVOffloadConfig) else KVOffloadConfig.parse(value)
+    except ValueError:
+        return  # None, or text EngineConfig refuses with the syntax
+    tp = s.get("tp", getattr(s.get("layout"), "tp", 1))
+    big = {flag: size for flag, size in (("--prefill-tp", s["prefill_tp"] or tp),
+                                         ("--decode-tp", s["decode_tp"] or tp)) if (size or 1) > 1}
+    if big:
+        raise ValueError(f"--kv-offload with {' '.join(f'{k} {v}' for k, v in big.items())}: "
+                         "PD workers offload with TP1 only (a TP worker's KV is split over "
+                         "its ranks' pools); use --prefill-tp 1 --decode-tp 1, or drop "
+                         "--kv-offload")
+    if offload.store_address is not None and not offload.store_write_through:
+        raise ValueError(f"--kv-offload {value}: PD workers share the store with write=through "
+                         "only (each block is put when it is computed, so every other "
+                         "instance finds it); add ',write=through'")
 
 
 def _check_pd_layouts(s: Mapping[str, Any]) -> None:
@@ -342,6 +401,50 @@ def _check_pd_layouts(s: Mapping[str, Any]) -> None:
         raise ValueError(f"{' '.join(f'{k} {v}' for k, v in big.items())} with --device "
                          f"{s.get('device')}: TP PD workers run on cpu only (their ranks' "
                          "pools are /dev/shm files); use --device cpu, or tp 1")
+
+
+def _structured_outputs(config: str | Mapping[str, Any] | None) -> bool:
+    """``--structured-outputs-config``'s ``disable_any_whitespace`` (True without the flag).
+
+    Raises:
+        ValueError: not a JSON object, an unknown key, or a value of the wrong type; names the
+            flag and what it takes.
+    """
+    flag, allowed = "--structured-outputs-config", ", ".join(STRUCTURED_OUTPUTS_KEYS)
+    if config is None:
+        return True
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as error:
+            raise ValueError(f"{flag}: not JSON ({error}); it takes a JSON object such as "
+                             "'{\"disable_any_whitespace\": false}'") from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{flag}: takes a JSON object of {allowed}, got {config!r}")
+    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {', '.join(unknown)}; allowed: {allowed} "
+                         "(this server's structured outputs run on xgrammar, with no other "
+                         "server-wide setting)")
+    value = config.get("disable_any_whitespace", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"{flag}: disable_any_whitespace takes true or false, got {value!r}")
+    return value
+
+
+def _seconds(setting: str, value: Any) -> float | None:
+    """A connection timeout: None (the server's default) or positive, finite seconds.
+
+    Raises:
+        ValueError: anything else, naming the flag.
+    """
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0 < value < math.inf):
+        raise ValueError(f"{flag_name(setting)}: must be a positive number of seconds, got "
+                         f"{value!r}")
+    return float(value)
 
 
 def _pd_config(s: Mapping[str, Any]) -> PDConfig:

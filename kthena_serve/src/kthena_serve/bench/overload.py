@@ -4,7 +4,8 @@ admits keep their TTFT within its queue bound and the rest are refused fast.
 ::
 
     calibration  N closed-loop clients of good streams for S seconds
-                 ─▶ sustainable rate X = streams completed per second
+                 ─▶ sustainable rate X = streams completed per second, and T = their tokens
+                    (prompt + output, from each stream's usage chunk) per second
     overload     Poisson arrivals at FACTOR x X for M minutes, open loop (an arrival never waits
                  for an earlier answer, as independent clients do)
                    200 ─▶ TTFT (first text event), must end with [DONE]
@@ -12,7 +13,9 @@ admits keep their TTFT within its queue bound and the rest are refused fast.
                    503 queue_timeout ─▶ the same, counted apart: admitted, then refused at
                                         its queue deadline (admission.py), so not fast
                    anything else (or no [DONE]) ─▶ an error
-    ─▶ accepted TTFT percentiles against the bound, 503 latency percentiles, counts
+    ─▶ accepted TTFT percentiles against the bound, 503 latency percentiles, counts, and
+       goodput: the accepted streams' tokens per second over T (at least GOODPUT_TARGET: the
+       shedding keeps the server as busy as the calibration did)
 
 Requests are the soak's good streams (completions and chat, 16-512 words, half with a shared
 preamble, 8-128 output tokens), drawn from ``seed``. Clients ignore ``Retry-After``: the offered
@@ -39,8 +42,9 @@ from kthena_serve.bench.soak import (
     pcts_ms,
 )
 
-__all__ = ["OverloadOptions", "run_overload", "soak_phase"]
+__all__ = ["GOODPUT_TARGET", "OverloadOptions", "run_overload", "soak_phase"]
 
+GOODPUT_TARGET = 0.8  # accepted tokens/s under overload over the calibration's, at least
 _JSON = {"Content-Type": "application/json"}
 _MAX_ERRORS_SHOWN = 10
 _REJECT_PAUSE_S = 0.5  # a closed-loop client refused during calibration waits this long
@@ -78,6 +82,7 @@ class _Answer:
     is_done: bool = False
     problem: str | None = None
     code: str | None = None  # a non-200 answer's error code
+    tokens: int | None = None  # prompt + output tokens, from the stream's usage chunk
 
 
 def _completed(answer: _Answer) -> bool:
@@ -95,6 +100,7 @@ def _refused(answer: _Answer) -> bool:
 def _draw(rng: random.Random, target: Target) -> tuple[str, str]:
     chat = rng.random() < 0.5
     body = good_body(rng, target, chat, rng.randint(8, 128))
+    body["stream_options"] = {"include_usage": True}  # its tokens, for the goodput
     return api_path(chat), json.dumps(body)
 
 
@@ -118,6 +124,9 @@ async def _send(client: httpx.AsyncClient, path: str, body: str) -> _Answer:
             if "error" in event:
                 answer.problem = f"error event: {json.dumps(event['error'])[:200]}"
                 return answer
+            if event.get("usage"):
+                usage = event["usage"]
+                answer.tokens = usage["prompt_tokens"] + usage["completion_tokens"]
             if answer.ttft_s is None and has_text(event):
                 answer.ttft_s = time.perf_counter() - start
     return answer
@@ -139,9 +148,10 @@ def _client(target: Target, headers: dict, timeout: float) -> httpx.AsyncClient:
 
 
 async def _calibrate(target: Target, options: OverloadOptions, headers: dict) -> dict:
-    """Closed-loop clients for ``calibration_s``: streams completed per second."""
+    """Closed-loop clients for ``calibration_s``: streams completed, and their tokens, per
+    second."""
     deadline = time.monotonic() + options.calibration_s
-    counts = {"completed": 0, "rejected": 0, "errors": 0}
+    counts = {"completed": 0, "rejected": 0, "errors": 0, "tokens": 0}
 
     async def loop(index: int, client: httpx.AsyncClient) -> None:
         rng = random.Random(options.seed + 10_000 + index)
@@ -149,6 +159,7 @@ async def _calibrate(target: Target, options: OverloadOptions, headers: dict) ->
             answer = await _timed(client, *_draw(rng, target), options.request_timeout_s)
             if _completed(answer):
                 counts["completed"] += 1
+                counts["tokens"] += answer.tokens or 0
             elif _refused(answer):
                 counts["rejected"] += 1
                 await asyncio.sleep(_REJECT_PAUSE_S)
@@ -160,7 +171,8 @@ async def _calibrate(target: Target, options: OverloadOptions, headers: dict) ->
         await asyncio.gather(*(loop(i, client) for i in range(options.clients)))
     elapsed = time.monotonic() - start
     return {**counts, "seconds": round(elapsed, 1),
-            "sustainable_rps": round(counts["completed"] / elapsed, 3)}
+            "sustainable_rps": round(counts["completed"] / elapsed, 3),
+            "sustainable_tokens_per_s": round(counts["tokens"] / elapsed, 1)}
 
 
 async def _offer(target: Target, rate_rps: float, options: OverloadOptions,
@@ -203,7 +215,7 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
     within = None
     if options.bound_s is not None and ttft_ms["p99"] is not None:
         within = ttft_ms["p99"] <= 1000 * options.bound_s
-    return {
+    return {**_goodput(calibration, accepted, seconds),
         "factor": options.factor, "minutes": options.minutes, "bound_s": options.bound_s,
         "calibration": calibration, "offered_rps": round(rate_rps, 3),
         "seconds": round(seconds, 1), "num_offered": len(answers),
@@ -221,6 +233,20 @@ def _report(options: OverloadOptions, calibration: dict, rate_rps: float,
                           "p50": retry[len(retry) // 2] if retry else None,
                           "max": retry[-1] if retry else None},
     }
+
+
+def _goodput(calibration: dict, accepted: list[_Answer], seconds: float) -> dict:
+    """The accepted streams' tokens per second, and their ratio to the calibration's
+    (None where the calibration measured no tokens or no time passed)."""
+    tokens = sum(a.tokens or 0 for a in accepted)
+    per_s = tokens / seconds if seconds else None
+    sustainable = calibration.get("sustainable_tokens_per_s")
+    ratio = per_s / sustainable if per_s is not None and sustainable else None
+    return {"accepted_tokens": tokens,
+            "accepted_tokens_per_s": None if per_s is None else round(per_s, 1),
+            "goodput_ratio": None if ratio is None else round(ratio, 3),
+            "goodput_target": GOODPUT_TARGET,
+            "goodput_ok": None if ratio is None else ratio >= GOODPUT_TARGET}
 
 
 async def run_overload(target: Target, options: OverloadOptions, headers: dict) -> dict:

@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -244,6 +245,80 @@ def bench_serving(opts: argparse.Namespace) -> dict:
     return out
 
 
+# ---- part 4b: TP workers -------------------------------------------------------------------------
+def _requests(url: str, num: int, prompt_tokens: int, output_tokens: int,
+              metrics: Callable[[], str] | None = None) -> dict:
+    """``num`` streamed requests one after another, each a fresh random prompt, after one
+    warm-up request: TTFT and TPOT medians (one at a time: what one user sees; no prefix is
+    shared). With ``metrics`` (a decode worker's /metrics), also the KV bytes each
+    disaggregated request of the measured ones moved (``kv_bytes_per_request``)."""
+    import random
+
+    import httpx
+
+    rng = random.Random(1)
+    pages = []
+
+    async def run() -> list[dict]:
+        out = []
+        async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+            await _stream(client, url, [rng.randrange(100, 49000) for _ in range(32)], 4)
+            if metrics is not None:
+                pages.append(await asyncio.to_thread(metrics))
+            for _ in range(num):
+                ids = [rng.randrange(100, 49000) for _ in range(prompt_tokens)]
+                out.append(await _stream(client, url, ids, output_tokens))
+            if metrics is not None:
+                pages.append(await asyncio.to_thread(metrics))
+        return out
+
+    runs = asyncio.run(run())
+    result = {"ttft_p50": _pct([r["ttft"] for r in runs if r["ttft"]], 50),
+              "tpot_p50": _pct([r["tpot"] for r in runs if r["tpot"]], 50),
+              "num_requests": sum(r["ttft"] is not None for r in runs)}
+    if pages:
+        def diff(name: str, label: str = "") -> float:
+            return _sample(pages[1], name, label) - _sample(pages[0], name, label)
+
+        done = diff("kthena_pd_requests_total", 'path="disaggregated"')
+        result["num_disaggregated"] = int(done)
+        result["kv_bytes_per_request"] = (diff("kthena_pd_transferred_bytes_total") / done
+                                          if done else None)
+    return result
+
+
+def _sample(page: str, name: str, label: str = "") -> float:
+    """The sum of the ``name`` samples of a /metrics page whose labels hold ``label``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+def bench_tp(opts: argparse.Namespace) -> list[dict]:
+    """Each ``--tp-pairs`` entry ``A:B``: a PD deployment of one TP-A prefill and one TP-B
+    decode worker against a colocated TP-B engine (a decode worker with no prefill worker: the
+    same process kind on the same cores), sequential streamed requests; TTFT, TPOT and the KV
+    bytes each disaggregated request moved (decode side's ``kthena_pd_transferred_bytes``)."""
+    from kthena_serve.pd.embedded import PDCluster
+
+    engine = EngineConfig(num_kv_blocks=1024, max_num_seqs=8, kernels="native")
+    rows = []
+    for pair in opts.tp_pairs.split(","):
+        prefill_tp, decode_tp = (int(x) for x in pair.split(":"))
+        pd = {"pd_threshold_tokens": 16, "transfer_timeout_s": 300, "prefill_tp": prefill_tp,
+              "decode_tp": decode_tp}
+        args = (opts.tp_requests, opts.tp_prompt_tokens, opts.tp_output_tokens)
+        with PDCluster(engine, PDConfig(**pd), num_prefill=0, num_decode=1) as colocated:
+            alone = _requests(colocated.url, *args)
+        with PDCluster(engine, PDConfig(**pd), num_prefill=1, num_decode=1) as disagg:
+            split = _requests(disagg.url, *args,
+                              metrics=lambda c=disagg: c.worker_metrics("decode-0"))
+        rows.append({"prefill_tp": prefill_tp, "decode_tp": decode_tp,
+                     "colocated": alone, "pd": split,
+                     "pd_vs_colocated": {k: split[k] / alone[k] for k in ("ttft_p50", "tpot_p50")
+                                         if split[k] and alone[k]}})
+    return rows
+
+
 # ---- part 5: batched prefill -------------------------------------------------------------------
 def bench_batched_prefill(lengths: list[int], num_prompts: int, repeats: int) -> list[dict]:
     """``num_prompts`` prompts of each length submitted at once to one prefill executor (the
@@ -389,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                              "('' to skip)")
     parser.add_argument("--batched-prefill-prompts", type=int, default=8)
     parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--tp-pairs", default="",
+                        help="TP workers: prefill_tp:decode_tp pairs, e.g. 2:2,1:2,2:1, each "
+                             "against a colocated engine of the decode size ('' to skip)")
+    parser.add_argument("--tp-requests", type=int, default=8)
+    parser.add_argument("--tp-prompt-tokens", type=int, default=512)
+    parser.add_argument("--tp-output-tokens", type=int, default=32)
     parser.add_argument("--plot", default="bench_pd.png", help="PNG path ('' for none)")
     opts = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -409,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                                           opts.overlap_repeats)
     if not opts.skip_serving:
         result["serving"] = bench_serving(opts)
+    if opts.tp_pairs:
+        result["tp"] = bench_tp(opts)
     result["machine"]["load_1min_end"] = os.getloadavg()[0]
     print(json.dumps(result), flush=True)
     if plot_path:

@@ -10,9 +10,24 @@
     decider          : uncached tokens (prompt - decode's cached prefix) < threshold
                        -> no prefill worker, the decode worker computes the prompt
 
+    with a shared store (--kv-offload ...,store=mooncake@...,write=through):
+    cached_blocks(w) = pool(w) + STORE_CREDIT * (store - pool(w))   where store > pool(w)
+                       for a worker whose /pd/state reports a store tier (it promotes
+                       those blocks instead of computing them); the decider's cached prefix
+                       is max(pool(d), store): a prompt the store holds but its last
+                       blocks is short, and the decode worker promotes and computes it
+
 Cached-block counts come from a ``ClusterPrefixIndex`` fed by every worker's KV events, which
 the health loop polls (``/pd/state?since=seq``; a DP replica's ``/dp/state``) with each
 worker's load (the reply: ``state_reply`` in cluster/worker.py).
+
+Store residency is learnt from the same events (``shared_store``: a PD deployment whose
+workers write their blocks through to one Mooncake Store): a worker that reports a store tier
+puts each block it caches into the store, so its ``BlockStored`` events also go to the index under
+``STORE`` (its ``BlockRemoved`` do not: a block evicted from a pool stays in the store). The
+store evicts by itself and tells no one, and a worker that stops removes the keys it put, so
+these counts are a hint: the router forgets them all when such a worker restarts, and an
+entry the store dropped costs a worse pick (the worker computes the block), never wrong KV.
 
 A worker that fails a poll or a request is marked down (no traffic) until a poll succeeds
 again; a restarted worker (new incarnation) is forgotten in the index and re-learned from its
@@ -48,9 +63,13 @@ from mooncake_kv import BlockRemoved, BlockStored, ClusterPrefixIndex, ExtraKeys
 from mooncake_kv.cluster import DEFAULT_MAX_ENTRIES
 from mooncake_kv.hashing import DEFAULT_HASH_ALGO
 
-__all__ = ["Decision", "Pick", "Router", "RouterSettings", "WorkerState"]
+__all__ = ["STORE", "STORE_CREDIT", "Decision", "Pick", "Router", "RouterSettings",
+           "WorkerState"]
 
 log = logging.getLogger(__name__)
+
+STORE = "mooncake_store"  # the index's instance for blocks in the shared Mooncake Store
+STORE_CREDIT = 0.5  # a block promoted from the store counts half a pool hit (it is copied)
 
 
 class RouterSettings(Protocol):
@@ -85,6 +104,7 @@ class WorkerState:
     limits: dict | None = None  # a decode worker's EngineLimits as JSON
     num_in_flight: int = 0  # requests ``pick`` sent here that have not been ``done`` yet
     num_picked: int = 0  # times ``pick`` chose it (the tie-break)
+    has_store: bool = False  # its stats report a Mooncake Store tier (it promotes from it)
 
     @property
     def load(self) -> int:
@@ -99,6 +119,7 @@ class Decision:
     prefill: WorkerState | None
     reason: str  # disaggregated | short_prompt | no_prefill_worker
     num_cached_blocks: int  # on the decode worker
+    num_store_blocks: int = 0  # more leading blocks it can promote from the store
 
 
 @attrs.frozen
@@ -122,14 +143,18 @@ class Router:
         hash_algo: the workers' block-hash algorithm (``EngineConfig.hash_algorithm``).
         index_max_entries: (worker, block) entries the prefix index keeps at most (its LRU
             bound; evictions the workers announce remove entries before that).
+        shared_store: the workers write every block they cache through to one store (PD
+            with ``--kv-offload ...,store=...,write=through``): count its blocks (module docs).
     """
 
     def __init__(self, workers: list[tuple[str, str, str]], config: RouterSettings,
                  block_size: int, metrics: RouterMetrics | None = None, *,
                  secret: str | None = None, state_path: str = "/pd/state",
                  hash_algo: str = DEFAULT_HASH_ALGO,
-                 index_max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+                 index_max_entries: int = DEFAULT_MAX_ENTRIES,
+                 shared_store: bool = False) -> None:
         self.config = config
+        self.shared_store = shared_store
         self.block_size = block_size
         self.metrics = metrics or RouterMetrics("router")
         self.state_path = state_path
@@ -175,6 +200,8 @@ class Router:
             self.mark_down(worker.name)
             return
         with self._lock:
+            restarted = worker.incarnation is not None \
+                and state["incarnation"] != worker.incarnation
             if state["incarnation"] != worker.incarnation or state["first_seq"] > worker.seq + 1:
                 if worker.name in self.index.instances():  # restarted, or events were lost
                     self.index.remove_instance(worker.name)
@@ -182,16 +209,28 @@ class Router:
                 state["events"] = [] if state["first_seq"] > 1 else state["events"]
             if worker.name not in self.index.instances():
                 self.index.add_instance(worker.name)
-            self.index.apply_all(worker.name, [event_from_json(e) for e in state["events"]])
+            events = [event_from_json(e) for e in state["events"]]
+            self.index.apply_all(worker.name, events)
             worker.seq = state["last_seq"]
             worker.num_running, worker.num_waiting = state["num_running"], state["num_waiting"]
             kv = state.get("kv") or {}
             worker.kv = kv
             worker.kv_usage = kv.get("num_used_blocks", 0) / max(kv.get("num_blocks", 1), 1)
             worker.stats = state.get("stats", worker.stats)
+            self._learn_store(worker, events, restarted)
             worker.limits = state.get("limits", worker.limits)
             worker.is_up = bool(state.get("alive", True))
         self.metrics.set_up(worker.name, worker.is_up)
+
+    def _learn_store(self, worker: WorkerState, events: list, restarted: bool) -> None:
+        """Its stored blocks are in the store too (see module docs); holding ``_lock``."""
+        worker.has_store = self.shared_store and any(
+            t.get("tier") == STORE for t in (worker.stats or {}).get("kv_tiers", ()))
+        if not worker.has_store:
+            return
+        if restarted and STORE in self.index.instances():  # it removed its keys on the way
+            self.index.remove_instance(STORE)
+        self.index.apply_all(STORE, [e for e in events if isinstance(e, BlockStored)])
 
     def mark_down(self, name: str) -> None:
         """No traffic to ``name`` until a poll of it succeeds."""
@@ -236,9 +275,10 @@ class Router:
             cached = self.index.match(prompt_ids, _salt(cache_salt))
             num_blocks = self._num_blocks(prompt_ids)
             decode = max(decodes, key=lambda w: self._score(
-                w, decodes, cached.get(w.name, 0) / num_blocks))
+                w, decodes, _overlap(w, cached) / num_blocks))
             decode_cached = cached.get(decode.name, 0)
-            uncached = len(prompt_ids) - decode_cached * self.block_size
+            from_store = max(0, cached.get(STORE, 0) - decode_cached) if decode.has_store else 0
+            uncached = len(prompt_ids) - (decode_cached + from_store) * self.block_size
             if not prefills:
                 reason, prefill = "no_prefill_worker", None
             elif uncached < self.config.pd_threshold_tokens:
@@ -246,8 +286,8 @@ class Router:
             else:
                 reason = "disaggregated"
                 prefill = max(prefills, key=lambda w: self._score(
-                    w, prefills, cached.get(w.name, 0) / num_blocks))
-        return Decision(decode, prefill, reason, decode_cached)
+                    w, prefills, _overlap(w, cached) / num_blocks))
+        return Decision(decode, prefill, reason, decode_cached, from_store)
 
     def _score(self, worker: WorkerState, peers: list[WorkerState], overlap: float) -> float:
         w = self.config.weights
@@ -276,7 +316,7 @@ class Router:
             cached = self.index.match_hashes(hashes)
             num_blocks = self._num_blocks(prompt_ids)
             best = max(peers, key=lambda w: (
-                self._score(w, peers, cached.get(w.name, 0) / num_blocks), -w.num_picked))
+                self._score(w, peers, _overlap(w, cached) / num_blocks), -w.num_picked))
             best.num_picked += 1
             best.num_in_flight += 1
             num_cached = cached.get(best.name, 0)
@@ -306,6 +346,15 @@ class Router:
 
     def _num_blocks(self, prompt_ids: list[int]) -> int:
         return max(1, -(-len(prompt_ids) // self.block_size))
+
+
+def _overlap(worker: WorkerState, cached: dict[str, int]) -> float:
+    """Leading prompt blocks ``worker`` need not compute, the store's counted at
+    ``STORE_CREDIT`` where it has a store tier (module docs)."""
+    own = cached.get(worker.name, 0)
+    if not worker.has_store:
+        return own
+    return own + STORE_CREDIT * max(0, cached.get(STORE, 0) - own)
 
 
 def _salt(cache_salt: str | None) -> ExtraKeys | None:

@@ -223,13 +223,15 @@ def serve_worker(app: ASGIApp, *, host: str, port: int, ready_file: str | None,
 
 def serve(app: ASGIApp, *, host: str, port: int, on_ready: Callable[[int], None],
           close: Callable[[], None], shutdown_timeout: float,
-          on_deadline: Callable[[], None], sock: socket.socket | None = None) -> None:
+          on_deadline: Callable[[], None], sock: socket.socket | None = None,
+          keep_alive_s: float | None = None, header_timeout_s: float | None = None) -> None:
     """Serve a router's ``app`` until SIGTERM or SIGINT, then ``close()`` (the router, the
     launcher) however it ended.
 
     ``run_server`` drains (``shutdown_timeout`` seconds at most, then ``on_deadline()``), and
-    SIGTERM's ``SystemExit`` is the clean stop it asked for: this returns. ``sock``: the
-    bound socket to serve (``run_server``'s).
+    SIGTERM's ``SystemExit`` is the clean stop it asked for: this returns. ``sock``,
+    ``keep_alive_s``, ``header_timeout_s``: ``run_server``'s (the public flags
+    ``--timeout-keep-alive`` / ``--timeout-header-read``).
 
     Raises:
         kthena_serve.server.launch.ListenError: the address cannot be listened on.
@@ -240,6 +242,7 @@ def serve(app: ASGIApp, *, host: str, port: int, on_ready: Callable[[int], None]
     try:
         with contextlib.suppress(SystemExit):
             run_server(app, host=host, port=port, on_ready=on_ready,
-                       shutdown_timeout=shutdown_timeout, on_deadline=on_deadline, sock=sock)
+                       shutdown_timeout=shutdown_timeout, on_deadline=on_deadline, sock=sock,
+                       keep_alive_s=keep_alive_s, header_timeout_s=header_timeout_s)
     finally:
         close()

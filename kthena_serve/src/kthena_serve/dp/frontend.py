@@ -32,6 +32,21 @@ whose last reported queue (``/dp/state``) is past the bound for this prompt are 
 when that is every replica up the router answers 503 itself, with the soonest ``Retry-After``
 (``kthena_dp_rejected_requests_total``).
 
+Those reports are a poll old, so a burst that arrives at once would find every queue empty.
+The router therefore keeps a queue of its own per replica (an ``AdmissionGate``, the replicas'
+bounds) over the streamed calls it sent there and has not seen the answer of: a replica sends a
+stream's headers with its first output, so for a stream they are the first token. A replica
+whose gate refuses the prompt is not picked (every one refusing: the soonest refusal, 503
+``overloaded``). Each gate's rate starts from the lower of the replica's reported rate and the
+start-up rate (``admission.startup_rate``, the calibrated seed scaled to the replica's cores),
+divided by ``COLD_MARGIN`` until the gate has seen a first token, and is measured from there.
+A streamed call still without its headers ``--max-queue-delay`` seconds after its admission is
+refused with the 503 ``queue_timeout`` colocated gives: the upstream connection is closed (the
+replica aborts the request) and its place given back
+(``kthena_dp_rejected_requests_total{reason="queue_timeout"}``). A non-streamed answer comes
+whole, so its first token is not seen here: such calls are bounded by the replica's own queue
+and deadline (admission.py), as colocated.
+
 Failures: a replica that refuses the connection is marked down and the next best one gets the
 request (nothing was sent, so this is safe); one that fails after the request was sent is
 marked down and the client gets a 503 naming it (in a stream: an error event, then
@@ -42,7 +57,9 @@ connection is closed and the replica aborts the request.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +72,14 @@ from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Pick, Router
 from kthena_serve.dp.launcher import ROLE
 from kthena_serve.dp.metrics import DPMetrics, merge_replica_metrics
-from kthena_serve.engine.admission import AdmissionLimits, QueueLoad, Refusal, decide
+from kthena_serve.engine.admission import (
+    COLD_MARGIN,
+    AdmissionGate,
+    AdmissionLimits,
+    QueueLoad,
+    Refusal,
+    decide,
+)
 from kthena_serve.engine.errors import InvalidRequestError, OverloadedError
 from kthena_serve.engine.input_processor import InputProcessor
 from kthena_serve.server import protocol as p
@@ -119,14 +143,22 @@ class DPFrontend:
         secret: the deployment secret the replicas require.
         remember: record a routed prompt's blocks on its replica at once (prefix caching on).
         limits: the replicas' queue bounds (``AdmissionLimits.of`` their ``EngineConfig``).
+        startup_rate: prompt tokens/s a replica's gate assumes before anything is measured
+            (``admission.startup_rate``; None: the replica's reports alone).
     """
 
     def __init__(self, router: Router, processor: InputProcessor, *, secret: str,
-                 remember: bool = True, limits: AdmissionLimits | None = None) -> None:
+                 remember: bool = True, limits: AdmissionLimits | None = None,
+                 startup_rate: float | None = None) -> None:
         self.router = router
         self.processor = processor
         self.remember = remember
         self.limits = limits or AdmissionLimits()
+        self.startup_rate = startup_rate
+        # replica -> the streamed calls sent there without an answer yet (module docs)
+        self.gates = {name: AdmissionGate(self.limits, cold_margin=COLD_MARGIN)
+                      for name in router.workers}
+        self._ids = itertools.count()
         self.metrics = DPMetrics(router.workers)
         self._headers = auth_headers(secret)
         self._client: httpx.AsyncClient | None = None
@@ -155,7 +187,22 @@ class DPFrontend:
         prompt_ids, salt = routing_prompt(request.url.path, body, self.processor)
         overloaded = self._overloaded(len(prompt_ids))
         return await self.forward(request, body, prompt_ids, salt, counted=True,
-                                  exclude=overloaded)
+                                  exclude=overloaded, streamed=_is_stream(body))
+
+    def _prior(self, name: str) -> float | None:
+        """A replica gate's rate before it measures: the lower of the replica's reported rate
+        and the start-up rate."""
+        load = QueueLoad.from_json((self.router.workers[name].stats or {}).get("queue"))
+        known = [r for r in (None if load is None else load.prefill_tokens_per_s,
+                             self.startup_rate) if r is not None]
+        return min(known) if known else None
+
+    def _admit(self, name: str, num_tokens: int) -> tuple[str | None, Refusal | None]:
+        """Queue a streamed call on ``name``'s gate: (its id there, None), or (None, the
+        refusal)."""
+        request_id = f"dp-{next(self._ids)}"
+        refusal = self.gates[name].try_admit([(request_id, num_tokens)], self._prior(name))
+        return (None, refusal) if refusal is not None else (request_id, None)
 
     def _overloaded(self, num_tokens: int) -> frozenset[str]:
         """The replicas up whose last reported queue refuses a prompt of ``num_tokens``.
@@ -181,19 +228,23 @@ class DPFrontend:
 
     async def forward(self, request: Request, body: bytes, prompt_ids: Sequence[int] = (),
                       cache_salt: str | None = None, *, counted: bool = False,
-                      exclude: frozenset[str] = frozenset()) -> Response:
+                      exclude: frozenset[str] = frozenset(), streamed: bool = False) -> Response:
         """Send the call to the best replica that is up; relay its answer. A replica that
         refuses it past its queue bound (503 ``overloaded``) passes it to the next one not
         tried; the last refusal is relayed as is.
 
         Args:
             exclude: replicas not to try (their reported queue is past the bound).
+            streamed: a stream, queued on the chosen replica's gate until its headers (its
+                first token), with the queue deadline (module docs).
 
         Raises:
             ApiError: 503 no replica is up, or the chosen one failed after the call was sent;
                 499 the client left before the answer began.
+            OverloadedError: every replica's gate refuses a stream, or it had no first token
+                by its deadline (``queue_timeout``).
         """
-        tried = set(exclude)
+        tried, refusals = set(exclude), []
         for _ in range(len(self.router.workers)):
             try:
                 pick = self.router.pick(ROLE, list(prompt_ids), cache_salt,
@@ -201,8 +252,15 @@ class DPFrontend:
             except LookupError:
                 break
             name = pick.worker.name
+            queued, refusal = (self._admit(name, len(prompt_ids)) if streamed and counted
+                               else (None, None))
+            if refusal is not None:  # this router's own queue for it is past the bound
+                tried.add(name)
+                refusals.append(refusal)
+                self.router.refused(pick)
+                continue
             try:
-                upstream = await _until_disconnect(request, self._send(pick, request, body))
+                upstream = await self._answer(request, pick, body, queued)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 self._failed(name)  # nothing reached it: the next best replica may take it
                 continue
@@ -213,6 +271,9 @@ class DPFrontend:
             except BaseException:
                 self.router.done(name)
                 raise
+            finally:
+                if queued is not None:  # answered, failed or timed out: out of its queue
+                    self.gates[name].forget(queued)
             tried.add(name)
             if self._has_untried(tried) and await _is_overloaded(upstream):
                 await upstream.aclose()  # nothing was generated: the next replica may take it
@@ -224,7 +285,34 @@ class DPFrontend:
             if upstream.status_code >= 400:  # nothing was computed: nothing will be cached
                 self.router.forget_remembered(pick)
             return await self._relay(pick, upstream)
+        if refusals:
+            soonest = min(refusals, key=lambda r: r.retry_after_s)
+            self.metrics.rejected.labels("overload").inc()
+            raise soonest.error()
         raise ApiError(503, self._none_up())
+
+    async def _answer(self, request: Request, pick: Pick, body: bytes,
+                      queued: str | None) -> httpx.Response:
+        """The replica's answer (its headers); a call ``queued`` on the replica's gate must
+        have them by its deadline, and leaves the queue with them (a 200: its first token).
+
+        Raises:
+            OverloadedError: ``queue_timeout``: no answer by the deadline (the upstream call
+                is cancelled, which closes its connection: the replica aborts the request).
+        """
+        name = pick.worker.name
+        gate = self.gates[name]
+        deadline = None if queued is None else gate.first_token_by(queued)
+        try:
+            upstream = await _until_disconnect(request, self._send(pick, request, body),
+                                               deadline)
+        except TimeoutError:
+            self.router.forget_remembered(pick)  # (``forward`` ends it in flight)
+            self.metrics.rejected.labels("queue_timeout").inc()
+            raise gate.timed_out(queued, waited_for="first_token") from None
+        if queued is not None and upstream.status_code == 200:
+            gate.started(queued)
+        return upstream
 
     def _has_untried(self, tried: set[str]) -> bool:
         return any(w.name not in tried for w in self.router.up(ROLE))
@@ -316,6 +404,15 @@ class DPFrontend:
                                f"({type(error).__name__}); retry the request") + _DONE
 
 
+def _is_stream(body: bytes) -> bool:
+    """Whether a completions / chat body asks for a stream (False for one that is not JSON:
+    the replica answers it with the 4xx)."""
+    try:
+        return json.loads(body).get("stream") is True
+    except (ValueError, AttributeError):
+        return False
+
+
 async def _is_overloaded(upstream: httpx.Response) -> bool:
     """Whether a replica's answer is its 503 refusal past its queue bound (the body is read:
     a small JSON error, relayed from memory if it is passed on after all)."""
@@ -347,14 +444,23 @@ class _Relay(StreamingResponse):
             await self._on_close()
 
 
-async def _until_disconnect(request: Request, call: Awaitable[httpx.Response]) -> httpx.Response:
+async def _until_disconnect(request: Request, call: Awaitable[httpx.Response],
+                            deadline: float | None = None) -> httpx.Response:
     """Await the replica's answer (its headers), giving up if the client leaves first: a
     non-streamed answer starts only once it is complete, and closing the upstream connection
-    is what makes the replica abort the request."""
+    is what makes the replica abort the request.
+
+    Raises:
+        TimeoutError: no answer by ``deadline`` (``time.monotonic``; None: none); the call is
+            cancelled.
+    """
     task = asyncio.ensure_future(call)
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait({task}, timeout=left)
             if not task.done() and await request.is_disconnected():
                 raise ApiError(499, "the client closed the request", code="client_closed")
         return task.result()

@@ -54,6 +54,9 @@ class ReplicaLauncher(ProcessLauncher):
         restart: start a replica again when it dies (same port).
         on_restart: called with (name, url) after a restarted replica is ready.
         stream_stall_timeout: the replicas' ``--stream-stall-timeout`` (None: its default).
+        tool_call_parser: the replicas' ``--tool-call-parser`` (they parse chat output).
+        disable_any_whitespace: the replicas' JSON whitespace default
+            (``--structured-outputs-config``; they read the requests).
         quiet: send the replicas' output to /dev/null.
 
     Attributes:
@@ -66,12 +69,15 @@ class ReplicaLauncher(ProcessLauncher):
     def __init__(self, engine_config: EngineConfig, num_replicas: int, served_model_name: str, *,
                  cores: list[int] | None = None, restart: bool = True,
                  on_restart: Callable[[str, str], None] | None = None,
-                 stream_stall_timeout: float | None = None, quiet: bool = False) -> None:
+                 stream_stall_timeout: float | None = None, quiet: bool = False,
+                 tool_call_parser: str = "hermes", disable_any_whitespace: bool = True) -> None:
         super().__init__(replica_specs(cores or owned_cores(), num_replicas), restart=restart,
                          on_restart=on_restart, quiet=quiet)
         self.engine_config = engine_config
         self.served_model_name = served_model_name
         self.stream_stall_timeout = stream_stall_timeout
+        self.tool_call_parser = tool_call_parser
+        self.disable_any_whitespace = disable_any_whitespace
         self.num_ranks = engine_config.world_size
 
     def threads_per_rank(self, worker: WorkerProcess) -> int:
@@ -83,9 +89,12 @@ class ReplicaLauncher(ProcessLauncher):
                "--cores", ",".join(map(str, worker.spec.cores)),
                "--ranks", str(self.num_ranks), "--port", str(worker.port),
                "--ready-file", str(ready), "--engine-config", json.dumps(self.engine_config.to_json()),
-               "--served-model-name", self.served_model_name]
+               "--served-model-name", self.served_model_name,
+               "--tool-call-parser", self.tool_call_parser]
         if self.stream_stall_timeout is not None:
             cmd += ["--stream-stall-timeout", str(self.stream_stall_timeout)]
+        if not self.disable_any_whitespace:
+            cmd.append("--any-whitespace")
         return cmd
 
     def _environment(self, worker: WorkerProcess) -> dict[str, str]:

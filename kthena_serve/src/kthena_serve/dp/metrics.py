@@ -8,7 +8,9 @@ The router's families (its own registry):
 * ``kthena_dp_replica_failures_total{replica}``: calls that failed on the wire (refused, reset,
   cut mid-stream); the replica is then out of rotation until a poll of it succeeds.
 * ``kthena_dp_rejected_requests_total{reason}``: calls the router refused itself (503 +
-  ``Retry-After``): ``overload``, every replica up reported a queue past its bound.
+  ``Retry-After``): ``overload``, every replica up reported (or the router's own queue for it
+  holds) a queue past its bound; ``queue_timeout``, a stream with no first token by its
+  deadline (dp/frontend.py).
 * ``kthena_dp_passed_on_total{replica}``: calls a replica refused past its queue bound (503
   ``overloaded``) that the router sent to another replica.
 * ``kthena_dp_replica_up{replica}``, ``kthena_dp_replica_in_flight{replica}``: read from the
@@ -80,7 +82,7 @@ class DPMetrics:
                                 "failed on the wire", ["replica"], registry=self.registry)
         self.rejected = Counter("kthena_dp_rejected_requests", "Calls the router refused "
                                 "itself, by reason (overload: every replica past its queue "
-                                "bound)", ["reason"], registry=self.registry)
+                                "bound; queue_timeout: no first token by the deadline)", ["reason"], registry=self.registry)
         self.passed_on = Counter("kthena_dp_passed_on", "Calls a replica refused past its "
                                  "queue bound that went to another replica", ["replica"],
                                  registry=self.registry)

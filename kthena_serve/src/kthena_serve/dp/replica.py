@@ -53,23 +53,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
     parser.add_argument("--served-model-name", required=True)
+    parser.add_argument("--tool-call-parser", default="hermes")
+    parser.add_argument("--any-whitespace", action="store_true",
+                        help="JSON constraints that do not say allow whitespace "
+                             "(--structured-outputs-config's disable_any_whitespace false)")
     parser.add_argument("--stream-stall-timeout", type=float, default=None)
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     return parser.parse_args(argv)
 
 
 def build_replica_app(engine: AsyncLLM, name: str, served_model_name: str, aliases: set[str],
-                      secret: str) -> FastAPI:
+                      secret: str, *, tool_call_parser: str = "hermes",
+                      disable_any_whitespace: bool = True) -> FastAPI:
     """The OpenAI app over a started ``AsyncLLM``, keyed by ``secret``, plus ``/dp/state``.
 
     Subscribes to the engine's KV events: call it before the engine serves a request.
+    ``tool_call_parser``, ``disable_any_whitespace``: the deployment's ``--tool-call-parser``
+    and ``--structured-outputs-config`` (the replica reads requests and parses chat output;
+    the router relays them).
     """
     from kthena_serve.cluster.events import EventLog
     from kthena_serve.server import build_app
 
     events = EventLog(engine.kv_cache)
     incarnation = new_incarnation()
-    app = build_app(engine, model_name=served_model_name, aliases=aliases, api_key=secret)
+    app = build_app(engine, model_name=served_model_name, aliases=aliases, api_key=secret,
+                    tool_call_parser=tool_call_parser,
+                    disable_any_whitespace=disable_any_whitespace)
 
     @app.get("/dp/state")
     async def state(since: int = 0) -> dict:
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
     from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.spec import model_aliases
 
     fields = json.loads(args.engine_config)
     if fields.get("tp", 1) * fields.get("pp", 1) == 1:
@@ -106,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kthena_serve.dp.replica {args.name}: error: {error}", file=sys.stderr)
         return 2
     served = args.served_model_name
-    app = build_replica_app(engine, args.name, served, {config.model, "default"} - {served},
-                            secret)
+    app = build_replica_app(engine, args.name, served, model_aliases(config.model, served),
+                            secret, tool_call_parser=args.tool_call_parser,
+                            disable_any_whitespace=not args.any_whitespace)
     engine.start()
 
     def ready(port: int) -> None:

@@ -52,7 +52,9 @@ def run_dp(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     print(f"{_PREFIX} --dp {spec.dp}: starting {spec.dp} replicas ...", file=sys.stderr,
           flush=True)
     launcher = ReplicaLauncher(spec.engine, spec.dp, spec.served_model_name,
-                               stream_stall_timeout=spec.stream_stall_timeout_s)
+                               stream_stall_timeout=spec.stream_stall_timeout_s,
+                               tool_call_parser=spec.tool_call_parser,
+                               disable_any_whitespace=spec.disable_any_whitespace)
     try:
         launcher.start()
     except (RuntimeError, TimeoutError) as error:
@@ -68,7 +70,7 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher, sock: socket.socket | Non
     from kthena_serve.cluster.router import Router
     from kthena_serve.cluster.worker import serve
     from kthena_serve.dp.frontend import DPFrontend, build_dp_app
-    from kthena_serve.engine.admission import AdmissionLimits
+    from kthena_serve.engine.admission import AdmissionLimits, startup_rate
     from kthena_serve.serve_args import SHUTDOWN_MESSAGE, curl_line
 
     config = spec.engine
@@ -76,8 +78,10 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher, sock: socket.socket | Non
                     secret=launcher.secret, state_path="/dp/state",
                     hash_algo=config.hash_algorithm).start()
     launcher.on_restart = router.set_url
+    cores = min(len(w.spec.cores) for w in launcher.workers.values())  # a replica's share
     front = DPFrontend(router, _routing_processor(config), secret=launcher.secret,
-                       remember=config.enable_prefix_caching, limits=AdmissionLimits.of(config))
+                       remember=config.enable_prefix_caching, limits=AdmissionLimits.of(config),
+                       startup_rate=startup_rate(config, cores))
     app = build_dp_app(front, api_key=spec.api_key, public_metrics=spec.public_metrics,
                        deployment=spec.report())
 
@@ -89,5 +93,6 @@ def _serve(spec: ServeSpec, launcher: ReplicaLauncher, sock: socket.socket | Non
 
     serve(app, host=spec.host, port=spec.port, on_ready=ready, close=router.close,
           shutdown_timeout=spec.shutdown_timeout_s,
-          on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE), sock=sock)
+          on_deadline=lambda: front.abort_all(SHUTDOWN_MESSAGE), sock=sock,
+          **spec.server_timeouts())
     return 0

@@ -64,9 +64,27 @@ and the error are measured again). ``Retry-After`` is the time the queue needs t
 under the bound at the measured rate, in whole seconds, 1 to ``MAX_RETRY_AFTER_S``. Every request has priority 0
 (the API refuses others), so the queue is first-come first-served and the bound is one number.
 
+Routers (the PD router's ``RemoteEngine``, the DP router's ``DPFrontend``) keep a gate of their
+own over what they sent and have not seen a first token of, and hold the bound with a deadline
+on that first token instead (``first_token_by``: admission plus the delay bound; a router sees
+outputs, not when a prompt starts computing): a request still queued then is refused with the
+same ``queue_timeout`` 503 (``timed_out``) and its place given back, and closing its upstream
+stream aborts it on the worker. A router's rate starts from ``startup_rate``: the step cost
+model's calibrated seed (``DEFAULT_SEED``: SmolLM2-135M on two Zen 5 cores) at the slowest
+steps the engine runs (``max_num_seqs`` decode rows beside each prefill step), scaled down by
+the share of the seed's two cores an engine has, and never above what the workers report
+(their reports start from the same seed at no decode rows). Until its gate has seen a first
+token that rate is divided by ``COLD_MARGIN`` (``cold_margin``): the seed is one machine's, and
+a burst let in at a rate that runs fast has every first token miss the bound (measured: 16
+prompts of 652 tokens on a fresh ``--dp 2`` with ``--kernels torch`` on this project's shared
+2-core host, all admitted at the seed's 1,660 tokens/s per replica, every one refused at its
+5 s deadline: under 130 tokens/s). An empty queue still admits, so each gate serves one
+request whatever the margin; the first tokens then measure the rate and their waits against
+their estimates (ratio samples) correct it.
+
 ``AdmissionGate`` is the thread-safe bookkeeping one engine front keeps (``AsyncLLM``, the PD
-router's ``RemoteEngine``): admitted requests it has not seen start (``claim``) expire after
-``claim_timeout_s``, so a request refused later (a 400 after admission) or abandoned before its
+router's ``RemoteEngine``, the DP router per replica): admitted requests it has not seen start
+(``claim``) expire after ``claim_timeout_s``, so a request refused later (a 400 after admission) or abandoned before its
 stream began cannot hold tokens forever. ``decide`` is the pure decision the DP router also
 applies to each replica's reported ``QueueLoad``.
 """
@@ -83,9 +101,10 @@ from typing import Any
 import attrs
 
 from kthena_serve.engine.errors import OverloadedError
+from kthena_serve.engine.step_cost import StepCostModel
 
-__all__ = ["MAX_RETRY_AFTER_S", "QUEUE_TIMEOUT", "AdmissionGate", "AdmissionLimits", "KVOutlook", "QueueLoad",
-           "Refusal", "ServiceRate", "decide"]
+__all__ = ["COLD_MARGIN", "MAX_RETRY_AFTER_S", "QUEUE_TIMEOUT", "SEED_CORES", "AdmissionGate", "AdmissionLimits",
+           "KVOutlook", "QueueLoad", "Refusal", "ServiceRate", "decide", "startup_rate"]
 
 MAX_RETRY_AFTER_S = 60
 ESTIMATE_FLOOR_S = 1.0  # added to wait and estimate in a ratio sample, and to the estimate scaled
@@ -95,6 +114,24 @@ FACTOR_QUANTILE = 0.99  # the TTFT tail the bound is held for
 QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
 QUEUED_TOKENS = "queued_tokens"
 QUEUE_TIMEOUT = "queue_timeout"  # OverloadedError.limit: admitted, then not started in time
+SEED_CORES = 2  # the cores the step cost seed was measured on (step_cost.DEFAULT_SEED)
+COLD_MARGIN = 10.0  # a router's start-up rate is divided by this until a first token (docs)
+
+
+def startup_rate(config: Any, num_cores: int) -> float:
+    """Prompt tokens per second a router's gate assumes before it has measured (module docs):
+    the seed cost model's prefill rate with ``config.max_num_seqs`` decode rows beside
+    ``config.max_num_batched_tokens`` prompt tokens a step, times ``min(1, num_cores /
+    SEED_CORES)`` (``num_cores``: the cores one engine runs on).
+
+    Raises:
+        ValueError: ``num_cores`` < 1.
+    """
+    if num_cores < 1:
+        raise ValueError(f"num_cores must be at least 1, got {num_cores}")
+    rate = StepCostModel().prefill_tokens_per_s(config.max_num_seqs,
+                                                config.max_num_batched_tokens)
+    return rate * min(1.0, num_cores / SEED_CORES)
 
 
 @attrs.frozen
@@ -329,11 +366,17 @@ class AdmissionGate:
         clock: seconds, monotonic (tests inject one).
         claim_timeout_s: how long an admitted request may take to start its stream.
         rate: the service-rate meter (default ``ServiceRate()``).
+        cold_margin: until a first token has been seen, the prior rate is divided by this
+            (a router's start-up: ``COLD_MARGIN``; module docs).
     """
 
     def __init__(self, limits: AdmissionLimits, *, clock: Callable[[], float] = time.monotonic,
-                 claim_timeout_s: float = 30.0, rate: ServiceRate | None = None) -> None:
+                 claim_timeout_s: float = 30.0, rate: ServiceRate | None = None,
+                 cold_margin: float = 1.0) -> None:
+        if not cold_margin >= 1.0:
+            raise ValueError(f"cold_margin must be at least 1, got {cold_margin}")
         self.limits = limits
+        self._cold_margin = cold_margin  # 1 once a first token has been seen
         self._clock = clock
         self._claim_timeout_s = claim_timeout_s
         self._rate = rate or ServiceRate()
@@ -376,9 +419,25 @@ class AdmissionGate:
             entry = self._queued.get(request_id)
             return None if entry is None else entry[4]
 
-    def timed_out(self, request_id: str) -> OverloadedError:
-        """The refusal of an admitted request that did not start by its ``start_by``; it leaves
-        the queue, and its wait is a ratio sample (the queue was that late at least)."""
+    def first_token_by(self, request_id: str) -> float | None:
+        """A router's deadline (module docs): the admitted request's admission plus the delay
+        bound, on the gate's clock. None: no delay bound, or not admitted here."""
+        bound = self.limits.max_queue_delay_s
+        with self._lock:
+            entry = self._queued.get(request_id)
+            return None if entry is None or bound is None else entry[2] + bound
+
+    def timed_out(self, request_id: str, *, waited_for: str = "start") -> OverloadedError:
+        """The refusal of an admitted request that did not start by its ``start_by`` (a
+        router's: that got no first token by its ``first_token_by``,
+        ``waited_for="first_token"``); it leaves the queue, and its wait is a ratio sample
+        (the queue was that late at least).
+
+        Raises:
+            ValueError: ``waited_for`` is neither ``"start"`` nor ``"first_token"``.
+        """
+        if waited_for not in ("start", "first_token"):
+            raise ValueError(f"waited_for must be 'start' or 'first_token', got {waited_for!r}")
         with self._lock:
             now = self._advance()
             entry = self._queued.get(request_id)
@@ -388,10 +447,14 @@ class AdmissionGate:
             self._leave(request_id)
             expected = self._load(None).expected_wait_s()
         bound = self.limits.max_queue_delay_s or 0.0
+        missed = (f"start within its share of the queue bound ({waited:.1f} s queued; "
+                  f"--max-queue-delay {bound:g} s, less its own prompt's compute time)"
+                  if waited_for == "start" else
+                  f"get a first token within the queue bound ({waited:.1f} s queued; "
+                  f"--max-queue-delay {bound:g} s)")
         return OverloadedError(
-            f"the server is overloaded: this request did not start within its share of the "
-            f"queue bound ({waited:.1f} s queued; --max-queue-delay {bound:g} s, less its own "
-            "prompt's compute time); retry later or on another replica",
+            f"the server is overloaded: this request did not {missed}; retry later or on "
+            "another replica",
             _retry_after(0.0 if expected is None else expected - bound), QUEUE_TIMEOUT)
 
     def claim(self, request_id: str, num_tokens: int) -> None:
@@ -415,6 +478,7 @@ class AdmissionGate:
                 tokens, _, admitted, estimate, _ = entry
                 self._num_tokens -= tokens
                 self._rate.credit(tokens)
+                self._cold_margin = 1.0
                 if estimate is not None and math.isfinite(estimate):
                     self._ratios.append((now, _ratio(now - admitted, estimate)))
 
@@ -472,7 +536,7 @@ class AdmissionGate:
 
     def _load(self, prior: float | None, kv: KVOutlook | None = None,
               slowdown: float = 1.0) -> QueueLoad:
-        rate = self._rate.rate(prior)
+        rate = self._rate.rate(None if prior is None else prior / self._cold_margin)
         return QueueLoad(len(self._queued), self._num_tokens,
                          None if rate is None else rate * slowdown, self._wait_factor(), kv)
 

@@ -187,7 +187,8 @@ class Grammars:
         try:
             if kind in ("json", "json_object"):
                 schema = _bounded_strings(spec.json) if kind == "json" else '{"type":"object"}'
-                tight = spec.disable_any_whitespace  # vLLM's: no space, also after separators
+                # vLLM's: no space, also after separators; None (no server filled it in): compact
+                tight = spec.disable_any_whitespace is not False
                 return compiler.compile_json_schema(schema, any_whitespace=not tight,
                                                     separators=(",", ":") if tight else None)
             if kind == "regex":

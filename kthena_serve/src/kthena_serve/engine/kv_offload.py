@@ -20,6 +20,10 @@
 * ``timeout=SECONDS``: how long a request waits for its promotion before recomputing the
   blocks not yet copied (default 5).
 
+In PD (``kthena serve --mode pd``) every worker opens these tiers over its own pool, a store
+only with ``write=through`` (spec.py), and ``check_store`` refuses a master that does not
+answer before any worker starts (docs/pd.md, "Shared KV store").
+
 The engine side is ``mooncake_kv.tiers.AsyncOffloader`` (copier and promoter threads); this
 module names its keys (model, dtype, pool geometry) and turns its counters into ``KVTierStats``.
 """
@@ -38,7 +42,37 @@ if TYPE_CHECKING:
     from mooncake_kv.tiers import AsyncOffloader, OffloadSnapshot
     from mooncake_kv.tiers.offload import BlockStorage
 
-__all__ = ["DEFAULT_MASTER", "KVOffloadConfig", "open_offloader", "tier_stats"]
+__all__ = ["DEFAULT_MASTER", "KVOffloadConfig", "StoreUnreachableError", "check_store",
+           "open_offloader", "shares_store", "tier_stats"]
+
+
+class StoreUnreachableError(ValueError):
+    """``--kv-offload`` names a store whose ``mooncake_master`` does not answer."""
+
+
+def shares_store(config: EngineConfig) -> bool:
+    """Whether engines of ``config`` put every block they cache into a store at once (a store
+    with ``write=through``): what a router may count as the store's (cluster/router.py)."""
+    spec = config.kv_offload
+    return spec is not None and spec.store_address is not None and spec.store_write_through
+
+
+def check_store(spec: KVOffloadConfig | None, timeout_s: float = 2.0) -> None:
+    """Refuse a store tier whose master does not answer (PD: before any worker starts, where
+    an engine alone would leave the store out with a warning).
+
+    Raises:
+        StoreUnreachableError: naming the master's address and what to do.
+    """
+    if spec is None or spec.store_address is None:
+        return
+    from mooncake_kv.tiers import TierUnavailableError
+    from mooncake_kv.tiers.store import probe_master
+
+    try:
+        probe_master(spec.store_address, timeout_s)
+    except TierUnavailableError as error:
+        raise StoreUnreachableError(f"--kv-offload: {error}") from None
 
 
 def namespace(config: EngineConfig) -> str:

@@ -199,6 +199,19 @@ class LLMEngine:
             del self._requests[request.request_id]
         return reservation
 
+    def wait_reserved(self, request_id: str) -> None:
+        """Wait (any thread) for a reservation's promotion from the offload tiers to end, at
+        most ``promote_timeout_s``; returns at once when it has none."""
+        self.scheduler.promoting.wait_reserved(request_id)
+
+    def settle_reserved(self, request_id: str) -> Reservation:
+        """End a reservation's promotion: the reservation with what arrived counted cached.
+
+        Raises:
+            KeyError: ``request_id`` holds no reservation.
+        """
+        return self.scheduler.settle_reserved(request_id)
+
     def admit_prefilled(self, request_id: str, first_token_id: int,
                         logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """Start decoding a reserved request whose prompt KV was written; its first output.

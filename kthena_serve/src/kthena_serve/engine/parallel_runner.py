@@ -261,8 +261,31 @@ def _serve_steps(stage: _Stage) -> None:
 
 def _worker_main(config: EngineConfig, rank: int, port: int, group: GroupConfig,
                  shared_pool: bool = False) -> None:
+    _exit_with_parent()
     _serve_steps(_Stage(config, _rank_env(rank, config.world_size, port), group,
                         shared_pool=shared_pool))
+
+
+def _exit_with_parent(interval_s: float = 0.5) -> None:
+    """A spawned rank ends when rank 0's process is gone (killed, say, while the ranks still
+    met): a daemon thread sees the parent change, unlinks the /dev/shm pools this process made
+    and exits. Rank 0's close() stops ranks the normal way; this covers the rest."""
+    import threading
+    import time
+
+    from mooncake_kv import shared_pool_paths
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        for path in shared_pool_paths(os.getpid()):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kthena-rank-parent", daemon=True).start()
 
 
 def serve_rank(config: EngineConfig, rank_env) -> None:  # noqa: ANN001 - kthena_comm RankEnv

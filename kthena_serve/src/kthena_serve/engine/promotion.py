@@ -9,6 +9,13 @@ written so far count, the others are computed, into the slots the promotion rese
 of the request's computed tokens). A step with nothing to run but promotions in flight waits
 for the oldest one (at most that long) instead of spinning. ``Promotions`` is the scheduler's
 book of them.
+
+PD decode reservations (``Scheduler.reserve``) promote too, without a seat in the step: the
+blocks a reservation holds after its pool hit are filled from the tiers while the caller waits
+off the engine thread (``wait_reserved``), then ``settle_reserved`` ends the job (what arrived
+counts as cached, and the prefill worker computes from there; the rest is cancelled, and a
+cancel returns only once no write into those blocks can follow). A reservation released or
+aborted before that is settled first, so its blocks are never freed under a promotion.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class Promotions:
         # past its computed tokens (a promotion's blocks that were not filled)
         self._jobs: dict[str, tuple[Request, PromotionJob, int]] = {}
         self._ahead: dict[str, int] = {}
+        self._reserved: dict[str, PromotionJob] = {}  # PD reservations being filled
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._jobs
@@ -78,6 +86,38 @@ class Promotions:
         request.block_ids = blocks.block_ids
         self._jobs[request.request_id] = (request, job, num_hit_blocks)
         return True
+
+    def try_start_reserved(self, request: Request, num_hit_blocks: int,
+                           salt: ExtraKeys | None) -> int:
+        """Start filling a PD reservation's blocks after its pool hit (``request.block_ids``
+        cover the prompt); the blocks being promoted (0: none, nothing started). At least one
+        prompt token is left to compute (the prefill worker samples the first token from it)."""
+        size = self.kv.block_size
+        limit = (request.num_tokens - 1) // size
+        if self.offloader is None or num_hit_blocks >= limit:
+            return 0
+        hashes = self.kv.hasher.hash_tokens(request.token_ids[: limit * size], salt)
+        wanted = hashes[num_hit_blocks:]
+        if not self.offloader.may_hold(wanted[0]):
+            return 0
+        self._reserved[request.request_id] = self.offloader.start_promotion(
+            wanted, request.block_ids[num_hit_blocks:limit])
+        return len(wanted)
+
+    def wait_reserved(self, request_id: str) -> None:
+        """Wait for a reservation's promotion to end, at most until it times out (any
+        thread; returns at once when there is none)."""
+        job = self._reserved.get(request_id)
+        if job is not None:
+            job.wait(max(0.0, job.started + self.timeout_s - time.monotonic()))
+
+    def settle_reserved(self, request_id: str) -> int:
+        """End a reservation's promotion: the leading blocks written (0 when there is none);
+        no write into its blocks follows."""
+        job = self._reserved.pop(request_id, None)
+        if job is None:
+            return 0
+        return job.num_promoted if job.done() else job.cancel()
 
     def collect(self) -> list[Request]:
         """The requests whose promotion ended (or timed out), what arrived committed, each

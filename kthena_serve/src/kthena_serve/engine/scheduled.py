@@ -56,7 +56,13 @@ class ScheduledBatch:
 
 @attrs.frozen
 class Reservation:
-    """PD decode: the blocks reserved for a prompt and how much of it was already cached."""
+    """PD decode: the blocks reserved for a prompt and how much of it was already cached.
+
+    ``num_promoting_blocks``: blocks after the cached prefix being copied in from the offload
+    tiers (promotion.py); until ``Scheduler.settle_reserved`` they count in neither
+    ``num_cached_tokens`` nor what anyone may write.
+    """
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
+    num_promoting_blocks: int = 0

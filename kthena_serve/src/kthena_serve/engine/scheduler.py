@@ -139,6 +139,7 @@ class Scheduler:
         """Drop a waiting, reserved or running request; None if it is not here."""
         if request_id in self.reserved:
             request = self.reserved.pop(request_id)
+            self.promoting.settle_reserved(request_id)  # no promotion write after the free
             self.kv.free(request_id)
             _mark_finished(request, FinishReason.ABORT)
             return request
@@ -218,7 +219,10 @@ class Scheduler:
 
         The request waits outside the queue until ``admit_prefilled`` or ``release``. Returns
         None when no seat (``max_num_seqs``, reservations included) or no blocks are free now;
-        the caller then queues the request as an ordinary one.
+        the caller then queues the request as an ordinary one. With offload tiers, the blocks
+        after the pool hit that a tier may hold start promoting (``num_promoting_blocks``):
+        the caller waits for them (``promoting.wait_reserved``, off this thread) and calls
+        ``settle_reserved`` before anyone writes the prompt's KV.
         """
         if self._num_seated() >= self.max_num_seqs:
             return None
@@ -233,7 +237,22 @@ class Scheduler:
         request.num_cached_tokens = match.num_cached_tokens
         request.status = RequestStatus.RESERVED
         self.reserved[rid] = request
-        return Reservation(blocks.block_ids, match.num_cached_tokens)
+        promoting = (self.promoting.try_start_reserved(request, match.num_cached_blocks, salt)
+                     if self.enable_prefix_caching else 0)
+        return Reservation(blocks.block_ids, match.num_cached_tokens, promoting)
+
+    def settle_reserved(self, request_id: str) -> Reservation:
+        """End a reservation's promotion (``reserve``): the blocks that arrived count as
+        cached, the rest is the prefill worker's to compute.
+
+        Raises:
+            KeyError: ``request_id`` holds no reservation.
+        """
+        request = self.reserved[request_id]
+        num_promoted = self.promoting.settle_reserved(request_id)
+        request.num_cached_tokens = (request.num_cached_tokens or 0) \
+            + num_promoted * self.block_size
+        return Reservation(request.block_ids, request.num_cached_tokens)
 
     def admit_prefilled(self, request_id: str) -> Request:
         """A reserved request's prompt KV is written: cache its blocks and start decoding.
@@ -254,6 +273,7 @@ class Scheduler:
         request = self.reserved.pop(request_id, None)
         if request is None:
             return False
+        self.promoting.settle_reserved(request_id)  # no promotion write after the free
         self.kv.free(request_id)
         _mark_finished(request, FinishReason.ABORT)
         return True

@@ -92,9 +92,11 @@ class StructuredOutputsParams:
         structural_tag: an xgrammar structural tag (JSON text or a dict; vLLM's field): text
             whose tagged parts follow their schemas.
         disable_any_whitespace: ``json`` / ``json_object`` output without optional
-            whitespace (vLLM's name). Default True here, compact JSON (vLLM's default is
-            False): a grammar that allows whitespace anywhere lets a model emit it for ever,
-            up to ``max_tokens``. False allows any whitespace between JSON's tokens.
+            whitespace (vLLM's name). None (the default): the server's choice, which the
+            OpenAI server fills in from ``--structured-outputs-config`` (compact unless it
+            says otherwise); a ``Grammars`` given None compiles compact JSON (vLLM's default
+            is False: a grammar that allows whitespace anywhere lets a model emit it for
+            ever, up to ``max_tokens``). False allows any whitespace between JSON's tokens.
 
     Raises:
         InvalidRequestError: not exactly one constraint, or one of the wrong type.
@@ -106,7 +108,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choice)
     grammar: str | None = attrs.field(default=None, converter=_text("grammar"))
     structural_tag: str | None = attrs.field(default=None, converter=_tag)
-    disable_any_whitespace: bool = True
+    disable_any_whitespace: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         named = [name for name in CONSTRAINTS if getattr(self, name) is not None]
@@ -117,8 +119,10 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise InvalidRequestError("json_object must be true (or left out)",
                                       f"{PARAM}.json_object")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise InvalidRequestError("disable_any_whitespace must be a bool",
+        if self.disable_any_whitespace is not None and not isinstance(
+                self.disable_any_whitespace, bool):
+            raise InvalidRequestError("disable_any_whitespace must be a bool (or null: the "
+                                      "server's default)",
                                       f"{PARAM}.disable_any_whitespace")
 
     @property

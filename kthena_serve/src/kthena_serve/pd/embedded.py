@@ -16,6 +16,7 @@ import httpx
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Router
 from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.kv_offload import shares_store
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.frontend import RemoteEngine, build_router_app
 from kthena_serve.pd.launcher import PDLauncher
@@ -56,7 +57,8 @@ class PDCluster:
             self.router = Router(self.launcher.endpoints(), self.pd_config,
                                  self.engine_config.block_size, PDMetrics("router"),
                                  secret=secret,
-                                 hash_algo=self.engine_config.hash_algorithm).start()
+                                 hash_algo=self.engine_config.hash_algorithm,
+                                 shared_store=shares_store(self.engine_config)).start()
             self.launcher.on_restart = self.router.set_url
             remote = RemoteEngine.for_model(self.router, self.engine_config, self._tokenizer,
                                             secret=secret)

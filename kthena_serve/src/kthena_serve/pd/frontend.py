@@ -13,7 +13,12 @@ prefill worker). So the router keeps one ``AdmissionGate`` (admission.py) per pa
 workers' ``EngineConfig`` bounds, over every request it sent that way and has not seen a first
 token of; the path is the router's own pick (``Router.preview``) at admission, each gate's rate
 and error are measured here (admission to first token), starting from the reported rates of
-the workers on that path (prefill workers, or decode workers). Decode
+the workers on that path (prefill workers, or decode workers), never above the start-up rate
+(``startup_rate``: the calibrated seed's, scaled to a worker's cores), divided by
+``COLD_MARGIN`` until the gate has seen a first token (admission.py). A request still without a first token ``--max-queue-delay`` seconds after
+its admission is refused then (the gate's ``first_token_by`` / ``timed_out``: the 503
+``queue_timeout`` colocated gives; its queue place is given back and closing its stream aborts
+it on the decode worker). Decode
 workers do not check ``/pd/generate`` again (a refusal there would come after this router's 200
 went out); one that answers 503 ``overloaded`` all the same (a worker that is not this
 deployment's) is passed on as ``OverloadedError``: the app's 503 with the worker's
@@ -23,6 +28,7 @@ streams too).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -34,7 +40,13 @@ from fastapi import FastAPI
 
 from kthena_serve.cluster.auth import auth_headers
 from kthena_serve.cluster.router import Decision, Router
-from kthena_serve.engine.admission import AdmissionGate, AdmissionLimits, KVOutlook, QueueLoad
+from kthena_serve.engine.admission import (
+    COLD_MARGIN,
+    AdmissionGate,
+    AdmissionLimits,
+    KVOutlook,
+    QueueLoad,
+)
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.errors import (
     EngineDeadError,
@@ -65,34 +77,40 @@ class RemoteEngine:
         model_limits: (max_position_embeddings, vocab_size) of the model, used until a
             decode worker has reported its own limits.
         secret: the deployment secret sent to decode workers (``PDLauncher.secret``).
+        startup_rate: prompt tokens/s the gates assume before anything is measured
+            (``admission.startup_rate``; None: the workers' reports alone).
     """
 
     def __init__(self, router: Router, tokenizer, config: EngineConfig,  # noqa: ANN001
-                 model_limits: tuple[int, int], *, secret: str | None = None) -> None:
+                 model_limits: tuple[int, int], *, secret: str | None = None,
+                 startup_rate: float | None = None) -> None:
         self.router = router
         self._headers = auth_headers(secret)
         self.tokenizer = tokenizer
         self.config = config
         self._model_limits = model_limits
+        self._startup_rate = startup_rate
         self._processor = InputProcessor(tokenizer, self._limits, config.chat_special_tokens)
         self._client: httpx.AsyncClient | None = None
         self._closing: str | None = None  # set by abort_all: the server is shutting down
         limits = AdmissionLimits.of(config)
-        self.admission = {path: AdmissionGate(limits) for path in PATHS}  # path -> its gate
+        self.admission = {path: AdmissionGate(limits, cold_margin=COLD_MARGIN)
+                          for path in PATHS}  # path -> its gate
         # request id -> (its path, the router's pick at admission, None without a decode
         # worker): generate routes by that pick instead of hashing the prompt again
         self._admitted: dict[str, tuple[str, Decision | None]] = {}
 
     @classmethod
     def for_model(cls, router: Router, config: EngineConfig, tokenizer=None, *,  # noqa: ANN001
-                  secret: str | None = None) -> RemoteEngine:
+                  secret: str | None = None, startup_rate: float | None = None) -> RemoteEngine:
         """Read the model's limits (and tokenizer, unless given) from ``config.model``."""
         from kthena_serve.model import ModelConfig, Tokenizer, resolve_checkpoint
 
         folder = resolve_checkpoint(config.model)
         model = ModelConfig.from_pretrained(folder)
         return cls(router, tokenizer or Tokenizer.from_pretrained(folder), config,
-                   (model.max_position_embeddings, model.shape.vocab_size), secret=secret)
+                   (model.max_position_embeddings, model.shape.vocab_size), secret=secret,
+                   startup_rate=startup_rate)
 
     @property
     def is_alive(self) -> bool:
@@ -127,7 +145,7 @@ class RemoteEngine:
     def _prior_rate(self, path: str) -> float | None:
         """The reported rates of the workers on ``path`` summed (prefill workers for
         ``disaggregated``, else decode workers; decode workers when no prefill worker
-        reported one): a gate's rate before it measures."""
+        reported one), at most the start-up rate: a gate's rate before it measures."""
         def summed(role: str) -> float | None:
             loads = [QueueLoad.from_json(w.stats.get("queue")) for w in self.router.up(role)
                      if w.stats]
@@ -136,7 +154,9 @@ class RemoteEngine:
             return sum(rates) if rates else None
 
         rate = summed("prefill") if path == DISAGGREGATED else None
-        return rate if rate is not None else summed("decode")
+        rate = rate if rate is not None else summed("decode")
+        known = [r for r in (rate, self._startup_rate) if r is not None]
+        return min(known) if known else None
 
     def _kv_outlook(self) -> KVOutlook | None:
         """The decode workers' pools as one outlook (every prompt ends up in one of them):
@@ -216,11 +236,19 @@ class RemoteEngine:
         token. Leaving early closes the worker's stream, which aborts it there."""
         path, decision = self._admitted.pop(request.request_id, None) or self._pick(request)
         gate = self.admission[path]
+        deadline = gate.first_token_by(request.request_id)  # None: not admitted, or no bound
         gate.claim(request.request_id, len(request.prompt_ids))
         queued = True
         try:
             async with contextlib.aclosing(self._generate(request, decision)) as outputs:
-                async for out in outputs:
+                while True:
+                    try:
+                        out = await _next(outputs, deadline if queued else None)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:  # no first token in the bound: the stream closes
+                        raise gate.timed_out(request.request_id,
+                                             waited_for="first_token") from None
                     if queued and out.token_ids:
                         gate.started(request.request_id)
                         queued = False
@@ -287,6 +315,18 @@ class RemoteEngine:
             await self._client.aclose()
 
 
+async def _next(outputs: AsyncIterator[RequestOutput], deadline: float | None) -> RequestOutput:
+    """The next output, waiting until ``deadline`` (``time.monotonic``; None: no limit).
+
+    Raises:
+        StopAsyncIteration: the outputs ended.
+        TimeoutError: the deadline passed first (the pending read is cancelled).
+    """
+    if deadline is None:
+        return await anext(outputs)
+    return await asyncio.wait_for(anext(outputs), max(0.0, deadline - time.monotonic()))
+
+
 def _code(text: str) -> str | None:
     try:
         return json.loads(text)["error"]["code"]
@@ -321,16 +361,23 @@ class _Forward:
 
 def build_router_app(remote: RemoteEngine, *, model_name: str, aliases: set[str] | None = None,
                      api_key: str | None = None, public_metrics: bool = False,
-                     deployment: dict | None = None) -> FastAPI:
+                     deployment: dict | None = None, tool_call_parser: str = "hermes",
+                     disable_any_whitespace: bool = True) -> FastAPI:
     """The OpenAI app over the cluster, plus ``GET /pd/workers``.
 
     Args:
         public_metrics: /metrics needs no API key (/pd/workers and /v1/* still do).
+        tool_call_parser: ``--tool-call-parser``: the router renders tools, constrains and
+            parses chat output (the workers see token ids and sampling parameters only).
+        disable_any_whitespace: ``--structured-outputs-config``'s, filled in here (the
+            workers compile the constraint as the router sent it).
     """
     from kthena_serve.server import build_app
 
     app = build_app(remote, model_name=model_name, aliases=aliases, api_key=api_key,
-                    public_metrics=public_metrics, deployment=deployment)
+                    public_metrics=public_metrics, deployment=deployment,
+                    tool_call_parser=tool_call_parser,
+                    disable_any_whitespace=disable_any_whitespace)
     app.state.api.metrics.registry.register(_Forward(remote.router.metrics.registry))
 
     @app.get("/pd/workers")

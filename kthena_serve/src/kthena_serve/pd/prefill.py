@@ -44,7 +44,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -66,6 +66,10 @@ from kthena_serve.pd.transfer import BlockPush
 from mooncake_kv import KVCacheManager
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool
+
+if TYPE_CHECKING:
+    from kthena_serve.engine.stats import KVTierStats
+    from mooncake_kv.tiers import AsyncOffloader
 
 __all__ = ["ExecutorClosedError", "OwnedPrefill", "PrefillCancelled", "PrefillExecutor"]
 
@@ -146,10 +150,14 @@ class PrefillExecutor:
             make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
             self.runner = ModelRunner(model, make(layout))
         self.kv: KVCacheManager = create_kv_manager(config, layout.num_blocks)
+        self.offloader = _open_offloader(config, self.runner.pool, self.kv)
         self._jobs: dict[str, PrefillJob] = {}  # the scheduler's requests (compute thread)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching,
+                                   offloader=self.offloader,
+                                   promote_timeout_s=(config.kv_offload.promote_timeout_s
+                                                      if config.kv_offload else 5.0),
                                    batch_key=lambda request: id(self._jobs[request.request_id]
                                                                 .runner))
 
@@ -167,6 +175,14 @@ class PrefillExecutor:
             ValueError: the pool's KV dtype is not the one this worker computes.
         """
         return self._pools.layout_for(num_blocks, block_size, dtype, kv_cache_dtype)
+
+    def kv_tier_stats(self) -> tuple[KVTierStats, ...]:
+        """Per-tier numbers of the own pool's ``--kv-offload`` (empty without it); any thread."""
+        if self.offloader is None:
+            return ()
+        from kthena_serve.engine.kv_offload import tier_stats
+
+        return tier_stats(self.offloader.snapshot())
 
     def num_queued_running(self) -> tuple[int, int]:
         """(jobs waiting for their first chunk, jobs with a chunk picked) (any thread)."""
@@ -483,8 +499,24 @@ class PrefillExecutor:
                 job.future.set_exception(ExecutorClosedError(self._closing))
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._handoff.shutdown(wait=True, cancel_futures=True)
+        if self.offloader is not None:
+            self.offloader.close()  # its threads read the own pool: stop them first
         self._pools.close()
         self.runner.close()
+
+
+def _open_offloader(config: EngineConfig, pool: KVPool, kv: KVCacheManager,
+                    ) -> AsyncOffloader | None:
+    """The own pool's ``--kv-offload`` tiers (None without): blocks this worker commits go
+    to them (to the store at once: PD takes ``write=through``), and an own-pool prompt whose
+    blocks miss here is promoted from them before it is computed (the scheduler's
+    ``Promotions``). A /pd/prefill over shm writes the decode worker's pool, whose engine
+    offloads those blocks itself."""
+    if config.kv_offload is None:
+        return None
+    from kthena_serve.engine.kv_offload import open_offloader
+
+    return open_offloader(config, pool, kv)
 
 
 def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:

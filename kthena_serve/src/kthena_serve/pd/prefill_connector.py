@@ -177,11 +177,11 @@ class PrefillEngine:
 
     def stats(self) -> EngineStats:
         """Forward passes and prompt tokens computed, every prefill queued or running (the
-        OpenAI routes' and the /pd/prefill tasks': one executor runs both), the own pool's KV."""
+        OpenAI routes' and the /pd/prefill tasks': one executor runs both), the own pool's KV and its offload tiers."""
         ex = self.executor
         num_waiting, num_running = ex.num_queued_running()
         return EngineStats(ex.num_steps, ex.num_computed_tokens, 0, 0, num_waiting,
-                           num_running, ex.kv.stats())
+                           num_running, ex.kv.stats(), kv_tiers=ex.kv_tier_stats())
 
 
 class _PinnedPrefill:

@@ -72,6 +72,17 @@ def role_layouts(spec: ServeSpec) -> dict[str, int]:
     return sizes
 
 
+def _startup_rate(spec: ServeSpec) -> float:
+    """The router's rate before it measures (admission.startup_rate): the cores of this host
+    shared by every worker's ranks."""
+    from kthena_serve.engine.admission import startup_rate
+    from kthena_serve.engine.threads import owned_cores
+
+    ranks = (spec.num_prefill * spec.pd.role_tp("prefill", spec.engine.tp)
+             + spec.num_decode * spec.pd.role_tp("decode", spec.engine.tp))
+    return startup_rate(spec.engine, max(1, len(owned_cores()) // max(1, ranks)))
+
+
 def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     """Launch the workers ``spec`` names and serve the router until interrupted, on ``sock``
     (``bind_listener(spec.host, spec.port)``; None: bound when the workers are up).
@@ -84,6 +95,7 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kthena_serve.cluster.router import Router
     from kthena_serve.cluster.worker import serve
+    from kthena_serve.engine.kv_offload import check_store, shares_store
     from kthena_serve.pd.frontend import RemoteEngine, build_router_app
     from kthena_serve.pd.launcher import PDLauncher
     from kthena_serve.pd.metrics import PDMetrics
@@ -91,6 +103,7 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
     config, name = spec.engine, spec.served_model_name
     try:
         roles = role_layouts(spec)
+        check_store(config.kv_offload)  # every worker opens it: refused before any starts
     except ValueError as error:
         print(f"kthena serve --mode pd: {error}", file=sys.stderr)
         return 2
@@ -105,11 +118,15 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
         print(f"kthena serve --mode pd: {error}", file=sys.stderr)
         return 1
     router = Router(launcher.endpoints(), spec.pd, config.block_size, PDMetrics("router"),
-                    secret=launcher.secret, hash_algo=config.hash_algorithm).start()
+                    secret=launcher.secret, hash_algo=config.hash_algorithm,
+                    shared_store=shares_store(config)).start()
     launcher.on_restart = router.set_url
-    remote = RemoteEngine.for_model(router, config, secret=launcher.secret)
+    remote = RemoteEngine.for_model(router, config, secret=launcher.secret,
+                                    startup_rate=_startup_rate(spec))
     app = build_router_app(remote, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
-                           public_metrics=spec.public_metrics, deployment=spec.report())
+                           public_metrics=spec.public_metrics, deployment=spec.report(),
+                           tool_call_parser=spec.tool_call_parser,
+                           disable_any_whitespace=spec.disable_any_whitespace)
 
     def ready(port: int) -> None:
         from kthena_serve.engine.model_runner import kv_dtype_name
@@ -124,7 +141,8 @@ def run_pd(spec: ServeSpec, sock: socket.socket | None = None) -> int:
 
     serve(app, host=spec.host, port=spec.port, on_ready=ready, close=stop,
           shutdown_timeout=spec.shutdown_timeout_s,
-          on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE), sock=sock)
+          on_deadline=lambda: remote.abort_all(SHUTDOWN_MESSAGE), sock=sock,
+          **spec.server_timeouts())
     return 0
 
 

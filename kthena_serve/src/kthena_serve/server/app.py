@@ -62,7 +62,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
               kv_connector: KVConnector | None = None, metrics: ServerMetrics | None = None,
               public_metrics: bool = False, deployment: Mapping[str, Any] | None = None,
-              log_requests: bool = False, tool_call_parser: str = "hermes") -> FastAPI:
+              log_requests: bool = False, tool_call_parser: str = "hermes",
+              disable_any_whitespace: bool = True) -> FastAPI:
     """The HTTP app over a started ``EngineClient`` (``AsyncLLM`` or the PD ``RemoteEngine``).
 
     Args:
@@ -82,6 +83,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
             ``kthena_deployment_info``. None: not known here (``served`` is null).
         tool_call_parser: the format chat output is parsed for tool calls in
             (``--tool-call-parser``; server/tool_parsers/).
+        disable_any_whitespace: what a JSON constraint that does not say gets
+            (``--structured-outputs-config``; True: compact JSON).
 
     Raises:
         ValueError: ``metrics`` was made for another served model name.
@@ -91,7 +94,8 @@ def build_app(engine: EngineClient, *, model_name: str, aliases: set[str] | None
                          f"this app serves {model_name!r}: make ServerMetrics(engine, "
                          f"{model_name!r})")
     api = OpenAIRoutes(engine, model_name, aliases or set(), kv_connector, metrics,
-                       tool_call_parser=tool_call_parser)
+                       tool_call_parser=tool_call_parser,
+                       disable_any_whitespace=disable_any_whitespace)
     if log_requests:  # --enable-log-requests: a line per request received and finished
         api.log = api.metrics.request_log = _print_line
     from kthena_serve import __version__

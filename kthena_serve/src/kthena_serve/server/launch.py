@@ -202,8 +202,10 @@ KEEP_ALIVE_S = 75.0
 HEADER_TIMEOUT_S = 30.0
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str, keep_alive_s: float,
-            header_timeout_s: float) -> uvicorn.Config:
+def _config(app: FastAPI, host: str, port: int, log_level: str, keep_alive_s: float | None,
+            header_timeout_s: float | None) -> uvicorn.Config:
+    keep_alive_s = KEEP_ALIVE_S if keep_alive_s is None else keep_alive_s
+    header_timeout_s = HEADER_TIMEOUT_S if header_timeout_s is None else header_timeout_s
     for name, value in (("keep_alive_s", keep_alive_s), ("header_timeout_s", header_timeout_s)):
         if not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -216,8 +218,8 @@ def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
                on_ready: Callable[[int], None] | None = None, log_level: str = "info",
                shutdown_timeout: float = 30.0,
                on_deadline: Callable[[], None] | None = None,
-               sock: socket.socket | None = None, keep_alive_s: float = KEEP_ALIVE_S,
-               header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+               sock: socket.socket | None = None, keep_alive_s: float | None = None,
+               header_timeout_s: float | None = None) -> None:
     """Serve until SIGTERM / SIGINT; ``on_ready(port)`` runs once the socket accepts connections.
 
     On the first signal the app drains (``shutdown_timeout`` seconds at most), then
@@ -227,9 +229,11 @@ def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
     Args:
         sock: a socket from ``bind_listener(host, port)`` (the server takes it over and closes
             it); None: bound here.
-        keep_alive_s: an idle connection between requests is closed after this long.
+        keep_alive_s: an idle connection between requests is closed after this long
+            (``--timeout-keep-alive``; None: ``KEEP_ALIVE_S``).
         header_timeout_s: a connection that sends no complete request header this long after
-            it opened (or after its next request's first byte) is closed.
+            it opened (or after its next request's first byte) is closed
+            (``--timeout-header-read``; None: ``HEADER_TIMEOUT_S``).
 
     Raises:
         ListenError: the address cannot be bound or listened on (never uvicorn's exit).

@@ -93,9 +93,10 @@ class StructuredOutputs(Forbid):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    # vLLM's name; its default is false, here true: compact JSON unless a request asks for
-    # whitespace (a grammar with free whitespace lets a model emit it up to max_tokens)
-    disable_any_whitespace: bool = True
+    # vLLM's name; its default is false, here the server's (--structured-outputs-config,
+    # true unless it says otherwise): compact JSON unless asked for whitespace (a grammar with
+    # free whitespace lets a model emit it up to max_tokens). None: the server's default
+    disable_any_whitespace: bool | None = None
     # vLLM's xgrammar backend ignores both: the first is accepted (xgrammar already allows no
     # property a schema does not name, unless the schema sets additionalProperties), the
     # second refused unless null

@@ -26,6 +26,7 @@ from kthena_serve.client import EngineClient, KVConnector
 from kthena_serve.engine.errors import OverloadedError
 from kthena_serve.engine.logprobs import TokenLogprobs
 from kthena_serve.engine.request import FinishReason, RequestOutput
+from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.model.errors import ChatTemplateError
 from kthena_serve.server import protocol as p
 from kthena_serve.server.errors import ApiError
@@ -83,8 +84,10 @@ class OpenAIRoutes:
     def __init__(self, engine: EngineClient, model_name: str, aliases: set[str],
                  kv_connector: KVConnector | None = None,
                  metrics: ServerMetrics | None = None, *,
-                 tool_call_parser: str = DEFAULT_PARSER) -> None:
+                 tool_call_parser: str = DEFAULT_PARSER,
+                 disable_any_whitespace: bool = True) -> None:
         self.tool_call_parser = check_parser_name(tool_call_parser)
+        self.disable_any_whitespace = disable_any_whitespace
         self.engine = engine
         self.kv_connector = kv_connector
         self.model_name = model_name
@@ -114,6 +117,7 @@ class OpenAIRoutes:
                 params = tool_params(params, body.tools, body.effective_tool_choice,
                                      body.parallel_tool_calls is not False,
                                      self.tool_call_parser)
+            params = self._whitespace_default(params)
         except ValueError as error:
             raise ApiError(400, str(error), getattr(error, "param", None)) from None
         prepared = [self.engine.processor.prepare(ids, params) for ids in prompts]  # -> 400
@@ -129,6 +133,16 @@ class OpenAIRoutes:
                      f"{', '.join(str(len(i)) for i in prompts)} tokens, n={job.n}, "
                      f"params: {params}")
         return job
+
+    def _whitespace_default(self, params: SamplingParams) -> SamplingParams:
+        """A JSON constraint that does not say whether whitespace is allowed gets the
+        server's ``disable_any_whitespace`` (``--structured-outputs-config``), so the engine,
+        a DP replica or a PD worker compiles what this server decided."""
+        spec = params.structured_outputs
+        if spec is None or spec.disable_any_whitespace is not None:
+            return params
+        return attrs.evolve(params, structured_outputs=attrs.evolve(
+            spec, disable_any_whitespace=self.disable_any_whitespace))
 
     @contextlib.contextmanager
     def _admitted(self, job: Job) -> Iterator[None]:

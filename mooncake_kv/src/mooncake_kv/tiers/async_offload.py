@@ -28,6 +28,10 @@ background threads, so the manager's owner thread (the engine step) never waits 
   (``cancel``) keeps those and recomputes the rest. A tier that raises (a dead Mooncake
   master) is a miss, warned about once and skipped for ``retry_after_s``: never wrong KV.
 * Every value is a self-checking frame (``tiers.base``): a foreign or damaged value is a miss.
+* Keys this offloader put into a lower tier (the store) are remembered (the newest
+  ``MAX_REMEMBERED_KEYS``) and removed from it at ``close``: a store shared by a deployment
+  keeps nothing of a process that has gone (older keys are left to the store's own eviction).
+  A paused tier (its master does not answer) is not asked.
 
 Threading: ``on_event``, ``start_promotion`` and ``PromotionJob.cancel`` run on the manager's
 owner thread; ``stats``/``snapshot`` on any thread. The tiers are only touched under one lock
@@ -58,6 +62,7 @@ __all__ = ["AsyncOffloader", "OffloadSnapshot", "PromotionJob", "TierCounters"]
 
 _log = logging.getLogger(__name__)
 _STOP = object()
+MAX_REMEMBERED_KEYS = 1 << 20  # lower-tier keys removed at close, newest first kept
 
 
 @attrs.frozen
@@ -196,6 +201,8 @@ class AsyncOffloader:
                                      0)
         counted = [n for n in attrs.fields_dict(TierCounters) if n not in ("name", "used_bytes")]
         self._tier_counts = [dict.fromkeys(counted, 0) for _ in self.tiers]
+        # lower tiers: keys put there (insertion order = age), removed at close
+        self._put_keys: list[dict[str, None]] = [{} for _ in self.tiers]
         self._down_until: dict[int, float] = {}
         self.retry_after_s, self._clock = retry_after_s, clock
         self.write_through = write_through
@@ -314,6 +321,7 @@ class AsyncOffloader:
             if pushed is None:
                 self._count("spilled_lost")
                 continue
+            self._remember(level, key)
             self._add(level, num_stored_blocks=1, num_bytes_in=len(value))
             self._spill(level + 1, pushed)
 
@@ -391,6 +399,13 @@ class AsyncOffloader:
                 _log.warning("KV tier %s works again", tier.name)
         return result
 
+    def _remember(self, level: int, key: str) -> None:
+        with self._lock:
+            keys = self._put_keys[level]
+            keys[key] = None
+            if len(keys) > MAX_REMEMBERED_KEYS:
+                del keys[next(iter(keys))]
+
     def _is_paused(self, level: int) -> bool:
         until = self._down_until.get(level)
         return until is not None and self._clock() < until
@@ -448,7 +463,8 @@ class AsyncOffloader:
     def close(self, timeout_s: float = 15.0) -> None:
         """Stop following the manager, stop the threads, close every tier. Safe to repeat.
 
-        Queued offloads are dropped. A tier whose close hangs (a Mooncake client retrying a
+        Queued offloads are dropped; the keys this offloader put into lower tiers are removed
+        from them (see module docs). A tier whose close hangs (a Mooncake client retrying a
         dead master) is given ``timeout_s`` in all, then left to a daemon thread.
         """
         if self._closed:
@@ -470,7 +486,11 @@ class AsyncOffloader:
         closer.join(max(0.0, deadline - time.monotonic()))
 
     def _close_tiers(self) -> None:
-        for tier in self.tiers:
+        for level, tier in enumerate(self.tiers):
+            keys = list(self._put_keys[level]) if level and not self._is_paused(level) else []
+            for key in keys:  # removal failing (a dead master) pauses it: stop asking
+                if self._call(level, "remove", key) is None and self._is_paused(level):
+                    break
             try:
                 tier.close()
             except Exception:  # noqa: BLE001 - closing must not fail the engine's close

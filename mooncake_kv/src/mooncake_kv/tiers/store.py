@@ -25,7 +25,7 @@ import attrs
 from mooncake_kv.listen import ListenConfinementError, confine_listeners
 from mooncake_kv.tiers.base import TierError, TierUnavailableError, register_tier
 
-__all__ = ["MooncakeStoreTier", "StoreTierConfig"]
+__all__ = ["MooncakeStoreTier", "StoreTierConfig", "probe_master"]
 
 _MiB = 1 << 20
 
@@ -70,7 +70,14 @@ class StoreTierConfig:
     name: str = "mooncake_store"
 
 
-def _probe(address: str, timeout_s: float) -> None:
+def probe_master(address: str, timeout_s: float = 2.0) -> None:
+    """Whether a ``mooncake_master`` RPC port answers at ``address`` ('host:port'): a TCP
+    connect, no Mooncake client (whose setup waits ~90 s for a master that is not there).
+
+    Raises:
+        TierUnavailableError: nothing accepts a connection there within ``timeout_s``.
+        ValueError: ``address`` is not 'host:port'.
+    """
     host, port = _host_port(address)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
@@ -136,7 +143,7 @@ class MooncakeStoreTier:
 
     def __init__(self, config: StoreTierConfig) -> None:
         _check_reachable(config)
-        _probe(config.master_address, config.connect_timeout_s)
+        probe_master(config.master_address, config.connect_timeout_s)
         client = _new_client()
         code = _setup(client, config)
         if code != 0:
