@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kthena_serve.engine.request import RequestOutput
 
 __all__ = ["PD_ENGINE", "prompt_logprobs_of", "tiny_server", "default_tokenizer", "finish_all", "greedy_text", "tiny_checkpoint",
-           "tiny_engine", "tiny_llama"]
+           "tiny_engine", "tiny_llama", "two_prompts"]
 
 # The engine settings of the PD tests' workers and of the colocated engine their tokens are
 # compared with. Token-for-token equality across processes needs the same kernels on both
@@ -185,3 +185,11 @@ def tiny_server(model_name: str, timeout_s: float = 60, **engine_config: object,
             yield engine, client
     finally:
         engine.shutdown()
+
+
+def two_prompts(tokenizer) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Two unrelated prompts of the default tokenizer: 61 tokens, then one that 8 blocks of 16
+    hold with its output and nothing else (the offload tests' eviction setups)."""
+    first = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    second = tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 5)
+    return first, second

@@ -203,7 +203,7 @@ def test_servers_get_the_users_environment_without_the_policy_we_set(monkeypatch
     from kthena_serve.bench.trace import _sides
     from kthena_serve.engine import threads
 
-    options = TraceOptions(trace=Path("t"), peer=True)
+    options = TraceOptions(trace=Path("t"), peer="vllm")
     monkeypatch.setenv("KTHENA_API_KEY", "secret")
     for defaulted, expected in ((True, None), (False, "PASSIVE")):
         monkeypatch.setattr(threads, "_defaulted", defaulted)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from _serve_process import reap
+from _tiny import two_prompts
 
 from kthena_serve.async_engine import AsyncLLM
 from kthena_serve.engine import LLMEngine
@@ -142,10 +143,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def prompts(loaded):
-    tokenizer = loaded[1]
-    first = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)  # 61 tokens
-    second = tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 5)
-    return first, second  # 8 blocks of 16 hold the second with its output, and nothing else
+    return two_prompts(loaded[1])
 
 
 def make_engine(loaded, kv_offload=None) -> LLMEngine:  # noqa: ANN001

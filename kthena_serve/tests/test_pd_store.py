@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 from _support import wait_until
-from _tiny import PD_ENGINE, default_tokenizer, greedy_text
+from _tiny import PD_ENGINE, default_tokenizer, greedy_text, two_prompts
 
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.sampling_params import SamplingParams
@@ -187,10 +187,7 @@ def executor(loaded):
 
 @pytest.fixture(scope="module")
 def prompts(loaded):
-    tokenizer = loaded[1]
-    first = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)  # 61 tokens
-    second = tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 5)
-    return first, second  # 8 blocks of 16 hold the second with its output, and nothing else
+    return two_prompts(loaded[1])
 
 
 def test_reservation_is_filled_from_the_tiers_before_the_prefill(loaded, executor, prompts):

@@ -7,9 +7,12 @@ import-linter contract in the root pyproject.toml; only ``kthena_serve.cli`` may
   ``moe`` (entry point ``bench-serve``)
 * ``serve``     ``kthena bench serve``: the engine on three workloads vs transformers / vLLM
 * ``peer``      the ``--peer vllm`` system, run from its own venv as a child process
+* ``llama_cpp`` the ``--peer llama.cpp`` system: ``llama-server`` on the model's GGUF, its client
+* ``children``  a benchmark's server child: own process group, log, ``/health``, warm-up
 * ``limits``    the machine's bandwidth and matmul peak, and each workload's roofline
 * ``plot``      ``kthena bench serve``'s table and PNG
 * ``trace``     ``kthena bench trace``: a Mooncake trace replayed by vLLM's client vs ``vllm serve``
+  or ``llama-server``
 * ``trace_window``  the trace window, scaled to a small model and machine (Mooncake's format)
 * ``trace_report``  the trace bench's figures, ours / vLLM ratios, table and latency CDFs
 * ``soak``      ``kthena bench soak``: N streaming clients against one server for T minutes

@@ -11,11 +11,15 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kthena_serve.bench.optional import is_available, note_missing, plot_or_note
 from kthena_serve.deployment import prepare_process
 from kthena_serve.serve_args import add_engine_args
 from kthena_serve.spec import engine_config
+
+if TYPE_CHECKING:
+    from kthena_serve.bench.peer import Peer
 
 __all__ = ["register_bench"]
 
@@ -35,9 +39,14 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(parser)  # no defaults: a flag not given takes EngineConfig's
     parser.add_argument("--runs", "--repeats", dest="runs", type=int, default=3,
                         help="timed runs per case (median; default 3)")
-    parser.add_argument("--peer", default=None, metavar="vllm[=PYTHON]",
+    parser.add_argument("--peer", default=None, metavar="vllm[=PYTHON]|llama.cpp[=FOLDER]",
                         help="also run the workloads through vLLM's CPU build, from the venv of "
-                        "benchmarks/peers/build_vllm_venv.py (or PYTHON) (default: none)")
+                        "benchmarks/peers/build_vllm_venv.py (or PYTHON), or through "
+                        "llama.cpp's llama-server on the model's GGUF, built by "
+                        "benchmarks/peers/build_llama_cpp.sh (or in FOLDER/bin) (default: none)")
+    parser.add_argument("--peer-quant", default=None, metavar="shipped|Q8_0|F16",
+                        help="with --peer llama.cpp: the GGUF as shipped, or re-quantised once "
+                        "to Q8_0 or F16 with llama-quantize (default: shipped)")
     parser.add_argument("--cases", default="a,b,c", help="subset of a,b,c (default a,b,c)")
     parser.add_argument("--no-hf", action="store_true", default=False,
                         help="skip the transformers baseline (default: off; without "
@@ -75,20 +84,20 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     prepare_process()
-    from kthena_serve.bench.peer import PeerRunError, check_peer, parse_peer
+    from kthena_serve.bench.peer import PeerRunError
     from kthena_serve.bench.serve import BenchOptions, run_bench
 
     try:
-        peer = parse_peer(args.peer) if args.peer else None
+        config = engine_config(vars(args))
+        peer = _peer(args.peer, args.peer_quant, config.model)
         if peer is not None:
-            check_peer(peer)  # before minutes of our own workloads
+            peer.check()  # before minutes of our own workloads
         options = BenchOptions(runs=args.runs, cases=tuple(c.strip() for c in
                                                            args.cases.split(",")),
                                hf_baseline=_hf_baseline(args.no_hf),
                                plot=plot_or_note("kthena bench serve", args.plot),
                                num_threads=args.threads, peer=peer,
                                collectives=not args.no_collectives)
-        config = engine_config(vars(args))
     except (ValueError, FileNotFoundError) as error:
         print(f"kthena bench serve: {error}", file=sys.stderr)
         return 2
@@ -98,6 +107,29 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"kthena bench serve: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _peer(text: str | None, quant: str | None, model: str) -> Peer | None:
+    """The ``--peer`` system (not yet checked to exist), with ``--peer-quant`` for llama.cpp.
+
+    Raises:
+        ValueError: an unknown peer, a bad path or quant, ``--peer-quant`` without llama.cpp.
+    """
+    from kthena_serve.bench.llama_cpp import NAME, parse_llama_cpp
+    from kthena_serve.bench.peer import PEERS, parse_peer
+
+    name = (text or "").partition("=")[0]
+    if name == NAME:
+        return parse_llama_cpp(text, quant or "shipped", model)
+    if quant is not None:
+        raise ValueError(f"--peer-quant {quant}: only with --peer {NAME} (the GGUF it serves)")
+    if text is None:
+        return None
+    if name not in PEERS:
+        raise ValueError(f"--peer {text!r}: unknown peer {name!r}; choose from "
+                         f"{', '.join(sorted(PEERS))} (optionally =/path/to/its/python) or "
+                         f"{NAME} (optionally =/path/to/its/build/folder)")
+    return parse_peer(text)
 
 
 def _hf_baseline(no_hf: bool) -> bool:

@@ -1,16 +1,18 @@
-"""The peer system of ``kthena bench serve --peer``: vLLM's CPU build, run in its own venv.
+"""The peer systems of ``kthena bench serve --peer``; here vLLM's CPU build, run in its own venv.
 
 vLLM cannot share this venv (it pins its own transformers and friends), so it lives in
 ``benchmarks/peers/.venv-vllm`` (built by ``benchmarks/peers/build_vllm_venv.py``) and runs
 ``benchmarks/peers/vllm_workloads.py`` as a child process: same checkpoint folder, same prompt
 token ids (handed over as a JSON file), same cores. The child serves one timed run per request
 (a JSON line each way), so the bench can alternate its runs with ours; its logs are passed on
-to stderr.
+to stderr. The other peer, llama.cpp's ``llama-server``, is `kthena_serve.bench.llama_cpp`; the
+bench sees either through the `Peer` protocol.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
@@ -21,12 +23,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import attrs
 
-__all__ = ["BUILD_SCRIPT", "PEERS", "PEER_CASES", "PeerMissingError", "PeerRunError", "PeerSession",
-           "PeerSpec", "check_peer", "parse_peer"]
+__all__ = ["BUILD_SCRIPT", "PEERS", "PEER_CASES", "Peer", "PeerMissingError", "PeerRunError",
+           "PeerSession", "PeerSpec", "check_peer", "parse_peer"]
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 PEER_DIR = REPO_ROOT / "benchmarks" / "peers"
@@ -43,6 +45,19 @@ class PeerMissingError(FileNotFoundError):
     """The peer's python or workload script is not there; the message says how to build it."""
 
 
+class Peer(Protocol):
+    """A peer system of ``kthena bench serve``: `PeerSpec` (vLLM) or
+    `kthena_serve.bench.llama_cpp.LlamaCppPeer`."""
+
+    @property
+    def name(self) -> str: ...
+
+    def check(self) -> None: ...
+
+    def session(self, checkpoint: Path, workloads: dict, cores: list[int]
+                ) -> contextlib.AbstractContextManager: ...
+
+
 @attrs.frozen
 class PeerSpec:
     """A peer to run: its name, the python of its venv and the workload script it runs."""
@@ -50,6 +65,14 @@ class PeerSpec:
     name: str
     python: Path
     script: Path
+
+    def check(self) -> None:
+        """Raise `PeerMissingError` unless the peer's python and script exist."""
+        check_peer(self)
+
+    def session(self, checkpoint: Path, workloads: dict, cores: list[int]) -> PeerSession:
+        """The bench's runs of ``workloads`` on this peer, over ``checkpoint`` on ``cores``."""
+        return PeerSession(self, checkpoint, workloads, cores)
 
 
 def parse_peer(text: str) -> PeerSpec:

@@ -15,11 +15,12 @@ if TYPE_CHECKING:
 
 __all__ = ["plot", "table"]
 
-_SYSTEMS = ("kthena", "vllm", "transformers")
+_SYSTEMS = ("kthena", "vllm", "llama.cpp", "transformers")
 _SHORT = {"a_batch1/decode_tok_s": "(a) decode", "a_batch1/ttft_s": "(a) TTFT",
           "b_offline/output_tok_s": "(b) 32x128->64", "c_shared_prefix_reuse/total_s": "(c) reuse",
           "c_shared_prefix_no_reuse/total_s": "(c) no reuse"}
-_COLORS = {"kthena": "#2f6db5", "vllm": "#8a8a8a", "transformers": "#e08a2f"}
+_COLORS = {"kthena": "#2f6db5", "vllm": "#8a8a8a", "llama.cpp": "#5a9e4b",
+           "transformers": "#e08a2f"}
 
 
 def save_figure(fig: Figure, path: str, title: str, fontsize: int = 8) -> None:

@@ -7,7 +7,8 @@
 
 The peers run the very same prompt token ids on the same threads: transformers ``generate``
 (batch-padded, no prefix reuse) in this process, and with ``--peer vllm`` vLLM's CPU build from
-its own venv (`kthena_serve.bench.peer`). Their runs alternate with ours case by case
+its own venv (`kthena_serve.bench.peer`), or with ``--peer llama.cpp`` ``llama-server`` on the
+model's GGUF (`kthena_serve.bench.llama_cpp`). Their runs alternate with ours case by case
 (`interleave`), so the machine's drift over minutes does not land on one system. Each workload
 is also set against the machine's physical limit, measured first on the same threads
 (`kthena_serve.bench.limits`). Prompts are fixed-seed random token ids; outputs ignore EOS so
@@ -44,7 +45,7 @@ from kthena_serve.bench.limits import (
 )
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
 from kthena_serve.bench.optional import draw, note_missing
-from kthena_serve.bench.peer import PEER_CASES, PeerSession, PeerSpec
+from kthena_serve.bench.peer import PEER_CASES, Peer
 from kthena_serve.engine import LLMEngine
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ __all__ = ["CASE_KEYS", "BenchOptions", "interleave", "run_bench", "wait_policy_
            "workload_prompts"]
 
 CASES = ("a", "b", "c")
+PEER_NAMES = ("vllm", "llama.cpp")  # as they key the result
 COLLECTIVE_ROWS = (2048, 8192)  # prompt-sized activations: the SP range the planner weighs
 
 
@@ -68,7 +70,8 @@ def _check_cases(instance: object, attribute: attrs.Attribute, value: tuple[str,
 
 @attrs.frozen
 class BenchOptions:
-    """What ``kthena bench serve`` runs; ``peer`` None leaves transformers the only peer."""
+    """What ``kthena bench serve`` runs; ``peer`` None leaves transformers the only peer
+    (else `kthena_serve.bench.peer.PeerSpec` or `kthena_serve.bench.llama_cpp.LlamaCppPeer`)."""
 
     runs: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     cases: tuple[str, ...] = attrs.field(default=CASES, validator=_check_cases)
@@ -76,7 +79,7 @@ class BenchOptions:
     plot: str | None = "bench_serve.png"
     num_threads: int | None = None
     seed: int = 0
-    peer: PeerSpec | None = None
+    peer: Peer | None = None
     collectives: bool = True
 
 
@@ -299,7 +302,7 @@ def _compare(result: dict) -> None:
     metrics: dict[str, tuple[str, ...]] = {}
     for _, case, metric in COMPARED:
         metrics[case] = (*metrics.get(case, ()), metric)
-    systems = [name for name in ("kthena", "vllm", "transformers") if name in result]
+    systems = [name for name in ("kthena", *PEER_NAMES, "transformers") if name in result]
     limits = {case: v for case, v in result["limits"].items() if case != "machine"}
     result["fraction_of_limit"] = {name: achieved_fractions(result[name], limits)
                                    for name in systems}
@@ -357,8 +360,8 @@ def run_bench(config: EngineConfig, options: BenchOptions) -> dict:
         fewer[("transformers", "c_shared_prefix_no_reuse")] = max(1, options.runs - 1)
     with contextlib.ExitStack() as stack:
         if options.peer is not None:
-            session = stack.enter_context(PeerSession(options.peer, checkpoint, workloads,
-                                                      owned_cores()[:threads]))
+            session = stack.enter_context(options.peer.session(checkpoint, workloads,
+                                                               owned_cores()[:threads]))
             systems[options.peer.name] = {key: functools.partial(session.run, key)
                                           for key, _ in _case_keys(workloads)}
         waits: list[float] = []

@@ -5,14 +5,17 @@
                                       ┌───────────────────┴───────────────────┐
                                       ▼                                       ▼
                           vllm serve CHECKPOINT (peer)          kthena serve --model CHECKPOINT
+                       or llama-server --model GGUF (peer)
 
 The window is cut and scaled by `kthena_serve.bench.trace_window` (the trace README's recipe)
 and written in the trace's own format; ``vllm bench serve`` from the peer venv
 (``benchmarks/peers/build_vllm_venv.py``, run through ``benchmarks/peers/vllm_cli.py``) replays
 it at its own times, expanding each block id into the same token ids every time. With ``--peer
 vllm`` it runs against ``vllm serve`` first and then against ``kthena serve`` on the same
-checkpoint folder and cores, one server alive at a time; without it, against ours alone (the
-client still comes from the peer venv). Every process it starts has its own process group,
+checkpoint folder and cores, one server alive at a time; with ``--peer llama.cpp`` against
+``llama-server`` (`kthena_serve.bench.llama_cpp`) on the GGUF the checkpoint is converted from,
+first, the same way; without either, against ours alone (the client still comes from the peer
+venv). Every process it starts has its own process group,
 stopped when its replay ends, fails or is interrupted. The report is
 `kthena_serve.bench.trace_report`'s.
 """
@@ -29,14 +32,20 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import attrs
 
 from kthena_core.ports import free_port
+from kthena_serve.bench.children import ServerChild, wait_ready, warm_up
+from kthena_serve.bench.llama_cpp import (
+    LLAMA_DIR,
+    NAME,
+    LlamaCppPeer,
+    quantized_gguf,
+    server_command,
+    source_gguf,
+)
 from kthena_serve.bench.machine import cpu_isa, cpu_model, wait_until_idle
 from kthena_serve.bench.optional import is_available
 from kthena_serve.bench.peer import (
@@ -70,6 +79,9 @@ DEFAULT_PEER_VENV = PEER_DIR / ".venv-vllm"
 VLLM_CLI = PEER_DIR / "vllm_cli.py"  # the venv's `vllm` command, mended for the CPU wheel
 SERVER_START_TIMEOUT_S = 900.0
 CLIENT_SLACK_S = 1800.0  # the client's time beyond the window's arrivals
+TRACE_PEERS = ("vllm", NAME)
+TRACE_SLOTS = 16  # llama-server's sequences at once; more requests wait in its queue
+TRACE_SLOT_TOKENS = 4096  # KV per sequence (llama-server refuses a longer request): 1.5 GB f16
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--served-model-name")
 
 
@@ -136,11 +148,15 @@ def _check_kthena_args(instance: object, attribute: attrs.Attribute,
 
 @attrs.frozen
 class TraceOptions:
-    """One ``kthena bench trace`` run; ``peer`` False runs ours alone."""
+    """One ``kthena bench trace`` run; ``peer`` None runs ours alone; ``llama_cpp_dir`` and
+    ``peer_quant`` are the build and GGUF of ``peer="llama.cpp"``."""
 
     trace: Path
     scaling: TraceScaling = TraceScaling()
-    peer: bool = False
+    peer: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(TRACE_PEERS)))
+    llama_cpp_dir: Path = LLAMA_DIR
+    peer_quant: str = "shipped"
     peer_venv: Path = DEFAULT_PEER_VENV
     model: str = "default"
     kthena_args: tuple[str, ...] = attrs.field(default=(), validator=_check_kthena_args)
@@ -151,82 +167,6 @@ class TraceOptions:
 
 
 # ---- processes ---------------------------------------------------------------------------------
-class _Child:
-    """A child in its own process group (a server's engine processes included); its output
-    to a log file. Use as a context manager: leaving it ends the whole group, SIGTERM first
-    and, after ``grace_s``, SIGKILL, on success, error or interrupt alike."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log: Path,
-                 grace_s: float = 30.0) -> None:
-        self.name, self.argv, self.log_path, self.grace_s = name, argv, log, grace_s
-        print(f"kthena bench trace: {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
-        self._log = log.open("w", encoding="utf-8")
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     cwd=log.parent)
-
-    def __enter__(self) -> _Child:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=self.grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            kill_group(self.proc)  # what SIGTERM left, engine processes included
-            self._log.close()
-
-    def tail(self, lines: int = 30) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def fail(self, what: str) -> RuntimeError:
-        return RuntimeError(f"{self.name} {what}; its last output ({self.log_path}):\n"
-                            f"{self.tail()}")
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 5.0) -> int:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        response.read()
-        return response.status
-
-
-def _wait_ready(server: _Child, base_url: str, timeout_s: float) -> float:
-    """Seconds until ``/health`` answers 200.
-
-    Raises:
-        RuntimeError: the server exited first, or ``timeout_s`` passed.
-    """
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if server.proc.poll() is not None:
-            raise server.fail(f"exited with {server.proc.returncode} before it was ready")
-        try:
-            if _http(f"{base_url}/health", timeout=2.0) == 200:
-                return time.monotonic() - start
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.5)
-    raise server.fail(f"did not answer {base_url}/health within {timeout_s:.0f} s")
-
-
-def _warm_up(server: _Child, base_url: str, model_name: str) -> float:
-    """One short greedy completion (the same for both servers); its seconds."""
-    start = time.monotonic()
-    try:
-        _http(f"{base_url}/v1/completions", {"model": model_name, "prompt": "Hello, my name is",
-                                            "max_tokens": 8, "temperature": 0}, timeout=300.0)
-    except (OSError, urllib.error.URLError) as error:
-        raise server.fail(f"failed its warm-up request ({error})") from None
-    return time.monotonic() - start
-
-
 def _run_client(argv: list[str], folder: Path, timeout_s: float) -> None:
     """Run vLLM's client; its output goes on to stderr as it comes.
 
@@ -289,10 +229,10 @@ def _replay(side: _Side, replay: _Replay) -> dict:
     result_file = folder / f"{side.name}-result.json"
     client = client_command(replay.python, side.base_url, replay.model_name, replay.checkpoint,
                             replay.trace_file, replay.scaling, result_file)
-    with _Child(f"{side.name} server", side.server, side.env,
-                folder / f"{side.name}-server.log") as server:
-        ready_s = _wait_ready(server, side.base_url, replay.server_start_timeout_s)
-        warm_s = _warm_up(server, side.base_url, replay.model_name)
+    with ServerChild(f"{side.name} server", side.server, side.env,
+                     folder / f"{side.name}-server.log", who="kthena bench trace") as server:
+        ready_s = wait_ready(server, side.base_url, replay.server_start_timeout_s)
+        warm_s = warm_up(server, side.base_url, replay.model_name)
         idle_s = wait_until_idle()
         load_before = round(os.getloadavg()[0], 2)
         _run_client(client, folder, replay.client_timeout_s)
@@ -325,14 +265,22 @@ def _vllm_version(venv: Path) -> str | None:
     return found[0].name.removesuffix(".dist-info").replace("_", "-") if found else None
 
 
-def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str) -> list[_Side]:
-    """Each server's command and environment: the user's, without a PASSIVE wait policy this
+def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str,
+           llama: LlamaCppPeer | None = None, gguf: Path | None = None) -> list[_Side]:
+    """Each server's command and environment (``llama``'s server on ``gguf`` for
+    ``--peer llama.cpp``): the user's, without a PASSIVE wait policy this
     process set for itself (`threads.user_environ`), so each decides its OpenMP policy as when
     started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin)."""
     from kthena_serve.engine.threads import owned_cores, user_environ
 
     sides = []
-    if options.peer:
+    if options.peer == NAME:
+        port = free_port()
+        threads = len(owned_cores())
+        server = server_command(llama.server, gguf, port, threads, TRACE_SLOTS, name,
+                                slot_tokens=TRACE_SLOT_TOKENS)
+        sides.append(_Side(NAME, server, user_environ(), f"http://127.0.0.1:{port}"))
+    if options.peer == "vllm":
         port = free_port()
         env = {**user_environ(), "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, kthena's default KV pool
                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, owned_cores()))}
@@ -370,8 +318,23 @@ def _report_head(options: TraceOptions, checkpoint: Path, stats: dict) -> dict:
             "git_commit": _git_commit(), "kthena_args": list(options.kthena_args)}
 
 
+def _llama_cpp(options: TraceOptions) -> LlamaCppPeer | None:
+    """The llama.cpp peer of ``--peer llama.cpp``, its build checked; None for other peers.
+
+    Raises:
+        PeerMissingError: no build (the message names the build command).
+        ValueError: a bad ``peer_quant``, or a model that is not a GGUF.
+    """
+    if options.peer != NAME:
+        return None
+    peer = LlamaCppPeer(gguf=source_gguf(options.model), quant=options.peer_quant,
+                        folder=options.llama_cpp_dir)
+    peer.check()
+    return peer
+
+
 def run_trace(options: TraceOptions) -> dict:
-    """Scale the window, replay it against each server in turn (vLLM first); the JSON-ready
+    """Scale the window, replay it against each server in turn (the peer first); the JSON-ready
     report (writes the plot if asked).
 
     Raises:
@@ -383,6 +346,7 @@ def run_trace(options: TraceOptions) -> dict:
 
     scaled = scale_window(read_window(options.trace, options.scaling.start,
                                       options.scaling.count), options.scaling)
+    llama = _llama_cpp(options)  # its build first: it is what --peer llama.cpp adds
     python = peer_venv_tools(options.peer_venv)
     if options.plot and not is_available("matplotlib"):
         raise ValueError("--plot needs matplotlib: `pip install matplotlib` in this venv, or "
@@ -390,18 +354,22 @@ def run_trace(options: TraceOptions) -> dict:
     checkpoint = resolve_checkpoint(options.model)  # converted once, cached
     stats = window_stats(scaled)
     report = _report_head(options, checkpoint, stats)
+    gguf = None if llama is None else quantized_gguf(llama)  # made once, cached
+    if gguf is not None:
+        report["llama.cpp_model"] = {"gguf": str(gguf), "quant": llama.quant,
+                                     "slots": TRACE_SLOTS, "slot_tokens": TRACE_SLOT_TOKENS}
     with _work_folder(options.keep) as folder:
         replay = _Replay(python, checkpoint, checkpoint.name, folder / "window.jsonl",
                          options.scaling, options.server_start_timeout_s,
                          stats["arrival_span_s"] + CLIENT_SLACK_S)
         write_trace(scaled, replay.trace_file)
-        for side in _sides(options, python, checkpoint, checkpoint.name):
+        for side in _sides(options, python, checkpoint, checkpoint.name, llama, gguf):
             report[side.name] = _replay(side, replay)
-    report["order"] = [s for s in ("vllm", "kthena") if s in report]
+    report["order"] = [s for s in (*TRACE_PEERS, "kthena") if s in report]
     report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     lists = {s: report[s].pop("_raw") for s in report["order"]}
     if options.peer:
-        report["kthena_vs_vllm"] = ours_vs_peer(report["kthena"], report["vllm"])
+        report[f"kthena_vs_{options.peer}"] = ours_vs_peer(report["kthena"], report[options.peer])
     if options.plot:
         plot_cdfs(lists, options.plot, _plot_title(report))
         report["plot"] = options.plot
@@ -420,7 +388,8 @@ def add_parser(children: argparse._SubParsersAction) -> None:
     """Add ``kthena bench trace`` to the ``kthena bench`` subcommands."""
     defaults = TraceScaling()
     parser = children.add_parser("trace", help="replay a window of a Mooncake trace with "
-                                 "vLLM's own client against kthena serve (and --peer vllm)",
+                                 "vLLM's own client against kthena serve (and --peer vllm or "
+                                 "llama.cpp)",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, required=True, metavar="FILE",
@@ -436,8 +405,13 @@ def add_parser(children: argparse._SubParsersAction) -> None:
                         help="output lengths at most this")
     parser.add_argument("--time-scale", type=float, default=defaults.time_scale,
                         help="trace milliseconds -> replay seconds (0.002: half speed)")
-    parser.add_argument("--peer", choices=("vllm",), default=None,
-                        help="also replay against `vllm serve` (first), same checkpoint, cores")
+    parser.add_argument("--peer", default=None, metavar="vllm|llama.cpp[=FOLDER]",
+                        help="also replay against `vllm serve` or llama.cpp's `llama-server` "
+                             "(built by benchmarks/peers/build_llama_cpp.sh, or in FOLDER/bin) "
+                             "first, same model, same cores")
+    parser.add_argument("--peer-quant", default=None, metavar="shipped|Q8_0|F16",
+                        help="with --peer llama.cpp: the GGUF as shipped, or re-quantised once "
+                             "with llama-quantize (default: shipped)")
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV,
                         help="venv of vLLM's CPU build: the client, and the peer's server "
                              "(default: benchmarks/peers/.venv-vllm)")
@@ -466,9 +440,16 @@ def options_from_args(args: argparse.Namespace) -> TraceOptions:
     scaling = TraceScaling(start=args.start, count=args.count, block_tokens=args.block_tokens,
                            output_scale=args.output_scale, output_cap=args.output_cap,
                            time_scale=args.time_scale)
-    return TraceOptions(trace=args.trace, scaling=scaling, peer=args.peer == "vllm",
-                        peer_venv=args.peer_venv, model=args.model,
-                        kthena_args=tuple(args.kthena_arg), plot=args.plot, keep=args.keep)
+    peer, _, folder = (args.peer or "").partition("=")
+    if peer and peer not in TRACE_PEERS or folder and peer != NAME:
+        raise ValueError(f"--peer {args.peer!r}: choose vllm or {NAME} (optionally "
+                         f"{NAME}=/path/to/its/build/folder)")
+    if args.peer_quant is not None and peer != NAME:
+        raise ValueError(f"--peer-quant {args.peer_quant}: only with --peer {NAME}")
+    return TraceOptions(trace=args.trace, scaling=scaling, peer=peer or None,
+                        llama_cpp_dir=Path(folder).expanduser() if folder else LLAMA_DIR,
+                        peer_quant=args.peer_quant or "shipped", peer_venv=args.peer_venv,
+                        model=args.model, kthena_args=tuple(args.kthena_arg), plot=args.plot, keep=args.keep)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -22,6 +22,7 @@ _NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "end-to-end"}
 _THROUGHPUTS = (("output_throughput_tok_s", "output_throughput", "output throughput tok/s"),
                 ("request_throughput_req_s", "request_throughput", "request throughput req/s"))
 _COUNTS = ("completed", "failed", "total_input_tokens", "total_output_tokens")
+_LABELS = {"vllm": "vLLM", "llama.cpp": "llama.cpp", "kthena": "kthena serve"}  # table order
 
 
 def side_figures(result: dict) -> dict:
@@ -123,11 +124,11 @@ def _ratio_cell(values: list[float | None]) -> str:
 def markdown_table(report: dict) -> str:
     """A Markdown table of each system's figures (and ours ÷ the peer's where there is one),
     with the window, the CPU and the load above it."""
-    systems = [name for name in ("vllm", "kthena") if name in report]
-    labels = {"vllm": "vLLM", "kthena": "kthena serve"}
-    ratios = report.get("kthena_vs_vllm")
-    head = ["metric", *(labels[s] for s in systems)] + (["kthena / vLLM (higher is better)"]
-                                                         if ratios else [])
+    systems = [name for name in _LABELS if name in report]
+    peer = next((s for s in systems if s != "kthena"), None)
+    ratios = report.get(f"kthena_vs_{peer}")
+    head = ["metric", *(_LABELS[s] for s in systems)] + (
+        [f"kthena / {_LABELS[peer]} (higher is better)"] if ratios else [])
     lines = [_caption(report), "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for key, _, label in _THROUGHPUTS:
@@ -175,7 +176,7 @@ def plot_cdfs(lists: dict[str, dict[str, list[float]]], path: str, title: str) -
                            "or leave --plot out") from None
     from kthena_serve.bench.plot import save_figure
 
-    colors = {"kthena": "#2f6db5", "vllm": "#8a8a8a"}
+    colors = {"kthena": "#2f6db5", "vllm": "#8a8a8a", "llama.cpp": "#5a9e4b"}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     for ax, name in zip(axes, ("ttft", "tpot", "itl"), strict=True):
         for system, values in lists.items():

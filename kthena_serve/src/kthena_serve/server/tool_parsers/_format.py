@@ -109,6 +109,18 @@ class FormatParser:
         self.state = state
         return True
 
+    def _scan_call(self, call: JsonCall, then: str) -> bool:
+        """Go on with ``call``, the JSON object at the buffer's start: False while it is not
+        complete; once it is, consume it and go to state ``then``; give up if it is no call."""
+        end = call.scan(self._buffer)
+        if end is None:
+            return False
+        if end is False:
+            return self._give_up()
+        self._buffer = self._buffer[end:]
+        self._raw, self.state = "", then
+        return True
+
     def _wait_for(self, tag: str) -> bool | None:
         """The buffer against ``tag``: True if it begins with it, None while it could still,
         False if it cannot (or the output ended)."""

@@ -47,14 +47,7 @@ class Llama3JsonParser(FormatParser):
             self.state, self._object = "object", JsonCall(self)
         if self.state == "object":
             assert self._object is not None
-            end = self._object.scan(self._buffer)
-            if end is None:
-                return False
-            if end is False:
-                return self._give_up()
-            self._buffer = self._buffer[end:]
-            self._raw, self.state = "", "after"
-            return True
+            return self._scan_call(self._object, "after")
         # after a call: "; {" goes on, anything else is content
         if self._buffer.startswith(";"):
             self._read(1)

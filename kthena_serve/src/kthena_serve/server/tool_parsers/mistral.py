@@ -88,14 +88,7 @@ class MistralParser(FormatParser):
 
     def _object_step(self) -> bool:
         assert self._object is not None
-        end = self._object.scan(self._buffer)
-        if end is None:
-            return False
-        if end is False:
-            return self._give_up()
-        self._buffer = self._buffer[end:]
-        self._raw, self.state = "", "next" if self._in_list else "content"
-        return True
+        return self._scan_call(self._object, "next" if self._in_list else "content")
 
     def _name_step(self) -> bool:
         """``name[ARGS]``: the name once ``[ARGS]`` follows it."""
