@@ -325,8 +325,8 @@ def _check_workers(workers: list[mp.process.BaseProcess]) -> None:
 def _death_message(rank: int, worker: mp.process.BaseProcess) -> str:
     code = worker.exitcode
     assert code is not None
-    how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-    message = (f"parallel rank {rank} (process {worker.name}, pid {worker.pid}) {how} "
+    message = (f"parallel rank {rank} (process {worker.name}, pid {worker.pid}) "
+               f"{_how_it_ended(code)} "
                "before joining rank 0; its own error is on stderr above.")
     if _spawn_reruns_main():  # the usual cause of a rank dying on start
         message += (" Each rank is a spawned process that first imports your main script: if "
@@ -336,6 +336,11 @@ def _death_message(rank: int, worker: mp.process.BaseProcess) -> str:
                     "bootstrapping phase\"). Put that code under "
                     '`if __name__ == "__main__":`.')
     return message
+
+
+def _how_it_ended(code: int) -> str:
+    """A process's exit status in words (negative: the signal that killed it)."""
+    return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
 
 
 def _spawn_reruns_main() -> bool:
@@ -524,8 +529,8 @@ class ParallelModelRunner:
         for rank, worker in enumerate(list(self._workers), start=1):
             code = worker.exitcode
             if code is not None:
-                how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-                return RankDiedError(f"parallel rank {rank} (pid {worker.pid}) {how}", rank, code)
+                return RankDiedError(f"parallel rank {rank} (pid {worker.pid}) "
+                                     f"{_how_it_ended(code)}", rank, code)
         return None
 
     @property

@@ -115,7 +115,7 @@ def copy_resharded(src: RankPools, dst: RankPools, moves: Sequence[HeadMove],
         for src_parts, dst_parts in zip(src_layers, dst_layers, strict=True):
             for part, target in zip(src_parts, dst_parts, strict=True):
                 heads = slice(move.src_start, move.src_start + move.count)
-                rows = part.index_select(0, src_index)[:, :, heads]
+                rows = part[:, :, heads].index_select(0, src_index)  # only the moved heads
                 target[dst_index, :, move.dst_start:move.dst_start + move.count] = rows
                 moved += rows.numel() * rows.element_size()
     return moved
