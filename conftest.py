@@ -45,10 +45,16 @@ sys.path.insert(0, str(Path(__file__).parent / "tests"))
 # the same on every CPU. The controller makes both before xdist starts its workers, which inherit
 # them, and removes the folder at the end. Tests of the probe itself pass their own folders and
 # sizes; `cpu_profile` runs a test once per recorded CPU.
+# Kernels: every engine the suite builds without a mode of its own takes them by the CPU's
+# features (KTHENA_KERNELS=native, EngineConfig.kernels' default), not by timing: a choice timed
+# on the suite's busy cores is provisional, so each engine start timed its candidates again
+# (about 10 s of every server's start), and two processes could time a near-tie differently.
+# The tests of selection itself pass kernels="auto"; a KTHENA_KERNELS the caller set is kept.
 from kthena_core.cpu_defaults import load_records  # noqa: E402
 
 SUITE_PROFILE = "zen4"
-_SUITE_ENV = ("KTHENA_CACHE_DIR", "KTHENA_HOST_PROBE")
+SUITE_KERNELS = "native"
+_SUITE_ENV = ("KTHENA_CACHE_DIR", "KTHENA_HOST_PROBE", "KTHENA_KERNELS")
 
 
 def probe_file_of(record, folder: Path) -> Path:
@@ -74,6 +80,7 @@ def pytest_configure(config):
     record = next(r for r in load_records() if r.name == SUITE_PROFILE)
     os.environ["KTHENA_CACHE_DIR"] = str(folder)
     os.environ["KTHENA_HOST_PROBE"] = str(probe_file_of(record, folder))
+    os.environ.setdefault("KTHENA_KERNELS", SUITE_KERNELS)
 
 
 # ---- test files in a random order -----------------------------------------------------------------

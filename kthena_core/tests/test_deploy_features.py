@@ -158,8 +158,8 @@ def test_a_store_below_the_offload_listens_on_the_pod_and_admits_its_peers():
     ({**K8S.PD_CPU, "kv_offload": "host=2GiB"},
      "kv_offload: got 'host=2GiB'; allowed: only with mode: colocated"),
     ({**LLAMA_ONE_NODE, "kv_offload": "host=2GiB"},
-     "kv_offload: got 'host=2GiB', but the plan gives each worker TP8 x PP1; allowed: only "
-     "where the plan runs each worker at tp=1 and pp=1"),
+     "kv_offload: got 'host=2GiB', but the plan gives each worker TP8 x PP1 on npu; allowed: "
+     "pp=1, and tp > 1 only with a worker's ranks as CPU processes of one pod"),
     ({**CPU_COLOCATED, "kv_offload": "lots"},
      "kv_offload: got 'lots'; allowed: kthena serve's --kv-offload value, host=SIZE"),
     ({**CPU_COLOCATED, "kv_offload": "store=mooncake"}, "kv_offload: got 'store=mooncake'"),

@@ -1,10 +1,12 @@
 """One engine process with ``--kv-offload``: serves one prompt, then stays up until told.
 
-Usage: python kv_offload_peer.py KV_OFFLOAD PROMPT_IDS_JSON
+Usage: python kv_offload_peer.py KV_OFFLOAD PROMPT_IDS_JSON [MODEL TP]
+  (MODEL: a checkpoint folder, served with tp TP; default: the default model at tp 1)
   -> one JSON line on stdout (output tokens, cached and computed prompt tokens, tier stats),
      then waits for a line on stdin before closing (its Mooncake Store client lends the
      store memory that the blocks it put live in).
-Not a test module; test_kv_offload.py runs two of these against one mooncake_master.
+Not a test module; test_kv_offload.py runs two of these against one mooncake_master, and
+test_kv_offload_tp.py a TP2 and a TP1 one.
 """
 
 import json
@@ -21,10 +23,16 @@ from kthena_serve.model import load_model
 
 def main() -> None:
     kv_offload, prompt = sys.argv[1], json.loads(sys.argv[2])
-    model, tokenizer = load_model("default", dtype=torch.float32)
-    config = EngineConfig(num_kv_blocks=8, dtype="float32", num_threads=1,
-                          kv_offload=kv_offload)
-    engine = LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
+    if len(sys.argv) > 3:  # a checkpoint folder and a TP size (the ranks load it themselves)
+        config = EngineConfig(model=sys.argv[3], tp=int(sys.argv[4]), num_kv_blocks=8,
+                              dtype="float32", num_threads=1, kernels="native",
+                              kv_offload=kv_offload)
+        engine = LLMEngine.from_config(config)
+    else:
+        model, tokenizer = load_model("default", dtype=torch.float32)
+        config = EngineConfig(num_kv_blocks=8, dtype="float32", num_threads=1,
+                              kv_offload=kv_offload)
+        engine = LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
     try:
         engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=8))
         final = None

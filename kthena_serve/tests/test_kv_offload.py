@@ -84,9 +84,12 @@ def test_config_with_kv_offload_survives_json():  # how DP replicas get their co
     assert EngineConfig(**json.loads(json.dumps(attrs.asdict(config)))) == config
 
 
-def test_kv_offload_needs_one_rank_and_prefix_caching():
-    with pytest.raises(ConfigError, match="tp=1 and pp=1"):
-        EngineConfig(kv_offload="host=1G", tp=2)
+def test_kv_offload_needs_pp1_spawned_ranks_and_prefix_caching():
+    assert EngineConfig(kv_offload="host=1G", tp=2).tp == 2  # test_kv_offload_tp.py
+    with pytest.raises(ConfigError, match="pipeline stage's pool holds some layers"):
+        EngineConfig(kv_offload="host=1G", tp=2, pp=2)
+    with pytest.raises(ConfigError, match="ranks_from='spawn'"):
+        EngineConfig(kv_offload="host=1G", ranks_from="env")
     with pytest.raises(ConfigError, match="without prefix caching"):
         EngineConfig(kv_offload="host=1G", enable_prefix_caching=False)
 
@@ -257,9 +260,11 @@ def master():
     assert proc.returncode is not None
 
 
-def start_peer(kv_offload: str, prompt) -> subprocess.Popen:  # noqa: ANN001
+def start_peer(kv_offload: str, prompt, *model_tp: str) -> subprocess.Popen:  # noqa: ANN001
+    """An engine process (kv_offload_peer.py): the default model, or ``MODEL TP``."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "GLOG_minloglevel": "2"}
-    return subprocess.Popen([sys.executable, str(PEER), kv_offload, json.dumps(list(prompt))],
+    return subprocess.Popen([sys.executable, str(PEER), kv_offload, json.dumps(list(prompt)),
+                             *model_tp],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
 

@@ -95,17 +95,20 @@ def test_kthena_serve_mode_pd() -> None:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
-def test_pd_with_tensor_parallel_across_hosts_is_refused_clearly(capsys) -> None:  # noqa: ANN001
-    """TP PD workers hand KV off between their ranks' /dev/shm pools: one host only."""
-    from kthena_core.cli import main
+def test_pd_with_tensor_parallel_across_hosts_resolves_on_cpu_only(capsys) -> None:  # noqa: ANN001
+    """TP PD workers hand KV off across hosts over mooncake (each rank's heads put:
+    pd/reshard_put.py); their ranks' pools are /dev/shm files, so another device is refused."""
+    import pytest
 
-    assert main(["serve", "--mode", "pd", "--tp", "2", "--pd-transport", "mooncake",
-                 "--port", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "--tp 2 with --pd-transport mooncake: TP PD workers hand KV off on one host" in err
-    assert main(["serve", "--mode", "pd", "--decode-tp", "2", "--pd-transport", "mooncake",
-                 "--port", "0"]) == 2
-    assert "--decode-tp 2 with --pd-transport mooncake" in capsys.readouterr().err
+    from kthena_core.cli import main
+    from kthena_serve.spec import ServeSpec
+
+    spec = ServeSpec.resolve({"mode": "pd", "tp": 2, "pd_transport": "mooncake"})
+    assert (spec.pd.transport.value, spec.engine.tp) == ("mooncake", 2)
+    spec = ServeSpec.resolve({"mode": "pd", "decode_tp": 2, "pd_transport": "mooncake"})
+    assert spec.pd.role_tp("decode", spec.engine.tp) == 2
+    with pytest.raises(ValueError, match="--tp 2 with --device cuda: TP PD workers run on cpu"):
+        ServeSpec.resolve({"mode": "pd", "tp": 2, "pd_transport": "mooncake", "device": "cuda"})
     assert main(["serve", "--prefill-tp", "2", "--port", "0"]) == 2
     assert "--prefill-tp 2: PD worker settings, for --mode pd only" in capsys.readouterr().err
 
@@ -118,8 +121,8 @@ def test_pd_with_pipeline_parallel_is_refused_clearly(capsys) -> None:  # noqa: 
 
 
 def test_a_pd_worker_spec_it_cannot_run_is_refused_by_name() -> None:
-    """What `kthena deploy k8s` renders for a role: a PP role, or a TP role across hosts, is
-    refused at start, naming the setting; a TP role over shm takes its role's size."""
+    """What `kthena deploy k8s` renders for a role: a PP role, or a TP role on a device, is
+    refused at start, naming the setting; a TP role (shm or mooncake) takes its role's size."""
     import argparse
     import json
 
@@ -133,8 +136,9 @@ def test_a_pd_worker_spec_it_cannot_run_is_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match="a PD worker of pp=2 is not run"):
         spec("decode", {"pp": 2}, {})
-    with pytest.raises(ValueError, match="a PD worker of tp=4 hands KV off on its own host"):
-        spec("prefill", {}, {"transport": "mooncake", "prefill_tp": 4})
+    assert spec("prefill", {}, {"transport": "mooncake", "prefill_tp": 4}).engine.tp == 4
+    with pytest.raises(ValueError, match="a PD worker of tp=2 runs its ranks as spawned"):
+        spec("decode", {"ranks_from": "env"}, {"transport": "mooncake", "decode_tp": 2})
     assert spec("prefill", {"tp": 2}, {"decode_tp": 4}).engine.tp == 2
     assert spec("decode", {"tp": 2}, {"decode_tp": 4}).engine.tp == 4
 

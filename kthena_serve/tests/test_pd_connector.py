@@ -37,7 +37,7 @@ KEY = {"Authorization": f"Bearer {API_KEY}"}
 TEXT = ("The Kthena router sends the prompt to a prefill pod first, then the same request to a "
         "decode pod, which pulls the prompt's key and value blocks and streams the answer. ")
 KV_FIELDS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id",
-             "remote_block_ids", "remote_host", "remote_port"}
+             "remote_block_ids", "remote_host", "remote_port", "tp_size"}
 # What kthena-router reads from each pod's /metrics (data/kthena/metrics.go).
 ROUTER_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc")
@@ -142,7 +142,9 @@ def test_kv_params_parse_and_refuse_by_name() -> None:
     assert parse_kv_params({}) == (KVAsk.NONE, None)
     reply = prefill_reply("p-1", "t", [3, 4], "::1", 8000)
     ask, remote = parse_kv_params(reply)
-    assert ask is KVAsk.REMOTE_PREFILL and remote.block_ids == (3, 4)
+    assert ask is KVAsk.REMOTE_PREFILL and remote.block_ids == (3, 4) and remote.tp_size == 1
+    assert parse_kv_params({**reply, "tp_size": 2})[1].tp_size == 2  # a TP2 prefill worker's
+    assert parse_kv_params({k: v for k, v in reply.items() if k != "tp_size"})[1].tp_size is None
     assert remote.url == "http://[::1]:8000"
     assert parse_kv_params({**reply, "remote_block_ids": ["3", "4"]})[1] == remote  # types.go
     for bad, why in (({**reply, "remote_port": 0}, "remote_port"),
@@ -150,7 +152,9 @@ def test_kv_params_parse_and_refuse_by_name() -> None:
                      ({**reply, "remote_block_ids": []}, "remote_block_ids"),
                      ({**reply, "remote_block_ids": [1.5]}, "block ids are ints"),
                      ({**reply, "remote_engine_id": ""}, "remote_engine_id"),
-                     ({**reply, "tp_size": 2}, "tp_size"),
+                     ({**reply, "tp_size": 0}, "a TP size is an int in 1..1024"),
+                     ({**reply, "tp_size": True}, "tp_size=True"),
+                     ({**reply, "tp_size": "2"}, "tp_size='2'"),
                      ({**reply, "extra": 1}, "unknown field"),
                      ({"do_remote_decode": "yes"}, "true or false"),
                      ({"do_remote_decode": True, "remote_host": "h"}, "belong to a decode")):
@@ -466,6 +470,10 @@ def test_each_role_refuses_the_other_roles_ask(workers) -> None:  # noqa: ANN001
         streamed = {**prefill_body(body), "stream": True}
         reply = client.post(f"{prefill_url}/v1/completions", json=streamed)
         assert reply.status_code == 400 and "stream" in reply.text
+        sized = prefill_body(body)
+        sized["kv_transfer_params"]["tp_size"] = 2  # this prefill worker is a TP1 engine
+        reply = client.post(f"{prefill_url}/v1/completions", json=sized)
+        assert reply.status_code == 400 and "is a TP1 engine" in reply.text, reply.text
         plain = client.post(f"{prefill_url}/v1/completions", json=body)  # max_tokens 4
         assert plain.status_code == 400 and "max_tokens 1" in plain.json()["error"]["message"]
         ask = decode_body(body, {"do_remote_prefill": True, "remote_engine_id": "x",

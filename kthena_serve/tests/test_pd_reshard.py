@@ -105,3 +105,61 @@ def test_mismatched_block_lists_are_refused() -> None:
     finally:
         src.close()
         dst.close()
+
+
+@pytest.mark.parametrize(("num_heads", "src_tp", "dst_tp"),
+                         [(2, 2, 2), (3, 1, 2), (3, 2, 1), (2, 1, 4), (4, 4, 2)])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_head_ranges_move_what_the_copy_moves(num_heads: int, src_tp: int, dst_tp: int,
+                                              kv_cache_dtype: str) -> None:
+    """The byte ranges a put over Mooncake moves (``KVLayout.head_pair_ranges``, one list per
+    head move: pd/reshard_put.py), applied as plain byte copies, leave every decode rank's pool
+    byte for byte as the re-sharding copy does, and count the same bytes."""
+    config = EngineConfig(dtype="float32", block_size=BLOCK, num_kv_blocks=BLOCKS,
+                          kv_cache_dtype=kv_cache_dtype)
+    src = _pools(num_heads, src_tp, config)
+    copied, put = _pools(num_heads, dst_tp, config), _pools(num_heads, dst_tp, config)
+    try:
+        for caches in src.caches:
+            for parts in caches:
+                for part in parts:
+                    part.copy_(torch.randn(part.shape).to(part.dtype) if part.is_floating_point()
+                               else torch.randint(-127, 128, part.shape, dtype=part.dtype))
+        moves = kv_head_moves(num_heads, src_tp, dst_tp)
+        src_ids, dst_ids = [1, 2, 5, 6], [7, 8, 0, 3]
+        moved = copy_resharded(src, copied, moves, src_ids, dst_ids)
+        num_bytes = 0
+        for move in moves:
+            source, target = src.pools[move.src_rank], put.pools[move.dst_rank]
+            for pair in source.layout.head_pair_ranges(
+                    src_ids, dst_ids, target.layout, src_head=move.src_start,
+                    dst_head=move.dst_start, num_heads=move.count):
+                target.buffer[pair.dst_offset:pair.dst_offset + pair.length] = (
+                    source.buffer[pair.src_offset:pair.src_offset + pair.length])
+                num_bytes += pair.length
+        assert num_bytes == moved
+        for want, got in zip(copied.pools, put.pools, strict=True):
+            assert torch.equal(want.buffer, got.buffer)
+    finally:
+        for pools in (src, copied, put):
+            pools.close()
+
+
+def test_a_head_slice_outside_a_layout_is_refused() -> None:
+    from mooncake_kv.layout import LayoutMismatchError
+
+    config = EngineConfig(dtype="float32", block_size=BLOCK, num_kv_blocks=BLOCKS)
+    two, one = (kv_layout_for(LAYERS, n, HEAD_DIM, config) for n in (2, 1))
+    with pytest.raises(ValueError, match=r"destination heads \[1, 2\) are not within its 1"):
+        two.head_pair_ranges([0], [0], one, src_head=0, dst_head=1, num_heads=1)
+    other = kv_layout_for(LAYERS + 1, 1, HEAD_DIM, config)
+    with pytest.raises(LayoutMismatchError, match="only the head counts may differ"):
+        two.head_pair_ranges([0], [0], other, src_head=0, dst_head=0, num_heads=1)
+
+
+def test_a_pool_ref_names_one_mooncake_handle_per_rank() -> None:
+    ref = PoolRef(8, 4, "float32", mooncake_handle="a", tp=2, rank_mooncake_handles=["a", "b"])
+    assert ref.rank_handles() == ("a", "b")
+    assert PoolRef(8, 4, "float32", mooncake_handle="a").rank_handles() == ("a",)
+    with pytest.raises(ValueError, match="names 0 Mooncake rank pools for tp=2"):
+        PoolRef(8, 4, "float32", tp=2, rank_shm_names=["a", "b"]).rank_handles()

@@ -1,7 +1,7 @@
 """PD with the Mooncake Store as the KV pool every worker shares (``--kv-offload`` in PD).
 
-* the flag in PD: TP1 workers and ``write=through`` only, each refusal naming its flag; a
-  master that does not answer is refused by name before any worker starts;
+* the flag in PD: workers of any TP size (no PP), ``write=through`` only, each refusal naming
+  its flag; a master that does not answer is refused by name before any worker starts;
 * a decode worker's reservation is filled from the offload tiers before its prompt is
   computed (in process: a host tier, a real prefill executor over the decode pool);
 * end to end, with a real ``mooncake_master`` and 2 prefill + 2 decode worker processes: a
@@ -51,13 +51,17 @@ def test_pd_accepts_a_written_through_store() -> None:
     offload = spec.engine.kv_offload
     assert offload.store_address == "127.0.0.1:50051" and offload.store_write_through
     assert ServeSpec.resolve({"mode": "pd", "kv_offload": "host=64MiB"}).engine.kv_offload
+    for sizes in ({"decode_tp": 2}, {"tp": 2}, {"prefill_tp": 2, "decode_tp": 1}):
+        # TP workers offload whole blocks in the one-rank layout (test_kv_offload_tp.py)
+        assert ServeSpec.resolve({"mode": "pd", "kv_offload": "host=64MiB", **sizes}
+                                 ).engine.kv_offload
+    with pytest.raises(ValueError, match="--pp 2 is not supported in PD"):
+        ServeSpec.resolve({"mode": "pd", "kv_offload": "host=64MiB", "pp": 2})
 
 
 @pytest.mark.parametrize(("flags", "says"), [
     ({"kv_offload": "host=64MiB,store=mooncake@127.0.0.1:50051"}, "add ',write=through'"),
     ({"kv_offload": "host=64MiB,store=mooncake,write=spill"}, "write=through only"),
-    ({"kv_offload": "host=64MiB", "decode_tp": 2}, "--decode-tp 2: PD workers offload with TP1"),
-    ({"kv_offload": "host=64MiB", "tp": 2}, "--prefill-tp 2 --decode-tp 2"),
 ])
 def test_pd_refuses_offload_it_cannot_honour(flags: dict, says: str) -> None:
     with pytest.raises(ValueError, match="--kv-offload") as refused:

@@ -55,31 +55,37 @@ def checkpoint(tmp_path_factory) -> Path:  # noqa: ANN001
     return tiny_checkpoint(tmp_path_factory.mktemp("tp-pd") / "model", **HEADS)
 
 
-@pytest.fixture(scope="module")
-def transformers_tokens(checkpoint: Path) -> dict[str, list[int]]:
-    """Each prompt's greedy tokens from transformers (fp32), the independent reference."""
+def greedy_transformers(checkpoint: Path, prompts: dict[str, list[int]],
+                        num_tokens: int = NEW_TOKENS) -> dict[str, list[int]]:
+    """Each prompt's ``num_tokens`` greedy tokens from transformers (fp32), by name."""
     import torch
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     out = {}
     with torch.inference_mode():
-        for name, ids in PROMPTS.items():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
+        for name, ids in prompts.items():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False,
+                              min_new_tokens=num_tokens, pad_token_id=0, eos_token_id=None)
             out[name] = gen[0, len(ids):].tolist()
     return out
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> dict[str, list[tuple[float, ...]]]:
+def transformers_tokens(checkpoint: Path) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from transformers (fp32), the independent reference."""
+    return greedy_transformers(checkpoint, PROMPTS)
+
+
+def colocated_logprobs(checkpoint: Path, prompts: dict[str, list[int]],
+                       num_tokens: int = NEW_TOKENS) -> dict[str, list[tuple[float, ...]]]:
     """Each prompt's top ``TOP`` logprobs at every generated position, from a colocated
     one-rank engine of the same settings."""
     engine = LLMEngine.from_config(EngineConfig(model=str(checkpoint), **ENGINE, num_threads=1))
     try:
         out = {}
-        for name, ids in PROMPTS.items():
-            engine.add_request(name, ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+        for name, ids in prompts.items():
+            engine.add_request(name, ids, SamplingParams(temperature=0, max_tokens=num_tokens,
                                                          logprobs=TOP))
             while engine.has_unfinished_requests():
                 for o in engine.step():
@@ -88,6 +94,12 @@ def reference(checkpoint: Path) -> dict[str, list[tuple[float, ...]]]:
         return out
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict[str, list[tuple[float, ...]]]:
+    """``colocated_logprobs`` of this module's prompts."""
+    return colocated_logprobs(checkpoint, PROMPTS)
 
 
 def _descendants(pid: int) -> set[int]:
@@ -104,14 +116,15 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _check(reply, name: str, transformers_tokens, reference) -> int:  # noqa: ANN001
+def _check(reply, name: str, transformers_tokens, reference,  # noqa: ANN001
+           num_tokens: int = NEW_TOKENS) -> int:
     """Assert one served reply against both references; its cached prompt tokens."""
     assert reply.status_code == 200, reply.text
     body = reply.json()
     choice = body["choices"][0]
     assert choice["text"] == default_tokenizer().decode(transformers_tokens[name]), name
     got = choice["logprobs"]["top_logprobs"]  # {token text: logprob} per position
-    assert len(got) == NEW_TOKENS
+    assert len(got) == num_tokens
     for served, want in zip(got, reference[name], strict=True):
         for value in served.values():  # texts may collide: each is one of the top
             assert min(abs(value - w) for w in want) < LOGPROB_TOLERANCE, (name, served, want)

@@ -296,6 +296,26 @@ def test_max_tokens_before_the_grammar_ends_is_length(client):
     assert choice["text"].startswith("{")
 
 
+@pytest.mark.parametrize("extra", [{"min_tokens": 20}, {"min_tokens": 3, "stream": True}])
+def test_min_tokens_past_the_grammars_end_lets_the_grammar_end(client, extra):
+    """The grammar allows nothing but its end while min_tokens bans the stop token: the
+    grammar wins (the fuzzer found this as a 500: "token 0 does not continue ...")."""
+    if extra.pop("stream", False):
+        chunks = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=32,
+                        structured_outputs={"choice": ["zebra", "yak"]}, **extra)
+        out = streamed_choices(chunks)[0]
+        text, reason = out["text"], out["reason"]
+    else:
+        choice = complete(client, structured_outputs={"json": {}}, max_tokens=32,
+                          **extra)["choices"][0]
+        json.loads(choice["text"])
+        text, reason = choice["text"], choice["finish_reason"]
+        choice = complete(client, structured_outputs={"choice": ["zebra", "yak"]},
+                          max_tokens=32, **extra)["choices"][0]
+        text, reason = choice["text"], choice["finish_reason"]
+    assert (text, reason) in (("zebra", "stop"), ("yak", "stop"))
+
+
 def test_logprobs_stay_raw(client, engine):
     answer = complete(client, structured_outputs={"choice": ["zebra", "yak"]}, logprobs=2,
                       return_tokens_as_token_ids=True)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _SCRIPT = """
 import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # as a launcher pinning one rank
@@ -36,12 +38,14 @@ def test_prepare_worker_env_sets_openmp_before_torch():
 
 
 # ---- who decides the wait policy: fresh interpreters, as pytest has loaded torch -------------
-def _python(code: str, policy: str | None, **env_vars: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with ``OMP_WAIT_POLICY`` = ``policy`` (None: unset)."""
+def _python(code: str, policy: str | None, args: tuple[str, ...] | list[str] = (),
+            **env_vars: str) -> subprocess.CompletedProcess:
+    """Run ``code`` (with ``args``) in a fresh interpreter with ``OMP_WAIT_POLICY`` =
+    ``policy`` (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "WORLD_SIZE")}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env={**env, **env_vars}, timeout=300, check=True)
 
 
@@ -134,33 +138,43 @@ def test_cli_sets_passive_only_for_a_launcher_rank():
 
 
 # ---- an engine in the user's own process (LLM) with a model ----------------------------------
+# A tiny checkpoint (``_tiny.tiny_checkpoint``), not the default model: the thread decisions
+# do not depend on the model, and with OMP_WAIT_POLICY unset OpenMP spins, so loading SmolLM2
+# three times beside another pytest worker took minutes.
 _TORCH_FIRST = """
-import os
+import os, sys
 import torch
 import kthena_serve
 from kthena_serve import LLM
 counts = []
 for _ in range(2):  # the warning comes once
-    LLM(kv_cache_memory="16MiB")
+    LLM(model=sys.argv[1], kv_cache_memory="16MiB")
     counts.append(torch.get_num_threads())
-LLM(kv_cache_memory="16MiB", num_threads=2)
+LLM(model=sys.argv[1], kv_cache_memory="16MiB", num_threads=2)
 print(os.environ.get("OMP_WAIT_POLICY"), *counts, torch.get_num_threads(),
       len(os.sched_getaffinity(0)))
 """
 
 
-def test_llm_after_torch_runs_one_thread_and_says_so_once():
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):  # noqa: ANN001, ANN201
+    from _tiny import tiny_checkpoint
+
+    return str(tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+def test_llm_after_torch_runs_one_thread_and_says_so_once(tiny_model):
     """torch imported before the first LLM with OMP_WAIT_POLICY unset: its OpenMP spins, so LLM
     runs one thread (a warning, once, names the fixes), unless num_threads is given; the
     environment is not touched (it is too late for OpenMP to read it)."""
-    out = _python(_TORCH_FIRST, None)
+    out = _python(_TORCH_FIRST, None, args=[tiny_model])
     assert out.stdout.split() == ["None", "1", "1", "2", out.stdout.split()[-1]]
     assert out.stderr.count("torch was imported before the first LLM") == 1, out.stderr
     assert "num_threads=N" in out.stderr and "OMP_WAIT_POLICY=PASSIVE" in out.stderr
 
 
-def test_llm_after_torch_with_passive_set_uses_every_owned_core():
-    out = _python(_TORCH_FIRST, "PASSIVE")
+def test_llm_after_torch_with_passive_set_uses_every_owned_core(tiny_model):
+    out = _python(_TORCH_FIRST, "PASSIVE", args=[tiny_model])
     policy, first, second, explicit, cores = out.stdout.split()
     assert (policy, first, second, explicit) == ("PASSIVE", cores, cores, "2")
     assert "torch was imported before the first LLM" not in out.stderr

@@ -353,7 +353,9 @@ def _check_combinations(s: Mapping[str, Any]) -> None:
 
 
 def _check_pd_offload(s: Mapping[str, Any]) -> None:
-    """``--kv-offload`` in PD: TP1 workers, and a store written through (docs/pd.md)."""
+    """``--kv-offload`` in PD: a store written through (docs/pd.md). Workers of any TP size
+    offload (a TP worker's blocks go whole, in the one-rank layout: engine/rank_blocks.py);
+    PP is refused for every PD worker by ``_check_pd_layouts``."""
     from kthena_serve.engine.kv_offload_config import KVOffloadConfig
 
     value = s.get("kv_offload")
@@ -361,14 +363,6 @@ def _check_pd_offload(s: Mapping[str, Any]) -> None:
         offload = value if isinstance(value, KVOffloadConfig) else KVOffloadConfig.parse(value)
     except ValueError:
         return  # None, or text EngineConfig refuses with the syntax
-    tp = s.get("tp", getattr(s.get("layout"), "tp", 1))
-    big = {flag: size for flag, size in (("--prefill-tp", s["prefill_tp"] or tp),
-                                         ("--decode-tp", s["decode_tp"] or tp)) if (size or 1) > 1}
-    if big:
-        raise ValueError(f"--kv-offload with {' '.join(f'{k} {v}' for k, v in big.items())}: "
-                         "PD workers offload with TP1 only (a TP worker's KV is split over "
-                         "its ranks' pools); use --prefill-tp 1 --decode-tp 1, or drop "
-                         "--kv-offload")
     if offload.store_address is not None and not offload.store_write_through:
         raise ValueError(f"--kv-offload {value}: PD workers share the store with write=through "
                          "only (each block is put when it is computed, so every other "
@@ -376,8 +370,9 @@ def _check_pd_offload(s: Mapping[str, Any]) -> None:
 
 
 def _check_pd_layouts(s: Mapping[str, Any]) -> None:
-    """Each PD role's layout: TP workers on one host (shm: the hand-off copies between their
-    ranks' /dev/shm pools); no PP and no SP in PD."""
+    """Each PD role's layout: TP workers on cpu (their ranks' pools are /dev/shm files; the
+    hand-off copies between them over shm, or puts each rank's heads over mooncake); no PP
+    and no SP in PD."""
     for name, what in (("sp", "sequence parallelism is not run in PD workers"),
                        ("pp", "a pipelined worker's pool is split by layers across stages, "
                               "and the hand-off moves heads between TP ranks only")):
@@ -392,11 +387,6 @@ def _check_pd_layouts(s: Mapping[str, Any]) -> None:
                                   or value < 1):
             raise ValueError(f"{flag}: a TP size is a whole number of at least 1, got {value!r}")
     big = {flag: value for flag, value in sizes.items() if value is not None and value > 1}
-    if big and s["pd_transport"] != "shm":
-        raise ValueError(f"{' '.join(f'{k} {v}' for k, v in big.items())} with --pd-transport "
-                         f"{s['pd_transport']}: TP PD workers hand KV off on one host only "
-                         "(their ranks' pools are /dev/shm files); use --pd-transport shm, or "
-                         "tp 1 across hosts")
     if big and str(s.get("device", "cpu")).partition(":")[0] != "cpu":
         raise ValueError(f"{' '.join(f'{k} {v}' for k, v in big.items())} with --device "
                          f"{s.get('device')}: TP PD workers run on cpu only (their ranks' "

@@ -291,6 +291,85 @@ class KVLayout:
         )
         return tuple(RangePair(*span) for span in _merge_pairs(spans))
 
+    def head_pair_ranges(
+        self,
+        src_block_ids: Sequence[BlockId],
+        dst_block_ids: Sequence[BlockId],
+        dst: KVLayout,
+        *,
+        src_head: int,
+        dst_head: int,
+        num_heads: int,
+    ) -> tuple[RangePair, ...]:
+        """Copies that move heads ``[src_head, +num_heads)`` of src blocks (this layout) into
+        heads ``[dst_head, +num_heads)`` of dst blocks (``dst``: a pool of the same model with
+        its own head count, as two TP ranks hold): a re-sharding hand-off's byte ranges.
+
+        A unit is ``[token][head][dim]``, so a slice of its heads is one range per token::
+
+            unit (3 heads)   | t0: h0 h1 h2 | t1: h0 h1 h2 | ...     heads [1, 3) of it:
+                                  '--.--'        '--.--'           one range per token
+
+        int8 scales (``[token][head]`` per unit) move the same way. A slice that is every head
+        on both sides is whole units: ``pair_ranges``' coalesced ranges.
+
+        Raises:
+            LayoutMismatchError: lists of different length, or layouts that differ in more
+                than their head count and block count (layers, head size, block size, dtype,
+                parts, order).
+            BlockIdError: an id out of range, or an id repeated on either side.
+            ValueError: a head slice outside either layout's heads.
+        """
+        src_shape, dst_shape = self.shape, dst.shape
+        if attrs.evolve(src_shape, num_kv_heads=dst_shape.num_kv_heads) != dst_shape or (
+                dst.kind is not self.kind):
+            raise LayoutMismatchError(
+                f"cannot move heads of {src_shape.fingerprint()}/{self.kind.value} blocks into "
+                f"{dst_shape.fingerprint()}/{dst.kind.value}; only the head counts may differ"
+            )
+        for name, start, layout in (("source", src_head, self), ("destination", dst_head, dst)):
+            if num_heads < 1 or start < 0 or start + num_heads > layout.shape.num_kv_heads:
+                raise ValueError(
+                    f"{name} heads [{start}, {start + num_heads}) are not within its "
+                    f"{layout.shape.num_kv_heads} heads; give a slice of at least one head"
+                )
+        if num_heads == src_shape.num_kv_heads == dst_shape.num_kv_heads:
+            return self.pair_ranges(src_block_ids, dst_block_ids, dst)
+        if len(src_block_ids) != len(dst_block_ids):
+            raise LayoutMismatchError(f"{len(src_block_ids)} source blocks but "
+                                      f"{len(dst_block_ids)} destination blocks; give one each")
+        pairs = list(zip(self._distinct(src_block_ids), dst._distinct(dst_block_ids), strict=True))
+        spans = []
+        for src_region, dst_region, head_bytes in self._head_regions(dst):
+            length = num_heads * head_bytes
+            src_first, dst_first = src_head * head_bytes, dst_head * head_bytes
+            for s, d in pairs:
+                for layer in range(src_shape.num_layers):
+                    for part in self.parts:
+                        src_at = (src_region.base + self.unit_index(s, layer, part) * src_region.unit
+                                  + src_first)
+                        dst_at = (dst_region.base + dst.unit_index(d, layer, part) * dst_region.unit
+                                  + dst_first)
+                        spans.extend((src_at + t * src_region.token, dst_at + t * dst_region.token,
+                                      length)
+                                     for t in range(src_shape.block_size))
+        return tuple(RangePair(*span) for span in _merge_pairs(sorted(spans)))
+
+    def _head_regions(self, dst: KVLayout) -> list[tuple[_Region, _Region, int]]:
+        """(this layout's region, ``dst``'s, bytes of one head of one token) for the data and,
+        with int8, the scales."""
+        elem = self.shape.dtype.element_bytes
+        out = [(_Region(0, self.unit_bytes, self.shape.num_kv_heads * self.shape.head_dim * elem),
+                _Region(0, dst.unit_bytes, dst.shape.num_kv_heads * dst.shape.head_dim * elem),
+                self.shape.head_dim * elem)]
+        if self.shape.dtype.is_quantized:
+            out.append((_Region(self.scale_offset, self.scale_unit_elements * SCALE_BYTES,
+                                self.shape.num_kv_heads * SCALE_BYTES),
+                        _Region(dst.scale_offset, dst.scale_unit_elements * SCALE_BYTES,
+                                dst.shape.num_kv_heads * SCALE_BYTES),
+                        SCALE_BYTES))
+        return out
+
     def _pieces(self, layer: int | None) -> list[tuple[int, int, int]]:
         """(base, stride, length): block b holds [base + b*stride, + length) of each piece;
         all layers (length == stride) or one layer's K, V and scale parts."""
@@ -362,6 +441,15 @@ class KVLayout:
                 f"cannot copy {self.shape.fingerprint()}/{self.kind.value} blocks into "
                 f"{dst.shape.fingerprint()}/{dst.kind.value}; shapes and orders must match"
             )
+
+
+@attrs.frozen
+class _Region:
+    """Where a layout's units lie: ``base`` + unit index x ``unit``; ``token`` bytes a token."""
+
+    base: int
+    unit: int
+    token: int
 
 
 def _runs(sorted_ids: Sequence[int]) -> list[tuple[int, int]]:

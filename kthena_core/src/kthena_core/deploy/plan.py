@@ -24,7 +24,7 @@ parallelism with pipeline stages (not wired), wide expert parallelism (EP groups
 which the engine does not run), tp x pp ranks that do not split evenly over the nodes an
 engine needs (torchrun starts as many on each), and the features the engine refuses with the
 plan's layout: ``tp_overlap`` at tp = 1 (in PD: a role at tp = 1) or with int8 weights,
-``kv_offload`` with tp or pp > 1 (each rank would hold its own pool), ``expert_parallel`` for a
+``kv_offload`` with pp > 1, or tp > 1 off the cpu or over several pods, ``expert_parallel`` for a
 dense model or a tp that is 1 or does not divide the experts (in PD: any role's).
 
 Per pod of a role it sizes (unless deploy.yaml's ``resources`` says otherwise):
@@ -322,11 +322,22 @@ def _check_features(spec: DeploySpec, plan: Plan) -> None:
                           "--kv-cache-dtype int8)")
     _check_tp_overlap(spec, plan)
     _check_expert_parallel(spec, plan)
-    if spec.kv_offload is not None and lay.tp * lay.pp > 1:
+    if spec.kv_offload is not None and _offload_refused(spec, plan):
         raise DeployError(f"kv_offload: got {spec.kv_offload!r}, but the plan gives each worker "
-                          f"TP{lay.tp} x PP{lay.pp}; allowed: only where the plan runs each "
-                          "worker at tp=1 and pp=1 (each rank would have its own pool; kthena "
-                          "serve refuses --kv-offload with --tp or --pp > 1)")
+                          f"TP{lay.tp} x PP{lay.pp} on {_device(spec, plan)[0]}; allowed: pp=1, "
+                          "and tp > 1 only with a worker's ranks as CPU processes of one pod "
+                          "(kthena serve offloads at --tp > 1 from rank 0, which maps every "
+                          "rank's pool in /dev/shm; it refuses --kv-offload with --pp > 1)")
+
+
+def _offload_refused(spec: DeploySpec, plan: Plan) -> bool:
+    """Whether kthena serve refuses ``--kv-offload`` with the plan's layout: pp > 1, or tp > 1
+    off the cpu or over several pods (ranks a launcher starts)."""
+    lay = plan.chosen.layout
+    if lay.pp > 1:
+        return True
+    return lay.tp > 1 and (_device(spec, plan)[0] != "cpu"
+                           or _nodes_per_engine(spec, "serve", lay) > 1)
 
 
 def _check_tp_overlap(spec: DeploySpec, plan: Plan) -> None:

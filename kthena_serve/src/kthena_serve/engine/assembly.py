@@ -33,7 +33,8 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
     Args:
         model, tokenizer: an already loaded pair (tests); loaded from ``config.model`` if None.
         shared_pool: put the KV pool in POSIX shared memory (a PD decode worker's pool); with
-            tp > 1 every rank's pool (``ParallelModelRunner.rank_pools`` names them).
+            tp > 1 every rank's pool (``ParallelModelRunner.rank_pools`` names them), which
+            ``--kv-offload`` at tp > 1 always asks for (rank 0's offloader maps them).
 
     Raises:
         ValueError: ``shared_pool`` with ``pp > 1`` (a stage's pool holds some layers only).
@@ -44,6 +45,8 @@ def build_runner(config: EngineConfig, model: torch.nn.Module | None = None,
                              "worker's ranks split its heads (tp), not its layers; run PD "
                              "workers with pp=1")
         from kthena_serve.engine.parallel_runner import ParallelModelRunner
+
+        shared_pool = shared_pool or config.kv_offload is not None  # engine/rank_blocks.py
 
         rank_env = None
         if config.ranks_from == "env":

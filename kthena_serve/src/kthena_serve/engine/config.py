@@ -197,9 +197,20 @@ def _kv_offload(value: object) -> KVOffloadConfig | None:
 def _check_kv_offload(instance: EngineConfig, attribute: attrs.Attribute, value: object) -> None:
     if value is None:
         return
-    if instance.world_size > 1 or instance.ranks_from == "env":
-        raise ConfigError(attribute.name, "None with tp x pp > 1", str(value),
-                          "each rank holds its own pool; offload runs with tp=1 and pp=1")
+    # tp > 1: rank 0's process maps every rank's pool (/dev/shm files of this host's
+    # spawned CPU ranks) and offloads whole blocks of all heads (engine/rank_blocks.py)
+    if instance.pp > 1:
+        raise ConfigError(attribute.name, "None with pp > 1", str(value),
+                          "a pipeline stage's pool holds some layers only, and a block is "
+                          "offloaded whole; use pp=1 (tp > 1 is fine)")
+    if instance.ranks_from == "env":
+        raise ConfigError(attribute.name, "None with ranks_from='env'", str(value),
+                          "offload at tp > 1 maps every rank's pool from rank 0's process, "
+                          "so the ranks must be spawned on this host; use ranks_from='spawn'")
+    if instance.tp > 1 and str(instance.device).partition(":")[0] != "cpu":
+        raise ConfigError(attribute.name, "None with tp > 1 off the cpu", str(value),
+                          f"offload at tp > 1 maps every rank's pool, /dev/shm files of cpu "
+                          f"ranks; device {instance.device!r} is not cpu: use tp=1 there")
     if not instance.enable_prefix_caching:
         raise ConfigError(attribute.name, "None without prefix caching", str(value),
                           "only cached (committed) blocks are offloaded and promoted")
@@ -296,7 +307,9 @@ class EngineConfig:
             a ``.gguf`` file; `kthena_serve.model.load_model`); None: weights in ``dtype``.
         kv_offload: tiers below the pool, as text (``"host=2GiB"``,
             ``"host=2GiB,store=mooncake@127.0.0.1:50051"``, see ``kthena_serve.engine.kv_offload``)
-            or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone.
+            or a ``KVOffloadConfig``; None: blocks evicted from the pool are gone. With
+            prefix caching and pp=1 only; at tp > 1 with spawned cpu ranks (rank 0 offloads
+            every rank's heads of a block as one, `kthena_serve.engine.rank_blocks`).
         kernels: how the CPU matmul and attention kernels are chosen: ``"auto"`` (each
             candidate timed once on this machine at the model's shapes, the fastest taken,
             cached), ``"native"`` (by the CPU's features, no timing) or ``"torch"`` (F.linear

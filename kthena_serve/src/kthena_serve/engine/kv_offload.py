@@ -20,9 +20,13 @@
 * ``timeout=SECONDS``: how long a request waits for its promotion before recomputing the
   blocks not yet copied (default 5).
 
-In PD (``kthena serve --mode pd``) every worker opens these tiers over its own pool, a store
-only with ``write=through`` (spec.py), and ``check_store`` refuses a master that does not
-answer before any worker starts (docs/pd.md, "Shared KV store").
+At tp > 1 (pp 1, spawned cpu ranks: ``EngineConfig`` refuses the rest) rank 0's process maps
+every rank's pool and offloads whole blocks of all KV heads in the one-rank layout
+(``rank_blocks.RankBlocks``), so keys and bytes are a tp=1 engine's whatever the TP size.
+
+In PD (``kthena serve --mode pd``) every worker, of any TP size, opens these tiers over its own
+pool, a store only with ``write=through`` (spec.py), and ``check_store`` refuses a master that
+does not answer before any worker starts (docs/pd.md, "Shared KV store").
 
 The engine side is ``mooncake_kv.tiers.AsyncOffloader`` (copier and promoter threads); this
 module names its keys (model, dtype, pool geometry) and turns its counters into ``KVTierStats``.
@@ -38,12 +42,13 @@ from kthena_serve.engine.stats import KVTierStats
 
 if TYPE_CHECKING:
     from kthena_serve.engine.config import EngineConfig
+    from kthena_serve.engine.model_runner import Runner
     from mooncake_kv import KVCacheManager
     from mooncake_kv.tiers import AsyncOffloader, OffloadSnapshot
     from mooncake_kv.tiers.offload import BlockStorage
 
 __all__ = ["DEFAULT_MASTER", "KVOffloadConfig", "StoreUnreachableError", "check_store",
-           "open_offloader", "shares_store", "tier_stats"]
+           "close_offloader", "open_offloader", "shares_store", "tier_stats"]
 
 
 class StoreUnreachableError(ValueError):
@@ -87,14 +92,21 @@ def namespace(config: EngineConfig) -> str:
     return f"kthena|{model}|{config.dtype}|{config.hash_algorithm}"
 
 
-def open_offloader(config: EngineConfig, pool: BlockStorage, kv: KVCacheManager,
+def open_offloader(config: EngineConfig, runner: Runner, kv: KVCacheManager,
                    ) -> AsyncOffloader:
-    """The offloader ``config.kv_offload`` asks for, following ``kv``'s events over ``pool``.
+    """The offloader ``config.kv_offload`` asks for, following ``kv``'s events over the blocks
+    of ``runner``: its pool, or at tp > 1 every rank's pool in the one-rank layout
+    (``rank_blocks.RankBlocks``: the keys and bytes a tp=1 engine of the model gives a
+    block). Close it with ``close_offloader``.
 
     A store that cannot be reached is left out with a warning (host tier only).
+
+    Raises:
+        ValueError: a tp > 1 runner whose rank pools are private (not ``shared_pool``).
     """
     import logging
 
+    from kthena_serve.engine.rank_blocks import block_storage
     from mooncake_kv.tiers import (
         AsyncOffloader,
         HostMemoryTier,
@@ -104,6 +116,7 @@ def open_offloader(config: EngineConfig, pool: BlockStorage, kv: KVCacheManager,
     )
 
     spec: KVOffloadConfig = config.kv_offload
+    storage = block_storage(runner)  # first: a refused runner opens no store client
     tiers = [HostMemoryTier(spec.host_bytes, "host")]
     if spec.store_address is not None:
         try:
@@ -115,8 +128,27 @@ def open_offloader(config: EngineConfig, pool: BlockStorage, kv: KVCacheManager,
             logging.getLogger(__name__).warning(
                 "KV offload: the Mooncake Store at %s is left out, blocks past the host tier "
                 "are recomputed: %s", spec.store_address, error)
-    return AsyncOffloader(kv, pool, tiers, namespace=namespace(config),
-                          queue_depth=spec.queue_depth, write_through=spec.store_write_through)
+    try:
+        return AsyncOffloader(kv, storage, tiers, namespace=namespace(config),
+                              queue_depth=spec.queue_depth,
+                              write_through=spec.store_write_through)
+    except BaseException:
+        _close_storage(storage)
+        raise
+
+
+def close_offloader(offloader: AsyncOffloader) -> None:
+    """Close ``offloader`` (its threads, its tiers), then unmap the rank pools it read at
+    tp > 1 (never the runner's own pool: the runner closes that). Safe to repeat."""
+    offloader.close()
+    _close_storage(offloader.pool)
+
+
+def _close_storage(storage: BlockStorage) -> None:
+    from kthena_serve.engine.rank_blocks import RankBlocks
+
+    if isinstance(storage, RankBlocks):
+        storage.close()
 
 
 def tier_stats(snapshot: OffloadSnapshot) -> tuple[KVTierStats, ...]:

@@ -75,7 +75,7 @@ class LLMEngine:
                                  "scheduler; with an injected scheduler, give it the offloader "
                                  "and leave kv_offload None")
 
-            self.offloader = open_offloader(config, runner.pool, self.kv)
+            self.offloader = open_offloader(config, runner, self.kv)  # tp > 1: every rank's
         # target_step_ms: every step's time refits the cost model the prefill budget reads;
         # max_queue_delay_s: the admission bound's rate starts from its prefill capacity
         self.step_cost = step_cost or (StepCostModel() if config.target_step_ms
@@ -160,7 +160,9 @@ class LLMEngine:
         for request_id in self.live_request_ids():
             self.abort_request(request_id)
         if self.offloader is not None:
-            self.offloader.close()  # its threads read the pool: stop them first
+            from kthena_serve.engine.kv_offload import close_offloader
+
+            close_offloader(self.offloader)  # its threads read the pool: stop them first
         self.runner.close()
 
     def live_request_ids(self) -> list[str]:

@@ -152,12 +152,17 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
     of its ``min_tokens`` (vLLM's rule: the token sampled now is number ``len(output) + 1``;
     stops are allowed after ``min_tokens``), ``logit_bias``, ``allowed_token_ids`` and
     ``bad_words``; then the grammar's ``token_bitmask`` on the rows with ``structured_outputs``
-    (vLLM's order: a grammar's -inf survives every addition)."""
+    (vLLM's order: a grammar's -inf survives every addition).
+
+    The grammar wins where the masks before it leave it no token (``min_tokens`` banning the
+    stop token of a finished JSON value, ``allowed_token_ids`` outside the grammar): that row
+    gets the grammar's mask alone, so a structured output ends as its grammar allows rather
+    than failing the request."""
     rows = [i for i, r in enumerate(requests)
             if r.params.changes_logits or len(r.output_token_ids) < r.params.min_tokens]
     if not rows:
         return logits
-    logits = logits.clone()
+    source, logits = logits, logits.clone()
     vocab = logits.shape[1]
     for i in rows:
         params, output = requests[i].params, requests[i].output_token_ids
@@ -192,6 +197,11 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRow],
         from kthena_serve.engine.grammar import apply_token_bitmask
 
         apply_token_bitmask(logits, token_bitmask, constrained)
+        masked = set(rows)
+        stuck = [i for i in constrained if i in masked and bool(logits[i].isneginf().all())]
+        if stuck:
+            logits[stuck] = source[stuck]
+            apply_token_bitmask(logits, token_bitmask, stuck)
     return logits
 
 

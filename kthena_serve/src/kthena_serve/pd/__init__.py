@@ -16,6 +16,8 @@ launcher base, worker lifecycle, auth, the KV events wire). Modules, one concept
 * ``kv_params`` ``kv_transfer_params`` as the Kthena router's nixl / mooncake connectors carry it
 * ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
 * ``prefill_connector``, ``decode_connector``  each worker's side of that protocol on its OpenAI routes
+* ``rank_pull`` that protocol's pull where either worker is a TP engine: heads copied between
+  the ranks' /dev/shm pools
 * ``frontend``  the router's OpenAI front: ``RemoteEngine`` over the cluster router
 * ``launcher``  ``PDLauncher``: the PD workers on split cores (prefill first)
 * ``cluster``   ``PDCluster``: launcher + router + OpenAI server in one object

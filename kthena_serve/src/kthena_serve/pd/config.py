@@ -67,7 +67,8 @@ class PDConfig:
             prompt's blocks for the decode worker that is to pull them (then frees them).
         prefill_tp, decode_tp: each role's TP size (0: the engine's ``tp``); a TP worker's
             ranks each hold their own KV heads' pool, and the hand-off re-shards the heads
-            between the two sizes (pd/reshard.py; ``shm`` only).
+            between the two sizes (pd/reshard.py over ``shm``, pd/reshard_put.py over
+            ``mooncake``; a TP role's ``kv_push`` is batched: its layers ran in its ranks).
     """
 
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)

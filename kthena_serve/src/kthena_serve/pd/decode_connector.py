@@ -15,7 +15,10 @@ Then, as the request's output stream (``generate``)::
     3 reserve    AsyncLLM.reserve: own prefix cache matched (those blocks are not pulled),
                  blocks for the rest
     4 get        one-sided batch get of remote blocks [cached // block_size:] into them
-                 (kthena_comm shm or mooncake engine; ``transfer.BlockGetter``)
+                 (kthena_comm shm or mooncake engine; ``transfer.BlockGetter``); where either
+                 worker is a TP engine (shm, one host), a synchronous copy of each block's
+                 heads from the prefill ranks' pools into this worker's ranks' pools
+                 (``rank_pull.RankPull``; the lease names the prefill ranks' pools)
     5 release    POST remote/pd/kv/release: the prefill worker frees its pin and says whether
                  it was still pinned all along (if not, the bytes may be stale: not used)
     6 admit      AsyncLLM.generate_prefilled(first token) and stream
@@ -29,6 +32,7 @@ freed, so nothing else reads them in between.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -51,6 +55,8 @@ from kthena_serve.pd.decode import HandoffError, prefill_client
 from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_params, prompt_digest
 from kthena_serve.pd.late_writes import LateWrites
 from kthena_serve.pd.metrics import PDMetrics
+from kthena_serve.pd.protocol import PoolRef
+from kthena_serve.pd.rank_pull import RankPull
 from kthena_serve.pd.transfer import QUIET_S, BlockGetter
 from mooncake_kv.layout import KVLayout
 
@@ -64,10 +70,11 @@ class Lease:
     """What the prefill worker answered to a lease: where to read, and the first token."""
 
     remote: RemotePrefill
-    handle: MemoryHandle
+    handle: MemoryHandle | None  # its pool for the one-sided get (None: ``source``)
     layout: KVLayout
     first_token_id: int
     first_token_logprobs: TokenLogprobs | None
+    source: PoolRef | None = None  # a TP pair's: the prefill ranks' pools, copied head by head
 
 
 class _Unavailable(Exception):
@@ -89,12 +96,16 @@ class DecodeConnector:
         secret: the deployment secret; calls to prefill workers are signed with it (never sent).
         prefill_hosts: hosts ``remote_host`` may name (the rest are a 400).
         client: the HTTP client for prefill workers (default: a new ``prefill_client()``).
+        ranks: copies a TP pair's blocks head by head between the ranks' pools (shm, a cpu
+            pool); None: every pull is a ``getter`` get, and a TP prefill worker is refused.
     """
 
     def __init__(self, engine: AsyncLLM, getter: BlockGetter, config: PDConfig,
                  metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str],
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, ranks: RankPull | None = None,
+                 ) -> None:
         self.engine, self.getter, self.config, self.metrics = engine, getter, config, metrics
+        self.ranks = ranks
         self.client = client or prefill_client()
         self._secret = secret
         self.prefill_hosts = frozenset(prefill_hosts)
@@ -146,14 +157,21 @@ class DecodeConnector:
     def _read_lease(self, remote: RemotePrefill, request: EngineRequest,
                     data: dict[str, Any]) -> Lease:
         own = self.getter.layout
-        if data["fingerprint"] != own.shape.fingerprint() or data["kind"] != own.kind.value:
-            raise ValueError(f"its KV blocks are {data['fingerprint']}/{data['kind']}, this "
-                             f"worker's {own.shape.fingerprint()}/{own.kind.value}: run both "
-                             "with the same model, dtype, --kv-cache-dtype and block size")
-        handle = MemoryHandle.from_dict(data["handle"])
-        if handle.backend != self.getter.engine.backend:
-            raise ValueError(f"it serves KV over {handle.backend}, this worker pulls over "
-                             f"{self.getter.engine.backend}: use one --pd-transport")
+        tp = data.get("tp", 1)
+        if remote.tp_size is not None and tp != remote.tp_size:
+            raise ValueError(f"tp_size={remote.tp_size}, but the prefill worker at {remote.url} "
+                             f"is a TP{tp} engine: send the kv_transfer_params of its answer "
+                             "unchanged")
+        handle = source = None
+        if tp == 1 and (self.ranks is None or self.ranks.tp == 1):  # one pool into one
+            handle = self._handle(data)
+        elif self.ranks is None:
+            raise ValueError(f"the prefill worker is a TP{tp} engine and this worker pulls "
+                             f"over {self.getter.engine.backend} (or into a device pool): with "
+                             "TP workers the Kthena connector path runs over --pd-transport "
+                             "shm on one host, with cpu pools")
+        else:
+            source = self.ranks.source(data)
         num_prompt_blocks = -(-len(request.prompt_ids) // own.shape.block_size)
         if len(remote.block_ids) != num_prompt_blocks:
             raise ValueError(f"{len(remote.block_ids)} remote blocks for a prompt of "
@@ -166,17 +184,37 @@ class DecodeConnector:
             raise ValueError("the request asks for logprobs and its prefill did not (send "
                              "the same body to both workers)")
         return Lease(remote, handle, attrs.evolve(own, num_blocks=int(data["num_blocks"])),
-                     token, TokenLogprobs.from_json(logprobs) if logprobs else None)
+                     token, TokenLogprobs.from_json(logprobs) if logprobs else None, source)
+
+    def _handle(self, data: dict[str, Any]) -> MemoryHandle:
+        """The prefill pool a tp=1 pair's get reads, checked against this worker's (unless
+        this worker's get refuses every pull: it then says why, and the policy decides)."""
+        if self.getter.local is None:  # a device pool over shm; a TP pool over mooncake
+            return MemoryHandle.from_dict(data["handle"])
+        own = self.getter.layout
+        if data["fingerprint"] != own.shape.fingerprint() or data["kind"] != own.kind.value:
+            raise ValueError(f"its KV blocks are {data['fingerprint']}/{data['kind']}, this "
+                             f"worker's {own.shape.fingerprint()}/{own.kind.value}: run both "
+                             "with the same model, dtype, --kv-cache-dtype and block size")
+        handle = MemoryHandle.from_dict(data["handle"])
+        if handle.backend != self.getter.engine.backend:
+            raise ValueError(f"it serves KV over {handle.backend}, this worker pulls over "
+                             f"{self.getter.engine.backend}: use one --pd-transport")
+        return handle
 
     # ---- while streaming --------------------------------------------------------------------------
     async def pull(self, lease: Lease, rid: str, reserved: Reservation) -> str | None:
         """Get the blocks the reservation lacks, then release the pin; None on success, else
         why not. If the caller is cancelled, the reservation is freed once the get ends."""
         first = reserved.num_cached_tokens // self.getter.layout.shape.block_size
+        src_ids, dst_ids = lease.remote.block_ids[first:], reserved.block_ids[first:]
+        if lease.source is not None and self.ranks is not None:  # a TP pair: head by head
+            move = functools.partial(self.ranks.copy, lease.source, src_ids, dst_ids)
+        else:
+            move = functools.partial(self.getter.get, lease.handle, lease.layout, src_ids,
+                                     dst_ids)
         start = time.perf_counter()
-        get = asyncio.ensure_future(asyncio.to_thread(
-            self.getter.get, lease.handle, lease.layout, lease.remote.block_ids[first:],
-            reserved.block_ids[first:]))
+        get = asyncio.ensure_future(asyncio.to_thread(move))
         try:
             num_bytes = await asyncio.shield(get)
         except asyncio.CancelledError:

@@ -29,8 +29,11 @@ from kthena_serve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from kthena_comm.transfer import MemoryHandle, TransferEngine
+    from kthena_serve.engine.model_runner import Runner
     from kthena_serve.engine.request import RequestOutput
     from kthena_serve.kv_events.config import KVEventsConfig
+    from kthena_serve.pd.rank_pull import RankPull
+    from kthena_serve.pd.reshard import RankPools
     from mooncake_kv.pool import KVPool
 
 
@@ -96,11 +99,18 @@ class _DecodeRoutes:
         if config.tp > 1:  # every rank's pool, which prefill workers copy their heads into
             names = [name for name, _layout in runner.rank_pools()]
             self.ref = attrs.evolve(self.ref, tp=config.tp, rank_shm_names=names)
-            pull_handle = None  # a pull would fill rank 0's heads only
+            pull_handle = None  # a get fills one pool: over shm a TP pull copies head by head
             pull_refusal = (f"this decode worker is a TP{config.tp} engine, whose KV is split "
-                            "over its ranks' pools; pulling a prefill worker's pinned blocks "
-                            "fills one pool only: serve the Kthena connector path with tp=1 "
-                            "decode workers, or route through kthena serve's PD router")
+                            f"over its ranks' pools; over {pd.transport.value} it pulls no "
+                            "prefill worker's pinned blocks (the Kthena connector path with TP "
+                            "workers runs over --pd-transport shm): use tp=1 decode workers "
+                            "there, or route through kthena serve's PD router")
+        self.rank_pools = None  # mooncake TP: ranks 1.. mapped here, registered for the puts
+        if config.tp > 1 and pd.transport is Transport.MOONCAKE:
+            self.rank_pools, handles = _register_ranks(runner, self.pull_engine,
+                                                       self.ref.mooncake_handle)
+            self.ref = attrs.evolve(self.ref, rank_shm_names=(), rank_mooncake_handles=handles)
+        self.ranks = _rank_pull(runner, config, pd)  # a TP pair's connector pull (shm)
         self.events = EventLog(engine.kv)
         self.engine = AsyncLLM(engine).start()
         self.metrics = PDMetrics("decode")
@@ -112,7 +122,8 @@ class _DecodeRoutes:
         getter = BlockGetter(self.pull_engine, pull_handle, runner.pool.layout,
                              pd.transfer_timeout_s, refusal=pull_refusal)
         self.connector = DecodeConnector(self.engine, getter, pd, self.metrics, secret=secret,
-                                         prefill_hosts=prefill_hosts, client=client)
+                                         prefill_hosts=prefill_hosts, client=client,
+                                         ranks=self.ranks)
         self.incarnation = new_incarnation()
 
     def render_metrics(self) -> bytes:
@@ -156,6 +167,10 @@ class _DecodeRoutes:
             self.publisher.close()  # removes this worker's fields before the engine goes
         self.engine.shutdown()  # closes the engine and with it the shared pool (unlinked)
         self.pull_engine.close()
+        if self.ranks is not None:  # after the engine: no copy runs any more
+            self.ranks.close()
+        if self.rank_pools is not None:  # unmapped once no longer registered
+            self.rank_pools.close()
 
 
 def _decode_pool(pool: KVPool, config: EngineConfig, pd: PDConfig, mooncake_host: str | None,
@@ -183,6 +198,34 @@ def _decode_pool(pool: KVPool, config: EngineConfig, pd: PDConfig, mooncake_host
                   mooncake_handle=None if mooncake is None else mooncake.to_json(),
                   kv_cache_dtype=config.kv_cache_dtype, **shared)
     return engine, handle, ref
+
+
+def _register_ranks(runner: Runner, engine: TransferEngine, first: str,
+                    ) -> tuple[RankPools, tuple[str, ...]]:
+    """A TP decode worker's ranks 1.. pools (/dev/shm files of its ranks) mapped here and
+    registered with ``engine``, which holds rank 0's (``first``, its handle's JSON); returns
+    them and every rank's handle JSON in rank order (``PoolRef.rank_mooncake_handles``)."""
+    from kthena_serve.pd.reshard import RankPools
+
+    ranks = runner.rank_pools()[1:]
+    mapped = RankPools.attach([name for name, _ in ranks], [layout for _, layout in ranks])
+    try:
+        handles = [engine.register(pool.buffer).to_json() for pool in mapped.pools]
+    except BaseException:
+        mapped.close()
+        raise
+    return mapped, (first, *handles)
+
+
+def _rank_pull(runner: Runner, config: EngineConfig, pd: PDConfig) -> RankPull | None:
+    """What copies a TP pair's pinned blocks head by head into this worker's rank pools for
+    the Kthena connector (``rank_pull.py``): over shm with a cpu pool; None otherwise (a TP
+    prefill worker's lease is then refused, naming the shm transport)."""
+    from kthena_serve.pd.rank_pull import RankPull, own_rank_pools
+
+    if pd.transport is not Transport.SHM or runner.pool.buffer.device.type != "cpu":
+        return None
+    return RankPull(own_rank_pools(runner), runner.model.config, config)
 
 
 async def _ndjson(rid: str, stream: AsyncGenerator[RequestOutput, None],

@@ -15,7 +15,12 @@ use (the router only copies the object)::
 
     {"do_remote_prefill": true, "do_remote_decode": false,
      "remote_engine_id": "<prefill worker incarnation>", "remote_request_id": "<transfer id>",
-     "remote_block_ids": [..], "remote_host": "<prefill host>", "remote_port": <prefill port>}
+     "remote_block_ids": [..], "remote_host": "<prefill host>", "remote_port": <prefill port>,
+     "tp_size": <the prefill worker's TP size>}
+
+``tp_size`` is optional in a request; where present it must be the TP size of the worker that
+pinned the KV (vLLM's connectors send it too): a prefill request's must be the prefill
+worker's own, a decode request's is checked against the prefill worker's answer to the lease.
 
 Everything here is parsing and building that object; it trusts nothing it reads (a decode
 request's fields are checked for type and range, unknown fields are refused by name).
@@ -32,10 +37,12 @@ import attrs
 
 from kthena_serve.engine.errors import InvalidRequestError
 
-__all__ = ["KVAsk", "RemotePrefill", "parse_kv_params", "prefill_reply", "prompt_digest"]
+__all__ = ["KVAsk", "RemotePrefill", "check_prefill_tp_size", "parse_kv_params", "prefill_reply",
+           "prompt_digest"]
 
 PARAM = "kv_transfer_params"
 MAX_BLOCK_IDS = 1 << 16  # more blocks than any context this server takes
+MAX_TP_SIZE = 1024  # more ranks than one host runs
 _MAX_TEXT = 256
 _REMOTE = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
            "remote_port")
@@ -59,6 +66,7 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     host: str
     port: int
+    tp_size: int | None = None  # the prefill worker's TP size, if the params say it
 
     @property
     def url(self) -> str:
@@ -116,9 +124,7 @@ def parse_kv_params(data: Mapping[str, Any]) -> tuple[KVAsk, RemotePrefill | Non
     if unknown:
         raise _refuse(f"unknown field(s) {', '.join(unknown)}; this worker reads "
                       f"{', '.join(sorted(_KNOWN))}")
-    tp_size = data.get("tp_size")
-    if tp_size not in (None, 1) or isinstance(tp_size, bool):
-        raise _refuse(f"tp_size={tp_size!r}: PD workers run with tp=1")
+    tp_size = _tp_size(data)
     remote_decode, remote_prefill = _flag(data, "do_remote_decode"), _flag(data,
                                                                           "do_remote_prefill")
     if remote_decode and remote_prefill:
@@ -134,16 +140,40 @@ def parse_kv_params(data: Mapping[str, Any]) -> tuple[KVAsk, RemotePrefill | Non
         raise _refuse(f"remote_port must be an int in 1..65535, got {port!r}")
     remote = RemotePrefill(_text(data, "remote_engine_id"), _text(data, "remote_request_id"),
                            _block_ids(data.get("remote_block_ids")),
-                           _text(data, "remote_host"), port)
+                           _text(data, "remote_host"), port, tp_size)
     return KVAsk.REMOTE_PREFILL, remote
 
 
+def _tp_size(data: Mapping[str, Any]) -> int | None:
+    """A request's ``tp_size``: None when absent, else a TP size (an int in 1..MAX_TP_SIZE)."""
+    value = data.get("tp_size")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_TP_SIZE:
+        raise _refuse(f"tp_size={value!r}: a TP size is an int in 1..{MAX_TP_SIZE}, the "
+                      "prefill worker's own (copy it from its answer, or leave it out)")
+    return value
+
+
+def check_prefill_tp_size(data: Mapping[str, Any], tp: int) -> None:
+    """A prefill request's ``tp_size``, if it has one, must be this prefill worker's ``tp``.
+
+    Raises:
+        InvalidRequestError: another size (or not a size).
+    """
+    asked = _tp_size(data)
+    if asked is not None and asked != tp:
+        raise _refuse(f"tp_size={asked}, but this prefill worker is a TP{tp} engine; send "
+                      f"tp_size {tp} or leave it out (the answer carries it)")
+
+
 def prefill_reply(engine_id: str, transfer_id: str, block_ids: Sequence[int], host: str,
-                  port: int) -> dict[str, Any]:
+                  port: int, tp_size: int = 1) -> dict[str, Any]:
     """The ``kv_transfer_params`` a prefill answer carries (what the decode request sends)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": engine_id, "remote_request_id": transfer_id,
-            "remote_block_ids": list(block_ids), "remote_host": host, "remote_port": port}
+            "remote_block_ids": list(block_ids), "remote_host": host, "remote_port": port,
+            "tp_size": tp_size}
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

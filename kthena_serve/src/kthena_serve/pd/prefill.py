@@ -150,7 +150,7 @@ class PrefillExecutor:
             make = own_pool if callable(own_pool) else lambda lay: create_pool(lay, config)
             self.runner = ModelRunner(model, make(layout))
         self.kv: KVCacheManager = create_kv_manager(config, layout.num_blocks)
-        self.offloader = _open_offloader(config, self.runner.pool, self.kv)
+        self.offloader = _open_offloader(config, self.runner, self.kv)
         self._jobs: dict[str, PrefillJob] = {}  # the scheduler's requests (compute thread)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
@@ -333,8 +333,10 @@ class PrefillExecutor:
         finally:
             with self._lock:
                 self._in_flight = frozenset()
-                if batch.seqs or dropped or batch.rejected:  # else every job waits for blocks:
-                    self._kick()                              # a free kicks again
+                # a promotion under way: the next schedule takes it once done (or waits for
+                # it); else every job waits for blocks, and a free kicks again
+                if batch.seqs or dropped or batch.rejected or self.scheduler.promoting:
+                    self._kick()
 
     def _schedule(self, job: PrefillJob) -> None:
         """Hand ``job``'s request to the scheduler (compute thread, holding ``_lock``)."""
@@ -500,23 +502,26 @@ class PrefillExecutor:
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._handoff.shutdown(wait=True, cancel_futures=True)
         if self.offloader is not None:
-            self.offloader.close()  # its threads read the own pool: stop them first
+            from kthena_serve.engine.kv_offload import close_offloader
+
+            close_offloader(self.offloader)  # its threads read the own pool: stop them first
         self._pools.close()
         self.runner.close()
 
 
-def _open_offloader(config: EngineConfig, pool: KVPool, kv: KVCacheManager,
+def _open_offloader(config: EngineConfig, runner: Runner, kv: KVCacheManager,
                     ) -> AsyncOffloader | None:
     """The own pool's ``--kv-offload`` tiers (None without): blocks this worker commits go
     to them (to the store at once: PD takes ``write=through``), and an own-pool prompt whose
     blocks miss here is promoted from them before it is computed (the scheduler's
-    ``Promotions``). A /pd/prefill over shm writes the decode worker's pool, whose engine
-    offloads those blocks itself."""
+    ``Promotions``). A TP worker's blocks go in the one-rank layout, merged from its ranks'
+    pools (``engine.rank_blocks``), so a worker of any TP size reads them. A /pd/prefill over
+    shm writes the decode worker's pool, whose engine offloads those blocks itself."""
     if config.kv_offload is None:
         return None
     from kthena_serve.engine.kv_offload import open_offloader
 
-    return open_offloader(config, pool, kv)
+    return open_offloader(config, runner, kv)
 
 
 def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) -> None:

@@ -33,7 +33,14 @@ from kthena_serve.engine.request import EngineRequest, FinishReason, RequestOutp
 from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.engine.stats import EngineStats
 from kthena_serve.model import IncrementalDetokenizer
-from kthena_serve.pd.kv_params import PARAM, KVAsk, parse_kv_params, prefill_reply, prompt_digest
+from kthena_serve.pd.kv_params import (
+    PARAM,
+    KVAsk,
+    check_prefill_tp_size,
+    parse_kv_params,
+    prefill_reply,
+    prompt_digest,
+)
 from kthena_serve.pd.pins import Pin, PinTable
 from kthena_serve.pd.prefill import ExecutorClosedError, OwnedPrefill, PrefillExecutor
 
@@ -209,23 +216,28 @@ class PrefillConnector:
         engine_id: this worker incarnation's id (``remote_engine_id``).
         host: the address decode workers reach this worker at (``remote_host``).
         port: its port (``remote_port``); 0 until ``set_port`` once the server listens.
+        tp: this worker's TP size (``tp_size``; its ranks' pools hold the pinned blocks' heads).
     """
 
-    def __init__(self, engine: PrefillEngine, engine_id: str, host: str, port: int = 0) -> None:
+    def __init__(self, engine: PrefillEngine, engine_id: str, host: str, port: int = 0, *,
+                 tp: int = 1) -> None:
         self.engine, self.engine_id, self.host, self.port = engine, engine_id, host, port
+        self.tp = tp
 
     def set_port(self, port: int) -> None:
         self.port = port
 
     async def open(self, params: Mapping[str, Any], request: EngineRequest, *,
                    stream: bool) -> KVSession | None:
-        """Raises InvalidRequestError for a decode ask or a stream (the app answers 400)."""
+        """Raises InvalidRequestError for a decode ask, a stream, or a ``tp_size`` other than
+        this worker's (the app answers 400)."""
         ask, _ = parse_kv_params(params)
         if ask is KVAsk.NONE:
             return None
         if ask is KVAsk.REMOTE_PREFILL:
             raise InvalidRequestError(f"{PARAM}: do_remote_prefill asks for a decode, and this "
                                       "is a prefill worker; send it to a decode worker", PARAM)
+        check_prefill_tp_size(params, self.tp)
         if stream:
             raise InvalidRequestError(f"{PARAM}: a prefill for a remote decode answers one "
                                       "JSON object; leave out stream (the Kthena router "
@@ -234,4 +246,4 @@ class PrefillConnector:
 
     def reply(self, pin: Pin) -> dict[str, Any]:
         return prefill_reply(self.engine_id, pin.transfer_id, pin.block_ids, self.host,
-                             self.port)
+                             self.port, self.tp)

@@ -84,7 +84,8 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     app.post("/pd/cancel")(routes.cancel)
     app.get("/pd/state")(routes.state)
     _kv_routes(app, routes.connector, routes.pins, routes.kv_engine.backend, routes.kv_handle,
-               routes.executor.pool.layout, tp=config.tp)
+               routes.executor.pool.layout, tp=config.tp,
+               rank_names=_served_rank_names(routes))
     openai = shared.openai_app(routes.engine, config, routes.connector, api_key,
                          routes.server_metrics)
     return shared.OnePort(app, openai), routes.close
@@ -102,6 +103,7 @@ class _PrefillRoutes:
         from kthena_serve.model import load_model
         from kthena_serve.pd.pins import PinTable
         from kthena_serve.pd.prefill_connector import PrefillConnector, PrefillEngine
+        from kthena_serve.pd.reshard_put import RankPutter
 
         runner = None
         if config.tp > 1:  # its ranks' pools in /dev/shm: the hand-off maps and copies them
@@ -122,6 +124,9 @@ class _PrefillRoutes:
             model, config, pd, mooncake_host, self.metrics.observe_batch,
             tokenizer.eos_token_ids, self.grammars, runner)
         self.own_ranks, self.targets = _rank_pools(self.executor, runner, model, config)
+        self.rank_putter = None if self.putter is None else RankPutter(
+            self.putter.engine, self.putter.local, self.own_ranks, model.config, config,
+            pd.transfer_timeout_s)  # a TP instance on either side: each rank's heads put
         # shm: the own pool is not what /pd/prefill fills, so its events are not announced
         self.events = EventLog(self.executor.kv) if self.putter is not None else None
         self.pins = PinTable(pd.kv_pin_timeout_s, pd.transfer_timeout_s, self._free)
@@ -130,7 +135,7 @@ class _PrefillRoutes:
         self.engine = PrefillEngine(self.executor, tokenizer, config, self.pins)
         self.incarnation = new_incarnation()
         self.connector = PrefillConnector(self.engine, f"{name}-{self.incarnation}",
-                                          advertise_host)
+                                          advertise_host, tp=config.tp)
         self.server_metrics = ServerMetrics(self.engine, served_model_name)
         self.publisher = shared.start_kv_events(name, kv_events, self.executor.kv,
                                                 self.server_metrics)
@@ -147,7 +152,8 @@ class _PrefillRoutes:
     def _submit(self, task: PrefillTask) -> concurrent.futures.Future:
         """A future of the task's ``PrefillResult``, batched with the others' prefills: zero
         copy into a tp=1 decode pool from a tp=1 worker; else computed into the own rank pools
-        and copied into the decode ranks' (``ReshardCopy``); across hosts, put (mooncake)."""
+        and copied into the decode ranks' (``ReshardCopy``); across hosts, put (mooncake:
+        each rank's heads into the decode ranks', ``ReshardPut``, where either is TP)."""
         from kthena_serve.pd.reshard import ReshardCopy
 
         if self.putter is None:
@@ -156,11 +162,10 @@ class _PrefillRoutes:
                 return self.executor.submit_local(
                     task, ReshardCopy(self.own_ranks, self.targets, task.pool))
             return self.executor.submit_shared(task)
-        if task.pool.tp > 1:
-            raise ValueError(f"the decode pool is a TP{task.pool.tp} instance's; a TP decode "
-                             "worker is reached over --pd-transport shm only")
         layout = self.executor.layout_for(task.pool.num_blocks, task.pool.block_size,
                                           task.pool.dtype, task.pool.kv_cache_dtype)
+        if self.own_ranks.tp > 1 or task.pool.tp > 1:  # a ValueError (400): no rank handles
+            return self.executor.submit_local(task, self.rank_putter.push(task.pool))
         session = self.putter.session(task.pool.mooncake_handle, layout,
                                       layerwise=self.pd.kv_push is KVPush.LAYERWISE)
         return self.executor.submit_local(task, session)
@@ -208,9 +213,9 @@ class _PrefillRoutes:
         self.sweeper.stop()
         self.pins.clear()
         self.executor.close()  # its compute thread, then the own pool (a segment: with its engine)
+        self.kv_engine.close()  # before the rank pools registered with it are unmapped
         self.own_ranks.close()
         self.targets.close()
-        self.kv_engine.close()
 
 
 def _prefill_failed(error: Exception) -> Response:
@@ -226,13 +231,18 @@ def _own_pool(model: torch.nn.Module, config: EngineConfig, pd: PDConfig,
     private and registered with Mooncake (mooncake: host or device memory), or in a served shm
     segment (shm, cpu). On a device over shm the own pool is private device memory with no
     handle (the shm engine moves host memory only): /pd/kv/lease refuses, naming mooncake. A
-    TP worker's own pool is its ranks' (``runner``), with no handle: a lease is refused."""
+    TP worker's own pool is its ranks' (``runner``), with no handle: over shm a lease names
+    them; over mooncake its putter registers rank 0's pool (``RankPutter`` the other ranks')."""
     from kthena_serve.pd.prefill import PrefillExecutor
     from kthena_serve.pd.transfer import BlockPutter, shm_engine, shm_segment_pool
 
-    if runner is not None:  # shm only (the worker refuses mooncake with tp > 1)
+    if runner is not None:  # mooncake: rank 0's pool registered (the others: `RankPutter`)
         executor = PrefillExecutor(model, config, runner=runner, on_batch=on_batch,
                                    eos_token_ids=eos_token_ids, grammars=grammars)
+        if pd.transport is Transport.MOONCAKE:
+            putter = BlockPutter(executor.pool, mooncake_host or "127.0.0.1",
+                                 pd.transfer_timeout_s)
+            return executor, putter, putter.engine, None
         return executor, None, shm_engine(pd.transfer_timeout_s), None
     if pd.transport is Transport.MOONCAKE:
         executor = PrefillExecutor(model, config, own_pool=True, on_batch=on_batch,
@@ -290,10 +300,26 @@ class _Sweeper:
         self._thread.join(timeout=5)
 
 
+def _served_rank_names(routes: _PrefillRoutes) -> list[str]:
+    """The /dev/shm pools a decode worker on this host maps to copy pinned blocks head by head
+    (``rank_pull.py``, where either worker is a TP engine): every rank's of a TP worker, a
+    tp=1 worker's own pool's segment (a cpu pool); none over mooncake."""
+    if routes.kv_engine.backend != "shm":
+        return []
+    if routes.own_ranks.tp > 1:
+        return [pool.name for pool in routes.own_ranks.pools]
+    return [routes.kv_handle.segment] if routes.kv_handle is not None else []
+
+
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
-               handle: MemoryHandle | None, layout: KVLayout, *, tp: int = 1) -> None:
+               handle: MemoryHandle | None, layout: KVLayout, *, tp: int = 1,
+               rank_names: Sequence[str] = ()) -> None:
     """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them;
-    /pd/kv/backlog (`_backlog_route`)."""
+    /pd/kv/backlog (`_backlog_route`).
+
+    A lease answers the pool to get from (``handle``; None for a TP worker) and, over shm,
+    ``tp`` and every rank's pool name (``rank_names``): a decode worker where either side is
+    a TP engine maps those and copies the blocks head by head instead."""
     from kthena_serve.pd.pins import PinError
 
     _backlog_route(app)
@@ -320,12 +346,14 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                                            f", the decode worker pulls over "
                                            f"{body.get('backend')}: use one --pd-transport"),
                                 status_code=409)
-        if handle is None and tp > 1:
+        if tp > 1 and not rank_names:
             return JSONResponse(error_body(409, f"this prefill worker is a TP{tp} engine, whose "
-                                           "KV is split over its ranks' pools; a decode worker "
-                                           "pulls pinned blocks from tp=1 prefill workers "
-                                           "only"), status_code=409)
-        if handle is None:
+                                           "KV is split over its ranks' pools, serving over "
+                                           f"{backend}: with TP workers the Kthena connector "
+                                           "path runs over --pd-transport shm on one host; "
+                                           "over mooncake use tp=1 prefill workers"),
+                                status_code=409)
+        if handle is None and tp == 1:
             return JSONResponse(error_body(409, "this prefill worker's own KV pool is in device "
                                            f"memory and {backend} moves host memory only: "
                                            "serving pinned blocks needs --pd-transport "
@@ -334,10 +362,12 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
             pin = pins.lease(transfer_id, block_ids, digest)
         except PinError as error:
             return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
-        return JSONResponse({"handle": handle.to_dict(), "num_blocks": layout.num_blocks,
+        served = {"tp": tp, "rank_shm_names": list(rank_names)} if rank_names else {"tp": tp}
+        return JSONResponse({"handle": None if handle is None else handle.to_dict(),
+                             "num_blocks": layout.num_blocks,
                              "fingerprint": layout.shape.fingerprint(),
                              "kind": layout.kind.value, "first_token_id": pin.first_token_id,
-                             "first_token_logprobs": pin.first_token_logprobs})
+                             "first_token_logprobs": pin.first_token_logprobs, **served})
 
     @app.post("/pd/kv/release")
     async def kv_release(request: Request) -> Response:

@@ -43,19 +43,37 @@ class PoolRef:
     tp: int = 1  # the decode instance's TP size: its ranks each hold their own heads' pool
     rank_shm_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # tp > 1: each
     # rank's /dev/shm pool, rank 0's first (pd/reshard.py)
+    rank_mooncake_handles: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # tp > 1
+    # over mooncake: each rank's pool as registered (MemoryHandle.to_json()), rank 0's first
 
     def rank_names(self) -> tuple[str, ...]:
         """Every rank's /dev/shm pool name, rank 0's first (tp 1: ``shm_name``).
 
         Raises:
-            ValueError: no names for ``tp`` ranks (a pool only another host can reach).
+            ValueError: no names for ``tp`` ranks (a pool registered with Mooncake instead).
         """
         names = self.rank_shm_names or ((self.shm_name,) if self.shm_name else ())
         if len(names) != self.tp:
             raise ValueError(f"the decode pool names {len(names)} /dev/shm rank pools for "
-                             f"tp={self.tp}: a TP decode instance is reached on its own host "
-                             "only (--pd-transport shm)")
+                             f"tp={self.tp}: its decode worker does not run --pd-transport shm "
+                             "(over mooncake its ranks' pools are put into); start every "
+                             "worker with the same --pd-transport")
         return names
+
+    def rank_handles(self) -> tuple[str, ...]:
+        """Every rank's pool as registered with Mooncake, rank 0's first (tp 1:
+        ``mooncake_handle``): what a prefill worker puts each rank's heads into.
+
+        Raises:
+            ValueError: no handles for ``tp`` ranks (a pool not registered with Mooncake).
+        """
+        handles = self.rank_mooncake_handles or (
+            (self.mooncake_handle,) if self.mooncake_handle else ())
+        if len(handles) != self.tp:
+            raise ValueError(f"the decode pool names {len(handles)} Mooncake rank pools for "
+                             f"tp={self.tp}: its decode worker does not run --pd-transport "
+                             "mooncake; start every worker with the same --pd-transport")
+        return handles
 
 
 @attrs.frozen

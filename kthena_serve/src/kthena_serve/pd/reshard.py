@@ -19,8 +19,8 @@ blocks the decode worker lacks (``ReshardCopy``, a ``BlockPush``):
 The copy runs in the prefill worker's own process, which maps its ranks' pools and the decode
 ranks' pools; its stores end with ``finish`` (nothing is left in flight once it returns, so a
 failed or cancelled hand-off never writes later). A tp=1 pair keeps the zero-copy path (the
-prefill writes straight into the decode pool). A TP instance's ranks are spawned on one host:
-this route is ``--pd-transport shm`` only.
+prefill writes straight into the decode pool). Across hosts (``--pd-transport mooncake``) the
+same moves are one-sided puts between the ranks' registered pools: pd/reshard_put.py.
 """
 
 from __future__ import annotations

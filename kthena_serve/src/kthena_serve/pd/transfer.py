@@ -151,7 +151,7 @@ class PushSession:
         except Exception as error:  # noqa: BLE001 - reported by finish, the forward goes on
             self._error = error
             return
-        self._put(pairs)
+        self.put_ranges(pairs)
 
     def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
         """Complete the push: wait for the layer puts (layerwise) or put ``src_ids`` ->
@@ -163,7 +163,7 @@ class PushSession:
             (``timeout_s`` from now) has passed (``settled`` then says whether one still runs).
         """
         if not self.layerwise and src_ids and self._error is None:
-            self._put(self.layout.pair_ranges(src_ids, dst_ids, self.dst_layout))
+            self.put_ranges(self.layout.pair_ranges(src_ids, dst_ids, self.dst_layout))
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
             futures = list(self._futures)
@@ -217,8 +217,10 @@ class PushSession:
                     self._error = error
             return self._error is not None
 
-    def _put(self, pairs: Sequence[RangePair]) -> None:
-        """Submit one asynchronous put; a refusal is kept for ``finish``."""
+    def put_ranges(self, pairs: Sequence[RangePair]) -> None:
+        """Submit one asynchronous put of ``pairs`` (local -> remote byte ranges: a layer's
+        blocks, or a caller's, such as a re-sharding hand-off's head slices); a refusal is
+        kept for ``finish``, which waits for it with the others."""
         batch = TransferBatch(self.local, self.remote, [p.src_offset for p in pairs],
                               [p.dst_offset for p in pairs], [p.length for p in pairs])
         try:

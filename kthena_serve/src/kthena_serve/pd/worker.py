@@ -110,11 +110,6 @@ def _spec(args: argparse.Namespace) -> ServeSpec:
         raise ValueError(f"--spec: a PD worker of pp={engine.pp} is not run: the hand-off "
                          "moves KV heads between TP ranks, not layers between stages; give "
                          "the role pp=1 (deploy.yaml's pd.<role>.pp)")
-    if engine.tp > 1 and spec.pd.transport.value != "shm":
-        raise ValueError(f"--spec: a PD worker of tp={engine.tp} hands KV off on its own host "
-                         "only (its ranks' pools are /dev/shm files), not over "
-                         f"{spec.pd.transport.value}; give the role tp=1 or use the shm "
-                         "transport")
     if engine.tp > 1 and (engine.device != "cpu" or engine.ranks_from != "spawn"):
         raise ValueError(f"--spec: a PD worker of tp={engine.tp} runs its ranks as spawned "
                          "processes on cpu (their pools are /dev/shm files), not "
