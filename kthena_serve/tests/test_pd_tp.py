@@ -223,3 +223,81 @@ def test_a_rank_that_dies_stops_its_worker_which_is_started_again(
     finally:
         cluster.stop()
     assert not [p for p in shm_pools() if f".{ranks[0]}." in os.path.basename(p)]
+
+
+def _rank_of(cluster: PDCluster, worker: str) -> int:
+    """The pid of ``worker``'s spawned rank 1 (rank 0 is the worker's own process)."""
+    pid = cluster.launcher.pid(worker)
+    ranks = [p for p in _descendants(pid) - {pid}
+             if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 1
+    return ranks[0]
+
+
+def _is_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie its parent has not reaped yet counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize(("role", "policy"), [("prefill", "fail"), ("decode", "fail"),
+                                              ("prefill", "recompute")])
+def test_a_rank_killed_mid_handoff_fails_its_request_naming_the_handoff(
+        checkpoint: Path, transformers_tokens, role: str, policy: str) -> None:  # noqa: ANN001
+    """SIGKILL a rank of the prefill (or the decode) TP worker while a request's KV is being
+    handed off: the client gets a 503 naming the hand-off and the dead rank (policy fail; a
+    prefill rank under recompute: the right tokens); after the cluster stops, no process it
+    started and no rank's /dev/shm pool is left.
+
+    The window is held open without mocks: prefill rank 1 is stopped (SIGSTOP), so the
+    prompt's first forward waits for it, until the prefill worker reports the request running.
+    """
+    import signal
+    import threading
+
+    from _support import eventually
+
+    pd = PDConfig(pd_threshold_tokens=8, transfer_timeout_s=30, health_interval_s=0.2,
+                  prefill_tp=2, decode_tp=2, policy=policy)
+    cluster = PDCluster(EngineConfig(model=str(checkpoint), **ENGINE), pd).start()
+    pids: set[int] = set()
+
+    def started() -> None:  # every process of the cluster, a worker started again's too
+        for name in cluster.launcher.workers:
+            if cluster.launcher.pid(name) is not None:
+                pids.update(_descendants(cluster.launcher.pid(name)))
+
+    try:
+        started()
+        held, victim = _rank_of(cluster, "prefill-0"), _rank_of(cluster, f"{role}-0")
+        os.kill(held, signal.SIGSTOP)
+        replies = []
+        client = threading.Thread(target=lambda: replies.append(
+            cluster.complete(BATCH["long"], max_tokens=NEW_TOKENS)))
+        client.start()
+        assert eventually(lambda: cluster.worker_state("prefill-0")["num_running"] == 1, 30)
+        os.kill(victim, signal.SIGKILL)
+        assert eventually(lambda: _is_gone(victim), 10)
+        if victim != held:
+            os.kill(held, signal.SIGCONT)  # the prefill ends; the decode worker has lost a rank
+        client.join(60)
+        assert replies, "no reply within 60 s"
+        reply = replies[0]
+        if policy == "recompute":
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == default_tokenizer().decode(
+                transformers_tokens["long"])
+        else:
+            assert reply.status_code == 503, reply.text
+            message = reply.json()["error"]["message"]
+            assert "the KV hand-off from prefill-0 to decode-0 failed" in message, message
+            assert f"{role}-0: parallel rank 1 (pid {victim}) was killed by signal 9" in message
+    finally:
+        started()
+        cluster.stop()
+    assert eventually(lambda: all(_is_gone(p) for p in pids), 10), \
+        [p for p in pids if not _is_gone(p)]
+    left = [p for p in shm_pools() for pid in pids if f".{pid}." in os.path.basename(p)]
+    assert not left  # every rank's pool unlinked, the dead one's too

@@ -129,3 +129,64 @@ def test_a_reshard_put_writes_what_the_copy_writes(src_tp: int, dst_tp: int) -> 
             engine.close()
         for pools in (src, copied, put):
             pools.close()
+
+
+def test_a_reshard_put_past_its_deadline_stays_unsettled_until_its_bytes_have_landed() -> None:
+    """In one process, two Mooncake engines on 127.0.0.1: a TP2 -> TP2 ``ReshardPut`` (two
+    head moves, one ``PushSession`` each) whose deadline passes at once (timeout 0) raises the
+    timeout with its puts under way; ``settled()`` is then False, and the decode worker's release condition (pd/decode.py ``_settle_and_release``: the
+    prefill worker no longer writing, ``PrefillExecutor.cancel`` over ``settled()``, and
+    ``LateWrites.drained``) first holds once every decode rank's pool is byte for byte what the
+    same-host copy writes: no byte of it can land in blocks handed out again."""
+    import torch
+    from _support import eventually
+    from test_pd_reshard import _pools
+
+    from kthena_comm.errors import TransferTimeoutError
+    from kthena_core.shape import kv_head_moves
+    from kthena_serve.pd.late_writes import LateWrites
+    from kthena_serve.pd.reshard import copy_resharded
+    from kthena_serve.pd.reshard_put import ReshardPut
+    from kthena_serve.pd.transfer import PushSession, register_pool
+
+    # ~4 MiB over two moves: a loopback put of it outlives a deadline of 0 s on any machine
+    config = EngineConfig(dtype="float32", block_size=256, num_kv_blocks=40)
+    src, copied, put = _pools(3, 2, config), _pools(3, 2, config), _pools(3, 2, config)
+    engines = []
+    try:
+        for pool in src.pools:
+            pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+        moves = kv_head_moves(3, 2, 2)
+        src_ids = list(range(config.num_kv_blocks))
+        dst_ids = src_ids[::-1]
+        copy_resharded(src, copied, moves, src_ids, dst_ids)
+        handles = []
+        for ranks in (src, put):
+            engine, first = register_pool(ranks.pools[0], "127.0.0.1", 10)
+            engines.append(engine)
+            handles.append([first, *(engine.register(p.buffer) for p in ranks.pools[1:])])
+        push = ReshardPut([(move, PushSession(
+            engines[0], handles[0][move.src_rank], src.pools[move.src_rank].layout,
+            handles[1][move.dst_rank], put.pools[move.dst_rank].layout, 0.0,
+            layerwise=False)) for move in moves])
+
+        def landed() -> bool:
+            return all(torch.equal(want.buffer, got.buffer)
+                       for want, got in zip(copied.pools, put.pools, strict=True))
+
+        with pytest.raises(TransferTimeoutError):  # it gave up with its puts under way
+            push.finish(src_ids, dst_ids)
+        late = LateWrites("127.0.0.1")  # the decode side's view, made as the hand-off fails
+        assert not push.settled()  # may still be writing: /pd/cancel answers busy
+
+        def releasable() -> bool:  # the decode worker's release condition, as it checks it
+            return push.settled() and late.drained(True)
+
+        assert eventually(releasable, 30, interval_s=0.01), "never settled"
+        assert landed()  # every put had ended before the blocks could be handed out again
+        assert all(session.settled() for _move, session in push.moves)
+    finally:
+        for engine in engines:
+            engine.close()
+        for pools in (src, copied, put):
+            pools.close()

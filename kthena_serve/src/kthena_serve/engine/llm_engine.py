@@ -488,8 +488,8 @@ def _advance_grammar(request: Request, token_id: int) -> bool:
     stop token taken). A request without one: False.
 
     Raises:
-        ValueError: the grammar refuses the token (nothing it allows could be sampled, e.g.
-            every allowed token was masked by ``allowed_token_ids`` or ``min_tokens``).
+        ValueError: the grammar refuses the token (the sampler samples under the grammar's
+            mask, alone where the other masks left it no token: a defect if this is reached).
     """
     if request.grammar is None:
         return False

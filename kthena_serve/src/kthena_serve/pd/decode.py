@@ -10,6 +10,8 @@
                   (the first token's logprobs come back with it, gathered on the prefill side)
     failure at 2: policy fail      -> 503 "handoff failed ..."
                   policy recompute -> the decode engine computes the prompt itself
+                  a rank of either TP worker died -> 503 naming it (the prefill worker's
+                  ``rank_died``; this worker's own dead rank: no policy, it cannot decode)
 
 Blocks a prefill worker may still be writing are never handed to anyone else: after a
 timeout or a dropped connection the reservation is *quarantined* until the prefill worker
@@ -20,9 +22,10 @@ unreachable (dead), and this process's kernel holds nothing more from it (`late_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import attrs
@@ -60,9 +63,12 @@ class HandoffError(EngineDeadError):
 
 
 class _PrefillFailed(Exception):
-    def __init__(self, reason: str, detail: str, settled: bool) -> None:
+    """``cause``: what the client may be told (a dead rank); the rest goes to the log."""
+
+    def __init__(self, reason: str, detail: str, settled: bool,
+                 cause: str | None = None) -> None:
         super().__init__(detail)
-        self.reason, self.settled = reason, settled
+        self.reason, self.settled, self.cause = reason, settled, cause
 
 
 class DecodeService:
@@ -76,12 +82,16 @@ class DecodeService:
         secret: the deployment secret; calls to prefill workers are signed with it, it is
             never sent (None: unsigned).
         client: the HTTP client for prefill workers (default: a new ``prefill_client()``).
+        name: this worker's name, in the errors that name one of its ranks.
+        dead_rank: a TP engine's ``ParallelModelRunner.dead_rank`` (None: tp=1).
     """
 
     def __init__(self, engine: AsyncLLM, pool: PoolRef, config: PDConfig,
                  metrics: PDMetrics, *, secret: str | None = None,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, name: str = "decode",
+                 dead_rank: Callable[[], Exception | None] | None = None) -> None:
         self.engine = engine
+        self.name, self._dead_rank = name, dead_rank
         self.client = client or prefill_client()
         self._secret = secret
         self.pool = pool
@@ -114,6 +124,7 @@ class DecodeService:
         except BaseException:  # the client left while the prefill ran: settle, then release
             self._spawn(self._settle_and_release(prefill_url, rid))
             raise
+        await self._raise_if_a_rank_died(rid, count=True)
         self.metrics.observe_handoff(time.perf_counter() - start - result.compute_s,
                                      result.handoff_bytes)
         self.metrics.requests.labels(self.metrics.role, "disaggregated").inc()
@@ -138,8 +149,9 @@ class DecodeService:
             raise _PrefillFailed("unreachable", f"prefill at {url} dropped the request: "
                                  f"{type(error).__name__}", False) from None
         if response.status_code != 200:
+            died = _rank_died(response)
             raise _PrefillFailed("error", f"prefill at {url} answered {response.status_code}: "
-                                 f"{response.text[:200]}", True)
+                                 f"{response.text[:200]}", True, died)
         return PrefillResult(**response.json())
 
     async def _recover(self, request: EngineRequest, url: str, failure: _PrefillFailed,
@@ -149,9 +161,13 @@ class DecodeService:
         self.metrics.failure(policy.value, failure.reason)
         log.warning("handoff of %s failed (%s): %s", rid, policy.value, failure)
         if failure.settled:
+            await self._raise_if_a_rank_died(rid)
             await self._release(rid)
         else:  # the prefill worker may still write into these blocks: keep them aside
             self._spawn(self._settle_and_release(url, rid))
+            await self._raise_if_a_rank_died(None)
+        if policy is FailurePolicy.FAIL and failure.cause is not None:
+            raise HandoffError(f"{failure.cause}; retry the request")
         if policy is FailurePolicy.FAIL:
             raise HandoffError(f"the KV handoff failed ({failure.reason}) and this deployment's "
                                "policy is 'fail'; retry the request")  # details: the log
@@ -163,6 +179,25 @@ class DecodeService:
 
     async def _release(self, rid: str) -> None:
         await self.engine.release(rid)
+
+    async def _raise_if_a_rank_died(self, rid: str | None, *, count: bool = False) -> None:
+        """Fail the hand-off, naming the rank, when one of this TP worker's ranks has died: no
+        step runs without it (the worker is stopping), so neither decode nor recompute can.
+        ``rid``: its reservation, released first (None: one kept aside, released later);
+        ``count``: a failure the metrics have not counted yet (the prefill succeeded).
+
+        Raises:
+            HandoffError: a rank has died.
+        """
+        died = self._dead_rank() if self._dead_rank is not None else None
+        if died is None:
+            return
+        if count:
+            self.metrics.failure(self.config.policy.value, "rank_died")
+        if rid is not None:
+            with contextlib.suppress(EngineDeadError):  # a failed step stopped the engine
+                await self._release(rid)
+        raise HandoffError(f"{self.name}: {died}; retry the request")
 
     async def _settle_and_release(self, url: str, rid: str) -> None:
         """Free ``rid``'s blocks once nothing of its failed hand-off can land any more: the
@@ -201,3 +236,12 @@ class DecodeService:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _rank_died(response: httpx.Response) -> str | None:
+    """The prefill worker's message when one of its TP ranks died (code ``rank_died``)."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return error.get("message") if error.get("code") == "rank_died" else None

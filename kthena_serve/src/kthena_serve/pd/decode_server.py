@@ -118,7 +118,7 @@ class _DecodeRoutes:
         self.publisher = shared.start_kv_events(name, kv_events, engine.kv, self.server_metrics)
         client = prefill_client()  # one for every call to prefill workers (see prefill_client)
         self.service = DecodeService(self.engine, self.ref, pd, self.metrics, secret=secret,
-                                     client=client)
+                                     client=client, name=name, dead_rank=self.dead_rank)
         getter = BlockGetter(self.pull_engine, pull_handle, runner.pool.layout,
                              pd.transfer_timeout_s, refusal=pull_refusal)
         self.connector = DecodeConnector(self.engine, getter, pd, self.metrics, secret=secret,

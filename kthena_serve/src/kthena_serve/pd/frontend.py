@@ -288,13 +288,16 @@ class RemoteEngine:
                         continue
                     item = json.loads(line)
                     if "error" in item:
+                        message = item["error"]["message"]
                         if item["error"].get("code") == "kv_handoff_failed" and decision.prefill:
                             # Passive health: stop routing to the prefill worker until a poll
                             # of its (possibly restarted) process says it is up again.
                             self.router.mark_down(decision.prefill.name)
+                            raise EngineDeadError(f"the KV hand-off from {decision.prefill.name}"
+                                                  f" to {decode.name} failed: {message}")
                         if item["error"].get("code") == "request_failed":
-                            raise RequestFailedError(item["error"]["message"])
-                        raise EngineDeadError(item["error"]["message"])
+                            raise RequestFailedError(message)
+                        raise EngineDeadError(message)
                     out = output_from_json(item["output"], logprobs)
                     logprobs = out.logprobs
                     now = time.perf_counter()

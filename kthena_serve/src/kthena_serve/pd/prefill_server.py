@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 __all__ = ["build_prefill_app"]
 
 log = logging.getLogger(__name__)
+
+# How long a TP prefill worker whose forward failed looks for a rank that died (its exit status)
+RANK_EXIT_WAIT_S = 0.5
 
 
 def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: str,
@@ -181,17 +185,35 @@ class _PrefillRoutes:
         except (TypeError, ValueError, KeyError) as error:
             return JSONResponse(error_body(400, f"bad prefill task: {error}"), status_code=400)
         except Exception as error:  # noqa: BLE001 - the decode side applies its policy
-            return _prefill_failed(error)
+            return await self._prefill_failed(error)
         try:
             result = await asyncio.wrap_future(future)
         except PrefillCancelled:
             return JSONResponse(error_body(409, "cancelled"), status_code=409)
         except Exception as error:  # noqa: BLE001 - the decode side applies its policy
-            return _prefill_failed(error)
+            return await self._prefill_failed(error)
         self.metrics.prefill.labels("prefill").observe(result.compute_s)
         self.metrics.observe_handoff(result.handoff_s, result.handoff_bytes)
         self.metrics.prefill_cached.labels("prefill").inc(result.num_prefill_cached_tokens)
         return JSONResponse(result.to_json())
+
+    async def _prefill_failed(self, error: Exception) -> Response:
+        """A failed prefill's 503; where one of this TP worker's ranks has died (its forward
+        failed with it), code ``rank_died`` and a message naming this worker and the rank.
+
+        A forward fails as soon as the dead rank's sockets close, which can be a moment before
+        its exit status can be read: a TP worker looks for it for up to ``RANK_EXIT_WAIT_S``
+        (not for a full pool, which no rank's death causes)."""
+        dead_rank = getattr(self.executor.runner, "dead_rank", None)
+        if dead_rank is None or isinstance(error, MemoryError):
+            return _prefill_failed(error)
+        deadline = time.monotonic() + RANK_EXIT_WAIT_S
+        while (died := dead_rank()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if died is None:
+            return _prefill_failed(error)
+        return JSONResponse(error_body(503, f"{self.name}: {died}", code="rank_died"),
+                            status_code=503)
 
     async def cancel(self, request: Request) -> dict:
         """Drop a queued prefill; ``busy`` while a forward still writes its KV."""
