@@ -1,14 +1,20 @@
-"""The Kthena connector path (``kv_transfer_params``) with TP workers on one host (shm).
+"""The Kthena connector path (``kv_transfer_params``) with TP workers: on one host (shm), and
+over Mooncake on 127.0.0.1.
 
 Two deployments of test_pd_tp.py's tiny fp32 checkpoint (3 KV heads: 2 + 1 over two ranks)
 share one secret: a TP2 prefill and a TP2 decode worker, and a tp=1 pair. A decode worker
 pulls from whichever prefill worker the router's params name (loopback is a prefill host), so
 the two deployments give the pairs 2:2, 1:2 and 2:1. Each gets the router's exact request
-sequence (``_kthena_proxy``); transformers gives the reference tokens.
+sequence (``_kthena_proxy``); transformers gives the reference tokens. Over
+``--pd-transport mooncake`` two more (a TP2 pair, a tp=1 prefill worker alone) give 2:2 and
+1:2, each decode worker getting the heads over Mooncake (``rank_pull.RankGet``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -30,6 +36,10 @@ from test_pd_tp import (  # noqa: F401 - checkpoint: a fixture
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.pd.config import PDConfig
 from kthena_serve.pd.launcher import PDLauncher
+
+mooncake_installed = pytest.mark.skipif(  # a mark: the shm tests run without the wheel
+    importlib.util.find_spec("mooncake") is None,
+    reason="the mooncake wheel (and libibverbs1) is missing")
 
 PD = {"kv_pin_timeout_s": 8.0, "transfer_timeout_s": 30}
 NEW_TOKENS = 6
@@ -168,3 +178,157 @@ def test_a_lease_without_rank_pools_or_of_another_geometry_is_refused(checkpoint
             ranks.copy(source, [0], [1])
     finally:
         ranks.close()
+
+
+# ---- over --pd-transport mooncake ----------------------------------------------------------
+MOONCAKE_PAIRS = {"2:2": ("tp2", "tp2"), "1:2": ("tp1", "tp2")}  # prompts: the shm pairs'
+
+
+@pytest.fixture(scope="module")
+def mooncake_deployments(checkpoint):  # noqa: ANN001, F811
+    """{"tp2": TP2 prefill + TP2 decode, "tp1": a tp=1 prefill worker alone}, both over
+    --pd-transport mooncake on 127.0.0.1 with one secret; afterwards no /dev/shm file of any
+    of their processes (ranks included) is left."""
+    engine = EngineConfig(model=str(checkpoint), **ENGINE)
+    pd = {**PD, "transport": "mooncake"}
+    launchers = {"tp2": PDLauncher(engine, PDConfig(**pd, prefill_tp=2, decode_tp=2), 1, 1,
+                                   quiet=True),
+                 "tp1": PDLauncher(engine, PDConfig(**pd), 1, 0, quiet=True)}
+    launchers["tp1"].secret = launchers["tp2"].secret
+    pids: set[int] = set()
+    try:
+        for launcher in launchers.values():
+            launcher.start()
+            for name in launcher.workers:
+                pids |= _descendants(launcher.pid(name))
+        yield launchers
+    finally:
+        with ThreadPoolExecutor(len(launchers)) as pool:
+            list(pool.map(PDLauncher.stop, launchers.values()))
+    assert not shm_files(sorted(pids))
+
+
+@mooncake_installed
+@pytest.mark.parametrize("pair", list(MOONCAKE_PAIRS))
+def test_tp_pairs_get_over_mooncake_and_match_transformers(mooncake_deployments, references,  # noqa: ANN001
+                                                           pair: str) -> None:
+    """The router's sequence over --pd-transport mooncake: the lease names each prefill
+    rank's Mooncake handle, the decode worker gets the pinned blocks' heads into its ranks
+    (only the tail on a prefix hit), greedy fp32 tokens equal transformers' and the top
+    logprobs a colocated engine's, and afterwards no pin and no block is held."""
+    prefill, decode = (mooncake_deployments[side] for side in MOONCAKE_PAIRS[pair])
+    prefill_url, decode_url = prefill.url("prefill-0"), decode.url("decode-0")
+    pulled, recomputed = (metric(decode, "decode-0", series) for series in (PULLED, RECOMPUTED))
+    with httpx.Client(timeout=120) as client:
+        for kind in ("first", "hit"):
+            body = {"model": "default", "prompt": PROMPTS[f"{pair} {kind}"],
+                    "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": TOP}
+            exchange = proxy(client, "/v1/completions", body, prefill_url, decode_url)
+            assert exchange.prefill.status_code == 200, exchange.prefill.text
+            assert exchange.kv_transfer_params["tp_size"] == int(pair[0])
+            cached = _check(exchange.decode, f"{pair} {kind}", *references, NEW_TOKENS)
+    assert cached >= 32  # the hit's first 2 blocks were kept: only its tail was got
+    assert metric(decode, "decode-0", PULLED) - pulled == 2  # neither recomputed
+    assert metric(decode, "decode-0", RECOMPUTED) == recomputed
+    assert _held(prefill, decode) == (0, 0, 0, 0)
+
+
+@contextlib.contextmanager
+def _rank_get(checkpoint, src_tp: int, dst_tp: int, num_blocks: int,  # noqa: ANN001, F811
+              timeout_s: float) -> Iterator[tuple]:
+    """In one process, a prefill instance's rank pools (random bytes) and two copies of a
+    decode instance's, each side's registered with its own Mooncake engine on 127.0.0.1:
+    (the prefill pools, the decode pools a same-host copy writes, the decode pools a
+    ``RankGet`` gets into, that ``RankGet``, the lease a prefill worker would answer)."""
+    import torch
+
+    from kthena_serve.model.config import ModelConfig
+    from kthena_serve.pd.protocol import PoolRef
+    from kthena_serve.pd.rank_pull import RankGet
+    from kthena_serve.pd.reshard import RankPools, rank_layouts
+    from kthena_serve.pd.transfer import register_pool
+    from mooncake_kv.pool import KVPool
+
+    model, config = ModelConfig.from_pretrained(checkpoint), EngineConfig(model=str(checkpoint),
+                                                                          **ENGINE)
+
+    def pools(tp: int) -> RankPools:
+        ref = PoolRef(num_blocks, config.block_size, config.dtype, tp=tp)
+        made = [KVPool.create(layout) for layout in rank_layouts(model, config, ref)]
+        return RankPools(made, owned=made)
+
+    src, copied, got = pools(src_tp), pools(dst_tp), pools(dst_tp)
+    engines, handles = [], []
+    try:
+        for pool in src.pools:
+            pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+        for ranks in (src, got):
+            engine, first = register_pool(ranks.pools[0], "127.0.0.1", 10)
+            engines.append(engine)
+            handles.append([first, *(engine.register(p.buffer) for p in ranks.pools[1:])])
+        rank_get = RankGet(engines[1], handles[1], [p.layout for p in got.pools], model,
+                           config, timeout_s)
+        rank0 = src.pools[0].layout
+        lease = {"tp": src_tp, "rank_mooncake_handles": [h.to_dict() for h in handles[0]],
+                 "num_blocks": num_blocks, "fingerprint": rank0.shape.fingerprint(),
+                 "kind": rank0.kind.value}
+        yield src, copied, got, rank_get, lease
+    finally:
+        for engine in engines:
+            engine.close()
+        for ranks in (src, copied, got):
+            ranks.close()
+
+
+@mooncake_installed
+def test_a_rank_get_writes_what_the_copy_writes(checkpoint) -> None:  # noqa: ANN001, F811
+    """TP2 -> TP1 (2:2 and 1:2: the deployments): ``RankGet`` reads the lease a prefill
+    worker answers over mooncake (one handle per rank; none: refused, naming the transport)
+    and leaves the decode pool byte for byte as the same-host copy does; ids out of range are
+    raised once every get has ended, and nothing is left running."""
+    import torch
+
+    from kthena_core.shape import kv_head_moves
+    from kthena_serve.pd.reshard import copy_resharded
+    from mooncake_kv.layout import BlockIdError
+
+    with _rank_get(checkpoint, 2, 1, 6, 10) as (src, copied, got, rank_get, lease):
+        src_ids, dst_ids = [1, 2, 5], [4, 0, 3]
+        moved = copy_resharded(src, copied, kv_head_moves(3, 2, 1), src_ids, dst_ids)
+        for bad in ({**lease, "rank_mooncake_handles": None},
+                    {**lease, "rank_mooncake_handles": lease["rank_mooncake_handles"][:1]}):
+            with pytest.raises(ValueError, match="--pd-transport mooncake"):
+                rank_get.source(bad)
+        source = rank_get.source(lease)
+        assert rank_get.copy(source, src_ids, dst_ids) == moved
+        for want, have in zip(copied.pools, got.pools, strict=True):
+            assert torch.equal(want.buffer, have.buffer)
+        with pytest.raises(BlockIdError, match="block id 6 is outside"):
+            rank_get.copy(source, [0, 1], [3, 6])
+        assert not rank_get.busy()
+
+
+@mooncake_installed
+def test_a_rank_get_past_its_deadline_is_busy_until_its_bytes_have_landed(checkpoint) -> None:  # noqa: ANN001, F811
+    """TP2 -> TP2, 96 blocks in reverse order (a range each: they outlive any deadline of
+    0 s): ``copy`` raises the timeout with its gets under way, and ``busy`` is True until every
+    get has ended (the decode worker's quarantine frees the blocks only after that,
+    ``DecodeConnector._quarantine``); by then each decode rank's pool is byte for byte what
+    the same-host copy writes: nothing lands later."""
+    import torch
+    from _support import eventually
+
+    from kthena_comm.errors import TransferTimeoutError
+    from kthena_core.shape import kv_head_moves
+    from kthena_serve.pd.reshard import copy_resharded
+
+    with _rank_get(checkpoint, 2, 2, 96, 0.0) as (src, copied, got, rank_get, lease):
+        src_ids = list(range(96))
+        dst_ids = src_ids[::-1]
+        copy_resharded(src, copied, kv_head_moves(3, 2, 2), src_ids, dst_ids)
+        with pytest.raises(TransferTimeoutError):
+            rank_get.copy(rank_get.source(lease), src_ids, dst_ids)
+        assert rank_get.busy()  # may still write: the blocks stay quarantined
+        assert eventually(lambda: not rank_get.busy(), 30, interval_s=0.01)
+        for want, have in zip(copied.pools, got.pools, strict=True):
+            assert torch.equal(want.buffer, have.buffer)

@@ -11,6 +11,7 @@ import torch
 
 from kthena_core.shape import kv_head_moves, kv_head_range
 from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.layer_copy import LayerCopy, RankCopier, moved_bytes
 from kthena_serve.engine.model_runner import kv_layout_for, layer_caches
 from kthena_serve.pd.protocol import PoolRef
 from kthena_serve.pd.reshard import RankPools, copy_resharded
@@ -70,6 +71,57 @@ def test_each_decode_rank_gets_exactly_its_heads(num_heads: int, src_tp: int, ds
         src.close()
         dst.close()
         whole.close()
+
+
+@pytest.mark.parametrize(("num_heads", "src_tp", "dst_tp"),
+                         [(2, 2, 2), (3, 2, 1), (3, 1, 2), (4, 4, 2)])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_each_ranks_layer_copies_equal_the_whole_copy(num_heads: int, src_tp: int, dst_tp: int,
+                                                      kv_cache_dtype: str) -> None:
+    """Layer-wise between TP instances: every prefill rank runs its own moves of each layer
+    (`RankCopier`, as in its forward), and the decode pools end as `copy_resharded` leaves
+    them; `moved_bytes` is what the copy moved."""
+    config = EngineConfig(dtype="float32", block_size=BLOCK, num_kv_blocks=BLOCKS,
+                          kv_cache_dtype=kv_cache_dtype)
+    src, whole_copy, layered = (_pools(num_heads, src_tp, config),
+                                _pools(num_heads, dst_tp, config),
+                                _pools(num_heads, dst_tp, config))
+    copiers = []
+    try:
+        for caches in src.caches:
+            for parts in caches:
+                for part in parts:
+                    part.copy_(torch.randn(part.shape).to(part.dtype) if part.is_floating_point()
+                               else torch.randint(-127, 128, part.shape, dtype=part.dtype))
+        moves = kv_head_moves(num_heads, src_tp, dst_tp)
+        src_ids, dst_ids = [1, 2, 5], [7, 0, 3]
+        moved = copy_resharded(src, whole_copy, moves, src_ids, dst_ids)
+        assert moved_bytes(src.caches, moves, len(src_ids)) == moved
+        plan = LayerCopy([p.name for p in layered.pools], [p.layout for p in layered.pools],
+                         moves, src_ids, dst_ids)
+        for rank, pool in enumerate(src.pools):
+            copiers.append(RankCopier(rank, pool))
+            hook = copiers[-1].hook([plan])
+            assert hook is not None  # every prefill rank is the source of some move
+            for layer in range(LAYERS):
+                hook(layer)
+        for want, got in zip(whole_copy.caches, layered.caches, strict=True):
+            for want_parts, got_parts in zip(want, got, strict=True):
+                for a, b in zip(want_parts, got_parts, strict=True):
+                    assert torch.equal(a, b)
+    finally:
+        for copier in copiers:
+            copier.close()
+        for pools in (src, whole_copy, layered):
+            pools.close()
+
+
+def test_a_layer_copy_refuses_what_does_not_fit() -> None:
+    moves = kv_head_moves(2, 1, 2)
+    with pytest.raises(ValueError, match="3 source blocks for 2 destination blocks"):
+        LayerCopy(["a", "b"], [None, None], moves, [1, 2, 3], [4, 5])
+    with pytest.raises(ValueError, match="destination rank 1; the destination has 1 ranks"):
+        LayerCopy(["a"], [None], moves, [1], [4])
 
 
 def test_a_latent_pool_goes_to_every_decode_rank() -> None:

@@ -131,16 +131,21 @@ def _check(reply, name: str, transformers_tokens, reference,  # noqa: ANN001
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1)])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_push"),
+                         [(2, 2, "layerwise"), (1, 2, "layerwise"), (2, 1, "layerwise"),
+                          (2, 1, "batched")])
 def test_tp_instances_match_transformers(checkpoint: Path, transformers_tokens,  # noqa: ANN001
-                                         reference, prefill_tp: int, decode_tp: int) -> None:
+                                         reference, prefill_tp: int, decode_tp: int,
+                                         kv_push: str) -> None:
     """``--prefill-tp A --decode-tp B``: greedy tokens equal transformers' (fp32) and the top
     logprobs a colocated engine's, for a batch of mixed lengths and a prefix hit, every one
-    disaggregated; no rank's pool is left in /dev/shm."""
+    disaggregated; no rank's pool is left in /dev/shm. Layer-wise (the default: each prefill
+    rank copies its heads in its forward, a tp=1 prefill in the model's hook; the 700-token
+    prompt's three chunks each copy the blocks they complete) and batched."""
     from concurrent.futures import ThreadPoolExecutor
 
     pd = PDConfig(pd_threshold_tokens=8, transfer_timeout_s=60, health_interval_s=0.2,
-                  prefill_tp=prefill_tp, decode_tp=decode_tp)
+                  prefill_tp=prefill_tp, decode_tp=decode_tp, kv_push=kv_push)
     cluster = PDCluster(EngineConfig(model=str(checkpoint), **ENGINE), pd).start()
     pids: set[int] = set()
     try:

@@ -42,6 +42,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -50,6 +51,7 @@ import torch
 from kthena_core.ports import free_port
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.errors import RankDiedError
+from kthena_serve.engine.layer_copy import LayerCopy, RankCopier
 from kthena_serve.engine.model_inputs import ModelInputs, build_inputs
 from kthena_serve.engine.model_runner import (
     create_pool,
@@ -135,6 +137,7 @@ class _Stage:
         self.prev = ranks[stage.rank - 1] if not stage.is_first else None
         self.next = ranks[stage.rank + 1] if not stage.is_last else None
         self.head = ranks[0]  # stage 0 of my TP column: global rank 0 for tp rank 0
+        self.copier: RankCopier | None = None  # layer-wise copies out of this pool (PD)
 
     def _load(self, config: EngineConfig):  # noqa: ANN202 - a PipelineStage
         """This rank's stage of the model, its weights and its pool; returns the stage."""
@@ -165,12 +168,21 @@ class _Stage:
                                 self.model, pool)
 
     @torch.inference_mode()
-    def run(self, micro: list[ModelInputs]) -> list[torch.Tensor]:
+    def run(self, micro: list[ModelInputs], copies: Sequence[LayerCopy] = ()
+            ) -> list[torch.Tensor]:
         """Forward every micro-batch (host tensors) through this stage, on this rank's device;
-        rank 0 gets each one's logits back."""
+        rank 0 gets each one's logits back. ``copies``: this rank's heads of each layer copied
+        into other pools right after the layer ran (`layer_copy`; pp = 1 only)."""
         from kthena_comm.collectives import recv, send
 
         pp, stage, device = self.groups.pp, self.stage, self.device
+        on_layer = None
+        if copies:
+            if stage.size > 1:
+                raise ValueError("layer-wise copies need pp=1: a stage holds only its layers")
+            if self.copier is None:
+                self.copier = RankCopier(self.tp_rank, self.pool)
+            on_layer = self.copier.hook(copies)
         hidden_size, dtype = self.model.config.shape.hidden_size, self.dtype
         pending, logits = [], []
         micro = [inputs.to(device) for inputs in micro]
@@ -182,7 +194,7 @@ class _Stage:
                 recv(both, pp, self.prev)
                 hidden = (both[0], both[1])
             out = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.attention,
-                                           self.kv_caches, hidden)
+                                           self.kv_caches, hidden, on_layer=on_layer)
             if not stage.is_last:
                 pending.append(send(torch.stack(out), pp, self.next, async_op=True))
             elif stage.is_first:
@@ -201,6 +213,8 @@ class _Stage:
         return logits
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
         self.pool.close()
         self.groups.destroy()
 
@@ -254,7 +268,7 @@ def _serve_steps(stage: _Stage) -> None:
             if box[0] == _POOLS:
                 dist.gather_object((stage.pool.name, stage.pool.layout), None, dst=0)
                 continue
-            stage.run(box[0])
+            stage.run(*box[0])
     finally:
         stage.close()
 
@@ -389,7 +403,11 @@ class ParallelModelRunner:
 
     Attributes:
         model, tokenizer: rank 0's shard (stage 0's layers, its heads) and the tokenizer.
+        takes_layer_copies: ``execute`` runs layer-wise copies in every rank (``copies``)
+            where a one-process runner takes a per-layer hook.
     """
+
+    takes_layer_copies = True
 
     def __init__(self, config: EngineConfig, rank_env=None, *,  # noqa: ANN001
                  shared_pool: bool = False) -> None:
@@ -539,25 +557,29 @@ class ParallelModelRunner:
         assert self._stage is not None
         return self._stage.pool
 
-    def execute(self, batch: ScheduledBatch, on_layer: None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, on_layer: None = None,
+                copies: Sequence[LayerCopy] = ()) -> torch.Tensor:
         """Forward ``batch`` on every rank; rank 0's fp32 logits of the sampled rows.
+
+        ``copies``: each rank copies its heads of the blocks they name into other pools on this
+        host, layer by layer as the forward goes (`layer_copy`); all done when this returns.
 
         Raises:
             ValueError: an ``on_layer`` hook (ModelRunner's): the layers run in every rank's
-                process, so no hook of this one sees them.
+                process, so no hook of this one sees them (``copies`` say what they do).
         """
         import torch.distributed as dist
 
         assert self._stage is not None
         if on_layer is not None:
             raise ValueError("a parallel runner runs no per-layer hook: its layers run in "
-                             "every rank's process (push KV after the forward instead)")
+                             "every rank's process (give layer-wise copies as `copies`)")
         parts = self._parts or max(1, min(self._config.pp,
                                           batch.num_tokens // MIN_MICROBATCH_TOKENS))
         micro = [build_inputs(part, self.block_size)  # host tensors: each rank moves its own
                  for part in split_microbatches(batch, parts)]
-        dist.broadcast_object_list([micro], src=0)
-        logits = self._stage.run(micro)
+        dist.broadcast_object_list([(micro, tuple(copies))], src=0)
+        logits = self._stage.run(micro, copies)
         return sampled_logits(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ launcher base, worker lifecycle, auth, the KV events wire). Modules, one concept
 * ``pins``      a prefill worker's blocks kept for a decode worker to pull, with deadlines
 * ``prefill_connector``, ``decode_connector``  each worker's side of that protocol on its OpenAI routes
 * ``rank_pull`` that protocol's pull where either worker is a TP engine: heads copied between
-  the ranks' /dev/shm pools
+  the ranks' /dev/shm pools (shm), or got between their Mooncake-registered pools (mooncake)
 * ``frontend``  the router's OpenAI front: ``RemoteEngine`` over the cluster router
 * ``launcher``  ``PDLauncher``: the PD workers on split cores (prefill first)
 * ``cluster``   ``PDCluster``: launcher + router + OpenAI server in one object

@@ -68,7 +68,8 @@ class PDConfig:
         prefill_tp, decode_tp: each role's TP size (0: the engine's ``tp``); a TP worker's
             ranks each hold their own KV heads' pool, and the hand-off re-shards the heads
             between the two sizes (pd/reshard.py over ``shm``, pd/reshard_put.py over
-            ``mooncake``; a TP role's ``kv_push`` is batched: its layers ran in its ranks).
+            ``mooncake``; over ``shm`` a TP pair's ``kv_push`` is honoured, its ranks copying
+            their heads layer by layer; over ``mooncake`` it is batched).
     """
 
     policy: FailurePolicy = attrs.field(default=FailurePolicy.RECOMPUTE, converter=FailurePolicy)

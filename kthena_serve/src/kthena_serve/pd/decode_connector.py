@@ -16,9 +16,10 @@ Then, as the request's output stream (``generate``)::
                  blocks for the rest
     4 get        one-sided batch get of remote blocks [cached // block_size:] into them
                  (kthena_comm shm or mooncake engine; ``transfer.BlockGetter``); where either
-                 worker is a TP engine (shm, one host), a synchronous copy of each block's
-                 heads from the prefill ranks' pools into this worker's ranks' pools
-                 (``rank_pull.RankPull``; the lease names the prefill ranks' pools)
+                 worker is a TP engine, each block's heads from the prefill ranks' pools into
+                 this worker's ranks' pools (the lease names the prefill ranks' pools): a
+                 synchronous copy over shm (``rank_pull.RankPull``), one-sided gets over
+                 mooncake (``rank_pull.RankGet``)
     5 release    POST remote/pd/kv/release: the prefill worker frees its pin and says whether
                  it was still pinned all along (if not, the bytes may be stale: not used)
     6 admit      AsyncLLM.generate_prefilled(first token) and stream
@@ -56,7 +57,7 @@ from kthena_serve.pd.kv_params import PARAM, KVAsk, RemotePrefill, parse_kv_para
 from kthena_serve.pd.late_writes import LateWrites
 from kthena_serve.pd.metrics import PDMetrics
 from kthena_serve.pd.protocol import PoolRef
-from kthena_serve.pd.rank_pull import RankPull
+from kthena_serve.pd.rank_pull import RankGet, RankPull
 from kthena_serve.pd.transfer import QUIET_S, BlockGetter
 from mooncake_kv.layout import KVLayout
 
@@ -96,13 +97,15 @@ class DecodeConnector:
         secret: the deployment secret; calls to prefill workers are signed with it (never sent).
         prefill_hosts: hosts ``remote_host`` may name (the rest are a 400).
         client: the HTTP client for prefill workers (default: a new ``prefill_client()``).
-        ranks: copies a TP pair's blocks head by head between the ranks' pools (shm, a cpu
-            pool); None: every pull is a ``getter`` get, and a TP prefill worker is refused.
+        ranks: moves a TP pair's blocks head by head between the ranks' pools (shm with a
+            cpu pool: ``RankPull``; mooncake: ``RankGet``); None: every pull is a ``getter``
+            get, and a TP prefill worker is refused.
     """
 
     def __init__(self, engine: AsyncLLM, getter: BlockGetter, config: PDConfig,
                  metrics: PDMetrics, *, secret: str | None, prefill_hosts: Iterable[str],
-                 client: httpx.AsyncClient | None = None, ranks: RankPull | None = None,
+                 client: httpx.AsyncClient | None = None,
+                 ranks: RankPull | RankGet | None = None,
                  ) -> None:
         self.engine, self.getter, self.config, self.metrics = engine, getter, config, metrics
         self.ranks = ranks
@@ -167,9 +170,9 @@ class DecodeConnector:
             handle = self._handle(data)
         elif self.ranks is None:
             raise ValueError(f"the prefill worker is a TP{tp} engine and this worker pulls "
-                             f"over {self.getter.engine.backend} (or into a device pool): with "
-                             "TP workers the Kthena connector path runs over --pd-transport "
-                             "shm on one host, with cpu pools")
+                             f"over {self.getter.engine.backend} into a device pool: with TP "
+                             "workers the Kthena connector path runs over --pd-transport "
+                             "mooncake, or shm with cpu pools")
         else:
             source = self.ranks.source(data)
         num_prompt_blocks = -(-len(request.prompt_ids) // own.shape.block_size)
@@ -263,13 +266,15 @@ class DecodeConnector:
         """Free ``rid``'s blocks once nothing of its timed-out get can land any more: the get
         has ended in this process's engine (`BlockGetter.busy`), the prefill worker's sockets
         to this host hold no unacknowledged byte on two looks `QUIET_S` apart (or it is gone),
-        and this process's hold nothing unread from it (`late_writes`)."""
+        and this process's hold nothing unread from it (`late_writes`). A TP pair's gets
+        (`RankGet.busy`) count as the engine's."""
         self.num_quarantined += 1
         url = httpx.URL(remote.url)
         late = LateWrites(url.host, own_reads_except_port=url.port or 80)
         try:
             peer_settled = await self._peer_quiet(remote)
-            while self.getter.busy() or not late.drained(peer_settled):
+            while self.getter.busy() or (self.ranks is not None and self.ranks.busy()) \
+                    or not late.drained(peer_settled):
                 await asyncio.sleep(0.05)
             await self.engine.release(rid)
         finally:

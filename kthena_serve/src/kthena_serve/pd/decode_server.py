@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kthena_serve.engine.model_runner import Runner
     from kthena_serve.engine.request import RequestOutput
     from kthena_serve.kv_events.config import KVEventsConfig
-    from kthena_serve.pd.rank_pull import RankPull
+    from kthena_serve.pd.rank_pull import RankGet, RankPull
     from kthena_serve.pd.reshard import RankPools
     from mooncake_kv.pool import KVPool
 
@@ -99,18 +99,17 @@ class _DecodeRoutes:
         if config.tp > 1:  # every rank's pool, which prefill workers copy their heads into
             names = [name for name, _layout in runner.rank_pools()]
             self.ref = attrs.evolve(self.ref, tp=config.tp, rank_shm_names=names)
-            pull_handle = None  # a get fills one pool: over shm a TP pull copies head by head
+            pull_handle = None  # a get fills one pool: a TP pull goes head by head (ranks)
             pull_refusal = (f"this decode worker is a TP{config.tp} engine, whose KV is split "
-                            f"over its ranks' pools; over {pd.transport.value} it pulls no "
-                            "prefill worker's pinned blocks (the Kthena connector path with TP "
-                            "workers runs over --pd-transport shm): use tp=1 decode workers "
-                            "there, or route through kthena serve's PD router")
+                            "over its ranks' pools: a whole-block get into one pool cannot "
+                            "fill them (its pulls go head by head, pd/rank_pull.py)")
         self.rank_pools = None  # mooncake TP: ranks 1.. mapped here, registered for the puts
         if config.tp > 1 and pd.transport is Transport.MOONCAKE:
             self.rank_pools, handles = _register_ranks(runner, self.pull_engine,
                                                        self.ref.mooncake_handle)
             self.ref = attrs.evolve(self.ref, rank_shm_names=(), rank_mooncake_handles=handles)
-        self.ranks = _rank_pull(runner, config, pd)  # a TP pair's connector pull (shm)
+        self.ranks = _rank_pull(runner, config, pd, self.pull_engine, self.ref,
+                                self.rank_pools)  # a TP pair's connector pull
         self.events = EventLog(engine.kv)
         self.engine = AsyncLLM(engine).start()
         self.metrics = PDMetrics("decode")
@@ -217,13 +216,23 @@ def _register_ranks(runner: Runner, engine: TransferEngine, first: str,
     return mapped, (first, *handles)
 
 
-def _rank_pull(runner: Runner, config: EngineConfig, pd: PDConfig) -> RankPull | None:
-    """What copies a TP pair's pinned blocks head by head into this worker's rank pools for
-    the Kthena connector (``rank_pull.py``): over shm with a cpu pool; None otherwise (a TP
-    prefill worker's lease is then refused, naming the shm transport)."""
-    from kthena_serve.pd.rank_pull import RankPull, own_rank_pools
+def _rank_pull(runner: Runner, config: EngineConfig, pd: PDConfig, engine: TransferEngine,
+               ref: PoolRef, rank_pools: RankPools | None) -> RankPull | RankGet | None:
+    """What moves a TP pair's pinned blocks head by head into this worker's rank pools for
+    the Kthena connector (``rank_pull.py``): over mooncake, gets into the rank pools
+    registered with ``engine`` (``ref``'s handles; ranks 1.. are ``rank_pools``); over shm
+    with a cpu pool, a copy; None otherwise (a device pool over shm: a TP prefill worker's
+    lease is then refused, naming the transports that serve it)."""
+    from kthena_comm.transfer import MemoryHandle
+    from kthena_serve.pd.rank_pull import RankGet, RankPull, own_rank_pools
 
-    if pd.transport is not Transport.SHM or runner.pool.buffer.device.type != "cpu":
+    if pd.transport is Transport.MOONCAKE:
+        own = [MemoryHandle.from_json(handle) for handle in ref.rank_handles()]
+        spawned = rank_pools.pools if rank_pools is not None else []
+        layouts = [runner.pool.layout, *(pool.layout for pool in spawned)]
+        return RankGet(engine, own, layouts, runner.model.config, config,
+                       pd.transfer_timeout_s)
+    if runner.pool.buffer.device.type != "cpu":
         return None
     return RankPull(own_rank_pools(runner), runner.model.config, config)
 

@@ -358,7 +358,7 @@ class PrefillExecutor:
     def _run(self, batch: ScheduledBatch, jobs: list[PrefillJob]) -> None:
         start = time.perf_counter()
         try:
-            logits = jobs[0].runner.execute(batch, self._layer_hook(batch.seqs, jobs))
+            logits = self._execute(jobs[0].runner, batch, self._layer_pushes(batch.seqs, jobs))
         except Exception as error:  # noqa: BLE001 - the forward's jobs fail, the worker goes on
             for job in jobs:
                 self._end(job, error)
@@ -379,9 +379,25 @@ class PrefillExecutor:
                     self._complete(job, logits[row : row + 1])
                 row += 1
 
-    def _layer_hook(self, seqs: Sequence[ScheduledSeq], jobs: list[PrefillJob],
-                    ) -> Callable[[int], None] | None:
-        """The model's per-layer hook for this step's layer-wise pushes, or None.
+    @staticmethod
+    def _execute(runner, batch: ScheduledBatch,  # noqa: ANN001 - a Runner
+                 pushes: list[tuple[BlockPush, tuple[int, ...], tuple[int, ...]]],
+                 ) -> torch.Tensor:
+        """The step's forward with its layer-wise pushes: in the model's per-layer hook, or, on
+        a TP runner (``takes_layer_copies``), as copies its ranks run in their own forwards
+        (``ReshardCopy.layer_copy``; settled again once the forward has returned)."""
+        if not pushes or not getattr(runner, "takes_layer_copies", False):
+            return runner.execute(batch, _layer_hook(pushes))
+        try:
+            return runner.execute(batch, copies=[push.layer_copy(src, dst)
+                                                 for push, src, dst in pushes])
+        finally:
+            for push, _src, _dst in pushes:
+                push.step_done()
+
+    def _layer_pushes(self, seqs: Sequence[ScheduledSeq], jobs: list[PrefillJob],
+                      ) -> list[tuple[BlockPush, tuple[int, ...], tuple[int, ...]]]:
+        """This step's layer-wise pushes: (push, source blocks, destination blocks).
 
         A job pushes the blocks this step completes (all its blocks on its last chunk): each
         block of each layer goes out once, after its last token's K/V is written.
@@ -397,14 +413,7 @@ class PrefillExecutor:
                 pushes.append((job.push, job.block_ids[job.num_pushed:stop],
                                job.push_dst[job.num_pushed:stop]))
                 job.num_pushed = stop
-        if not pushes:
-            return None
-
-        def on_layer(layer: int) -> None:
-            for push, src, dst in pushes:
-                push.push_layer(layer, src, dst)
-
-        return on_layer
+        return pushes
 
     def _complete(self, job: PrefillJob, logits: torch.Tensor) -> None:
         """Sample the job's first token and hand it off; any failure is this job's alone."""
@@ -534,3 +543,16 @@ def _settle(future: concurrent.futures.Future, done: concurrent.futures.Future) 
         future.set_exception(done.exception())
     else:
         future.set_result(done.result())
+
+
+def _layer_hook(pushes: Sequence[tuple[BlockPush, Sequence[int], Sequence[int]]],
+                ) -> Callable[[int], None] | None:
+    """The model's per-layer hook that starts each push's layer (None: no push)."""
+    if not pushes:
+        return None
+
+    def on_layer(layer: int) -> None:
+        for push, src, dst in pushes:
+            push.push_layer(layer, src, dst)
+
+    return on_layer

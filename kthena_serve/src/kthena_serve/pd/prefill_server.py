@@ -89,7 +89,7 @@ def build_prefill_app(name: str, config: EngineConfig, pd: PDConfig, *, secret: 
     app.get("/pd/state")(routes.state)
     _kv_routes(app, routes.connector, routes.pins, routes.kv_engine.backend, routes.kv_handle,
                routes.executor.pool.layout, tp=config.tp,
-               rank_names=_served_rank_names(routes))
+               rank_names=_served_rank_names(routes), rank_handles=_served_rank_handles(routes))
     openai = shared.openai_app(routes.engine, config, routes.connector, api_key,
                          routes.server_metrics)
     return shared.OnePort(app, openai), routes.close
@@ -156,7 +156,8 @@ class _PrefillRoutes:
     def _submit(self, task: PrefillTask) -> concurrent.futures.Future:
         """A future of the task's ``PrefillResult``, batched with the others' prefills: zero
         copy into a tp=1 decode pool from a tp=1 worker; else computed into the own rank pools
-        and copied into the decode ranks' (``ReshardCopy``); across hosts, put (mooncake:
+        and copied into the decode ranks' (``ReshardCopy``: layer by layer, unless
+        ``--pd-kv-push batched``); across hosts, put (mooncake:
         each rank's heads into the decode ranks', ``ReshardPut``, where either is TP)."""
         from kthena_serve.pd.reshard import ReshardCopy
 
@@ -164,7 +165,8 @@ class _PrefillRoutes:
             if self.own_ranks.tp > 1 or task.pool.tp > 1:
                 task.pool.rank_names()  # a ValueError (400) for a pool not on this host
                 return self.executor.submit_local(
-                    task, ReshardCopy(self.own_ranks, self.targets, task.pool))
+                    task, ReshardCopy(self.own_ranks, self.targets, task.pool,
+                                      layerwise=self.pd.kv_push is KVPush.LAYERWISE))
             return self.executor.submit_shared(task)
         layout = self.executor.layout_for(task.pool.num_blocks, task.pool.block_size,
                                           task.pool.dtype, task.pool.kv_cache_dtype)
@@ -333,15 +335,24 @@ def _served_rank_names(routes: _PrefillRoutes) -> list[str]:
     return [routes.kv_handle.segment] if routes.kv_handle is not None else []
 
 
+def _served_rank_handles(routes: _PrefillRoutes) -> list[MemoryHandle]:
+    """The pools registered with Mooncake a decode worker gets pinned blocks from head by
+    head (``rank_pull.RankGet``, where either worker is a TP engine): every rank's of a TP
+    worker, a tp=1 worker's own pool (``RankPutter.handles``, rank 0's first); none over shm."""
+    return [] if routes.rank_putter is None else list(routes.rank_putter.handles)
+
+
 def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backend: str,
                handle: MemoryHandle | None, layout: KVLayout, *, tp: int = 1,
-               rank_names: Sequence[str] = ()) -> None:
+               rank_names: Sequence[str] = (), rank_handles: Sequence[MemoryHandle] = (),
+               ) -> None:
     """/pd/kv/lease and /pd/kv/release: a decode worker claims pinned blocks, then frees them;
     /pd/kv/backlog (`_backlog_route`).
 
-    A lease answers the pool to get from (``handle``; None for a TP worker) and, over shm,
-    ``tp`` and every rank's pool name (``rank_names``): a decode worker where either side is
-    a TP engine maps those and copies the blocks head by head instead."""
+    A lease answers the pool to get from (``handle``; None for a TP worker), ``tp``, and
+    every rank's pool: over shm its name (``rank_names``), over mooncake its handle
+    (``rank_handles``). A decode worker where either side is a TP engine copies (shm) or
+    gets (mooncake) the blocks head by head from those instead (``rank_pull.py``)."""
     from kthena_serve.pd.pins import PinError
 
     _backlog_route(app)
@@ -368,13 +379,6 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
                                            f", the decode worker pulls over "
                                            f"{body.get('backend')}: use one --pd-transport"),
                                 status_code=409)
-        if tp > 1 and not rank_names:
-            return JSONResponse(error_body(409, f"this prefill worker is a TP{tp} engine, whose "
-                                           "KV is split over its ranks' pools, serving over "
-                                           f"{backend}: with TP workers the Kthena connector "
-                                           "path runs over --pd-transport shm on one host; "
-                                           "over mooncake use tp=1 prefill workers"),
-                                status_code=409)
         if handle is None and tp == 1:
             return JSONResponse(error_body(409, "this prefill worker's own KV pool is in device "
                                            f"memory and {backend} moves host memory only: "
@@ -384,7 +388,11 @@ def _kv_routes(app: FastAPI, connector: PrefillConnector, pins: PinTable, backen
             pin = pins.lease(transfer_id, block_ids, digest)
         except PinError as error:
             return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
-        served = {"tp": tp, "rank_shm_names": list(rank_names)} if rank_names else {"tp": tp}
+        served: dict = {"tp": tp}
+        if rank_names:
+            served["rank_shm_names"] = list(rank_names)
+        if rank_handles:
+            served["rank_mooncake_handles"] = [h.to_dict() for h in rank_handles]
         return JSONResponse({"handle": None if handle is None else handle.to_dict(),
                              "num_blocks": layout.num_blocks,
                              "fingerprint": layout.shape.fingerprint(),

@@ -16,9 +16,14 @@ blocks the decode worker lacks (``ReshardCopy``, a ``BlockPush``):
     prefill TP1 -> decode TP2   SmolLM2's 3 heads: heads 0-1 -> rank 0, head 2 -> rank 1
     prefill TP2 -> decode TP1   rank 0's 2 heads and rank 1's 1 head merged into one pool
 
-The copy runs in the prefill worker's own process, which maps its ranks' pools and the decode
-ranks' pools; its stores end with ``finish`` (nothing is left in flight once it returns, so a
-failed or cancelled hand-off never writes later). A tp=1 pair keeps the zero-copy path (the
+Layer-wise (``--pd-kv-push layerwise``, the default), each step's completed blocks are copied
+layer by layer while the prefill runs: a TP prefill's ranks each copy their own heads right
+after each layer (engine/layer_copy.py: rank 0 broadcasts the step's plan with its inputs), a
+tp=1 prefill copies in the model's per-layer hook. Batched, the prefill worker's own process
+copies every block once the prefill is done. Either way the stores are plain stores of
+processes of this worker that end with the step (layer-wise) or with ``finish`` (batched):
+nothing is left in flight, so a failed or cancelled hand-off never writes later. A tp=1 pair
+keeps the zero-copy path (the
 prefill writes straight into the decode pool). Across hosts (``--pd-transport mooncake``) the
 same moves are one-sided puts between the ranks' registered pools: pd/reshard_put.py.
 """
@@ -32,12 +37,14 @@ import torch
 
 from kthena_core.shape import HeadMove, kv_head_moves, kv_heads_per_rank
 from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.layer_copy import LayerCopy, copy_heads, moved_bytes
 from kthena_serve.engine.model_runner import kv_layout_for, layer_caches
 from kthena_serve.pd.protocol import PoolRef
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["DecodeRankPools", "RankPools", "ReshardCopy", "copy_resharded", "rank_layouts"]
+__all__ = ["DecodeRankPools", "RankPools", "ReshardCopy", "copy_layer", "copy_resharded",
+           "rank_layouts"]
 
 
 def rank_layouts(model_config, config: EngineConfig, ref: PoolRef,  # noqa: ANN001 - ModelConfig
@@ -103,53 +110,94 @@ def copy_resharded(src: RankPools, dst: RankPools, moves: Sequence[HeadMove],
     Raises:
         ValueError: ``src_ids`` and ``dst_ids`` differ in length.
     """
+    return sum(copy_layer(src, dst, moves, layer, src_ids, dst_ids)
+               for layer in range(len(src.caches[0])))
+
+
+def copy_layer(src: RankPools, dst: RankPools, moves: Sequence[HeadMove], layer: int,
+               src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+    """``copy_resharded`` of one layer; returns the bytes copied.
+
+    Raises:
+        ValueError: ``src_ids`` and ``dst_ids`` differ in length.
+    """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     if not src_ids:
         return 0
     src_index = torch.tensor(list(src_ids), dtype=torch.long)
     dst_index = torch.tensor(list(dst_ids), dtype=torch.long)
-    moved = 0
-    for move in moves:
-        src_layers, dst_layers = src.caches[move.src_rank], dst.caches[move.dst_rank]
-        for src_parts, dst_parts in zip(src_layers, dst_layers, strict=True):
-            for part, target in zip(src_parts, dst_parts, strict=True):
-                heads = slice(move.src_start, move.src_start + move.count)
-                rows = part[:, :, heads].index_select(0, src_index)  # only the moved heads
-                target[dst_index, :, move.dst_start:move.dst_start + move.count] = rows
-                moved += rows.numel() * rows.element_size()
-    return moved
+    return sum(copy_heads(src.caches[move.src_rank][layer], dst.caches[move.dst_rank][layer],
+                          move, src_index, dst_index) for move in moves)
 
 
 class ReshardCopy:
-    """One request's hand-off from a TP prefill instance's rank pools into the decode instance
-    ``ref`` names (a ``BlockPush``; see the module docs). Not layer-wise: the layers ran in the
-    ranks' processes, so the blocks are copied once the prefill is done.
+    """One request's hand-off from a prefill instance's rank pools into the decode instance
+    ``ref`` names (a ``BlockPush``; see the module docs).
+
+    Layer-wise (``--pd-kv-push layerwise``, the default): each step's completed blocks go layer
+    by layer while the prefill runs. A TP prefill's ranks copy their own heads in their forward
+    (``layer_copy``: the plan rank 0 broadcasts with the step); a tp=1 prefill copies in the
+    model's hook (``push_layer``). Batched: every block once the prefill is done (``finish``).
 
     Args:
         src: this prefill worker's rank pools.
         targets: the decode instances' pools mapped here (mapped on first use).
         ref: the decode instance's pool reference.
+        layerwise: copy layer by layer while the prefill runs.
     """
 
-    layerwise = False
-
-    def __init__(self, src: RankPools, targets: DecodeRankPools, ref: PoolRef) -> None:
-        self.src, self.targets, self.ref = src, targets, ref
+    def __init__(self, src: RankPools, targets: DecodeRankPools, ref: PoolRef, *,
+                 layerwise: bool = False) -> None:
+        self.src, self.targets, self.ref, self.layerwise = src, targets, ref, layerwise
         heads = targets.model_config.shape.num_kv_heads
         self.moves = kv_head_moves(1 if targets.model_config.mla is not None else heads,
                                    src.tp, ref.tp)
+        self.num_bytes = 0
         self._copying = threading.Event()
 
-    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        raise ValueError("a re-sharding copy is not layer-wise")
+    def layer_copy(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> LayerCopy:
+        """This step's copy of ``src_ids`` into ``dst_ids``, which a TP runner's ranks run
+        layer by layer in their forward; unsettled until ``step_done``.
 
-    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+        Raises:
+            ValueError: the decode pool names no /dev/shm rank pools.
+        """
+        self._copying.set()
+        copy = LayerCopy(self.ref.rank_names(),
+                         rank_layouts(self.targets.model_config, self.targets.config, self.ref),
+                         self.moves, src_ids, dst_ids)
+        self.num_bytes += moved_bytes(self.src.caches, self.moves, len(src_ids))
+        return copy
+
+    def step_done(self) -> None:
+        """The forward that ran this push's ``layer_copy`` has returned (or failed) on every
+        rank: nothing of it writes any more."""
+        self._copying.clear()
+
+    def push_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy ``layer`` of ``src_ids`` into ``dst_ids`` now (a tp=1 prefill's model hook)."""
         self._copying.set()
         try:
             dst = self.targets.acquire(self.ref)
             try:
-                return copy_resharded(self.src, dst, self.moves, src_ids, dst_ids)
+                self.num_bytes += copy_layer(self.src, dst, self.moves, layer, src_ids, dst_ids)
+            finally:
+                self.targets.release(self.ref)
+        finally:
+            self._copying.clear()
+
+    def finish(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+        """Copy ``src_ids`` into ``dst_ids`` (batched; layer-wise they are there already);
+        returns the bytes copied."""
+        if self.layerwise:
+            return self.num_bytes
+        self._copying.set()
+        try:
+            dst = self.targets.acquire(self.ref)
+            try:
+                self.num_bytes += copy_resharded(self.src, dst, self.moves, src_ids, dst_ids)
+                return self.num_bytes
             finally:
                 self.targets.release(self.ref)
         finally:

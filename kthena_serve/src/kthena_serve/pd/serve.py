@@ -37,9 +37,9 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a prefill + handoff may take (default 30)")
     parser.add_argument("--pd-transport", choices=("shm", "mooncake"), help="default shm")
     parser.add_argument("--pd-kv-push", choices=("layerwise", "batched"),
-                        help="with --pd-transport mooncake: layerwise puts each layer's KV "
-                             "blocks while the prefill goes on, batched all blocks after it "
-                             "(default layerwise)")
+                        help="with --pd-transport mooncake, or shm between TP workers: "
+                             "layerwise moves each layer's KV blocks while the prefill goes "
+                             "on, batched all blocks after it (default layerwise)")
     parser.add_argument("--pd-threshold", type=int,
                         help="uncached prompt tokens below which the decode worker prefills "
                              "(default 32)")
