@@ -131,13 +131,44 @@ def test_a_reshard_put_writes_what_the_copy_writes(src_tp: int, dst_tp: int) -> 
             pools.close()
 
 
-def test_a_reshard_put_past_its_deadline_stays_unsettled_until_its_bytes_have_landed() -> None:
+_PRIVATE_NETNS = "KTHENA_TEST_PRIVATE_NETNS"
+
+
+def test_a_reshard_put_past_its_deadline_stays_unsettled_until_its_bytes_have_landed(
+        tmp_path: Path) -> None:
     """In one process, two Mooncake engines on 127.0.0.1: a TP2 -> TP2 ``ReshardPut`` (two
     head moves, one ``PushSession`` each) whose deadline passes at once (timeout 0) raises the
-    timeout with its puts under way; ``settled()`` is then False, and the decode worker's release condition (pd/decode.py ``_settle_and_release``: the
-    prefill worker no longer writing, ``PrefillExecutor.cancel`` over ``settled()``, and
-    ``LateWrites.drained``) first holds once every decode rank's pool is byte for byte what the
-    same-host copy writes: no byte of it can land in blocks handed out again."""
+    timeout with its puts under way; ``settled()`` is then False, and the decode worker's
+    release condition (pd/decode.py ``_settle_and_release``: the prefill worker no longer
+    writing, ``PrefillExecutor.cancel`` over ``settled()``, and ``LateWrites.drained``) first
+    holds once every decode rank's pool is byte for byte what the same-host copy writes: no
+    byte of it can land in blocks handed out again.
+
+    It runs in a network namespace of its own (``unshare --net``, this test again in a fresh
+    pytest): a failed put settles only once no socket of this process to the decode host, and
+    no orphan of any process to it, holds a byte (tcp_queues.py), and on a shared loopback the
+    suite's other servers keep such sockets open."""
+    if os.environ.get(_PRIVATE_NETNS) != "1":
+        import shutil
+        import subprocess
+        import sys
+
+        if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+            pytest.skip("needs root, unshare and ip for a network namespace of its own")
+        test = f"{__file__}::test_a_reshard_put_past_its_deadline_stays_unsettled_until_its_" \
+               "bytes_have_landed"
+        done = subprocess.run(
+            ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+             sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:randomly",
+             "-p", "no:cacheprovider", "-q", f"--junitxml={tmp_path / 'run.xml'}", test],
+            env={**os.environ, _PRIVATE_NETNS: "1"}, capture_output=True, text=True,
+            timeout=300, check=False)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        import xml.etree.ElementTree as ET
+
+        suite = ET.parse(tmp_path / "run.xml").getroot().find("testsuite")
+        assert (suite.get("tests"), suite.get("skipped"), suite.get("failures")) == ("1", "0", "0")
+        return
     import torch
     from _support import eventually
     from test_pd_reshard import _pools
