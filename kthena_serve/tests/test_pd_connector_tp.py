@@ -100,7 +100,13 @@ def test_tp_pairs_pull_and_match_transformers(deployments, references, pair: str
     prefill answer carries its tp_size, the decode worker copies the pinned blocks' heads
     into its ranks (only the tail on a prefix hit), greedy fp32 tokens equal transformers'
     and the top logprobs a colocated engine's, and afterwards no pin and no block is held."""
-    prefill, decode = (deployments[side] for side in PAIRS[pair])
+    _pull_a_pair(*(deployments[side] for side in PAIRS[pair]), pair, references)
+
+
+def _pull_a_pair(prefill: PDLauncher, decode: PDLauncher, pair: str, references) -> None:  # noqa: ANN001
+    """A prompt, then a prefix hit, through the router's sequence between ``prefill`` and
+    ``decode``: each answer's tp_size is the prefill worker's, the hit moves only its tail, the
+    tokens and logprobs are the references', both are pulled, and nothing is held after."""
     prefill_url, decode_url = prefill.url("prefill-0"), decode.url("decode-0")
     pulled, recomputed = (metric(decode, "decode-0", series) for series in (PULLED, RECOMPUTED))
     with httpx.Client(timeout=120) as client:
@@ -112,7 +118,7 @@ def test_tp_pairs_pull_and_match_transformers(deployments, references, pair: str
             params = exchange.kv_transfer_params
             assert params["tp_size"] == int(pair[0]) and len(params["remote_block_ids"]) == 3
             cached = _check(exchange.decode, f"{pair} {kind}", *references, NEW_TOKENS)
-    assert cached >= 32  # the hit's first 2 blocks were kept: only its tail was copied
+    assert cached >= 32  # the hit's first 2 blocks were kept: only its tail was moved
     assert metric(decode, "decode-0", PULLED) - pulled == 2  # neither recomputed
     assert metric(decode, "decode-0", RECOMPUTED) == recomputed
     assert _held(prefill, decode) == (0, 0, 0, 0)
@@ -216,21 +222,8 @@ def test_tp_pairs_get_over_mooncake_and_match_transformers(mooncake_deployments,
     rank's Mooncake handle, the decode worker gets the pinned blocks' heads into its ranks
     (only the tail on a prefix hit), greedy fp32 tokens equal transformers' and the top
     logprobs a colocated engine's, and afterwards no pin and no block is held."""
-    prefill, decode = (mooncake_deployments[side] for side in MOONCAKE_PAIRS[pair])
-    prefill_url, decode_url = prefill.url("prefill-0"), decode.url("decode-0")
-    pulled, recomputed = (metric(decode, "decode-0", series) for series in (PULLED, RECOMPUTED))
-    with httpx.Client(timeout=120) as client:
-        for kind in ("first", "hit"):
-            body = {"model": "default", "prompt": PROMPTS[f"{pair} {kind}"],
-                    "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": TOP}
-            exchange = proxy(client, "/v1/completions", body, prefill_url, decode_url)
-            assert exchange.prefill.status_code == 200, exchange.prefill.text
-            assert exchange.kv_transfer_params["tp_size"] == int(pair[0])
-            cached = _check(exchange.decode, f"{pair} {kind}", *references, NEW_TOKENS)
-    assert cached >= 32  # the hit's first 2 blocks were kept: only its tail was got
-    assert metric(decode, "decode-0", PULLED) - pulled == 2  # neither recomputed
-    assert metric(decode, "decode-0", RECOMPUTED) == recomputed
-    assert _held(prefill, decode) == (0, 0, 0, 0)
+    _pull_a_pair(*(mooncake_deployments[side] for side in MOONCAKE_PAIRS[pair]), pair,
+                 references)
 
 
 @contextlib.contextmanager

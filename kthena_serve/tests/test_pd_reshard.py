@@ -27,6 +27,15 @@ def _pools(num_heads: int, tp: int, config: EngineConfig, num_parts: int = 2) ->
     return RankPools(pools, owned=pools)
 
 
+def _randomize(pools: RankPools) -> None:
+    """Fresh random values in every part of every rank's pool (int8 parts: -127..127)."""
+    for caches in pools.caches:
+        for parts in caches:
+            for part in parts:
+                part.copy_(torch.randn(part.shape).to(part.dtype) if part.is_floating_point()
+                           else torch.randint(-127, 128, part.shape, dtype=part.dtype))
+
+
 def _fill(pools: RankPools, whole: list[tuple[torch.Tensor, ...]], num_heads: int) -> None:
     """Each rank's pool = its heads of ``whole`` (a one-rank pool's caches)."""
     for rank, caches in enumerate(pools.caches):
@@ -88,11 +97,7 @@ def test_each_ranks_layer_copies_equal_the_whole_copy(num_heads: int, src_tp: in
                                 _pools(num_heads, dst_tp, config))
     copiers = []
     try:
-        for caches in src.caches:
-            for parts in caches:
-                for part in parts:
-                    part.copy_(torch.randn(part.shape).to(part.dtype) if part.is_floating_point()
-                               else torch.randint(-127, 128, part.shape, dtype=part.dtype))
+        _randomize(src)
         moves = kv_head_moves(num_heads, src_tp, dst_tp)
         src_ids, dst_ids = [1, 2, 5], [7, 0, 3]
         moved = copy_resharded(src, whole_copy, moves, src_ids, dst_ids)
@@ -172,11 +177,7 @@ def test_head_ranges_move_what_the_copy_moves(num_heads: int, src_tp: int, dst_t
     src = _pools(num_heads, src_tp, config)
     copied, put = _pools(num_heads, dst_tp, config), _pools(num_heads, dst_tp, config)
     try:
-        for caches in src.caches:
-            for parts in caches:
-                for part in parts:
-                    part.copy_(torch.randn(part.shape).to(part.dtype) if part.is_floating_point()
-                               else torch.randint(-127, 128, part.shape, dtype=part.dtype))
+        _randomize(src)
         moves = kv_head_moves(num_heads, src_tp, dst_tp)
         src_ids, dst_ids = [1, 2, 5, 6], [7, 8, 0, 3]
         moved = copy_resharded(src, copied, moves, src_ids, dst_ids)
