@@ -156,10 +156,11 @@ def make_engine(loaded, kv_offload=None) -> LLMEngine:  # noqa: ANN001
     return LLMEngine.from_config(config, model=model, tokenizer=tokenizer)
 
 
-def serve(engine: LLMEngine, request_id: str, prompt) -> tuple:  # noqa: ANN001
-    """(output, prompt tokens computed for it), the offloader drained after."""
+def serve(engine: LLMEngine, request_id: str, prompt, params=None) -> tuple:  # noqa: ANN001
+    """(output, prompt tokens computed for it; ``params``: greedy), the offloader drained
+    after."""
     before = engine.stats().num_computed_prompt_tokens
-    engine.add_request(request_id, prompt, GREEDY)
+    engine.add_request(request_id, prompt, GREEDY if params is None else params)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():

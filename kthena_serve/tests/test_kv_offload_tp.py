@@ -22,6 +22,7 @@ import pytest
 import torch
 from _tiny import default_tokenizer, tiny_checkpoint, two_prompts
 from test_kv_offload import peer_result, start_peer, stop_peer
+from test_kv_offload import serve as serve_with
 from test_pd_tp import HEADS, LOGPROB_TOLERANCE, TOP
 
 from kthena_core.shape import kv_head_range, kv_heads_per_rank
@@ -125,16 +126,8 @@ def transformers_tokens(checkpoint: Path, prompts) -> list[int]:  # noqa: ANN001
 
 
 def serve(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple:
-    """(output, prompt tokens computed for it), the offloader drained after."""
-    before = engine.stats().num_computed_prompt_tokens
-    engine.add_request(request_id, prompt, WITH_TOP)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    assert engine.offloader.drain(30.0)
-    return final, engine.stats().num_computed_prompt_tokens - before
+    """``test_kv_offload.serve`` with the top logprobs."""
+    return serve_with(engine, request_id, prompt, WITH_TOP)
 
 
 def test_tp2_prompt_evicted_from_the_rank_pools_comes_back_from_host_memory(

@@ -43,7 +43,7 @@ from kthena_serve.pd.protocol import PoolRef
 from mooncake_kv.layout import KVLayout
 from mooncake_kv.pool import KVPool, KVPoolHandle
 
-__all__ = ["DecodeRankPools", "RankPools", "ReshardCopy", "copy_layer", "copy_resharded",
+__all__ = ["DecodeRankPools", "RankPools", "ReshardCopy", "copy_layers", "copy_resharded",
            "rank_layouts"]
 
 
@@ -110,13 +110,12 @@ def copy_resharded(src: RankPools, dst: RankPools, moves: Sequence[HeadMove],
     Raises:
         ValueError: ``src_ids`` and ``dst_ids`` differ in length.
     """
-    return sum(copy_layer(src, dst, moves, layer, src_ids, dst_ids)
-               for layer in range(len(src.caches[0])))
+    return copy_layers(src, dst, moves, range(len(src.caches[0])), src_ids, dst_ids)
 
 
-def copy_layer(src: RankPools, dst: RankPools, moves: Sequence[HeadMove], layer: int,
-               src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
-    """``copy_resharded`` of one layer; returns the bytes copied.
+def copy_layers(src: RankPools, dst: RankPools, moves: Sequence[HeadMove],
+                layers: Sequence[int], src_ids: Sequence[int], dst_ids: Sequence[int]) -> int:
+    """``copy_resharded`` of ``layers`` only; returns the bytes copied.
 
     Raises:
         ValueError: ``src_ids`` and ``dst_ids`` differ in length.
@@ -128,7 +127,7 @@ def copy_layer(src: RankPools, dst: RankPools, moves: Sequence[HeadMove], layer:
     src_index = torch.tensor(list(src_ids), dtype=torch.long)
     dst_index = torch.tensor(list(dst_ids), dtype=torch.long)
     return sum(copy_heads(src.caches[move.src_rank][layer], dst.caches[move.dst_rank][layer],
-                          move, src_index, dst_index) for move in moves)
+                          move, src_index, dst_index) for layer in layers for move in moves)
 
 
 class ReshardCopy:
@@ -181,7 +180,8 @@ class ReshardCopy:
         try:
             dst = self.targets.acquire(self.ref)
             try:
-                self.num_bytes += copy_layer(self.src, dst, self.moves, layer, src_ids, dst_ids)
+                self.num_bytes += copy_layers(self.src, dst, self.moves, (layer,), src_ids,
+                                              dst_ids)
             finally:
                 self.targets.release(self.ref)
         finally:
