@@ -96,9 +96,9 @@ def test_the_engine_reports_its_kernels_in_limits_and_metrics():
         text = ServerMetrics(engine).render().decode()
     finally:
         engine.shutdown()
-    assert ('kthena_kernels_info{decode_attention="default",matmul_decode="F.linear",'
-            'matmul_prefill="F.linear",mode="native",prefill_attention="default",'
-            'source="fixed"} 1.0') in text, text
+    assert ('kthena_kernels_info{decode_attention="default",decode_step="ops",'
+            'matmul_decode="F.linear",matmul_prefill="F.linear",mode="native",'
+            'prefill_attention="default",source="fixed"} 1.0') in text, text
 
 
 def test_a_bad_kernels_variable_is_the_config_s_error_not_the_import_s():

@@ -159,3 +159,20 @@ class PagedCache:
 
     def scales(self) -> dict:
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+# GGUF: byte offsets of a block's fp16 scales, per type
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+          "Q6_K": (208,)}  # byte offsets of a block's fp16 scales
+
+
+def random_blocks(kind: str, rows: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, K / block_size * block_bytes] as a file stores them: random bytes, with
+    finite fp16 scales of both signs (any bytes are a valid block but for NaN / inf scales)."""
+    t = mo.GGUF_TYPES[kind]
+    blocks = torch.randint(0, 256, (rows, in_features // t.block_size, t.block_bytes),
+                           dtype=torch.uint8, generator=gen)
+    for at in SCALES[kind]:
+        scale = torch.randn(rows, blocks.shape[1], 1, generator=gen) * 0.02
+        blocks[..., at:at + 2] = scale.half().view(torch.uint8)
+    return blocks.reshape(rows, -1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _mops_support import IMPLS, using
+from _mops_support import IMPLS, random_blocks, using
 
 import mooncake_ops as mo
 from mooncake_ops.gguf_linear import GGUF_BF16_MAX_OP_ROWS, GGUF_MAX_OP_ROWS, native_gguf_available
@@ -24,22 +24,6 @@ from mooncake_ops.gguf_quants import GROUP_ROWS, is_grouped, raw_blocks
 
 U32 = 2.0**-24
 UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-          "Q6_K": (208,)}  # byte offsets of a block's fp16 scales
-
-
-def random_blocks(kind: str, rows: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
-    """uint8 [rows, K / block_size * block_bytes] as a file stores them: random bytes, with
-    finite fp16 scales of both signs (any bytes are a valid block but for NaN / inf scales)."""
-    t = mo.GGUF_TYPES[kind]
-    blocks = torch.randint(0, 256, (rows, in_features // t.block_size, t.block_bytes),
-                           dtype=torch.uint8, generator=gen)
-    for at in SCALES[kind]:
-        scale = torch.randn(rows, blocks.shape[1], 1, generator=gen) * 0.02
-        blocks[..., at:at + 2] = scale.half().view(torch.uint8)
-    return blocks.reshape(rows, -1)
-
-
 def magnitudes(packed: torch.Tensor) -> torch.Tensor:
     """|a q| + |c| per weight value (see the module docstring): the blocks dequantised with
     every fp16 scale made positive, for the types whose kernel adds c separately (Q4_1); |w|

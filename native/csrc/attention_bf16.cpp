@@ -42,6 +42,7 @@
 
 #include "dispatch.h"
 #include "prefill_args.h"
+#include "step_parts.h"
 #include "vec.h"
 
 #define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -549,4 +550,20 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
+namespace parts {
+
+bool decode_bf16_items(const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, int64_t block_size,
+                       int64_t sb, int64_t st, int64_t sh, int64_t kv_heads, int64_t group, int64_t d,
+                       const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                       int64_t max_ctx, float scale, int64_t i0, int64_t i1) {
+  if (group > 16) return false;
+  const DecodeCache cache{k_cache, v_cache, block_size, sb, st, sh, kv_heads, group, 0, 0};
+  const int64_t H = kv_heads * group;
+  auto seq_at = [&](int64_t b) {
+    return DecodeSeq{q + b * H * d, out + b * H * d, block_tables + b * max_blocks, context_lens[b], nullptr, nullptr};
+  };
+  return with_chunks(d, [&](auto nc) { decode_range<decltype(nc)::value>(i0, i1, cache, scale, max_ctx, seq_at); });
+}
+
+}  // namespace parts
 }  // namespace mops

@@ -23,6 +23,7 @@ bool bf16_linear_supported();
 std::optional<at::Tensor> bf16_int8_weight_linear(const at::Tensor&, const at::Tensor&,
                                                   const std::optional<at::Tensor>&);
 std::optional<at::Tensor> bf16_int8_weight_gate_up_silu(const at::Tensor&, const at::Tensor&);
+void def_decode_step(pybind11::module_&);
 }  // namespace mops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
   mops::def_gguf(m);
+  mops::def_decode_step(m);
   m.def("bf16_linear", &mops::bf16_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_pack_weight", &mops::bf16_pack_weight, py::call_guard<py::gil_scoped_release>());

@@ -31,6 +31,7 @@
 #include <numeric>
 
 #include "dispatch.h"
+#include "step_parts.h"
 #include "vec.h"
 
 #define MOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -354,4 +355,13 @@ std::optional<at::Tensor> bf16_gate_up_silu(const at::Tensor& x, const at::Tenso
   return run_linear(x, wp, std::nullopt, true);
 }
 
+namespace parts {
+
+void bf16_linear_blocks(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N,
+                        int64_t K2, int64_t M, int64_t b0, int64_t b1, bool silu) {
+  if (silu) run_blocks<true>(x, ldx, wp, bias, y, N, K2, 0, M, b0, b1);
+  else run_blocks<false>(x, ldx, wp, bias, y, N, K2, 0, M, b0, b1);
+}
+
+}  // namespace parts
 }  // namespace mops

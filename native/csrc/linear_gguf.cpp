@@ -30,6 +30,7 @@
 #include "dispatch.h"
 #include "gguf_blocks.h"
 #include "gguf_decoders.h"
+#include "step_parts.h"
 #include "vec.h"
 
 namespace mops {
@@ -85,28 +86,33 @@ void dot_rows(const float* x, int64_t mb, int64_t K, const uint8_t* w, int64_t l
   }
 }
 
+// Weight row blocks [b0, b1) (kRows rows each) of the rows-layout matmul.
+template <typename D, typename XT>
+void gguf_row_blocks(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K,
+                     int64_t b0, int64_t b1) {
+  const int64_t ldw = K / D::kBlock * D::kBytes;
+  const int64_t lines = (kRows * ldw + 63) / 64;
+  float sums[kCols * kRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
+    const uint8_t* wb = w + n0 * ldw;
+    const char* ahead = b + kAhead < b1 ? reinterpret_cast<const char*>(wb + kAhead * kRows * ldw) : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const int64_t mb = std::min<int64_t>(kCols, M - m0);
+      dot_rows<D>(xf + m0 * K, mb, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(m0 + m) * N + n0 + r] =
+              static_cast<XT>(sums[m * kRows + r] + (bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f));
+    }
+  }
+}
+
 template <typename D, typename XT>
 void gguf_rows(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t ldw = K / D::kBlock * D::kBytes;
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
-  const int64_t lines = (kRows * ldw + 63) / 64;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float sums[kCols * kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
-      const uint8_t* wb = w + n0 * ldw;
-      const char* ahead = b + kAhead < b1 ? reinterpret_cast<const char*>(wb + kAhead * kRows * ldw) : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        dot_rows<D>(xf + m0 * K, mb, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < nr; ++r)
-            y[(m0 + m) * N + n0 + r] =
-                static_cast<XT>(sums[m * kRows + r] + (bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f));
-      }
-    }
-  });
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { gguf_row_blocks<D, XT>(xf, w, bias, y, M, N, K, b0, b1); });
 }
 
 
@@ -250,28 +256,39 @@ inline void group_rows(const GroupX& gx, int64_t m0, const uint8_t* w, const XT*
   for (int m = 0; m < MB; ++m) store16(y + m * N, acc[m]);
 }
 
+// out[i] = the sum of fp32 x values 32i .. 32i + 31 (Q4_1's block sums of x), i < n.
+inline void block_sums(const float* xf, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xf + i * 32), _mm512_loadu_ps(xf + i * 32 + 16)));
+}
+
+// Groups [g0, g1) (16 output rows each) of the grouped-layout matmul.
+template <int kType, typename XT>
+void grouped_groups(const GroupX& gx, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t g0,
+                    int64_t g1) {
+  const int64_t gbytes = gx.nb * group_bytes<kType>();
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const XT* bg = bias != nullptr ? bias + g * kGroup : nullptr;
+      XT* yg = y + m0 * N + g * kGroup;
+      switch (std::min<int64_t>(kCols, M - m0)) {
+        case 1: group_rows<kType, 1>(gx, m0, w + g * gbytes, bg, yg, N); break;
+        case 2: group_rows<kType, 2>(gx, m0, w + g * gbytes, bg, yg, N); break;
+        case 3: group_rows<kType, 3>(gx, m0, w + g * gbytes, bg, yg, N); break;
+        default: group_rows<kType, 4>(gx, m0, w + g * gbytes, bg, yg, N); break;
+      }
+    }
+}
+
 template <int kType, typename XT>
 void grouped_linear(const float* xf, const void* xbf16, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N,
                     int64_t K) {
-  const int64_t nb = K / 32, groups = N / kGroup, gbytes = nb * group_bytes<kType>();
+  const int64_t nb = K / 32, groups = N / kGroup;
   std::vector<float> xsum(kType == kQ4_1 ? M * nb : 0);
-  for (size_t i = 0; i < xsum.size(); ++i)
-    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xf + i * 32), _mm512_loadu_ps(xf + i * 32 + 16)));
+  block_sums(xf, static_cast<int64_t>(xsum.size()), xsum.data());
   const GroupX gx{xf, static_cast<const uint32_t*>(xbf16), xsum.empty() ? nullptr : xsum.data(), K, nb};
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : groups;
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const XT* bg = bias != nullptr ? bias + g * kGroup : nullptr;
-        XT* yg = y + m0 * N + g * kGroup;
-        switch (std::min<int64_t>(kCols, M - m0)) {
-          case 1: group_rows<kType, 1>(gx, m0, w + g * gbytes, bg, yg, N); break;
-          case 2: group_rows<kType, 2>(gx, m0, w + g * gbytes, bg, yg, N); break;
-          case 3: group_rows<kType, 3>(gx, m0, w + g * gbytes, bg, yg, N); break;
-          default: group_rows<kType, 4>(gx, m0, w + g * gbytes, bg, yg, N); break;
-        }
-      }
-  });
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) { grouped_groups<kType, XT>(gx, w, bias, y, M, N, g0, g1); });
 }
 
 // One grouped block dequantised: tile[j] lane r = value j of row r, exactly the reference's
@@ -422,4 +439,36 @@ bool gguf_dequantize(const at::Tensor& w, int64_t type, at::Tensor& out) {
   });
 }
 
+namespace parts {
+
+bool gguf_weight_layout(int64_t type, const at::Tensor& w, int64_t K, bool& grouped, int64_t& rows) {
+  const Layout layout = check_weight(static_cast<int>(type), w, K);
+  grouped = layout.grouped;
+  rows = layout.rows;
+  return true;
+}
+
+void gguf_linear_rows(int64_t type, bool grouped, const bf16* x, const uint8_t* w, const bf16* bias, bf16* y,
+                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> xf, xsum;
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+  if (grouped) {
+    const int64_t nb = K / 32;
+    xsum.resize(type == kQ4_1 ? M * nb : 0);
+    block_sums(xf.data(), static_cast<int64_t>(xsum.size()), xsum.data());
+    const void* pairs = cpu_has_avx512_bf16() ? static_cast<const void*>(x) : nullptr;
+    const GroupX gx{xf.data(), static_cast<const uint32_t*>(pairs), xsum.empty() ? nullptr : xsum.data(), K, nb};
+    with_grouped_type(type, [&](auto kind) {
+      grouped_groups<decltype(kind)::value, bf16>(gx, w, bias, y, M, N, n0 / kGroup, n1 / kGroup);
+    });
+    return;
+  }
+  with_decoder(type, [&](auto tag) {
+    using D = typename decltype(tag)::type;
+    gguf_row_blocks<D, bf16>(xf.data(), w, bias, y, M, N, K, n0 / kRows, (n1 + kRows - 1) / kRows);
+  });
+}
+
+}  // namespace parts
 }  // namespace mops

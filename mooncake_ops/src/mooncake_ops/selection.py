@@ -212,6 +212,8 @@ def summary_line(labels: Mapping[str, str]) -> str:
     line = (f"kernels ({labels['mode']}, {labels['source']}): matmul {matmul}; decode "
             f"attention {labels['decode_attention']}; prefill attention "
             f"{labels['prefill_attention']}")
+    if "decode_step" in labels:  # the model's (kthena_serve.model.llama.DecodeStepChoice)
+        line += f"; decode step {labels['decode_step']}"
     if "provisional" in labels:
         line += f" (provisional: {labels['provisional']}; timed again at the next start)"
     return line

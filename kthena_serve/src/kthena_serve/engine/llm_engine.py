@@ -500,6 +500,10 @@ def _advance_grammar(request: Request, token_id: int) -> bool:
 
 
 def _kernel_labels(model: torch.nn.Module) -> dict[str, str]:
-    """The labels of the kernels the model's loader chose ({} for a model built otherwise)."""
+    """The labels of the kernels the model's loader chose ({} for a model built otherwise),
+    with how its decode steps run the layers (``decode_step``: fused or ops)."""
     choice = getattr(model, "kernel_choice", None)
-    return {} if choice is None else choice.labels()
+    if choice is None:
+        return {}
+    step = getattr(model, "decode_step", None)
+    return choice.labels() | ({} if step is None else {"decode_step": step.name})

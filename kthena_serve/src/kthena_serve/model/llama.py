@@ -22,6 +22,7 @@ knows about process groups.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -52,7 +53,11 @@ from mooncake_ops import (
     silu_and_mul,
     write_kv,
 )
+from mooncake_ops.decode_step import DecodeLayer, FusedDecode, fused_decode_available
+from mooncake_ops.dispatch import implementation_name
+from mooncake_ops.gguf_linear import GGUF_BF16_MAX_OP_ROWS
 from mooncake_ops.kernel_timing import AttentionShape, MatmulWeight
+from mooncake_ops.linear import NATIVE_PACKED_BF16
 from mooncake_ops.moe_selection import choose_moe_kernels
 from mooncake_ops.selection import KernelChoice, choose_kernels
 
@@ -225,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         self.matmul = F.linear
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
         self.reset_rope_cache()
+        self.decode_step = DecodeStepChoice("ops", "weights not packed")
+        self._fused: tuple[tuple[int, ...], FusedDecode] | None = None
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -308,6 +315,7 @@ class LlamaForCausalLM(nn.Module):
             choice.apply()
         self.kernel_choice = attrs.evolve(choice, linear_decode=kernel.name,
                                           linear_prefill=kernel.name)
+        self.decode_step = choose_decode_step(self, kernels, block_size)
         return self.kernel_choice
 
     def _attention_shape(self, block_size: int) -> AttentionShape | None:
@@ -353,6 +361,7 @@ class LlamaForCausalLM(nn.Module):
             choice.apply()
         self.kernel_choice = choice
         self._pack_experts(kernels, cache_dir)
+        self.decode_step = choose_decode_step(self, kernels, block_size)
         return choice
 
     def _pack_experts(self, kernels: str, cache_dir: str | os.PathLike[str] | None) -> None:
@@ -454,11 +463,20 @@ class LlamaForCausalLM(nn.Module):
             x, residual = F.embedding(ids, self.embed_weight), None
         else:
             x, residual = hidden
-        for index, layer, kv_cache in zip(self.stage.layers, self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache,
-                                context_lens, shards)
-            if on_layer is not None:
-                on_layer(index)
+        fused = None
+        if context_lens is not None and on_layer is None and residual is None \
+                and batch.num_tokens <= self.decode_step.max_rows:
+            fused = self._fused_decode(kv_caches)
+        if fused is not None:  # the layers in one native call (mooncake_ops.decode_step)
+            x, residual = fused.run(x, positions, batch.slot_mapping, batch.block_tables,
+                                    batch.context_lens, self.rope_cache)
+        else:
+            for index, layer, kv_cache in zip(self.stage.layers, self.layers, kv_caches,
+                                              strict=True):
+                x, residual = layer(positions, x, residual, batch, kv_cache, self.rope_cache,
+                                    context_lens, shards)
+                if on_layer is not None:
+                    on_layer(index)
         if not self.stage.is_last:
             return x, residual
         index = batch.logits_indices if logits_index is None else logits_index
@@ -466,6 +484,22 @@ class LlamaForCausalLM(nn.Module):
             shards.rows(x, residual, index)
         x, _ = rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return self.matmul(x, self.lm_head_weight).float()
+
+    def _fused_decode(self, kv_caches: Sequence[KVCache]) -> FusedDecode | None:
+        """The fused step over these caches (built on first use, again when the caches are
+        other tensors), or None when `decode_step` did not choose it."""
+        if self.decode_step.name != "fused" or any(
+                len(cache) != 2 or cache[0].dtype != torch.bfloat16 for cache in kv_caches):
+            return None  # an int8 pool: the ops (the step reads a bf16 cache)
+        key = tuple(cache[0].data_ptr() for cache in kv_caches)
+        if self._fused is None or self._fused[0] != key:
+            try:
+                self._fused = (key, FusedDecode(_decode_layers(self, kv_caches), **_shape(self)))
+            except ValueError as error:  # a tensor the step does not take: the ops, said once
+                logging.getLogger(__name__).warning("decode steps run as ops: %s", error)
+                self.decode_step = DecodeStepChoice("ops", str(error))
+                return None
+        return self._fused[1]
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: PagedBatch, kv_caches: Sequence[KVCache]) -> None:
@@ -475,3 +509,121 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise BatchError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers; "
                              f"pass one (k_cache, v_cache) pair per layer (int8: and k_scale, v_scale)")
+
+
+# ---- the fused decode step -----------------------------------------------------------------------
+# Batches of at most this many decode rows take the fused step when it is chosen (set from the
+# measurements in docs/mooncake_ops.md, "Fused decode step").
+FUSED_MAX_ROWS = 16
+_FUSED_MATMULS = (NATIVE_PACKED_BF16.name, GGUF_WEIGHT_ONLY.name)
+
+
+@attrs.frozen
+class DecodeStepChoice:
+    """How decode steps run the layers: ``fused`` (one native call, `FusedDecode`) or ``ops``
+    (one call per op), why, and the timings that chose it (ms per batch-1 step; empty when
+    not timed)."""
+
+    name: str
+    reason: str
+    timings_ms: Mapping[str, float] = attrs.field(factory=dict)
+    max_rows: int = FUSED_MAX_ROWS
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "reason": self.reason, "timings_ms": dict(self.timings_ms),
+                "max_rows": self.max_rows}
+
+
+def fused_decode_refusal(model: LlamaForCausalLM) -> str | None:
+    """Why the fused step cannot run this model's decode here (None: it can)."""
+    if not fused_decode_available():
+        return "no native build with the fused step on this CPU (needs AVX-512 with AVX512_BF16)"
+    c = model.config
+    if c.mla is not None or any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+        return "an MLA or MoE model (the step chains dense Llama layers)"
+    if model.tp.world_size > 1 or model.sp is not None or model.stage.size > 1:
+        return "more than one rank (the step has no collectives)"
+    choice = getattr(model, "kernel_choice", None)
+    if choice is None or choice.split or choice.linear_decode not in _FUSED_MATMULS:
+        return f"the matmul kernel is not one of {', '.join(_FUSED_MATMULS)}"
+    if model.layers[0].input_norm.dtype != torch.bfloat16:
+        return "activations are not bf16"
+    if implementation_name("paged_decode_attention", "cpu") != "native-cpp":
+        return "decode attention is not the native kernel"
+    shape, attn = c.shape, model.layers[0].self_attn
+    if attn.head_dim not in (64, 128, 256) or attn.num_heads // attn.num_kv_heads > 16:
+        return "head_dim is not 64, 128 or 256, or a KV head has more than 16 query heads"
+    if shape.hidden_size % 32 or (model.rope_cache.shape[1] // 2) % 16:
+        return "hidden size not a multiple of 32, or rotary dim not of 32"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
+        if not all(w.dtype == torch.uint8 or w.dim() == 4 for w in weights) or (
+                mlp.gate_up_weight.dtype != torch.uint8 and mlp.gate_up_silu is None):
+            return "a matmul weight is neither natively packed bf16 nor packed GGUF blocks"
+    return None
+
+
+def _decode_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> list[DecodeLayer]:
+    return [DecodeLayer(layer.input_norm, layer.post_attention_norm, layer.self_attn.qkv_weight,
+                        layer.self_attn.qkv_bias, layer.self_attn.q_norm, layer.self_attn.k_norm,
+                        layer.self_attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight,
+                        cache[0], cache[1])
+            for layer, cache in zip(model.layers, kv_caches, strict=True)]
+
+
+def _shape(model: LlamaForCausalLM) -> dict:
+    attn = model.layers[0].self_attn
+    return {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+            "head_dim": attn.head_dim, "eps": model.config.rms_norm_eps, "scale": attn.scale}
+
+
+def choose_decode_step(model: LlamaForCausalLM, kernels: str, block_size: int) -> DecodeStepChoice:
+    """``torch``: the ops; ``native``: fused wherever it can run; ``auto``: both timed on this
+    model's weights (batch-1 steps over a 128-token context in a scratch cache, interleaved
+    rounds, medians), the faster kept."""
+    if kernels == "torch":
+        return DecodeStepChoice("ops", "--kernels torch")
+    why = fused_decode_refusal(model)
+    if why is not None:
+        return DecodeStepChoice("ops", why)
+    # GGUF: the rows the native GGUF matmul takes for bf16 x (the ops dequantise beyond)
+    rows = GGUF_BF16_MAX_OP_ROWS if model.kernel_choice.linear_decode == "gguf" else FUSED_MAX_ROWS
+    if kernels != "auto":
+        return DecodeStepChoice("fused", "the fused step runs here (chosen by features)",
+                                max_rows=rows)
+    timings = time_decode_step(model, block_size)
+    name = "fused" if timings["fused"] < timings["ops"] else "ops"
+    return DecodeStepChoice(name, "timed: the faster at batch 1", timings, rows)
+
+
+def time_decode_step(model: LlamaForCausalLM, block_size: int, *, context: int = 128,
+                     rounds: int = 15) -> dict[str, float]:
+    """Median ms of a batch-1 decode step through the layers, fused and as ops."""
+    import statistics
+    import time
+
+    from mooncake_ops.decode_step import reference_layers
+
+    attn = model.layers[0].self_attn
+    blocks = context // block_size + 1
+    caches = [tuple(torch.zeros(blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                dtype=torch.bfloat16) for _ in range(2)) for _ in model.layers]
+    layers, shape = _decode_layers(model, caches), _shape(model)
+    fused = FusedDecode(layers, **shape)
+    x = model.embed_weight[:1].clone()
+    positions = torch.tensor([context - 1])
+    slots = torch.tensor([context - 1])
+    tables = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+    lens = torch.tensor([context], dtype=torch.int32)
+    args = (x, positions, slots, tables, lens, model.rope_cache)
+    runs = {"fused": lambda: fused.run(*args),
+            "ops": lambda: reference_layers(layers, *args, **shape)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(rounds + 2):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_ >= 2:  # two warm-up rounds
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: round(statistics.median(t), 4) for name, t in times.items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import time
 from typing import Any, ClassVar
 
 import attrs
@@ -135,6 +136,30 @@ def _new_client() -> Any:
     return MooncakeDistributedStore()
 
 
+def _open_client(config: StoreTierConfig, attempts: int = 3) -> Any:
+    """A set-up client. A master that answered the probe but whose setup failed (a return
+    code, or a listener that escaped confinement) is tried again with a new client, up to
+    ``attempts`` times 1 s apart: on a loaded host a client's setup fails now and then (once
+    in a test suite's run: a worker started without its store tier)."""
+    attempt = 1
+    while True:
+        client = _new_client()
+        try:
+            code = _setup(client, config)
+            if code == 0:
+                return client
+            with contextlib.suppress(Exception):
+                client.close()
+            error = TierUnavailableError(
+                f"Mooncake Store setup against {config.master_address} failed with code {code}")
+        except TierUnavailableError as exc:
+            error = exc
+        if attempt == attempts:
+            raise TierUnavailableError(f"{error} ({attempts} attempts)") from None
+        attempt += 1
+        time.sleep(1.0)
+
+
 class MooncakeStoreTier:
     """A `KVTier` over `MooncakeDistributedStore` (put / get / is_exist / remove).
 
@@ -144,14 +169,7 @@ class MooncakeStoreTier:
     def __init__(self, config: StoreTierConfig) -> None:
         _check_reachable(config)
         probe_master(config.master_address, config.connect_timeout_s)
-        client = _new_client()
-        code = _setup(client, config)
-        if code != 0:
-            with contextlib.suppress(Exception):
-                client.close()
-            raise TierUnavailableError(
-                f"Mooncake Store setup against {config.master_address} failed with code {code}"
-            )
+        client = _open_client(config)
         self.name = config.name
         self.config = config
         self._client: Any = client

@@ -1,0 +1,147 @@
+"""A dense Llama-family model's decode step through its layers in one native call.
+
+Per layer the native ``DecodeStep`` (native/csrc/decode_step.cpp) runs norm (+ residual), the
+qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the KV write, paged decode attention, the o
+matmul, norm (+ residual), the gate/up matmul with SiLU-and-mul, and the down matmul, with no
+Python between the ops and one parallel region for the whole step: what CUDA graphs are to
+vLLM's decode, on the CPU. Its tasks call the kernels the ops themselves run (the native packed
+bf16 matmul, RMSNorm, RoPE, the bf16 decode attention), each output element computed in the
+same order, so the step is bit-equal to the op chain (`reference_layers` below runs that chain
+through the public ops, for tests).
+
+It applies where those kernels are the ones that run: bf16 weights packed for
+``native-packed-bf16``, or GGUF weights (``--quantization gguf``: the native GGUF matmul, whose
+gate/up output then takes SiLU-and-mul as a phase of its own), on a CPU with AVX512_BF16; bf16
+activations and KV cache, head_dim 64 / 128 / 256, one rank. Whether a model uses it is the model's choice (`kthena_serve.model.llama`): timed
+against the op chain under ``--kernels auto``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from mooncake_ops.attention import paged_decode_attention
+from mooncake_ops.gguf_linear import GGUF_WEIGHT_ONLY
+from mooncake_ops.gguf_quants import gguf_type_of
+from mooncake_ops.kv_cache import write_kv
+from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
+from mooncake_ops.linear import NATIVE_PACKED_BF16, native_bf16_linear_available, native_module
+
+__all__ = ["DecodeLayer", "FusedDecode", "fused_decode_available", "reference_layers"]
+
+
+@attrs.frozen
+class DecodeLayer:
+    """One layer's tensors as the fused step takes them.
+
+    The matmul weights are packed by ``NATIVE_PACKED_BF16`` (``gate_up`` by its SwiGLU packing,
+    gate and up blocks interleaved), or packed GGUF weights as ``GGUF_WEIGHT_ONLY`` takes them
+    (``gate_up``: [gate; up] rows); norms and the bias are bf16; ``q_norm`` / ``k_norm``
+    ([head_dim], Qwen3) come together or not at all. ``k_cache`` / ``v_cache``: bf16
+    [blocks, block_size, num_kv_heads, head_dim]."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def fused_decode_available() -> bool:
+    """Whether the native build here has the fused step and the CPU runs its kernels."""
+    module = native_module() if native_bf16_linear_available() else None
+    return module is not None and hasattr(module, "DecodeStep")
+
+
+class FusedDecode:
+    """The native step over fixed layers and KV caches.
+
+    Raises:
+        ValueError: a tensor the step cannot take (the message names the layer and tensor).
+        RuntimeError: no native build with the fused step here (`fused_decode_available`).
+    """
+
+    def __init__(self, layers: Sequence[DecodeLayer], *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, scale: float) -> None:
+        if not fused_decode_available():
+            raise RuntimeError("the fused decode step needs the AVX-512 native build on a CPU "
+                               "with AVX512_BF16")
+        self.num_layers = len(layers)
+        self._step = native_module().DecodeStep(
+            [y.input_norm for y in layers], [y.post_norm for y in layers],
+            [y.qkv for y in layers], [y.qkv_bias for y in layers],
+            [y.q_norm for y in layers], [y.k_norm for y in layers], [y.o for y in layers],
+            [y.gate_up for y in layers], [y.down for y in layers],
+            [y.k_cache for y in layers], [y.v_cache for y in layers],
+            [[_gguf_type(w) for w in (y.qkv, y.o, y.gate_up, y.down)] for y in layers],
+            num_heads, num_kv_heads, head_dim, eps, scale)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor,
+            rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's ``(x, residual)`` for one decode token per sequence.
+
+        Args:
+            x: the embedded tokens, bf16 [batch, hidden].
+            positions, slot_mapping: int64 [batch]; block_tables: int32 [batch, max_blocks];
+            context_lens: int32 [batch], counting the new token. rope: the float32 cos | sin
+            table. Each new token's K/V is written to its slot before attention reads it.
+        """
+        out, residual = self._step.run(x, positions, slot_mapping, block_tables, context_lens,
+                                       rope)
+        return out, residual
+
+
+def _gguf_type(weight: torch.Tensor) -> int:
+    """ggml's type number of a packed GGUF weight; -1 for a natively packed bf16 one."""
+    return gguf_type_of(weight).type_id if weight.dtype == torch.uint8 else -1
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    kernel = GGUF_WEIGHT_ONLY if weight.dtype == torch.uint8 else NATIVE_PACKED_BF16
+    return kernel.linear(x, weight, bias)
+
+
+def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == torch.uint8:
+        return silu_and_mul(GGUF_WEIGHT_ONLY.linear(x, weight))
+    return NATIVE_PACKED_BF16.gate_up_silu(x, weight)
+
+
+def reference_layers(layers: Sequence[DecodeLayer], x: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, rope: torch.Tensor, *, num_heads: int,
+                     num_kv_heads: int, head_dim: int, eps: float,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same step as the chain of public ops (`FusedDecode.run`'s yardstick)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    tokens, residual = x.shape[0], None
+    for y in layers:
+        if residual is None:
+            residual, h = x, rms_norm(x, y.input_norm, eps)
+        else:
+            h, residual = rms_norm(x, y.input_norm, eps, residual)
+        qkv = _linear(h, y.qkv, y.qkv_bias)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, num_kv_heads, head_dim)
+        v = v.view(tokens, num_kv_heads, head_dim)
+        if y.q_norm is not None:
+            q, k = rms_norm(q, y.q_norm, eps), rms_norm(k, y.k_norm, eps)
+        q, k = rotary_embedding(positions, q, k, rope, is_neox=True)
+        write_kv(k, v, y.k_cache, y.v_cache, slot_mapping)
+        out = paged_decode_attention(q, y.k_cache, y.v_cache, block_tables, context_lens, scale)
+        x = _linear(out.reshape(tokens, q_size), y.o)
+        h, residual = rms_norm(x, y.post_norm, eps, residual)
+        x = _linear(_gate_up_silu(h, y.gate_up), y.down)
+    return x, residual
