@@ -2,7 +2,7 @@
 
 Usage (the project's venv; for llama.cpp, after ``bash benchmarks/peers/build_llama_cpp.sh``)::
 
-    .venv/bin/python benchmarks/peers/serving_workloads.py --system kthena
+    .venv/bin/python benchmarks/peers/serving_workloads.py --system kthena [--quantization gguf]
     .venv/bin/python benchmarks/peers/serving_workloads.py --system llama.cpp --peer-quant Q8_0
 
     (1) batch 1: 4 requests x (128 prompt, 128 output) tokens, one at a time   -> TPOT p50
@@ -101,7 +101,9 @@ def server_argv(args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     if args.system == "kthena":
         return ([sys.executable, "-m", "kthena_core.cli", "serve", "--model", args.model,
                  "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-                 "--max-queue-delay", "0"], {**user_environ(), "PYTHONUNBUFFERED": "1"})
+                 "--max-queue-delay", "0",
+                 *(["--quantization", args.quantization] if args.quantization else [])],
+                {**user_environ(), "PYTHONUNBUFFERED": "1"})
     peer = LlamaCppPeer(gguf=source_gguf(args.model), quant=args.peer_quant)
     peer.check()
     gguf = quantized_gguf(peer)
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", choices=("kthena", "llama.cpp"), required=True)
     parser.add_argument("--peer-quant", choices=QUANTS, default="shipped")
     parser.add_argument("--model", default="default")
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None,
+                        help="kthena's weights: the GGUF file's blocks as stored, or int8 "
+                             "(default: bf16)")
     args = parser.parse_args(argv)
+    if args.quantization and args.system != "kthena":
+        parser.error("--quantization is kthena's; llama.cpp takes --peer-quant")
     rng = random.Random(0)
     port = free_port()
     server, env = server_argv(args, port)
@@ -127,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(child, base, MODEL_NAME)
         figures = {name: run_workload(port, name, rng) for name in WORKLOADS}
     print(json.dumps({"system": args.system, "quant": args.peer_quant if args.system != "kthena"
-                      else "bf16", "workloads": figures, "server_command": server,
+                      else args.quantization or "bf16", "workloads": figures,
+                      "server_command": server,
                       "server_ready_s": round(ready_s, 1),
                       "machine": {"cpu": cpu_model(), "cpu_isa": cpu_isa(),
                                   "cores": len(owned_cores()), "loadavg_before": load_before,

@@ -73,6 +73,20 @@ def test_native_kernels_choose_the_fused_step_and_it_equals_the_ops(checkpoint):
 
 
 @fused_only
+def test_int8_weights_decode_fused_and_equal_the_ops(checkpoint):
+    model, _ = load_model(checkpoint, dtype=torch.bfloat16, quantization="int8", kernels="native")
+    fused = model.decode_step
+    assert (fused.name, fused.max_rows) == ("fused", 8), fused
+    prompts = [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18]
+    got, got_caches = _run(model, fused, prompts, 8)
+    want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, 8)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@fused_only
 def test_auto_times_both_and_torch_keeps_the_ops(checkpoint):
     model, _ = load_model(checkpoint, dtype=torch.bfloat16, kernels="native")
     auto = choose_decode_step(model, "auto", BLOCK)

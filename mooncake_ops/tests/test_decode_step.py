@@ -38,6 +38,10 @@ def _matmul_weights(weights: str, q: int, kv: int) -> dict[str, torch.Tensor]:
         return {"qkv": KERNEL.pack(_w(q + 2 * kv, HIDDEN)), "o": KERNEL.pack(_w(HIDDEN, q)),
                 "gate_up": KERNEL.pack_gate_up(_w(2 * INTER, HIDDEN)),
                 "down": KERNEL.pack(_w(HIDDEN, INTER))}
+    if weights == "int8":  # per-channel int8 rows; gate/up as [gate; up]
+        pack = mo.INT8_WEIGHT_ONLY.pack
+        return {"qkv": pack(_w(q + 2 * kv, HIDDEN)), "o": pack(_w(HIDDEN, q)),
+                "gate_up": pack(_w(2 * INTER, HIDDEN)), "down": pack(_w(HIDDEN, INTER))}
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     shapes = {"qkv": (q + 2 * kv, HIDDEN), "o": (HIDDEN, q), "gate_up": (2 * INTER, HIDDEN),
               "down": (HIDDEN, INTER)}
@@ -108,13 +112,15 @@ def test_fused_step_equals_the_op_chain(head_dim, bias, qk_norm, contexts, threa
     _check_parity(head_dim, bias, qk_norm, contexts, threads)
 
 
-@pytest.mark.skipif(not native_gguf_available(), reason="no native GGUF matmul in this build")
-@pytest.mark.parametrize("weights", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("weights", ["int8", "Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("bias", "contexts"), [(False, [37]), (True, [130, 1, 64, 17, 96, 33])])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_step_over_gguf_weights_equals_the_op_chain(weights, bias, contexts, threads):
-    """GGUF weights as the file stores them (grouped where the type allows, else rows), up to
-    the 6 rows the native GGUF matmul takes for bf16 x."""
+def test_fused_step_over_quantized_weights_equals_the_op_chain(weights, bias, contexts, threads):
+    """int8 rows (the int8 op: VNNI where the CPU has it), and GGUF weights as the file stores
+    them (grouped where the type allows, else rows); up to 6 rows, which both ops take for bf16
+    x."""
+    if weights != "int8" and not native_gguf_available():
+        pytest.skip("no native GGUF matmul in this build")
     torch.manual_seed(hash((weights, bias, tuple(contexts), threads)) % 2**31)
     _check_parity(64, bias, False, contexts, threads, weights)
 

@@ -1,9 +1,9 @@
 // A decode step of a dense Llama-family model's layers in one native call (AVX-512 with
-// AVX512_BF16, bf16 activations and KV cache; each matmul weight packed by bf16_pack_weight or
-// a packed GGUF weight, gguf_linear's): per layer
+// AVX512_BF16, bf16 activations and KV cache; each matmul weight packed by bf16_pack_weight,
+// pack_int8_weight's int8 rows, or a packed GGUF weight, gguf_linear's): per layer
 //
 //   norm (+ residual) -> qkv (+ bias) -> [q/k norm] -> RoPE -> KV write -> attention -> o
-//   -> norm (+ residual) -> gate/up + SiLU (GGUF: SiLU-and-mul a phase of its own) -> down
+//   -> norm (+ residual) -> gate/up + SiLU (int8, GGUF: SiLU-and-mul a phase of its own) -> down
 //
 // with no Python between the ops and one parallel region for the whole step. Each op is a
 // phase of tasks (an equal range of a matmul's 16-column output blocks, two per thread; a
@@ -68,24 +68,36 @@ int64_t check_packed(const at::Tensor& w, const std::string& name, int64_t K) {
   return w.size(0) * 16;
 }
 
-// A matmul weight: the native packed bf16 layout (gguf_type < 0), or a packed GGUF weight of
-// that type (gguf_linear's; grouped: 16 rows side by side). `unit`: output rows no task splits.
+// A matmul weight's kind: the native packed bf16 layout, pack_int8_weight's int8 rows, or (any
+// kind >= 0) a packed GGUF weight of that ggml type (gguf_linear's).
+constexpr int64_t kPackedBf16 = -1, kInt8 = -2;
+
+// A matmul weight; grouped: a GGUF weight with 16 rows side by side. `unit`: output rows no task
+// splits (a bf16 block or GGUF group of 16; 4 rows of the int8 / GGUF rows kernels).
 struct Weight {
   at::Tensor w;
-  int64_t gguf_type = -1;
+  int64_t kind = kPackedBf16;
   bool grouped = false;
   int64_t n = 0, unit = 16;
 };
 
-Weight weight_of(const at::Tensor& w, int64_t gguf_type, const std::string& name, int64_t K) {
-  Weight y{w, gguf_type};
-  if (gguf_type < 0) {
+Weight weight_of(const at::Tensor& w, int64_t kind, const std::string& name, int64_t K) {
+  Weight y{w, kind};
+  if (kind == kPackedBf16) {
     y.n = check_packed(w, name, K);
     return y;
   }
+  if (kind == kInt8) {
+    if (w.scalar_type() != at::kChar || !w.is_contiguous() || w.dim() != 2 || w.size(1) != K + 4)
+      refuse(name + " must be an int8 weight packed by pack_int8_weight: [N, " + std::to_string(K + 4) + "]");
+    y.n = w.size(0);
+    y.unit = 4;
+    return y;
+  }
+  if (kind < 0) refuse(name + ": unknown weight kind " + std::to_string(kind));
   if (w.scalar_type() != at::kByte || !w.is_contiguous())
-    refuse(name + " of GGUF type " + std::to_string(gguf_type) + " must be a contiguous uint8 packed GGUF weight");
-  parts::gguf_weight_layout(gguf_type, w, K, y.grouped, y.n);
+    refuse(name + " of GGUF type " + std::to_string(kind) + " must be a contiguous uint8 packed GGUF weight");
+  parts::gguf_weight_layout(kind, w, K, y.grouped, y.n);
   y.unit = y.grouped ? 16 : 4;
   return y;
 }
@@ -125,14 +137,14 @@ class DecodeStep {
              std::vector<std::optional<at::Tensor>> qkv_bias, std::vector<std::optional<at::Tensor>> q_norms,
              std::vector<std::optional<at::Tensor>> k_norms, std::vector<at::Tensor> o,
              std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, std::vector<at::Tensor> k_caches,
-             std::vector<at::Tensor> v_caches, std::vector<std::vector<int64_t>> gguf_types, int64_t num_heads,
+             std::vector<at::Tensor> v_caches, std::vector<std::vector<int64_t>> kinds, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(num_heads), kv_heads_(num_kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)) {
     if (!cpu_has_avx512_bf16()) refuse("this CPU has no AVX512_BF16");
     const size_t L = input_norms.size();
     for (size_t n : {post_norms.size(), qkv.size(), qkv_bias.size(), q_norms.size(), k_norms.size(), o.size(),
-                     gate_up.size(), down.size(), k_caches.size(), v_caches.size(), gguf_types.size()})
+                     gate_up.size(), down.size(), k_caches.size(), v_caches.size(), kinds.size()})
       if (n != L) refuse("every per-layer list must have one entry per layer (" + std::to_string(L) + ")");
     if (L == 0) refuse("no layers");
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > 16)
@@ -148,8 +160,8 @@ class DecodeStep {
       y.post_norm = post_norms[l];
       check_bf16(y.input_norm, at + "input_norm", {hidden_});
       check_bf16(y.post_norm, at + "post_attention_norm", {hidden_});
-      if (gguf_types[l].size() != 4) refuse(at + "GGUF types must be (qkv, o, gate_up, down), -1 for bf16");
-      const auto& gt = gguf_types[l];
+      if (kinds[l].size() != 4) refuse(at + "weight kinds must be (qkv, o, gate_up, down)");
+      const auto& gt = kinds[l];
       y.qkv = weight_of(qkv[l], gt[0], at + "qkv weight", hidden_);
       if (y.qkv.n != q_size + 2 * kv_size)
         refuse(at + "qkv weight must have num_heads * head_dim + 2 * num_kv_heads * head_dim outputs");
@@ -167,9 +179,9 @@ class DecodeStep {
       y.o = weight_of(o[l], gt[1], at + "o weight", q_size);
       if (y.o.n != hidden_) refuse(at + "o weight must have hidden outputs");
       // bf16: gate and up blocks interleaved for the fused SiLU (units of a gate / up pair);
-      // GGUF: [gate; up] rows, SiLU-and-mul a phase of its own
+      // int8, GGUF: [gate; up] rows, SiLU-and-mul a phase of its own
       y.gate_up = weight_of(gate_up[l], gt[2], at + "gate_up weight", hidden_);
-      if (y.gate_up.gguf_type < 0) y.gate_up.unit = 32;
+      if (y.gate_up.kind == kPackedBf16) y.gate_up.unit = 32;
       if (l == 0) inter_ = y.gate_up.n / 2;
       if (y.gate_up.n != 2 * inter_ || inter_ % 16) refuse(at + "gate_up weight must have 2 x intermediate outputs");
       y.down = weight_of(down[l], gt[3], at + "down weight", inter_);
@@ -228,7 +240,7 @@ class DecodeStep {
     const int64_t q_size = heads_ * d_, kv_size = kv_heads_ * d_, nqkv = q_size + 2 * kv_size;
     at::Tensor x = x_in.clone(), res = at::empty({B, hidden_}, opt), h = at::empty({B, hidden_}, opt);
     at::Tensor qkv = at::empty({B, nqkv}, opt), q = at::empty({B, q_size}, opt), attn = at::empty({B, q_size}, opt);
-    at::Tensor act = at::empty({B, inter_}, opt), gu = at::empty({B, 2 * inter_}, opt);  // gu: GGUF gate / up
+    at::Tensor act = at::empty({B, inter_}, opt), gu = at::empty({B, 2 * inter_}, opt);  // gu: int8 / GGUF gate / up
     bf16 *xd = x.data_ptr<bf16>(), *rd = res.data_ptr<bf16>(), *hd = h.data_ptr<bf16>(), *qkvd = qkv.data_ptr<bf16>();
     bf16 *qd = q.data_ptr<bf16>(), *ad = attn.data_ptr<bf16>(), *actd = act.data_ptr<bf16>(), *gud = gu.data_ptr<bf16>();
     const float* rc = rope.data_ptr<float>();
@@ -243,11 +255,13 @@ class DecodeStep {
     auto matmul = [&](const bf16* in, int64_t k, const Weight& w, const bf16* bias, bf16* out, int64_t task) {
       const int64_t units = w.n / w.unit, count = tasks(w);
       const int64_t r0 = w.unit * (units * task / count), r1 = std::min(w.n, w.unit * (units * (task + 1) / count));
-      if (w.gguf_type < 0)
+      if (w.kind == kPackedBf16)
         parts::bf16_linear_blocks(in, k, reinterpret_cast<const uint32_t*>(w.w.data_ptr<bf16>()), bias, out, w.n,
                                   k / 2, B, r0 / 16, r1 / 16, w.unit == 32);
+      else if (w.kind == kInt8)
+        parts::int8_linear_rows(in, w.w.data_ptr<int8_t>(), bias, out, B, w.n, k, r0, r1);
       else
-        parts::gguf_linear_rows(w.gguf_type, w.grouped, in, w.w.data_ptr<uint8_t>(), bias, out, B, w.n, k, r0, r1);
+        parts::gguf_linear_rows(w.kind, w.grouped, in, w.w.data_ptr<uint8_t>(), bias, out, B, w.n, k, r0, r1);
     };
     // one (sequence b, KV head g) item: q/k norm, RoPE, K / V into the cache, attention
     auto attend = [&](const Layer& y, int64_t item) {
@@ -276,15 +290,15 @@ class DecodeStep {
                                kv_heads_, G, d_, bt, max_blocks, cl, max_ctx, scale_, item, item + 1);
     };
 
-    // phases per layer: norm, qkv, attention, o, norm, gate/up, SiLU-and-mul (GGUF; no task for
-    // bf16, whose gate / up matmul applies it), down
+    // phases per layer: norm, qkv, attention, o, norm, gate/up, SiLU-and-mul (int8, GGUF; no task
+    // for bf16, whose gate / up matmul applies it), down
     constexpr int64_t kPerLayer = 8;
     const int64_t L = static_cast<int64_t>(layers_.size());
     std::vector<int64_t> counts(L * kPerLayer);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers_[l];
       const int64_t c[kPerLayer] = {1, tasks(y.qkv), B * kv_heads_, tasks(y.o), 1, tasks(y.gate_up),
-                                    y.gate_up.gguf_type < 0 ? 0 : 1, tasks(y.down)};
+                                    y.gate_up.kind == kPackedBf16 ? 0 : 1, tasks(y.down)};
       std::copy(c, c + kPerLayer, counts.begin() + l * kPerLayer);
     }
     auto task = [&](int64_t l, int64_t p, int64_t t) {
@@ -302,7 +316,7 @@ class DecodeStep {
         case 2: attend(y, t); break;
         case 3: matmul(ad, q_size, y.o, nullptr, xd, t); break;
         case 4: parts::rms_rows_bf16(xd, rd, y.post_norm.data_ptr<bf16>(), hd, rd, B, hidden_, eps_); break;
-        case 5: matmul(hd, hidden_, y.gate_up, nullptr, y.gate_up.gguf_type < 0 ? actd : gud, t); break;
+        case 5: matmul(hd, hidden_, y.gate_up, nullptr, y.gate_up.kind == kPackedBf16 ? actd : gud, t); break;
         case 6: parts::silu_rows_bf16(gud, actd, B, inter_); break;
         default: matmul(actd, inter_, y.down, nullptr, xd, t); break;
       }
@@ -349,7 +363,7 @@ void def_decode_step(pybind11::module_& m) {
                     std::vector<std::vector<int64_t>>, int64_t, int64_t, int64_t, double, double>(),
            py::arg("input_norms"), py::arg("post_norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norms"),
            py::arg("k_norms"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_caches"),
-           py::arg("v_caches"), py::arg("gguf_types"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("v_caches"), py::arg("kinds"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"))
       .def("run", &DecodeStep::run, py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("rope"), py::call_guard<py::gil_scoped_release>())

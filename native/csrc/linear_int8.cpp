@@ -18,8 +18,10 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "dispatch.h"
+#include "step_parts.h"
 #include "vec.h"
 
 namespace mops {
@@ -115,45 +117,51 @@ inline void dot_block_vnni16(const int16_t* x, int64_t K, const int16_t* w, int3
 
 template <typename XT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+void int8_vnni_blocks(const int16_t* xq, const float* xscale, const int8_t* w, const XT* bias, XT* y,
+                      int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {  // weight row blocks [b0, b1)
+  const int64_t ldw = K + 4;
+  int32_t sums[kCols * kRows];
+  alignas(64) int16_t wide[kRows * kVnniMaxK];  // this weight block widened (M > kCols)
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
+    const int8_t* wb = w + n0 * ldw;
+    float scale[kRows], add[kRows];
+    block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
+    const bool widen = M > kCols;
+    if (widen) {  // rows past nr are zeros: their sums are never stored
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t k = 0; k < K; k += 32)
+          _mm512_store_si512(wide + r * K + k, r < nr ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(wb + r * ldw + k))) : _mm512_setzero_si512());
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const int64_t mb = std::min<int64_t>(kCols, M - m0);
+      const int16_t* xb = xq + m0 * K;
+      switch (widen ? mb : -mb) {
+        case 1: dot_block_vnni16<1>(xb, K, wide, sums); break;
+        case 2: dot_block_vnni16<2>(xb, K, wide, sums); break;
+        case 3: dot_block_vnni16<3>(xb, K, wide, sums); break;
+        case 4: dot_block_vnni16<4>(xb, K, wide, sums); break;
+        case -1: dot_block_vnni<1>(xb, K, wb, ldw, nr, sums); break;
+        case -2: dot_block_vnni<2>(xb, K, wb, ldw, nr, sums); break;
+        case -3: dot_block_vnni<3>(xb, K, wb, ldw, nr, sums); break;
+        default: dot_block_vnni<4>(xb, K, wb, ldw, nr, sums); break;
+      }
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(m0 + m) * N + n0 + r] = static_cast<XT>(
+              static_cast<float>(sums[m * kRows + r]) * xscale[m0 + m] * scale[r] + add[r]);
+    }
+  }
+}
+
+template <typename XT>
 void int8_rows_vnni(const int16_t* xq, const float* xscale, const int8_t* w, const XT* bias, XT* y,
                     int64_t M, int64_t N, int64_t K) {
-  const int64_t ldw = K + 4;
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    int32_t sums[kCols * kRows];
-    alignas(64) int16_t wide[kRows * kVnniMaxK];  // this weight block widened (M > kCols)
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
-      const int8_t* wb = w + n0 * ldw;
-      float scale[kRows], add[kRows];
-      block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
-      const bool widen = M > kCols;
-      if (widen) {  // rows past nr are zeros: their sums are never stored
-        for (int64_t r = 0; r < kRows; ++r)
-          for (int64_t k = 0; k < K; k += 32)
-            _mm512_store_si512(wide + r * K + k, r < nr ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(wb + r * ldw + k))) : _mm512_setzero_si512());
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        const int16_t* xb = xq + m0 * K;
-        switch (widen ? mb : -mb) {
-          case 1: dot_block_vnni16<1>(xb, K, wide, sums); break;
-          case 2: dot_block_vnni16<2>(xb, K, wide, sums); break;
-          case 3: dot_block_vnni16<3>(xb, K, wide, sums); break;
-          case 4: dot_block_vnni16<4>(xb, K, wide, sums); break;
-          case -1: dot_block_vnni<1>(xb, K, wb, ldw, nr, sums); break;
-          case -2: dot_block_vnni<2>(xb, K, wb, ldw, nr, sums); break;
-          case -3: dot_block_vnni<3>(xb, K, wb, ldw, nr, sums); break;
-          default: dot_block_vnni<4>(xb, K, wb, ldw, nr, sums); break;
-        }
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < nr; ++r)
-            y[(m0 + m) * N + n0 + r] = static_cast<XT>(
-                static_cast<float>(sums[m * kRows + r]) * xscale[m0 + m] * scale[r] + add[r]);
-      }
-    }
+    int8_vnni_blocks<XT>(xq, xscale, w, bias, y, M, N, K, b0, b1);
   });
 }
 
@@ -179,32 +187,39 @@ bool has_vnni() {
 }
 
 template <typename XT>
+void int8_fp32_blocks(const float* xf, const int8_t* w, const XT* bias, XT* y, int64_t M, int64_t N,
+                      int64_t K, int64_t b0, int64_t b1) {  // weight row blocks [b0, b1)
+  const int64_t ldw = K + 4;
+  float sums[kCols * kRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
+    const int8_t* wb = w + n0 * ldw;
+    float scale[kRows], add[kRows];
+    block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const int64_t mb = std::min<int64_t>(kCols, M - m0);
+      const float* xb = xf + m0 * K;
+      switch (mb) {
+        case 1: dot_block<1>(xb, K, wb, ldw, nr, sums); break;
+        case 2: dot_block<2>(xb, K, wb, ldw, nr, sums); break;
+        case 3: dot_block<3>(xb, K, wb, ldw, nr, sums); break;
+        default: dot_block<4>(xb, K, wb, ldw, nr, sums); break;
+      }
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(m0 + m) * N + n0 + r] = static_cast<XT>(sums[m * kRows + r] * scale[r] + add[r]);
+    }
+  }
+}
+
+
+template <typename XT>
 void int8_rows(const float* xf, const int8_t* w, const XT* bias, XT* y, int64_t M, int64_t N,
                int64_t K) {
-  const int64_t ldw = K + 4;
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float sums[kCols * kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
-      const int8_t* wb = w + n0 * ldw;
-      float scale[kRows], add[kRows];
-      block_scales(wb, ldw, K, nr, bias == nullptr ? nullptr : bias + n0, scale, add);
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        const float* xb = xf + m0 * K;
-        switch (mb) {
-          case 1: dot_block<1>(xb, K, wb, ldw, nr, sums); break;
-          case 2: dot_block<2>(xb, K, wb, ldw, nr, sums); break;
-          case 3: dot_block<3>(xb, K, wb, ldw, nr, sums); break;
-          default: dot_block<4>(xb, K, wb, ldw, nr, sums); break;
-        }
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < nr; ++r)
-            y[(m0 + m) * N + n0 + r] = static_cast<XT>(sums[m * kRows + r] * scale[r] + add[r]);
-      }
-    }
+    int8_fp32_blocks<XT>(xf, w, bias, y, M, N, K, b0, b1);
   });
 }
 
@@ -245,4 +260,25 @@ std::optional<at::Tensor> int8_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+namespace parts {
+
+void int8_linear_rows(const bf16* x, const int8_t* w, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n0, int64_t n1) {
+  const int64_t b0 = n0 / kRows, b1 = (n1 + kRows - 1) / kRows;
+  if (K % 32 == 0 && K <= kVnniMaxK && has_vnni()) {  // as int8_linear chooses for bf16 x
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<float> xs;
+    xq.resize(M * K);
+    xs.resize(M);
+    quantize_rows16(x, xq.data(), xs.data(), M, K);
+    int8_vnni_blocks<bf16>(xq.data(), xs.data(), w, bias, y, M, N, K, b0, b1);
+    return;
+  }
+  thread_local std::vector<float> xf;
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+  int8_fp32_blocks<bf16>(xf.data(), w, bias, y, M, N, K, b0, b1);
+}
+
+}  // namespace parts
 }  // namespace mops

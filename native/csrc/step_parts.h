@@ -40,6 +40,11 @@ bool gguf_weight_layout(int64_t type, const at::Tensor& w, int64_t K, bool& grou
 void gguf_linear_rows(int64_t type, bool grouped, const bf16* x, const uint8_t* w, const bf16* bias, bf16* y,
                       int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1);
 
+// Output rows [n0, n1) (n0 a multiple of 4) of int8_linear (linear_int8.cpp) over bf16 x
+// [M, K] and an int8 weight as pack_int8_weight lays it out ([N, K + 4]); y [M, N] (+= bias).
+void int8_linear_rows(const bf16* x, const int8_t* w, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n0, int64_t n1);
+
 // Items [i0, i1) of paged decode attention's bf16 kernel (decode_bf16: item = sequence
 // i / kv_heads, KV head i % kv_heads with its `group` query heads): q and out [batch, heads, d]
 // contiguous; caches bf16 [blocks, block_size, kv_heads, d] at strides sb / st / sh; tables and

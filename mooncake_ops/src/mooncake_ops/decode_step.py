@@ -10,8 +10,9 @@ same order, so the step is bit-equal to the op chain (`reference_layers` below r
 through the public ops, for tests).
 
 It applies where those kernels are the ones that run: bf16 weights packed for
-``native-packed-bf16``, or GGUF weights (``--quantization gguf``: the native GGUF matmul, whose
-gate/up output then takes SiLU-and-mul as a phase of its own), on a CPU with AVX512_BF16; bf16
+``native-packed-bf16``, int8 weights (``--quantization int8``: the native int8 matmul of decode
+rows) or GGUF weights (``--quantization gguf``: the native GGUF matmul); int8 and GGUF gate/up
+outputs then take SiLU-and-mul as a phase of its own. On a CPU with AVX512_BF16; bf16
 activations and KV cache, head_dim 64 / 128 / 256, one rank. Whether a model uses it is the model's choice (`kthena_serve.model.llama`): timed
 against the op chain under ``--kernels auto``.
 """
@@ -28,7 +29,13 @@ from mooncake_ops.gguf_linear import GGUF_WEIGHT_ONLY
 from mooncake_ops.gguf_quants import gguf_type_of
 from mooncake_ops.kv_cache import write_kv
 from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
-from mooncake_ops.linear import NATIVE_PACKED_BF16, native_bf16_linear_available, native_module
+from mooncake_ops.linear import (
+    NATIVE_PACKED_BF16,
+    LinearKernel,
+    native_bf16_linear_available,
+    native_module,
+)
+from mooncake_ops.linear_int8 import INT8_WEIGHT_ONLY
 
 __all__ = ["DecodeLayer", "FusedDecode", "fused_decode_available", "reference_layers"]
 
@@ -38,8 +45,9 @@ class DecodeLayer:
     """One layer's tensors as the fused step takes them.
 
     The matmul weights are packed by ``NATIVE_PACKED_BF16`` (``gate_up`` by its SwiGLU packing,
-    gate and up blocks interleaved), or packed GGUF weights as ``GGUF_WEIGHT_ONLY`` takes them
-    (``gate_up``: [gate; up] rows); norms and the bias are bf16; ``q_norm`` / ``k_norm``
+    gate and up blocks interleaved), by ``INT8_WEIGHT_ONLY`` (int8 rows with their scales), or
+    packed GGUF weights as ``GGUF_WEIGHT_ONLY`` takes them (int8 and GGUF ``gate_up``: [gate;
+    up] rows); norms and the bias are bf16; ``q_norm`` / ``k_norm``
     ([head_dim], Qwen3) come together or not at all. ``k_cache`` / ``v_cache``: bf16
     [blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -82,7 +90,7 @@ class FusedDecode:
             [y.q_norm for y in layers], [y.k_norm for y in layers], [y.o for y in layers],
             [y.gate_up for y in layers], [y.down for y in layers],
             [y.k_cache for y in layers], [y.v_cache for y in layers],
-            [[_gguf_type(w) for w in (y.qkv, y.o, y.gate_up, y.down)] for y in layers],
+            [[_kind(w) for w in (y.qkv, y.o, y.gate_up, y.down)] for y in layers],
             num_heads, num_kv_heads, head_dim, eps, scale)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -101,20 +109,30 @@ class FusedDecode:
         return out, residual
 
 
-def _gguf_type(weight: torch.Tensor) -> int:
-    """ggml's type number of a packed GGUF weight; -1 for a natively packed bf16 one."""
-    return gguf_type_of(weight).type_id if weight.dtype == torch.uint8 else -1
+def _kind(weight: torch.Tensor) -> int:
+    """What the native step reads a weight as: ggml's type number for packed GGUF blocks
+    (uint8), -2 for `pack_int8_weight`'s int8 rows, -1 for the native packed bf16 layout."""
+    if weight.dtype == torch.uint8:
+        return gguf_type_of(weight).type_id
+    return -2 if weight.dtype == torch.int8 else -1
+
+
+def _kernel(weight: torch.Tensor) -> LinearKernel:
+    return {torch.uint8: GGUF_WEIGHT_ONLY, torch.int8: INT8_WEIGHT_ONLY}.get(weight.dtype,
+                                                                            NATIVE_PACKED_BF16)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    kernel = GGUF_WEIGHT_ONLY if weight.dtype == torch.uint8 else NATIVE_PACKED_BF16
-    return kernel.linear(x, weight, bias)
+    return _kernel(weight).linear(x, weight, bias)
 
 
 def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype == torch.uint8:
-        return silu_and_mul(GGUF_WEIGHT_ONLY.linear(x, weight))
+    """gate/up + SiLU as the model runs it for decode rows: the bf16 kernel's fused form, the
+    matmul then `silu_and_mul` for GGUF and int8 (whose fused form runs only from
+    `INT8_PANEL_MIN_ROWS` rows)."""
+    if weight.dtype in (torch.uint8, torch.int8):
+        return silu_and_mul(_kernel(weight).linear(x, weight))
     return NATIVE_PACKED_BF16.gate_up_silu(x, weight)
 
 

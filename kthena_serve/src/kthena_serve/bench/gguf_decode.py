@@ -6,7 +6,8 @@ steps through the layers as the kernel choice runs them: the fused native step w
 applies, `mooncake_ops.decode_step`), ``bf16-ops`` (the same model, one call per op), ``gguf``
 (``--quantization gguf``: the GGUF file's Q4_1 / Q8_0 blocks, bf16 activations, fused where
 it applies), ``gguf-ops`` (the same, one call per op), ``gguf-fp32``
-(the same blocks, fp32 activations), ``int8`` (weight-only int8, bf16 activations) and ``fp32``
+(the same blocks, fp32 activations), ``int8`` (weight-only int8, bf16 activations, fused where
+it applies), ``int8-ops`` and ``fp32``
 (the dequantised model in float32). All are loaded first, then timed in interleaved rounds
 (each round runs ``--steps`` decode steps of every candidate in turn), so a neighbour's load
 lands on all of them alike. One JSON line per candidate, then one summary line:
@@ -45,6 +46,7 @@ from mooncake_kv.paged import paged_batch
 CANDIDATES = {"bf16": (torch.bfloat16, None), "bf16-ops": (torch.bfloat16, None),
               "gguf": (torch.bfloat16, "gguf"), "gguf-ops": (torch.bfloat16, "gguf"),
               "gguf-fp32": (torch.float32, "gguf"), "int8": (torch.bfloat16, "int8"),
+              "int8-ops": (torch.bfloat16, "int8"),
               "fp32": (torch.float32, None)}
 _MATMUL_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "lm_head_weight")
 _BANDWIDTH_BYTES = 256 * 2**20
@@ -147,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="'default' or a .gguf file")
-    parser.add_argument("--candidates", default="bf16,bf16-ops,gguf,gguf-ops,int8",
+    parser.add_argument("--candidates", default="bf16,bf16-ops,gguf,gguf-ops,int8,int8-ops",
                         help=f"comma-separated, of {', '.join(CANDIDATES)}")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded per step")

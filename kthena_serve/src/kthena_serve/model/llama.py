@@ -58,6 +58,7 @@ from mooncake_ops.dispatch import implementation_name
 from mooncake_ops.gguf_linear import GGUF_BF16_MAX_OP_ROWS
 from mooncake_ops.kernel_timing import AttentionShape, MatmulWeight
 from mooncake_ops.linear import NATIVE_PACKED_BF16
+from mooncake_ops.linear_int8 import INT8_PANEL_MIN_ROWS
 from mooncake_ops.moe_selection import choose_moe_kernels
 from mooncake_ops.selection import KernelChoice, choose_kernels
 
@@ -515,7 +516,13 @@ class LlamaForCausalLM(nn.Module):
 # Batches of at most this many decode rows take the fused step when it is chosen (set from the
 # measurements in docs/mooncake_ops.md, "Fused decode step").
 FUSED_MAX_ROWS = 16
-_FUSED_MATMULS = (NATIVE_PACKED_BF16.name, GGUF_WEIGHT_ONLY.name)
+_FUSED_MATMULS = (NATIVE_PACKED_BF16.name, INT8_WEIGHT_ONLY.name, GGUF_WEIGHT_ONLY.name)
+# the most decode rows the fused step takes, per matmul kernel: up to where the op chain's
+# kernel for those rows is the one the step's tasks run (int8: the int8 op below its panel
+# kernel's rows; GGUF: the native GGUF matmul for bf16 rows)
+_FUSED_ROWS = {NATIVE_PACKED_BF16.name: FUSED_MAX_ROWS,
+               INT8_WEIGHT_ONLY.name: INT8_PANEL_MIN_ROWS - 1,
+               GGUF_WEIGHT_ONLY.name: GGUF_BF16_MAX_OP_ROWS}
 
 
 @attrs.frozen
@@ -558,9 +565,10 @@ def fused_decode_refusal(model: LlamaForCausalLM) -> str | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
-        if not all(w.dtype == torch.uint8 or w.dim() == 4 for w in weights) or (
-                mlp.gate_up_weight.dtype != torch.uint8 and mlp.gate_up_silu is None):
-            return "a matmul weight is neither natively packed bf16 nor packed GGUF blocks"
+        quantized = (torch.uint8, torch.int8)
+        if not all(w.dtype in quantized or w.dim() == 4 for w in weights) or (
+                mlp.gate_up_weight.dtype not in quantized and mlp.gate_up_silu is None):
+            return "a matmul weight is not natively packed bf16, int8 rows or GGUF blocks"
     return None
 
 
@@ -587,12 +595,14 @@ def choose_decode_step(model: LlamaForCausalLM, kernels: str, block_size: int) -
     why = fused_decode_refusal(model)
     if why is not None:
         return DecodeStepChoice("ops", why)
-    # GGUF: the rows the native GGUF matmul takes for bf16 x (the ops dequantise beyond)
-    rows = GGUF_BF16_MAX_OP_ROWS if model.kernel_choice.linear_decode == "gguf" else FUSED_MAX_ROWS
+    rows = _FUSED_ROWS[model.kernel_choice.linear_decode]
     if kernels != "auto":
         return DecodeStepChoice("fused", "the fused step runs here (chosen by features)",
                                 max_rows=rows)
-    timings = time_decode_step(model, block_size)
+    try:
+        timings = time_decode_step(model, block_size)
+    except ValueError as error:  # a tensor the native step does not take
+        return DecodeStepChoice("ops", str(error))
     name = "fused" if timings["fused"] < timings["ops"] else "ops"
     return DecodeStepChoice(name, "timed: the faster at batch 1", timings, rows)
 
