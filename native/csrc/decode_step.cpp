@@ -6,10 +6,9 @@
 //   -> norm (+ residual) -> gate/up + SiLU (int8, GGUF: SiLU-and-mul a phase of its own) -> down
 //
 // with no Python between the ops and one parallel region for the whole step. Each op is a
-// phase of tasks (an equal range of a matmul's 16-column output blocks, two per thread; a
-// (sequence, KV head) item of attention, which also rotates and writes that head's K / V; a
-// norm is one task).
-// Every thread walks the phases in order: it waits until the previous phase's tasks are all
+// phase of tasks (an equal range of a matmul's output rows, two per thread; a (sequence, KV
+// head) item of attention, which also rotates and writes that head's K / V; a norm or a
+// SiLU-and-mul is one task). Every thread walks the phases in order: it waits until the previous phase's tasks are all
 // done, then takes the phase's next task from a shared counter until none is left. No thread
 // waits for another to arrive, only for tasks in flight to finish, so a thread the OS runs
 // late (a neighbour on its core) costs the step at most the task it holds, and the other
@@ -39,7 +38,7 @@ namespace mops {
 namespace {
 
 using parts::bf16;
-// Tasks per thread of a matmul phase: equal ranges of 16-column blocks. Long contiguous ranges
+// Tasks per thread of a matmul phase: equal ranges of its output rows. Long contiguous ranges
 // keep the hardware prefetchers streaming (batch-1 step of the default model, 2 threads of a
 // Zen 4: panels of 4 blocks 10.0 ms, 1 task per thread 9.3, 2 9.1, 4 9.4), and the second task
 // lets a thread that started late (a neighbour on its core) take less.
