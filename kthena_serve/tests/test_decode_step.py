@@ -57,19 +57,24 @@ def _run(model, step: DecodeStepChoice, prompts: list[list[int]], steps: int):
     return seen, caches
 
 
+def _check_fused_equals_ops(model, prompts: list[list[int]], steps: int) -> None:
+    """The model's chosen (fused) step and the op chain: equal logits at every step, equal KV."""
+    fused = model.decode_step
+    got, got_caches = _run(model, fused, prompts, steps)
+    assert model._fused is not None  # the fused step ran (built over these caches)
+    want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, steps)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 @fused_only
 def test_native_kernels_choose_the_fused_step_and_it_equals_the_ops(checkpoint):
     model, _ = load_model(checkpoint, dtype=torch.bfloat16, kernels="native")
     fused = model.decode_step
     assert fused.name == "fused", fused
-    prompts = [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18]
-    got, got_caches = _run(model, fused, prompts, 12)
-    want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, 12)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    for (ka, va), (kb, vb) in zip(got_caches, want_caches, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
-    assert model._fused is not None  # the fused step ran (built over these caches)
+    _check_fused_equals_ops(model, [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18], 12)
 
 
 @fused_only
@@ -77,13 +82,7 @@ def test_int8_weights_decode_fused_and_equal_the_ops(checkpoint):
     model, _ = load_model(checkpoint, dtype=torch.bfloat16, quantization="int8", kernels="native")
     fused = model.decode_step
     assert (fused.name, fused.max_rows) == ("fused", 8), fused
-    prompts = [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18]
-    got, got_caches = _run(model, fused, prompts, 8)
-    want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, 8)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    for (ka, va), (kb, vb) in zip(got_caches, want_caches, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _check_fused_equals_ops(model, [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18], 8)
 
 
 @fused_only
@@ -125,10 +124,4 @@ def test_the_default_model_s_gguf_weights_decode_fused_and_equal_the_ops():
     model, _ = load_model("default", dtype=torch.bfloat16, quantization="gguf", kernels="native")
     fused = model.decode_step
     assert (fused.name, fused.max_rows) == ("fused", 6), fused
-    prompts = [[1, 5, 9, 200, 31], list(range(40, 97))]
-    got, got_caches = _run(model, fused, prompts, 6)
-    want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, 6)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    for (ka, va), (kb, vb) in zip(got_caches, want_caches, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _check_fused_equals_ops(model, [[1, 5, 9, 200, 31], list(range(40, 97))], 6)

@@ -1,8 +1,8 @@
 """The HTTP server through real HTTP on 127.0.0.1 (uvicorn on a thread, httpx client).
 
 The engine runs a tiny random-weight model with the default tokenizer, so these tests check
-the protocol, validation, streaming and cancellation quickly; test_server_real.py covers the
-real model.
+the protocol, validation, streaming and cancellation quickly; the tests that start `kthena
+serve` on the real model (test_pd_cli.py, test_mode_flags.py, the docs blocks) cover the rest.
 """
 
 from __future__ import annotations
