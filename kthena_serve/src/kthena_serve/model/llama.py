@@ -536,10 +536,6 @@ class DecodeStepChoice:
     timings_ms: Mapping[str, float] = attrs.field(factory=dict)
     max_rows: int = FUSED_MAX_ROWS
 
-    def as_dict(self) -> dict:
-        return {"name": self.name, "reason": self.reason, "timings_ms": dict(self.timings_ms),
-                "max_rows": self.max_rows}
-
 
 def fused_decode_refusal(model: LlamaForCausalLM) -> str | None:
     """Why the fused step cannot run this model's decode here (None: it can)."""
