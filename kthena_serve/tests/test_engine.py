@@ -340,8 +340,8 @@ def _decode_then_long_prompt(engine):
     budget, schedule = engine.scheduler.prefill_budget, engine.scheduler.schedule
     answers: list[int] = []
 
-    def recording_budget(rows: int, queued: int) -> int:
-        answers.append(budget(rows, queued))
+    def recording_budget(rows: int) -> int:
+        answers.append(budget(rows))
         return answers[-1]
 
     def recording_schedule():
@@ -365,8 +365,7 @@ def _decode_then_long_prompt(engine):
 
 
 def test_a_long_prompt_arriving_while_one_decodes_is_split_within_the_budget():
-    # 20 ms / 0.5 ms: 40 prefill tokens a step (150 queued tokens are under four budgets, so
-    # the backlog share, a quarter, stays below it)
+    # 20 ms / 0.5 ms: 40 prefill tokens a step
     engine = _protected_engine(target_step_ms=20.0)
     finals, steps = _decode_then_long_prompt(engine)
     chunks = []

@@ -16,17 +16,14 @@ BLOCK = 4
 
 
 class Recorder:
-    """A fixed prefill budget that records the decode rows and the queued prompt tokens it was
-    asked about."""
+    """A fixed prefill budget that records the decode rows it was asked about."""
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self.asked: list[int] = []
-        self.queued: list[int] = []
 
-    def __call__(self, num_decode_rows: int, num_queued_tokens: int) -> int:
+    def __call__(self, num_decode_rows: int) -> int:
         self.asked.append(num_decode_rows)
-        self.queued.append(num_queued_tokens)
         return self.tokens
 
 
@@ -121,8 +118,6 @@ def test_several_decodes_and_prompts_share_the_prefill_budget_oldest_first():
     assert _step(scheduler) == [("d1", 1), ("d2", 1), ("p1", 7), ("p2", 3)]
     assert _step(scheduler) == [("d1", 1), ("d2", 1), ("p1", 1), ("p2", 6)]  # p1 decodes
     assert budget.asked[-2:] == [2, 3]
-    # p1 and p2 arrived (7 + 9 tokens, waiting), then p2's last 6 were left (running)
-    assert budget.queued[-2:] == [16, 6]
 
 
 def test_a_zero_budget_still_moves_the_prompt_a_token_a_step():

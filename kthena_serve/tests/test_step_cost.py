@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 
 from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
@@ -130,13 +131,15 @@ def test_the_budget_is_the_prefill_that_fits_in_the_target():
     assert with_attention(1) == 158  # per token 0.4 ms + 1000 * 1e-7 s
 
 
-def test_a_backlog_of_queued_prompt_tokens_is_cleared_in_a_few_full_steps():
+def test_a_long_queue_does_not_stretch_the_step_past_the_target():
+    """However many prompt tokens wait, the decodes' step stays within the target (issue 52:
+    a share of the backlog per step stretched every inter-token time to a full chunk's)."""
     budget = _budget(StepCoefficients(0.020, 0.5e-3, 1.0e-3))
-    assert budget(2, 0) == budget(2) == 156  # (100 - 20 - 2) ms / 0.5 ms
-    assert budget(2, 4 * 156) == 156  # a prompt of four budgets: split to the target
-    assert budget(2, 2000) == 500  # a backlog: a quarter of it
-    assert budget(1, 17_408) == 1024  # a burst: capped at the whole step
-    assert _budget(StepCoefficients(0.020, 0.5e-3, 1.0e-3), backlog_steps=8)(2, 2000) == 250
+    assert budget(2) == 156  # (100 - 20 - 2) ms / 0.5 ms
+    model = budget.cost
+    step = StepShape(prefill_tokens=budget(2), decode_rows=2)
+    assert model.predict(step) <= budget.target_s
+    assert model.predict(attrs.evolve(step, prefill_tokens=budget(2) + 1)) > budget.target_s
 
 
 def test_pairs_per_token_follow_the_recent_prefill_chunks():

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from pathlib import Path
 
 import attrs
@@ -238,6 +239,7 @@ def _replay(side: _Side, replay: _Replay) -> dict:
         _run_client(client, folder, replay.client_timeout_s)
         if server.proc.poll() is not None:
             raise server.fail(f"exited with {server.proc.returncode} during the replay")
+        admission = _admission_figures(side.base_url) if side.name == "kthena" else None
     raw = json.loads(result_file.read_text(encoding="utf-8"))
     lists = per_request(raw)
     return {**side_figures(raw), "errors": error_counts(raw),
@@ -245,7 +247,36 @@ def _replay(side: _Side, replay: _Replay) -> dict:
             "server_omp_wait_policy": side.env.get("OMP_WAIT_POLICY", ""),
             "server_ready_s": round(ready_s, 1), "warm_up_s": round(warm_s, 2),
             "idle_wait_s": round(idle_s, 1), "load_avg_1m_before": load_before,
-            "load_avg_1m_after": round(os.getloadavg()[0], 2), "_raw": lists}
+            "load_avg_1m_after": round(os.getloadavg()[0], 2),
+            **({"admission": admission} if admission is not None else {}), "_raw": lists}
+
+
+def _admission_figures(base_url: str) -> dict:
+    """What overload control did in the replay, from the server's /metrics: refusals by bound
+    (``queue_delay``/``queued_tokens`` at admission, ``queue_timeout`` after it) and how the
+    scaled wait estimates compared with the waits the admitted requests had
+    (``kthena_admission_estimate_to_wait_ratio``: percentiles over the last first tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as reply:
+        text = reply.read().decode("utf-8")
+    refused: dict[str, int] = {}
+    figures: dict = {"refused": refused}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kthena_requests_rejected_total":
+                refused[sample.labels.get("limit", "")] = int(sample.value)
+            elif sample.name == "kthena_admission_estimate_to_wait_ratio":
+                figures[f"estimate_to_wait_p{round(float(sample.labels['quantile']) * 100)}"] = (
+                    round(sample.value, 3))
+            elif sample.name == "kthena_admission_estimate_to_wait_samples":
+                figures["estimate_to_wait_samples"] = int(sample.value)
+            elif sample.name == "kthena_admission_wait_factor":
+                figures["wait_factor_at_end"] = round(sample.value, 3)
+            elif sample.name == "kthena_step_seconds_total":
+                figures.setdefault("engine_seconds", {})[sample.labels["phase"]] = round(
+                    sample.value, 2)
+    return figures
 
 
 def _git_commit() -> str | None:

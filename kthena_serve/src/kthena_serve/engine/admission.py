@@ -110,7 +110,8 @@ MAX_RETRY_AFTER_S = 60
 ESTIMATE_FLOOR_S = 1.0  # added to wait and estimate in a ratio sample, and to the estimate scaled
 FACTOR_HALF_LIFE_S = 120.0  # a ratio sample's excess over 1 halves in this many seconds
 FACTOR_KEEP_S = 3 * FACTOR_HALF_LIFE_S  # then it is dropped (its excess down to 1/8)
-FACTOR_QUANTILE = 0.99  # the TTFT tail the bound is held for
+FACTOR_QUANTILE = 0.5  # the factor is the median ratio: the scaled estimate is right at p50
+ACCURACY_SAMPLES = 1024  # first tokens the estimate's accuracy is reported over (QueueLoad)
 QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
 QUEUED_TOKENS = "queued_tokens"
 QUEUE_TIMEOUT = "queue_timeout"  # OverloadedError.limit: admitted, then not started in time
@@ -187,8 +188,14 @@ class QueueLoad:
         prefill_tokens_per_s: the measured rate the queue is served at (None: nothing measured
             and no prior; the delay bound then admits).
         wait_factor: how many times longer than estimated recent first tokens took (the
-            ``FACTOR_QUANTILE`` of the decayed ratio samples, at least 1): scales an estimate
-            before it is compared with the bound (``expected_wait_s``).
+            median of the decayed ratio samples; below 1 where they came early): scales an
+            estimate before it is compared with the bound (``expected_wait_s``).
+        kv: the engine's KV outlook (None: the wait is the compute part alone).
+        accuracy: how the wait each of the last ``ACCURACY_SAMPLES`` first tokens was admitted
+            with (the scaled estimate the bound was checked against) compares with the wait it
+            had: the 10th, 50th and 90th percentiles of ``(estimate + ESTIMATE_FLOOR_S) /
+            (wait + ESTIMATE_FLOOR_S)`` (None: none yet). Not summed over engines.
+        num_accuracy_samples: first tokens those percentiles are over.
     """
 
     num_requests: int = 0
@@ -196,6 +203,9 @@ class QueueLoad:
     prefill_tokens_per_s: float | None = None
     wait_factor: float = 1.0
     kv: KVOutlook | None = None
+    accuracy: tuple[float, float, float] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple))
+    num_accuracy_samples: int = 0
 
     def estimated_wait_s(self, num_new_tokens: int = 0) -> float | None:
         """Seconds until the first token of a request of ``num_new_tokens`` prompt tokens
@@ -227,11 +237,11 @@ class QueueLoad:
 
     def expected_wait_s(self, num_new_tokens: int = 0) -> float | None:
         """The estimate scaled by the measured factor: ``(estimate + ESTIMATE_FLOOR_S) x
-        wait_factor - ESTIMATE_FLOOR_S`` (the estimate itself at a factor of 1)."""
+        wait_factor - ESTIMATE_FLOOR_S``, at least 0 (the estimate itself at a factor of 1)."""
         wait = self.estimated_wait_s(num_new_tokens)
-        if wait is None or self.wait_factor <= 1.0:
+        if wait is None or self.wait_factor == 1.0 or not math.isfinite(wait):
             return wait
-        return (wait + ESTIMATE_FLOOR_S) * self.wait_factor - ESTIMATE_FLOOR_S
+        return max(0.0, (wait + ESTIMATE_FLOOR_S) * self.wait_factor - ESTIMATE_FLOOR_S)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -308,8 +318,9 @@ def decide(limits: AdmissionLimits, load: QueueLoad, num_new_tokens: int) -> Ref
         kv_wait = load.kv_wait_s(num_new_tokens)
         if kv_wait:
             parts.append(f"{kv_wait:.1f} s until the KV pool has their blocks")
-        if load.wait_factor > 1.0:
-            parts.append(f"first tokens lately took up to {load.wait_factor:.2f}x the estimate")
+        if load.wait_factor != 1.0:
+            parts.append(f"first tokens lately took {load.wait_factor:.2f}x the estimate "
+                         "(median)")
         return Refusal(QUEUE_DELAY, expected, _retry_after(expected - bound),
                        f"the server is overloaded: the first token would come in about "
                        f"{expected:.1f} s ({'; '.join(parts)}), over its bound of {bound:g} s "
@@ -382,10 +393,12 @@ class AdmissionGate:
         self._rate = rate or ServiceRate()
         self._lock = threading.Lock()
         # request id -> [prompt tokens, claim deadline | None, admitted at, estimate | None,
-        #                start by | None]
+        #                start by | None, scaled estimate | None]
         self._queued: dict[str, list] = {}
         self._num_tokens = 0
         self._ratios: deque[tuple[float, float]] = deque()  # (when, ratio sample; module docs)
+        self._accuracy: deque[float] = deque(maxlen=ACCURACY_SAMPLES)  # QueueLoad.accuracy
+        self._num_accuracy = 0
 
     def try_admit(self, requests: Sequence[tuple[str, int]], prior: float | None = None,
                   kv: KVOutlook | None = None, slowdown: float = 1.0) -> Refusal | None:
@@ -405,9 +418,10 @@ class AdmissionGate:
             refusal = decide(self.limits, load, num_new)
             if refusal is None:
                 estimate = load.estimated_wait_s(num_new)
+                expected = load.expected_wait_s(num_new)
                 for request_id, num_tokens in requests:
                     self._add(request_id, num_tokens, now + self._claim_timeout_s, now,
-                              estimate, self._start_by(now, num_tokens, load))
+                              estimate, self._start_by(now, num_tokens, load), expected)
             return refusal
 
     def start_by(self, request_id: str) -> float | None:
@@ -475,12 +489,15 @@ class AdmissionGate:
             now = self._advance()
             entry = self._queued.pop(request_id, None)
             if entry is not None:
-                tokens, _, admitted, estimate, _ = entry
+                tokens, _, admitted, estimate, _, expected = entry
                 self._num_tokens -= tokens
                 self._rate.credit(tokens)
                 self._cold_margin = 1.0
                 if estimate is not None and math.isfinite(estimate):
                     self._ratios.append((now, _ratio(now - admitted, estimate)))
+                if expected is not None and math.isfinite(expected):
+                    self._accuracy.append(1.0 / _ratio(now - admitted, expected))
+                    self._num_accuracy += 1
 
     def forget(self, request_id: str) -> None:
         """It ended (or was released) without a first token; nothing happens if it left. Not a
@@ -510,11 +527,12 @@ class AdmissionGate:
         return now
 
     def _add(self, request_id: str, num_tokens: int, deadline: float | None, now: float,
-             estimate: float | None, start_by: float | None = None) -> None:
+             estimate: float | None, start_by: float | None = None,
+             expected: float | None = None) -> None:
         old = self._queued.pop(request_id, None)
         if old is not None:
             self._num_tokens -= old[0]
-        self._queued[request_id] = [num_tokens, deadline, now, estimate, start_by]
+        self._queued[request_id] = [num_tokens, deadline, now, estimate, start_by, expected]
         self._num_tokens += num_tokens
 
     def _leave(self, request_id: str) -> None:
@@ -538,24 +556,33 @@ class AdmissionGate:
               slowdown: float = 1.0) -> QueueLoad:
         rate = self._rate.rate(None if prior is None else prior / self._cold_margin)
         return QueueLoad(len(self._queued), self._num_tokens,
-                         None if rate is None else rate * slowdown, self._wait_factor(), kv)
+                         None if rate is None else rate * slowdown, self._wait_factor(), kv,
+                         self._accuracy_percentiles(), self._num_accuracy)
+
+    def _accuracy_percentiles(self) -> tuple[float, float, float] | None:
+        if not self._accuracy:
+            return None
+        values = sorted(self._accuracy)
+        return tuple(values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
+                     for q in (0.1, 0.5, 0.9))
 
     def _wait_factor(self) -> float:
-        """The ``FACTOR_QUANTILE`` (nearest rank), at least 1, of the recorded ratio samples
-        (their excess over 1 decayed) and of how late the requests still queued are so far."""
+        """The ``FACTOR_QUANTILE`` (nearest rank) of the recorded ratio samples (each decayed
+        towards 1 in log scale) and of how late the requests still queued past their estimate
+        are so far; 1 with none."""
         now = self._clock()
         while self._ratios and self._ratios[0][0] < now - FACTOR_KEEP_S:
             self._ratios.popleft()
-        values = [1.0 + max(0.0, ratio - 1.0) * 0.5 ** ((now - when) / FACTOR_HALF_LIFE_S)
+        values = [ratio ** (0.5 ** ((now - when) / FACTOR_HALF_LIFE_S))
                   for when, ratio in self._ratios]
         values += [_ratio(now - admitted, estimate)
-                   for _, _, admitted, estimate, _ in self._queued.values()
+                   for _, _, admitted, estimate, _, _ in self._queued.values()
                    if estimate is not None and math.isfinite(estimate)
                    and now - admitted > estimate]
         if not values:
             return 1.0
         values.sort()
-        return max(1.0, values[min(len(values) - 1, math.ceil(FACTOR_QUANTILE * len(values)) - 1)])
+        return values[min(len(values) - 1, math.ceil(FACTOR_QUANTILE * len(values)) - 1)]
 
 
 def _ratio(waited_s: float, estimate_s: float) -> float:

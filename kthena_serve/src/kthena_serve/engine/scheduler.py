@@ -29,9 +29,8 @@ with its prefill tokens, and every running decode waits for the whole step, so a
 arriving while others decode would stretch their inter-token time to that of a full prefill
 chunk. With a ``prefill_budget``, running decodes are picked first (one row each), and when
 there is at least one, the step's prefill chunks (running prompts, then admissions) share at
-most ``prefill_budget(num_decode_rows, num_queued_tokens)`` tokens (the prompt tokens still
-to compute, of running prompts and the waiting queue; at least 1 while the step has tokens left, so prompts always
-progress); a long prompt is split over steps. A decode picked this step can
+most ``prefill_budget(num_decode_rows)`` tokens (at least 1 while the step has tokens left, so
+prompts always progress); a long prompt is split over steps. A decode picked this step can
 still be preempted for an older prompt's chunk; it then leaves the step. A step with no decode takes the whole
 ``max_num_batched_tokens``. The budget comes from outside (``step_cost.py``): this class stays
 a pure function of what it is given.
@@ -76,8 +75,7 @@ class Scheduler:
         batch_key: requests whose keys differ never share a step (a PD prefill worker's
             prompts over different decode pools); None: any requests may.
         prefill_budget: decode protection (see module docs): given a step's decode rows (at
-            least 1) and the prompt tokens still to compute (running prompts and the waiting
-            queue), the most prefill tokens it may also carry; None: off (running requests
+            least 1), the most prefill tokens it may also carry; None: off (running requests
             oldest first, prefill and decode alike, up to ``max_num_batched_tokens``).
     """
 
@@ -91,7 +89,7 @@ class Scheduler:
         offloader: AsyncOffloader | None = None,
         promote_timeout_s: float = 5.0,
         batch_key: Callable[[Request], Hashable] | None = None,
-        prefill_budget: Callable[[int, int], int] | None = None,
+        prefill_budget: Callable[[int], int] | None = None,
     ) -> None:
         self.kv = kv
         self.promoting = Promotions(kv, offloader, promote_timeout_s)
@@ -324,9 +322,7 @@ class Scheduler:
             return self._pick_running(picked, preempted, rejected, budget, None)
         budget = self._pick_running(picked, preempted, rejected, budget, False)
         if picked:  # decodes run: cap the prefill so their step stays short
-            queued = sum(r.num_tokens - r.num_computed_tokens
-                         for r in (*self.waiting, *self.running) if r.is_prefill)
-            budget = min(budget, max(1, self.prefill_budget(len(picked), queued)))
+            budget = min(budget, max(1, self.prefill_budget(len(picked))))
         return self._pick_running(picked, preempted, rejected, budget, True)
 
     def _pick_running(self, picked: _Picked, preempted: list[Request],

@@ -31,7 +31,7 @@ import numpy as np
 
 from kthena_serve.engine.scheduled import ScheduledBatch
 
-__all__ = ["BACKLOG_STEPS", "DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
+__all__ = ["DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
            "StepShape", "fit_least_squares"]
 
 
@@ -97,12 +97,6 @@ class StepCoefficients:
 # protection". On another machine or model the online fit takes over within a few dozen steps.
 DEFAULT_SEED = StepCoefficients(fixed_s=0.012, per_prefill_token_s=0.24e-3,
                                 per_decode_row_s=0.4e-3, per_attention_pair_s=0.09e-6)
-
-# A backlog of queued prompt tokens is cleared in steps of at least this share of it
-# (``DecodeProtectingBudget``): measured on the Zen 5 above with 32 x (544 -> 16) arriving at
-# once, total time 5.5-5.8 s with protection off, 6.0-6.1 s with the target alone (and with
-# a 1/rows share), 5.8-6.0 s with 1/8 and 5.7-5.8 s with 1/4 (scripts/step_budget_ab.py).
-BACKLOG_STEPS = 4
 
 # Feature scales: the prior's weight is per scaled feature, so every coefficient is held to
 # its seed about equally (a step of 256 prefill tokens, 16 decode rows, 64k attention pairs).
@@ -204,14 +198,11 @@ def _vector(c: StepCoefficients) -> tuple[float, float, float, float]:
 class DecodeProtectingBudget:
     """The scheduler's prefill cap for steps with decodes, from a cost model and a target.
 
-    ``budget(rows, queued)``: the prefill tokens that keep ``fixed + rows * per_row + tokens *
-    per_token`` within ``target_s``, or ``queued / backlog_steps`` if more (``queued``: the
-    prompt tokens still to compute, of running prompts and the waiting queue), at most
-    ``max_tokens``. The second term is for bursts: every prompt waiting pays every step's fixed
-    cost, and the decodes of a burst finish no later with full steps (the tokens they wait for
-    in a long step they would otherwise wait for in the short steps after it), so a backlog of
-    more than ``backlog_steps`` target budgets is cleared in steps of a ``1/backlog_steps``
-    share; a lone prompt shorter than that is still split to the target. Where the decodes alone take more
+    ``budget(rows)``: the prefill tokens that keep ``fixed + rows * per_row + tokens *
+    per_token`` within ``target_s``, at most ``max_tokens``, however long the queue: the running
+    decodes get a token every step within the target while prompts wait (a share of a long
+    queue per step instead stretched every decode's inter-token time to a full chunk's under
+    overload: docs/kthena_serve.md, "Decode protection"). Where the decodes alone take more
     than half the target (a large batch, a slow or shared machine), the prefill still gets as
     much predicted time as the rest of the step, so prompts keep at least half the throughput
     and a step takes at most twice its decode-only time; and at least ``min_tokens`` always.
@@ -228,14 +219,12 @@ class DecodeProtectingBudget:
     target_s: float
     min_tokens: int
     max_tokens: int
-    backlog_steps: int = BACKLOG_STEPS
 
-    def __call__(self, num_decode_rows: int, num_queued_tokens: int = 0) -> int:
+    def __call__(self, num_decode_rows: int) -> int:
         c = self.cost.current
         rest = c.fixed_s + c.per_decode_row_s * num_decode_rows
         left = max(self.target_s - rest, rest)
         per_token = c.per_prefill_token_s + c.per_attention_pair_s * self.cost.pairs_per_token
         if per_token <= 0:
             return self.max_tokens
-        share = num_queued_tokens // self.backlog_steps  # a burst's backlog: few, full steps
-        return max(self.min_tokens, min(self.max_tokens, max(int(left / per_token), share)))
+        return max(self.min_tokens, min(self.max_tokens, int(left / per_token)))

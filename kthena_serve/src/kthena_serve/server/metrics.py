@@ -122,6 +122,17 @@ def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
                  "How many times longer than estimated recent first tokens took (high "
                  "quantile, at least 1; scales the estimate before the --max-queue-delay "
                  "check)", queue.wait_factor)
+    if queue.accuracy is not None:
+        ratio = GaugeMetricFamily(
+            "kthena_admission_estimate_to_wait_ratio", "The scaled wait estimate a request was "
+            "admitted with over the wait it had (each plus 1 s), over the last first tokens: "
+            "their 10th, 50th and 90th percentiles", labels=["quantile"])
+        for q, value in zip(("0.1", "0.5", "0.9"), queue.accuracy):
+            ratio.add_metric([q], value)
+        yield ratio
+        yield _gauge("kthena_admission_estimate_to_wait_samples",
+                     "First tokens the kthena_admission_estimate_to_wait_ratio percentiles are "
+                     "over", queue.num_accuracy_samples)
 
 
 _TIER_COUNTERS = (  # KVTierStats field -> (kthena_kv_tier_* name, help)
