@@ -340,8 +340,8 @@ def _decode_then_long_prompt(engine):
     budget, schedule = engine.scheduler.prefill_budget, engine.scheduler.schedule
     answers: list[int] = []
 
-    def recording_budget(rows: int) -> int:
-        answers.append(budget(rows))
+    def recording_budget(rows: int, burst: int) -> int:
+        answers.append(budget(rows, burst))
         return answers[-1]
 
     def recording_schedule():

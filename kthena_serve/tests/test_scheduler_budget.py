@@ -16,23 +16,27 @@ BLOCK = 4
 
 
 class Recorder:
-    """A fixed prefill budget that records the decode rows it was asked about."""
+    """A fixed prefill budget that records the decode rows and the burst's prompt tokens it was
+    asked about."""
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self.asked: list[int] = []
+        self.burst: list[int] = []
 
-    def __call__(self, num_decode_rows: int) -> int:
+    def __call__(self, num_decode_rows: int, num_burst_tokens: int) -> int:
         self.asked.append(num_decode_rows)
+        self.burst.append(num_burst_tokens)
         return self.tokens
 
 
 def _scheduler(budget: Recorder | None, *, num_blocks: int = 64, max_tokens: int = 64,
-               caching: bool = True) -> Scheduler:
+               caching: bool = True, burst_window_s: float = 0.0) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching,
                         check_invariants=True)
     return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=max_tokens,
-                     enable_prefix_caching=caching, prefill_budget=budget)
+                     enable_prefix_caching=caching, prefill_budget=budget,
+                     burst_window_s=burst_window_s)
 
 
 def _request(rid: str, length: int, max_tokens: int = 50) -> Request:
@@ -118,6 +122,25 @@ def test_several_decodes_and_prompts_share_the_prefill_budget_oldest_first():
     assert _step(scheduler) == [("d1", 1), ("d2", 1), ("p1", 7), ("p2", 3)]
     assert _step(scheduler) == [("d1", 1), ("d2", 1), ("p1", 1), ("p2", 6)]  # p1 decodes
     assert budget.asked[-2:] == [2, 3]
+    assert budget.burst[-2:] == [0, 0]  # every request arrived apart: no burst
+
+
+def test_the_burst_is_the_prompts_that_arrived_with_the_newest_decode():
+    """Prompts that arrived within the window of the newest running decode are its burst
+    (their tokens still to compute go to the budget); earlier and later ones are not."""
+    budget = Recorder(10)
+    scheduler = _scheduler(budget, burst_window_s=0.1)
+    _decoding(scheduler, "d1")
+    _step(scheduler)
+    (d1,) = scheduler.running
+    arrivals = {"early": d1.arrival_time - 0.5, "with": d1.arrival_time + 0.05,
+                "late": d1.arrival_time + 0.3}
+    for rid, when in arrivals.items():
+        request = _request(rid, 7)
+        request.arrival_time = when
+        scheduler.add(request)
+    _step(scheduler)
+    assert budget.burst[-1] == 7  # "with" alone
 
 
 def test_a_zero_budget_still_moves_the_prompt_a_token_a_step():

@@ -167,7 +167,7 @@ class DecodeProtectingMachine(SchedulerMachine):
                 slope=st.integers(0, 3))
     def setup(self, num_blocks: int, budget: int, seats: int, caching: bool, cap: int,
               slope: int) -> None:
-        def prefill_budget(rows: int) -> int:
+        def prefill_budget(rows: int, burst: int) -> int:
             self.answers.append(max(0, cap - slope * rows))
             return self.answers[-1]
 

@@ -142,6 +142,15 @@ def test_a_long_queue_does_not_stretch_the_step_past_the_target():
     assert model.predict(attrs.evolve(step, prefill_tokens=budget(2) + 1)) > budget.target_s
 
 
+def test_a_burst_that_arrived_with_the_decodes_is_cleared_in_a_few_full_steps():
+    budget = _budget(StepCoefficients(0.020, 0.5e-3, 1.0e-3))
+    assert budget(2, 0) == budget(2) == 156
+    assert budget(2, 4 * 156) == 156  # a burst of four budgets: split to the target
+    assert budget(2, 2000) == 500  # a quarter of it
+    assert budget(1, 17_408) == 1024  # capped at the whole step
+    assert _budget(StepCoefficients(0.020, 0.5e-3, 1.0e-3), burst_steps=8)(2, 2000) == 250
+
+
 def test_pairs_per_token_follow_the_recent_prefill_chunks():
     model = StepCostModel(half_life_steps=8)
     assert model.pairs_per_token == 512  # a 1,024-token chunk from position 0

@@ -29,17 +29,20 @@ How far off that estimate runs is measured too, as a ratio: when a request's fir
 sample (the floor keeps a short wait's step-sized jitter from reading as a large ratio), and a
 request still queued past its estimate is a sample of how late it is so far (its ratio will be
 at least that: a slowdown shows as soon as the queue runs late, not only once the late first
-tokens come). A sample's excess over 1 halves every ``FACTOR_HALF_LIFE_S`` seconds; the
-``FACTOR_QUANTILE`` quantile of the decayed samples (at least 1: ``QueueLoad.wait_factor``)
-scales every estimate before it is compared with the bound. A ratio, because the error grows
-with the queue: each admitted request becomes a decode that takes step time from the prefills
-behind it, so a full queue is served slower than the rate measured while it filled (measured:
-waits of 18 s against estimates of 9 s right after a burst of admissions). A decay, not a
-window, because a window that drops its samples at once lets the queue refill in one burst
-(measured: a 60 s cycle of overshoot, then refusing nearly everything for 30 s). Under steady
-overload the queue fills up to the bound, so without the factor half the admitted requests
-would wait longer than the bound; with it, the bound holds for the TTFT tail the requests
-actually saw (a KV pool that thrashes, a process that loses its cores, chunked long prompts ...).
+tokens come). A sample decays towards 1 in log scale (its ratio to the power ``0.5 ^ (age /
+FACTOR_HALF_LIFE_S)``); the ``FACTOR_QUANTILE`` quantile of the decayed samples, the median
+(``QueueLoad.wait_factor``; below 1 when first tokens came early), scales every estimate before
+it is compared with the bound, so a request is refused when the wait it would have had exceeds
+the bound, and the deadline below holds the bound for those whose wait runs longer. (The 99th
+percentile, at least 1, which this replaced, had the scaled estimates run at twice the waits
+the admitted requests saw on issue 52's trace window: docs/kthena_serve.md, "Overload
+control".) A ratio, because the error grows with the queue: each admitted request becomes a
+decode that takes step time from the prefills behind it, so a full queue is served slower than
+the rate measured while it filled (measured: waits of 18 s against estimates of 9 s right
+after a burst of admissions). A decay, not a window, because a window that drops its samples at
+once lets the queue refill in one burst (measured: a 60 s cycle of overshoot, then refusing
+nearly everything for 30 s). ``QueueLoad.accuracy`` reports how the scaled estimates compared
+with the waits of the last ``ACCURACY_SAMPLES`` first tokens.
 
 The estimate decides at admission; a deadline keeps the bound afterwards. An admitted request
 must *start* (its first prompt chunk scheduled) by its ``start_by``: its admission plus the delay

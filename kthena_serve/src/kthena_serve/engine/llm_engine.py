@@ -86,7 +86,8 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, offloader=self.offloader,
             promote_timeout_s=(config.kv_offload.promote_timeout_s
                                if config.kv_offload is not None else 5.0),
-            prefill_budget=self._prefill_budget())
+            prefill_budget=self._prefill_budget(),
+            burst_window_s=(config.target_step_ms or 0.0) / 1e3)
         self.sampler = Sampler(runner.device, eos_token_ids=tokenizer.eos_token_ids)
         model_config = runner.model.config
         self.processor = InputProcessor(tokenizer, EngineLimits.for_engine(

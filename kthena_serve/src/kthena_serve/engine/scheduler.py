@@ -29,8 +29,11 @@ with its prefill tokens, and every running decode waits for the whole step, so a
 arriving while others decode would stretch their inter-token time to that of a full prefill
 chunk. With a ``prefill_budget``, running decodes are picked first (one row each), and when
 there is at least one, the step's prefill chunks (running prompts, then admissions) share at
-most ``prefill_budget(num_decode_rows)`` tokens (at least 1 while the step has tokens left, so
-prompts always progress); a long prompt is split over steps. A decode picked this step can
+most ``prefill_budget(num_decode_rows, num_burst_tokens)`` tokens (at least 1 while the step
+has tokens left, so prompts always progress); a long prompt is split over steps.
+``num_burst_tokens`` is the prompt tokens still to compute of the requests, running or waiting,
+that arrived within ``burst_window_s`` of the newest running decode: the decodes are protected
+from prompts that arrived after them, not from the rest of their own burst. A decode picked this step can
 still be preempted for an older prompt's chunk; it then leaves the step. A step with no decode takes the whole
 ``max_num_batched_tokens``. The budget comes from outside (``step_cost.py``): this class stays
 a pure function of what it is given.
@@ -75,8 +78,11 @@ class Scheduler:
         batch_key: requests whose keys differ never share a step (a PD prefill worker's
             prompts over different decode pools); None: any requests may.
         prefill_budget: decode protection (see module docs): given a step's decode rows (at
-            least 1), the most prefill tokens it may also carry; None: off (running requests
-            oldest first, prefill and decode alike, up to ``max_num_batched_tokens``).
+            least 1) and its burst's prompt tokens still to compute, the most prefill tokens
+            it may also carry; None: off (running requests oldest first, prefill and decode
+            alike, up to ``max_num_batched_tokens``).
+        burst_window_s: requests whose arrivals are at most this far apart are one burst
+            (``Request.arrival_time``; the engine passes its ``target_step_ms``).
     """
 
     def __init__(
@@ -89,7 +95,8 @@ class Scheduler:
         offloader: AsyncOffloader | None = None,
         promote_timeout_s: float = 5.0,
         batch_key: Callable[[Request], Hashable] | None = None,
-        prefill_budget: Callable[[int], int] | None = None,
+        prefill_budget: Callable[[int, int], int] | None = None,
+        burst_window_s: float = 0.0,
     ) -> None:
         self.kv = kv
         self.promoting = Promotions(kv, offloader, promote_timeout_s)
@@ -105,6 +112,7 @@ class Scheduler:
         self.returning: set[str] = set()  # set aside; their blocks come back soon
         self._batch_key = batch_key
         self.prefill_budget = prefill_budget
+        self.burst_window_s = burst_window_s
         self._step_key: Hashable | None = None  # this step's batch key, once one is picked
         # blocks finished running requests gave back, and their output tokens (admission's
         # KV outlook: the engine's ``kv_outlook``)
@@ -322,7 +330,11 @@ class Scheduler:
             return self._pick_running(picked, preempted, rejected, budget, None)
         budget = self._pick_running(picked, preempted, rejected, budget, False)
         if picked:  # decodes run: cap the prefill so their step stays short
-            budget = min(budget, max(1, self.prefill_budget(len(picked))))
+            newest = max(r.arrival_time for r, _ in picked)
+            burst = sum(r.num_tokens - r.num_computed_tokens
+                        for r in (*self.waiting, *self.running)
+                        if r.is_prefill and abs(r.arrival_time - newest) <= self.burst_window_s)
+            budget = min(budget, max(1, self.prefill_budget(len(picked), burst)))
         return self._pick_running(picked, preempted, rejected, budget, True)
 
     def _pick_running(self, picked: _Picked, preempted: list[Request],

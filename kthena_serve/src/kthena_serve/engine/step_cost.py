@@ -31,7 +31,7 @@ import numpy as np
 
 from kthena_serve.engine.scheduled import ScheduledBatch
 
-__all__ = ["DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
+__all__ = ["BURST_STEPS", "DEFAULT_SEED", "DecodeProtectingBudget", "StepCoefficients", "StepCostModel",
            "StepShape", "fit_least_squares"]
 
 
@@ -97,6 +97,14 @@ class StepCoefficients:
 # protection". On another machine or model the online fit takes over within a few dozen steps.
 DEFAULT_SEED = StepCoefficients(fixed_s=0.012, per_prefill_token_s=0.24e-3,
                                 per_decode_row_s=0.4e-3, per_attention_pair_s=0.09e-6)
+
+# A burst's prompt tokens (those of requests that arrived together with the running decodes,
+# ``DecodeProtectingBudget``) are cleared in steps of at least this share of them: measured on
+# the Zen 5 above with 32 x (544 -> 16) arriving at once, total time 5.5-5.8 s with protection
+# off, 6.0-6.1 s with the target alone, 5.8-6.0 s with 1/8 and 5.7-5.8 s with 1/4
+# (scripts/step_budget_ab.py); on a Zen 4 the target alone took 9% longer on 32 x (128 -> 64)
+# and 14% on 32 x (544 -> 16) than 1/4 (docs/kthena_serve.md, "Decode protection").
+BURST_STEPS = 4
 
 # Feature scales: the prior's weight is per scaled feature, so every coefficient is held to
 # its seed about equally (a step of 256 prefill tokens, 16 decode rows, 64k attention pairs).
@@ -198,11 +206,17 @@ def _vector(c: StepCoefficients) -> tuple[float, float, float, float]:
 class DecodeProtectingBudget:
     """The scheduler's prefill cap for steps with decodes, from a cost model and a target.
 
-    ``budget(rows)``: the prefill tokens that keep ``fixed + rows * per_row + tokens *
-    per_token`` within ``target_s``, at most ``max_tokens``, however long the queue: the running
-    decodes get a token every step within the target while prompts wait (a share of a long
-    queue per step instead stretched every decode's inter-token time to a full chunk's under
-    overload: docs/kthena_serve.md, "Decode protection"). Where the decodes alone take more
+    ``budget(rows, burst)``: the prefill tokens that keep ``fixed + rows * per_row + tokens *
+    per_token`` within ``target_s``, or ``burst / burst_steps`` if more, at most
+    ``max_tokens``. ``burst`` is the prompt tokens still to compute of the requests that
+    arrived together with the running decodes (the scheduler's ``burst_window_s``): the
+    decodes are protected from prompts that arrive after them, however long that queue (a
+    share of the whole queue per step stretched every decode's inter-token time to a full
+    chunk's under overload: docs/kthena_serve.md, "Decode protection"), while requests that
+    arrived at once are served as one batch, their prompts in a few full steps (every prompt
+    waiting pays every step's fixed cost, and the decodes of a burst finish no later with
+    full steps: the tokens they wait for in a long step they would otherwise wait for in the
+    short steps after it). Where the decodes alone take more
     than half the target (a large batch, a slow or shared machine), the prefill still gets as
     much predicted time as the rest of the step, so prompts keep at least half the throughput
     and a step takes at most twice its decode-only time; and at least ``min_tokens`` always.
@@ -213,18 +227,21 @@ class DecodeProtectingBudget:
         target_s: the step time to stay within while something decodes.
         min_tokens: the least prefill a step with decodes carries (a block).
         max_tokens: the most (``max_num_batched_tokens``).
+        burst_steps: a burst's prompt tokens are cleared in steps of at least this share.
     """
 
     cost: StepCostModel
     target_s: float
     min_tokens: int
     max_tokens: int
+    burst_steps: int = BURST_STEPS
 
-    def __call__(self, num_decode_rows: int) -> int:
+    def __call__(self, num_decode_rows: int, num_burst_tokens: int = 0) -> int:
         c = self.cost.current
         rest = c.fixed_s + c.per_decode_row_s * num_decode_rows
         left = max(self.target_s - rest, rest)
         per_token = c.per_prefill_token_s + c.per_attention_pair_s * self.cost.pairs_per_token
         if per_token <= 0:
             return self.max_tokens
-        return max(self.min_tokens, min(self.max_tokens, int(left / per_token)))
+        share = num_burst_tokens // self.burst_steps  # one burst: a few full steps
+        return max(self.min_tokens, min(self.max_tokens, max(int(left / per_token), share)))

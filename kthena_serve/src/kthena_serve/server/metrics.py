@@ -119,9 +119,8 @@ def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
                      "of queued prompt tokens over that rate and the wait for KV blocks; "
                      "before the factor)", queue.estimated_wait_s() or 0.0)
     yield _gauge("kthena_admission_wait_factor",
-                 "How many times longer than estimated recent first tokens took (high "
-                 "quantile, at least 1; scales the estimate before the --max-queue-delay "
-                 "check)", queue.wait_factor)
+                 "How many times longer than estimated recent first tokens took (the median; "
+                 "scales the estimate before the --max-queue-delay check)", queue.wait_factor)
     if queue.accuracy is not None:
         ratio = GaugeMetricFamily(
             "kthena_admission_estimate_to_wait_ratio", "The scaled wait estimate a request was "
