@@ -346,6 +346,11 @@ def test_replay_against_kthena_serve_with_vllms_client(tmp_path):
     assert ours["completed"] == 4 and ours["failed"] == 0
     assert ours["total_output_tokens"] == 4 * 3  # 24 / 8 = 3 each, EOS ignored
     assert ours["percentile_check"]["agrees"] and ours["errors"] == {}
+    admission = ours["admission"]  # from the server's /metrics: the bound is off here
+    assert admission["refused"] == {} and admission["estimate_to_wait_samples"] >= 4
+    assert 0 < admission["estimate_to_wait_p10"] <= admission["estimate_to_wait_p50"] \
+        <= admission["estimate_to_wait_p90"]
+    assert admission["engine_seconds"]["prefill"] > 0
     for name in ("window.jsonl", "kthena-server.log", "kthena-result.json"):
         assert (tmp_path / "work" / name).is_file()
     assert report["window"]["prompt_tokens"] == 2 * 1 + 2 * 20  # 40/512*16 -> 1; 16 + 4

@@ -126,8 +126,11 @@ def test_a_burst_past_the_bound_gets_503_while_the_admitted_request_completes(he
         wait_until(lambda: engine.stats().queue.num_requests == 0, 60, "the queue to empty")
         again = http.post("/v1/completions", json=body)  # the queue drained: admitted again
         assert again.status_code == 200 and again.json()["choices"][0]["text"]
-        assert metric_value(http.get("/metrics").text,
-                            "kthena_admission_prefill_tokens_per_second") > 0
+        text = http.get("/metrics").text
+        assert metric_value(text, "kthena_admission_prefill_tokens_per_second") > 0
+        # the two admitted requests' first tokens against the waits they were admitted with
+        assert metric_value(text, "kthena_admission_estimate_to_wait_samples") == 2
+        assert metric_value(text, "kthena_admission_estimate_to_wait_ratio", quantile="0.5") > 0
 
 
 def _slow_steps(core, seconds: float) -> None:  # noqa: ANN001

@@ -111,8 +111,8 @@ __all__ = ["COLD_MARGIN", "MAX_RETRY_AFTER_S", "QUEUE_TIMEOUT", "SEED_CORES", "A
 
 MAX_RETRY_AFTER_S = 60
 ESTIMATE_FLOOR_S = 1.0  # added to wait and estimate in a ratio sample, and to the estimate scaled
-FACTOR_HALF_LIFE_S = 120.0  # a ratio sample's excess over 1 halves in this many seconds
-FACTOR_KEEP_S = 3 * FACTOR_HALF_LIFE_S  # then it is dropped (its excess down to 1/8)
+FACTOR_HALF_LIFE_S = 120.0  # a ratio sample's logarithm halves in this many seconds
+FACTOR_KEEP_S = 3 * FACTOR_HALF_LIFE_S  # then it is dropped (its logarithm down to 1/8)
 FACTOR_QUANTILE = 0.5  # the factor is the median ratio: the scaled estimate is right at p50
 ACCURACY_SAMPLES = 1024  # first tokens the estimate's accuracy is reported over (QueueLoad)
 QUEUE_DELAY = "queue_delay"  # Refusal.limit: which bound refused
