@@ -126,7 +126,7 @@ def _queue_families(queue: QueueLoad) -> Iterator[Metric]:
             "kthena_admission_estimate_to_wait_ratio", "The scaled wait estimate a request was "
             "admitted with over the wait it had (each plus 1 s), over the last first tokens: "
             "their 10th, 50th and 90th percentiles", labels=["quantile"])
-        for q, value in zip(("0.1", "0.5", "0.9"), queue.accuracy):
+        for q, value in zip(("0.1", "0.5", "0.9"), queue.accuracy, strict=True):
             ratio.add_metric([q], value)
         yield ratio
         yield _gauge("kthena_admission_estimate_to_wait_samples",
