@@ -515,7 +515,7 @@ class AdmissionGate:
              slowdown: float = 1.0) -> QueueLoad:
         with self._lock:
             self._expire(self._advance())
-            return self._load(prior, kv, slowdown)
+            return self._load(prior, kv, slowdown, accuracy=True)
 
     @property
     def num_queued(self) -> int:
@@ -556,11 +556,13 @@ class AdmissionGate:
             self._num_tokens -= self._queued.pop(rid)[0]
 
     def _load(self, prior: float | None, kv: KVOutlook | None = None,
-              slowdown: float = 1.0) -> QueueLoad:
+              slowdown: float = 1.0, *, accuracy: bool = False) -> QueueLoad:
+        """The queue now; ``accuracy`` adds the estimate's percentiles (a sort of up to
+        ``ACCURACY_SAMPLES`` values: for reports, not for every admission)."""
         rate = self._rate.rate(None if prior is None else prior / self._cold_margin)
         return QueueLoad(len(self._queued), self._num_tokens,
                          None if rate is None else rate * slowdown, self._wait_factor(), kv,
-                         self._accuracy_percentiles(), self._num_accuracy)
+                         self._accuracy_percentiles() if accuracy else None, self._num_accuracy)
 
     def _accuracy_percentiles(self) -> tuple[float, float, float] | None:
         if not self._accuracy:
