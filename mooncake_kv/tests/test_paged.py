@@ -130,6 +130,8 @@ BAD = [
      r"6 \+ 3 = 9 tokens; reserve the slots first"),
     ("negative block", [((0,), 0, 1), ((2, -3), 4, 1)], 4, ValueError,
      r"sequence 1: block id -3 is negative"),
+    ("negative block, prefill", [((0,), 0, 2), ((2, -3), 4, 1)], 4, ValueError,
+     r"sequence 1: block id -3 is negative"),
     ("not a triple", [((0,), 1)], 4, TypeError,
      r"sequence 0 must be a \(block_ids, num_cached, num_new\) triple, got \(\(0,\), 1\)"),
 ]
