@@ -4,6 +4,15 @@ Usage (the project's venv; for llama.cpp, after ``bash benchmarks/peers/build_ll
 
     .venv/bin/python benchmarks/peers/serving_workloads.py --system kthena [--quantization gguf]
     .venv/bin/python benchmarks/peers/serving_workloads.py --system llama.cpp --peer-quant Q8_0
+    .venv/bin/python benchmarks/peers/serving_workloads.py --compare --rounds 3 [--json F]
+
+``--compare`` is one run of every pair (``--pairs``, default ours bf16 against llama.cpp F16,
+int8 against Q8_0, the GGUF's blocks as stored against the shipped Q4_1): in each round each
+pair's two servers run back to back, ours first in odd rounds and llama.cpp first in even ones,
+so a neighbour's load lands on both. It starts with the model-alone decode bench
+(``kthena_serve.bench.gguf_decode``: each weight form's batch-1 step against the bandwidth
+floor) and prints one JSON object: every run, each system's medians over the rounds, and the
+ratios of those medians (ours over llama.cpp, higher is better).
 
     (1) batch 1: 4 requests x (128 prompt, 128 output) tokens, one at a time   -> TPOT p50
     (2) 64 requests x (128 prompt, 64 output), 32 in flight                     -> output tok/s
@@ -26,6 +35,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +57,14 @@ from kthena_serve.engine.threads import owned_cores, user_environ
 WORKLOADS = {"batch1_128_128": (4, 128, 128, 1), "c32_64x128_64": (64, 128, 64, 32),
              "c4_16x1024_16": (16, 1024, 16, 4)}
 MODEL_NAME = "bench-model"
+# --compare's default pairs: (ours: --quantization or bf16, llama.cpp's --peer-quant)
+PAIRS = (("bf16", "F16"), ("int8", "Q8_0"), ("gguf", "shipped"))
+OURS = ("bf16", "int8", "gguf")
+# the figure each workload is judged by, and whether lower is better (a time)
+JUDGED = {"batch1_128_128": ("tpot_p50_ms", True), "c32_64x128_64": ("output_tok_s", False),
+          "c4_16x1024_16": ("ttft_p50_ms", True)}
+# gguf_decode's candidate for each of our weight forms
+DECODE_CANDIDATES = {"bf16": "bf16", "int8": "int8", "gguf": "gguf"}
 
 
 def one_request(port: int, prompt: list[int], max_tokens: int) -> dict:
@@ -97,49 +115,175 @@ def run_workload(port: int, name: str, rng: random.Random) -> dict:
             "wall_s": round(wall, 2), "idle_wait_s": round(idle_s, 1)}
 
 
-def server_argv(args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
-    if args.system == "kthena":
-        return ([sys.executable, "-m", "kthena_core.cli", "serve", "--model", args.model,
+def server_argv(system: str, model: str, quant: str, port: int) -> tuple[list[str], dict]:
+    """The server command and environment: ours with ``quant`` (bf16, int8 or gguf), or
+    llama-server on the GGUF re-quantised to ``quant`` (shipped, Q8_0 or F16)."""
+    if system == "kthena":
+        return ([sys.executable, "-m", "kthena_core.cli", "serve", "--model", model,
                  "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
                  "--max-queue-delay", "0",
-                 *(["--quantization", args.quantization] if args.quantization else [])],
+                 *(["--quantization", quant] if quant != "bf16" else [])],
                 {**user_environ(), "PYTHONUNBUFFERED": "1"})
-    peer = LlamaCppPeer(gguf=source_gguf(args.model), quant=args.peer_quant)
+    peer = LlamaCppPeer(gguf=source_gguf(model), quant=quant)
     peer.check()
     gguf = quantized_gguf(peer)
     return (server_command(peer.server, gguf, port, len(owned_cores()), 32, MODEL_NAME),
             user_environ())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", choices=("kthena", "llama.cpp"), required=True)
-    parser.add_argument("--peer-quant", choices=QUANTS, default="shipped")
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None,
-                        help="kthena's weights: the GGUF file's blocks as stored, or int8 "
-                             "(default: bf16)")
-    args = parser.parse_args(argv)
-    if args.quantization and args.system != "kthena":
-        parser.error("--quantization is kthena's; llama.cpp takes --peer-quant")
-    rng = random.Random(0)
+def run_system(system: str, model: str, quant: str, seed: int = 0) -> dict:
+    """Start one server, run the three workloads against it, stop it: its figures."""
+    rng = random.Random(seed)
     port = free_port()
-    server, env = server_argv(args, port)
+    server, env = server_argv(system, model, quant, port)
     load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="kthena-workloads-") as tmp, \
-            ServerChild(f"{args.system} server", server, env, Path(tmp) / "server.log",
+            ServerChild(f"{system} server", server, env, Path(tmp) / "server.log",
                         who="serving_workloads") as child:
         base = f"http://127.0.0.1:{port}"
         ready_s = wait_ready(child, base, 900.0)
         warm_up(child, base, MODEL_NAME)
         figures = {name: run_workload(port, name, rng) for name in WORKLOADS}
-    print(json.dumps({"system": args.system, "quant": args.peer_quant if args.system != "kthena"
-                      else args.quantization or "bf16", "workloads": figures,
-                      "server_command": server,
-                      "server_ready_s": round(ready_s, 1),
+        kernels = kernels_info(port) if system == "kthena" else None
+    return {"system": system, "quant": quant, "workloads": figures, "server_command": server,
+            "server_ready_s": round(ready_s, 1), "loadavg_before": load_before,
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            **({"kernels": kernels} if kernels is not None else {})}
+
+
+def kernels_info(port: int) -> dict[str, str]:
+    """Our server's kernel choices (``kthena_kernels_info``'s labels on /metrics: the matmuls,
+    attention and the decode step, each chosen at start-up, by timing under ``auto``)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode("utf-8", errors="replace")
+    finally:
+        conn.close()
+    line = next((raw for raw in text.splitlines() if raw.startswith("kthena_kernels_info{")), "")
+    labels = line[line.find("{") + 1:line.rfind("}")]
+    return dict((k, v.strip('"')) for k, _, v in
+                (pair.partition("=") for pair in labels.split('",') if pair)
+                ) if labels else {}
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """``bf16:F16,int8:Q8_0`` -> [("bf16", "F16"), ("int8", "Q8_0")], checked.
+
+    Raises:
+        ValueError: an entry that is not OURS:THEIRS, or a name neither side has.
+    """
+    pairs = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        ours, sep, theirs = entry.partition(":")
+        if not sep or ours not in OURS or theirs not in QUANTS:
+            raise ValueError(f"--pairs entry {entry!r}: want OURS:THEIRS with OURS one of "
+                             f"{', '.join(OURS)} and THEIRS one of {', '.join(QUANTS)}")
+        pairs.append((ours, theirs))
+    if not pairs:
+        raise ValueError("--pairs is empty; give at least one OURS:THEIRS")
+    return pairs
+
+
+def summarize(runs: list[dict], pairs: list[tuple[str, str]]) -> dict:
+    """Each system's median of each judged figure over its runs, and per pair the ratio of
+    the medians, ours over llama.cpp's with higher better (a time: theirs over ours)."""
+    medians: dict[str, dict[str, float]] = {}
+    for system, quant in {(r["system"], r["quant"]) for r in runs}:
+        mine = [r for r in runs if (r["system"], r["quant"]) == (system, quant)]
+        medians[f"{system}:{quant}"] = {
+            workload: round(statistics.median(r["workloads"][workload][key] for r in mine), 2)
+            for workload, (key, _) in JUDGED.items()}
+    ratios = {}
+    for ours, theirs in pairs:
+        a, b = medians.get(f"kthena:{ours}"), medians.get(f"llama.cpp:{theirs}")
+        if a is None or b is None:
+            continue
+        ratios[f"{ours}:{theirs}"] = {
+            workload: round(b[workload] / a[workload] if lower else a[workload] / b[workload], 2)
+            for workload, (_, lower) in JUDGED.items()}
+    return {"medians": medians, "ratios": ratios,
+            "judged_by": {w: key for w, (key, _) in JUDGED.items()}}
+
+
+def decode_floor(model: str, ours: list[str]) -> list[dict]:
+    """The model-alone batch-1 decode bench (`kthena_serve.bench.gguf_decode`) for ``ours``'
+    weight forms: its JSON rows (each with ``floor_fraction``), in a child process."""
+    names = ",".join(DECODE_CANDIDATES[o] for o in ours)
+    done = subprocess.run([sys.executable, "-m", "kthena_serve.bench.gguf_decode", "--model",
+                           model, "--candidates", names, "--threads", str(len(owned_cores()))],
+                          env=user_environ(), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"gguf_decode failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def compare(model: str, pairs: list[tuple[str, str]], rounds: int) -> dict:
+    """--compare: the decode bench, then ``rounds`` rounds of every pair, alternating which
+    system of a pair goes first."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    floor = decode_floor(model, [ours for ours, _ in pairs])
+    runs = []
+    for round_ in range(1, rounds + 1):
+        for ours, theirs in pairs:
+            order = [("kthena", ours), ("llama.cpp", theirs)]
+            for system, quant in order if round_ % 2 else order[::-1]:
+                run = run_system(system, model, quant)
+                runs.append({"round": round_, **run})
+                print(f"serving_workloads: round {round_} {system} {quant}: "
+                      + ", ".join(f"{w} {run['workloads'][w][k]}" for w, (k, _) in
+                                  JUDGED.items()), file=sys.stderr, flush=True)
+    return {"bench": "serving_workloads_compare", "started": started, "rounds": rounds,
+            "pairs": [f"{a}:{b}" for a, b in pairs], **summarize(runs, pairs),
+            "decode_floor": floor, "runs": runs, "machine": machine()}
+
+
+def machine() -> dict:
+    return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(owned_cores()),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=("kthena", "llama.cpp"))
+    parser.add_argument("--peer-quant", choices=QUANTS, default="shipped")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None,
+                        help="kthena's weights: the GGUF file's blocks as stored, or int8 "
+                             "(default: bf16)")
+    parser.add_argument("--compare", action="store_true",
+                        help="every pair of --pairs, ours and llama.cpp interleaved, --rounds "
+                             "times, after the model-alone decode bench")
+    parser.add_argument("--pairs", default=",".join(f"{a}:{b}" for a, b in PAIRS),
+                        help="--compare's OURS:THEIRS pairs (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None, help="--compare: also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.compare == (args.system is not None):
+        parser.error("give either --system (one server) or --compare (every pair)")
+    if args.quantization and args.system != "kthena":
+        parser.error("--quantization is kthena's; llama.cpp takes --peer-quant")
+    if args.compare:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
+        try:
+            pairs = parse_pairs(args.pairs)
+        except ValueError as error:
+            parser.error(str(error))
+        result = compare(args.model, pairs, args.rounds)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(result))
+        return 0
+    quant = (args.quantization or "bf16") if args.system == "kthena" else args.peer_quant
+    run = run_system(args.system, args.model, quant)
+    print(json.dumps({"system": run["system"], "quant": run["quant"],
+                      "workloads": run["workloads"], "server_command": run["server_command"],
+                      "server_ready_s": run["server_ready_s"],
                       "machine": {"cpu": cpu_model(), "cpu_isa": cpu_isa(),
-                                  "cores": len(owned_cores()), "loadavg_before": load_before,
-                                  "loadavg_after": [round(x, 2) for x in os.getloadavg()]}}))
+                                  "cores": len(owned_cores()),
+                                  "loadavg_before": run["loadavg_before"],
+                                  "loadavg_after": run["loadavg_after"]}}))
     return 0
 
 

@@ -205,3 +205,49 @@ def test_trace_options_refuse_an_unknown_peer():
 
     with pytest.raises(ValueError, match="'peer' must be in"):
         TraceOptions(trace=Path("t"), peer="sglang")
+
+
+def _serving_workloads():
+    """benchmarks/peers/serving_workloads.py as a module (it is a script, not a package)."""
+    import importlib.util
+
+    path = BUILD_SCRIPT.parent / "serving_workloads.py"
+    spec = importlib.util.spec_from_file_location("serving_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serving_workloads_pairs_are_checked():
+    sw = _serving_workloads()
+    assert sw.parse_pairs("bf16:F16, gguf:shipped") == [("bf16", "F16"), ("gguf", "shipped")]
+    for bad, named in (("bf16", "'bf16'"), ("fp8:F16", "'fp8:F16'"), ("int8:Q4_K", "'int8:Q4_K'")):
+        with pytest.raises(ValueError, match=f"--pairs entry {named}: want OURS:THEIRS"):
+            sw.parse_pairs(bad)
+    with pytest.raises(ValueError, match="--pairs is empty"):
+        sw.parse_pairs(" , ")
+    done = subprocess.run([sys.executable, str(BUILD_SCRIPT.parent / "serving_workloads.py"),
+                           "--compare", "--rounds", "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--rounds must be at least 1, got 0" in done.stderr
+
+
+def test_serving_workloads_summary_takes_medians_and_orients_ratios():
+    """Ratios are of the medians over rounds, ours over theirs with higher better: a time
+    (TPOT, TTFT) is divided the other way from a rate (tokens/s)."""
+    sw = _serving_workloads()
+
+    def run(system, quant, tpot, tok_s, ttft):
+        return {"system": system, "quant": quant, "workloads": {
+            "batch1_128_128": {"tpot_p50_ms": tpot}, "c32_64x128_64": {"output_tok_s": tok_s},
+            "c4_16x1024_16": {"ttft_p50_ms": ttft}}}
+
+    runs = [run("kthena", "bf16", 10.0, 300.0, 1000.0), run("kthena", "bf16", 9.0, 330.0, 900.0),
+            run("kthena", "bf16", 50.0, 100.0, 5000.0),  # a round a neighbour spoiled
+            run("llama.cpp", "F16", 12.0, 150.0, 5000.0), run("llama.cpp", "F16", 11.0, 160.0, 4000.0),
+            run("llama.cpp", "F16", 13.0, 140.0, 6000.0), run("llama.cpp", "Q8_0", 8.0, 170.0, 3000.0)]
+    summary = sw.summarize(runs, [("bf16", "F16"), ("int8", "Q8_0")])
+    assert summary["medians"]["kthena:bf16"] == {
+        "batch1_128_128": 10.0, "c32_64x128_64": 300.0, "c4_16x1024_16": 1000.0}
+    assert summary["ratios"] == {"bf16:F16": {  # int8 never ran: no ratio for it
+        "batch1_128_128": 1.2, "c32_64x128_64": 2.0, "c4_16x1024_16": 5.0}}

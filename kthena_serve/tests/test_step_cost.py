@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import attrs
+import numpy as np
 import pytest
 
 from kthena_serve.engine.scheduled import ScheduledBatch, ScheduledSeq
@@ -167,3 +168,21 @@ def test_the_budget_keeps_prefills_moving_and_never_exceeds_the_step():
     assert _budget(StepCoefficients(0.0, 0.1, 0.0))(1) == 16  # 1 token > target: a block
     assert _budget(StepCoefficients(0.0, 1e-6, 0.0))(4) == 1024  # cheap: the whole step
     assert _budget(StepCoefficients(0.0, 0.0, 0.0))(4) == 1024  # free: the whole step
+
+
+def test_the_normal_equations_solve_as_numpy_does():
+    """observe solves its 4 x 4 system in plain floats (`_solve`); numpy's LAPACK solve on
+    fresh random symmetric positive definite systems, as the prior keeps observe's, is the
+    reference (both are LU with partial pivoting, so they agree to rounding)."""
+    from kthena_serve.engine.step_cost import _solve
+
+    rng = np.random.default_rng()
+    for _ in range(100):
+        g = rng.normal(size=(4, 4)) * rng.choice([1e-3, 1.0, 1e3], size=4)
+        a = g @ g.T + 2.0 * np.eye(4)
+        b = rng.normal(size=4)
+        want = np.linalg.solve(a, b)
+        got = np.array(_solve(a.tolist(), b.tolist()))
+        # backward-stable solves: residuals within a few units of rounding of |a| |x|
+        bound = 64 * np.finfo(float).eps * (np.abs(a) @ np.abs(want) + np.abs(b))
+        assert np.all(np.abs(a @ got - b) <= bound), (a, b, got, want)

@@ -108,7 +108,30 @@ BURST_STEPS = 4
 
 # Feature scales: the prior's weight is per scaled feature, so every coefficient is held to
 # its seed about equally (a step of 256 prefill tokens, 16 decode rows, 64k attention pairs).
-_SCALES = np.array([1.0, 256.0, 16.0, 65536.0])
+_SCALE_LIST = (1.0, 256.0, 16.0, 65536.0)
+_SCALES = np.array(_SCALE_LIST)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b, by Gaussian elimination with partial pivoting (``a`` and ``b`` are
+    overwritten; ``a`` here is symmetric positive definite: the prior keeps it so)."""
+    n = len(b)
+    for k in range(n):
+        p = max(range(k, n), key=lambda r: abs(a[r][k]))
+        if p != k:
+            a[k], a[p], b[k], b[p] = a[p], a[k], b[p], b[k]
+        pivot = a[k][k]
+        for r in range(k + 1, n):
+            f = a[r][k] / pivot
+            if f:
+                row, top = a[r], a[k]
+                for c in range(k, n):
+                    row[c] -= f * top[c]
+                b[r] -= f * b[k]
+    x = [0.0] * n
+    for k in range(n - 1, -1, -1):
+        x[k] = (b[k] - sum(a[k][c] * x[c] for c in range(k + 1, n))) / a[k][k]
+    return x
 
 
 def fit_least_squares(samples: Iterable[tuple[StepShape, float]], *,
@@ -156,10 +179,12 @@ class StepCostModel:
         self.seed = seed
         self.outlier_ratio = outlier_ratio
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._prior = prior_weight * np.eye(4)
-        self._seed_scaled = np.array(_vector(seed)) * _SCALES
-        self._xtx = np.zeros((4, 4))
-        self._xty = np.zeros(4)
+        self._prior_weight = prior_weight
+        # the normal equations in plain floats: a 4 x 4 update and solve per step costs a third
+        # of numpy's calls on these sizes (the engine observes every step)
+        self._seed_scaled = [v * s for v, s in zip(_vector(seed), _SCALE_LIST, strict=True)]
+        self._xtx = [[0.0] * 4 for _ in range(4)]
+        self._xty = [0.0] * 4
         self._current = seed
         self.num_observed = 0
         self.pairs_per_token = 512.0  # a 1,024-token chunk from position 0
@@ -172,12 +197,19 @@ class StepCostModel:
         if shape.prefill_tokens:
             ratio = shape.prefill_attention / shape.prefill_tokens
             self.pairs_per_token += (1 - self._decay) * (ratio - self.pairs_per_token)
-        x = np.array(shape.features()) / _SCALES
-        self._xtx = self._decay * self._xtx + np.outer(x, x)
-        self._xty = self._decay * self._xty + x * seconds
-        theta = np.linalg.solve(self._xtx + self._prior,
-                                self._xty + self._prior @ self._seed_scaled)
-        self._current = StepCoefficients.from_vector(theta / _SCALES)
+        x = [f / s for f, s in zip(shape.features(), _SCALE_LIST, strict=True)]
+        decay, xtx, xty = self._decay, self._xtx, self._xty
+        for i, xi in enumerate(x):
+            row = xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = decay * row[j] + xi * xj
+            xty[i] = decay * xty[i] + xi * seconds
+        w = self._prior_weight
+        theta = _solve([[v + w if i == j else v for j, v in enumerate(row)]
+                        for i, row in enumerate(xtx)],
+                       [v + w * s for v, s in zip(xty, self._seed_scaled, strict=True)])
+        self._current = StepCoefficients.from_vector(
+            t / s for t, s in zip(theta, _SCALE_LIST, strict=True))
         self.num_observed += 1
 
     @property

@@ -481,8 +481,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.stage.is_last:
             return x, residual
         index = batch.logits_indices if logits_index is None else logits_index
-        x, residual = (x[index], residual[index]) if shards is None else \
-            shards.rows(x, residual, index)
+        if shards is not None:
+            x, residual = shards.rows(x, residual, index)
+        elif logits_index is not None or not batch.is_decode_only:  # decode: every row, in order
+            x, residual = x[index], residual[index]
         x, _ = rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return self.matmul(x, self.lm_head_weight).float()
 
