@@ -63,8 +63,6 @@ OURS = ("bf16", "int8", "gguf")
 # the figure each workload is judged by, and whether lower is better (a time)
 JUDGED = {"batch1_128_128": ("tpot_p50_ms", True), "c32_64x128_64": ("output_tok_s", False),
           "c4_16x1024_16": ("ttft_p50_ms", True)}
-# gguf_decode's candidate for each of our weight forms
-DECODE_CANDIDATES = {"bf16": "bf16", "int8": "int8", "gguf": "gguf"}
 
 
 def one_request(port: int, prompt: list[int], max_tokens: int) -> dict:
@@ -154,17 +152,16 @@ def run_system(system: str, model: str, quant: str, seed: int = 0) -> dict:
 def kernels_info(port: int) -> dict[str, str]:
     """Our server's kernel choices (``kthena_kernels_info``'s labels on /metrics: the matmuls,
     attention and the decode step, each chosen at start-up, by timing under ``auto``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode("utf-8", errors="replace")
     finally:
         conn.close()
-    line = next((raw for raw in text.splitlines() if raw.startswith("kthena_kernels_info{")), "")
-    labels = line[line.find("{") + 1:line.rfind("}")]
-    return dict((k, v.strip('"')) for k, _, v in
-                (pair.partition("=") for pair in labels.split('",') if pair)
-                ) if labels else {}
+    return next((dict(sample.labels) for family in text_string_to_metric_families(text)
+                 if family.name == "kthena_kernels_info" for sample in family.samples), {})
 
 
 def parse_pairs(text: str) -> list[tuple[str, str]]:
@@ -208,8 +205,9 @@ def summarize(runs: list[dict], pairs: list[tuple[str, str]]) -> dict:
 
 def decode_floor(model: str, ours: list[str]) -> list[dict]:
     """The model-alone batch-1 decode bench (`kthena_serve.bench.gguf_decode`) for ``ours``'
-    weight forms: its JSON rows (each with ``floor_fraction``), in a child process."""
-    names = ",".join(DECODE_CANDIDATES[o] for o in ours)
+    weight forms (its candidates of the same names): its JSON rows (each with
+    ``floor_fraction``), in a child process."""
+    names = ",".join(ours)
     done = subprocess.run([sys.executable, "-m", "kthena_serve.bench.gguf_decode", "--model",
                            model, "--candidates", names, "--threads", str(len(owned_cores()))],
                           env=user_environ(), capture_output=True, text=True, check=False)

@@ -197,6 +197,11 @@ def _check_seq(
         )
 
 
+def _negative_block(index: int, block_id: int) -> ValueError:
+    return ValueError(f"sequence {index}: block id {block_id} is negative; block ids are "
+                      "0 .. num_blocks-1 as KVCacheManager hands them out")
+
+
 def _build_decode(tables: list[Sequence[int]], widths: list[int], cached: list[int],
                   block_size: int) -> PagedBatch:
     """`_build`'s batch for one new token per sequence, from Python lists: a decode step's
@@ -207,10 +212,7 @@ def _build_decode(tables: list[Sequence[int]], widths: list[int], cached: list[i
     for index, table in enumerate(tables):
         row = list(table)
         if row and min(row) < 0:
-            raise ValueError(
-                f"sequence {index}: block id {next(b for b in row if b < 0)} is negative; "
-                "block ids are 0 .. num_blocks-1 as KVCacheManager hands them out"
-            )
+            raise _negative_block(index, next(b for b in row if b < 0))
         rows.append(row + [0] * (width - len(row)))
     num_seqs = len(cached)
     positions = torch.tensor(cached, dtype=torch.int64)
@@ -237,10 +239,7 @@ def _pad_tables(tables: list[Sequence[int]], widths: list[int]) -> torch.Tensor:
     if flat.numel() and int(flat.min()) < 0:
         first = int((flat < 0).nonzero()[0])
         owner = int((num_blocks.cumsum(0) <= first).sum())
-        raise ValueError(
-            f"sequence {owner}: block id {int(flat[first])} is negative; block ids are "
-            "0 .. num_blocks-1 as KVCacheManager hands them out"
-        )
+        raise _negative_block(owner, int(flat[first]))
     # row-major order of the mask is the order of ``flat``
     block_tables[torch.arange(width) < num_blocks[:, None]] = flat.to(torch.int32)
     return block_tables
