@@ -1,7 +1,9 @@
 """The fused decode step against the op chain it replaces, on fresh random layers.
 
 The step's tasks run the ops' own kernel parts, each output element in the op's order, so the
-comparison is exact (``torch.equal``): outputs, and every KV cache the step wrote to.
+comparison is exact (``torch.equal``): outputs, and every KV cache the step wrote to. Both
+builds: the AVX-512 one here, the AVX2 one on a CPU without AVX-512 (or with
+``ATEN_CPU_CAPABILITY=avx2`` where that build is installed), each over its own bf16 layout.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from mooncake_ops.decode_step import (
     DecodeLayer,
     FusedDecode,
     fused_decode_available,
+    max_fused_rows,
     reference_layers,
+    step_bf16_kernel,
 )
 from mooncake_ops.gguf_linear import native_gguf_available
 from mooncake_ops.gguf_quants import pack_gguf_weight
 
 pytestmark = pytest.mark.skipif(not fused_decode_available(),
-                                reason="no AVX-512 native build with AVX512_BF16 on this CPU")
+                                reason="no native build with the fused step on this CPU")
 
-KERNEL = mo.linear.NATIVE_PACKED_BF16
+KERNEL = step_bf16_kernel() if fused_decode_available() else mo.linear.NATIVE_PACKED_BF16
 HIDDEN, HEADS, KV_HEADS, INTER, BLOCK = 256, 4, 2, 256, 16  # K-quants: K a multiple of 256
 
 
@@ -32,11 +36,13 @@ def _w(*shape: int, scale: float = 0.08) -> torch.Tensor:
 
 
 def _matmul_weights(weights: str, q: int, kv: int) -> dict[str, torch.Tensor]:
-    """bf16 packed for the native matmul (gate/up interleaved), or random GGUF blocks of type
-    ``weights`` packed as GGUF_WEIGHT_ONLY takes them ([gate; up])."""
+    """bf16 as this build's step takes it (AVX-512: packed, gate/up interleaved; AVX2: dense,
+    [gate; up]), int8 rows, or random GGUF blocks of type ``weights`` packed as
+    GGUF_WEIGHT_ONLY takes them ([gate; up])."""
     if weights == "bf16":
+        pack_gate_up = KERNEL.pack_gate_up or KERNEL.pack
         return {"qkv": KERNEL.pack(_w(q + 2 * kv, HIDDEN)), "o": KERNEL.pack(_w(HIDDEN, q)),
-                "gate_up": KERNEL.pack_gate_up(_w(2 * INTER, HIDDEN)),
+                "gate_up": pack_gate_up(_w(2 * INTER, HIDDEN)),
                 "down": KERNEL.pack(_w(HIDDEN, INTER))}
     if weights == "int8":  # per-channel int8 rows; gate/up as [gate; up]
         pack = mo.INT8_WEIGHT_ONLY.pack
@@ -82,6 +88,10 @@ def _batch(contexts: list[int], blocks: int) -> tuple[torch.Tensor, ...]:
 
 
 def _check_parity(head_dim, bias, qk_norm, contexts, threads, weights="bf16"):
+    kernel = {"bf16": KERNEL, "int8": mo.INT8_WEIGHT_ONLY}.get(weights, mo.GGUF_WEIGHT_ONLY)
+    if len(contexts) > max_fused_rows(kernel.name):
+        pytest.skip(f"{len(contexts)} rows: the op chain's {kernel.name} takes another path on "
+                    f"this build than the step, which takes at most {max_fused_rows(kernel.name)}")
     blocks = 16 * len(contexts)
     layers = _layers(3, head_dim, bias=bias, qk_norm=qk_norm, blocks=blocks, weights=weights)
     rope = mo.build_rope_cache(head_dim, 512, 10000.0)
@@ -105,7 +115,7 @@ def _check_parity(head_dim, bias, qk_norm, contexts, threads, weights="bf16"):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("bias", "qk_norm"), [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("contexts", [[1], [37], [16, 200, 5], [130, 1, 64, 17, 96, 33]])
+@pytest.mark.parametrize("contexts", [[1], [37], [16, 200], [16, 200, 5], [130, 1, 64, 17, 96, 33]])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_equals_the_op_chain(head_dim, bias, qk_norm, contexts, threads):
     torch.manual_seed(hash((head_dim, bias, qk_norm, tuple(contexts), threads)) % 2**31)
@@ -113,7 +123,8 @@ def test_fused_step_equals_the_op_chain(head_dim, bias, qk_norm, contexts, threa
 
 
 @pytest.mark.parametrize("weights", ["int8", "Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("bias", "contexts"), [(False, [37]), (True, [130, 1, 64, 17, 96, 33])])
+@pytest.mark.parametrize(("bias", "contexts"), [(False, [37]), (True, [200, 5]),
+                                               (True, [130, 1, 64, 17, 96, 33])])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_over_quantized_weights_equals_the_op_chain(weights, bias, contexts, threads):
     """int8 rows (the int8 op: VNNI where the CPU has it), and GGUF weights as the file stores
@@ -154,9 +165,14 @@ def test_bad_layers_are_refused_by_name():
              "scale": 0.125}
     import attrs
 
-    dense = attrs.evolve(layers[1], o=torch.zeros(HIDDEN, HEADS * 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="layer 1 o weight must be a bf16 weight packed"):
-        FusedDecode([layers[0], dense], **shape)
+    # the other build's bf16 layout
+    if KERNEL is mo.linear.NATIVE_PACKED_BF16:
+        other, message = torch.zeros(HIDDEN, HEADS * 64), "must be a bf16 weight packed"
+    else:
+        other, message = torch.zeros(HIDDEN // 16, HEADS * 32, 16, 2), "must be a contiguous dense"
+    wrong = attrs.evolve(layers[1], o=other.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=f"layer 1 o weight {message}"):
+        FusedDecode([layers[0], wrong], **shape)
     half = attrs.evolve(layers[0], q_norm=torch.ones(64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="layer 0 q_norm and k_norm come together"):
         FusedDecode([half], **shape)

@@ -1,6 +1,8 @@
-// Parts of the AVX-512 kernels for a caller that runs its own threads (decode_step.cpp): each
-// computes exactly what its op's entry computes for the same part of the output, with no
-// parallel region of its own, so a fused step is bit-equal to the ops it chains.
+// Parts of the kernels for a caller that runs its own threads (decode_step.h): each computes
+// exactly what its op's entry computes for the same part of the output, with no parallel region
+// of its own, so a fused step is bit-equal to the ops it chains. Both builds define them for
+// their ISA (the AVX2 ones in ../csrc_avx2/), except bf16_linear_blocks (AVX-512 only: packed
+// bf16 needs AVX512_BF16) and dense_linear_rows (AVX2 only).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,6 +19,12 @@ using bf16 = c10::BFloat16;
 // even: whole (gate, up) block pairs, whose silu(gate) * up lands in y's columns [8 b0, 8 b1)).
 void bf16_linear_blocks(const bf16* x, int64_t ldx, const uint32_t* wp, const bf16* bias, bf16* y, int64_t N,
                         int64_t K2, int64_t M, int64_t b0, int64_t b1, bool silu);
+
+// Output rows [n0, n1) (n0 a multiple of 4) of the AVX2 build's dense_linear over bf16 x [M, K]
+// (M <= 2: the rows its entry computes by dot products) and a dense bf16 weight [N, K]; y [M, N]
+// (+= bias).
+void dense_linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                       int64_t n0, int64_t n1);
 
 // rms_norm's rows (layer_ops.cpp): out = rmsnorm(x (+ res)) * w; with res, res_out = round(x + res)
 // (res_out may be res: updated in place). Rows contiguous, hidden a multiple of 16.

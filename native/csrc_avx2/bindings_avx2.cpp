@@ -1,7 +1,7 @@
 // Python module mooncake_ops_native_avx2: the kernels mooncake_ops loads on a CPU with AVX2 but
 // no AVX-512 (where mooncake_ops_native cannot load): paged decode attention, the KV write, the
-// per-token layer ops, int8, GGUF and dense matmuls of few rows, and prefill attention with fp32
-// arithmetic (the packed bf16 matmul needs AVX512_BF16). Each returns None when a call does not
+// per-token layer ops, int8, GGUF and dense matmuls of few rows, prefill attention with fp32
+// arithmetic (the packed bf16 matmul needs AVX512_BF16), and the fused decode step over them. Each returns None when a call does not
 // fit and bad values raise ValueError, as in the AVX-512 module.
 #include <torch/extension.h>
 
@@ -14,6 +14,7 @@
 
 namespace mops {
 std::optional<at::Tensor> dense_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+void def_decode_step(pybind11::module_&);
 }  // namespace mops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -25,4 +26,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mops::def_paged_prefill_attention(m);
   mops::def_layer_ops(m);
   mops::def_gguf(m);
+  mops::def_decode_step(m);
 }

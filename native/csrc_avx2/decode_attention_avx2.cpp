@@ -21,6 +21,7 @@
 
 #include "../csrc/decode_common.h"
 #include "../csrc/dispatch.h"
+#include "../csrc/step_parts.h"
 #include "vec_avx2.h"
 
 namespace mops {
@@ -175,4 +176,22 @@ std::optional<at::Tensor> paged_decode_attention(const at::Tensor& q, const at::
   return call->out;
 }
 
+namespace parts {
+
+bool decode_bf16_items(const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, int64_t block_size,
+                       int64_t sb, int64_t st, int64_t sh, int64_t kv_heads, int64_t group, int64_t d,
+                       const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                       int64_t /*max_ctx*/, float scale, int64_t i0, int64_t i1) {
+  const DecodeArgs a{0, kv_heads, group, max_blocks, block_size, scale, block_tables, context_lens,
+                     CacheView{k_cache, sb, st, sh, nullptr, 0, 0, 0}, CacheView{v_cache, sb, st, sh, nullptr, 0, 0, 0}};
+  const int64_t b8 = (block_size + 7) / 8 * 8;
+  return with_chunks(d, [&](auto nc) {
+    constexpr int D = 16 * decltype(nc)::value;
+    thread_local std::vector<float> buf;  // attend's scratch, as the entry's run() sizes it
+    buf.resize(group * (2 * D + 2 + b8) + 2 * b8 * D);
+    for (int64_t i = i0; i < i1; ++i) attend<D, bf16, bf16>(a, q, out, nullptr, i / kv_heads, i % kv_heads, buf.data());
+  });
+}
+
+}  // namespace parts
 }  // namespace mops

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../csrc/dispatch.h"
+#include "../csrc/step_parts.h"
 #include "vec_avx2.h"
 
 namespace mops {
@@ -243,9 +244,39 @@ void linear_panels(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT
   }
 }
 
-// y [M, N] = xf [M, K] @ W^T (+ bias); W rows `ldw` elements apart. Scaled: the row's float32
-// scale is stored right after its K values (the packed int8 layout). Up to kCols rows (batch-1
-// decode: a weight stream) by dot products with prefetch; more by weight panels.
+// Blocks [b0, b1) of kRows outputs of y [M, N] = xf [M, K] @ W^T (+ bias) by dot products with
+// prefetch, kCols x rows at a time; W rows `ldw` elements apart. Scaled: the row's float32 scale
+// is stored right after its K values (the packed int8 layout).
+template <typename XT, typename WT, bool Scaled>
+void row_blocks(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K,
+                int64_t b0, int64_t b1) {
+  alignas(16) float sums[kCols * kRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
+    const WT* rows[kRows];
+    for (int64_t r = 0; r < kRows; ++r)  // past the last row: row n0 again, its sums unused
+      rows[r] = w + (n0 + (r < nr ? r : 0)) * ldw;
+    float scale[kRows], add[kRows];
+    for (int64_t r = 0; r < nr; ++r) {
+      scale[r] = 1.0f;
+      if constexpr (Scaled) std::memcpy(&scale[r], rows[r] + K, sizeof(float));
+      add[r] = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f;
+    }
+    // The block kAhead blocks on (the rows of a block and of the next ones are contiguous).
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + kAhead * kRows) * ldw);
+    const int64_t lines = (kRows * ldw * static_cast<int64_t>(sizeof(WT)) + 63) / 64;
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const int64_t mb = std::min<int64_t>(kCols, M - m0);
+      dot_rows(xf + m0 * K, mb, K, rows, sums, ahead, lines);
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(m0 + m) * N + n0 + r] = static_cast<XT>(sums[m * kRows + r] * scale[r] + add[r]);
+    }
+  }
+}
+
+// y [M, N] = xf [M, K] @ W^T (+ bias), as row_blocks: up to kCols rows (batch-1 decode: a weight
+// stream) by dot products with prefetch; more by weight panels.
 template <typename XT, typename WT, bool Scaled>
 void linear_rows(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* y, int64_t M, int64_t N,
                  int64_t K) {
@@ -253,29 +284,7 @@ void linear_rows(const float* xf, const WT* w, int64_t ldw, const XT* bias, XT* 
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    alignas(16) float sums[kCols * kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
-      const WT* rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r)  // past the last row: row n0 again, its sums unused
-        rows[r] = w + (n0 + (r < nr ? r : 0)) * ldw;
-      float scale[kRows], add[kRows];
-      for (int64_t r = 0; r < nr; ++r) {
-        scale[r] = 1.0f;
-        if constexpr (Scaled) std::memcpy(&scale[r], rows[r] + K, sizeof(float));
-        add[r] = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f;
-      }
-      // The block kAhead blocks on (the rows of a block and of the next ones are contiguous).
-      const char* ahead = reinterpret_cast<const char*>(w + (n0 + kAhead * kRows) * ldw);
-      const int64_t lines = (kRows * ldw * static_cast<int64_t>(sizeof(WT)) + 63) / 64;
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        dot_rows(xf + m0 * K, mb, K, rows, sums, ahead, lines);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < nr; ++r)
-            y[(m0 + m) * N + n0 + r] = static_cast<XT>(sums[m * kRows + r] * scale[r] + add[r]);
-      }
-    }
+    row_blocks<XT, WT, Scaled>(xf, w, ldw, bias, y, M, N, K, b0, b1);
   });
 }
 
@@ -334,4 +343,26 @@ std::optional<at::Tensor> int8_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+namespace parts {
+namespace {
+// x as fp32 rows in a per-thread buffer (the entries' x.to(float): exact)
+const float* widened(const bf16* x, int64_t n) {
+  thread_local std::vector<float> xf;
+  xf.resize(n);
+  for (int64_t i = 0; i < n; ++i) xf[i] = static_cast<float>(x[i]);
+  return xf.data();
+}
+}  // namespace
+
+void dense_linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                       int64_t n0, int64_t n1) {
+  row_blocks<bf16, bf16, false>(widened(x, M * K), w, K, bias, y, M, N, K, n0 / kRows, (n1 + kRows - 1) / kRows);
+}
+
+void int8_linear_rows(const bf16* x, const int8_t* w, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n0, int64_t n1) {
+  row_blocks<bf16, int8_t, true>(widened(x, M * K), w, K + 4, bias, y, M, N, K, n0 / kRows, (n1 + kRows - 1) / kRows);
+}
+
+}  // namespace parts
 }  // namespace mops

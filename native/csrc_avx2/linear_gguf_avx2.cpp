@@ -23,6 +23,7 @@
 
 #include "../csrc/dispatch.h"
 #include "../csrc/gguf_blocks.h"
+#include "../csrc/step_parts.h"
 #include "vec_avx2.h"
 
 namespace mops {
@@ -156,30 +157,37 @@ inline void dot_block(const float* x, int64_t K, const uint8_t* w, int64_t ldw, 
     for (int r = 0; r < kRows; ++r) sums[m * kRows + r] = hsum8(acc[m][r]);
 }
 
+// Blocks [b0, b1) of kRows outputs of y [M, N] = xf [M, K] @ W^T (+ bias), W in the rows layout.
+template <typename D, typename XT>
+void gguf_row_blocks(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K,
+                     int64_t b0, int64_t b1) {
+  const int64_t ldw = K / D::kBlock * D::kBytes;
+  const int64_t lines = (kRows * ldw + 63) / 64;
+  float sums[kCols * kRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
+    const uint8_t* wb = w + n0 * ldw;
+    const char* ahead = b + kAhead < b1 ? reinterpret_cast<const char*>(wb + kAhead * kRows * ldw) : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const int64_t mb = std::min<int64_t>(kCols, M - m0);
+      if (mb == 1)
+        dot_block<D, 1>(xf + m0 * K, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
+      else
+        dot_block<D, 2>(xf + m0 * K, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(m0 + m) * N + n0 + r] =
+              static_cast<XT>(sums[m * kRows + r] + (bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f));
+    }
+  }
+}
+
 template <typename D, typename XT>
 void gguf_rows(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t ldw = K / D::kBlock * D::kBytes;
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : blocks;
-  const int64_t lines = (kRows * ldw + 63) / 64;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float sums[kCols * kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows, nr = std::min<int64_t>(kRows, N - n0);
-      const uint8_t* wb = w + n0 * ldw;
-      const char* ahead = b + kAhead < b1 ? reinterpret_cast<const char*>(wb + kAhead * kRows * ldw) : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const int64_t mb = std::min<int64_t>(kCols, M - m0);
-        if (mb == 1)
-          dot_block<D, 1>(xf + m0 * K, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
-        else
-          dot_block<D, 2>(xf + m0 * K, K, wb, ldw, nr, sums, m0 == 0 ? ahead : nullptr, lines);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < nr; ++r)
-            y[(m0 + m) * N + n0 + r] =
-                static_cast<XT>(sums[m * kRows + r] + (bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.0f));
-      }
-    }
+    gguf_row_blocks<D, XT>(xf, w, bias, y, M, N, K, b0, b1);
   });
 }
 
@@ -244,24 +252,38 @@ inline void group_rows(const float* x, const float* xsum, int64_t K, const uint8
     for (int h = 0; h < 2; ++h) store8(y + m * N + 8 * h, acc[m][h]);
 }
 
-template <int kType, typename XT>
-void grouped_linear(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / 32, groups = N / kGroup, gbytes = nb * group_bytes<kType>();
-  std::vector<float> xsum(kType == kQ4_1 ? M * nb : 0);
-  for (size_t i = 0; i < xsum.size(); ++i)
+// Each 32-value block's sum of the x rows (Q4_1's min term): xsum [M * K / 32].
+inline void block_sums(const float* xf, int64_t n, float* xsum) {
+  for (int64_t i = 0; i < n; ++i)
     xsum[i] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xf + i * 32), _mm256_loadu_ps(xf + i * 32 + 8)),
                                   _mm256_add_ps(_mm256_loadu_ps(xf + i * 32 + 16), _mm256_loadu_ps(xf + i * 32 + 24))));
+}
+
+// Groups [g0, g1) of 16 outputs of y [M, N] = xf [M, K] @ W^T (+ bias), W grouped; xsum: the x
+// rows' block sums (Q4_1; else unused).
+template <int kType, typename XT>
+void grouped_groups(const float* xf, const float* xsum, const uint8_t* w, const XT* bias, XT* y, int64_t M,
+                    int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32, gbytes = nb * group_bytes<kType>();
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < M; m0 += kCols) {
+      const float* sm = xsum + (kType == kQ4_1 ? m0 * nb : 0);
+      const XT* bg = bias != nullptr ? bias + g * kGroup : nullptr;
+      if (M - m0 == 1)
+        group_rows<kType, 1>(xf + m0 * K, sm, K, w + g * gbytes, bg, y + m0 * N + g * kGroup, N);
+      else
+        group_rows<kType, 2>(xf + m0 * K, sm, K, w + g * gbytes, bg, y + m0 * N + g * kGroup, N);
+    }
+}
+
+template <int kType, typename XT>
+void grouped_linear(const float* xf, const uint8_t* w, const XT* bias, XT* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / 32, groups = N / kGroup;
+  std::vector<float> xsum(kType == kQ4_1 ? M * nb : 0);
+  block_sums(xf, static_cast<int64_t>(xsum.size()), xsum.data());
   const int64_t grain = at::get_num_threads() > 1 && M * N * K >= kOneThreadMaxMacs ? 16 : groups;
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m0 = 0; m0 < M; m0 += kCols) {
-        const float* sm = xsum.data() + (xsum.empty() ? 0 : m0 * nb);
-        const XT* bg = bias != nullptr ? bias + g * kGroup : nullptr;
-        if (M - m0 == 1)
-          group_rows<kType, 1>(xf + m0 * K, sm, K, w + g * gbytes, bg, y + m0 * N + g * kGroup, N);
-        else
-          group_rows<kType, 2>(xf + m0 * K, sm, K, w + g * gbytes, bg, y + m0 * N + g * kGroup, N);
-      }
+    grouped_groups<kType, XT>(xf, xsum.data(), w, bias, y, M, N, K, g0, g1);
   });
 }
 
@@ -402,4 +424,34 @@ bool gguf_dequantize(const at::Tensor& w, int64_t type, at::Tensor& out) {
   });
 }
 
+namespace parts {
+
+bool gguf_weight_layout(int64_t type, const at::Tensor& w, int64_t K, bool& grouped, int64_t& rows) {
+  const Layout layout = check_weight(static_cast<int>(type), w, K);
+  grouped = layout.grouped;
+  rows = layout.rows;
+  return true;
+}
+
+void gguf_linear_rows(int64_t type, bool grouped, const bf16* x, const uint8_t* w, const bf16* bias, bf16* y,
+                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> xf, xsum;
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+  if (grouped) {
+    xsum.resize(type == kQ4_1 ? M * (K / 32) : 0);
+    block_sums(xf.data(), static_cast<int64_t>(xsum.size()), xsum.data());
+    with_grouped_type(type, [&](auto kind) {
+      grouped_groups<decltype(kind)::value, bf16>(xf.data(), xsum.data(), w, bias, y, M, N, K, n0 / kGroup,
+                                                  n1 / kGroup);
+    });
+    return;
+  }
+  with_decoder(type, [&](auto tag) {
+    using D = typename decltype(tag)::type;
+    gguf_row_blocks<D, bf16>(xf.data(), w, bias, y, M, N, K, n0 / kRows, (n1 + kRows - 1) / kRows);
+  });
+}
+
+}  // namespace parts
 }  // namespace mops

@@ -1,20 +1,27 @@
 """A dense Llama-family model's decode step through its layers in one native call.
 
-Per layer the native ``DecodeStep`` (native/csrc/decode_step.cpp) runs norm (+ residual), the
+Per layer the native ``DecodeStep`` (native/csrc/decode_step.h) runs norm (+ residual), the
 qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the KV write, paged decode attention, the o
 matmul, norm (+ residual), the gate/up matmul with SiLU-and-mul, and the down matmul, with no
 Python between the ops and one parallel region for the whole step: what CUDA graphs are to
-vLLM's decode, on the CPU. Its tasks call the kernels the ops themselves run (the native packed
-bf16 matmul, RMSNorm, RoPE, the bf16 decode attention), each output element computed in the
-same order, so the step is bit-equal to the op chain (`reference_layers` below runs that chain
+vLLM's decode, on the CPU. Its tasks call the kernels the ops themselves run (the native bf16
+matmul, RMSNorm, RoPE, the bf16 decode attention), each output element computed in the same
+order, so the step is bit-equal to the op chain (`reference_layers` below runs that chain
 through the public ops, for tests).
 
-It applies where those kernels are the ones that run: bf16 weights packed for
-``native-packed-bf16``, int8 weights (``--quantization int8``: the native int8 matmul of decode
-rows) or GGUF weights (``--quantization gguf``: the native GGUF matmul); int8 and GGUF gate/up
-outputs then take SiLU-and-mul as a phase of its own. On a CPU with AVX512_BF16; bf16
-activations and KV cache, head_dim 64 / 128 / 256, one rank. Whether a model uses it is the model's choice (`kthena_serve.model.llama`): timed
-against the op chain under ``--kernels auto``.
+Both native builds have it, each over its own kernels:
+
+* AVX-512 (a CPU with AVX512_BF16): bf16 weights packed for ``native-packed-bf16`` (gate/up
+  with SiLU-and-mul in one kernel);
+* AVX2 (e.g. AMD Zen 3): bf16 weights dense, computed in fp32 as ``bf16-fp32-compute`` runs
+  them there (the AVX2 build's ``dense_linear``).
+
+In both, int8 weights (``--quantization int8``: the native int8 matmul of decode rows) or GGUF
+weights (``--quantization gguf``: the native GGUF matmul) work too; gate/up outputs other than
+the packed bf16 kernel's take SiLU-and-mul as a phase of its own. bf16 activations and KV
+cache, head_dim 64 / 128 / 256, one rank; up to `max_fused_rows` decode rows, where the op
+chain's matmuls run the parts the step runs. Whether a model uses it is the model's choice
+(`kthena_serve.model.llama`): timed against the op chain under ``--kernels auto``.
 """
 
 from __future__ import annotations
@@ -25,29 +32,38 @@ import attrs
 import torch
 
 from mooncake_ops.attention import paged_decode_attention
-from mooncake_ops.gguf_linear import GGUF_WEIGHT_ONLY
+from mooncake_ops.dispatch import native_enabled
+from mooncake_ops.gguf_linear import GGUF_BF16_MAX_OP_ROWS, GGUF_WEIGHT_ONLY
 from mooncake_ops.gguf_quants import gguf_type_of
 from mooncake_ops.kv_cache import write_kv
 from mooncake_ops.layers import rms_norm, rotary_embedding, silu_and_mul
 from mooncake_ops.linear import (
+    FP32_COMPUTE_BF16,
     NATIVE_PACKED_BF16,
     LinearKernel,
     native_bf16_linear_available,
     native_module,
 )
-from mooncake_ops.linear_int8 import INT8_WEIGHT_ONLY
+from mooncake_ops.linear_int8 import INT8_PANEL_MIN_ROWS, INT8_WEIGHT_ONLY
 
-__all__ = ["DecodeLayer", "FusedDecode", "fused_decode_available", "reference_layers"]
+__all__ = ["DecodeLayer", "FusedDecode", "fused_decode_available", "max_fused_rows",
+           "reference_layers", "step_bf16_kernel"]
+
+FUSED_MAX_ROWS = 16
+# The AVX2 build's dense and int8 matmuls take up to 2 rows by the dot products the step runs
+# (more by weight panels: native/csrc_avx2/linear_avx2.cpp).
+_AVX2_DOT_ROWS = 2
 
 
 @attrs.frozen
 class DecodeLayer:
     """One layer's tensors as the fused step takes them.
 
-    The matmul weights are packed by ``NATIVE_PACKED_BF16`` (``gate_up`` by its SwiGLU packing,
-    gate and up blocks interleaved), by ``INT8_WEIGHT_ONLY`` (int8 rows with their scales), or
-    packed GGUF weights as ``GGUF_WEIGHT_ONLY`` takes them (int8 and GGUF ``gate_up``: [gate;
-    up] rows); norms and the bias are bf16; ``q_norm`` / ``k_norm``
+    The matmul weights are bf16 as `step_bf16_kernel` packs them (AVX-512: ``NATIVE_PACKED_BF16``,
+    ``gate_up`` by its SwiGLU packing, gate and up blocks interleaved; AVX2:
+    ``FP32_COMPUTE_BF16``'s dense [N, K]), ``INT8_WEIGHT_ONLY``'s int8 rows with their scales,
+    or packed GGUF weights as ``GGUF_WEIGHT_ONLY`` takes them (every ``gate_up`` but the packed
+    bf16 one: [gate; up] rows); norms and the bias are bf16; ``q_norm`` / ``k_norm``
     ([head_dim], Qwen3) come together or not at all. ``k_cache`` / ``v_cache``: bf16
     [blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -64,10 +80,41 @@ class DecodeLayer:
     v_cache: torch.Tensor
 
 
+def _isa() -> str | None:
+    from mooncake_ops.backends import native
+
+    return native.isa() if native_enabled() else None
+
+
 def fused_decode_available() -> bool:
-    """Whether the native build here has the fused step and the CPU runs its kernels."""
-    module = native_module() if native_bf16_linear_available() else None
-    return module is not None and hasattr(module, "DecodeStep")
+    """Whether the native build here has the fused step and the CPU runs its kernels (the
+    AVX-512 build's need AVX512_BF16; the AVX2 build loads only where they run)."""
+    isa = _isa()
+    if isa is None or not hasattr(native_module(), "DecodeStep"):
+        return False
+    return isa == "avx2" or native_bf16_linear_available()
+
+
+def step_bf16_kernel() -> LinearKernel:
+    """The bf16 matmul whose weights and parts the fused step takes on this build."""
+    return FP32_COMPUTE_BF16 if _isa() == "avx2" else NATIVE_PACKED_BF16
+
+
+def max_fused_rows(kernel: str) -> int:
+    """The most decode rows the fused step takes with matmul kernel ``kernel`` (a
+    ``LinearKernel`` name): up to where the op chain's kernel for those rows runs the parts
+    the step's tasks run (int8: below its panel kernel's rows; GGUF: the native GGUF matmul
+    for bf16 rows)."""
+    avx2 = _isa() == "avx2"
+    if kernel == INT8_WEIGHT_ONLY.name:
+        return _AVX2_DOT_ROWS if avx2 else INT8_PANEL_MIN_ROWS - 1
+    if kernel == GGUF_WEIGHT_ONLY.name:
+        return GGUF_BF16_MAX_OP_ROWS
+    if kernel == step_bf16_kernel().name:
+        return _AVX2_DOT_ROWS if avx2 else FUSED_MAX_ROWS
+    raise ValueError(f"the fused step does not run matmul kernel {kernel!r} on this build; it "
+                     f"runs {step_bf16_kernel().name}, {INT8_WEIGHT_ONLY.name} and "
+                     f"{GGUF_WEIGHT_ONLY.name}")
 
 
 class FusedDecode:
@@ -81,8 +128,8 @@ class FusedDecode:
     def __init__(self, layers: Sequence[DecodeLayer], *, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float, scale: float) -> None:
         if not fused_decode_available():
-            raise RuntimeError("the fused decode step needs the AVX-512 native build on a CPU "
-                               "with AVX512_BF16")
+            raise RuntimeError("no native build with the fused decode step runs here (the "
+                               "AVX-512 one needs AVX512_BF16; the AVX2 one AVX2)")
         self.num_layers = len(layers)
         self._step = native_module().DecodeStep(
             [y.input_norm for y in layers], [y.post_norm for y in layers],
@@ -111,15 +158,19 @@ class FusedDecode:
 
 def _kind(weight: torch.Tensor) -> int:
     """What the native step reads a weight as: ggml's type number for packed GGUF blocks
-    (uint8), -2 for `pack_int8_weight`'s int8 rows, -1 for the native packed bf16 layout."""
+    (uint8), -2 for `pack_int8_weight`'s int8 rows, -1 for the native packed bf16 layout
+    ([N/16, K/2, 16, 2]), -3 for a dense bf16 [N, K]."""
     if weight.dtype == torch.uint8:
         return gguf_type_of(weight).type_id
-    return -2 if weight.dtype == torch.int8 else -1
+    if weight.dtype == torch.int8:
+        return -2
+    return -3 if weight.dim() == 2 else -1
 
 
 def _kernel(weight: torch.Tensor) -> LinearKernel:
-    return {torch.uint8: GGUF_WEIGHT_ONLY, torch.int8: INT8_WEIGHT_ONLY}.get(weight.dtype,
-                                                                            NATIVE_PACKED_BF16)
+    if weight.dtype in (torch.uint8, torch.int8):
+        return GGUF_WEIGHT_ONLY if weight.dtype == torch.uint8 else INT8_WEIGHT_ONLY
+    return FP32_COMPUTE_BF16 if weight.dim() == 2 else NATIVE_PACKED_BF16
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor,
@@ -128,12 +179,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """gate/up + SiLU as the model runs it for decode rows: the bf16 kernel's fused form, the
-    matmul then `silu_and_mul` for GGUF and int8 (whose fused form runs only from
+    """gate/up + SiLU as the model runs it for decode rows: the packed bf16 kernel's fused form,
+    the matmul then `silu_and_mul` for the rest (int8's fused form runs only from
     `INT8_PANEL_MIN_ROWS` rows)."""
-    if weight.dtype in (torch.uint8, torch.int8):
-        return silu_and_mul(_kernel(weight).linear(x, weight))
-    return NATIVE_PACKED_BF16.gate_up_silu(x, weight)
+    kernel = _kernel(weight)
+    if kernel is NATIVE_PACKED_BF16:
+        return NATIVE_PACKED_BF16.gate_up_silu(x, weight)
+    return silu_and_mul(kernel.linear(x, weight))
 
 
 def reference_layers(layers: Sequence[DecodeLayer], x: torch.Tensor, positions: torch.Tensor,

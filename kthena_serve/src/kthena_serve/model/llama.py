@@ -53,12 +53,16 @@ from mooncake_ops import (
     silu_and_mul,
     write_kv,
 )
-from mooncake_ops.decode_step import DecodeLayer, FusedDecode, fused_decode_available
+from mooncake_ops.decode_step import (
+    FUSED_MAX_ROWS,
+    DecodeLayer,
+    FusedDecode,
+    fused_decode_available,
+    max_fused_rows,
+    step_bf16_kernel,
+)
 from mooncake_ops.dispatch import implementation_name
-from mooncake_ops.gguf_linear import GGUF_BF16_MAX_OP_ROWS
 from mooncake_ops.kernel_timing import AttentionShape, MatmulWeight
-from mooncake_ops.linear import NATIVE_PACKED_BF16
-from mooncake_ops.linear_int8 import INT8_PANEL_MIN_ROWS
 from mooncake_ops.moe_selection import choose_moe_kernels
 from mooncake_ops.selection import KernelChoice, choose_kernels
 
@@ -517,16 +521,6 @@ class LlamaForCausalLM(nn.Module):
 # ---- the fused decode step -----------------------------------------------------------------------
 # Batches of at most this many decode rows take the fused step when it is chosen (set from the
 # measurements in docs/mooncake_ops.md, "Fused decode step").
-FUSED_MAX_ROWS = 16
-_FUSED_MATMULS = (NATIVE_PACKED_BF16.name, INT8_WEIGHT_ONLY.name, GGUF_WEIGHT_ONLY.name)
-# the most decode rows the fused step takes, per matmul kernel: up to where the op chain's
-# kernel for those rows is the one the step's tasks run (int8: the int8 op below its panel
-# kernel's rows; GGUF: the native GGUF matmul for bf16 rows)
-_FUSED_ROWS = {NATIVE_PACKED_BF16.name: FUSED_MAX_ROWS,
-               INT8_WEIGHT_ONLY.name: INT8_PANEL_MIN_ROWS - 1,
-               GGUF_WEIGHT_ONLY.name: GGUF_BF16_MAX_OP_ROWS}
-
-
 @attrs.frozen
 class DecodeStepChoice:
     """How decode steps run the layers: ``fused`` (one native call, `FusedDecode`) or ``ops``
@@ -542,15 +536,17 @@ class DecodeStepChoice:
 def fused_decode_refusal(model: LlamaForCausalLM) -> str | None:
     """Why the fused step cannot run this model's decode here (None: it can)."""
     if not fused_decode_available():
-        return "no native build with the fused step on this CPU (needs AVX-512 with AVX512_BF16)"
+        return ("no native build with the fused step on this CPU (the AVX-512 one needs "
+                "AVX512_BF16; the AVX2 one AVX2)")
     c = model.config
     if c.mla is not None or any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
         return "an MLA or MoE model (the step chains dense Llama layers)"
     if model.tp.world_size > 1 or model.sp is not None or model.stage.size > 1:
         return "more than one rank (the step has no collectives)"
     choice = getattr(model, "kernel_choice", None)
-    if choice is None or choice.split or choice.linear_decode not in _FUSED_MATMULS:
-        return f"the matmul kernel is not one of {', '.join(_FUSED_MATMULS)}"
+    matmuls = (step_bf16_kernel().name, INT8_WEIGHT_ONLY.name, GGUF_WEIGHT_ONLY.name)
+    if choice is None or choice.split or choice.linear_decode not in matmuls:
+        return f"the matmul kernel is not one of {', '.join(matmuls)}"
     if model.layers[0].input_norm.dtype != torch.bfloat16:
         return "activations are not bf16"
     if implementation_name("paged_decode_attention", "cpu") != "native-cpp":
@@ -560,13 +556,16 @@ def fused_decode_refusal(model: LlamaForCausalLM) -> str | None:
         return "head_dim is not 64, 128 or 256, or a KV head has more than 16 query heads"
     if shape.hidden_size % 32 or (model.rope_cache.shape[1] // 2) % 16:
         return "hidden size not a multiple of 32, or rotary dim not of 32"
+    # bf16 weights: packed with gate/up for the fused SwiGLU (AVX-512), or dense (AVX2)
+    packed = step_bf16_kernel().pack_gate_up is not None
+    quantized = (torch.uint8, torch.int8)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
-        quantized = (torch.uint8, torch.int8)
-        if not all(w.dtype in quantized or w.dim() == 4 for w in weights) or (
-                mlp.gate_up_weight.dtype not in quantized and mlp.gate_up_silu is None):
-            return "a matmul weight is not natively packed bf16, int8 rows or GGUF blocks"
+        if not all(w.dtype in quantized or w.dim() == (4 if packed else 2) for w in weights) or (
+                packed and mlp.gate_up_weight.dtype not in quantized and mlp.gate_up_silu is None):
+            return (f"a matmul weight is not bf16 as {step_bf16_kernel().name} lays it out, int8 "
+                    "rows or GGUF blocks")
     return None
 
 
@@ -593,7 +592,7 @@ def choose_decode_step(model: LlamaForCausalLM, kernels: str, block_size: int) -
     why = fused_decode_refusal(model)
     if why is not None:
         return DecodeStepChoice("ops", why)
-    rows = _FUSED_ROWS[model.kernel_choice.linear_decode]
+    rows = max_fused_rows(model.kernel_choice.linear_decode)
     if kernels != "auto":
         return DecodeStepChoice("fused", "the fused step runs here (chosen by features)",
                                 max_rows=rows)
