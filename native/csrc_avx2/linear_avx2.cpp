@@ -57,11 +57,13 @@ inline void dot_block(const float* x, int64_t K, const WT* const (&w)[kRows], fl
   __m256 acc[MB][kRows];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  // line l is due at the step s where (s + 1) * lines first reaches (l + 1) * steps: the
+  // lines spread evenly over the steps, counted without a division per step
   const int64_t steps = K / 8;
-  for (int64_t k = 0, step = 0; k < K; k += 8, ++step) {
+  int64_t line = 0, due = 0, next = steps;
+  for (int64_t k = 0; k < K; k += 8) {
     if (ahead != nullptr)
-      for (int64_t line = step * lines / steps; line < (step + 1) * lines / steps; ++line)
-        _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+      for (due += lines; next <= due; next += steps) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0);
     __m256 wv[kRows];
     for (int r = 0; r < kRows; ++r) wv[r] = load8(w[r] + k);
     for (int m = 0; m < MB; ++m) {

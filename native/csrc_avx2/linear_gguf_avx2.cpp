@@ -138,9 +138,10 @@ inline void dot_block(const float* x, int64_t K, const uint8_t* w, int64_t ldw, 
   const uint8_t* rows[kRows];
   for (int r = 0; r < kRows; ++r) rows[r] = w + std::min<int64_t>(r, nr - 1) * ldw;
   const int64_t nb = K / D::kBlock;
+  int64_t line = 0, due = 0, next = nb;  // the lines spread evenly over the blocks, as linear_avx2.cpp
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr)
-      for (int64_t line = b * lines / nb; line < (b + 1) * lines / nb; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+      for (due += lines; next <= due; next += nb) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0);
     const int64_t at = b * D::kBytes;
     const D dec[kRows] = {D(rows[0] + at), D(rows[1] + at), D(rows[2] + at), D(rows[3] + at)};
     for (int i = 0; i < D::kChunks; ++i) {
