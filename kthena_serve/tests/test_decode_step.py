@@ -65,6 +65,7 @@ def _check_fused_equals_ops(model, prompts: list[list[int]], steps: int) -> None
     prompts = prompts[: fused.max_rows]
     got, got_caches = _run(model, fused, prompts, steps)
     assert model._fused is not None  # the fused step ran (built over these caches)
+    assert model._fused[1].has_head  # on to the logits: the final norm and the LM head too
     want, want_caches = _run(model, DecodeStepChoice("ops", "yardstick"), prompts, steps)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

@@ -14,11 +14,13 @@ from _mops_support import random_blocks
 
 import mooncake_ops as mo
 from mooncake_ops.decode_step import (
+    DecodeHead,
     DecodeLayer,
     FusedDecode,
     fused_decode_available,
     max_fused_rows,
     reference_layers,
+    reference_logits,
     step_bf16_kernel,
 )
 from mooncake_ops.gguf_linear import native_gguf_available
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.skipif(not fused_decode_available(),
 
 KERNEL = step_bf16_kernel() if fused_decode_available() else mo.linear.NATIVE_PACKED_BF16
 HIDDEN, HEADS, KV_HEADS, INTER, BLOCK = 256, 4, 2, 256, 16  # K-quants: K a multiple of 256
+VOCAB = 336
 
 
 def _w(*shape: int, scale: float = 0.08) -> torch.Tensor:
@@ -43,31 +46,41 @@ def _matmul_weights(weights: str, q: int, kv: int) -> dict[str, torch.Tensor]:
         pack_gate_up = KERNEL.pack_gate_up or KERNEL.pack
         return {"qkv": KERNEL.pack(_w(q + 2 * kv, HIDDEN)), "o": KERNEL.pack(_w(HIDDEN, q)),
                 "gate_up": pack_gate_up(_w(2 * INTER, HIDDEN)),
-                "down": KERNEL.pack(_w(HIDDEN, INTER))}
+                "down": KERNEL.pack(_w(HIDDEN, INTER)), "head": KERNEL.pack(_w(VOCAB, HIDDEN))}
     if weights == "int8":  # per-channel int8 rows; gate/up as [gate; up]
         pack = mo.INT8_WEIGHT_ONLY.pack
         return {"qkv": pack(_w(q + 2 * kv, HIDDEN)), "o": pack(_w(HIDDEN, q)),
-                "gate_up": pack(_w(2 * INTER, HIDDEN)), "down": pack(_w(HIDDEN, INTER))}
+                "gate_up": pack(_w(2 * INTER, HIDDEN)), "down": pack(_w(HIDDEN, INTER)),
+                "head": pack(_w(VOCAB, HIDDEN))}
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     shapes = {"qkv": (q + 2 * kv, HIDDEN), "o": (HIDDEN, q), "gate_up": (2 * INTER, HIDDEN),
-              "down": (HIDDEN, INTER)}
+              "down": (HIDDEN, INTER), "head": (VOCAB, HIDDEN)}
     return {name: pack_gguf_weight(random_blocks(weights, n, k, gen), weights, k)
             for name, (n, k) in shapes.items()}
 
 
 def _layers(n: int, head_dim: int, *, bias: bool, qk_norm: bool, blocks: int,
             weights: str = "bf16") -> list[DecodeLayer]:
+    return _model(n, head_dim, bias=bias, qk_norm=qk_norm, blocks=blocks, weights=weights)[0]
+
+
+def _model(n: int, head_dim: int, *, bias: bool, qk_norm: bool, blocks: int,
+           weights: str = "bf16") -> tuple[list[DecodeLayer], DecodeHead]:
+    """``n`` random layers and a head, every matmul weight of the form ``weights``."""
     q, kv = HEADS * head_dim, KV_HEADS * head_dim
     out = []
     for _ in range(n):
         k_cache, v_cache = (_w(blocks, BLOCK, KV_HEADS, head_dim, scale=1.0) for _ in range(2))
+        matmuls = _matmul_weights(weights, q, kv)
+        del matmuls["head"]
         out.append(DecodeLayer(
             input_norm=1 + _w(HIDDEN, scale=0.2), post_norm=1 + _w(HIDDEN, scale=0.2),
             qkv_bias=_w(q + 2 * kv) if bias else None,
             q_norm=1 + _w(head_dim, scale=0.2) if qk_norm else None,
             k_norm=1 + _w(head_dim, scale=0.2) if qk_norm else None,
-            k_cache=k_cache, v_cache=v_cache, **_matmul_weights(weights, q, kv)))
-    return out
+            k_cache=k_cache, v_cache=v_cache, **matmuls))
+    head = DecodeHead(norm=1 + _w(HIDDEN, scale=0.2), weight=_matmul_weights(weights, q, kv)["head"])
+    return out, head
 
 
 def _copy(layers: list[DecodeLayer]) -> list[DecodeLayer]:
@@ -93,24 +106,31 @@ def _check_parity(head_dim, bias, qk_norm, contexts, threads, weights="bf16"):
         pytest.skip(f"{len(contexts)} rows: the op chain's {kernel.name} takes another path on "
                     f"this build than the step, which takes at most {max_fused_rows(kernel.name)}")
     blocks = 16 * len(contexts)
-    layers = _layers(3, head_dim, bias=bias, qk_norm=qk_norm, blocks=blocks, weights=weights)
+    layers, head = _model(3, head_dim, bias=bias, qk_norm=qk_norm, blocks=blocks, weights=weights)
     rope = mo.build_rope_cache(head_dim, 512, 10000.0)
     shape = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": head_dim, "eps": 1e-6,
              "scale": head_dim ** -0.5}
     x = _w(len(contexts), HIDDEN, scale=1.0)
     args = (x, *_batch(contexts, blocks), rope)
-    ours, theirs = _copy(layers), _copy(layers)
+    ours, theirs, ours_head, theirs_head = (_copy(layers) for _ in range(4))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = FusedDecode(ours, **shape).run(*args)
         want = reference_layers(theirs, *args, **shape)
+        # on to the logits: the final norm and the LM head in the same call
+        logits = FusedDecode(ours_head, **shape, head=head).logits(*args)
+        want_logits = reference_logits(theirs_head, head, *args, **shape)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for a, b in zip(ours, theirs, strict=True):  # the same K/V written to the same slots
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
     assert not torch.equal(got[0], x)  # the layers ran
+    assert logits.dtype == torch.float32 and logits.shape == (len(contexts), VOCAB)
+    assert torch.equal(logits, want_logits)
+    for a, b in zip(ours_head, ours, strict=True):  # the same K/V as without the head
+        assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -181,3 +201,10 @@ def test_bad_layers_are_refused_by_name():
     fp32 = attrs.evolve(layers[0], k_cache=layers[0].k_cache.float())
     with pytest.raises(ValueError, match="KV caches must be bf16"):
         FusedDecode([fp32], **shape)
+    norm = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lm_head weight must be"):
+        FusedDecode(layers, **shape, head=DecodeHead(norm, other.to(torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"the final norm must be a contiguous bf16 tensor of shape \[256\]"):
+        FusedDecode(layers, **shape, head=DecodeHead(norm[:64], layers[0].o))
+    with pytest.raises(ValueError, match="no LM head: build it with head=DecodeHead"):
+        FusedDecode(layers, **shape).logits(*_step()[1])

@@ -7,6 +7,7 @@
 //   norm (+ residual) -> qkv (+ bias) -> [q/k norm] -> RoPE -> KV write -> attention -> o
 //   -> norm (+ residual) -> gate/up (+ SiLU: the AVX-512 packed bf16 kernel's) -> [SiLU-and-mul] -> down
 //
+// and, for run_logits (set_head), the final norm (+ residual) and the LM head into float32 logits,
 // with no Python between the ops and one parallel region for the whole step. Each op is a
 // phase of tasks (an equal range of a matmul's output rows, two per thread; a (sequence, KV
 // head) item of attention, which also rotates and writes that head's K / V; a norm or a
@@ -36,6 +37,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -202,12 +204,37 @@ class DecodeStep {
     }
   }
 
+  // The model's last norm (bf16 [hidden]) and LM head weight (of kind `kind`, vocab outputs),
+  // for run_logits.
+  void set_head(const at::Tensor& norm, const at::Tensor& weight, int64_t kind) {
+    check_bf16(norm, "the final norm", {hidden_});
+    head_ = weight_of(weight, kind, "lm_head weight", hidden_);
+    head_norm_ = norm;
+  }
+
   // x [B, hidden] bf16 (the embedded tokens), positions int64 [B], slot_mapping int64 [B],
   // block_tables int32 [B, max_blocks], context_lens int32 [B] (with the new token), the rope
   // table float32 [max_position, rotary_dim]: the last layer's (x, residual), as the model's
   // layer loop returns them.
   std::vector<at::Tensor> run(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slots,
                               const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope) {
+    return steps(x_in, positions, slots, block_tables, context_lens, rope, false);
+  }
+
+  // The same, then the final norm (+ residual) and the LM head (set_head): float32 logits
+  // [B, vocab], the head's bf16 outputs widened (as the model's head matmul, then .float()).
+  at::Tensor run_logits(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slots,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope) {
+    if (!head_norm_.defined()) refuse("no LM head: call set_head first");
+    return steps(x_in, positions, slots, block_tables, context_lens, rope, true)[0];
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<at::Tensor> steps(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slots,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
+                                bool with_head) {
     const int64_t B = x_in.size(0);
     check_bf16(x_in, "x", {B, hidden_});
     if (positions.scalar_type() != at::kLong || slots.scalar_type() != at::kLong || positions.numel() != B ||
@@ -254,12 +281,15 @@ class DecodeStep {
     const int64_t nt = at::get_num_threads();
     // a matmul's tasks: kTasksPerThread per thread, equal ranges of its output units
     auto tasks = [&](const Weight& w) { return std::min(w.n / w.unit, kTasksPerThread * nt); };
+    // the output rows [r0, r1) of task `task` of w's matmul (the last: any rest)
+    auto rows_of = [&](const Weight& w, int64_t task) -> std::pair<int64_t, int64_t> {
+      const int64_t units = w.n / w.unit, count = tasks(w);
+      return {w.unit * (units * task / count), task + 1 == count ? w.n : w.unit * (units * (task + 1) / count)};
+    };
     // task `task` of out = in @ w^T (+ bias), in [B, k]; a bf16 gate / up weight writes
     // silu(gate) * up (out [B, n / 2])
     auto matmul = [&](const bf16* in, int64_t k, const Weight& w, const bf16* bias, bf16* out, int64_t task) {
-      const int64_t units = w.n / w.unit, count = tasks(w);
-      const int64_t r0 = w.unit * (units * task / count);
-      const int64_t r1 = task + 1 == count ? w.n : w.unit * (units * (task + 1) / count);  // the last: any rest
+      const auto [r0, r1] = rows_of(w, task);
       if (w.kind == kInt8)
         parts::int8_linear_rows(in, w.w.data_ptr<int8_t>(), bias, out, B, w.n, k, r0, r1);
       else if (w.kind >= 0)
@@ -296,15 +326,35 @@ class DecodeStep {
 
     // phases per layer: norm, qkv, attention, o, norm, gate/up, SiLU-and-mul (int8, GGUF; no task
     // for bf16, whose gate / up matmul applies it), down
+    // and with the head: the final norm, then the head's matmul (each task widens its rows)
     constexpr int64_t kPerLayer = 8;
-    const int64_t L = static_cast<int64_t>(layers_.size());
-    std::vector<int64_t> counts(L * kPerLayer);
+    const int64_t L = static_cast<int64_t>(layers_.size()), P = L * kPerLayer + (with_head ? 2 : 0);
+    std::vector<int64_t> counts(P);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers_[l];
       const int64_t c[kPerLayer] = {1, tasks(y.qkv), B * kv_heads_, tasks(y.o), 1, tasks(y.gate_up),
                                     y.gate_up.kind == kPackedBf16 ? 0 : 1, tasks(y.down)};
       std::copy(c, c + kPerLayer, counts.begin() + l * kPerLayer);
     }
+    at::Tensor head_out, logits;  // the head's bf16 outputs, widened into float32 logits
+    if (with_head) {
+      counts[P - 2] = 1;
+      counts[P - 1] = tasks(head_);
+      head_out = at::empty({B, head_.n}, opt);
+      logits = at::empty({B, head_.n}, opt.dtype(at::kFloat));
+    }
+    auto head_task = [&](int64_t p, int64_t t) {
+      if (p == 0) {
+        parts::rms_rows_bf16(xd, rd, head_norm_.data_ptr<bf16>(), hd, rd, B, hidden_, eps_);
+        return;
+      }
+      bf16* ho = head_out.data_ptr<bf16>();
+      float* lo = logits.data_ptr<float>();
+      matmul(hd, hidden_, head_, nullptr, ho, t);
+      const auto [r0, r1] = rows_of(head_, t);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = r0; r < r1; ++r) lo[b * head_.n + r] = static_cast<float>(ho[b * head_.n + r]);
+    };
     auto task = [&](int64_t l, int64_t p, int64_t t) {
       const Layer& y = layers_[l];
       switch (p) {
@@ -325,14 +375,17 @@ class DecodeStep {
         default: matmul(actd, inter_, y.down, nullptr, xd, t); break;
       }
     };
-    Phases ph(L * kPerLayer);
+    Phases ph(P);
     auto walk = [&] {
-      for (int64_t i = 0; i < L * kPerLayer; ++i) {
+      for (int64_t i = 0; i < P; ++i) {
         if (i > 0) wait_for(ph.done[i - 1], counts[i - 1]);
         const int64_t n = counts[i];
         for (int64_t t = ph.next[i].fetch_add(1, std::memory_order_relaxed); t < n;
              t = ph.next[i].fetch_add(1, std::memory_order_relaxed)) {
-          task(i / kPerLayer, i % kPerLayer, t);
+          if (i < L * kPerLayer)
+            task(i / kPerLayer, i % kPerLayer, t);
+          else
+            head_task(i - L * kPerLayer, t);
           ph.done[i].fetch_add(1, std::memory_order_release);
         }
       }
@@ -344,13 +397,13 @@ class DecodeStep {
         for (int64_t t = t0; t < t1; ++t) walk();
       });
     }
+    if (with_head) return {logits};
     return {x, res};
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
- private:
   std::vector<Layer> layers_;
+  Weight head_;
+  at::Tensor head_norm_;
   int64_t heads_, kv_heads_, d_, hidden_ = 0, inter_ = 0;
   float eps_, scale_;
 };
@@ -370,7 +423,10 @@ void def_decode_step(pybind11::module_& m) {
            py::arg("k_norms"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("kinds"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"))
+      .def("set_head", &DecodeStep::set_head, py::arg("norm"), py::arg("weight"), py::arg("kind"))
       .def("run", &DecodeStep::run, py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("rope"), py::call_guard<py::gil_scoped_release>())
+      .def("run_logits", &DecodeStep::run_logits, py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("rope"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStep::num_layers);
 }

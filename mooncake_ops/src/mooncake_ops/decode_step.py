@@ -46,8 +46,8 @@ from mooncake_ops.linear import (
 )
 from mooncake_ops.linear_int8 import INT8_PANEL_MIN_ROWS, INT8_WEIGHT_ONLY
 
-__all__ = ["DecodeLayer", "FusedDecode", "fused_decode_available", "max_fused_rows",
-           "reference_layers", "step_bf16_kernel"]
+__all__ = ["DecodeHead", "DecodeLayer", "FusedDecode", "fused_decode_available",
+           "max_fused_rows", "reference_layers", "reference_logits", "step_bf16_kernel"]
 
 FUSED_MAX_ROWS = 16
 # The AVX2 build's dense and int8 matmuls take up to 2 rows by the dot products the step runs
@@ -78,6 +78,15 @@ class DecodeLayer:
     down: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+
+
+@attrs.frozen
+class DecodeHead:
+    """What follows the layers for logits: the final norm (bf16 [hidden]) and the LM head
+    weight, in one of the forms a layer's matmul weights take ([vocab, hidden] outputs)."""
+
+    norm: torch.Tensor
+    weight: torch.Tensor
 
 
 def _isa() -> str | None:
@@ -118,7 +127,8 @@ def max_fused_rows(kernel: str) -> int:
 
 
 class FusedDecode:
-    """The native step over fixed layers and KV caches.
+    """The native step over fixed layers and KV caches, and with ``head`` on to the logits
+    (`logits`).
 
     Raises:
         ValueError: a tensor the step cannot take (the message names the layer and tensor).
@@ -126,7 +136,7 @@ class FusedDecode:
     """
 
     def __init__(self, layers: Sequence[DecodeLayer], *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float, scale: float) -> None:
+                 head_dim: int, eps: float, scale: float, head: DecodeHead | None = None) -> None:
         if not fused_decode_available():
             raise RuntimeError("no native build with the fused decode step runs here (the "
                                "AVX-512 one needs AVX512_BF16; the AVX2 one AVX2)")
@@ -139,6 +149,9 @@ class FusedDecode:
             [y.k_cache for y in layers], [y.v_cache for y in layers],
             [[_kind(w) for w in (y.qkv, y.o, y.gate_up, y.down)] for y in layers],
             num_heads, num_kv_heads, head_dim, eps, scale)
+        self.has_head = head is not None
+        if head is not None:
+            self._step.set_head(head.norm, head.weight, _kind(head.weight))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -154,6 +167,20 @@ class FusedDecode:
         out, residual = self._step.run(x, positions, slot_mapping, block_tables, context_lens,
                                        rope)
         return out, residual
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor,
+               rope: torch.Tensor) -> torch.Tensor:
+        """`run`, then the final norm (+ residual) and the LM head in the same native call:
+        float32 logits [batch, vocab] (the head's bf16 outputs widened, as the model's head
+        matmul and ``.float()``).
+
+        Raises:
+            ValueError: this step was built without a ``head``.
+        """
+        if not self.has_head:
+            raise ValueError("this fused step has no LM head: build it with head=DecodeHead(...)")
+        return self._step.run_logits(x, positions, slot_mapping, block_tables, context_lens, rope)
 
 
 def _kind(weight: torch.Tensor) -> int:
@@ -215,3 +242,12 @@ def reference_layers(layers: Sequence[DecodeLayer], x: torch.Tensor, positions: 
         h, residual = rms_norm(x, y.post_norm, eps, residual)
         x = _linear(_gate_up_silu(h, y.gate_up), y.down)
     return x, residual
+
+
+def reference_logits(layers: Sequence[DecodeLayer], head: DecodeHead, x: torch.Tensor,
+                     *args: torch.Tensor, eps: float, **shape: float) -> torch.Tensor:
+    """`reference_layers`, then the final norm and the head as ops (`FusedDecode.logits`'s
+    yardstick)."""
+    out, residual = reference_layers(layers, x, *args, eps=eps, **shape)
+    h, _ = rms_norm(out, head.norm, eps, residual)
+    return _linear(h, head.weight).float()

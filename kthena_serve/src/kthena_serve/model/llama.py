@@ -55,6 +55,7 @@ from mooncake_ops import (
 )
 from mooncake_ops.decode_step import (
     FUSED_MAX_ROWS,
+    DecodeHead,
     DecodeLayer,
     FusedDecode,
     fused_decode_available,
@@ -472,7 +473,12 @@ class LlamaForCausalLM(nn.Module):
         if context_lens is not None and on_layer is None and residual is None \
                 and batch.num_tokens <= self.decode_step.max_rows:
             fused = self._fused_decode(kv_caches)
-        if fused is not None:  # the layers in one native call (mooncake_ops.decode_step)
+        if fused is not None and fused.has_head and logits_index is None:
+            # the layers, the final norm and the LM head in one native call (decode: every
+            # row, in order; mooncake_ops.decode_step)
+            return fused.logits(x, positions, batch.slot_mapping, batch.block_tables,
+                                batch.context_lens, self.rope_cache)
+        if fused is not None:  # the layers in one native call
             x, residual = fused.run(x, positions, batch.slot_mapping, batch.block_tables,
                                     batch.context_lens, self.rope_cache)
         else:
@@ -500,13 +506,25 @@ class LlamaForCausalLM(nn.Module):
             return None  # an int8 pool: the ops (the step reads a bf16 cache)
         key = tuple(cache[0].data_ptr() for cache in kv_caches)
         if self._fused is None or self._fused[0] != key:
+            layers = _decode_layers(self, kv_caches)
             try:
-                self._fused = (key, FusedDecode(_decode_layers(self, kv_caches), **_shape(self)))
-            except ValueError as error:  # a tensor the step does not take: the ops, said once
-                logging.getLogger(__name__).warning("decode steps run as ops: %s", error)
-                self.decode_step = DecodeStepChoice("ops", str(error))
-                return None
+                self._fused = (key, FusedDecode(layers, **_shape(self), head=self._decode_head()))
+            except ValueError as head_error:  # the head's weight: the layers fused, the head as ops
+                try:
+                    self._fused = (key, FusedDecode(layers, **_shape(self)))
+                except ValueError as error:  # a tensor the step does not take: the ops, said once
+                    logging.getLogger(__name__).warning("decode steps run as ops: %s", error)
+                    self.decode_step = DecodeStepChoice("ops", str(error))
+                    return None
+                logging.getLogger(__name__).warning("the LM head runs after the fused step: %s",
+                                                    head_error)
         return self._fused[1]
+
+    def _decode_head(self) -> DecodeHead | None:
+        """The final norm and LM head for the fused step (the last stage holds them)."""
+        if not self.stage.is_last or self.lm_head_weight is None:
+            return None
+        return DecodeHead(self.norm, self.lm_head_weight)
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: PagedBatch, kv_caches: Sequence[KVCache]) -> None:
