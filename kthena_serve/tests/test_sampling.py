@@ -48,10 +48,11 @@ def test_greedy_is_argmax_and_top_k_one_matches_it():
        kind=st.sampled_from(["random", "bf16 ties", "few values", "-inf rows", "nan", "max in tail"]),
        seed=st.integers(0, 2**31 - 1))
 def test_greedy_argmax_is_torchs_first_maximum(rows, vocab, kind, seed):
-    """The chunked greedy argmax gives max(dim=-1)'s index on fresh random logits: ties (bf16
-    rounding, a handful of values) resolved to the first, all -inf rows, NaN (counted as the
-    maximum, as torch does), a maximum in the part past the last whole chunk."""
-    from kthena_serve.engine.sampler import _argmax
+    """Both greedy argmax paths (numpy's scan for few rows, the chunked torch one) give
+    max(dim=-1)'s index on fresh random logits: ties (bf16 rounding, a handful of values)
+    resolved to the first, all -inf rows, NaN (counted as the maximum, as torch does), a
+    maximum in the part past the last whole chunk."""
+    from kthena_serve.engine.sampler import _argmax, _chunked_argmax
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen)
@@ -65,7 +66,8 @@ def test_greedy_argmax_is_torchs_first_maximum(rows, vocab, kind, seed):
         logits[0, int(torch.randint(0, vocab, (1,), generator=gen))] = math.nan
     elif kind == "max in tail":
         logits[:, -1] = 100.0
-    assert torch.equal(_argmax(logits), logits.max(dim=-1).indices)
+    want = logits.max(dim=-1).indices
+    assert torch.equal(_argmax(logits), want) and torch.equal(_chunked_argmax(logits), want)
 
 
 def test_sampling_follows_the_distribution():

@@ -113,10 +113,25 @@ class Sampler:
 
 
 _ARGMAX_CHUNK = 1024
+# Up to this many rows a CPU's fp32 logits take numpy's argmax: one thread's scan, no thread-pool
+# wake-up. Measured on a 2-core Zen 4 (vocab 49,152, medians of 200 calls, this machine's two
+# torch threads for the chunked scan below): 1 row 7.7 us against 84.5; 8 rows 40 against 365;
+# 32 rows 136 against 445; 128 rows 692 against 843; 256 rows 2,083 against 1,766.
+_NUMPY_ARGMAX_MAX_ROWS = 128
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum (a NaN counts as the maximum), as ``max(dim=-1)``.
+    """Index of each row's first maximum (a NaN counts as the maximum), as ``max(dim=-1)``:
+    numpy's scan for few fp32 rows on the CPU (numpy's argmax also returns the first maximum,
+    and the first NaN), else `_chunked_argmax`."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.shape[0] <= _NUMPY_ARGMAX_MAX_ROWS):
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return _chunked_argmax(logits)
+
+
+def _chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`_argmax` by torch reductions.
 
     torch's CPU ``max(dim)`` / ``argmax`` scan a [32, 49152] batch in ~1.2 ms on this machine's
     two threads, while ``amax`` takes ~0.05: so the rows are cut into 1,024-wide chunks, the
