@@ -1,6 +1,7 @@
 """kthena-run: config -> torchrun argv and per-rank environment, and a real 2-rank gloo launch."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -57,12 +58,15 @@ def test_real_two_rank_gloo_launch(tmp_path):
     script.write_text(textwrap.dedent(SCRIPT))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"cluster: {{world_size: 2, master_port: {free_port()}}}\nparallelism: {{tensor_parallel_size: 2}}\n")
+    scratch = tmp_path / "tmp"  # the launch's temp folder: torchrun's log folders go here
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "kthena_core.launcher", "--config", str(cfg), "--backend", "gloo",
          str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(scratch.iterdir()) == []  # torchrun's log folders are gone with the launch
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["RANK"] for r in ranks] == ["0", "1"]
     assert all(r["sum"] == 3.0 and r["KTHENA_TP_SIZE"] is None and r["WORLD_SIZE"] == "2" for r in ranks)

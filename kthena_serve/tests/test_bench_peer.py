@@ -383,6 +383,13 @@ class _Engine:
 class LLM:
     def __init__(self, model, dtype, enforce_eager, seed, enable_prefix_caching, disable_log_stats):
         print("INFO stand-in vLLM loading", flush=True)
+        # as vLLM's engine does: a ZMQ ipc socket file under VLLM_RPC_BASE_PATH, left behind
+        import socket, tempfile, uuid
+        path = os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()), str(uuid.uuid4()))
+        self.ipc = socket.socket(socket.AF_UNIX)
+        self.ipc.bind(path)
+        with open(os.environ["STUB_VLLM_LOG"] + ".ipc", "a") as log:
+            log.write(path + "\\n")
         self.caching = enable_prefix_caching
         self.llm_engine = _Engine(self)
     def reset_prefix_cache(self):
@@ -438,6 +445,11 @@ def test_peer_session_serves_one_run_per_request_and_one_process_at_a_time(
         ("True", "1x64"), ("True", "32x64"), ("True", "32x16"), ("False", "32x16")]
     assert len({pid for pid, *_ in log}) == 2
     assert _gone(int(log[3][0])) and _gone(int(log[3][1]))
+    # vLLM's ipc sockets went into the session's own folder, removed with it
+    sockets = (tmp_path / "log.ipc").read_text().split()
+    assert len(sockets) == 2
+    assert all(not Path(path).exists() and not Path(path).parent.exists()
+               and Path(path).parent.name.startswith("kthena-peer-") for path in sockets)
     err = capsys.readouterr().err
     assert "INFO stand-in vLLM loading" in err and "vllm_workloads: a (prefix caching on)" in err
 

@@ -43,6 +43,7 @@
 #include <immintrin.h>
 
 #include "dispatch.h"
+#include "gguf_blocks.h"
 #include "step_parts.h"
 
 namespace mops {
@@ -107,7 +108,9 @@ inline Weight weight_of(const at::Tensor& w, int64_t kind, const std::string& na
   if (kind < 0) refuse(name + ": unknown weight kind " + std::to_string(kind));
   if (w.scalar_type() != at::kByte || !w.is_contiguous())
     refuse(name + " of GGUF type " + std::to_string(kind) + " must be a contiguous uint8 packed GGUF weight");
-  parts::gguf_weight_layout(kind, w, K, y.grouped, y.n);
+  const gguf::Layout layout = gguf::check_weight(static_cast<int>(kind), w, K);  // ValueError as gguf_linear's
+  y.grouped = layout.grouped;
+  y.n = layout.rows;
   y.unit = y.grouped ? 16 : 4;
   return y;
 }

@@ -1,6 +1,7 @@
 // What the per-token layer ops (RMSNorm + fused residual add, NeoX RoPE, SiLU-and-mul) share
 // across ISAs (layer_ops.cpp for AVX-512, ../csrc_avx2/layer_ops_avx2.cpp for AVX2): the Python
-// entries' checks, tensor handling and dtype dispatch. The including file defines
+// entries' checks, tensor handling and dtype dispatch, and the fused decode step's row parts
+// (step_parts.h). The including file defines
 // `constexpr int64_t kLayerLanes` (its vector width in floats: the sizes a kernel takes are
 // multiples of it) in namespace mops before including this header, and the row kernels
 // declared here after it, in an unnamed namespace within mops. No intrinsics here.
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "step_parts.h"
 
 namespace mops {
 namespace {
@@ -110,4 +112,20 @@ std::optional<at::Tensor> silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// The fused decode step's parts (step_parts.h) over the row kernels above, bf16 rows.
+namespace parts {
+
+void rms_rows_bf16(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* res_out, int64_t rows,
+                   int64_t hidden, float eps) {
+  rms_rows<bf16, bf16>(x, res, w, out, res_out, rows, hidden, eps);
+}
+
+void silu_rows_bf16(const bf16* x, bf16* out, int64_t rows, int64_t d) { silu_rows<bf16>(x, out, rows, d); }
+
+void rope_rows_bf16(const int64_t* pos, const float* cache, int64_t rot, const bf16* src, int64_t s0, int64_t s1,
+                    bf16* dst, int64_t tokens, int64_t heads, int64_t d) {
+  rope_rows<bf16>(pos, cache, rot, src, s0, s1, dst, tokens, heads, d);
+}
+
+}  // namespace parts
 }  // namespace mops

@@ -39,10 +39,6 @@ void rope_rows_bf16(const int64_t* pos, const float* cache, int64_t rot, const b
 // silu_and_mul's rows: out [rows, d] = silu(x[:, :d]) * x[:, d:], x [rows, 2d] contiguous.
 void silu_rows_bf16(const bf16* x, bf16* out, int64_t rows, int64_t d);
 
-// gguf_linear's weight check (linear_gguf.cpp; ValueError as there): whether a packed weight of
-// GGUF type `type` is in the grouped layout (16 rows side by side), and its output rows.
-bool gguf_weight_layout(int64_t type, const at::Tensor& w, int64_t K, bool& grouped, int64_t& rows);
-
 // Output rows [n0, n1) of gguf_linear over bf16 x [M, K] (y [M, N] += bias): for a grouped
 // weight n0 and n1 are multiples of 16, for the rows layout of 4 (or N).
 void gguf_linear_rows(int64_t type, bool grouped, const bf16* x, const uint8_t* w, const bf16* bias, bf16* y,

@@ -12,7 +12,6 @@ constexpr int64_t kLayerLanes = 8;
 }  // namespace mops
 
 #include "../csrc/layer_ops_common.h"
-#include "../csrc/step_parts.h"
 #include "vec_avx2.h"
 
 namespace mops {
@@ -77,20 +76,4 @@ void silu_rows(const XT* x, XT* out, int64_t rows, int64_t d) {
 }
 
 }  // namespace
-
-namespace parts {
-
-void rms_rows_bf16(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* res_out, int64_t rows,
-                   int64_t hidden, float eps) {
-  rms_rows<bf16, bf16>(x, res, w, out, res_out, rows, hidden, eps);
-}
-
-void silu_rows_bf16(const bf16* x, bf16* out, int64_t rows, int64_t d) { silu_rows<bf16>(x, out, rows, d); }
-
-void rope_rows_bf16(const int64_t* pos, const float* cache, int64_t rot, const bf16* src, int64_t s0, int64_t s1,
-                    bf16* dst, int64_t tokens, int64_t heads, int64_t d) {
-  rope_rows<bf16>(pos, cache, rot, src, s0, s1, dst, tokens, heads, d);
-}
-
-}  // namespace parts
 }  // namespace mops

@@ -427,13 +427,6 @@ bool gguf_dequantize(const at::Tensor& w, int64_t type, at::Tensor& out) {
 
 namespace parts {
 
-bool gguf_weight_layout(int64_t type, const at::Tensor& w, int64_t K, bool& grouped, int64_t& rows) {
-  const Layout layout = check_weight(static_cast<int>(type), w, K);
-  grouped = layout.grouped;
-  rows = layout.rows;
-  return true;
-}
-
 void gguf_linear_rows(int64_t type, bool grouped, const bf16* x, const uint8_t* w, const bf16* bias, bf16* y,
                       int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   thread_local std::vector<float> xf, xsum;

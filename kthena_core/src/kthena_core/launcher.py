@@ -48,6 +48,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from kthena_core.config import ConfigError, KthenaConfig, load_config
@@ -229,7 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("kthena-run: error: torch is not installed (pip install 'kthena-core[launch]')", file=sys.stderr)
         return 2
-    torchrun.main(run_argv)
+    # torchrun keeps its per-rank log folders in one it makes under the temp folder
+    # (torchelastic_*) and never removes; with its default redirects nothing that outlives the
+    # run goes there (a failed rank's error is printed), so it gets one of ours, removed after.
+    with tempfile.TemporaryDirectory(prefix="kthena-run-") as logs:
+        torchrun.main([f"--log-dir={logs}", *run_argv])
     return 0
 
 

@@ -126,8 +126,9 @@ class PeerSession:
     The peer script serves one ``LLM`` per process (prefix caching on for (a), (b) and (c)
     with reuse, off for (c) without): `run` starts the process a case needs, stopping the
     other first, so one peer process at most is alive. Use as a context manager: leaving it
-    ends the peer's process group (vLLM's engine processes included) and removes the prompt
-    file; on an error or interrupt at once, otherwise after the peer shut its ``LLM`` down.
+    ends the peer's process group (vLLM's engine processes included) and removes its folder (the
+    prompt file, vLLM's ipc sockets); on an error or interrupt at once, otherwise after the peer
+    shut its ``LLM`` down.
     """
 
     def __init__(self, peer: PeerSpec, checkpoint: Path, workloads: dict, cores: list[int],
@@ -216,9 +217,12 @@ class PeerSession:
         print(f"kthena bench serve: peer: {' '.join(command)}", file=sys.stderr, flush=True)
         self._answers = queue.Queue()
         self._tail.clear()
+        # vLLM's engine binds ZMQ ipc sockets under VLLM_RPC_BASE_PATH (default /tmp) and leaves
+        # them when stopped: here they go into this session's folder, removed with it
+        env = {**os.environ, "VLLM_RPC_BASE_PATH": self._tmp.name}
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, encoding="utf-8",
-                                      errors="replace", start_new_session=True)
+                                      errors="replace", start_new_session=True, env=env)
         self._caching = caching
         self._reader = threading.Thread(target=self._read, args=(self._proc, self._answers),
                                         daemon=True)

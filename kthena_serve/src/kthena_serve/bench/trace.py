@@ -297,11 +297,14 @@ def _vllm_version(venv: Path) -> str | None:
 
 
 def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str,
-           llama: LlamaCppPeer | None = None, gguf: Path | None = None) -> list[_Side]:
+           llama: LlamaCppPeer | None = None, gguf: Path | None = None,
+           rpc_dir: Path | None = None) -> list[_Side]:
     """Each server's command and environment (``llama``'s server on ``gguf`` for
     ``--peer llama.cpp``): the user's, without a PASSIVE wait policy this
     process set for itself (`threads.user_environ`), so each decides its OpenMP policy as when
-    started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin)."""
+    started from a shell (`kthena serve` alone on its cores keeps OpenMP's default spin).
+    ``vllm serve`` binds its ZMQ ipc sockets in ``rpc_dir`` (the run's work folder; vLLM's
+    default, /tmp, keeps the sockets it leaves when stopped)."""
     from kthena_serve.engine.threads import owned_cores, user_environ
 
     sides = []
@@ -314,7 +317,8 @@ def _sides(options: TraceOptions, python: Path, checkpoint: Path, name: str,
     if options.peer == "vllm":
         port = free_port()
         env = {**user_environ(), "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, kthena's default KV pool
-               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, owned_cores()))}
+               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, owned_cores())),
+               **({"VLLM_RPC_BASE_PATH": str(rpc_dir)} if rpc_dir is not None else {})}
         sides.append(_Side("vllm", _vllm_server(python, checkpoint, name, port), env,
                            f"http://127.0.0.1:{port}"))
     port = free_port()
@@ -394,7 +398,7 @@ def run_trace(options: TraceOptions) -> dict:
                          options.scaling, options.server_start_timeout_s,
                          stats["arrival_span_s"] + CLIENT_SLACK_S)
         write_trace(scaled, replay.trace_file)
-        for side in _sides(options, python, checkpoint, checkpoint.name, llama, gguf):
+        for side in _sides(options, python, checkpoint, checkpoint.name, llama, gguf, folder):
             report[side.name] = _replay(side, replay)
     report["order"] = [s for s in (*TRACE_PEERS, "kthena") if s in report]
     report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
