@@ -49,6 +49,8 @@ from mooncake_ops.linear_int8 import INT8_PANEL_MIN_ROWS, INT8_WEIGHT_ONLY
 __all__ = ["DecodeHead", "DecodeLayer", "FusedDecode", "fused_decode_available",
            "max_fused_rows", "reference_layers", "reference_logits", "step_bf16_kernel"]
 
+# Batches of at most this many decode rows take the AVX-512 step when it is chosen (measured:
+# docs/mooncake_ops.md, "Fused decode step").
 FUSED_MAX_ROWS = 16
 # The AVX2 build's dense and int8 matmuls take up to 2 rows by the dot products the step runs
 # (more by weight panels: native/csrc_avx2/linear_avx2.cpp).
@@ -149,9 +151,18 @@ class FusedDecode:
             [y.k_cache for y in layers], [y.v_cache for y in layers],
             [[_kind(w) for w in (y.qkv, y.o, y.gate_up, y.down)] for y in layers],
             num_heads, num_kv_heads, head_dim, eps, scale)
-        self.has_head = head is not None
+        self.has_head = False
         if head is not None:
-            self._step.set_head(head.norm, head.weight, _kind(head.weight))
+            self.set_head(head)
+
+    def set_head(self, head: DecodeHead) -> None:
+        """Go on to the logits (`logits`) with this final norm and LM head.
+
+        Raises:
+            ValueError: a norm or head weight the step cannot take (the message names it).
+        """
+        self._step.set_head(head.norm, head.weight, _kind(head.weight))
+        self.has_head = True
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -506,25 +506,20 @@ class LlamaForCausalLM(nn.Module):
             return None  # an int8 pool: the ops (the step reads a bf16 cache)
         key = tuple(cache[0].data_ptr() for cache in kv_caches)
         if self._fused is None or self._fused[0] != key:
-            layers = _decode_layers(self, kv_caches)
             try:
-                self._fused = (key, FusedDecode(layers, **_shape(self), head=self._decode_head()))
-            except ValueError as head_error:  # the head's weight: the layers fused, the head as ops
-                try:
-                    self._fused = (key, FusedDecode(layers, **_shape(self)))
-                except ValueError as error:  # a tensor the step does not take: the ops, said once
-                    logging.getLogger(__name__).warning("decode steps run as ops: %s", error)
-                    self.decode_step = DecodeStepChoice("ops", str(error))
-                    return None
-                logging.getLogger(__name__).warning("the LM head runs after the fused step: %s",
-                                                    head_error)
+                fused = FusedDecode(_decode_layers(self, kv_caches), **_shape(self))
+            except ValueError as error:  # a tensor the step does not take: the ops, said once
+                logging.getLogger(__name__).warning("decode steps run as ops: %s", error)
+                self.decode_step = DecodeStepChoice("ops", str(error))
+                return None
+            if self.stage.is_last and self.lm_head_weight is not None:
+                try:  # on to the logits in the same call
+                    fused.set_head(DecodeHead(self.norm, self.lm_head_weight))
+                except ValueError as error:  # a head the step does not take: the head as ops
+                    logging.getLogger(__name__).warning("the LM head runs after the fused step: "
+                                                        "%s", error)
+            self._fused = (key, fused)
         return self._fused[1]
-
-    def _decode_head(self) -> DecodeHead | None:
-        """The final norm and LM head for the fused step (the last stage holds them)."""
-        if not self.stage.is_last or self.lm_head_weight is None:
-            return None
-        return DecodeHead(self.norm, self.lm_head_weight)
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: PagedBatch, kv_caches: Sequence[KVCache]) -> None:
@@ -537,8 +532,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 # ---- the fused decode step -----------------------------------------------------------------------
-# Batches of at most this many decode rows take the fused step when it is chosen (set from the
-# measurements in docs/mooncake_ops.md, "Fused decode step").
 @attrs.frozen
 class DecodeStepChoice:
     """How decode steps run the layers: ``fused`` (one native call, `FusedDecode`) or ``ops``
