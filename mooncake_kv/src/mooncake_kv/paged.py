@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 
 import attrs
+import numpy as np
 import torch
 
 from mooncake_kv.results import KVCacheBlocks
@@ -205,27 +206,36 @@ def _negative_block(index: int, block_id: int) -> ValueError:
 def _build_decode(tables: list[Sequence[int]], widths: list[int], cached: list[int],
                   block_size: int) -> PagedBatch:
     """`_build`'s batch for one new token per sequence, from Python lists: a decode step's
-    batch is built every step, and these few conversions cost a third of `_build`'s tensor ops
-    (tests/test_paged.py checks both against the definition)."""
-    width = max(widths)
-    rows = []
+    batch is built every step, right after the forward has streamed the weights through the
+    caches, where each torch call costs tens of microseconds. So the values go into two numpy
+    buffers (int32, int64) and every tensor is a ``torch.from_numpy`` view of one: no torch
+    operator runs (tests/test_paged.py checks both builds against the definition)."""
+    num_seqs, width = len(cached), max(widths)
+    base = num_seqs * width  # int32: block tables | cached | query (1) | context lengths
+    ints = np.zeros(base + 3 * num_seqs, dtype=np.int32)
+    longs = np.empty(3 * num_seqs, dtype=np.int64)  # positions | slots | logits indices
     for index, table in enumerate(tables):
         row = list(table)
         if row and min(row) < 0:
             raise _negative_block(index, next(b for b in row if b < 0))
-        rows.append(row + [0] * (width - len(row)))
-    num_seqs = len(cached)
-    positions = torch.tensor(cached, dtype=torch.int64)
+        ints[index * width:index * width + len(row)] = row
+        position = cached[index]
+        longs[num_seqs + index] = row[position // block_size] * block_size + position % block_size
+    lens = ints[base:]
+    lens[:num_seqs] = cached
+    lens[num_seqs:2 * num_seqs] = 1
+    lens[2 * num_seqs:] = lens[:num_seqs] + 1
+    longs[:num_seqs] = cached
+    longs[2 * num_seqs:] = np.arange(num_seqs)
+    view = torch.from_numpy
     return PagedBatch(
-        block_tables=torch.tensor(rows, dtype=torch.int32).reshape(num_seqs, width),
-        slot_mapping=torch.tensor(
-            [row[c // block_size] * block_size + c % block_size
-             for row, c in zip(rows, cached, strict=True)], dtype=torch.int64),
-        positions=positions,
-        cached_lens=positions.to(torch.int32),
-        query_lens=torch.ones(num_seqs, dtype=torch.int32),
-        context_lens=torch.tensor([c + 1 for c in cached], dtype=torch.int32),
-        logits_indices=torch.arange(num_seqs),
+        block_tables=view(ints[:base].reshape(num_seqs, width)),
+        slot_mapping=view(longs[num_seqs:2 * num_seqs]),
+        positions=view(longs[:num_seqs]),
+        cached_lens=view(lens[:num_seqs]),
+        query_lens=view(lens[num_seqs:2 * num_seqs]),
+        context_lens=view(lens[2 * num_seqs:]),
+        logits_indices=view(longs[2 * num_seqs:]),
         is_decode_only=True,
     )
 

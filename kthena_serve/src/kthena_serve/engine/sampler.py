@@ -67,6 +67,8 @@ class Sampler:
         rows whose request has ``structured_outputs``. Returns S token ids."""
         params = [r.params for r in requests]
         if all(p.is_greedy and not p.changes_logits and not p.min_tokens for p in params):
+            if _numpy_scan(logits):  # the ids straight from numpy: no torch call
+                return logits.numpy().argmax(axis=-1).tolist()
             return _argmax(logits).tolist()
         logits = _apply_penalties(logits, requests, self.eos_token_ids, token_bitmask)
         greedy = _argmax(logits)
@@ -124,10 +126,15 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's first maximum (a NaN counts as the maximum), as ``max(dim=-1)``:
     numpy's scan for few fp32 rows on the CPU (numpy's argmax also returns the first maximum,
     and the first NaN), else `_chunked_argmax`."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.shape[0] <= _NUMPY_ARGMAX_MAX_ROWS):
+    if _numpy_scan(logits):
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return _chunked_argmax(logits)
+
+
+def _numpy_scan(logits: torch.Tensor) -> bool:
+    """Whether `_argmax` takes numpy's scan for these logits."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.shape[0] <= _NUMPY_ARGMAX_MAX_ROWS)
 
 
 def _chunked_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -461,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
         if self.stage.is_first != (hidden is None):
             raise BatchError(f"pipeline stage {self.stage.rank}: the first stage takes token ids "
                              "only, every later stage the previous stage's (hidden, residual)")
-        context_lens = batch.cached_lens + 1 if batch.is_decode_only else None
+        context_lens = batch.context_lens if batch.is_decode_only else None  # cached + 1
         shards = None if self.sp is None else self.sp.shards(self.tp, batch.num_tokens,
                                                              batch.is_decode_only)
         if hidden is None:
