@@ -5,11 +5,15 @@ Usage (the project's venv; for llama.cpp, after ``bash benchmarks/peers/build_ll
     .venv/bin/python benchmarks/peers/serving_workloads.py --system kthena [--quantization gguf]
     .venv/bin/python benchmarks/peers/serving_workloads.py --system llama.cpp --peer-quant Q8_0
     .venv/bin/python benchmarks/peers/serving_workloads.py --compare --rounds 3 [--json F]
+    .venv/bin/python benchmarks/peers/serving_workloads.py --variant process= \
+        --variant thread=--no-engine-process --rounds 6 [--workloads batch1_128_128] [--json F]
 
 ``--compare`` is one run of every pair (``--pairs``, default ours bf16 against llama.cpp F16,
 int8 against Q8_0, the GGUF's blocks as stored against the shipped Q4_1): in each round each
 pair's two servers run back to back, ours first in odd rounds and llama.cpp first in even ones,
-so a neighbour's load lands on both. It starts with the model-alone decode bench
+so a neighbour's load lands on both. ``--variant NAME=FLAGS`` (two or more) compares our own
+server with different flags instead: all of them are started at once and each workload runs on
+each in turn, the order reversed every round. It starts with the model-alone decode bench
 (``kthena_serve.bench.gguf_decode``: each weight form's batch-1 step against the bandwidth
 floor) and prints one JSON object: every run, each system's medians over the rounds, and the
 ratios of those medians (ours over llama.cpp, higher is better).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -236,6 +241,59 @@ def compare(model: str, pairs: list[tuple[str, str]], rounds: int) -> dict:
             "decode_floor": floor, "runs": runs, "machine": machine()}
 
 
+def parse_variants(entries: list[str]) -> dict[str, list[str]]:
+    """``["a=", "b=--no-engine-process --kernels native"]`` -> {name: extra flags}, checked.
+
+    Raises:
+        ValueError: fewer than two, an entry without ``=``, or a name given twice.
+    """
+    variants: dict[str, list[str]] = {}
+    for entry in entries:
+        name, sep, flags = entry.partition("=")
+        if not sep or not name or name in variants:
+            raise ValueError(f"--variant {entry!r}: want NAME=FLAGS (FLAGS may be empty), each "
+                             "NAME once")
+        variants[name] = flags.split()
+    if len(variants) < 2:
+        raise ValueError(f"--variant: give at least two to compare, got {len(variants)}")
+    return variants
+
+
+def side_by_side(model: str, quant: str, variants: dict[str, list[str]], rounds: int,
+                 workloads: list[str]) -> dict:
+    """--variant: our server once per variant, all started together; every round runs each
+    workload on each variant in turn (reversed in even rounds), then each variant's medians."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kthena-workloads-") as tmp, \
+            contextlib.ExitStack() as stack:
+        ports = {}
+        for name, flags in variants.items():
+            port = free_port()
+            server, env = server_argv("kthena", model, quant, port)
+            child = stack.enter_context(ServerChild(f"{name} server", server + flags, env,
+                                                    Path(tmp) / f"{name}.log",
+                                                    who="serving_workloads"))
+            wait_ready(child, f"http://127.0.0.1:{port}", 900.0)
+            warm_up(child, f"http://127.0.0.1:{port}", MODEL_NAME)
+            ports[name] = port
+        for round_ in range(1, rounds + 1):
+            names = list(variants) if round_ % 2 else list(variants)[::-1]
+            for workload in workloads:
+                for name in names:
+                    figures = run_workload(ports[name], workload, random.Random(round_))
+                    runs.append({"round": round_, "variant": name, "workload": workload,
+                                 **figures})
+    medians = {name: {w: round(statistics.median(r[JUDGED[w][0]] for r in runs
+                                                   if r["variant"] == name
+                                                   and r["workload"] == w), 2)
+                      for w in workloads} for name in variants}
+    return {"bench": "serving_workloads_side_by_side", "started": started, "quant": quant,
+            "rounds": rounds, "variants": {n: " ".join(f) for n, f in variants.items()},
+            "medians": medians, "judged_by": {w: JUDGED[w][0] for w in workloads},
+            "runs": runs, "machine": machine()}
+
+
 def machine() -> dict:
     return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cores": len(owned_cores()),
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
@@ -254,12 +312,36 @@ def main(argv: list[str] | None = None) -> int:
                              "times, after the model-alone decode bench")
     parser.add_argument("--pairs", default=",".join(f"{a}:{b}" for a, b in PAIRS),
                         help="--compare's OURS:THEIRS pairs (default: %(default)s)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="our server with these extra flags (two or more): started "
+                             "together, the workloads alternating between them")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="--variant's workloads (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="--compare: also write the JSON here")
     args = parser.parse_args(argv)
+    if args.variant:
+        if args.compare or args.system:
+            parser.error("--variant compares our server with itself; leave out --system and "
+                         "--compare")
+        workloads = [w for w in args.workloads.split(",") if w]
+        unknown = [w for w in workloads if w not in WORKLOADS]
+        if unknown or not workloads or args.rounds < 1:
+            parser.error(f"--workloads takes {', '.join(WORKLOADS)} (got {args.workloads!r}); "
+                         f"--rounds at least 1 (got {args.rounds})")
+        try:
+            variants = parse_variants(args.variant)
+        except ValueError as error:
+            parser.error(str(error))
+        result = side_by_side(args.model, args.quantization or "bf16", variants, args.rounds,
+                              workloads)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(result))
+        return 0
     if args.compare == (args.system is not None):
         parser.error("give either --system (one server) or --compare (every pair)")
-    if args.quantization and args.system != "kthena":
+    if args.quantization and args.system != "kthena" and not args.variant:
         parser.error("--quantization is kthena's; llama.cpp takes --peer-quant")
     if args.compare:
         if args.rounds < 1:

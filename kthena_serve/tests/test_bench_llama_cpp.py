@@ -232,6 +232,23 @@ def test_serving_workloads_pairs_are_checked():
     assert done.returncode == 2 and "--rounds must be at least 1, got 0" in done.stderr
 
 
+def test_serving_workloads_variants_are_checked():
+    sw = _serving_workloads()
+    assert sw.parse_variants(["process=", "thread=--no-engine-process --kernels native"]) == {
+        "process": [], "thread": ["--no-engine-process", "--kernels", "native"]}
+    for bad, named in ((["a=", "b"], "'b'"), (["a=", "a=--x"], "'a=--x'"), (["=", "b="], "'='")):
+        with pytest.raises(ValueError, match=f"--variant {named}: want NAME=FLAGS"):
+            sw.parse_variants(bad)
+    with pytest.raises(ValueError, match="at least two to compare, got 1"):
+        sw.parse_variants(["only="])
+    script = str(BUILD_SCRIPT.parent / "serving_workloads.py")
+    for extra, message in ((["--workloads", "c9"], "--workloads takes batch1_128_128"),
+                           (["--compare"], "--variant compares our server with itself")):
+        done = subprocess.run([sys.executable, script, "--variant", "a=", "--variant", "b=",
+                               *extra], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 def test_serving_workloads_summary_takes_medians_and_orients_ratios():
     """Ratios are of the medians over rounds, ours over theirs with higher better: a time
     (TPOT, TTFT) is divided the other way from a rate (tokens/s)."""

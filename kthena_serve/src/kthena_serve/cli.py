@@ -82,6 +82,10 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="print a line per request received (id, prompt tokens, sampling "
                              "parameters) and finished (reason, tokens, latency) (default: off)")
+    parser.add_argument("--no-engine-process", action="store_true",
+                        help="run the engine on a thread of the API process (default: off; "
+                             "one colocated rank without --kv-events runs its engine in a "
+                             "process of its own, every other layout on a thread)")
     add_tool_args(parser)
     add_structured_output_args(parser)
     add_connection_args(parser)

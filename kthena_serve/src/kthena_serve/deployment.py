@@ -156,8 +156,11 @@ def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
     name = spec.served_model_name
     interval = log_interval() if spec.log_stats else None  # a bad value stops us before loading
     print(f"kthena serve: loading {spec.engine.model} ...", file=sys.stderr, flush=True)
-    engine = AsyncLLM.from_config(spec.engine, stall_timeout=spec.stream_stall_timeout_s
-                                  or STALL_TIMEOUT_S).start()
+    front = AsyncLLM
+    if spec.engine_process and spec.kv_events is None and spec.engine.world_size == 1:
+        from kthena_serve.engine_core import EngineCoreClient as front
+    engine = front.from_config(spec.engine, stall_timeout=spec.stream_stall_timeout_s
+                               or STALL_TIMEOUT_S).start()
     app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
                     public_metrics=spec.public_metrics, deployment=spec.report(),
                     log_requests=spec.log_requests, tool_call_parser=spec.tool_call_parser,

@@ -68,6 +68,7 @@ _SERVE_DEFAULTS: dict[str, Any] = {
     "pd_kv_push": "layerwise", "pd_threshold": 32, "router_weights": "1.0,0.5,0.25",
     "kv_events": None, "pod_name": None, "kv_events_chunk_size": 16, "kv_events_max_chunks": 128,
     "disable_log_stats": False, "enable_log_requests": False, "tool_call_parser": "hermes",
+    "no_engine_process": False,
     "structured_outputs_config": None, "timeout_keep_alive": None, "timeout_header_read": None,
 }
 # --structured-outputs-config's keys (vLLM's StructuredOutputsConfig names) served here.
@@ -108,6 +109,9 @@ class ServeSpec:
         log_stats: print vLLM's periodic stats line (``--disable-log-stats`` turns it off).
         log_requests: print a line per request received and finished
             (``--enable-log-requests``, off by default as in vLLM).
+        engine_process: a colocated one-rank engine without KV events runs in a process of
+            its own (``kthena_serve.engine_core``; ``--no-engine-process``: on a thread of the
+            API process, ``AsyncLLM``).
         tool_call_parser: the format chat output is parsed for tool calls in
             (``--tool-call-parser``; default hermes), in every mode: by the server, each DP
             replica, or the PD router.
@@ -140,6 +144,7 @@ class ServeSpec:
     kv_events: KVEventsConfig | None = None
     log_stats: bool = True
     log_requests: bool = False
+    engine_process: bool = True
     tool_call_parser: str = attrs.field(default="hermes", converter=check_tool_call_parser)
     disable_any_whitespace: bool = True
     keep_alive_s: float | None = None
@@ -200,6 +205,7 @@ class ServeSpec:
                    stream_stall_timeout_s=s["stream_stall_timeout"],
                    kv_events=_kv_events(s, served),
                    log_stats=not s["disable_log_stats"], log_requests=s["enable_log_requests"],
+                   engine_process=not s["no_engine_process"],
                    tool_call_parser=s["tool_call_parser"],
                    disable_any_whitespace=_structured_outputs(s["structured_outputs_config"]),
                    keep_alive_s=_seconds("timeout_keep_alive", s["timeout_keep_alive"]),
