@@ -8,16 +8,18 @@
 //   -> norm (+ residual) -> gate/up (+ SiLU: the AVX-512 packed bf16 kernel's) -> [SiLU-and-mul] -> down
 //
 // and, for run_logits (set_head), the final norm (+ residual) and the LM head into float32 logits,
-// with no Python between the ops and one parallel region for the whole step. Each op is a
-// phase of tasks (an equal range of a matmul's output rows, two per thread; a (sequence, KV
-// head) item of attention, which also rotates and writes that head's K / V; a norm or a
-// SiLU-and-mul is one task). Every thread walks the phases in order: it waits until the previous phase's tasks are all
-// done, then takes the phase's next task from a shared counter until none is left. No thread
+// with no Python between the ops and one parallel region for the whole step. The matmuls and
+// attention are phases of tasks (an equal range of a matmul's output rows, two per thread; a
+// (sequence, KV head) item of attention, which also rotates and writes that head's K / V); a
+// norm, and SiLU-and-mul before an int8 / GGUF down, is computed by each thread before its first
+// task of the phase that reads it. Every thread walks the phases in order: it waits until the
+// previous phase's tasks are all done, then takes the phase's next task from a shared counter
+// until none is left. No thread
 // waits for another to arrive, only for tasks in flight to finish, so a thread the OS runs
 // late (a neighbour on its core) costs the step at most the task it holds, and the other
 // thread does the rest. The tasks call the same kernel parts the ops' entries run
 // (step_parts.h, defined by each build for its ISA), and every output element is computed by
-// one task in the entry's order: the step is bit-equal to the op chain it replaces (on AVX2 for
+// one task (a norm's by each thread that reads it, the same way) in the entry's order: the step is bit-equal to the op chain it replaces (on AVX2 for
 // up to 2 rows of dense bf16 or int8 weights, where its matmul entries take the same path).
 //
 // Each build defines, after including this header, the three functions declared in namespace
@@ -272,16 +274,25 @@ class DecodeStep {
     }
     const auto opt = x_in.options();
     const int64_t q_size = heads_ * d_, kv_size = kv_heads_ * d_, nqkv = q_size + 2 * kv_size;
-    at::Tensor x = x_in.clone(), res = at::empty({B, hidden_}, opt), h = at::empty({B, hidden_}, opt);
+    const int64_t nt = at::get_num_threads();
+    at::Tensor x = x_in.clone();
+    // the residual stream, two buffers: a layer's input norm reads rs0 and writes rs1, its post
+    // norm reads rs1 and writes rs0 (so the writer never overwrites what another thread reads)
+    at::Tensor rs0 = at::empty({B, hidden_}, opt), rs1 = at::empty({B, hidden_}, opt);
     at::Tensor qkv = at::empty({B, nqkv}, opt), q = at::empty({B, q_size}, opt), attn = at::empty({B, q_size}, opt);
     at::Tensor act = at::empty({B, inter_}, opt), gu = at::empty({B, 2 * inter_}, opt);  // gu: int8 / GGUF gate / up
-    bf16 *xd = x.data_ptr<bf16>(), *rd = res.data_ptr<bf16>(), *hd = h.data_ptr<bf16>(), *qkvd = qkv.data_ptr<bf16>();
-    bf16 *qd = q.data_ptr<bf16>(), *ad = attn.data_ptr<bf16>(), *actd = act.data_ptr<bf16>(), *gud = gu.data_ptr<bf16>();
+    // each thread's own: a norm's output, the residual it computes (unless it is the writer),
+    // SiLU-and-mul's output (int8 / GGUF)
+    at::Tensor h_own = at::empty({nt, B, hidden_}, opt), r_own = at::empty({nt, B, hidden_}, opt);
+    at::Tensor act_own = at::empty({nt, B, inter_}, opt);
+    bf16 *xd = x.data_ptr<bf16>(), *r0d = rs0.data_ptr<bf16>(), *r1d = rs1.data_ptr<bf16>();
+    bf16 *qkvd = qkv.data_ptr<bf16>(), *qd = q.data_ptr<bf16>(), *ad = attn.data_ptr<bf16>();
+    bf16 *actd = act.data_ptr<bf16>(), *gud = gu.data_ptr<bf16>();
+    bf16 *hown = h_own.data_ptr<bf16>(), *rown = r_own.data_ptr<bf16>(), *aown = act_own.data_ptr<bf16>();
     const float* rc = rope.data_ptr<float>();
     const int64_t rot = rope.size(1), G = heads_ / kv_heads_;
     const int64_t sb = k0.stride(0), st = k0.stride(1), sh = k0.stride(2);
 
-    const int64_t nt = at::get_num_threads();
     // a matmul's tasks: kTasksPerThread per thread, equal ranges of its output units
     auto tasks = [&](const Weight& w) { return std::min(w.n / w.unit, kTasksPerThread * nt); };
     // the output rows [r0, r1) of task `task` of w's matmul (the last: any rest)
@@ -327,81 +338,99 @@ class DecodeStep {
                                kv_heads_, G, d_, bt, max_blocks, cl, max_ctx, scale_, item, item + 1);
     };
 
-    // phases per layer: norm, qkv, attention, o, norm, gate/up, SiLU-and-mul (int8, GGUF; no task
-    // for bf16, whose gate / up matmul applies it), down
-    // and with the head: the final norm, then the head's matmul (each task widens its rows)
-    constexpr int64_t kPerLayer = 8;
-    const int64_t L = static_cast<int64_t>(layers_.size()), P = L * kPerLayer + (with_head ? 2 : 0);
+    // Phases per layer: qkv, attention, o, gate/up, down; with the head, one more: its matmul
+    // (each task widens its rows). A matmul's input norm (+ residual) and, for int8 and GGUF
+    // weights, the down matmul's SiLU-and-mul are no phases of their own: before its first task
+    // of a phase, each thread computes them into its own buffers (the same values, so the same
+    // bits), and the thread that took the phase's task 0 also writes the residual stream. So no
+    // thread idles through a one-task phase, and a step has 5 waits per layer, not 8.
+    constexpr int64_t kPerLayer = 5;
+    const int64_t L = static_cast<int64_t>(layers_.size()), P = L * kPerLayer + (with_head ? 1 : 0);
     std::vector<int64_t> counts(P);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers_[l];
-      const int64_t c[kPerLayer] = {1, tasks(y.qkv), B * kv_heads_, tasks(y.o), 1, tasks(y.gate_up),
-                                    y.gate_up.kind == kPackedBf16 ? 0 : 1, tasks(y.down)};
+      const int64_t c[kPerLayer] = {tasks(y.qkv), B * kv_heads_, tasks(y.o), tasks(y.gate_up), tasks(y.down)};
       std::copy(c, c + kPerLayer, counts.begin() + l * kPerLayer);
     }
     at::Tensor head_out, logits;  // the head's bf16 outputs, widened into float32 logits
     if (with_head) {
-      counts[P - 2] = 1;
       counts[P - 1] = tasks(head_);
       head_out = at::empty({B, head_.n}, opt);
       logits = at::empty({B, head_.n}, opt.dtype(at::kFloat));
     }
-    auto head_task = [&](int64_t p, int64_t t) {
-      if (p == 0) {
-        parts::rms_rows_bf16(xd, rd, head_norm_.data_ptr<bf16>(), hd, rd, B, hidden_, eps_);
+    // thread `tid`'s inputs for phase i (before its first task there; `writer`: it took task 0)
+    auto prepare = [&](int64_t i, int64_t tid, bool writer) {
+      bf16* h = hown + tid * B * hidden_;
+      bf16* r = rown + tid * B * hidden_;
+      if (i == L * kPerLayer) {  // the final norm: its residual is not returned
+        parts::rms_rows_bf16(xd, r0d, head_norm_.data_ptr<bf16>(), h, r, B, hidden_, eps_);
         return;
       }
-      bf16* ho = head_out.data_ptr<bf16>();
-      float* lo = logits.data_ptr<float>();
-      matmul(hd, hidden_, head_, nullptr, ho, t);
-      const auto [r0, r1] = rows_of(head_, t);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t r = r0; r < r1; ++r) lo[b * head_.n + r] = static_cast<float>(ho[b * head_.n + r]);
-    };
-    auto task = [&](int64_t l, int64_t p, int64_t t) {
-      const Layer& y = layers_[l];
-      switch (p) {
+      const Layer& y = layers_[i / kPerLayer];
+      switch (i % kPerLayer) {
         case 0:
-          if (l == 0) {
-            std::memcpy(rd, xd, B * hidden_ * sizeof(bf16));
-            parts::rms_rows_bf16(xd, nullptr, y.input_norm.data_ptr<bf16>(), hd, nullptr, B, hidden_, eps_);
+          if (i == 0) {  // the first layer: the residual stream starts as x
+            if (writer) std::memcpy(r1d, xd, B * hidden_ * sizeof(bf16));
+            parts::rms_rows_bf16(xd, nullptr, y.input_norm.data_ptr<bf16>(), h, nullptr, B, hidden_, eps_);
           } else {
-            parts::rms_rows_bf16(xd, rd, y.input_norm.data_ptr<bf16>(), hd, rd, B, hidden_, eps_);
+            parts::rms_rows_bf16(xd, r0d, y.input_norm.data_ptr<bf16>(), h, writer ? r1d : r, B, hidden_, eps_);
           }
           break;
-        case 1: matmul(hd, hidden_, y.qkv, y.qkv_bias.defined() ? y.qkv_bias.data_ptr<bf16>() : nullptr, qkvd, t); break;
-        case 2: attend(y, t); break;
-        case 3: matmul(ad, q_size, y.o, nullptr, xd, t); break;
-        case 4: parts::rms_rows_bf16(xd, rd, y.post_norm.data_ptr<bf16>(), hd, rd, B, hidden_, eps_); break;
-        case 5: matmul(hd, hidden_, y.gate_up, nullptr, y.gate_up.kind == kPackedBf16 ? actd : gud, t); break;
-        case 6: parts::silu_rows_bf16(gud, actd, B, inter_); break;
-        default: matmul(actd, inter_, y.down, nullptr, xd, t); break;
+        case 3: parts::rms_rows_bf16(xd, r1d, y.post_norm.data_ptr<bf16>(), h, writer ? r0d : r, B, hidden_, eps_); break;
+        case 4:
+          if (y.gate_up.kind != kPackedBf16) parts::silu_rows_bf16(gud, aown + tid * B * inter_, B, inter_);
+          break;
+        default: break;
+      }
+    };
+    auto task = [&](int64_t i, int64_t tid, int64_t t) {
+      const bf16* h = hown + tid * B * hidden_;
+      if (i == L * kPerLayer) {
+        bf16* ho = head_out.data_ptr<bf16>();
+        float* lo = logits.data_ptr<float>();
+        matmul(h, hidden_, head_, nullptr, ho, t);
+        const auto [r0, r1] = rows_of(head_, t);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t r = r0; r < r1; ++r) lo[b * head_.n + r] = static_cast<float>(ho[b * head_.n + r]);
+        return;
+      }
+      const Layer& y = layers_[i / kPerLayer];
+      switch (i % kPerLayer) {
+        case 0: matmul(h, hidden_, y.qkv, y.qkv_bias.defined() ? y.qkv_bias.data_ptr<bf16>() : nullptr, qkvd, t); break;
+        case 1: attend(y, t); break;
+        case 2: matmul(ad, q_size, y.o, nullptr, xd, t); break;
+        case 3: matmul(h, hidden_, y.gate_up, nullptr, y.gate_up.kind == kPackedBf16 ? actd : gud, t); break;
+        default:
+          matmul(y.gate_up.kind == kPackedBf16 ? actd : aown + tid * B * inter_, inter_, y.down, nullptr, xd, t);
+          break;
       }
     };
     Phases ph(P);
-    auto walk = [&] {
+    auto walk = [&](int64_t tid) {
       for (int64_t i = 0; i < P; ++i) {
         if (i > 0) wait_for(ph.done[i - 1], counts[i - 1]);
         const int64_t n = counts[i];
+        bool prepared = false;
         for (int64_t t = ph.next[i].fetch_add(1, std::memory_order_relaxed); t < n;
              t = ph.next[i].fetch_add(1, std::memory_order_relaxed)) {
-          if (i < L * kPerLayer)
-            task(i / kPerLayer, i % kPerLayer, t);
-          else
-            head_task(i - L * kPerLayer, t);
+          if (!prepared) {  // a thread's first task of a phase is task 0 if it took task 0
+            prepare(i, tid, t == 0);
+            prepared = true;
+          }
+          task(i, tid, t);
           ph.done[i].fetch_add(1, std::memory_order_release);
         }
       }
     };
     if (nt <= 1 || at::in_parallel_region()) {
-      walk();
+      walk(0);
     } else {
       at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) walk();
+        for (int64_t t = t0; t < t1; ++t) walk(t);
       });
     }
     if (with_head) return {logits};
-    return {x, res};
+    return {x, rs0};
   }
 
   std::vector<Layer> layers_;

@@ -1,7 +1,9 @@
 """kthena_serve: the reference engine and OpenAI-compatible server over the other four layers.
 
 * ``LLM(model=..., **engine_config).generate(prompts, SamplingParams(...))``: offline Python API;
-* ``AsyncLLM``: the engine on a background thread with per-request async streams (the server's);
+* ``AsyncLLM``: the engine on a background thread with per-request async streams;
+* ``EngineCoreClient``: the same streams over an engine in a process of its own (what ``kthena
+  serve`` runs for one colocated rank);
 * ``LLMEngine``: ``step()`` = schedule -> run -> postprocess, continuous batching with chunked
   prefill, prefix reuse and preemption through mooncake_kv;
 * ``kthena serve``: the command line (see docs/kthena_serve.md);
@@ -27,7 +29,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "LLM": "llm", "AsyncLLM": "async_engine", "LLMEngine": "engine.llm_engine",
+    "LLM": "llm", "AsyncLLM": "async_engine", "EngineCoreClient": "engine_core",
+    "LLMEngine": "engine.llm_engine",
     "EngineStats": "engine.stats", "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutputsParams": "engine.structured_output",

@@ -104,7 +104,9 @@ class EngineCoreClient(StreamFront):
             return self
         context = multiprocessing.get_context("spawn")
         here, there = context.Pipe()
-        process = context.Process(target=_core_main, args=(self.config, there),
+        # the kernel library's lines on stderr there too, if this process shows them
+        notices = bool(logging.getLogger("mooncake_ops").handlers)
+        process = context.Process(target=_core_main, args=(self.config, there, notices),
                                   name="kthena-engine-core")
         process.start()
         there.close()
@@ -181,7 +183,8 @@ class EngineCoreClient(StreamFront):
         """The engine's last report, with the admission queue and the idle time up to now
         (never blocks)."""
         stats, since = self._stats, self._idle_since
-        assert stats is not None, "start() first"
+        if stats is None:
+            raise EngineDeadError("the engine is not started")
         idle_s = stats.step_times.idle_s
         if since is not None:
             idle_s += time.perf_counter() - since
@@ -284,11 +287,15 @@ class EngineCoreClient(StreamFront):
 
 
 # ---- the engine process ------------------------------------------------------------------------------
-def _core_main(config: EngineConfig, conn: Any) -> None:
+def _core_main(config: EngineConfig, conn: Any, notices: bool) -> None:
     """The engine process: load, report, then serve commands and steps until told to stop or
-    the pipe closes."""
+    the pipe closes (``notices``: show the kernel library's lines on stderr)."""
     for name in ("SIGINT", "SIGTERM"):  # the API process drains, then stops this one
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    if notices:
+        from kthena_serve.cluster.worker import show_library_notices
+
+        show_library_notices()
     try:
         from kthena_serve.engine import LLMEngine
 
