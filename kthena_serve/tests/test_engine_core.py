@@ -12,6 +12,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 import httpx
 import pytest
 from _serve_process import start_serve, stop
-from _tiny import greedy_text, tiny_checkpoint
+from _tiny import finish_all, greedy_text, tiny_checkpoint
 from test_backpressure import _slow_reader
 
 from kthena_serve.engine import LLMEngine
@@ -29,6 +30,7 @@ from kthena_serve.engine.admission import OverloadedError
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.errors import EngineDeadError
 from kthena_serve.engine.sampling_params import SamplingParams
+from kthena_serve.engine.structured_output import StructuredOutputsParams
 from kthena_serve.engine_core import EngineCoreClient
 from kthena_serve.model.errors import CheckpointError
 from kthena_serve.server import BackgroundServer, build_app
@@ -125,6 +127,35 @@ def test_streams_the_tokens_the_engine_makes_in_process_and_frees_every_block(ch
     assert process.exitcode == 0
     assert not client.is_alive
     assert process not in multiprocessing.active_children()
+
+
+def test_a_structured_output_request_matches_the_engine_in_process(checkpoint):
+    """The grammar compiled in the API process travels as xgrammar's JSON; the engine process
+    constrains with it: the same tokens as an in-process engine compiling it itself."""
+    config = _config(checkpoint)
+    spec = StructuredOutputsParams(regex="(yes|no), [a-z]{3,8}!")
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=spec)
+    reference = LLMEngine.from_config(config)
+    ids = reference.processor.encode("Answer:")
+    reference.add_request("ref", ids, params)
+    expected = finish_all(reference)["ref"].text
+    reference.close()
+    assert re.fullmatch("(yes|no), [a-z]{3,8}!", expected)
+
+    client = EngineCoreClient(config).start()
+    try:
+        async def constrained() -> str:
+            request = client.make_request("c", ids, params)
+            client.processor.compile_grammar(request.params)  # as the server does, off the loop
+            text = ""
+            async for out in client.generate(request):
+                text = out.text
+            return text
+
+        assert asyncio.run(constrained()) == expected
+        assert client.processor.grammars.num_compiled == 1
+    finally:
+        client.shutdown()
 
 
 def test_a_bad_model_fails_start_with_the_loaders_error_and_leaves_no_process(tmp_path):

@@ -164,6 +164,30 @@ def test_compiles_are_cached_by_the_spec():
     assert "/project/cpp" not in str(error.value)  # the compiler's message, not its location
 
 
+def test_a_grammar_serialized_in_one_cache_loads_into_another_without_a_compile():
+    """What EngineCoreClient does: the API process compiles and keeps xgrammar's JSON; the
+    engine process's cache loads it and never compiles, and its matchers take the same strings
+    (a fresh random bitmask row included)."""
+    here = Grammars(default_tokenizer(), 49152, serialize=True)
+    there = Grammars(default_tokenizer(), 49152)
+    spec = StructuredOutputsParams(json=OBJECT, disable_any_whitespace=True)
+    here.compile(spec)
+    text = here.serialized(spec)
+    assert here.num_compiled == 1 and here.serialized(spec) is text  # made once, kept
+    there.load(spec, text)
+    there.load(spec, text)  # kept already: a no-op
+    assert there.num_compiled == 0
+    for prefix, ok in (('{"city":"Pa', True), ('{"town":', False), ('{"city":"\x07', False)):
+        assert there.matcher(spec).accept_string(prefix) is ok
+        assert here.matcher(spec).accept_string(prefix) is ok
+    assert torch.equal(there.fill_bitmask([there.matcher(spec)]),
+                       here.fill_bitmask([here.matcher(spec)]))
+    assert there.num_compiled == 0
+    plain = Grammars(default_tokenizer(), 49152)  # without serialize: made on demand
+    regex = StructuredOutputsParams(regex="a+b")
+    assert json.loads(plain.serialized(regex)) and plain.num_compiled == 1
+
+
 def test_choice_grammar_escapes_its_literals():
     grammars = Grammars(default_tokenizer(), 49152)
     choices = ['say "hi"', "back\\slash", "two\nlines", "tab\there", "é"]

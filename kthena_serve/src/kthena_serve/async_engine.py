@@ -34,51 +34,37 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
 
 from kthena_serve.engine import LLMEngine
-from kthena_serve.engine.admission import AdmissionGate, AdmissionLimits, KVOutlook
+from kthena_serve.engine.admission import AdmissionLimits
 from kthena_serve.engine.config import EngineConfig
 from kthena_serve.engine.errors import EngineDeadError, RequestFailedError
 from kthena_serve.engine.input_processor import InputProcessor
 from kthena_serve.engine.logprobs import TokenLogprobs
 from kthena_serve.engine.request import EngineRequest, RequestOutput
-from kthena_serve.engine.sampling_params import SamplingParams
 from kthena_serve.engine.scheduled import Reservation
 from kthena_serve.engine.stats import EngineStats
+from kthena_serve.stream_front import (
+    MAX_STREAM_LEAD,
+    STALL_TIMEOUT_S,
+    STALLED_MESSAGE,
+    StreamFront,
+    _put_all,
+    _Stream,
+)
 from mooncake_kv import KVCacheManager
 
 __all__ = ["AsyncLLM"]
 
 log = logging.getLogger(__name__)
-
-MAX_STREAM_LEAD = 16  # outputs a consumer may fall behind before its request pauses
-STALL_TIMEOUT_S = 120.0
-STALLED_MESSAGE = ("the client read nothing for too long; the request was stopped "
-                   "(read the stream as it arrives)")
-
-
-class _Stream:
-    """One request's queue and its backpressure counters (``sent`` is written on the engine
-    thread only, ``taken`` on the consumer's loop only)."""
-
-    __slots__ = ("loop", "paused_since", "queue", "sent", "taken")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.loop = loop
-        self.queue = queue
-        self.sent = 0
-        self.taken = 0
-        self.paused_since: float | None = None
-
 
 # ---- inbox commands: each runs on the engine thread ----------------------------------------------
 @attrs.frozen
@@ -158,138 +144,6 @@ def _settle(future: concurrent.futures.Future, fn: Callable[[], object]) -> None
         future.set_result(fn())
     except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
         future.set_exception(error)
-
-
-class StreamFront:
-    """What every engine front shares: the admission gate, one ``_Stream`` per request, and
-    the verbs of ``EngineClient`` that only touch those (``AsyncLLM`` here, with the engine on
-    a thread; ``EngineCoreClient`` in engine_core.py, with the engine in a process of its own).
-
-    A front defines ``processor``, ``is_alive``, ``_submit`` (a command to the engine), the
-    three commands (``_add_command``, ``_abort_command``, ``_abort_all_command``) and
-    ``_caught_up`` (a paused request's consumer took enough to resume it).
-    """
-
-    def __init__(self, limits: AdmissionLimits, *, max_stream_lead: int,
-                 stall_timeout: float | None) -> None:
-        if max_stream_lead < 2:
-            raise ValueError(f"max_stream_lead must be >= 2, got {max_stream_lead}")
-        if stall_timeout is not None and not stall_timeout > 0:
-            raise ValueError(f"stall_timeout must be > 0 seconds or None, got {stall_timeout}")
-        self.max_stream_lead = max_stream_lead
-        self.stall_timeout = stall_timeout
-        self.num_stalled = 0  # requests aborted because their reader stalled
-        self._queues: dict[str, _Stream] = {}
-        self.error: BaseException | None = None
-        self.admission = AdmissionGate(limits)
-        # the admission's inputs, as the engine last published them
-        self._capacity: float | None = None
-        self._kv_outlook: KVOutlook | None = None
-        self._slowdown = 1.0
-
-    @property
-    def processor(self) -> InputProcessor:
-        raise NotImplementedError
-
-    @property
-    def is_alive(self) -> bool:
-        raise NotImplementedError
-
-    def _submit(self, command: object) -> None:
-        raise NotImplementedError
-
-    def _add_command(self, request: EngineRequest, start_by: float | None) -> object:
-        raise NotImplementedError
-
-    def _abort_command(self, request_id: str) -> object:
-        raise NotImplementedError
-
-    def _abort_all_command(self, message: str) -> object:
-        raise NotImplementedError
-
-    def _caught_up(self, request_id: str, state: _Stream) -> None:
-        raise NotImplementedError
-
-    # ---- EngineClient (any thread) ----------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | Sequence[int],
-                     params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None) -> EngineRequest:
-        """Validate a request once (see ``InputProcessor.make_request``)."""
-        return self.processor.make_request(request_id, prompt, params, cache_salt=cache_salt)
-
-    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
-        """Queue one API call's requests, or refuse them all (see ``EngineClient``).
-
-        Raises:
-            OverloadedError: the queue is past its bound.
-        """
-        refusal = self.admission.try_admit([(r.request_id, len(r.prompt_ids)) for r in requests],
-                                           self._capacity, self._kv_outlook, self._slowdown)
-        if refusal is not None:
-            raise refusal.error()
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Stream a validated request's outputs; leaving the loop early (or being cancelled)
-        aborts it."""
-        self.admission.claim(request.request_id, len(request.prompt_ids))
-        start_by = self.admission.start_by(request.request_id)
-        command = self._add_command(request, start_by)
-        async with self._streaming(request.request_id, command) as stream:
-            async for item in stream:
-                yield item
-
-    @contextlib.asynccontextmanager
-    async def _streaming(self, request_id: str, command: object,
-                         ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
-        try:
-            if not self.is_alive:
-                raise EngineDeadError("the engine is not running")
-            state = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-            self._queues[request_id] = state
-            self._submit(command)
-            # aclosing: a consumer that stops early (client gone) aborts the request right away.
-            async with contextlib.aclosing(self._stream(request_id, state)) as stream:
-                yield stream
-        finally:
-            self._streamed(request_id)
-            self.admission.forget(request_id)  # no-op once its first output was taken
-
-    def _streamed(self, request_id: str) -> None:
-        """A request's stream ended (a front's own bookkeeping)."""
-
-    async def _stream(self, request_id: str, state: _Stream) -> AsyncIterator[RequestOutput]:
-        """Yield a request's outputs until it finishes; leaving early aborts it."""
-        finished = False
-        try:
-            while not finished:
-                item = await state.queue.get()
-                if not state.taken and isinstance(item, RequestOutput) and item.token_ids:
-                    self.admission.started(request_id)  # first token: it left the queue
-                state.taken += 1
-                if (state.paused_since is not None
-                        and state.sent - state.taken <= self.max_stream_lead // 2):
-                    self._caught_up(request_id, state)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """End the request wherever it is: admitted and never streamed (a refusal after
-        admission), its queue place goes back; running, the engine drops it."""
-        self.admission.forget(request_id)
-        self._submit(self._abort_command(request_id))
-
-    def abort_all(self, message: str) -> None:
-        """End every live request now; each stream gets ``EngineDeadError(message)``."""
-        self._submit(self._abort_all_command(message))
 
 
 class AsyncLLM(StreamFront):
@@ -519,8 +373,3 @@ class AsyncLLM(StreamFront):
             self.engine.abort_request(request_id)
             self._dispatch([error], request_id)
         self._stats = self.engine.stats()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

@@ -148,19 +148,22 @@ def _serve(spec: ServeSpec, launched: RankEnv | None, sock: socket.socket | None
 
 
 def _serve_colocated(spec: ServeSpec, sock: socket.socket | None) -> int:
-    from kthena_serve.async_engine import STALL_TIMEOUT_S, AsyncLLM
-    from kthena_serve.server import build_app, run_server
     from kthena_serve.server.stats_log import StatsLogger, log_interval
-    from mooncake_ops.selection import summary_line
+    from kthena_serve.stream_front import STALL_TIMEOUT_S
 
     name = spec.served_model_name
     interval = log_interval() if spec.log_stats else None  # a bad value stops us before loading
     print(f"kthena serve: loading {spec.engine.model} ...", file=sys.stderr, flush=True)
-    front = AsyncLLM
     if spec.engine_process and spec.kv_events is None and spec.engine.world_size == 1:
+        # spawned before this process imports torch: the two import side by side
         from kthena_serve.engine_core import EngineCoreClient as front
+    else:
+        from kthena_serve.async_engine import AsyncLLM as front
     engine = front.from_config(spec.engine, stall_timeout=spec.stream_stall_timeout_s
                                or STALL_TIMEOUT_S).start()
+    from kthena_serve.server import build_app, run_server
+    from mooncake_ops.selection import summary_line
+
     app = build_app(engine, model_name=name, aliases=spec.aliases, api_key=spec.api_key,
                     public_metrics=spec.public_metrics, deployment=spec.report(),
                     log_requests=spec.log_requests, tool_call_parser=spec.tool_call_parser,

@@ -14,12 +14,17 @@ the paged batch, sampling, detokenising) and the event loop's Python for the tok
 the other. Here they run at once, the event loop on the core the engine's second compute thread
 leaves idle between steps (docs/bench_serve.md, "The engine in a process of its own").
 
-What stays the same as ``AsyncLLM`` (the front both share is ``async_engine.StreamFront``):
+What stays the same as ``AsyncLLM`` (the front both share is ``stream_front.StreamFront``):
 validation in the caller through an ``InputProcessor`` over the same tokenizer and the engine's
 limits, the admission gate in this process, a stream per request with the same backpressure
 (the pause and resume are decided here, where the consumer's reads are counted, and sent), the
 same errors. ``stats()`` is the engine's last report: sent with every step that finished a
 request, when the engine goes idle, and at least every ``STATS_INTERVAL_S`` while it is busy.
+The admission gate's inputs (the prefill capacity, the KV outlook, the slowdown) come with each
+report and with the first step after a request arrived. A structured-output request's grammar is
+compiled here, off the event loop, as with ``AsyncLLM``; its xgrammar JSON goes with the request
+and the engine process loads it (milliseconds) instead of compiling it on its loop. Messages are pickled with ``pickle``
+itself (no file descriptors travel).
 
 The engine process is spawned (no fork of a process with threads). It ignores SIGINT and
 SIGTERM, which a terminal or a process manager may send to the whole process group: the API
@@ -38,15 +43,23 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
+import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kthena_serve.async_engine import (
+from kthena_serve.engine.admission import AdmissionLimits
+from kthena_serve.engine.config import EngineConfig
+from kthena_serve.engine.errors import EngineDeadError, RequestFailedError
+from kthena_serve.engine.request import EngineRequest
+from kthena_serve.engine.stats import EngineStats
+from kthena_serve.stream_front import (
     MAX_STREAM_LEAD,
     STALL_TIMEOUT_S,
     STALLED_MESSAGE,
@@ -54,12 +67,9 @@ from kthena_serve.async_engine import (
     _put_all,
     _Stream,
 )
-from kthena_serve.engine.admission import AdmissionLimits
-from kthena_serve.engine.config import EngineConfig
-from kthena_serve.engine.errors import EngineDeadError, RequestFailedError
-from kthena_serve.engine.input_processor import InputProcessor
-from kthena_serve.engine.request import EngineRequest
-from kthena_serve.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from kthena_serve.engine.input_processor import InputProcessor
 
 __all__ = ["EngineCoreClient"]
 
@@ -102,6 +112,11 @@ class EngineCoreClient(StreamFront):
         """
         if self._process is not None:
             return self
+        from kthena_serve.model.source import resolve_checkpoint
+
+        # here, before the engine process starts: a conversion or download happens once, and
+        # a model that does not resolve is refused without a process
+        folder = resolve_checkpoint(self.config.model)
         context = multiprocessing.get_context("spawn")
         here, there = context.Pipe()
         # the kernel library's lines on stderr there too, if this process shows them
@@ -112,6 +127,13 @@ class EngineCoreClient(StreamFront):
         there.close()
         self._process, self._conn = process, here
         try:
+            # while the engine process imports and loads: this process's own imports (torch
+            # among them) and the tokenizer, on the other core
+            from kthena_serve.engine.grammar import Grammars
+            from kthena_serve.engine.input_processor import InputProcessor
+            from kthena_serve.model.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_pretrained(folder)
             kind, *rest = self._first_message(process, here)
             if kind == "failed":
                 raise rest[0]
@@ -119,13 +141,8 @@ class EngineCoreClient(StreamFront):
         except BaseException:
             self._stop_process()
             raise
-        from kthena_serve.engine.grammar import Grammars
-        from kthena_serve.model.source import resolve_checkpoint
-        from kthena_serve.model.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_pretrained(resolve_checkpoint(self.config.model))
         self._processor = InputProcessor(tokenizer, limits, self.config.chat_special_tokens,
-                                         Grammars(tokenizer, limits.vocab_size))
+                                         Grammars(tokenizer, limits.vocab_size, serialize=True))
         self._capacity, self._kv_outlook, self._stats = capacity, outlook, stats
         self._idle_since = time.perf_counter()
         self._reader = threading.Thread(target=self._read, name="kthena-engine-reader",
@@ -143,7 +160,7 @@ class EngineCoreClient(StreamFront):
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the engine process loaded nothing in "
                                       f"{START_TIMEOUT_S:.0f} s")
-        return conn.recv()
+        return pickle.loads(conn.recv_bytes())
 
     def shutdown(self) -> None:
         """Stop the engine process (each live stream fails with ``EngineDeadError``)."""
@@ -200,11 +217,14 @@ class EngineCoreClient(StreamFront):
             pass
 
     def _send(self, message: object) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send_bytes(data)
 
     def _add_command(self, request: EngineRequest, start_by: float | None) -> object:
-        return ("add", request, start_by, self.admission.num_queued)
+        spec = request.params.structured_outputs  # compiled here already: its JSON goes along
+        grammar = None if spec is None else self.processor.grammars.serialized(spec)
+        return ("add", request, start_by, self.admission.num_queued, grammar)
 
     def _abort_command(self, request_id: str) -> object:
         return ("abort", request_id)
@@ -221,13 +241,14 @@ class EngineCoreClient(StreamFront):
         conn = self._conn
         while True:
             try:
-                message = conn.recv()
+                message = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 break
             kind = message[0]
             if kind == "step":
-                _, outputs, capacity, outlook, slowdown, report, late = message
-                self._capacity, self._kv_outlook, self._slowdown = capacity, outlook, slowdown
+                _, outputs, admission, report, late = message
+                if admission is not None:
+                    self._capacity, self._kv_outlook, self._slowdown = admission
                 if report is not None:
                     self._stats, self._idle_since = report
                 self._dispatch(outputs)
@@ -301,21 +322,24 @@ def _core_main(config: EngineConfig, conn: Any, notices: bool) -> None:
 
         engine = LLMEngine.from_config(config)
     except BaseException as error:  # noqa: BLE001 - the API process raises it
-        conn.send(("failed", _portable(error)))
+        conn.send_bytes(pickle.dumps(("failed", _portable(error))))
         return
-    conn.send(("ready", engine.processor.limits, engine.prefill_capacity(), engine.kv_outlook(),
-               engine.stats()))
     core = _Core(engine, conn)
+    core._send(("ready", engine.processor.limits, engine.prefill_capacity(), engine.kv_outlook(),
+                engine.stats()))
     try:
         core.run()
     finally:
         engine.close()
+    # Nothing is left to tear down: skip the interpreter's (torch's among it), which the API
+    # process would otherwise wait for at every stop.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _portable(error: BaseException) -> BaseException:
     """``error`` if it pickles, else a RuntimeError with its text."""
-    import pickle
-
     try:
         pickle.dumps(error)
     except Exception:  # noqa: BLE001 - any pickling failure
@@ -334,6 +358,7 @@ class _Core:
         self.stopping = False
         self.idle_s = 0.0
         self.reported_at = 0.0
+        self.admission_due = True  # a request came since the admission inputs were last sent
 
     def run(self) -> None:
         engine = self.engine
@@ -359,12 +384,15 @@ class _Core:
             for request_id in finished:
                 self.start_by.pop(request_id, None)
             now = time.perf_counter()
-            report = None
+            report = admission = None
             if finished or now - self.reported_at >= STATS_INTERVAL_S:
                 report = (self._stats(), None)
                 self.reported_at = now
-            self._send(("step", outputs, engine.prefill_capacity(), engine.kv_outlook(),
-                        engine.prefill_slowdown(self.num_queued), report, late))
+            if report is not None or self.admission_due:
+                admission = (engine.prefill_capacity(), engine.kv_outlook(),
+                             engine.prefill_slowdown(self.num_queued))
+                self.admission_due = False
+            self._send(("step", outputs, admission, report, late))
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._send(("stopped",))
 
@@ -379,7 +407,7 @@ class _Core:
 
     def _send(self, message: object) -> None:
         try:
-            self.conn.send(message)
+            self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         except OSError:  # the API process is gone
             self.stopping = True
 
@@ -390,7 +418,7 @@ class _Core:
             if not self.conn.poll(timeout):
                 return
             while True:
-                self._command(self.conn.recv())
+                self._command(pickle.loads(self.conn.recv_bytes()))
                 if self.stopping or not self.conn.poll(0):
                     return
         except (EOFError, OSError):  # the API process is gone
@@ -400,7 +428,10 @@ class _Core:
         kind = message[0]
         engine = self.engine
         if kind == "add":
-            _, request, start_by, self.num_queued = message
+            _, request, start_by, self.num_queued, grammar = message
+            self.admission_due = True
+            if grammar is not None:  # compiled in the API process: no compile on this loop
+                engine.processor.grammars.load(request.params.structured_outputs, grammar)
             if start_by is not None:
                 self.start_by[request.request_id] = start_by
             try:

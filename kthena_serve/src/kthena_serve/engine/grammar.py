@@ -91,18 +91,25 @@ class Grammars:
         cache_size: compiled grammars kept, least recently used evicted first.
         max_threads: threads xgrammar may use for one compile, and to fill a batch's bitmask
             (rows in parallel; the engine passes its torch threads: idle while it fills).
+        serialize: also keep each compiled grammar as xgrammar's JSON (``serialized``), made
+            where it was compiled: a front whose engine runs in another process sends it
+            there (``load``), so the engine never compiles on its loop.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | Callable[[], int], *,
-                 cache_size: int = _CACHE_SIZE, max_threads: int = 2) -> None:
+                 cache_size: int = _CACHE_SIZE, max_threads: int = 2,
+                 serialize: bool = False) -> None:
         self.tokenizer = tokenizer
         self._vocab_size = vocab_size
         self.cache_size = cache_size
         self.max_threads = max_threads
+        self.serialize = serialize
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[StructuredOutputsParams, Any] = (
             collections.OrderedDict())
+        self._json: dict[StructuredOutputsParams, str] = {}  # with serialize: the cache's JSON
         self._compiler: Any = None
+        self._info: Any = None  # the compiler's xgrammar TokenizerInfo
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills rows on max_threads
         self.num_compiled = 0  # compiles run (cache misses)
 
@@ -125,12 +132,39 @@ class Grammars:
                 self._cache.move_to_end(spec)
                 return compiled
         compiled = self._compile(spec, param)
+        text = compiled.serialize_json() if self.serialize else None
         with self._lock:
-            self._cache[spec] = compiled
             self.num_compiled += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._keep(spec, compiled, text)
         return compiled
+
+    def serialized(self, spec: StructuredOutputsParams) -> str:
+        """``spec``'s compiled grammar as xgrammar's JSON (compiled first on a miss; made then
+        and kept with ``serialize``, else made now)."""
+        with self._lock:
+            text = self._json.get(spec)
+        return text if text is not None else self.compile(spec).serialize_json()
+
+    def load(self, spec: StructuredOutputsParams, text: str) -> None:
+        """Keep ``text`` (``serialized``'s JSON, made in another process over the same
+        tokenizer) as ``spec``'s compiled grammar, unless one is kept already."""
+        with self._lock:
+            if spec in self._cache:
+                return
+        self._xgr_compiler()  # and its TokenizerInfo
+        compiled = _xgrammar().CompiledGrammar.deserialize_json(text, self._info)
+        with self._lock:
+            self._keep(spec, compiled, None)
+
+    def _keep(self, spec: StructuredOutputsParams, compiled: Any, text: str | None) -> None:
+        """Cache ``compiled`` (and its JSON) as the newest entry; the lock is held."""
+        self._cache[spec] = compiled
+        self._cache.move_to_end(spec)
+        if text is not None:
+            self._json[spec] = text
+        while len(self._cache) > self.cache_size:
+            old, _ = self._cache.popitem(last=False)
+            self._json.pop(old, None)
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` at the start of ``spec``'s language."""
@@ -167,6 +201,7 @@ class Grammars:
                 # one cache (ours, keyed by the spec): xgrammar's own is off
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads,
                                                      cache_enabled=False)
+                self._info = info
             return self._compiler
 
     def _encoded_vocab(self) -> list[bytes]:
