@@ -46,9 +46,20 @@ def _config(folder, **options) -> EngineConfig:  # noqa: ANN001
     return EngineConfig(**settings)
 
 
-@pytest.fixture
-def checkpoint(tmp_path):
-    return tiny_checkpoint(tmp_path / "tiny")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("engine-core") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def shared(checkpoint):
+    """One engine process for the tests that leave it running (each counts from its own start)."""
+    client = EngineCoreClient(_config(checkpoint)).start()
+    yield client
+    process = client._process
+    client.shutdown()
+    assert process.exitcode == 0 and not client.is_alive
+    assert process not in multiprocessing.active_children()
 
 
 def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
@@ -87,6 +98,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _long(client: EngineCoreClient, request_id: str, max_tokens: int = 900):  # noqa: ANN202
+    """A 10-token prompt asking for ``max_tokens`` tokens, EOS ignored."""
+    return client.make_request(request_id, list(range(100, 110)), SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True))
+
+
 async def _collect(client: EngineCoreClient, request_id: str, prompt: list[int],
                    max_tokens: int) -> str:
     request = client.make_request(request_id, prompt, SamplingParams(temperature=0,
@@ -98,38 +115,31 @@ async def _collect(client: EngineCoreClient, request_id: str, prompt: list[int],
     return text
 
 
-def test_streams_the_tokens_the_engine_makes_in_process_and_frees_every_block(checkpoint):
-    config = _config(checkpoint)
-    reference = LLMEngine.from_config(config)
+def test_streams_the_tokens_the_engine_makes_in_process_and_frees_every_block(checkpoint, shared):
+    reference = LLMEngine.from_config(_config(checkpoint))
     prompts = [reference.processor.encode(text) for text in
                ("The capital of France is", "Once upon a time", "1, 2, 3, 4,")]
     expected = [greedy_text(reference, ids, max_tokens=24) for ids in prompts]
     reference.close()
 
-    client = EngineCoreClient(config).start()
-    process = client._process
-    try:
-        assert client.is_alive and process.is_alive()
-        assert client.processor.limits.num_kv_blocks == 256
+    client = shared
+    assert client.is_alive and client._process.is_alive()
+    assert client.processor.limits.num_kv_blocks == 256
+    before = client.stats().num_generated_tokens
 
-        async def run_all() -> list[str]:
-            return await asyncio.gather(*(_collect(client, f"r{i}", ids, 24)
-                                          for i, ids in enumerate(prompts)))
+    async def run_all() -> list[str]:
+        return await asyncio.gather(*(_collect(client, f"r{i}", ids, 24)
+                                      for i, ids in enumerate(prompts)))
 
-        assert asyncio.run(run_all()) == expected  # three at once, batched, token for token
-        stats = client.stats()
-        assert stats.num_generated_tokens == 3 * 24
-        assert stats.kv.num_used_blocks == 0 and stats.kv.num_running_requests == 0
-        assert stats.num_leaked_blocks == 0
-        assert stats.queue is not None and stats.queue.num_requests == 0
-    finally:
-        client.shutdown()
-    assert process.exitcode == 0
-    assert not client.is_alive
-    assert process not in multiprocessing.active_children()
+    assert asyncio.run(run_all()) == expected  # three at once, batched, token for token
+    stats = client.stats()
+    assert stats.num_generated_tokens - before == 3 * 24
+    assert stats.kv.num_used_blocks == 0 and stats.kv.num_running_requests == 0
+    assert stats.num_leaked_blocks == 0
+    assert stats.queue is not None and stats.queue.num_requests == 0
 
 
-def test_a_structured_output_request_matches_the_engine_in_process(checkpoint):
+def test_a_structured_output_request_matches_the_engine_in_process(checkpoint, shared):
     """The grammar compiled in the API process travels as xgrammar's JSON; the engine process
     constrains with it: the same tokens as an in-process engine compiling it itself."""
     config = _config(checkpoint)
@@ -142,38 +152,38 @@ def test_a_structured_output_request_matches_the_engine_in_process(checkpoint):
     reference.close()
     assert re.fullmatch("(yes|no), [a-z]{3,8}!", expected)
 
-    client = EngineCoreClient(config).start()
-    try:
-        async def constrained() -> str:
-            request = client.make_request("c", ids, params)
-            client.processor.compile_grammar(request.params)  # as the server does, off the loop
-            text = ""
-            async for out in client.generate(request):
-                text = out.text
-            return text
+    client = shared
 
-        assert asyncio.run(constrained()) == expected
-        assert client.processor.grammars.num_compiled == 1
-    finally:
-        client.shutdown()
+    async def constrained() -> str:
+        request = client.make_request("c", ids, params)
+        client.processor.compile_grammar(request.params)  # as the server does, off the loop
+        text = ""
+        async for out in client.generate(request):
+            text = out.text
+        return text
+
+    assert asyncio.run(constrained()) == expected
+    assert client.processor.grammars.num_compiled == 1
 
 
 def test_a_bad_model_fails_start_with_the_loaders_error_and_leaves_no_process(tmp_path):
+    before = set(multiprocessing.active_children())
     client = EngineCoreClient(_config(tmp_path / "missing"))
     with pytest.raises(CheckpointError, match="missing"):
         client.start()
-    assert not client.is_alive
-    assert multiprocessing.active_children() == []
+    assert not client.is_alive and client._process is None
+    assert set(multiprocessing.active_children()) == before  # none started
     with pytest.raises(EngineDeadError, match="not started"):
         client.processor  # noqa: B018
 
 
 def test_the_options_are_checked_before_anything_starts(tmp_path):
+    before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="max_stream_lead must be >= 2, got 1"):
         EngineCoreClient(_config(tmp_path), max_stream_lead=1)
     with pytest.raises(ValueError, match="stall_timeout must be > 0 seconds or None, got 0"):
         EngineCoreClient(_config(tmp_path), stall_timeout=0)
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_the_admission_bound_refuses_in_the_api_process(checkpoint):
@@ -192,34 +202,30 @@ def test_the_admission_bound_refuses_in_the_api_process(checkpoint):
         client.shutdown()
 
 
-def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(checkpoint):
-    client = EngineCoreClient(_config(checkpoint)).start()
-    try:
-        async def leave_early() -> int:
-            request = client.make_request("long", list(range(100, 140)), SamplingParams(
-                max_tokens=900, ignore_eos=True))
-            seen = 0
-            async for _ in client.generate(request):
-                seen += 1
-                if seen == 3:
-                    break
-            return seen
+def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(shared):
+    client = shared
+    before = client.stats().num_generated_tokens
 
-        assert asyncio.run(leave_early()) == 3
-        _wait(lambda: client.stats().kv.num_running_requests == 0, 30, "the request ended")
-        stats = client.stats()
-        assert stats.kv.num_used_blocks == 0 and stats.num_leaked_blocks == 0
-        assert stats.num_generated_tokens < 900
-    finally:
-        client.shutdown()
+    async def leave_early() -> int:
+        seen = 0
+        async for _ in client.generate(_long(client, "long")):
+            seen += 1
+            if seen == 3:
+                break
+        return seen
+
+    assert asyncio.run(leave_early()) == 3
+    _wait(lambda: client.stats().kv.num_running_requests == 0, 30, "the request ended")
+    stats = client.stats()
+    assert stats.kv.num_used_blocks == 0 and stats.num_leaked_blocks == 0
+    assert stats.num_generated_tokens - before < 900
 
 
 def test_shutdown_ends_a_live_stream_with_engine_dead(checkpoint):
     client = EngineCoreClient(_config(checkpoint)).start()
 
     async def stream_until_shutdown() -> str:
-        request = client.make_request("s", list(range(100, 110)), SamplingParams(
-            max_tokens=900, ignore_eos=True))
+        request = _long(client, "s")
         with pytest.raises(EngineDeadError, match="shut down") as caught:
             async for out in client.generate(request):
                 if len(out.token_ids) == 2:
@@ -240,8 +246,7 @@ def test_a_dead_engine_process_fails_the_streams_and_the_client_reports_it(check
     try:
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
         async def stream_until_killed() -> None:
-            request = client.make_request("k", list(range(100, 110)), SamplingParams(
-                max_tokens=900, ignore_eos=True))
+            request = _long(client, "k")
             async for out in client.generate(request):
                 if len(out.token_ids) == 2:
                     os.kill(pid, signal.SIGKILL)
@@ -263,26 +268,22 @@ def test_a_dead_engine_process_fails_the_streams_and_the_client_reports_it(check
     assert not _alive(pid)
 
 
-def test_signals_to_the_process_group_leave_the_draining_to_the_api_process(checkpoint):
+def test_signals_to_the_process_group_leave_the_draining_to_the_api_process(shared):
     """SIGINT and SIGTERM sent to the engine process (as a terminal or a process manager sends
     them to the whole group) do not stop it: the request in flight finishes."""
-    client = EngineCoreClient(_config(checkpoint)).start()
-    try:
-        async def stream_through_signals() -> int:
-            request = client.make_request("g", list(range(100, 110)), SamplingParams(
-                max_tokens=40, ignore_eos=True))
-            count = 0
-            async for out in client.generate(request):
-                count = len(out.token_ids)
-                if count == 2:
-                    os.kill(client._process.pid, signal.SIGTERM)
-                    os.kill(client._process.pid, signal.SIGINT)
-            return count
+    client = shared
 
-        assert asyncio.run(stream_through_signals()) == 40
-        assert client.is_alive
-    finally:
-        client.shutdown()
+    async def stream_through_signals() -> int:
+        count = 0
+        async for out in client.generate(_long(client, "g", max_tokens=40)):
+            count = len(out.token_ids)
+            if count == 2:
+                os.kill(client._process.pid, signal.SIGTERM)
+                os.kill(client._process.pid, signal.SIGINT)
+        return count
+
+    assert asyncio.run(stream_through_signals()) == 40
+    assert client.is_alive
 
 
 def test_the_engine_process_ends_when_the_api_process_is_killed(checkpoint, tmp_path):

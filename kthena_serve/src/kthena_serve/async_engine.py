@@ -59,6 +59,7 @@ from kthena_serve.stream_front import (
     StreamFront,
     _put_all,
     _Stream,
+    step_or_fail,
 )
 from mooncake_kv import KVCacheManager
 
@@ -294,12 +295,8 @@ class AsyncLLM(StreamFront):
                 idle_s, since = self._idle
                 self._idle = (idle_s + time.perf_counter() - since, None)
                 continue
-            try:
-                outputs = engine.step()
-            except Exception:  # a failed step must not hang any client (details: the log)
-                log.exception("engine step failed")
-                self._fail_all(EngineDeadError("the engine failed while serving this request; "
-                                               "retry it"))
+            outputs = step_or_fail(engine, self._fail_all)
+            if outputs is None:
                 continue
             self._stats = engine.stats()
             self._capacity = engine.prefill_capacity()

@@ -63,9 +63,11 @@ from kthena_serve.stream_front import (
     MAX_STREAM_LEAD,
     STALL_TIMEOUT_S,
     STALLED_MESSAGE,
+    STEP_FAILED,
     StreamFront,
     _put_all,
     _Stream,
+    step_or_fail,
 )
 
 if TYPE_CHECKING:
@@ -267,8 +269,7 @@ class EngineCoreClient(StreamFront):
             self.error = EngineDeadError("the engine process ended")
         for request_id in list(self._queues):
             self._dispatch([EngineDeadError("the engine was shut down" if self._closed else
-                                            "the engine failed while serving this request; "
-                                            "retry it")], request_id)
+                                            STEP_FAILED)], request_id)
 
     def _dispatch(self, outputs: Sequence, request_id: str | None = None) -> None:
         """Hand outputs to their streams: one thread-safe call per event loop, not per item."""
@@ -372,12 +373,8 @@ class _Core:
             self._receive(0.0)
             if self.stopping or not engine.has_runnable_requests():
                 continue
-            try:
-                outputs = engine.step()
-            except Exception:  # a failed step must not hang any client (details: the log)
-                log.exception("engine step failed")
-                self._fail_all(EngineDeadError("the engine failed while serving this request; "
-                                               "retry it"))
+            outputs = step_or_fail(engine, self._fail_all)
+            if outputs is None:
                 continue
             late = self._refuse_late()
             finished = [out.request_id for out in outputs if out.finished]

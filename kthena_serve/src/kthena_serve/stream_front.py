@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kthena_serve.engine.admission import AdmissionGate, AdmissionLimits, KVOutlook
 from kthena_serve.engine.errors import EngineDeadError, RequestFailedError
@@ -21,12 +22,17 @@ from kthena_serve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kthena_serve.engine.input_processor import InputProcessor
 
-__all__ = ["MAX_STREAM_LEAD", "STALLED_MESSAGE", "STALL_TIMEOUT_S", "StreamFront"]
+__all__ = ["MAX_STREAM_LEAD", "STALLED_MESSAGE", "STALL_TIMEOUT_S", "STEP_FAILED",
+           "StreamFront", "step_or_fail"]
+
+log = logging.getLogger(__name__)
 
 MAX_STREAM_LEAD = 16  # outputs a consumer may fall behind before its request pauses
 STALL_TIMEOUT_S = 120.0
 STALLED_MESSAGE = ("the client read nothing for too long; the request was stopped "
                    "(read the stream as it arrives)")
+# what a client hears when a step fails (no internals: those go to the log)
+STEP_FAILED = "the engine failed while serving this request; retry it"
 
 
 class _Stream:
@@ -178,3 +184,14 @@ class StreamFront:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def step_or_fail(engine: Any, fail_all: Callable[[EngineDeadError], None]) -> list | None:
+    """``engine.step()`` for an engine loop: a step that raises is logged and every live
+    request fails (``fail_all``), so no client hangs; None then."""
+    try:
+        return engine.step()
+    except Exception:  # noqa: BLE001 - whatever it was, the clients get STEP_FAILED
+        log.exception("engine step failed")
+        fail_all(EngineDeadError(STEP_FAILED))
+        return None
