@@ -23,8 +23,8 @@ request, when the engine goes idle, and at least every ``STATS_INTERVAL_S`` whil
 The admission gate's inputs (the prefill capacity, the KV outlook, the slowdown) come with each
 report and with the first step after a request arrived. A structured-output request's grammar is
 compiled here, off the event loop, as with ``AsyncLLM``; its xgrammar JSON goes with the request
-and the engine process loads it (milliseconds) instead of compiling it on its loop. Messages are pickled with ``pickle``
-itself (no file descriptors travel).
+and the engine process loads it (milliseconds) instead of compiling it on its loop. Messages are
+pickled with ``pickle`` itself (no file descriptors travel).
 
 The engine process is spawned (no fork of a process with threads). It ignores SIGINT and
 SIGTERM, which a terminal or a process manager may send to the whole process group: the API
@@ -33,8 +33,9 @@ process exiting in any way, killed included, ends it within a step. If the engin
 every stream fails with ``EngineDeadError`` and ``is_alive`` turns false.
 
 ``kthena serve`` runs this front by default for one rank with no KV events publisher
-(``ServeSpec.engine_process``); those two need the engine's KV manager in the API process and
-keep ``AsyncLLM``, as do the PD workers and the DP replicas.
+(``ServeSpec.engine_process``). The publisher reads the engine's KV manager in the API process,
+and a tp x pp > 1 engine starts its ranks from there, so those keep ``AsyncLLM``, as do the PD
+workers and the DP replicas.
 """
 
 from __future__ import annotations
