@@ -57,9 +57,9 @@ from kthena_serve.stream_front import (
     STALL_TIMEOUT_S,
     STALLED_MESSAGE,
     StreamFront,
-    _put_all,
     _Stream,
     step_or_fail,
+    take_late,
 )
 from mooncake_kv import KVCacheManager
 
@@ -312,21 +312,9 @@ class AsyncLLM(StreamFront):
             self._inbox.popleft().run(self)
 
     def _refuse_late(self) -> None:
-        """Refuse the admitted requests still waiting to start past their ``start_by`` (run
-        after a step, so a request the step could have started is never refused: a lone
-        prompt always runs)."""
-        if not self._start_by:
-            return
-        now = time.monotonic()
-        due = [rid for rid, when in list(self._start_by.items()) if when <= now]
-        if not due:
-            return
-        waiting = self.engine.not_started()
-        for request_id in due:
-            self._start_by.pop(request_id, None)
-            if request_id in waiting:
-                self.engine.abort_request(request_id)
-                self._dispatch([self.admission.timed_out(request_id)], request_id)
+        """Refuse the admitted requests still waiting to start past their ``start_by``."""
+        for request_id in take_late(self.engine, self._start_by):
+            self._dispatch([self.admission.timed_out(request_id)], request_id)
 
     def _apply_backpressure(self) -> int:
         """Pause requests whose consumers fell behind, resume those that caught up, abort
@@ -352,17 +340,6 @@ class AsyncLLM(StreamFront):
             else:
                 num_paused += 1
         return num_paused
-
-    def _dispatch(self, outputs: list, request_id: str | None = None) -> None:
-        """Hand outputs to their streams: one thread-safe call per event loop, not per item."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            target = self._queues.get(request_id or out.request_id)
-            if target is not None:
-                target.sent += 1
-                by_loop.setdefault(target.loop, []).append((target.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """End every live request with ``error`` (a message for clients: no internals)."""

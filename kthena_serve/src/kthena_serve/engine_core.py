@@ -40,7 +40,6 @@ workers and the DP replicas.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -50,7 +49,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -66,9 +64,9 @@ from kthena_serve.stream_front import (
     STALLED_MESSAGE,
     STEP_FAILED,
     StreamFront,
-    _put_all,
     _Stream,
     step_or_fail,
+    take_late,
 )
 
 if TYPE_CHECKING:
@@ -272,22 +270,10 @@ class EngineCoreClient(StreamFront):
             self._dispatch([EngineDeadError("the engine was shut down" if self._closed else
                                             STEP_FAILED)], request_id)
 
-    def _dispatch(self, outputs: Sequence, request_id: str | None = None) -> None:
-        """Hand outputs to their streams: one thread-safe call per event loop, not per item."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            rid = request_id or out.request_id
-            target = self._queues.get(rid)
-            if target is not None:
-                target.sent += 1
-                by_loop.setdefault(target.loop, []).append((rid, target, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(self._deliver, items)
-
     def _deliver(self, items: list[tuple[str, _Stream, object]]) -> None:
         """On the consumer's loop: queue the outputs, and pause a request whose consumer is
         ``max_stream_lead`` behind (its stall timer starts)."""
-        _put_all([(state.queue, out) for _, state, out in items])
+        super()._deliver(items)
         for request_id, state, _ in items:
             if (state.paused_since is None and not self._closed
                     and state.sent - state.taken >= self.max_stream_lead):
@@ -377,7 +363,7 @@ class _Core:
             outputs = step_or_fail(engine, self._fail_all)
             if outputs is None:
                 continue
-            late = self._refuse_late()
+            late = take_late(engine, self.start_by)
             finished = [out.request_id for out in outputs if out.finished]
             for request_id in finished:
                 self.start_by.pop(request_id, None)
@@ -448,24 +434,6 @@ class _Core:
             self._fail_all(EngineDeadError(message[1]))
         elif kind == "stop":
             self.stopping = True
-
-    def _refuse_late(self) -> list[str]:
-        """The admitted requests still waiting to start past their ``start_by``, taken out of
-        the engine (``AsyncLLM._refuse_late``: run after a step)."""
-        if not self.start_by:
-            return []
-        now = time.monotonic()
-        due = [rid for rid, when in list(self.start_by.items()) if when <= now]
-        if not due:
-            return []
-        waiting = self.engine.not_started()
-        late = []
-        for request_id in due:
-            self.start_by.pop(request_id, None)
-            if request_id in waiting:
-                self.engine.abort_request(request_id)
-                late.append(request_id)
-        return late
 
     def _fail_all(self, error: EngineDeadError) -> None:
         for request_id in self.engine.live_request_ids():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from kthena_serve.engine.input_processor import InputProcessor
 
 __all__ = ["MAX_STREAM_LEAD", "STALLED_MESSAGE", "STALL_TIMEOUT_S", "STEP_FAILED",
-           "StreamFront", "step_or_fail"]
+           "StreamFront", "step_or_fail", "take_late"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,24 @@ class StreamFront:
             if not finished:
                 self.abort(request_id)
 
+    def _dispatch(self, outputs: Sequence, request_id: str | None = None) -> None:
+        """Hand outputs to their streams (from the thread the engine's outputs arrive on): one
+        thread-safe call of ``_deliver`` per event loop, not per item."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            rid = request_id or out.request_id
+            target = self._queues.get(rid)
+            if target is not None:
+                target.sent += 1
+                by_loop.setdefault(target.loop, []).append((rid, target, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(self._deliver, items)
+
+    def _deliver(self, items: list[tuple[str, _Stream, object]]) -> None:
+        """On the consumer's loop: queue the outputs (a front may also act on its streams)."""
+        for _, state, out in items:
+            state.queue.put_nowait(out)
+
     def abort(self, request_id: str) -> None:
         """End the request wherever it is: admitted and never streamed (a refusal after
         admission), its queue place goes back; running, the engine drops it."""
@@ -181,9 +200,25 @@ class StreamFront:
         self._submit(self._abort_all_command(message))
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def take_late(engine: Any, start_by: dict[str, float]) -> list[str]:
+    """The admitted requests still waiting to start past their ``start_by`` (request id ->
+    ``time.monotonic`` deadline), taken out of ``engine``; every due entry leaves ``start_by``.
+    An engine loop runs it after a step, so a request the step could have started is never
+    refused: a lone prompt always runs."""
+    if not start_by:
+        return []
+    now = time.monotonic()
+    due = [rid for rid, when in list(start_by.items()) if when <= now]
+    if not due:
+        return []
+    waiting = engine.not_started()
+    late = []
+    for request_id in due:
+        start_by.pop(request_id, None)
+        if request_id in waiting:
+            engine.abort_request(request_id)
+            late.append(request_id)
+    return late
 
 
 def step_or_fail(engine: Any, fail_all: Callable[[EngineDeadError], None]) -> list | None:
