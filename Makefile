@@ -66,6 +66,8 @@ test: lint
 	# OMP_WAIT_POLICY=PASSIVE: spin-waiting OpenMP pools collapse throughput on shared cores.
 	# Two pytest workers, each taking whole files (module fixtures start once): many tests wait
 	# on processes and sockets, so two overlap (~16 min instead of ~21 on a 2-core Zen 3).
+	# Three took 19:31 against two's 20:16 on a 2-core Zen 4 (same file order, 2026-12-07): the
+	# cores are already full, and each test runs slower beside two others.
 	# The test files run in a random order (conftest.py; the seed is printed first and last).
 	# The network and control-plane fault tests (marked `faults`, ~2 min) run in make test-faults.
 	OMP_WAIT_POLICY=PASSIVE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 --dist loadfile \
