@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -262,18 +263,38 @@ def master():
 
 
 def start_peer(kv_offload: str, prompt, *model_tp: str) -> subprocess.Popen:  # noqa: ANN001
-    """An engine process (kv_offload_peer.py): the default model, or ``MODEL TP``."""
+    """An engine process (kv_offload_peer.py): the default model, or ``MODEL TP``. Its stderr
+    (warnings such as a store tier left out, and why) goes to an unnamed temp file that a
+    failed check shows (`peer_log`)."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "GLOG_minloglevel": "2"}
-    return subprocess.Popen([sys.executable, str(PEER), kv_offload, json.dumps(list(prompt)),
-                             *model_tp],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    log = tempfile.TemporaryFile()
+    try:
+        peer = subprocess.Popen([sys.executable, str(PEER), kv_offload,
+                                 json.dumps(list(prompt)), *model_tp],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True, env=env)
+    except BaseException:
+        log.close()
+        raise
+    peer.log = log
+    return peer
+
+
+def peer_log(peer: subprocess.Popen, tail: int = 4000) -> str:
+    """The end of the peer's stderr so far (read at an offset: the peer's writes go on)."""
+    size = os.fstat(peer.log.fileno()).st_size
+    return os.pread(peer.log.fileno(), tail, max(0, size - tail)).decode(errors="replace")
 
 
 def peer_result(peer: subprocess.Popen) -> dict:
+    """The peer's JSON line; every tier its ``--kv-offload`` names must have opened."""
     line = peer.stdout.readline()
-    assert line, f"engine process exited with {peer.wait()} before answering"
-    return json.loads(line)
+    assert line, f"engine process exited with {peer.wait()} before answering:\n{peer_log(peer)}"
+    result = json.loads(line)
+    if "store=" in peer.args[2]:
+        tiers = [t["tier"] for t in result["tiers"]]
+        assert "mooncake_store" in tiers, f"the store tier was left out ({tiers}):\n{peer_log(peer)}"
+    return result
 
 
 def stop_peer(peer: subprocess.Popen) -> None:
@@ -283,6 +304,7 @@ def stop_peer(peer: subprocess.Popen) -> None:
         peer.wait(timeout=60)
     finally:
         reap(peer)
+        peer.log.close()
     assert peer.returncode == 0, f"engine process ended with {peer.returncode}"
 
 

@@ -141,7 +141,7 @@ def _open_client(config: StoreTierConfig, attempts: int = 3) -> Any:
     code, or a listener that escaped confinement) is tried again with a new client, up to
     ``attempts`` times 1 s apart: on a loaded host a client's setup fails now and then (once
     in a test suite's run: a worker started without its store tier)."""
-    attempt = 1
+    errors: list[str] = []
     while True:
         client = _new_client()
         try:
@@ -150,13 +150,13 @@ def _open_client(config: StoreTierConfig, attempts: int = 3) -> Any:
                 return client
             with contextlib.suppress(Exception):
                 client.close()
-            error = TierUnavailableError(
-                f"Mooncake Store setup against {config.master_address} failed with code {code}")
+            errors.append(f"Mooncake Store setup against {config.master_address} failed with "
+                          f"code {code}")
         except TierUnavailableError as exc:
-            error = exc
-        if attempt == attempts:
-            raise TierUnavailableError(f"{error} ({attempts} attempts)") from None
-        attempt += 1
+            errors.append(str(exc))
+        if len(errors) == attempts:
+            raise TierUnavailableError(
+                "; ".join(f"attempt {i}: {e}" for i, e in enumerate(errors, 1))) from None
         time.sleep(1.0)
 
 
