@@ -38,7 +38,7 @@ $(STAMP): $(DEPS)
 	# Only the build this CPU can load is compiled (AVX-512, or AVX2 e.g. on AMD Zen 3).
 	isa=$$($(BIN)/python -c "$(NATIVE_ISA)"); \
 	if [ -n "$$isa" ]; then \
-	  start=$$(date +%s); echo "building the native $$isa kernels (minutes: 9.5 on 2 busy Zen 4 cores) ..."; \
+	  start=$$(date +%s); echo "building the native $$isa kernels (about a minute: 59 s on 2 quiet Zen 4 cores) ..."; \
 	  $(BIN)/pip install -q ninja && MOONCAKE_OPS_NATIVE_ISAS=$$isa MAX_JOBS=2 \
 	    $(BIN)/pip install -q --no-build-isolation ./native \
 	    && echo "native $$isa kernels built in $$(( $$(date +%s) - start )) s" || echo "$(NO_NATIVE)"; \

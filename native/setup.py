@@ -22,7 +22,9 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = Path(__file__).parent
-COMMON = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno",
+# -g0 undoes the -g of Python's CFLAGS: debug info for torch's headers took half to two thirds
+# of each file's compile time (decode_attention.cpp: 29.8 s with it, 10.6 s without, Zen 4).
+COMMON = ["-O3", "-g0", "-std=c++20", "-fopenmp", "-fno-math-errno",
           "-Wno-maybe-uninitialized", "-Wno-uninitialized"]
 MODULES = {  # isa -> (module, source folder, ISA flags)
     "avx512": ("mooncake_ops_native", "csrc",

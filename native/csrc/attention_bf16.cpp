@@ -28,7 +28,9 @@
 // takes the decode routine instead, reading its context in place; threads split those and
 // the other items separately, each by its own cost.
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>

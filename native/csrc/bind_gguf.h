@@ -2,7 +2,7 @@
 // ../csrc_avx2/bindings_avx2.cpp; kernels in linear_gguf.cpp and ../csrc_avx2/linear_gguf_avx2.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <optional>
 

@@ -2,7 +2,7 @@
 // KV write, the per-token layer ops and the int8 matmul, each with the same contract in both.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <optional>
 #include <vector>

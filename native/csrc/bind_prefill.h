@@ -3,7 +3,7 @@
 // ../csrc_avx2/prefill_attention_avx2.cpp in the AVX2 one (fp32 arithmetic).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <optional>
 

@@ -4,7 +4,7 @@
 // Every kernel runs with the GIL released (py::call_guard<py::gil_scoped_release>: arguments
 // are converted before and the result after, with the GIL held): the engine thread's kernels
 // no longer stop the server's event loop, which then answers HTTP while a step computes.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <optional>
 #include <vector>

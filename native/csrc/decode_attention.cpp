@@ -17,7 +17,9 @@
 // chunk (the group then holds every new token's query rows of one KV head) and merges it with
 // the causal half by LSE, so an int8 prefix is read in place, block by block.
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,9 @@
 // the checks of every value a kernel dereferences. No intrinsics here.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

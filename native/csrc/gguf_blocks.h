@@ -11,7 +11,10 @@
 // the exact formula: the same float32 value the reference (and the gguf package) computes.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 
 #include <cstdint>

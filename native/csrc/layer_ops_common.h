@@ -7,7 +7,9 @@
 // declared here after it, in an unnamed namespace within mops. No intrinsics here.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

@@ -20,7 +20,9 @@
 // computed, so a batched decode step's weights arrive from DRAM behind the arithmetic
 // (without: 1.2-1.25x slower for 32 rows over cold weights).
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cstring>

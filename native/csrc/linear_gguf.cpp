@@ -18,7 +18,9 @@
 // Q8_0 / Q5_K / Q6_K convert the integers and multiply; then fp32 FMAs against x and one
 // horizontal sum per output. Larger row counts are compute-bound: the Python side dequantises
 // (gguf_dequantize here) and runs a dense matmul.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -12,7 +12,9 @@
 //   fp32 x (or no VNNI): int8 -> fp32 in registers and fp32 FMAs, exact up to fp32 rounding.
 // Larger row counts are compute-bound; the Python side runs them elsewhere.
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstring>
 #include <optional>

@@ -5,7 +5,10 @@
 // bf16 needs AVX512_BF16) and dense_linear_rows (AVX2 only).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 // per-token layer ops, int8, GGUF and dense matmuls of few rows, prefill attention with fp32
 // arithmetic (the packed bf16 matmul needs AVX512_BF16), and the fused decode step over them. Each returns None when a call does not
 // fit and bad values raise ValueError, as in the AVX-512 module.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <optional>
 

@@ -8,7 +8,9 @@
 //   K, V rows -> fp32 scratch (int8: times their scale), scores for the G query heads of h,
 //   online softmax (running max m, sum l, accumulator acc rescaled when m rises),
 //   acc[g] += exp(score - m) * v[t].
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -13,7 +13,9 @@
 //   * more rows: 16-row weight panels widened and transposed into an fp32 buffer, then an
 //     outer-product micro-kernel of 6 x rows x 16 outputs (below).
 // K must be a multiple of 8, else the entry declines (None).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

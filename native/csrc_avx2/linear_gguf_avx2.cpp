@@ -12,7 +12,9 @@
 // block's 8-value chunks dequantised to exactly the reference's float32 values (fma(a, q, b) or
 // a * q with the block's float32 scale terms, the product exact: ../csrc/gguf_blocks.h), fp32
 // FMAs, one horizontal sum per output.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -19,7 +19,9 @@
 // keys it sees (the causal mask) and p = exp(s - max), l = sum(p); then out = P.V / l
 // (RB x 16 output lanes per pass). Keys past a row's causal edge get p = 0; the exact max needs
 // no rescaling. q is scaled once as it is widened.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
