@@ -9,9 +9,9 @@ import torch
 from _tiny import tiny_checkpoint
 
 from kthena_serve.model.llama import DecodeStepChoice, choose_decode_step
-from kthena_serve.model.loader import load_model
+from kthena_serve.model.loader import gguf_matmul_blocks, gguf_source, load_model
 from mooncake_kv.paged import paged_batch
-from mooncake_ops import INT8_WEIGHT_ONLY
+from mooncake_ops import INT8_WEIGHT_ONLY, dense_gguf_kernel
 from mooncake_ops.decode_step import fused_decode_available, max_fused_rows
 
 fused_only = pytest.mark.skipif(not fused_decode_available(),
@@ -87,6 +87,24 @@ def test_int8_weights_decode_fused_and_equal_the_ops(checkpoint):
     fused = model.decode_step
     assert (fused.name, fused.max_rows) == ("fused", max_fused_rows(INT8_WEIGHT_ONLY.name)), fused
     _check_fused_equals_ops(model, [[1, 5, 9, 200, 31], list(range(40, 77)), [7] * 18], 8)
+
+
+@fused_only
+def test_gguf_weights_mixed_with_dense_ones_decode_fused_and_equal_the_ops():
+    """A GGUF file whose q / k / v or gate / up the native matmul cannot read as blocks (a type
+    such as Q5_0, or parts of different types, as Q4_K_M's attn_v beside q / k): those fused
+    weights stay bf16, packed as the bf16 model packs them, and the fused step still runs."""
+    model, _ = load_model("default", dtype=torch.bfloat16, pack_weights=False)
+    blocks = {name: packed for name, packed in gguf_matmul_blocks(model, gguf_source("default")).items()
+              if not name.endswith(("qkv_weight", "gate_up_weight"))}
+    model.use_gguf_weights(blocks, "native")
+    mlp, attn = model.layers[0].mlp, model.layers[0].self_attn
+    assert mlp.down_weight.dtype == attn.o_weight.dtype == torch.uint8  # the file's blocks
+    if dense_gguf_kernel(mlp.down_weight.new_empty(0, dtype=torch.bfloat16)) is not None:
+        assert attn.qkv_weight.dim() == 4 and mlp.gate_up_silu is not None  # packed bf16
+    fused = model.decode_step
+    assert fused.name == "fused", fused
+    _check_fused_equals_ops(model, [[1, 5, 9, 200, 31], list(range(40, 97))], 6)
 
 
 @fused_only

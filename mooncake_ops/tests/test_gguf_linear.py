@@ -199,3 +199,23 @@ def test_native_gguf_refuses_bad_values():
         module.gguf_linear(torch.randn(1, 64), packed, 3)  # Q8_0 bytes called Q4_1
     with pytest.raises(ValueError, match="x has 32 features; the weight's 2 blocks"):
         module.gguf_linear(torch.randn(1, 32), packed, 8)
+
+
+def test_dense_weights_of_a_gguf_model_run_the_native_bf16_matmul_gguf_linear_hands_them():
+    """`dense_gguf_kernel`: a bf16 weight the GGUF file gave no blocks for is packed as the bf16
+    model packs it, and `gguf_linear` runs the same kernel on it (the same result, bit for bit);
+    a shape outside that layout stays dense (F.linear, bit for bit), and fp32 gets no packing."""
+    torch.manual_seed(0)
+    w, odd = torch.randn(64, 96).bfloat16(), torch.randn(40, 96).bfloat16()  # 40: not 16k rows
+    x = torch.randn(3, 96).bfloat16()
+    assert mo.dense_gguf_kernel(w.float()) is None
+    kernel = mo.dense_gguf_kernel(w)
+    if kernel is None:  # no native bf16 matmul on this CPU: the weights stay dense
+        assert not mo.linear.native_bf16_linear_available()
+        return
+    packed = kernel.pack(w)
+    assert packed.dim() == 4
+    want = mo.linear.NATIVE_PACKED_BF16.linear(x, mo.linear.NATIVE_PACKED_BF16.pack(w))
+    assert torch.equal(mo.gguf_linear(x, packed), want)
+    kept = kernel.pack(odd)
+    assert kept.dim() == 2 and torch.equal(mo.gguf_linear(x, kept), torch.nn.functional.linear(x, odd))

@@ -50,6 +50,7 @@ from mooncake_ops.errors import (
 from mooncake_ops.gguf_linear import (
     GGUF_DEQUANT_DENSE,
     GGUF_WEIGHT_ONLY,
+    dense_gguf_kernel,
     gguf_linear,
     gguf_linear_reference,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "GGUF_DEQUANT_DENSE",
     "GGUF_TYPES",
     "GGUF_WEIGHT_ONLY",
+    "dense_gguf_kernel",
     "INT8_WEIGHT_ONLY",
     "BlockTableError",
     "Capability",

@@ -43,6 +43,7 @@ from mooncake_ops.gguf_quants import (
     is_grouped,
 )
 from mooncake_ops.linear import (
+    NATIVE_PACKED_BF16,
     LinearKernel,
     fp32_sliced_linear,
     native_bf16_linear_available,
@@ -50,8 +51,8 @@ from mooncake_ops.linear import (
     onednn_bf16_available,
 )
 
-__all__ = ["GGUF_BF16_MAX_OP_ROWS", "GGUF_DEQUANT_DENSE", "GGUF_MAX_OP_ROWS", "GGUF_WEIGHT_ONLY", "gguf_linear",
-           "gguf_linear_reference", "native_gguf_available"]
+__all__ = ["GGUF_BF16_MAX_OP_ROWS", "GGUF_DEQUANT_DENSE", "GGUF_MAX_OP_ROWS", "GGUF_WEIGHT_ONLY",
+           "dense_gguf_kernel", "gguf_linear", "gguf_linear_reference", "native_gguf_available"]
 
 # Calls of more rows dequantise the weight once per call and run a dense matmul. The native
 # kernel decodes each weight block again for every 4 x rows, the dense path dequantises it once
@@ -78,7 +79,8 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize_gguf(packed), bias)`` in x's dtype, up to the rounding of fp32
     sums (`mooncake_ops.gguf_linear` says how far); x ``[..., K]``. A dense float ``packed`` (a
-    GGUF F16 / F32 tensor) runs F.linear.
+    GGUF F16 / F32 tensor) runs F.linear, and one `dense_gguf_kernel` packed runs the native
+    bf16 matmul.
 
     Raises:
         OpsShapeError: x's last dim is not the weight's K; ``packed`` is neither a packed GGUF
@@ -86,6 +88,8 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor,
         OpsDTypeError: x is not floating point.
     """
     if packed.is_floating_point():
+        if packed.dim() == 4:  # bf16 that dense_gguf_kernel packed
+            return NATIVE_PACKED_BF16.linear(x, packed, bias)
         return F.linear(x, packed.to(x.dtype), None if bias is None else bias.to(x.dtype))
     kind = _check_call(x, packed)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -199,4 +203,28 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 GGUF_WEIGHT_ONLY = LinearKernel("gguf", _pack, gguf_linear)
+
+
+def _dense_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`NATIVE_PACKED_BF16`'s layout where the weight fits it (out_features a multiple of 16,
+    in_features even); else dense, as it is (F.linear: `gguf_linear` reads no other layout)."""
+    if weight.shape[0] % 16 or weight.shape[1] % 2:
+        return _pack(weight)
+    return NATIVE_PACKED_BF16.pack(weight)
+
+
+def dense_gguf_kernel(sample: torch.Tensor) -> LinearKernel | None:
+    """How `GGUF_WEIGHT_ONLY` lays out the bf16 weights a GGUF file gives it no blocks for (a
+    type the native matmul does not read, an F16 tensor, a fused weight whose parts differ in
+    type): the native bf16 matmul's packing and fused SwiGLU input, so that the fused decode
+    step takes a model of mixed weights; `gguf_linear` runs what it packs. None (dense weights,
+    F.linear) for other dtypes and devices, and where the native bf16 matmul does not run.
+
+    Args:
+        sample: one of the model's weights: its device and dtype decide."""
+    if sample.device.type != "cpu" or sample.dtype != torch.bfloat16 or \
+            not native_bf16_linear_available():
+        return None
+    return LinearKernel("gguf-dense-bf16", _dense_pack, gguf_linear,
+                        NATIVE_PACKED_BF16.pack_gate_up, NATIVE_PACKED_BF16.gate_up_silu)
 GGUF_DEQUANT_DENSE = LinearKernel("gguf-dequant-dense", _pack, _dequant_dense_linear)

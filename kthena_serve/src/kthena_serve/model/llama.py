@@ -46,6 +46,7 @@ from mooncake_ops import (
     INT8_WEIGHT_ONLY,
     LinearKernel,
     build_rope_cache,
+    dense_gguf_kernel,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
@@ -299,8 +300,12 @@ class LlamaForCausalLM(nn.Module):
         named in ``blocks`` (``layers.3.self_attn.qkv_weight``, ``lm_head_weight``: packed GGUF
         blocks of this rank's shard, `mooncake_ops.pack_gguf_weight`) replaces the dense one,
         and every module owning a matmul weight runs `GGUF_WEIGHT_ONLY` (``torch``:
-        `GGUF_DEQUANT_DENSE`); weights absent from ``blocks`` (a GGUF F16 / F32 tensor) stay
-        dense and run F.linear. The embedding keeps its dense table. Attention is chosen as
+        `GGUF_DEQUANT_DENSE`). Weights absent from ``blocks`` (a GGUF F16 / F32 tensor, a type
+        the native matmul does not read such as Q5_0, or a fused weight whose parts differ in
+        type, as Q4_K_M's Q6_K ``attn_v`` beside Q4_K q / k) are bf16 as the loader dequantised
+        them: packed for the native bf16 matmul where it is the fused step's (`dense_gguf_kernel`),
+        so the fused decode step takes the model; else dense, run by F.linear. The embedding
+        keeps its dense table. Attention is chosen as
         ``pack_linear_weights`` chooses it; the matmul kernel is fixed (it has no dense
         candidates to time against on the same weights).
 
@@ -316,7 +321,8 @@ class LlamaForCausalLM(nn.Module):
         attention = self._attention_shape(block_size)
         choice = choose_kernels(kernels, [], None, attention, cache_dir=cache_dir)
         kernel = GGUF_DEQUANT_DENSE if choice.mode == "torch" else GGUF_WEIGHT_ONLY
-        self._swap_matmul_weights(kernel, blocks)
+        dense = None if kernel is GGUF_DEQUANT_DENSE else dense_gguf_kernel(next(self.parameters()))
+        self._swap_matmul_weights(kernel, blocks, dense)
         if attention is not None:
             choice.apply()
         self.kernel_choice = attrs.evolve(choice, linear_decode=kernel.name,
@@ -394,27 +400,33 @@ class LlamaForCausalLM(nn.Module):
         return frozenset(("o_weight", "down_weight", *gathered))
 
     def _swap_matmul_weights(self, kernel: LinearKernel,
-                             sources: Mapping[str, torch.Tensor] | None = None) -> None:
+                             sources: Mapping[str, torch.Tensor] | None = None,
+                             unsourced: LinearKernel | None = None) -> None:
         """Every matmul weight -> ``kernel.pack(weight)`` (a non-persistent buffer), and each
         owning module's ``matmul`` -> ``kernel.linear``; an MLP's gate/up weight goes to the
         kernel's fused SwiGLU input instead where it has one (``pack_gate_up``). ``sources``
         (by qualified name) replaces a weight with what ``kernel.pack`` takes instead (GGUF
-        blocks). The weights TP overlap's fused ops take stay dense (`_fused_weights`): those
-        ops take plain ``[out, in]`` tensors."""
+        blocks); a weight not in ``sources`` goes to ``unsourced``'s packing instead where
+        given (``kernel.linear`` runs what it packs, `dense_gguf_kernel`). The weights TP
+        overlap's fused ops take stay dense (`_fused_weights`): those ops take plain
+        ``[out, in]`` tensors."""
         dense, sources = self._fused_weights(), sources or {}
         for prefix, module in self.named_modules():
             owned = [name for name in _MATMUL_WEIGHTS if name not in dense
                      and isinstance(getattr(module, name, None), torch.Tensor)]
             for name in owned:
                 weight = sources.get(f"{prefix}.{name}" if prefix else name)
-                weight = getattr(module, name) if weight is None else weight
+                packer = kernel
+                if weight is None:
+                    weight = getattr(module, name)
+                    packer = unsourced or kernel
                 packed = None
-                if name == "gate_up_weight" and kernel.pack_gate_up is not None:
-                    packed = kernel.pack_gate_up(weight)  # fused SwiGLU input
+                if name == "gate_up_weight" and packer.pack_gate_up is not None:
+                    packed = packer.pack_gate_up(weight)  # fused SwiGLU input
                     if packed is not None:
-                        module.gate_up_silu = kernel.gate_up_silu
+                        module.gate_up_silu = packer.gate_up_silu
                 if packed is None:
-                    packed = kernel.pack(weight)
+                    packed = packer.pack(weight)
                 module._parameters.pop(name, None)
                 module.__dict__.pop(name, None)
                 module.register_buffer(name, packed, persistent=False)

@@ -16,7 +16,8 @@ into its place in a fused parameter::
 the GGUF file's own blocks for the same rows (`gguf_matmul_blocks`): the same targets place each
 tensor's block rows (Q/K un-permuted, a column shard cut at block boundaries) in its fused
 weight, and the fused weight is packed (`mooncake_ops.pack_gguf_weight`) when its parts cover it
-in one GGUF type; otherwise it stays dense.
+in one GGUF type; otherwise it stays in ``dtype`` (bf16: packed for the native bf16 matmul,
+`LlamaForCausalLM.use_gguf_weights`).
 """
 
 from __future__ import annotations
