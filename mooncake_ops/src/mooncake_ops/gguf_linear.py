@@ -47,6 +47,7 @@ from mooncake_ops.linear import (
     LinearKernel,
     fp32_sliced_linear,
     native_bf16_linear_available,
+    native_dense_linear,
     native_module,
     onednn_bf16_available,
 )
@@ -79,8 +80,8 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize_gguf(packed), bias)`` in x's dtype, up to the rounding of fp32
     sums (`mooncake_ops.gguf_linear` says how far); x ``[..., K]``. A dense float ``packed`` (a
-    GGUF F16 / F32 tensor) runs F.linear, and one `dense_gguf_kernel` packed runs the native
-    bf16 matmul.
+    GGUF F16 / F32 tensor, or bf16 that `dense_gguf_kernel` packed) runs the bf16 matmul the
+    fused decode step runs here, else F.linear (`_dense_linear`).
 
     Raises:
         OpsShapeError: x's last dim is not the weight's K; ``packed`` is neither a packed GGUF
@@ -88,9 +89,7 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor,
         OpsDTypeError: x is not floating point.
     """
     if packed.is_floating_point():
-        if packed.dim() == 4:  # bf16 that dense_gguf_kernel packed
-            return NATIVE_PACKED_BF16.linear(x, packed, bias)
-        return F.linear(x, packed.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return _dense_linear(x, packed, bias)
     kind = _check_call(x, packed)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = None
@@ -203,6 +202,21 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 GGUF_WEIGHT_ONLY = LinearKernel("gguf", _pack, gguf_linear)
+
+
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight the file gave no blocks for, by the bf16 matmul the fused decode step runs on
+    this build (so the step and the op chain agree bit for bit): the native packed one for a
+    weight `dense_gguf_kernel` packed; the AVX2 build's dense one for bf16 (where loaded);
+    else F.linear."""
+    if weight.dim() == 4:
+        return NATIVE_PACKED_BF16.linear(x, weight, bias)
+    if x.dtype == weight.dtype == torch.bfloat16:
+        y = native_dense_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        if y is not None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def _dense_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,7 @@ FP32_MIN_ROWS = 5
 _FP32_SLICE_ELEMENTS = 1 << 22
 
 
-def _native_dense_linear(rows: torch.Tensor, weight: torch.Tensor,
+def native_dense_linear(rows: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor | None:
     """The AVX2 build's ``dense_linear`` over ``rows`` [M, K], or None where it does not run
     (no such build, native kernels switched off, or a call it declines). On every matmul: no
@@ -173,7 +173,7 @@ def _native_dense_linear(rows: torch.Tensor, weight: torch.Tensor,
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    y = _native_dense_linear(rows, weight, bias)
+    y = native_dense_linear(rows, weight, bias)
     if y is not None:
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if rows.shape[0] < FP32_MIN_ROWS or x.dtype != torch.bfloat16:
